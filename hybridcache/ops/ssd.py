@@ -1,0 +1,190 @@
+"""Mamba2 state-space duality (SSD) scan with an explicit initial / final state.
+
+Per head h (group g = h // (H // G)), after dt += dt_bias, optional softplus and
+clamping to dt_limit:
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * x_t (outer) B_t      # [P, N]
+    y_t = h_t @ C_t + D * x_t                                   # [P]
+``ssd_scan`` uses the chunked SSD form: a masked quadratic ("attention-like")
+form inside each chunk plus sequential state passing between chunks. Math runs
+in float32 (float64 for float64 inputs); y is returned in x.dtype. On CUDA the
+``mamba_ssm`` Triton kernels are used when importable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from ._dispatch import acc_dtype, cuda_kernel
+
+_NO_LIMIT = (0.0, math.inf)
+
+
+def _dt(dt, dt_bias, dt_softplus, dt_limit, acc):
+    d = dt.to(acc)
+    if dt_bias is not None:
+        d = d + dt_bias.to(acc)
+    if dt_softplus:
+        d = F.softplus(d)
+    return torch.clamp(d, min=dt_limit[0], max=dt_limit[1])
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L] with out[i, j] = sum_{j<k<=i} a[k] (i >= j), -inf above the diagonal.
+
+    Built by a masked cumulative sum rather than cumsum differences, so it is
+    exact-zero on the diagonal and free of cancellation inside the chunk.
+    """
+    n = a.shape[-1]
+    idx = torch.arange(n, device=a.device)
+    rows, cols = idx[:, None], idx[None, :]  # row = summed position k / output i, col = j
+    terms = torch.where(rows > cols, a[..., :, None], torch.zeros((), dtype=a.dtype, device=a.device))
+    out = torch.cumsum(terms, dim=-2)
+    return out.masked_fill(rows < cols, float("-inf"))
+
+
+def _check_heads(h: int, g: int) -> None:
+    if h % g != 0:
+        raise ValueError(f"number of heads H={h} must be a multiple of groups G={g}")
+
+
+def _ssd_scan_torch(x, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, dt_softplus=False,
+                    dt_limit=_NO_LIMIT, state=None):
+    """Reference chunked SSD; loops over chunks, memory O(B * H * chunk^2) per step."""
+    bsz, t, nh, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    _check_heads(nh, g)
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be >= 1")
+    acc = acc_dtype(x, state)
+    xf = x.to(acc)
+    dtf = _dt(dt, dt_bias, dt_softplus, dt_limit, acc)  # [B, T, H]
+    a = rearrange(A.to(acc), "(g r) -> g r 1", g=g)  # [G, R, 1]
+    if state is None:
+        h = xf.new_zeros(bsz, g, nh // g, p, n)
+    else:
+        h = rearrange(state.to(acc), "b (g r) p n -> b g r p n", g=g)  # [B, G, R, P, N]
+
+    ys = []
+    for t0 in range(0, t, chunk_size):
+        sl = slice(t0, t0 + chunk_size)
+        xc = rearrange(xf[:, sl], "b l (g r) p -> b g r l p", g=g)  # [B, G, R, L, P]
+        dtc = rearrange(dtf[:, sl], "b l (g r) -> b g r l", g=g)  # [B, G, R, L]
+        bc, cc = B[:, sl].to(acc), C[:, sl].to(acc)  # [B, L, G, N]
+        xdt = xc * dtc[..., None]  # [B, G, R, L, P]
+        dA = dtc * a  # [B, G, R, L] log-decay per step
+        cum = torch.cumsum(dA, dim=-1)
+
+        # 1. intra-chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s
+        scores = torch.einsum("blgn,bsgn->bgls", cc, bc)  # [B, G, L, S]
+        weights = scores[:, :, None] * torch.exp(_segsum(dA))  # [B, G, R, L, S]
+        y = torch.einsum("bgrls,bgrsp->bgrlp", weights, xdt)
+        # 2. incoming state: y_l += exp(cum_l) * (h0 @ C_l)
+        y = y + torch.einsum("blgn,bgrpn->bgrlp", cc, h) * torch.exp(cum)[..., None]
+        # 3. pass the state to the next chunk
+        to_end = torch.exp(cum[..., -1:] - cum)  # [B, G, R, L]
+        h = torch.exp(cum[..., -1])[..., None, None] * h + torch.einsum(
+            "bsgn,bgrsp->bgrpn", bc, xdt * to_end[..., None])
+        ys.append(y)
+
+    if ys:
+        y = rearrange(torch.cat(ys, dim=3), "b g r t p -> b t (g r) p")
+    else:
+        y = xf.new_zeros(bsz, 0, nh, p)
+    if D is not None:
+        y = y + D.to(acc)[:, None] * xf
+    h = rearrange(h, "b g r p n -> b (g r) p n")
+    return y.to(x.dtype), (h if t > 0 else h.clone())
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int = 256,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2 SSD scan over a sequence.
+
+    Args:
+        x: [B, T, H, P]; dt: [B, T, H]; A: [H] (negative); B, C: [B, T, G, N];
+        D, dt_bias: [H]; state: [B, H, P, N] initial state (None = zeros).
+        chunk_size only affects speed/memory (and rounding), never the math.
+
+    Returns:
+        y [B, T, H, P] in x.dtype, final_state [B, H, P, N] float32.
+    """
+    kernel = None
+    if x.shape[1] > 0:
+        kernel = cuda_kernel("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", x)
+    if kernel is not None:
+        _check_heads(x.shape[2], B.shape[2])
+        kchunk = max(16, 1 << (max(chunk_size, 1) - 1).bit_length())  # power of two >= 16
+        y, final = kernel(
+            x, dt, A.float(), B.to(x.dtype), C.to(x.dtype), kchunk,
+            D=D.float() if D is not None else None,
+            dt_bias=dt_bias.float() if dt_bias is not None else None,
+            initial_states=state.float() if state is not None else None,
+            dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=True)
+        return y.to(x.dtype), final.float()
+    return _ssd_scan_torch(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, state)
+
+
+def _ssd_step_torch(state, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False,
+                    dt_limit=_NO_LIMIT):
+    g = B.shape[1]
+    _check_heads(x.shape[1], g)
+    acc = acc_dtype(x, state)
+    xg = rearrange(x.to(acc), "b (g r) p -> b g r p", g=g)
+    dtg = rearrange(_dt(dt, dt_bias, dt_softplus, dt_limit, acc), "b (g r) -> b g r", g=g)
+    decay = torch.exp(dtg * rearrange(A.to(acc), "(g r) -> g r", g=g))  # [B, G, R]
+    h = rearrange(state.to(acc), "b (g r) p n -> b g r p n", g=g)
+    h = decay[..., None, None] * h + torch.einsum("bgrp,bgn->bgrpn", xg * dtg[..., None], B.to(acc))
+    y = torch.einsum("bgrpn,bgn->bgrp", h, C.to(acc))
+    y = rearrange(y, "b g r p -> b (g r) p")
+    if D is not None:
+        y = y + D.to(acc)[:, None] * x.to(acc)
+    return y.to(x.dtype), rearrange(h, "b g r p n -> b (g r) p n")
+
+
+def ssd_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Mamba2 decoding step (same math as ``ssd_scan`` with T=1, dt_limit included).
+
+    Args: state [B, H, P, N]; x [B, H, P]; dt [B, H]; A, D, dt_bias [H]; B, C [B, G, N].
+    Returns: y [B, H, P] in x.dtype and a *new* state [B, H, P, N] float32.
+    """
+    kernel = cuda_kernel("mamba_ssm.ops.triton.selective_state_update",
+                         "selective_state_update", state, x)
+    if kernel is not None:
+        bsz, nh, p = x.shape
+        n = B.shape[-1]
+        _check_heads(nh, B.shape[1])
+        # The kernel has no dt_limit: pre-process dt here, then hand it over as-is.
+        dtp = _dt(dt, dt_bias, dt_softplus, dt_limit, torch.float32)
+        new_state = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        y = kernel(new_state, x, dtp[..., None].expand(bsz, nh, p),
+                   A.float()[:, None, None].expand(nh, p, n), B, C,
+                   D=D.float()[:, None].expand(nh, p) if D is not None else None,
+                   z=None, dt_bias=None, dt_softplus=False)
+        return y.to(x.dtype), new_state
+    return _ssd_step_torch(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)

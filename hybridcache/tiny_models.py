@@ -1,0 +1,208 @@
+"""Tiny random-weight Hugging Face checkpoints for tests and CLI defaults.
+
+Six families are covered, each configured so that every cache-relevant code
+path of the family is exercised (attention + SSM layers, sliding windows,
+chunked attention, no-RoPE layers, MoE + dense MLPs ...) while staying small
+enough to build, load and generate with in well under a second on CPU.
+
+All configs use ``vocab_size=384`` so that they fit the offline, byte-level
+``transformers.ByT5Tokenizer()`` (pad=0, eos=1, unk=2, no bos); the tokenizer
+files are saved next to the weights so that ``AutoTokenizer.from_pretrained``
+works on the checkpoint directory.  Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4")
+
+#: Bump when the weight re-initialisation scheme changes (invalidates caches).
+INIT_VERSION = 1
+
+# Untied LM heads: with tied embeddings a tiny random model mostly predicts its
+# own input token (e.x e is large), so greedy decoding just repeats the prompt.
+_COMMON = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+               tie_word_embeddings=False)
+
+_FAMILY_SPECS = {
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2,
+        attn_layer_period=4, attn_layer_offset=2,        # layers: M M A M
+        expert_layer_period=2, expert_layer_offset=1,    # MoE at 1, 3; dense at 0, 2
+        num_experts=4, num_experts_per_tok=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+        max_position_embeddings=1024,
+    )),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(
+        hidden_size=64, state_size=8, num_hidden_layers=3, expand=2,
+        conv_kernel=4, time_step_rank=8,
+    )),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        hidden_size=64, state_size=16, num_hidden_layers=3, expand=2,
+        num_heads=8, head_dim=16, n_groups=2, chunk_size=8, conv_kernel=4,
+        time_step_rank=8,
+    )),
+    "recurrentgemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, lru_width=64,
+        block_types=["recurrent", "recurrent", "attention"],  # r r a r
+        attention_window_size=8, conv1d_width=4, logits_soft_cap=30.0,
+    )),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention",
+                     "full_attention", "sliding_attention"],
+        max_position_embeddings=1024,
+    )),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        moe_layers=[1, 3],                   # MoE at 1, 3; dense at 0, 2
+        no_rope_layers=[1, 1, 1, 0],         # 0 = NoPE layer (full attention)
+        attention_chunk_size=8,              # RoPE layers: chunked attention
+        floor_scale=8,                       # NoPE temperature tuning kicks in early
+        max_position_embeddings=1024,
+    )),
+}
+
+# Families with attention layers are built with the eager (pure torch) path.
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4"}
+
+
+def _check_family(family: str) -> None:
+    if family not in _FAMILY_SPECS:
+        raise ValueError(
+            f"unknown tiny-model family {family!r}; supported families: {', '.join(FAMILIES)}"
+        )
+
+
+def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """Return a tiny config for ``family`` (one of :data:`FAMILIES`).
+
+    ``overrides`` are passed to the config constructor and win over the
+    defaults (e.g. ``tiny_config("gemma3", sliding_window=4)``).
+    """
+    _check_family(family)
+    config_name, _, kwargs = _FAMILY_SPECS[family]
+    kwargs = {**_COMMON, **kwargs, **overrides}
+    if family in _EAGER:
+        kwargs.setdefault("attn_implementation", "eager")
+    return getattr(transformers, config_name)(**kwargs)
+
+
+def _config_hash(config: transformers.PretrainedConfig) -> str:
+    """Short stable hash of a config (plus library and init-scheme versions)."""
+    d = config.to_dict()
+    d["transformers_version"] = transformers.__version__
+    d["_hybridcache_init_version"] = INIT_VERSION
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:10]
+
+
+# Parameters whose HF initialisation encodes the model's dynamics and is kept:
+# SSM decay/skip/time-step parameters, RG-LRU gates, norms, convolutions, biases.
+_KEEP = ("A_log", "dt_proj", "dt_bias", "recurrent_param", "input_gate", "recurrent_gate",
+         "norm", "conv1d")
+
+
+# Extra gain for SSM input projections (B, C, dt come from these) so that the
+# state path, not only the D skip / short convolution, carries information.
+_GAINS = {"x_proj": 4.0}
+
+
+@torch.no_grad()
+def _reinit_(model: torch.nn.Module, config, seed: int, gain: float = 1.0) -> None:
+    """Re-draw matrix weights at a scale that makes the tiny model's logits peaky.
+
+    Matrices get ``N(0, gain / sqrt(hidden_size))``, input embeddings ``N(0, 1)``
+    (divided by the embedding multiplier of Gemma-style models), the untied LM
+    head ``N(0, 3 / sqrt(hidden_size))`` so that logits have a std of ~3.
+    Everything listed in ``_KEEP`` and every 1-D parameter keeps its HF value.
+    """
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    hidden = config.hidden_size
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    head_std = 3.0 / hidden**0.5  # logits = norm(h) @ head.T get a std of ~3
+    # Gemma-style models multiply embeddings by sqrt(hidden): keep the residual stream
+    # at unit scale so that the layers (hence the context) matter.
+    emb_std = 1.0 / hidden**0.5 if config.model_type in ("gemma3_text", "recurrent_gemma") else 1.0
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or name.endswith(".D") or any(k in name for k in _KEEP):
+            continue
+        if p is emb:
+            std = emb_std
+        elif p is head:
+            std = head_std
+        else:
+            std = gain * _GAINS.get(name.rsplit(".", 2)[-2], 1.0) / hidden**0.5
+        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+    pad = config.pad_token_id
+    if pad is not None and head is not emb:
+        emb[pad].zero_()
+
+
+def build_tiny_checkpoint(family: str, path, seed: int = 0, **overrides) -> Path:
+    """Build a tiny random ``family`` model and save it (safetensors) to ``path``.
+
+    The same ``(family, seed, overrides)`` gives bit-identical weights. The
+    ByT5 tokenizer is saved alongside. Returns ``Path(path)``.
+    """
+    config = tiny_config(family, **overrides)
+    model_cls = getattr(transformers, _FAMILY_SPECS[family][1])
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    _reinit_(model, config, seed)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    transformers.ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+def _cache_root() -> Path:
+    home = os.environ.get("HYBRIDCACHE_HOME")
+    if home:
+        return Path(home).expanduser() / "tiny"
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg).expanduser() / "hybridcache" / "tiny"
+
+
+def tiny_checkpoint(family: str, root=None, seed: int = 0) -> Path:
+    """Path of a cached tiny checkpoint for ``family``, building it on first use.
+
+    The directory is ``<root>/<family>-seed<seed>-<confighash>`` where ``root``
+    defaults to ``$HYBRIDCACHE_HOME/tiny`` or ``~/.cache/hybridcache/tiny``.
+    Building happens in a temporary sibling directory that is atomically renamed,
+    so concurrent callers (e.g. pytest-xdist workers) never see partial files.
+    """
+    config = tiny_config(family)
+    root = Path(root).expanduser() if root is not None else _cache_root()
+    target = root / f"{family}-seed{seed}-{_config_hash(config)}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        build_tiny_checkpoint(family, tmp, seed=seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
