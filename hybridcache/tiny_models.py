@@ -29,7 +29,7 @@ FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4")
 INIT_VERSION = 1
 
 # Untied LM heads: with tied embeddings a tiny random model mostly predicts its
-# own input token (e.x e is large), so greedy decoding just repeats the prompt.
+# own input token (e_t . e_t dominates the logits), so greedy decoding repeats it.
 _COMMON = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=None,
                tie_word_embeddings=False)
 
@@ -73,7 +73,6 @@ _FAMILY_SPECS = {
         moe_layers=[1, 3],                   # MoE at 1, 3; dense at 0, 2
         no_rope_layers=[1, 1, 1, 0],         # 0 = NoPE layer (full attention)
         attention_chunk_size=8,              # RoPE layers: chunked attention
-        floor_scale=8,                       # NoPE temperature tuning kicks in early
         max_position_embeddings=1024,
     )),
 }
@@ -120,7 +119,7 @@ _KEEP = ("A_log", "dt_proj", "dt_bias", "recurrent_param", "input_gate", "recurr
 
 # Extra gain for SSM input projections (B, C, dt come from these) so that the
 # state path, not only the D skip / short convolution, carries information.
-_GAINS = {"x_proj": 4.0}
+_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}}
 
 
 @torch.no_grad()
@@ -134,6 +133,7 @@ def _reinit_(model: torch.nn.Module, config, seed: int, gain: float = 1.0) -> No
     """
     gen = torch.Generator().manual_seed(10_000 + seed)
     hidden = config.hidden_size
+    gains = _GAINS.get(config.model_type, {})
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     head_std = 3.0 / hidden**0.5  # logits = norm(h) @ head.T get a std of ~3
@@ -148,7 +148,8 @@ def _reinit_(model: torch.nn.Module, config, seed: int, gain: float = 1.0) -> No
         elif p is head:
             std = head_std
         else:
-            std = gain * _GAINS.get(name.rsplit(".", 2)[-2], 1.0) / hidden**0.5
+            module_name = name.rsplit(".", 2)[-2]
+            std = gain * gains.get(module_name, 1.0) / hidden**0.5
         p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
     pad = config.pad_token_id
     if pad is not None and head is not emb:

@@ -67,7 +67,8 @@ def causal_conv1d(
     w = weight.to(x.dtype)
     b = bias.to(x.dtype) if bias is not None else None
 
-    kernel = cuda_kernel("causal_conv1d", "causal_conv1d_fn", x) if 2 <= k <= 4 else None
+    use_kernel = 2 <= k <= 4 and x.shape[-1] > 0
+    kernel = cuda_kernel("causal_conv1d", "causal_conv1d_fn", x) if use_kernel else None
     if kernel is not None:
         # Prepending the state and dropping the first K-1 outputs is exact and
         # avoids the kernel's channel-last-only initial_states path.
@@ -75,6 +76,8 @@ def causal_conv1d(
         y = kernel(xs.contiguous(), w.contiguous(), b, activation=activation)
         return (y if state is None else y[..., k - 1 :]), new_state
 
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape), new_state
     xs = torch.cat([prefix, x], dim=-1)  # [B, C, K-1+T]
     y = F.conv1d(xs, w.unsqueeze(1), b, groups=x.shape[1])  # [B, C, T]
     if activation is not None:
