@@ -140,6 +140,8 @@ def _reinit_(model: torch.nn.Module, config, seed: int, gain: float = 1.0) -> No
     # Gemma-style models multiply embeddings by sqrt(hidden): keep the residual stream
     # at unit scale so that the layers (hence the context) matter.
     emb_std = 1.0 / hidden**0.5 if config.model_type in ("gemma3_text", "recurrent_gemma") else 1.0
+    if head is emb:  # tied (only if overridden): the head scale wins
+        emb_std = head_std
     for name, p in model.named_parameters():
         if p.ndim < 2 or name.endswith(".D") or any(k in name for k in _KEEP):
             continue
@@ -164,8 +166,9 @@ def build_tiny_checkpoint(family: str, path, seed: int = 0, **overrides) -> Path
     """
     config = tiny_config(family, **overrides)
     model_cls = getattr(transformers, _FAMILY_SPECS[family][1])
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32).eval()
     _reinit_(model, config, seed)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -198,6 +201,7 @@ def tiny_checkpoint(family: str, root=None, seed: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
+        os.chmod(tmp, 0o755)
         build_tiny_checkpoint(family, tmp, seed=seed)
         try:
             os.rename(tmp, target)
