@@ -44,7 +44,7 @@ def masked_attention(
         raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool, got {mask.dtype}")
-    if mask.shape[-2:] != (t, s):
+    if mask.dim() != 3 or mask.shape[-2:] != (t, s):
         raise ValueError(f"mask {tuple(mask.shape)} does not match [B, {t}, {s}]")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
 

@@ -129,7 +129,7 @@ def selective_scan(
         state: [B, Dm, N] initial SSM state (None = zeros).
 
     Returns:
-        y [B, Dm, T] in u.dtype, final_state [B, Dm, N] float32.
+        y [B, Dm, T] in u.dtype, final_state [B, Dm, N] float32 (float64 for float64 inputs).
     """
     kernel = None
     if u.shape[-1] > 0:

@@ -121,7 +121,7 @@ def ssd_scan(
         chunk_size only affects speed/memory (and rounding), never the math.
 
     Returns:
-        y [B, T, H, P] in x.dtype, final_state [B, H, P, N] float32.
+        y [B, T, H, P] in x.dtype, final_state [B, H, P, N] float32 (float64 for float64 inputs).
     """
     kernel = None
     if x.shape[1] > 0:
@@ -180,11 +180,13 @@ def ssd_step(
         n = B.shape[-1]
         _check_heads(nh, B.shape[1])
         # The kernel has no dt_limit: pre-process dt here, then hand it over as-is.
+        # Stride-0 (expanded) A / dt / dt_bias select the kernel's tied-head-dim path,
+        # which dereferences dt_bias, so a zero bias is passed rather than None.
         dtp = _dt(dt, dt_bias, dt_softplus, dt_limit, torch.float32)
         new_state = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         y = kernel(new_state, x, dtp[..., None].expand(bsz, nh, p),
                    A.float()[:, None, None].expand(nh, p, n), B, C,
                    D=D.float()[:, None].expand(nh, p) if D is not None else None,
-                   z=None, dt_bias=None, dt_softplus=False)
+                   z=None, dt_bias=dtp.new_zeros(nh, 1).expand(nh, p), dt_softplus=False)
         return y.to(x.dtype), new_state
     return _ssd_step_torch(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
