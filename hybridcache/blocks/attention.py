@@ -1,0 +1,61 @@
+"""Grouped-query attention mixer. Masks and keys come from the mixer's own attention cache layer."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from hybridcache.blocks.common import StepInput
+from hybridcache.blocks.rotary import RotaryEmbedding
+from hybridcache.cache import AttentionCacheLayer
+from hybridcache.ops import masked_attention
+
+
+class AttentionMixer(nn.Module):
+    """q/k/v/o projections (HF names), optional per-head q/k norms, rotary, scale and softcap.
+
+    `query_hook(q, step)` lets a family rescale queries by position (Llama4 attention temperature).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        rotary: RotaryEmbedding | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        query_hook: Callable[[torch.Tensor, StepInput], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap, self.rotary, self.query_hook = softcap, rotary, query_hook
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput) -> torch.Tensor:
+        q = rearrange(self.q_proj(h), "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hq, T, D]
+        k = rearrange(self.k_proj(h), "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hkv, T, D]
+        v = rearrange(self.v_proj(h), "b t (h d) -> b h t d", d=self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, step.rope_positions)
+        if self.query_hook is not None:
+            q = self.query_hook(q, step)
+        view = layer.update(k.to(layer.spec.dtype), v.to(layer.spec.dtype), step.valid)
+        out = masked_attention(q, view.keys.to(q.dtype), view.values.to(q.dtype), view.mask, self.scale, self.softcap)
+        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))

@@ -1,0 +1,22 @@
+"""RMSNorm, computed in float32 like the reference implementations."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, or * (1 + weight) for Gemma-style norms (`unit_offset=True`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Gemma: scale in float32, then cast
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)  # Llama/Mamba: cast, then scale

@@ -1,0 +1,86 @@
+"""Gemma3 text model: sliding-window and full attention layers, sandwich norms, q/k norms, scaled embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks.rotary import rope_frequencies
+from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.models.base import HybridLM
+
+NATIVE_TYPE = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def layer_types(config: dict) -> list[str]:
+    if "layer_types" in config and config["layer_types"]:
+        return list(config["layer_types"])
+    pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: dict, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        d, eps, head_dim = config["hidden_size"], config.get("rms_norm_eps", 1e-6), config["head_dim"]
+        self.self_attn = AttentionMixer(
+            d, config["num_attention_heads"], config["num_key_value_heads"], head_dim,
+            qkv_bias=config.get("attention_bias", False), o_bias=config.get("attention_bias", False),
+            scale=config["query_pre_attn_scalar"] ** -0.5, softcap=config.get("attn_logit_softcapping"),
+            rotary=rotary, q_norm=RMSNorm(head_dim, eps, unit_offset=True), k_norm=RMSNorm(head_dim, eps, unit_offset=True),
+        )
+        self.mlp = GatedMLP(d, config["intermediate_size"], config.get("hidden_activation", "gelu_pytorch_tanh"))
+        self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
+
+    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), layer, step))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Inner(nn.Module):
+    def __init__(self, config: dict, types: list[str]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        rope = config.get("rope_parameters") or {}
+        rotary = {}
+        for kind in set(types):
+            params = rope.get(kind) or {"rope_type": "default", "rope_theta": config.get(
+                "rope_local_base_freq" if kind == "sliding_attention" else "rope_theta", 10000.0)}
+            rotary[kind] = RotaryEmbedding(*rope_frequencies(config, params, config["head_dim"]))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, rotary[t]) for t in types)
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), unit_offset=True)
+
+
+class Gemma3LM(HybridLM):
+    family = "gemma3"
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: dict) -> None:
+        super().__init__(config)
+        self.types = layer_types(config)
+        self.model = Gemma3Inner(config, self.types)
+        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+
+    def native_layers(self) -> list[NativeLayer]:
+        c = self.config
+        attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "dtype": self.dtype}
+        return [NativeLayer(NATIVE_TYPE[t], {**attn, "window": c["sliding_window"]}) for t in self.types]
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        return h * torch.tensor(math.sqrt(self.config["hidden_size"]), dtype=h.dtype)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(h))
+        cap = self.config.get("final_logit_softcapping")
+        return cap * torch.tanh(logits / cap) if cap else logits
