@@ -121,11 +121,11 @@ def generate(
             raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {input_ids.shape[0]}")
         attention_mask = attention_mask.to(device).long()
     batch = input_ids.shape[0]
-    if use_cache and cache is None:
-        cache = model.make_cache(batch, cache_config)
     if cache is not None:
         model.check_cache(cache, batch)
-    block, full_mask = _prompt_block(input_ids, attention_mask, cache)
+    block, full_mask = _prompt_block(input_ids, attention_mask, cache)  # a given cache: slice what it has seen
+    if use_cache and cache is None:
+        cache = model.make_cache(batch, cache_config)
     if not bool(full_mask.bool().any(1).all()):
         raise ValueError("every row needs at least one real token (a row of the attention_mask is all zeros)")
     if cache is not None:

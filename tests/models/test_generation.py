@@ -1,0 +1,93 @@
+"""The generation loop: clear errors, eos per row, seeded sampling, top-k / top-p (on the tiny Gemma3)."""
+
+import pytest
+import torch
+
+import hybridcache as hc
+from hybridcache.cache import CacheConfigError
+from hybridcache.generation import sample_next
+from tests.models.conftest import prompts
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models("gemma3")[0]
+
+
+def test_bad_requests_fail_clearly(model):
+    ids = prompts(2, 6, seed=0)
+    cases = [
+        (lambda: hc.generate(model, ids[:, :0]), "empty"),
+        (lambda: hc.generate(model, ids.float()), "LongTensor"),
+        (lambda: hc.generate(model, ids, max_new_tokens=0), "max_new_tokens"),
+        (lambda: hc.generate(model, ids, attention_mask=torch.ones(3, 6)), "3 rows"),
+        (lambda: hc.generate(model, ids, attention_mask=torch.ones(2, 4)), "does not match"),
+        (lambda: hc.generate(model, ids, attention_mask=torch.tensor([[1] * 6, [0] * 6])), "at least one real token"),
+        (lambda: hc.generate(model, ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]] * 2)), "left padding"),
+        (lambda: hc.generate(model, ids, cache=model.make_cache(3)), "batch size 3"),
+        (lambda: hc.generate(model, ids, cache=model.make_cache(2, max_length=10), max_new_tokens=8), "max_length=10"),
+        (lambda: hc.generate(model, ids, cache=model.make_cache(2), cache_config={}), "not both"),
+        (lambda: hc.generate(model, ids, cache=model.make_cache(2), use_cache=False), "cannot continue"),
+        (lambda: hc.generate(model, ids, do_sample=True, temperature=0), "temperature"),
+        (lambda: hc.generate(model, ids, do_sample=True, top_p=1.5), "top_p"),
+        (lambda: hc.generate(model, ids, prefill_chunk_size=0), "prefill_chunk_size"),
+        (lambda: hc.generate(model, torch.full((1, 3), 999)), "outside the vocabulary"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_cache_config_that_does_not_fit_the_model(model):
+    ids = prompts(1, 4, seed=0)
+    with pytest.raises(CacheConfigError, match="layer index out of range"):
+        hc.generate(model, ids, cache_config={"layers": {9: {"type": "full"}}})
+    with pytest.raises(CacheConfigError, match="cannot use the recurrent cache type 'mamba'"):
+        hc.generate(model, ids, cache_config={"attention": {"type": "mamba"}})
+
+
+def test_a_failed_forward_leaves_the_cache_unchanged(model):
+    cache = model.make_cache(1)
+    hc.generate(model, prompts(1, 5, seed=0), max_new_tokens=2, cache=cache)
+    before = cache.snapshot()
+    with pytest.raises(ValueError):
+        model(prompts(1, 3, seed=1), cache, attention_mask=torch.tensor([[1, 0, 1]]))
+    after = cache.snapshot()
+    assert all(torch.equal(a.tensors[n], b.tensors[n]) for a, b in zip(before.layers, after.layers) for n in a.tensors)
+
+
+def test_eos_stops_each_row_and_pads_it(model):
+    ids = prompts(2, 8, seed=7)
+    free = hc.generate(model, ids, max_new_tokens=10)
+    eos = int(free.sequences[0, 8 + 2])  # row 0's third new token
+    out = hc.generate(model, ids, max_new_tokens=10, eos_token_id=eos)
+    row0 = out.sequences[0, 8:].tolist()
+    stop = row0.index(eos)
+    assert stop <= 2 and all(t == model.config["pad_token_id"] for t in row0[stop + 1 :])
+    row1 = free.sequences[1, 8:].tolist()
+    expected_row1 = row1[: row1.index(eos) + 1] if eos in row1 else row1
+    assert out.sequences[1, 8 : 8 + len(expected_row1)].tolist() == expected_row1[: out.sequences.shape[1] - 8]
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
+    ids = prompts(2, 6, seed=3)
+    a = hc.generate(model, ids, max_new_tokens=12, do_sample=True, seed=1, temperature=1.5)
+    b = hc.generate(model, ids, max_new_tokens=12, do_sample=True, seed=1, temperature=1.5)
+    c = hc.generate(model, ids, max_new_tokens=12, do_sample=True, seed=2, temperature=1.5)
+    assert torch.equal(a.sequences, b.sequences) and not torch.equal(a.sequences, c.sequences)
+    greedy = hc.generate(model, ids, max_new_tokens=12)
+    top1 = hc.generate(model, ids, max_new_tokens=12, do_sample=True, seed=1, top_k=1)
+    assert torch.equal(top1.sequences, greedy.sequences)
+    tiny_p = hc.generate(model, ids, max_new_tokens=12, do_sample=True, seed=1, top_p=1e-6)
+    assert torch.equal(tiny_p.sequences, greedy.sequences)
+
+
+def test_top_k_and_top_p_filter_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, 1.0, 2, None, g)) for _ in range(300)}
+    assert draws == {0, 1}  # top-2
+    draws = {int(sample_next(logits, 1.0, None, 0.7, g)) for _ in range(300)}
+    assert draws == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+    draws = {int(sample_next(logits, 1.0, None, 0.81, g)) for _ in range(300)}
+    assert draws == {0, 1, 2}

@@ -1,0 +1,120 @@
+"""Every family against HF transformers and against its own oracle (use_cache=False), on tiny random checkpoints.
+
+Prompts are 21 tokens: longer than the tiny models' windows and chunks (8), so they cross those boundaries.
+"""
+
+import pytest
+import torch
+
+import hybridcache as hc
+from hybridcache.tiny_models import FAMILIES
+from tests.models.conftest import hf_generate, prompts
+
+HF_TOL, ORACLE_TOL = 1e-4, 1e-5
+# HF's RecurrentGemma runs its recurrent blocks over left padding, so padded rows are compared to ours alone.
+HF_PADDING_EXACT = {f: f != "recurrentgemma" for f in FAMILIES}
+STRATEGIES = {
+    "native": None,
+    "chunked5": {"attention": {"type": "chunked", "chunk_size": 5}},
+    "sliding6": {"attention": {"type": "sliding", "window": 6}},
+}
+
+
+def max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.fixture(params=FAMILIES, scope="module")
+def family(request):
+    return request.param
+
+
+def test_forward_matches_hf(family, models):
+    ours, ref = models(family)
+    ids = prompts(1, 21, seed=1)
+    with torch.no_grad():
+        assert max_diff(ours(ids), ref(ids).logits) <= HF_TOL
+
+
+def test_greedy_32_tokens_match_hf(family, models):
+    ours, ref = models(family)
+    ids = prompts(1, 21, seed=2)
+    out = hc.generate(ours, ids, max_new_tokens=32)
+    sequences, logits = hf_generate(ref, ids, None, 32)
+    assert torch.equal(out.sequences, sequences)
+    assert out.logits.shape == (1, 32, ours.vocab_size)
+    assert max_diff(out.logits, logits) <= HF_TOL
+
+
+def test_left_padded_batch_equals_each_prompt_alone(family, models):
+    ours, ref = models(family)
+    lengths = [21, 9, 14]
+    rows = [prompts(1, n, seed=10 + n) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - row.shape[1] :] = row[0]
+        mask[r, width - row.shape[1] :] = 1
+    batch = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12)
+    for r, row in enumerate(rows):
+        alone = hc.generate(ours, row, max_new_tokens=12)
+        assert torch.equal(batch.sequences[r, width:], alone.sequences[0, row.shape[1] :]), f"row {r}"
+        assert max_diff(batch.logits[r], alone.logits[0]) <= ORACLE_TOL * 10
+    if HF_PADDING_EXACT[family]:
+        sequences, logits = hf_generate(ref, ids, mask, 12)
+        assert torch.equal(batch.sequences, sequences)
+        assert max_diff(batch.logits, logits) <= HF_TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunked_prefill_equals_one_shot(family, models, chunk):
+    ours, _ = models(family)
+    ids = prompts(2, 21, seed=3)
+    one = hc.generate(ours, ids, max_new_tokens=6)
+    chunked = hc.generate(ours, ids, max_new_tokens=6, prefill_chunk_size=chunk)
+    assert torch.equal(one.sequences, chunked.sequences)
+    assert max_diff(one.logits, chunked.logits) <= ORACLE_TOL
+
+
+def test_continuation_from_returned_cache_equals_one_call(family, models):
+    ours, _ = models(family)
+    ids = prompts(2, 21, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    whole = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=16)
+    first = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=7)
+    # (a) the whole previous sequence
+    mask_a = torch.cat([mask, torch.ones(2, 7, dtype=torch.long)], 1)
+    snap = first.cache.snapshot()
+    again = hc.generate(ours, first.sequences, attention_mask=mask_a, max_new_tokens=9, cache=first.cache)
+    assert torch.equal(again.sequences, whole.sequences)
+    assert max_diff(torch.cat([first.logits, again.logits], 1), whole.logits) <= ORACLE_TOL
+    # (b) only the tokens the cache has not seen, with the mask of the whole sequence
+    first.cache.restore(snap)
+    unseen = first.sequences[:, first.cache.columns :]
+    again_b = hc.generate(ours, unseen, attention_mask=mask_a, max_new_tokens=9, cache=first.cache)
+    assert torch.equal(again_b.sequences[:, 1:], whole.sequences[:, ids.shape[1] + 7 :])
+    assert max_diff(again_b.logits, again.logits) <= ORACLE_TOL
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_cached_generation_equals_oracle(family, models, strategy):
+    ours, _ = models(family)
+    ids = prompts(2, 21, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    config = STRATEGIES[strategy]
+    cached = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=10, cache_config=config)
+    oracle = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=10, cache_config=config, use_cache=False)
+    assert torch.equal(cached.sequences, oracle.sequences)
+    assert max_diff(cached.logits, oracle.logits) <= ORACLE_TOL
+
+
+def test_preallocated_cache_equals_dynamic(family, models):
+    ours, _ = models(family)
+    ids = prompts(2, 21, seed=6)
+    dynamic = hc.generate(ours, ids, max_new_tokens=10)
+    static = hc.generate(ours, ids, max_new_tokens=10, cache=ours.make_cache(2, max_length=40))
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert max_diff(dynamic.logits, static.logits) <= ORACLE_TOL
