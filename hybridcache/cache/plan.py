@@ -86,10 +86,11 @@ class CachePlan:
         return self.render()
 
     def to_records(self, batch: int = 1, tokens: int = 4096) -> list[dict[str, Any]]:
-        """One plain dict per layer (for logging)."""
+        """One plain dict per layer (for logging); every record has the same keys."""
+        params = sorted({k for p in self.layers for k in p.spec.params()})
         return [
             {"layer": p.index, "native": p.native_type, "type": p.type,
-             **{k: _fmt(v) for k, v in p.spec.params().items()},
+             **{k: _fmt(p.spec.params().get(k)) for k in params},
              "bytes": p.spec.held_nbytes(batch, tokens)}
             for p in self.layers
         ]
