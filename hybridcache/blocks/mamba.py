@@ -1,0 +1,96 @@
+"""Mamba1 selective-SSM mixer (Mamba, Jamba). Its conv and SSM states live only in its `mamba` cache layer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridcache.blocks.common import StepInput
+from hybridcache.blocks.norms import RMSNorm
+from hybridcache.cache import MambaStateLayer
+from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_scan, selective_state_update
+
+
+def resolve_dt_rank(rank: int | str, hidden: int) -> int:
+    """HF's `time_step_rank` / `mamba_dt_rank`: an int, or "auto" = ceil(hidden / 16)."""
+    return math.ceil(hidden / 16) if rank == "auto" else int(rank)
+
+
+class MambaMixer(nn.Module):
+    """in_proj -> causal conv -> x_proj (dt, B, C) -> selective scan gated by z -> out_proj (HF names).
+
+    `inner_norms=True` adds Jamba's RMSNorms on dt, B and C (dt_layernorm, b_layernorm, c_layernorm).
+    Padding tokens are zeroed before the conv and before the scan, so they leave both states untouched.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        state_size: int,
+        conv_kernel: int,
+        dt_rank: int,
+        *,
+        conv_bias: bool = True,
+        proj_bias: bool = False,
+        activation: str = "silu",
+        inner_norms: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"unsupported Mamba activation '{activation}' (supported: silu)")
+        self.intermediate, self.state_size, self.dt_rank = intermediate, state_size, dt_rank
+        self.in_proj = nn.Linear(hidden, 2 * intermediate, bias=proj_bias)
+        self.conv1d = nn.Conv1d(intermediate, intermediate, conv_kernel, groups=intermediate,
+                                padding=conv_kernel - 1, bias=conv_bias)
+        self.x_proj = nn.Linear(intermediate, dt_rank + 2 * state_size, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, intermediate, bias=True)
+        a = torch.arange(1, state_size + 1, dtype=torch.float32).repeat(intermediate, 1)  # [Di, N]
+        self.A_log = nn.Parameter(torch.log(a))
+        self.D = nn.Parameter(torch.ones(intermediate))
+        self.out_proj = nn.Linear(intermediate, hidden, bias=proj_bias)
+        if inner_norms:
+            self.dt_layernorm = RMSNorm(dt_rank, norm_eps)
+            self.b_layernorm = RMSNorm(state_size, norm_eps)
+            self.c_layernorm = RMSNorm(state_size, norm_eps)
+        self.inner_norms = inner_norms
+
+    def _ssm_inputs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """delta (before bias and softplus) [B, T, Di], B and C [B, T, N] from the conv output u [B, T, Di]."""
+        dt, b, c = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
+        if self.inner_norms:
+            dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
+        return F.linear(dt, self.dt_proj.weight), b, c
+
+    def forward(self, h: torch.Tensor, layer: MambaStateLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        tokens = h.shape[1]
+        x, z = self.in_proj(h).chunk(2, dim=-1)  # [B, T, Di] each
+        x = step.mask_padding(x)  # padding never enters the conv state
+        states = layer.states  # conv [B, Di, K-1], ssm [B, Di, N]
+        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [Di, K], [Di]
+        if tokens == 1:
+            xc, conv = causal_conv1d_step(x[:, 0], weight, bias, states["conv"], activation="silu")  # [B, Di]
+            xc = xc[:, None]  # [B, 1, Di]
+        else:
+            xc, conv = causal_conv1d(x.transpose(1, 2), weight, bias, states["conv"], activation="silu")
+            xc = xc.transpose(1, 2)  # [B, T, Di]
+        u = step.mask_padding(xc)  # padding never enters the SSM state
+        delta, b, c = self._ssm_inputs(u)  # [B, T, Di], [B, T, N], [B, T, N]
+        a = -torch.exp(self.A_log.float())  # [Di, N]
+        if tokens == 1:
+            y, ssm = selective_state_update(states["ssm"], u[:, 0], delta[:, 0], a, b[:, 0], c[:, 0], self.D,
+                                            z[:, 0], self.dt_proj.bias, delta_softplus=True)
+            y = y[:, None]  # [B, 1, Di]
+        else:
+            def t(v: torch.Tensor) -> torch.Tensor:
+                return v.transpose(1, 2).contiguous()  # [B, C, T]
+
+            y, ssm = selective_scan(t(u), t(delta), a, t(b), t(c), self.D, t(z), self.dt_proj.bias,
+                                    delta_softplus=True, state=states["ssm"])
+            y = y.transpose(1, 2)  # [B, T, Di]
+        layer.update(step.valid, conv=conv.to(layer.spec.dtype), ssm=ssm.to(layer.spec.state_dtype))
+        return self.out_proj(y.to(h.dtype))

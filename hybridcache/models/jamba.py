@@ -1,0 +1,116 @@
+"""Jamba: interleaved Mamba (with dt/B/C norms) and attention layers without positional embeddings, MoE MLPs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput
+from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
+from hybridcache.blocks.moe import SparseMoE
+from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.models.base import HybridLM
+
+# HF JambaConfig defaults for keys a config.json may leave out.
+DEFAULTS = {
+    "attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2, "expert_layer_offset": 1,
+    "num_experts": 16, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_dt_rank": "auto", "mamba_conv_bias": True, "mamba_proj_bias": False, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+
+
+def block_types(config: dict) -> list[str]:
+    """"attention" or "mamba" per layer: `layers_block_type` if given, else from attn_layer_period/offset."""
+    if config.get("layers_block_type"):
+        types = list(config["layers_block_type"])
+    else:
+        period, offset = config["attn_layer_period"], config["attn_layer_offset"]
+        types = ["attention" if i % period == offset else "mamba" for i in range(config["num_hidden_layers"])]
+    unknown = set(types) - {"attention", "mamba"}
+    if unknown or len(types) != config["num_hidden_layers"]:
+        raise ValueError(f"jamba: bad layer types {types} for {config['num_hidden_layers']} layers")
+    return types
+
+
+def experts_per_layer(config: dict) -> list[int]:
+    """Number of experts per layer (1 = dense MLP): `layers_num_experts` if given, else expert period/offset."""
+    if config.get("layers_num_experts"):
+        return [int(n) for n in config["layers_num_experts"]]
+    period, offset, n = config["expert_layer_period"], config["expert_layer_offset"], config["num_experts"]
+    return [n if i % period == offset else 1 for i in range(config["num_hidden_layers"])]
+
+
+def head_dim(config: dict) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+class JambaDecoderLayer(nn.Module):
+    """h + mixer(input_layernorm(h)), then h + feed_forward(pre_ff_layernorm(h)); mixer = self_attn or mamba."""
+
+    def __init__(self, config: dict, kind: str, num_experts: int) -> None:
+        super().__init__()
+        d, eps, act = config["hidden_size"], config["rms_norm_eps"], config["hidden_act"]
+        if kind == "attention":
+            self.self_attn = AttentionMixer(d, config["num_attention_heads"], config["num_key_value_heads"],
+                                            head_dim(config))  # no rotary: Jamba has no positional embeddings
+        else:
+            self.mamba = MambaMixer(
+                d, config["mamba_expand"] * d, config["mamba_d_state"], config["mamba_d_conv"],
+                resolve_dt_rank(config["mamba_dt_rank"], d), conv_bias=config["mamba_conv_bias"],
+                proj_bias=config["mamba_proj_bias"], activation=act, inner_norms=True, norm_eps=eps,
+            )
+        if num_experts > 1:
+            self.feed_forward = SparseMoE(d, config["intermediate_size"], num_experts, config["num_experts_per_tok"], act)
+        else:
+            self.feed_forward = GatedMLP(d, config["intermediate_size"], act)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.pre_ff_layernorm = RMSNorm(d, eps)
+        self.kind = kind
+
+    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        mixer = self.self_attn if self.kind == "attention" else self.mamba
+        h = h + mixer(self.input_layernorm(h), layer, step)
+        return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+
+class JambaInner(nn.Module):
+    def __init__(self, config: dict, types: list[str]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(
+            JambaDecoderLayer(config, kind, n) for kind, n in zip(types, experts_per_layer(config), strict=True)
+        )
+        self.final_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+
+
+class JambaLM(HybridLM):
+    family = "jamba"
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: dict) -> None:
+        config = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+        if "num_local_experts" in config:  # HF attribute alias
+            config["num_experts"] = config.pop("num_local_experts")
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        super().__init__(config)
+        self.types = block_types(self.config)
+        self.model = JambaInner(self.config, self.types)
+        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
+
+    def native_layers(self) -> list[NativeLayer]:
+        c = self.config
+        attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": head_dim(c), "dtype": self.dtype}
+        mamba = {"intermediate_size": c["mamba_expand"] * c["hidden_size"], "state_size": c["mamba_d_state"],
+                 "conv_kernel": c["mamba_d_conv"], "dtype": self.dtype}
+        return [NativeLayer("full", attn) if t == "attention" else NativeLayer("mamba", mamba) for t in self.types]
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [B, T, D]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.final_layernorm(h))  # [B, T, V]
