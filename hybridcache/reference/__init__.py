@@ -3,7 +3,7 @@
 from hybridcache.reference.base import Generation, ReferenceRunner, generation_from_logits
 from hybridcache.reference.file import FileRunner, write_jsonl
 from hybridcache.reference.hf import HFRunner
-from hybridcache.reference.vllm import VLLMRunner
+from hybridcache.reference.vllm_runner import VLLMRunner
 
 __all__ = ["FileRunner", "Generation", "HFRunner", "ReferenceRunner", "VLLMRunner", "generation_from_logits",
            "write_jsonl"]

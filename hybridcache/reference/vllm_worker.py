@@ -1,4 +1,5 @@
-"""Runs inside a separate vLLM environment: reads a JSON request, writes a JSON answer. Imports only vllm.
+"""Runs inside a separate vLLM environment: reads a JSON request, writes a JSON answer. Imports only vllm
+(no sibling module may be named vllm: this file's folder is first on sys.path).
 
     python vllm_worker.py request.json answer.json
 """
