@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -11,6 +12,17 @@ from pathlib import Path
 from hybridcache.reference.base import Generation, ReferenceRunner
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def _root_cause(proc: subprocess.CompletedProcess) -> str:
+    """The first exception lines vLLM printed (its workers log them far above the final traceback)."""
+    lines = (proc.stderr + proc.stdout).splitlines()
+    causes = []
+    for line in lines:
+        text = re.sub(r"^\([^)]*pid=\d+\) (ERROR|WARNING) [^\]]*\] ", "", line).strip()
+        if re.match(r"^[\w.]*(Error|Exception): ", text) and text not in causes:
+            causes.append(text)
+    return "\n".join(causes[:3]) if causes else "\n".join(lines[-15:])
 
 
 class VLLMRunner(ReferenceRunner):
@@ -42,8 +54,7 @@ class VLLMRunner(ReferenceRunner):
             proc = subprocess.run([self.python, str(WORKER), str(req), str(ans)], capture_output=True, text=True,
                                   timeout=self.timeout)
             if not ans.exists():
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-                raise RuntimeError(f"the vLLM subprocess failed (exit {proc.returncode}):\n{tail}")
+                raise RuntimeError(f"the vLLM subprocess failed (exit {proc.returncode}):\n{_root_cause(proc)}")
             answer = json.loads(ans.read_text())
         if "error" in answer:
             raise RuntimeError(f"vLLM reference: {answer['error']}")
