@@ -1,0 +1,167 @@
+"""Llama4 text model: chunked-attention RoPE layers with L2 q/k norms, full-attention NoPE layers with attention
+temperature tuning, dense and mixture-of-experts feed-forwards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks.llama4_moe import Llama4MoE
+from hybridcache.blocks.rotary import rope_frequencies
+from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.models.base import HybridLM
+
+
+def uses_rope(config: dict) -> list[bool]:
+    """Per layer: does it apply RoPE? (HF's `no_rope_layers` holds 1 for RoPE layers, 0 for NoPE layers.)"""
+    flags = config.get("no_rope_layers")
+    if not flags:
+        interval = config.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(config["num_hidden_layers"])]
+    return [bool(f) for f in flags]
+
+
+def layer_types(config: dict) -> list[str]:
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    return ["chunked_attention" if rope else "full_attention" for rope in uses_rope(config)]
+
+
+def moe_layers(config: dict) -> set[int]:
+    if config.get("moe_layers") is not None:
+        return set(config["moe_layers"])
+    step = config.get("interleave_moe_layer_step", 1)
+    return set(range(step - 1, config["num_hidden_layers"], step))
+
+
+def rope_parameters(config: dict) -> dict:
+    """`rope_parameters` (transformers 5), or the older `rope_scaling` + `rope_theta` of saved configs."""
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    params = dict(config.get("rope_scaling") or {"rope_type": "default"})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return {**params, "rope_theta": config.get("rope_theta", 500000.0)}
+
+
+class L2Norm(nn.Module):
+    """x / rms(x) over the last dim in (at least) float32, no weight (HF `Llama4TextL2Norm`)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Llama4Rotary(RotaryEmbedding):
+    """Complex-pair (interleaved) RoPE in (at least) float32, then the optional L2 q/k norm (HF order: rope, norm).
+
+    The frequencies stay float32 when the model is cast (HF keeps `inv_freq` float32 too)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, qk_norm: L2Norm | None) -> None:
+        super().__init__(inv_freq, scaling, interleaved=True)
+        self.qk_norm = qk_norm
+        self._inv_freq32 = inv_freq.float().clone()  # master copy: model.to(bf16) must not round the frequencies
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq32.to(self.inv_freq.device)  # follow device moves, stay float32
+        return self
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 models
+        rq, rk = super().forward(q.to(acc), k.to(acc), positions)  # [B, H, T, D]
+        rq, rk = rq.to(q.dtype), rk.to(k.dtype)
+        if self.qk_norm is not None:
+            rq, rk = self.qk_norm(rq), self.qk_norm(rk)
+        return rq, rk
+
+
+class TemperatureTuning(nn.Module):
+    """NoPE-layer query scaling 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)), by each row's own
+    token position (left padding excluded), so padded rows equal unpadded runs."""
+
+    def __init__(self, floor_scale: float, attn_scale: float) -> None:
+        super().__init__()
+        self.floor_scale, self.attn_scale = float(floor_scale), float(attn_scale)
+
+    def forward(self, q: torch.Tensor, step: StepInput) -> torch.Tensor:  # q [B, H, T, D]
+        pos = step.rope_positions.float()  # [B, T]; padding -> 0 (never attended to)
+        scales = torch.log1p(torch.floor((pos + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        return (q * scales[:, None, :, None]).to(q.dtype)
+
+
+class Llama4DecoderLayer(nn.Module):
+    def __init__(self, config: dict, rotary: Llama4Rotary | None, is_moe: bool) -> None:
+        super().__init__()
+        d, eps, head_dim = config["hidden_size"], config.get("rms_norm_eps", 1e-5), config["head_dim"]
+        act, bias = config.get("hidden_act", "silu"), config.get("attention_bias", False)
+        hook = None
+        if rotary is None and config.get("attn_temperature_tuning", True):
+            hook = TemperatureTuning(config.get("floor_scale", 8192), config.get("attn_scale", 0.1))
+        self.self_attn = AttentionMixer(
+            d, config["num_attention_heads"], config["num_key_value_heads"], head_dim,
+            qkv_bias=bias, o_bias=bias, scale=head_dim**-0.5, rotary=rotary, query_hook=hook,
+        )
+        if is_moe:
+            self.feed_forward: nn.Module = Llama4MoE(
+                d, config["intermediate_size"], config["num_local_experts"], config.get("num_experts_per_tok", 1), act)
+        else:
+            self.feed_forward = GatedMLP(d, config["intermediate_size_mlp"], act)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+
+    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        h = h + self.self_attn(self.input_layernorm(h), layer, step)
+        return h + self.feed_forward(self.post_attention_layernorm(h))
+
+
+class Llama4Inner(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        d, head_dim = config["hidden_size"], config["head_dim"]
+        self.embed_tokens = nn.Embedding(config["vocab_size"], d)
+        inv_freq, scaling = rope_frequencies(config, rope_parameters(config), head_dim)
+        qk_norm = L2Norm(config.get("rms_norm_eps", 1e-5)) if config.get("use_qk_norm", True) else None
+        rotary = Llama4Rotary(inv_freq, scaling, qk_norm)  # shared by the RoPE layers
+        moe = moe_layers(config)
+        self.layers = nn.ModuleList(
+            Llama4DecoderLayer(config, rotary if rope else None, i in moe) for i, rope in enumerate(uses_rope(config))
+        )
+        self.norm = RMSNorm(d, config.get("rms_norm_eps", 1e-5))
+
+
+class Llama4LM(HybridLM):
+    family = "llama4"
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: dict) -> None:
+        config = dict(config)
+        config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        super().__init__(config)
+        self.types = layer_types(config)
+        self.model = Llama4Inner(config)
+        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+
+    def native_layers(self) -> list[NativeLayer]:
+        c = self.config
+        attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "dtype": self.dtype}
+        chunk = c.get("attention_chunk_size")
+        return [
+            NativeLayer("chunked", {**attn, "chunk_size": chunk}) if t == "chunked_attention" and chunk
+            else NativeLayer("full", attn)
+            for t in self.types
+        ]
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
