@@ -152,7 +152,7 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     logits = step_logits(block, full_mask)
     for step in range(max_new_tokens):
-        all_logits.append(logits.float())
+        all_logits.append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         token = sample_next(logits, temperature, top_k, top_p, generator) if do_sample else logits.argmax(-1)
         token = torch.where(done, torch.full_like(token, pad_id), token)
         generated = torch.cat([generated, token[:, None]], dim=1)

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 like the reference implementations."""
+"""RMSNorm, computed in (at least) float32 like the reference implementations."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # at least float32
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:  # Gemma: scale in float32, then cast
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+            return (normed * (1.0 + self.weight.to(normed.dtype))).to(x.dtype)
         return self.weight * normed.to(x.dtype)  # Llama/Mamba: cast, then scale

@@ -51,12 +51,16 @@ class RGLRU(nn.Module):
         return a.masked_fill(pad, 1.0), normalized.masked_fill(pad, 0.0)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, W], state [B, W] -> (h [B, T, W] in x.dtype, final state [B, W] float32)."""
+        """x [B, T, W], state [B, W] -> (h [B, T, W] in x.dtype, final state [B, W] in the state's dtype).
+
+        The scan runs in the state's dtype (float32 by default; float64 when the cache config asks for it)."""
         a, normalized = self.coefficients(x, step)
+        acc = torch.promote_types(state.dtype, torch.float32)
         if x.shape[1] == 1:  # decoding step
-            h = torch.addcmul(normalized[:, 0].float(), a[:, 0].float(), state.float())  # [B, W]
-            return h[:, None].to(x.dtype), h
-        return linear_recurrence(a, normalized, state.float())
+            h = torch.addcmul(normalized[:, 0].to(acc), a[:, 0].to(acc), state.to(acc))  # [B, W]
+            return h[:, None].to(x.dtype), h.to(state.dtype)
+        h, final = linear_recurrence(a.to(acc), normalized.to(acc), state.to(acc))
+        return h.to(x.dtype), final.to(state.dtype)
 
 
 class RecurrentBlock(nn.Module):

@@ -34,12 +34,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0, interleaved: bool = False) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.inv_freq = inv_freq.float()  # a plain attribute: model.to(bfloat16) must not round the frequencies
         self.scaling, self.interleaved = scaling, interleaved
         self.rotary_dim = 2 * inv_freq.numel()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions[..., None].float() * self.inv_freq.float()  # [B, T, R/2]
+        angles = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, T, R/2]
         if self.interleaved:
             angles = angles.repeat_interleave(2, dim=-1)  # [B, T, R]: pairs (0, 1), (2, 3), ...
         else:

@@ -57,19 +57,11 @@ class L2Norm(nn.Module):
 
 
 class Llama4Rotary(RotaryEmbedding):
-    """Complex-pair (interleaved) RoPE in (at least) float32, then the optional L2 q/k norm (HF order: rope, norm).
-
-    The frequencies stay float32 when the model is cast (HF keeps `inv_freq` float32 too)."""
+    """Complex-pair (interleaved) RoPE in (at least) float32, then the optional L2 q/k norm (HF order: rope, norm)."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, qk_norm: L2Norm | None) -> None:
         super().__init__(inv_freq, scaling, interleaved=True)
         self.qk_norm = qk_norm
-        self._inv_freq32 = inv_freq.float().clone()  # master copy: model.to(bf16) must not round the frequencies
-
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
-        super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq32.to(self.inv_freq.device)  # follow device moves, stay float32
-        return self
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 models

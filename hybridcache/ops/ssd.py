@@ -85,7 +85,9 @@ def _ssd_scan_torch(x, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, dt_sof
         # 2. incoming state: y_l += exp(cum_l) * (h0 @ C_l)
         y = y + torch.einsum("blgn,bgrpn->bgrlp", cc, h) * torch.exp(cum)[..., None]
         # 3. pass the state to the next chunk
-        to_end = torch.exp(cum[..., -1:] - cum)  # [B, G, R, L]
+        # sum_{k>l} dA_k as a suffix sum (no cancellation of two long cumulative sums)
+        suffix = torch.flip(torch.cumsum(torch.flip(dA, [-1]), dim=-1), [-1])  # sum_{k>=l}
+        to_end = torch.exp(torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], dim=-1))  # [B, G, R, L]
         h = torch.exp(cum[..., -1])[..., None, None] * h + torch.einsum(
             "bsgn,bgrsp->bgrpn", bc, xdt * to_end[..., None])
         ys.append(y)

@@ -32,14 +32,17 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def models(checkpoints):
-    """models(family) -> (our model, the HF model), loaded once per session."""
+    """models(family) -> (our model, the HF model) in float32; models(family, torch.float64) -> (ours, None)."""
     loaded = {}
 
-    def get(family):
-        if family not in loaded:
+    def get(family, dtype=torch.float32):
+        if (family, dtype) not in loaded:
             path = checkpoints(family)
-            ref = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-            loaded[family] = (hc.from_pretrained(path), ref.eval())
-        return loaded[family]
+            ref = None
+            if dtype == torch.float32:
+                ref = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, attn_implementation="eager", dtype=torch.float32).eval()
+            loaded[family, dtype] = (hc.from_pretrained(path, dtype=dtype), ref)
+        return loaded[family, dtype]
 
     return get
