@@ -105,6 +105,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "max_abs_dlogprob": max(c.max_abs_dlogprob for c in comparisons),
             "tokens_per_s/reference": sum(len(r.tokens) for r in refs) / max(sum(r.seconds for r in refs), 1e-9),
         })
+        if getattr(reference, "engine_seconds", None):
+            summary["reference/engine_start_s"] = reference.engine_seconds  # excluded from tokens/s
 
     config = OmegaConf.to_container(cfg, resolve=True)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
