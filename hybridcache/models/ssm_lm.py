@@ -1,0 +1,62 @@
+"""The shape Mamba and Mamba2 share: backbone.embeddings -> pre-norm residual mixer blocks -> backbone.norm_f -> lm_head."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hybridcache.blocks import RMSNorm, StepInput
+from hybridcache.cache import CacheLayer
+from hybridcache.models.base import HybridLM
+
+
+class ResidualMixerBlock(nn.Module):
+    """h + mixer(norm(h)); the residual is kept in float32 when `residual_in_fp32`."""
+
+    def __init__(self, hidden: int, eps: float, mixer: nn.Module, residual_in_fp32: bool) -> None:
+        super().__init__()
+        self.residual_in_fp32 = residual_in_fp32
+        self.norm = RMSNorm(hidden, eps)
+        self.mixer = mixer
+
+    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        residual = h.float() if self.residual_in_fp32 else h
+        return residual + self.mixer(self.norm(h.to(self.norm.weight.dtype)), layer, step)
+
+
+class SSMBackbone(nn.Module):
+    def __init__(self, config: dict, make_mixer: Callable[[dict], nn.Module]) -> None:
+        super().__init__()
+        d, eps = config["hidden_size"], config.get("layer_norm_epsilon", 1e-5)
+        residual_in_fp32 = bool(config.get("residual_in_fp32", True))
+        self.embeddings = nn.Embedding(config["vocab_size"], d)
+        self.layers = nn.ModuleList(ResidualMixerBlock(d, eps, make_mixer(config), residual_in_fp32)
+                                    for _ in range(config["num_hidden_layers"]))
+        self.norm_f = RMSNorm(d, eps)
+
+
+class SSMLM(HybridLM):
+    """Base of MambaLM / Mamba2LM: a family gives `make_mixer(config)` and `native_layers()`."""
+
+    tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
+
+    @staticmethod
+    def make_mixer(config: dict) -> nn.Module:
+        raise NotImplementedError
+
+    def __init__(self, config: dict) -> None:
+        super().__init__(config)
+        self.backbone = SSMBackbone(self.config, self.make_mixer)
+        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.backbone.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embeddings(input_ids)  # [B, T, D]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.backbone.norm_f(h).to(self.lm_head.weight.dtype))  # [B, T, V]
