@@ -17,9 +17,12 @@ def prompts(batch: int, length: int, seed: int) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_generate(ref, ids, mask, new_tokens):
-    """HF greedy generation: sequences and the raw logits of each step [B, T_new, V]."""
-    out = ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    """HF greedy generation without eos stopping (like ours without eos_token_id): sequences, raw logits [B, T_new, V].
+
+    Not min_new_tokens: it bans eos from the argmax, so a step where eos wins would differ by construction."""
+    out = ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None,
                        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert out.sequences.shape[1] == ids.shape[1] + new_tokens
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
