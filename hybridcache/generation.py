@@ -80,6 +80,15 @@ def _check_capacity(cache: Cache, needed: int) -> None:
             )
 
 
+def compiled_decode_step(model: HybridLM):
+    """`model.forward_block` compiled once per model (dynamic ints: the cache's column counter changes each step)."""
+    step = getattr(model, "_compiled_decode_step", None)
+    if step is None:
+        step = torch.compile(model.forward_block, dynamic=True)
+        model._compiled_decode_step = step
+    return step
+
+
 @torch.no_grad()
 def generate(
     model: HybridLM,
@@ -96,8 +105,13 @@ def generate(
     cache: Cache | None = None,
     cache_config: Mapping[str, Any] | None = None,
     prefill_chunk_size: int | None = None,
+    compile: bool = False,
 ) -> GenerateOutput:
-    """Generate up to `max_new_tokens` tokens per row. See the module docstring for continuation."""
+    """Generate up to `max_new_tokens` tokens per row. See the module docstring for continuation.
+
+    `compile=True` runs the decode step through `torch.compile` over a preallocated (static-shape) cache: the
+    cache is built with max_length = prompt + max_new_tokens unless one is passed.
+    """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a LongTensor [B, T]")
     if input_ids.shape[1] == 0:
@@ -124,8 +138,12 @@ def generate(
     if cache is not None:
         model.check_cache(cache, batch)
     block, full_mask = _prompt_block(input_ids, attention_mask, cache)  # a given cache: slice what it has seen
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached decode step; it cannot be combined with use_cache=False")
     if use_cache and cache is None:
-        cache = model.make_cache(batch, cache_config)
+        max_length = input_ids.shape[1] + max_new_tokens if compile else None
+        cache = model.make_cache(batch, cache_config, max_length)
+    decode = compiled_decode_step(model) if compile else model.forward_block
     if not bool(full_mask.bool().any(1).all()):
         raise ValueError("every row needs at least one real token (a row of the attention_mask is all zeros)")
     if cache is not None:
@@ -140,6 +158,8 @@ def generate(
         if cache is None:  # the oracle: the whole sequence, a fresh cache with the same patterns
             sequence = torch.cat([input_ids, generated], dim=1) if generated.numel() else input_ids
             return model(sequence, model.make_cache(batch, cache_config), mask)[:, -1]
+        if new_tokens.shape[1] == 1 and bool(mask[:, -1].all()):  # a decode step: every new token is real
+            return decode(new_tokens, cache, None)[:, -1]
         chunk = prefill_chunk_size or new_tokens.shape[1]
         start = cache.columns
         for i in range(0, new_tokens.shape[1], chunk):

@@ -13,6 +13,12 @@ class StepInput:
 
     positions: torch.Tensor  # [B, T] long, -1 for padding
     valid: torch.Tensor  # [B, T] bool
+    all_real: bool = False  # no padding in this block: lets cache layers skip their mask checks
+
+    @property
+    def cache_valid(self) -> torch.Tensor | int:
+        """What a cache layer's `update` takes: the mask, or just the block length when every token is real."""
+        return self.valid.shape[1] if self.all_real else self.valid
 
     @property
     def rope_positions(self) -> torch.Tensor:
@@ -21,6 +27,6 @@ class StepInput:
 
     def mask_padding(self, x: torch.Tensor) -> torch.Tensor:
         """Zero the padding tokens of x [B, T, ...] so they leave recurrent states untouched."""
-        if bool(self.valid.all()):
+        if self.all_real:
             return x
         return x * self.valid.view(*self.valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)

@@ -159,7 +159,7 @@ class Mamba2Mixer(nn.Module):
                 rearrange(x, "b t (h p) -> b t h p", p=self.head_dim), dt, A,
                 rearrange(b, "b t (g n) -> b t g n", g=g), rearrange(c, "b t (g n) -> b t g n", g=g),
                 self.chunk_size, D=D, state=states["ssm"])  # y [B, T, H, P]
-        layer.update(step.valid, conv=conv_state.to(states["conv"].dtype), ssm=ssm_state.to(states["ssm"].dtype))
+        layer.update(step.cache_valid, conv=conv_state.to(states["conv"].dtype), ssm=ssm_state.to(states["ssm"].dtype))
         y = rearrange(y, "b t h p -> b t (h p)")  # [B, T, I]
         y = self.norm(y, z.to(acc)) if self.norm is not None else y * F.silu(z.to(acc))
         return F.linear(y.to(cd), cast(self.out_proj.weight), cast(self.out_proj.bias)).to(dtype)  # [B, T, D]

@@ -102,10 +102,14 @@ class AttentionCacheLayer(CacheLayer):
                 f"{name}: a block of {tokens} tokens after {self.columns} exceeds the preallocated "
                 f"max_length={s.max_length}; build the cache with a larger max_length"
             )
+        if isinstance(valid, int) and not isinstance(valid, bool):
+            if valid != tokens:
+                raise CacheError(f"{name}: valid={valid} tokens, but the block has {tokens}")
+            valid = None
         return check_valid_mask(valid, self.batch_size, tokens, self.seen, name)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> AttentionView:
-        """Append a block k, v [B, H, T, D] (`valid` [B, T]: real tokens; None = all real).
+    def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | int | None = None) -> AttentionView:
+        """Append a block k, v [B, H, T, D] (`valid` [B, T]: real tokens; None or T = all real).
 
         Returns everything the block must attend to, with positions for the mask.
         """
@@ -143,18 +147,17 @@ class AttentionCacheLayer(CacheLayer):
 
     def _write_static(self, k, v, cols):
         tokens, ring = k.shape[2], self.spec.ring_size
-        start = self.columns
         if ring is None:  # linear buffer: columns are slots
-            self.keys[:, :, start : start + tokens] = k
-            self.values[:, :, start : start + tokens] = v
-            self.slot_col[start : start + tokens] = cols
+            self.keys.index_copy_(2, cols, k)
+            self.values.index_copy_(2, cols, v)
+            self.slot_col.index_copy_(0, cols, cols)
             return self.keys, self.values, self.slot_col
         size = self.slot_col.shape[0]
         if tokens == 1:  # decode: overwrite the oldest slot, attend over the ring in place
-            slot = start % size
-            self.keys[:, :, slot] = k[:, :, 0]
-            self.values[:, :, slot] = v[:, :, 0]
-            self.slot_col[slot] = start
+            slots = cols % size
+            self.keys.index_copy_(2, slots, k)
+            self.values.index_copy_(2, slots, v)
+            self.slot_col.index_copy_(0, slots, cols)
             return self.keys, self.values, self.slot_col
         # A longer block's first queries still need slots its later tokens overwrite: attend over a copy.
         keys = torch.cat([self.keys, k], dim=2)

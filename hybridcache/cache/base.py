@@ -93,7 +93,7 @@ class LayerSnapshot:
 
 def check_valid_mask(valid: Any, batch: int, tokens: int, seen: torch.Tensor, owner: str) -> torch.Tensor:
     """Validate a block's real-token mask [B, T] (None = all real) and return it as a bool tensor."""
-    if valid is None:
+    if valid is None:  # every token real: nothing to check (and no data-dependent branch for torch.compile)
         return torch.ones(batch, tokens, dtype=torch.bool, device=seen.device)
     if not isinstance(valid, torch.Tensor):
         raise CacheError(f"{owner}: the attention mask must be a tensor [B, T], got {type(valid).__name__}")

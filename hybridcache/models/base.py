@@ -116,9 +116,17 @@ class HybridLM(nn.Module):
         if cache is None:
             cache = self.make_cache(batch)
         self.check_cache(cache, batch)
-        valid = self.block_mask(attention_mask, batch, tokens, cache.columns)
-        step = StepInput(cache.positions(valid), valid)  # validates left padding before anything changes
-        h = self.embed(input_ids.to(self.device))
+        valid = self.block_mask(attention_mask, batch, tokens, cache.columns) if attention_mask is not None else None
+        cache.positions(valid, tokens)  # validates left padding before anything changes
+        return self.forward_block(input_ids.to(self.device), cache, valid)
+
+    def forward_block(self, input_ids: torch.Tensor, cache: Cache, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` without input validation (the compiled decode step): valid [B, T] bool or None (all real)."""
+        all_real = valid is None
+        if all_real:
+            valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        step = StepInput(cache.positions(None if all_real else valid, input_ids.shape[1]), valid, all_real)
+        h = self.embed(input_ids)
         for block, layer in zip(self.decoder_layers, cache):
             h = block(h, layer, step)
         return self.head(h)
