@@ -4,7 +4,7 @@ import importlib
 
 from omegaconf import DictConfig
 
-EXPERIMENTS = {"correctness": "experiments.correctness"}
+EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark"}
 
 
 def run_experiment(cfg: DictConfig):

@@ -30,7 +30,7 @@ def checkpoint_path(model_cfg: DictConfig, home: str) -> str:
     if model_cfg.family not in FAMILIES:
         raise ValueError(f"model.family={model_cfg.family} has no tiny default; set model.checkpoint")
     os.environ["HYBRIDCACHE_HOME"] = str(Path(home).expanduser())
-    return str(tiny_checkpoint(model_cfg.family, seed=int(model_cfg.seed)))
+    return str(tiny_checkpoint(model_cfg.family, seed=int(model_cfg.seed), size=model_cfg.get("size", "tiny")))
 
 
 def load_tokenizer(checkpoint: str):

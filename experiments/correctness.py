@@ -30,11 +30,11 @@ from hybridcache.tracking import Tracker
 
 def _generate_ours(model, prompt, cfg, cache_config, preallocate, eos) -> tuple[Generation, Any, dict]:
     ids = torch.tensor([prompt], device=model.device)
-    max_length = len(prompt) + cfg.max_new_tokens if preallocate else None
+    max_length = len(prompt) + cfg.max_new_tokens if preallocate or cfg.generation.compile else None
     cache = model.make_cache(1, cache_config, max_length)
     start = time.perf_counter()
     out = hc.generate(model, ids, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, cache=cache,
-                      prefill_chunk_size=cfg.prefill_chunk_size)
+                      prefill_chunk_size=cfg.prefill_chunk_size, compile=cfg.generation.compile)
     seconds = time.perf_counter() - start
     oracle = hc.generate(model, ids, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, use_cache=False,
                          cache_config=cache_config)

@@ -185,7 +185,16 @@ def _cache_root() -> Path:
     return Path(xdg).expanduser() / "hybridcache" / "tiny"
 
 
-def tiny_checkpoint(family: str, root=None, seed: int = 0) -> Path:
+# Larger named sizes for benchmarks (family -> overrides); "tiny" is the default.
+SIZES = {
+    "20m": {"jamba": dict(hidden_size=384, intermediate_size=640, num_hidden_layers=8, num_attention_heads=6,
+                          num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                          expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16,
+                          mamba_dt_rank=24, max_position_embeddings=65536)},
+}
+
+
+def tiny_checkpoint(family: str, root=None, seed: int = 0, size: str = "tiny") -> Path:
     """Path of a cached tiny checkpoint for ``family``, building it on first use.
 
     The directory is ``<root>/<family>-seed<seed>-<confighash>`` where ``root``
@@ -193,16 +202,21 @@ def tiny_checkpoint(family: str, root=None, seed: int = 0) -> Path:
     Building happens in a temporary sibling directory that is atomically renamed,
     so concurrent callers (e.g. pytest-xdist workers) never see partial files.
     """
-    config = tiny_config(family)
+    if size != "tiny" and family not in SIZES.get(size, {}):
+        known = [f"{f}/{s}" for s, fams in SIZES.items() for f in fams]
+        raise ValueError(f"no size '{size}' for {family}; known: tiny (every family), {', '.join(known)}")
+    overrides = SIZES[size][family] if size != "tiny" else {}
+    config = tiny_config(family, **overrides)
     root = Path(root).expanduser() if root is not None else _cache_root()
-    target = root / f"{family}-seed{seed}-{_config_hash(config)}"
+    label = family if size == "tiny" else f"{family}-{size}"
+    target = root / f"{label}-seed{seed}-{_config_hash(config)}"
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         os.chmod(tmp, 0o755)
-        build_tiny_checkpoint(family, tmp, seed=seed)
+        build_tiny_checkpoint(family, tmp, seed=seed, **overrides)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race

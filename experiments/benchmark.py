@@ -1,0 +1,199 @@
+"""experiment=benchmark: throughput against HF (and vLLM), cache memory against the minimum, long-context scaling.
+
+Throughput: batch 1 and 8, 128-token prompts, 128 new tokens; prefill time = a 1-token generation, decode
+tokens/s = the other 127 steps; medians over repeats after warm-up. Long context: each (strategy, length) runs in
+a fresh process (experiments/long_context_probe.py) so its peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import hybridcache as hc
+from experiments.common import cache_config_from_hydra, load_model
+from experiments.plots import scaling_lines, throughput_bars
+from hybridcache.cache.plan import format_bytes
+from hybridcache.tiny_models import tiny_checkpoint
+from hybridcache.tracking import Tracker
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = {"batch_sizes": [1], "prompt_tokens": 8, "new_tokens": 8, "warmup": 1, "repeats": 1, "compile": False,
+         "long_context": {"tokens": [64, 128], "decode_tokens": 4, "prefill_chunk_size": 32}}
+
+
+def median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def rates(system: str, batch: int, prompt: int, new: int, run: Callable[[int], Any], b: DictConfig) -> dict:
+    prefill = median_seconds(lambda: run(1), b.warmup, b.repeats)
+    total = median_seconds(lambda: run(new), b.warmup, b.repeats)
+    decode = max(total - prefill, 1e-9)
+    return {"system": system, "batch": batch, "prefill_tok_s": batch * prompt / prefill,
+            "decode_tok_s": batch * (new - 1) / decode, "prefill_s": prefill, "total_s": total}
+
+
+def throughput(model, checkpoint: str, cache_config, b: DictConfig, cfg: DictConfig, progress) -> tuple[list, dict]:
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.dtype,
+                                                            attn_implementation="eager").to(model.device).eval()
+    rows, memory = [], {}
+    task = progress.add_task("throughput", total=len(b.batch_sizes))
+    for batch in b.batch_sizes:
+        ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch))
+
+        def ours(n: int, compile: bool):
+            return hc.generate(model, ids, max_new_tokens=n, cache_config=cache_config, compile=compile)
+
+        if b.compile:
+            ours(2, True)  # compile outside the timed region (reported in the summary)
+            rows.append(rates("ours (compiled)", batch, b.prompt_tokens, b.new_tokens, lambda n: ours(n, True), b))
+        rows.append(rates("ours (eager)", batch, b.prompt_tokens, b.new_tokens, lambda n: ours(n, False), b))
+        with torch.no_grad():
+            rows.append(rates("hf", batch, b.prompt_tokens, b.new_tokens, lambda n: ref.generate(
+                ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0), b))
+        memory[batch] = ours(b.new_tokens, False).cache.memory_report()
+        progress.advance(task)
+    if cfg.reference.name == "vllm":
+        rows += vllm_rates(checkpoint, b, cfg, model.vocab_size)
+    return rows, memory
+
+
+def vllm_rates(checkpoint: str, b: DictConfig, cfg: DictConfig, vocab: int) -> list[dict]:
+    """vLLM end-to-end generation tokens/s per batch size (its engine start is reported apart)."""
+    from hybridcache.reference import VLLMRunner
+
+    runner = VLLMRunner(cfg.reference.python, checkpoint, cfg.model.dtype, int(cfg.reference.max_model_len),
+                        None, float(cfg.reference.timeout), OmegaConf.to_container(cfg.reference.engine_args))
+    rows = []
+    for batch in b.batch_sizes:
+        prompts = torch.randint(3, vocab, (batch, b.prompt_tokens)).tolist()
+        gens = runner.generate(prompts, b.new_tokens, 1)
+        seconds = sum(g.seconds for g in gens)
+        rows.append({"system": "vllm", "batch": batch, "decode_tok_s": sum(len(g.tokens) for g in gens) / seconds,
+                     "prefill_tok_s": None, "engine_start_s": runner.engine_seconds, "total_s": seconds})
+    return rows
+
+
+def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: DictConfig, progress) -> list[dict]:
+    lc = b.long_context
+    recurrent = str(tiny_checkpoint(lc.recurrent_model)) if model_cfg.checkpoint is None else None
+    strategies = {
+        f"sliding({lc.window})": (checkpoint, {"attention": {"type": "sliding", "window": lc.window}}),
+        f"chunked({lc.chunk_size})": (checkpoint, {"attention": {"type": "chunked", "chunk_size": lc.chunk_size}}),
+        "full": (checkpoint, {"attention": {"type": "full"}}),
+    }
+    if recurrent:
+        strategies[f"recurrent ({lc.recurrent_model})"] = (recurrent, {})
+    rows = []
+    task = progress.add_task("long context", total=len(strategies) * len(lc.tokens))
+    for name, (ckpt, config) in strategies.items():
+        for tokens in lc.tokens:
+            cmd = [sys.executable, "-m", "experiments.long_context_probe", ckpt, json.dumps(config), str(tokens),
+                   str(lc.decode_tokens), str(lc.prefill_chunk_size)]
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+            if out.returncode != 0:
+                raise RuntimeError(f"long-context probe {name} at {tokens} tokens failed:\n{out.stderr[-2000:]}")
+            rows.append({"strategy": name, **json.loads(out.stdout.strip().splitlines()[-1])})
+            progress.advance(task)
+    return rows
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    console = Console(width=max(Console().width, 110))
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    b = cfg.experiment
+    if b.smoke:
+        b = OmegaConf.merge(b, SMOKE)
+    with console.status(f"[bold]loading {cfg.model.family}[/]"):
+        checkpoint, model = load_model(cfg)
+    cache_config, _ = cache_config_from_hydra(cfg.cache)
+    with Progress(console=console, transient=True) as progress:
+        compile_start = time.perf_counter()
+        rows, memory = throughput(model, checkpoint, cache_config, b, cfg, progress)
+        scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary = summarize(rows, memory, scaling, rss, time.perf_counter() - compile_start)
+    plots = [throughput_bars(rows, out_dir / "throughput.png"), scaling_lines(scaling, out_dir / "long_context.png")]
+    result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint, "throughput": rows,
+              "memory": {str(k): v for k, v in memory.items()}, "long_context": scaling, "summary": summary,
+              "plots": [str(p) for p in plots]}
+    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], name=f"benchmark-{cfg.model.family}",
+                      tags=["benchmark", cfg.model.family])
+    tracker.table("throughput", list(rows[0]), [[r.get(c) for c in rows[0]] for r in rows])
+    tracker.table("long_context", list(scaling[0]), [list(r.values()) for r in scaling])
+    tracker.summary(summary)
+    if tracker.mode != "disabled":
+        tracker.log({p.stem: tracker.wandb.Image(str(p)) for p in plots})
+    run_dir = tracker.run_dir
+    tracker.finish()
+    result["wandb_dir"] = str(run_dir) if run_dir else None
+    json_path = out_dir / "benchmark.json"
+    json_path.write_text(json.dumps(result, indent=2, default=str))
+    print_tables(console, rows, memory, scaling, summary)
+    console.print(f"plots: {', '.join(str(p) for p in plots)}\nW&B run: {run_dir}\nresults: {json_path}")
+    return result
+
+
+def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
+    out: dict[str, Any] = {"peak_rss_mib": rss_mib, "throughput_wall_s": seconds}
+    hf = {r["batch"]: r for r in rows if r["system"] == "hf"}
+    for r in rows:
+        key = r["system"].replace(" ", "_").replace("(", "").replace(")", "")
+        out[f"decode_tok_s/{key}/b{r['batch']}"] = r["decode_tok_s"]
+        if r["system"].startswith("ours") and r["batch"] in hf:
+            out[f"decode_speedup_vs_hf/{key}/b{r['batch']}"] = r["decode_tok_s"] / hf[r["batch"]]["decode_tok_s"]
+    for batch, report in memory.items():
+        for m in report:
+            out[f"cache_held_over_min/{m['type']}/b{batch}"] = m["ratio"]
+    for strategy in {r["strategy"] for r in scaling}:
+        points = sorted((r["tokens"], r["peak_rss_mib"]) for r in scaling if r["strategy"] == strategy)
+        out[f"rss_ratio_longest_vs_shortest/{strategy}"] = points[-1][1] / points[0][1]
+    return out
+
+
+def print_tables(console: Console, rows, memory, scaling, summary) -> None:
+    t = Table(title="throughput (tokens/s, medians)")
+    for col in ("system", "batch", "prefill tok/s", "decode tok/s", "decode vs HF"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        key = r["system"].replace(" ", "_").replace("(", "").replace(")", "")
+        speed = summary.get(f"decode_speedup_vs_hf/{key}/b{r['batch']}")
+        t.add_row(r["system"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}" if r.get("prefill_tok_s") else "-",
+                  f"{r['decode_tok_s']:.0f}", f"{speed:.2f}x" if speed else "")
+    console.print(t)
+    m = Table(title="cache memory after the throughput run (held vs theoretical minimum)")
+    for col in ("batch", "type", "held", "minimum", "ratio"):
+        m.add_column(col, justify="right")
+    for batch, report in memory.items():
+        for r in report:
+            m.add_row(str(batch), r["type"], format_bytes(r["held"]), format_bytes(r["minimum"]), f"{r['ratio']:.2f}")
+    console.print(m)
+    s = Table(title="long context (prefill in chunks, then decode)")
+    for col in ("strategy", "prompt tokens", "prefill s", "decode ms/token", "peak RSS MiB", "cache held"):
+        s.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in scaling:
+        s.add_row(r["strategy"], str(r["tokens"]), f"{r['prefill_s']:.2f}", f"{r['decode_ms_per_token']:.2f}",
+                  f"{r['peak_rss_mib']:.0f}", format_bytes(r["cache_bytes"]))
+    console.print(s)

@@ -1,0 +1,42 @@
+"""One long-context measurement in a fresh process (so peak RSS is its own): prefill L tokens in chunks, decode N.
+
+    python -m experiments.long_context_probe CHECKPOINT '{"attention": ...}' TOKENS DECODE CHUNK
+prints one JSON line: prefill seconds, ms per decode token, peak RSS, cache bytes held.
+"""
+
+import json
+import resource
+import sys
+import time
+
+import torch
+
+import hybridcache as hc
+
+
+def main(checkpoint: str, cache_config: str, tokens: int, decode: int, chunk: int) -> dict:
+    torch.manual_seed(0)
+    model = hc.from_pretrained(checkpoint)
+    config = json.loads(cache_config) or None
+    ids = torch.randint(3, model.vocab_size, (1, tokens))
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cache = model.make_cache(1, config)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, tokens, chunk):
+            logits = model(ids[:, i : i + chunk], cache)
+    prefill = time.perf_counter() - start
+    token = logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(decode):
+            token = model.forward_block(token, cache)[:, -1:].argmax(-1)
+    per_token = (time.perf_counter() - start) / decode
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"tokens": tokens, "prefill_s": prefill, "decode_ms_per_token": per_token * 1e3,
+            "peak_rss_mib": rss / 1024, "loaded_rss_mib": rss_loaded / 1024, "cache_bytes": cache.nbytes()}
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    print(json.dumps(main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]))))
