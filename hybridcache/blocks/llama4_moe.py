@@ -55,6 +55,12 @@ class Llama4MoE(nn.Module):
         scores, top_idx = self.router(x)  # [N, K] each
         out = self.shared_expert(x)  # [N, D]
         routed = torch.zeros_like(out)
+        if torch.compiler.is_compiling():  # static shapes: every expert on every token, kept where routed
+            for e in range(self.experts.num_experts):
+                chosen = top_idx == e  # [N, K]
+                score = (scores * chosen).sum(-1, keepdim=True)  # [N, 1]
+                routed = routed + torch.where(chosen.any(-1, keepdim=True), self.experts.expert(e, x * score), 0.0)
+            return (out + routed).view_as(h)
         for e in torch.unique(top_idx).tolist():  # only experts that received tokens
             token, slot = torch.nonzero(top_idx == e, as_tuple=True)  # [M] each
             expert_in = x[token] * scores[token, slot, None]  # [M, D]: the score scales the input

@@ -36,6 +36,12 @@ class SparseMoE(nn.Module):
         x = h.reshape(-1, h.shape[-1])  # [N, D]
         weights, index = self.route(x)
         out = torch.zeros_like(x)
+        if torch.compiler.is_compiling():  # static shapes: every expert on every token, zero weight if not routed
+            dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
+            dense.scatter_(1, index, weights)  # [N, E]
+            for e, expert in enumerate(self.experts):
+                out = out + expert(x) * dense[:, e, None]
+            return out.view_as(h)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(index == e)  # tokens routed to expert e, and which of their k slots
             if token.numel():
