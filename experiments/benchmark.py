@@ -107,6 +107,8 @@ def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: Dic
     if recurrent:
         strategies[f"recurrent ({lc.recurrent_model})"] = (recurrent, {})
     rows = []
+    if not lc.tokens:
+        return rows
     task = progress.add_task("long context", total=len(strategies) * len(lc.tokens))
     for name, (ckpt, config) in strategies.items():
         for tokens in lc.tokens:
@@ -135,14 +137,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = summarize(rows, memory, scaling, rss, time.perf_counter() - compile_start)
-    plots = [throughput_bars(rows, out_dir / "throughput.png"), scaling_lines(scaling, out_dir / "long_context.png")]
+    plots = [throughput_bars(rows, out_dir / "throughput.png")]
+    if scaling:
+        plots.append(scaling_lines(scaling, out_dir / "long_context.png"))
     result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint, "throughput": rows,
               "memory": {str(k): v for k, v in memory.items()}, "long_context": scaling, "summary": summary,
               "plots": [str(p) for p in plots]}
     tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], name=f"benchmark-{cfg.model.family}",
                       tags=["benchmark", cfg.model.family])
     tracker.table("throughput", list(rows[0]), [[r.get(c) for c in rows[0]] for r in rows])
-    tracker.table("long_context", list(scaling[0]), [list(r.values()) for r in scaling])
+    if scaling:
+        tracker.table("long_context", list(scaling[0]), [list(r.values()) for r in scaling])
     tracker.summary(summary)
     if tracker.mode != "disabled":
         tracker.log({p.stem: tracker.wandb.Image(str(p)) for p in plots})
@@ -196,4 +201,5 @@ def print_tables(console: Console, rows, memory, scaling, summary) -> None:
     for r in scaling:
         s.add_row(r["strategy"], str(r["tokens"]), f"{r['prefill_s']:.2f}", f"{r['decode_ms_per_token']:.2f}",
                   f"{r['peak_rss_mib']:.0f}", format_bytes(r["cache_bytes"]))
-    console.print(s)
+    if scaling:
+        console.print(s)

@@ -15,6 +15,10 @@ import torch
 from hybridcache.cache import Cache
 from hybridcache.models.base import HybridLM
 
+# Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
+# full-length [T, T] mask or score matrix is ever built (sliding/chunked/recurrent memory stays flat in T).
+DEFAULT_PREFILL_CHUNK = 1024
+
 
 @dataclass
 class GenerateOutput:
@@ -160,7 +164,7 @@ def generate(
             return model(sequence, model.make_cache(batch, cache_config), mask)[:, -1]
         if new_tokens.shape[1] == 1 and bool(mask[:, -1].all()):  # a decode step: every new token is real
             return decode(new_tokens, cache, None)[:, -1]
-        chunk = prefill_chunk_size or new_tokens.shape[1]
+        chunk = prefill_chunk_size or min(new_tokens.shape[1], DEFAULT_PREFILL_CHUNK)
         start = cache.columns
         for i in range(0, new_tokens.shape[1], chunk):
             piece = new_tokens[:, i : i + chunk]
