@@ -167,6 +167,8 @@ def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
     for r in rows:
         key = r["system"].replace(" ", "_").replace("(", "").replace(")", "")
         out[f"decode_tok_s/{key}/b{r['batch']}"] = r["decode_tok_s"]
+        if r.get("engine_start_s") is not None:
+            out[f"engine_start_s/{key}/b{r['batch']}"] = r["engine_start_s"]  # excluded from its tokens/s
         if r["system"].startswith("ours") and r["batch"] in hf:
             out[f"decode_speedup_vs_hf/{key}/b{r['batch']}"] = r["decode_tok_s"] / hf[r["batch"]]["decode_tok_s"]
     for batch, report in memory.items():
