@@ -157,34 +157,40 @@ def generate(
     pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
-    def step_logits(new_tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of the last position after feeding `new_tokens`."""
+    def prefill(tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] after feeding the prompt block (in pieces, so no [T, T] mask is ever built)."""
         if cache is None:  # the oracle: the whole sequence, a fresh cache with the same patterns
-            sequence = torch.cat([input_ids, generated], dim=1) if generated.numel() else input_ids
-            return model(sequence, model.make_cache(batch, cache_config), mask)[:, -1]
-        if new_tokens.shape[1] == 1 and bool(mask[:, -1].all()):  # a decode step: every new token is real
-            return decode(new_tokens, cache, None)[:, -1]
-        chunk = prefill_chunk_size or min(new_tokens.shape[1], DEFAULT_PREFILL_CHUNK)
+            return model(input_ids, model.make_cache(batch, cache_config), full_mask)[:, -1]
+        chunk = prefill_chunk_size or min(tokens.shape[1], DEFAULT_PREFILL_CHUNK)
         start = cache.columns
-        for i in range(0, new_tokens.shape[1], chunk):
-            piece = new_tokens[:, i : i + chunk]
-            logits = model(piece, cache, mask[:, : start + i + piece.shape[1]])
+        for i in range(0, tokens.shape[1], chunk):
+            piece = tokens[:, i : i + chunk]
+            logits = model(piece, cache, full_mask[:, : start + i + piece.shape[1]])
         return logits[:, -1]
 
-    generated = input_ids.new_empty(batch, 0)
+    def next_logits(step: int) -> torch.Tensor:
+        """Logits [B, V] after feeding generated token `step` (always a real token)."""
+        if cache is None:  # recompute the whole sequence so far
+            sequence = torch.cat([input_ids, generated[:, : step + 1]], dim=1)
+            mask = torch.cat([full_mask, full_mask.new_ones(batch, step + 1)], dim=1)
+            return model(sequence, model.make_cache(batch, cache_config), mask)[:, -1]
+        return decode(generated[:, step : step + 1], cache, None)[:, -1]
+
+    generated = input_ids.new_full((batch, max_new_tokens), pad_id)  # [B, T_new]
     all_logits = []
     done = torch.zeros(batch, dtype=torch.bool, device=device)
-    logits = step_logits(block, full_mask)
+    logits = prefill(block)
+    steps = max_new_tokens
     for step in range(max_new_tokens):
         all_logits.append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         token = sample_next(logits, temperature, top_k, top_p, generator) if do_sample else logits.argmax(-1)
-        token = torch.where(done, torch.full_like(token, pad_id), token)
-        generated = torch.cat([generated, token[:, None]], dim=1)
         if eos.numel():
+            token = torch.where(done, torch.full_like(token, pad_id), token)
             done |= torch.isin(token, eos)
-        full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], dim=1)
-        if bool(done.all()) or step == max_new_tokens - 1:
+        generated[:, step] = token
+        if step == max_new_tokens - 1 or (eos.numel() and bool(done.all())):
+            steps = step + 1
             break
-        logits = step_logits(token[:, None], full_mask)
-    sequences = torch.cat([input_ids, generated], dim=1)
+        logits = next_logits(step)
+    sequences = torch.cat([input_ids, generated[:, :steps]], dim=1)
     return GenerateOutput(sequences, torch.stack(all_logits, dim=1), cache)
