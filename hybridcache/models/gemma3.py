@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -11,8 +13,46 @@ from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbeddin
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
 
 NATIVE_TYPE = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+@dataclass(kw_only=True)
+class Gemma3Config(FamilyConfig):
+    """HF Gemma3TextConfig (transformers 5) fields the model reads, with HF defaults. `rope_theta` and
+    `rope_local_base_freq` (older configs) apply to full / sliding layers when `rope_parameters` is absent."""
+
+    family: ClassVar[str] = "gemma3"
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 1
+    intermediate_size: int = param(positive=True)
+    num_attention_heads: int = param(positive=True)
+    num_key_value_heads: int = param(4, positive=True)
+    head_dim: int = param(256, positive=True)
+    hidden_activation: str = "gelu_pytorch_tanh"
+    rms_norm_eps: float = param(1e-6, positive=True)
+    max_position_embeddings: int = param(131_072, positive=True)
+    rope_parameters: dict | None = None
+    rope_theta: float = param(1_000_000.0, positive=True)
+    rope_local_base_freq: float = param(10_000.0, positive=True)
+    attention_bias: bool = False
+    query_pre_attn_scalar: int | float = param(256, positive=True)
+    sliding_window: int | None = param(4096, positive=True)
+    sliding_window_pattern: int = param(6, positive=True, aliases=("_sliding_window_pattern",))
+    layer_types: list[str] | None = param(None, choices=tuple(NATIVE_TYPE))  # else from sliding_window_pattern
+    final_logit_softcapping: float | None = param(None, nonnegative=True)
+    attn_logit_softcapping: float | None = param(None, nonnegative=True)
+
+    def problems(self) -> list[str]:
+        out = attention_problems(self)
+        bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
+        out += [bad] if bad else []
+        if self.sliding_window is None and "sliding_attention" in layer_types(self.to_dict()):
+            out.append("sliding_window is null but there are sliding_attention layers")
+        return out
 
 
 def layer_types(config: dict) -> list[str]:
@@ -61,11 +101,13 @@ class Gemma3LM(HybridLM):
     family = "gemma3"
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: dict) -> None:
-        super().__init__(config)
-        self.types = layer_types(config)
-        self.model = Gemma3Inner(config, self.types)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+    def __init__(self, config: Mapping[str, Any] | Gemma3Config) -> None:
+        cfg = Gemma3Config.from_hf(config)
+        super().__init__(cfg.to_dict())
+        self.cfg = cfg
+        self.types = layer_types(self.config)
+        self.model = Gemma3Inner(self.config, self.types)
+        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.config

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
 import torch
 from torch import nn
 
@@ -10,14 +13,58 @@ from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
 from hybridcache.blocks.moe import SparseMoE
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
 
-# HF JambaConfig defaults for keys a config.json may leave out.
-DEFAULTS = {
-    "attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2, "expert_layer_offset": 1,
-    "num_experts": 16, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
-    "mamba_dt_rank": "auto", "mamba_conv_bias": True, "mamba_proj_bias": False, "hidden_act": "silu",
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-}
+
+@dataclass(kw_only=True)
+class JambaConfig(FamilyConfig):
+    """HF JambaConfig (transformers 5) fields the model reads, with HF defaults; `num_local_experts` is an alias."""
+
+    family: ClassVar[str] = "jamba"
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    intermediate_size: int = param(positive=True)
+    num_attention_heads: int = param(positive=True)
+    num_key_value_heads: int | None = param(8, positive=True)  # None: num_attention_heads
+    head_dim: int | None = param(None, positive=True)  # None: hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    rms_norm_eps: float = param(1e-6, positive=True)
+    attn_layer_period: int = param(8, positive=True)
+    attn_layer_offset: int = param(4, nonnegative=True)
+    expert_layer_period: int = param(2, positive=True)
+    expert_layer_offset: int = param(1, nonnegative=True)
+    num_experts: int = param(16, positive=True, aliases=("num_local_experts",))
+    num_experts_per_tok: int = param(2, positive=True)
+    mamba_d_state: int = param(16, positive=True)
+    mamba_d_conv: int = param(4, positive=True)
+    mamba_expand: int = param(2, positive=True)
+    mamba_dt_rank: int | str = param("auto", positive=True)  # "auto": ceil(hidden_size / 16)
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    layers_block_type: list[str] | None = param(None, choices=("attention", "mamba"))  # else period/offset
+    layers_num_experts: list[int] | None = param(None, positive=True)  # else expert period/offset
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+
+    def problems(self) -> list[str]:
+        out = attention_problems(self)
+        if self.attn_layer_offset >= self.attn_layer_period:
+            out.append(f"attn_layer_offset ({self.attn_layer_offset}) must be < attn_layer_period ({self.attn_layer_period})")
+        if self.expert_layer_offset >= self.expert_layer_period:
+            out.append(f"expert_layer_offset ({self.expert_layer_offset}) must be < expert_layer_period "
+                       f"({self.expert_layer_period})")
+        if self.num_experts_per_tok > self.num_experts:
+            out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
+        if isinstance(self.mamba_dt_rank, str) and self.mamba_dt_rank != "auto":
+            out.append(f"mamba_dt_rank must be a positive int or 'auto', got {self.mamba_dt_rank!r}")
+        for name in ("layers_block_type", "layers_num_experts"):
+            bad = length_problem(name, getattr(self, name), self.num_hidden_layers)
+            out += [bad] if bad else []
+        return out
 
 
 def block_types(config: dict) -> list[str]:
@@ -88,12 +135,10 @@ class JambaLM(HybridLM):
     family = "jamba"
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: dict) -> None:
-        config = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-        if "num_local_experts" in config:  # HF attribute alias
-            config["num_experts"] = config.pop("num_local_experts")
-        config.setdefault("num_key_value_heads", config["num_attention_heads"])
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any] | JambaConfig) -> None:
+        cfg = JambaConfig.from_hf(config)
+        super().__init__(cfg.to_dict())
+        self.cfg = cfg
         self.types = block_types(self.config)
         self.model = JambaInner(self.config, self.types)
         self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)

@@ -3,6 +3,9 @@ temperature tuning, dense and mixture-of-experts feed-forwards."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
 import torch
 from torch import nn
 
@@ -11,6 +14,62 @@ from hybridcache.blocks.llama4_moe import Llama4MoE
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+
+
+@dataclass(kw_only=True)
+class Llama4Config(FamilyConfig):
+    """HF Llama4TextConfig (transformers 5) fields the model reads, with HF defaults (older configs'
+    `rope_scaling` + `rope_theta` are read when `rope_parameters` is absent)."""
+
+    family: ClassVar[str] = "llama4"
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    intermediate_size: int = param(positive=True)
+    intermediate_size_mlp: int = param(16384, positive=True)
+    num_attention_heads: int = param(positive=True)
+    num_key_value_heads: int | None = param(8, positive=True)  # None: num_attention_heads
+    head_dim: int | None = param(128, positive=True)  # None: hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    rms_norm_eps: float = param(1e-5, positive=True)
+    max_position_embeddings: int = param(131_072, positive=True)
+    num_experts_per_tok: int = param(1, positive=True)
+    num_local_experts: int = param(16, positive=True)
+    moe_layers: list[int] | None = param(None, nonnegative=True)  # else every interleave_moe_layer_step-th
+    interleave_moe_layer_step: int = param(1, positive=True)
+    use_qk_norm: bool = True
+    rope_parameters: dict | None = None
+    rope_scaling: dict | None = None
+    rope_theta: float = param(500_000.0, positive=True)
+    no_rope_layers: list[int] | None = param(None, nonnegative=True)  # 1 = RoPE layer, 0 = NoPE layer
+    no_rope_layer_interval: int = param(4, positive=True)
+    attention_chunk_size: int | None = param(8192, positive=True)
+    layer_types: list[str] | None = param(None, choices=("chunked_attention", "full_attention"))
+    attn_temperature_tuning: bool = True
+    floor_scale: int | float = param(8192, positive=True)
+    attn_scale: float = 0.1
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def problems(self) -> list[str]:
+        out = attention_problems(self)
+        for name in ("layer_types", "no_rope_layers"):
+            bad = length_problem(name, getattr(self, name), self.num_hidden_layers)
+            out += [bad] if bad else []
+        if any(f not in (0, 1) for f in self.no_rope_layers or []):
+            out.append(f"no_rope_layers entries must be 0 or 1, got {self.no_rope_layers}")
+        if any(i >= self.num_hidden_layers for i in self.moe_layers or []):
+            out.append(f"moe_layers {self.moe_layers} has indices >= num_hidden_layers ({self.num_hidden_layers})")
+        if self.num_experts_per_tok > self.num_local_experts:
+            out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts "
+                       f"({self.num_local_experts})")
+        return out
 
 
 def uses_rope(config: dict) -> list[bool]:
@@ -130,13 +189,13 @@ class Llama4LM(HybridLM):
     family = "llama4"
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: dict) -> None:
-        config = dict(config)
-        config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        super().__init__(config)
-        self.types = layer_types(config)
-        self.model = Llama4Inner(config)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+    def __init__(self, config: Mapping[str, Any] | Llama4Config) -> None:
+        cfg = Llama4Config.from_hf(config)
+        super().__init__(cfg.to_dict())
+        self.cfg = cfg
+        self.types = layer_types(self.config)
+        self.model = Llama4Inner(self.config)
+        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.config

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
 from hybridcache.cache import NativeLayer
+from hybridcache.models.family_config import FamilyConfig, param
 from hybridcache.models.ssm_lm import SSMLM
 
-# HF MambaConfig defaults for keys a config.json may leave out.
-DEFAULTS = {
-    "state_size": 16, "expand": 2, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True,
-    "hidden_act": "silu", "layer_norm_epsilon": 1e-5, "residual_in_fp32": True, "time_step_rank": "auto",
-    "tie_word_embeddings": True,
-}
+
+@dataclass(kw_only=True)
+class MambaConfig(FamilyConfig):
+    """HF MambaConfig (transformers 5) fields the model reads, with HF defaults."""
+
+    family: ClassVar[str] = "mamba"
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 0
+    state_size: int = param(16, positive=True)
+    expand: int = param(2, positive=True)
+    intermediate_size: int | None = param(None, positive=True)  # None: expand * hidden_size (as HF)
+    conv_kernel: int = param(4, positive=True)
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    hidden_act: str = "silu"
+    layer_norm_epsilon: float = param(1e-5, positive=True)
+    residual_in_fp32: bool = True
+    time_step_rank: int | str = param("auto", positive=True)  # "auto": ceil(hidden_size / 16)
+
+    def problems(self) -> list[str]:
+        if isinstance(self.time_step_rank, str) and self.time_step_rank != "auto":
+            return [f"time_step_rank must be a positive int or 'auto', got {self.time_step_rank!r}"]
+        return []
 
 
 def intermediate_size(config: dict) -> int:
@@ -20,9 +43,7 @@ def intermediate_size(config: dict) -> int:
 
 class MambaLM(SSMLM):
     family = "mamba"
-
-    def __init__(self, config: dict) -> None:
-        super().__init__({**DEFAULTS, **{k: v for k, v in config.items() if v is not None}})
+    config_class = MambaConfig
 
     @staticmethod
     def make_mixer(config: dict) -> MambaMixer:

@@ -11,7 +11,9 @@ Window: HF (transformers 5.x, masking_utils + DynamicSlidingWindowLayer) lets a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import cycle, islice
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -21,6 +23,47 @@ from hybridcache.blocks.rglru import RecurrentBlock
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+
+
+@dataclass(kw_only=True)
+class RecurrentGemmaConfig(FamilyConfig):
+    """HF RecurrentGemmaConfig (transformers 5) fields the model reads, with HF defaults."""
+
+    family: ClassVar[str] = "recurrentgemma"
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 1
+    intermediate_size: int = param(positive=True)
+    num_attention_heads: int = param(positive=True)
+    num_key_value_heads: int | None = param(None, positive=True)  # None: num_attention_heads
+    head_dim: int | None = param(None, positive=True)  # None: hidden_size // num_attention_heads
+    lru_width: int | None = param(None, positive=True)  # None: hidden_size
+    attention_window_size: int = param(2048, positive=True, aliases=("sliding_window",))
+    conv1d_width: int = param(4, positive=True)
+    logits_soft_cap: float | None = param(30.0, nonnegative=True)
+    rms_norm_eps: float = param(1e-6, positive=True)
+    hidden_activation: str = "gelu_pytorch_tanh"
+    rope_parameters: dict | None = None
+    rope_theta: float = param(10_000.0, positive=True)
+    partial_rotary_factor: float = param(0.5, positive=True)
+    block_types: list[str] = param(["recurrent", "recurrent", "attention"], choices=("recurrent", "attention"))
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.lru_width = self.lru_width or self.hidden_size
+
+    def problems(self) -> list[str]:
+        out = attention_problems(self)
+        if not self.block_types:
+            out.append("block_types is empty")
+        if self.lru_width % self.num_attention_heads:
+            out.append(f"lru_width ({self.lru_width}) must be a multiple of num_attention_heads "
+                       f"({self.num_attention_heads})")
+        return out
 
 
 def block_types(config: dict) -> list[str]:
@@ -93,11 +136,13 @@ class RecurrentGemmaLM(HybridLM):
     family = "recurrentgemma"
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: dict) -> None:
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any] | RecurrentGemmaConfig) -> None:
+        cfg = RecurrentGemmaConfig.from_hf(config)
+        super().__init__(cfg.to_dict())
+        self.cfg = cfg
         self.types = block_types(self.config)
         self.model = RecurrentGemmaInner(self.config, self.types)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.config

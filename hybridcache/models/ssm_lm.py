@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -10,6 +10,7 @@ from torch import nn
 from hybridcache.blocks import RMSNorm, StepInput
 from hybridcache.cache import CacheLayer
 from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import FamilyConfig
 
 
 class ResidualMixerBlock(nn.Module):
@@ -38,16 +39,19 @@ class SSMBackbone(nn.Module):
 
 
 class SSMLM(HybridLM):
-    """Base of MambaLM / Mamba2LM: a family gives `make_mixer(config)` and `native_layers()`."""
+    """Base of MambaLM / Mamba2LM: a family gives `config_class`, `make_mixer(config)` and `native_layers()`."""
 
+    config_class: ClassVar[type[FamilyConfig]]
     tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
 
     @staticmethod
     def make_mixer(config: dict) -> nn.Module:
         raise NotImplementedError
 
-    def __init__(self, config: dict) -> None:
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any] | FamilyConfig) -> None:
+        cfg = self.config_class.from_hf(config)
+        super().__init__(cfg.to_dict())
+        self.cfg = cfg
         self.backbone = SSMBackbone(self.config, self.make_mixer)
         self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
 
