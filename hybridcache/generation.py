@@ -1,7 +1,8 @@
 """Generation: prefill (whole or in chunks), decode, greedy or sampling, per-row eos, left padding, continuation.
 
-Inputs are sliced by what the cache has already seen: pass `cache=out.cache` with either the whole previous
-sequence plus new tokens, or only the new tokens together with the attention mask of the whole sequence.
+Continuation has one rule: with `cache=`, `input_ids` (and `attention_mask`, if given) cover the WHOLE sequence,
+i.e. the `cache.columns` tokens the cache saw followed by new ones; the cache's token fingerprint verifies the
+first part, so passing only the new tokens is an error, never a silent guess.
 `use_cache=False` is the oracle: every step recomputes the whole sequence with the same per-layer patterns.
 """
 
@@ -12,8 +13,11 @@ from typing import Any, Mapping
 
 import torch
 
+import threading
+
 from hybridcache.cache import Cache
-from hybridcache.models.base import HybridLM
+from hybridcache.cache.sequence import token_fingerprint
+from hybridcache.models.base import HybridLM, check_mask
 
 # Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
 # full-length [T, T] mask or score matrix is ever built (sliding/chunked/recurrent memory stays flat in T).
@@ -27,13 +31,13 @@ class GenerateOutput:
     cache: Cache | None  # pass back as cache= to continue (None when use_cache=False)
 
 
-def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
 def sample_next(
@@ -52,44 +56,44 @@ def sample_next(
     return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-def _prompt_block(input_ids, attention_mask, cache: Cache | None):
-    """What to feed now and the mask of the whole sequence so far."""
-    if cache is None:
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        if mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
-        return input_ids, mask
-    cached, tokens = cache.columns, input_ids.shape[1]
-    if attention_mask is not None and attention_mask.shape[1] == cached + tokens:  # only the new tokens
-        return input_ids, attention_mask
-    if tokens > cached and (attention_mask is None or attention_mask.shape[1] == tokens):  # the whole sequence
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        return input_ids[:, cached:], mask
-    if attention_mask is None:  # only new tokens, all real
-        return input_ids, torch.ones(input_ids.shape[0], cached + tokens, dtype=torch.long, device=input_ids.device)
-    raise ValueError(
-        f"the cache holds {cached} tokens; input_ids ({tokens} tokens) must be the whole sequence (more than "
-        f"{cached} tokens) or only the new tokens with an attention_mask of {cached + tokens} columns, "
-        f"but attention_mask has {attention_mask.shape[1]}"
-    )
-
-
-def _check_capacity(cache: Cache, needed: int) -> None:
-    for i, layer in enumerate(cache):
-        max_length = getattr(layer.spec, "max_length", None)
-        if max_length is not None and needed > max_length:
+def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """The tokens the cache has not seen, after checking that input_ids start with what it saw."""
+    cached, width = cache.columns, input_ids.shape[1]
+    if width <= cached:
+        raise ValueError(
+            f"with cache=, input_ids must be the whole sequence: the {cached} tokens the cache saw followed by new "
+            f"ones, but input_ids have only {width} columns"
+        )
+    seen = mask[:, :cached].sum(1)
+    if not torch.equal(seen, cache.seq.seen):
+        row = int((seen != cache.seq.seen).nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} marks {int(seen[row])} of the first {cached} columns as real, but the cache saw "
+            f"{int(cache.seq.seen[row])} real tokens in that row"
+        )
+    if cache.seq.fingerprint is not None:
+        prefix = mask[:, :cached].bool()
+        positions = torch.where(prefix, prefix.long().cumsum(1) - 1, -1)
+        differs = token_fingerprint(input_ids[:, :cached], positions) != cache.seq.fingerprint
+        if bool(differs.any()):
             raise ValueError(
-                f"cache layer {i} is preallocated for max_length={max_length} tokens, but this request needs "
-                f"{needed} (prompt plus max_new_tokens - 1); build the cache with max_length >= {needed}"
+                f"input_ids[:, :{cached}] (row {int(differs.nonzero()[0])}) are not the tokens the cache saw. With "
+                "cache=, pass the whole sequence (the cache's tokens followed by new ones), e.g. out.sequences plus "
+                "new tokens, never only the new tokens"
             )
+    return input_ids[:, cached:]
+
+
+_COMPILE_LOCK = threading.Lock()
 
 
 def compiled_decode_step(model: HybridLM):
     """`model.forward_block` compiled once per model (dynamic ints: the cache's column counter changes each step)."""
-    step = getattr(model, "_compiled_decode_step", None)
-    if step is None:
-        step = torch.compile(model.forward_block, dynamic=True)
-        model._compiled_decode_step = step
+    with _COMPILE_LOCK:  # two threads must not both compile and race on the attribute
+        step = getattr(model, "_compiled_decode_step", None)
+        if step is None:
+            step = torch.compile(model.forward_block, dynamic=True)
+            model._compiled_decode_step = step
     return step
 
 
@@ -122,36 +126,49 @@ def generate(
         raise ValueError("input_ids is empty: give every row at least one token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
+    if prefill_chunk_size is not None and (
+        isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
+    ):
         raise ValueError(f"prefill_chunk_size must be a positive integer or None, got {prefill_chunk_size!r}")
-    if do_sample:
-        _check_sampling(temperature, top_k, top_p)
+    _check_sampling(temperature, top_k, top_p)  # also when greedy: a bad value is a bug in the caller either way
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
     if cache is not None and cache_config is not None:
         raise ValueError("pass either cache= (continue from it) or cache_config= (build a new cache), not both")
     if cache is not None and not use_cache:
         raise ValueError("use_cache=False recomputes from scratch and cannot continue from a cache")
-    device = model.device
-    input_ids = input_ids.to(device)
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-            raise ValueError("attention_mask must be a 2-d tensor of 0/1")
-        if attention_mask.shape[0] != input_ids.shape[0]:
-            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {input_ids.shape[0]}")
-        attention_mask = attention_mask.to(device).long()
-    batch = input_ids.shape[0]
-    if cache is not None:
-        model.check_cache(cache, batch)
-    block, full_mask = _prompt_block(input_ids, attention_mask, cache)  # a given cache: slice what it has seen
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step; it cannot be combined with use_cache=False")
-    if use_cache and cache is None:
-        max_length = input_ids.shape[1] + max_new_tokens if compile else None
-        cache = model.make_cache(batch, cache_config, max_length)
-    decode = compiled_decode_step(model) if compile else model.forward_block
-    if not bool(full_mask.bool().any(1).all()):
+    device = model.device
+    input_ids = input_ids.to(device)
+    batch, width = input_ids.shape
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= model.vocab_size:
+        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {model.vocab_size})")
+    if attention_mask is None:
+        full_mask = torch.ones(batch, width, dtype=torch.bool, device=device)
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)} (the whole sequence), got {got}")
+        full_mask = check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width)
+    if not bool(full_mask.any(1).all()):
         raise ValueError("every row needs at least one real token (a row of the attention_mask is all zeros)")
     if cache is not None:
-        _check_capacity(cache, cache.columns + block.shape[1] + max_new_tokens - 1)
+        model.check_cache(cache, batch)
+        block = _continuation(input_ids, full_mask, cache)
+    else:
+        block = input_ids
+    if use_cache and cache is None:
+        max_length = int(full_mask.sum(1).max()) + max_new_tokens if compile else None
+        cache = model.make_cache(batch, cache_config, max_length)
+    if cache is not None:  # every prefill piece and decode step must fit: check before the first write
+        seen_after = cache.seq.seen + full_mask[:, cache.columns:].sum(1) + max_new_tokens - 1
+        try:
+            cache.check_capacity(seen_after)
+        except ValueError as e:
+            raise ValueError(f"{e} (this request needs {int(seen_after.max())} tokens per row: the prompt plus "
+                             f"max_new_tokens - 1)") from None
+    decode = compiled_decode_step(model) if compile else model.forward_block
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
     pad_id = model.config.get("pad_token_id")
     pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
@@ -165,7 +182,8 @@ def generate(
         start = cache.columns
         for i in range(0, tokens.shape[1], chunk):
             piece = tokens[:, i : i + chunk]
-            logits = model(piece, cache, full_mask[:, : start + i + piece.shape[1]])
+            valid = full_mask[:, start + i : start + i + piece.shape[1]]
+            logits = model.run_block(piece, cache, None if bool(valid.all()) else valid)
         return logits[:, -1]
 
     def next_logits(step: int) -> torch.Tensor:
@@ -174,7 +192,7 @@ def generate(
             sequence = torch.cat([input_ids, generated[:, : step + 1]], dim=1)
             mask = torch.cat([full_mask, full_mask.new_ones(batch, step + 1)], dim=1)
             return model(sequence, model.make_cache(batch, cache_config), mask)[:, -1]
-        return decode(generated[:, step : step + 1], cache, None)[:, -1]
+        return model.run_block(generated[:, step : step + 1], cache, None, step=decode, check=False)[:, -1]
 
     generated = input_ids.new_full((batch, max_new_tokens), pad_id)  # [B, T_new]
     all_logits = []

@@ -56,6 +56,11 @@ class AttentionMixer(nn.Module):
             q, k = self.rotary(q, k, step.rope_positions)
         if self.query_hook is not None:
             q = self.query_hook(q, step)
-        view = layer.update(k.to(layer.spec.dtype), v.to(layer.spec.dtype), step.cache_valid)
-        out = masked_attention(q, view.keys.to(q.dtype), view.values.to(q.dtype), view.mask, self.scale, self.softcap)
+        view = layer.update(k.to(layer.spec.dtype), v.to(layer.spec.dtype))
+        keys, values = view.keys.to(q.dtype), view.values.to(q.dtype)
+        if layer.wants_attention_weights:  # score-based eviction (H2O / TOVA) reads the block's weights
+            out, weights = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, return_weights=True)
+            layer.observe_attention(weights)
+        else:
+            out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap)
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))

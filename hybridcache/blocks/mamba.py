@@ -92,5 +92,5 @@ class MambaMixer(nn.Module):
             y, ssm = selective_scan(t(u), t(delta), a, t(b), t(c), self.D, t(z), self.dt_proj.bias,
                                     delta_softplus=True, state=states["ssm"])
             y = y.transpose(1, 2)  # [B, T, Di]
-        layer.update(step.cache_valid, conv=conv.to(layer.spec.dtype), ssm=ssm.to(layer.spec.state_dtype))
+        layer.update(conv=conv.to(layer.spec.dtype), ssm=ssm.to(layer.spec.state_dtype))
         return self.out_proj(y.to(h.dtype))

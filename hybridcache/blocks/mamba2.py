@@ -4,7 +4,7 @@ The conv and SSM states live only in the mixer's `mamba2` cache layer: every blo
 and writes both back, so a sequence fed in any split gives the same result. Left padding is made invisible by
 zeroing the conv input, the conv output and dt at padding positions (decay exp(0 * A) = 1, no input).
 
-Precision: float32 models on CPU compute the mixer in float64 (`Mamba2Mixer.upcast_cpu_float32`). BLAS rounds a
+Precision: float32 models on CPU compute the mixer in float64 (per model: `model.upcast_cpu_float32`). BLAS rounds a
 token's projection differently depending on how many tokens share the matmul, and the chunked scan rounds differently
 from the step; Mamba2 amplifies such ulp-level differences ~10x into the logits. In float64, with the in_proj output
 rounded back to the model dtype (so the stored conv state is exact), any split of a sequence gives the same logits
@@ -62,8 +62,6 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """The Mamba2 SSD mixer: forward(h [B, T, D], layer, step) -> [B, T, D]."""
 
-    upcast_cpu_float32: bool = True  # see the module docstring
-
     def __init__(
         self,
         hidden: int,
@@ -81,8 +79,10 @@ class Mamba2Mixer(nn.Module):
         norm_before_gate: bool = False,
         eps: float = 1e-5,
         activation: str = "silu",
+        upcast_cpu_float32: bool = True,
     ) -> None:
         super().__init__()
+        self.upcast_cpu_float32 = upcast_cpu_float32  # see the module docstring; set per model
         if num_heads % n_groups != 0:
             raise ValueError(f"mamba2: num_heads={num_heads} must be a multiple of n_groups={n_groups}")
         if activation not in ("silu", "swish"):
@@ -159,7 +159,7 @@ class Mamba2Mixer(nn.Module):
                 rearrange(x, "b t (h p) -> b t h p", p=self.head_dim), dt, A,
                 rearrange(b, "b t (g n) -> b t g n", g=g), rearrange(c, "b t (g n) -> b t g n", g=g),
                 self.chunk_size, D=D, state=states["ssm"])  # y [B, T, H, P]
-        layer.update(step.cache_valid, conv=conv_state.to(states["conv"].dtype), ssm=ssm_state.to(states["ssm"].dtype))
+        layer.update(conv=conv_state.to(states["conv"].dtype), ssm=ssm_state.to(states["ssm"].dtype))
         y = rearrange(y, "b t h p -> b t (h p)")  # [B, T, I]
         y = self.norm(y, z.to(acc)) if self.norm is not None else y * F.silu(z.to(acc))
         return F.linear(y.to(cd), cast(self.out_proj.weight), cast(self.out_proj.bias)).to(dtype)  # [B, T, D]

@@ -88,5 +88,5 @@ class RecurrentBlock(nn.Module):
             xc = xc.transpose(1, 2)
         out, lru_state = self.rg_lru(xc, states["lru"], step)  # [B, T, W], [B, W]
         spec = layer.spec
-        layer.update(step.cache_valid, conv=conv_state.to(spec.dtype), lru=lru_state.to(spec.state_dtype))
+        layer.update(conv=conv_state.to(spec.dtype), lru=lru_state.to(spec.state_dtype))
         return self.linear_out(out * y)

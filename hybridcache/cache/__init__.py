@@ -1,6 +1,7 @@
-"""The Cache: one cache layer object per model layer, drawn from a registry of types.
+"""The Cache: per decoder layer one cache layer (or a group of them) drawn from a registry of types.
 
-Attention types: full, sliding (window), chunked (chunk_size); recurrent types: mamba, mamba2, rglru, conv.
+Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window); any of them stores tokens
+with a codec (`storage`: dense, int8, ...). Recurrent types: mamba, mamba2, rglru, conv.
 """
 
 from hybridcache.cache.attention import (
@@ -12,9 +13,10 @@ from hybridcache.cache.attention import (
 )
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.base import CacheLayer, LayerSnapshot, LayerSpec, tunable
-from hybridcache.cache.cache import Cache, CacheSnapshot
+from hybridcache.cache.cache import Cache, CacheGroup, CacheSnapshot
 from hybridcache.cache.errors import CacheConfigError, CacheCropError, CacheError
-from hybridcache.cache.plan import CachePlan, LayerPlan, NativeLayer, resolve_plan
+from hybridcache.cache.kv_codecs import DenseCodec, KVCodec, available_codecs, get_codec, register_kv_codec
+from hybridcache.cache.plan import CachePlan, LayerPlan, NativeGroup, NativeLayer, resolve_plan
 from hybridcache.cache.recurrent import (
     ConvSpec,
     ConvStateLayer,
@@ -27,13 +29,18 @@ from hybridcache.cache.recurrent import (
     RGLRUSpec,
     RGLRUStateLayer,
 )
-from hybridcache.cache.registry import available_layers, get_layer_class, register_cache_layer
+from hybridcache.cache.registry import available_layers, get_layer_class, load_plugins, register_cache_layer
+from hybridcache.cache.sequence import BlockState, SequenceState
+
+# Built-in extensions, written exactly as a user's plugin module would be (one file each).
+from hybridcache.cache import int8_storage, sink  # noqa: E402,F401  isort: skip
 
 __all__ = [
-    "AttentionCacheLayer", "AttentionSpec", "AttentionView", "Cache", "CacheConfigError", "CacheCropError",
-    "CacheError", "CacheLayer", "CachePlan", "CacheSnapshot", "ChunkedAttentionLayer", "ChunkedSpec", "ConvSpec",
-    "ConvStateLayer", "FullAttentionLayer", "FullSpec", "LayerPlan", "LayerSnapshot", "LayerSpec", "Mamba2Spec",
-    "Mamba2StateLayer", "MambaSpec", "MambaStateLayer", "NativeLayer", "RGLRUSpec", "RGLRUStateLayer",
-    "RecurrentCacheLayer", "RecurrentSpec", "SlidingSpec", "SlidingWindowLayer", "available_layers",
-    "get_layer_class", "register_cache_layer", "resolve_plan", "tunable",
+    "AttentionCacheLayer", "AttentionSpec", "AttentionView", "BlockState", "Cache", "CacheConfigError",
+    "CacheCropError", "CacheError", "CacheGroup", "CacheLayer", "CachePlan", "CacheSnapshot", "ChunkedAttentionLayer",
+    "ChunkedSpec", "ConvSpec", "ConvStateLayer", "DenseCodec", "FullAttentionLayer", "FullSpec", "KVCodec",
+    "LayerPlan", "LayerSnapshot", "LayerSpec", "Mamba2Spec", "Mamba2StateLayer", "MambaSpec", "MambaStateLayer",
+    "NativeGroup", "NativeLayer", "RGLRUSpec", "RGLRUStateLayer", "RecurrentCacheLayer", "RecurrentSpec",
+    "SequenceState", "SlidingSpec", "SlidingWindowLayer", "available_codecs", "available_layers", "get_codec",
+    "get_layer_class", "load_plugins", "register_cache_layer", "register_kv_codec", "resolve_plan", "tunable",
 ]

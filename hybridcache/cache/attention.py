@@ -1,32 +1,30 @@
-"""Attention cache layers: `full`, `sliding`, `chunked`.
+"""Attention cache layers: `full`, `sliding`, `chunked` (and the base that new patterns subclass).
 
-Storage is per column: keys/values [B, H, S, D] plus `slot_col` [S], the block column each slot holds (-1: empty).
-A row's position for column c is `c - pad` with `pad = columns - seen` (left padding only), so masks come from the
-pattern and the held columns alone; no caller passes positions.
+Storage is per slot: the codec's parts of keys and values [B, H, S, ...] plus `key_pos` [B, S], the position each
+slot holds in its row (-1: empty or padding). Masks come from the spec's pattern and these positions alone.
 
-Dynamic (max_length None): `update` returns cat(held, new); afterwards only the columns some row can still see
-are kept (sliding: the last W-1 tokens, chunked: the current chunk). Preallocated (max_length set): static
-buffers; `full` writes into a linear buffer of max_length slots, `sliding`/`chunked` into a ring of W / C slots.
-A single-token block is written in place and the ring itself is returned: no roll, no copy of the window.
+Dynamic (max_length None): `update` returns cat(held, new); at commit only what some row's next query can still
+see is kept (sliding: the last W-1 tokens, chunked: the current chunk), or what an eviction policy picks.
+Preallocated (max_length set): static buffers whose slots the spec assigns (`slot_of`: linear for `full`, a ring of
+W / C slots for `sliding` / `chunked`). A one-token decode block is written in place and the buffer itself is
+returned: no roll, no copy of the window. Longer blocks attend over a copy and are written at commit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
-from hybridcache.cache.base import CacheLayer, check_valid_mask
+from hybridcache.cache.base import CacheLayer
 from hybridcache.cache.errors import CacheCropError, CacheError
+from hybridcache.cache.kv_codecs import DenseCodec, get_codec
 from hybridcache.cache.registry import register_cache_layer
+from hybridcache.cache.sequence import BlockState
 
-
-def column_positions(cols: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """Positions [B, S] of columns `cols` [S] for rows with `pad` [B] padding columns; -1 for padding/empty."""
-    pos = cols[None, :] - pad[:, None]
-    return torch.where((cols[None, :] >= 0) & (pos >= 0), pos, -1)
+SIDES = ("keys", "values")
 
 
 @dataclass
@@ -47,34 +45,92 @@ class AttentionView:
         return (q >= 0) & (k >= 0) & self.spec.visible(q, k)
 
 
+def _slot_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row slot index [B, S'] broadcast to gather/scatter along dim 2 of a [B, H, S', ...] tensor."""
+    b, n = index.shape
+    return index.view(b, 1, n, *([1] * (like.dim() - 3))).expand(b, like.shape[1], n, *like.shape[3:])
+
+
+def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [B, H, S, ...] at slots `index` ([S'] shared by rows, or [B, S'] per row) -> [B, H, S', ...]."""
+    if index.dim() == 1:
+        return t.index_select(2, index)
+    return t.gather(2, _slot_index(index, t))
+
+
 class AttentionCacheLayer(CacheLayer):
-    """Keys and values under a visibility pattern given by the spec; dynamic or preallocated storage."""
+    """Keys and values under a visibility pattern given by the spec, stored by the spec's codec.
+
+    Subclasses change the pattern through their spec, and which tokens a dynamic layer keeps through `_evict`.
+    A layer that sets `wants_attention_weights` gets the block's attention weights in `observe_attention`
+    (score-based eviction such as H2O / TOVA).
+    """
 
     kind = "attention"
     spec_cls = AttentionSpec
-    evicts = True  # False for patterns where every earlier token stays visible
+    evicts: ClassVar[bool] = True  # False for patterns where every earlier token stays visible
+    wants_attention_weights: ClassVar[bool] = False
     spec: AttentionSpec
-    _batch_tensors = ("keys", "values")
-    _other_tensors = ("slot_col",)
 
+    # -- storage -----------------------------------------------------------------------------------------------
     def _allocate(self, batch_size: int) -> None:
         s = self.spec
+        self.codec = get_codec(s.storage)
         slots = s.slots or 0
-        shape = (batch_size, s.num_kv_heads, slots, s.head_dim)  # [B, H, S, D]
-        self.keys = torch.zeros(shape, dtype=s.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=s.dtype, device=self.device)
-        self.slot_col = torch.full((slots,), -1, dtype=torch.long, device=self.device)
+        self._parts: dict[str, tuple[str, str]] = {}  # attribute -> (side, codec part)
+        for side in SIDES:
+            for part, (shape, dtype) in self.codec.fields(s.head_dim, s.dtype).items():
+                attr = f"{side}_{part or 'data'}"
+                self._parts[attr] = (side, part)
+                setattr(self, attr, torch.zeros(batch_size, s.num_kv_heads, slots, *shape, dtype=dtype, device=self.device))
+        self.key_pos = torch.full((batch_size, slots), -1, dtype=torch.long, device=self.device)  # [B, S]
+
+    @property
+    def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (*self._parts, "key_pos")
+
+    def nbytes(self) -> int:
+        storages = {}
+        for name in self._parts:
+            t = getattr(self, name)
+            if t.numel():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    @property
+    def is_exact(self) -> bool:
+        return self.exact and self.codec.exact
 
     @property
     def static(self) -> bool:
         return self.spec.max_length is not None
 
+    def _side(self, side: str) -> dict[str, torch.Tensor]:
+        return {part: getattr(self, attr) for attr, (s, part) in self._parts.items() if s == side}
+
+    def _set_side(self, side: str, parts: dict[str, torch.Tensor]) -> None:
+        for attr, (s, part) in self._parts.items():
+            if s == side:
+                setattr(self, attr, parts[part])
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values [B, H, S, D], decoded (the stored tensors themselves for dense storage)."""
+        return tuple(self.codec.decode(self._side(side), self.spec.dtype) for side in SIDES)  # type: ignore[return-value]
+
+    @property
+    def keys(self) -> torch.Tensor:  # for dense storage, the stored tensor itself
+        return self.read()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.read()[1]
+
     def key_positions(self) -> torch.Tensor:
         """Positions [B, S] of the held keys (-1: padding or empty slot)."""
-        return column_positions(self.slot_col, self.columns - self.seen)
+        return self.key_pos
 
     # -- update ------------------------------------------------------------------------------------------------
-    def _check_block(self, k: Any, v: Any, valid: Any) -> torch.Tensor:
+    def _check_kv(self, k: Any, v: Any) -> int:
         s, name = self.spec, self.name
         for label, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor):
@@ -94,90 +150,109 @@ class AttentionCacheLayer(CacheLayer):
                 raise CacheError(f"{name}: {label} are on {t.device}, the layer is on {self.device}")
         if k.shape != v.shape:
             raise CacheError(f"{name}: keys {tuple(k.shape)} and values {tuple(v.shape)} differ in shape")
-        tokens = k.shape[2]
-        if tokens == 0:
+        if k.shape[2] == 0:
             raise CacheError(f"{name}: empty block (0 tokens)")
-        if self.static and self.columns + tokens > s.max_length:
+        return k.shape[2]
+
+    def check_capacity(self, seen_after: torch.Tensor) -> None:
+        limit = self.spec.max_length
+        if limit is not None and bool((seen_after > limit).any()):
             raise CacheError(
-                f"{name}: a block of {tokens} tokens after {self.columns} exceeds the preallocated "
-                f"max_length={s.max_length}; build the cache with a larger max_length"
+                f"{self.name}: a row would hold {int(seen_after.max())} tokens, more than the preallocated "
+                f"max_length={limit}; build the cache with a larger max_length"
             )
-        if isinstance(valid, int) and not isinstance(valid, bool):
-            if valid != tokens:
-                raise CacheError(f"{name}: valid={valid} tokens, but the block has {tokens}")
-            valid = None
-        return check_valid_mask(valid, self.batch_size, tokens, self.seen, name)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | int | None = None) -> AttentionView:
-        """Append a block k, v [B, H, T, D] (`valid` [B, T]: real tokens; None or T = all real).
+        """Add a block k, v [B, H, T, D]; returns everything the block must attend to, with positions.
 
-        Returns everything the block must attend to, with positions for the mask.
+        Inside a Cache the block (its mask and positions) was opened by the Cache; a standalone layer takes the
+        block's real-token mask here (`valid` [B, T]; None or T = all real).
         """
-        valid = self._check_block(k, v, valid)
-        tokens = k.shape[2]
-        cols = torch.arange(self.columns, self.columns + tokens, device=self.device)  # [T]
-        seen = self.seen + valid.sum(1)
-        pad = (self.columns + tokens) - seen  # [B] padding columns per row
+        tokens = self._check_kv(k, v)
+        block, opened = self._open(valid, tokens)
+        try:
+            view = self._write(k, v, block)
+        except BaseException:
+            self._close(opened, failed=True)
+            raise
+        self._close(opened, failed=False)
+        return view
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> AttentionView:
+        if self.static and block.all_real and block.tokens == 1:  # decode: write in place, attend over the buffer
+            slots = self.spec.slot_of(block.positions)  # [B, 1]
+            for side, x in zip(SIDES, (k, v)):
+                for part, t in self.codec.encode(x).items():
+                    self._side(side)[part].scatter_(2, _slot_index(slots, t), t)
+            self.key_pos.scatter_(1, slots, block.positions)
+            self._staged = ("decode", slots)
+            keys, values = self.read()
+            return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
+        held_k, held_v = self.read()
+        keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)  # [B, H, S + T, D]
+        pos = torch.cat([self.key_pos, block.positions], dim=1)  # [B, S + T]
+        self._staged = ("block", k, v, keys, values, pos, block)
+        return AttentionView(keys, values, block.positions, pos, self.spec)
+
+    def _commit_staged(self, staged: Any) -> None:
+        if staged[0] == "decode":
+            return  # written in place
+        _, k, v, keys, values, pos, block = staged
         if self.static:
-            keys, values, key_cols = self._write_static(k, v, cols)
-        else:
-            keys, values, key_cols = self._write_dynamic(k, v, cols, seen, pad)
-        self.columns += tokens
-        self.seen = seen
-        query_pos = torch.where(valid, cols[None, :] - pad[:, None], -1)
-        return AttentionView(keys, values, query_pos, column_positions(key_cols, pad), self.spec)
+            self._commit_static(k, v, block)
+            return
+        for side, new, full in zip(SIDES, (k, v), (keys, values)):
+            if isinstance(self.codec, DenseCodec):
+                parts = self.codec.encode(full)  # dense: the view's tensors are the new storage, no second cat
+            else:
+                old, enc = self._side(side), self.codec.encode(new)
+                parts = {p: torch.cat([old[p], enc[p]], dim=2) for p in old}
+            self._set_side(side, parts)
+        self.key_pos = pos
+        if self.evicts:
+            index = self._evict(pos, block.seen_after)
+            if index is not None:
+                self._take(index)
 
-    def _keep(self, cols: torch.Tensor, seen: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        """Which columns [S] some row's next query can still see."""
-        pos = column_positions(cols, pad)
-        return ((pos >= 0) & self.spec.visible(seen[:, None], pos)).any(0)
+    def _abort_staged(self, staged: Any) -> None:
+        if staged[0] == "decode":  # the overwritten slot held a token no query can see any more; mark it empty
+            self.key_pos.scatter_(1, staged[1], -1)
 
-    def _write_dynamic(self, k, v, cols, seen, pad):
-        keys = torch.cat([self.keys, k], dim=2)  # [B, H, S + T, D]
-        values = torch.cat([self.values, v], dim=2)
-        key_cols = torch.cat([self.slot_col, cols])
-        self.keys, self.values, self.slot_col = keys, values, key_cols
-        if self.evicts:  # drop what no row can see any more
-            keep = self._keep(key_cols, seen, pad)
-            if not bool(keep.all()):
-                idx = keep.nonzero().squeeze(1)
-                self.keys, self.values = keys.index_select(2, idx), values.index_select(2, idx)
-                self.slot_col = key_cols[idx]
-        return keys, values, key_cols
+    def _evict(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
+        """Slots to keep after a block ([S'] for all rows or [B, S'] per row); None keeps everything.
 
-    def _write_static(self, k, v, cols):
-        tokens, ring = k.shape[2], self.spec.ring_size
-        if ring is None:  # linear buffer: columns are slots
-            self.keys.index_copy_(2, cols, k)
-            self.values.index_copy_(2, cols, v)
-            self.slot_col.index_copy_(0, cols, cols)
-            return self.keys, self.values, self.slot_col
-        size = self.slot_col.shape[0]
-        if tokens == 1:  # decode: overwrite the oldest slot, attend over the ring in place
-            slots = cols % size
-            self.keys.index_copy_(2, slots, k)
-            self.values.index_copy_(2, slots, v)
-            self.slot_col.index_copy_(0, slots, cols)
-            return self.keys, self.values, self.slot_col
-        # A longer block's first queries still need slots its later tokens overwrite: attend over a copy.
-        keys = torch.cat([self.keys, k], dim=2)
-        values = torch.cat([self.values, v], dim=2)
-        key_cols = torch.cat([self.slot_col, cols])
-        n = min(tokens, size)
-        slots = cols[-n:] % size
-        self.keys.index_copy_(2, slots, k[:, :, -n:])
-        self.values.index_copy_(2, slots, v[:, :, -n:])
-        self.slot_col.index_copy_(0, slots, cols[-n:])
-        return keys, values, key_cols
+        Default: the slots some row's next query (at position `seen`) can still see.
+        """
+        keep = ((pos >= 0) & self.spec.visible(seen[:, None], pos)).any(0)  # [S]
+        return None if bool(keep.all()) else keep.nonzero().squeeze(1)
+
+    def _take(self, index: torch.Tensor) -> None:
+        for attr in self._parts:
+            setattr(self, attr, _gather_slots(getattr(self, attr), index))
+        self.key_pos = self.key_pos.index_select(1, index) if index.dim() == 1 else self.key_pos.gather(1, index)
+
+    def _commit_static(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> None:
+        """Write a block's tokens into their slots: per row, the ones `stays_in_slots` keeps (distinct slots)."""
+        size = self.key_pos.shape[1]
+        pos = block.positions  # [B, T]
+        keep = self.spec.stays_in_slots(pos, block.seen_after[:, None]) & (pos >= 0)
+        slots = torch.where(keep, self.spec.slot_of(pos.clamp(min=0)), size)  # [B, T]; size = nowhere
+        source = torch.full((pos.shape[0], size + 1), -1, dtype=torch.long, device=self.device)
+        source.scatter_(1, slots, torch.arange(pos.shape[1], device=self.device).expand_as(slots))
+        source = source[:, :size]  # [B, S]: which block token lands in each slot, -1 for none
+        hit = source >= 0
+        for side, x in zip(SIDES, (k, v)):
+            enc = self.codec.encode(x)
+            for part, dst in self._side(side).items():
+                new = _gather_slots(enc[part], source.clamp(min=0))  # [B, H, S, ...]
+                mask = hit[:, None, :].reshape(*hit.shape[:1], 1, size, *([1] * (dst.dim() - 3)))
+                dst.copy_(torch.where(mask, new, dst))
+        self.key_pos.copy_(torch.where(hit, pos.gather(1, source.clamp(min=0)), self.key_pos))
 
     # -- crop --------------------------------------------------------------------------------------------------
-    def _prepare_crop(self, n: Any):
-        n = self._check_crop_length(n)
-        seen = (self.seen - (self.columns - n)).clamp(min=0)
-        pad = n - seen
-        kept = (self.slot_col >= 0) & (self.slot_col < n)  # [S]
-        pos = column_positions(torch.where(kept, self.slot_col, -1), pad)
-        have = ((pos >= 0) & self.spec.visible(seen[:, None], pos)).sum(1)
+    def _prepare_crop(self, n: int, seen: torch.Tensor):
+        kept = (self.key_pos >= 0) & (self.key_pos < seen[:, None])  # [B, S]
+        have = (kept & self.spec.visible(seen[:, None], self.key_pos)).sum(1)
         need = self.spec.needed_tokens(seen)
         if bool((have < need).any()):
             row = int((have < need).nonzero()[0])
@@ -187,17 +262,16 @@ class AttentionCacheLayer(CacheLayer):
                 f"{self.type_name} pattern). Take cache.snapshot() before the tokens you may roll back, "
                 "and cache.restore() it instead."
             )
-        return n, seen, kept
+        return kept
 
-    def _commit_crop(self, plan) -> None:
-        n, seen, kept = plan
+    def _commit_crop(self, kept: torch.Tensor) -> None:
         if self.static:
-            self.slot_col.masked_fill_(~kept, -1)
-        else:
-            idx = kept.nonzero().squeeze(1)
-            self.keys, self.values = self.keys.index_select(2, idx), self.values.index_select(2, idx)
-            self.slot_col = self.slot_col[idx]
-        self.columns, self.seen = n, seen
+            self.key_pos.masked_fill_(~kept, -1)
+            return
+        self.key_pos = torch.where(kept, self.key_pos, -1)
+        columns = kept.any(0)
+        if not bool(columns.all()):
+            self._take(columns.nonzero().squeeze(1))
 
 
 @register_cache_layer("full")

@@ -5,6 +5,9 @@ W counts the visible tokens including the current one (HF masking_utils, flash-a
     sliding(W)  q - W < kv <= q
     chunked(C)  kv // C == q // C  and  kv <= q
 Positions are absolute token positions of a row, left padding excluded.
+
+A spec also says how a preallocated (static) layout places positions into slots: a linear buffer (`full`), a ring
+(`sliding`, `chunked`), or anything compact a pattern needs (attention sinks: fixed slots, then a ring).
 """
 
 from __future__ import annotations
@@ -13,16 +16,23 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridcache.cache.base import LayerSpec, check_positive_int, dtype_nbytes, tunable
+from hybridcache.cache.base import LayerSpec, check_positive_int, tunable
+from hybridcache.cache.errors import CacheError
+from hybridcache.cache.kv_codecs import get_codec
 
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(LayerSpec):
-    """Keys and values of `num_kv_heads` heads of size `head_dim`; `max_length` preallocates static storage."""
+    """Keys and values of `num_kv_heads` heads of size `head_dim`.
+
+    `max_length` preallocates static storage for that many tokens per row; `storage` names the codec that stores
+    each kept token (`dense`, or e.g. `int8`; see kv_codecs.py).
+    """
 
     num_kv_heads: int
     head_dim: int
     max_length: int | None = tunable(None)
+    storage: str = tunable("dense")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -30,6 +40,9 @@ class AttentionSpec(LayerSpec):
         check_positive_int(owner, "num_kv_heads", self.num_kv_heads)
         check_positive_int(owner, "head_dim", self.head_dim)
         check_positive_int(owner, "max_length", self.max_length, allow_none=True)
+        if not isinstance(self.storage, str):
+            raise CacheError(f"{owner}: storage must be the name of a storage format, got {self.storage!r}")
+        get_codec(self.storage)  # unknown names fail here, with the list of known ones
 
     # -- the pattern -------------------------------------------------------------------------------------------
     def visible(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -45,11 +58,25 @@ class AttentionSpec(LayerSpec):
         """Slots of a preallocated ring buffer (None: a linear buffer of max_length slots)."""
         return None
 
+    # -- the static layout (used when max_length is set) -------------------------------------------------------
+    def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
+        """The slot that holds position `pos` (>= 0) in preallocated storage."""
+        ring = self.ring_size
+        return pos if ring is None else pos % ring
+
+    def stays_in_slots(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Which positions of a block to write into preallocated storage once a row has seen `seen` tokens.
+
+        Everything the pattern still needs, plus spare tokens for `crop`; the kept positions must map to
+        distinct slots. Default: the last `slots` positions.
+        """
+        return (pos >= 0) & (pos >= seen - self.slots)
+
     # -- memory ------------------------------------------------------------------------------------------------
     @property
     def token_nbytes(self) -> int:
-        """Bytes of one token's key and value."""
-        return 2 * self.num_kv_heads * self.head_dim * dtype_nbytes(self.dtype)
+        """Bytes of one token's key and value, as the storage format keeps them."""
+        return 2 * self.num_kv_heads * get_codec(self.storage).token_nbytes(self.head_dim, self.dtype)
 
     @property
     def slots(self) -> int | None:

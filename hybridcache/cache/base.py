@@ -1,13 +1,13 @@
 """The cache-layer contract: a frozen spec per layer type and the `CacheLayer` base class.
 
-Every entry of a `Cache` is a `CacheLayer`. It knows how many tokens each batch row has seen (`seen`, padding
-excluded) and how many block columns it was fed (`columns`, padding included; shared by all rows). Padding is
-left padding only: once a row has a real token, every later token of that row is real. That makes a row's
-padding count `columns - seen` constant, and the absolute position of any held column derivable from it.
+A `CacheLayer` holds storage only (keys/values, states). What the batch has seen lives in one `SequenceState`:
+the `Cache`'s, shared by all of its layers, or the layer's own when it is used standalone (tests, notebooks).
+Blocks are fed in a transaction: the sequence opens a block (mask validated, positions computed once), every
+layer checks it can take it (`check_block`), then stages its writes while the model runs (`update`), and
+`commit_block` / `abort_block` make them permanent or drop them. So a call that raises changes nothing.
 
-Every public method validates first and mutates after, so a call that raises leaves the layer unchanged.
-Batch operations are split into `_prepare_*` (validate, compute) and `_commit_*` (mutate) so that `Cache` can
-validate all of its layers before it changes any.
+Every other public method validates first and mutates after. Batch operations are split into `_prepare_*`
+(validate, compute) and `_commit_*` (mutate) so that `Cache` can validate all of its layers before it changes any.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from hybridcache.cache.errors import CacheError
+from hybridcache.cache.sequence import BlockState, SequenceState
 
 
 def tunable(default: Any = dataclasses.MISSING) -> Any:
@@ -39,6 +40,13 @@ def check_dtype(owner: str, name: str, value: Any) -> None:
         raise CacheError(f"{owner}: {name} must be a torch.dtype, got {value!r}")
 
 
+def check_float_dtype(owner: str, name: str, value: Any) -> None:
+    """A storage dtype for keys, values or states: a floating-point torch.dtype (integers would truncate)."""
+    check_dtype(owner, name, value)
+    if not value.is_floating_point:
+        raise CacheError(f"{owner}: {name} must be a floating-point dtype, got {value}")
+
+
 def dtype_nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -50,7 +58,7 @@ class LayerSpec:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        check_dtype(type(self).__name__, "dtype", self.dtype)
+        check_float_dtype(type(self).__name__, "dtype", self.dtype)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -83,50 +91,61 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class LayerSnapshot:
-    """A deep copy of one cache layer's state; `restore` puts it back bit-exactly."""
+    """A deep copy of one cache layer's storage and of the sequence state; `restore` puts it back bit-exactly."""
 
     type_name: str
     spec: LayerSpec
     columns: int
+    seen: torch.Tensor  # [B]
     tensors: Mapping[str, torch.Tensor]
 
 
-def check_valid_mask(valid: Any, batch: int, tokens: int, seen: torch.Tensor, owner: str) -> torch.Tensor:
-    """Validate a block's real-token mask [B, T] (None = all real) and return it as a bool tensor."""
-    if valid is None:  # every token real: nothing to check (and no data-dependent branch for torch.compile)
-        return torch.ones(batch, tokens, dtype=torch.bool, device=seen.device)
-    if not isinstance(valid, torch.Tensor):
-        raise CacheError(f"{owner}: the attention mask must be a tensor [B, T], got {type(valid).__name__}")
-    if valid.shape != (batch, tokens):
-        raise CacheError(f"{owner}: the attention mask has shape {tuple(valid.shape)}, expected {(batch, tokens)}")
-    if valid.dtype != torch.bool:
-        if valid.dtype.is_floating_point or valid.dtype.is_complex or not ((valid == 0) | (valid == 1)).all():
-            raise CacheError(f"{owner}: the attention mask must hold only 0/1 (or bool), got dtype {valid.dtype}")
-        valid = valid != 0
-    valid = valid.to(seen.device)
-    if tokens > 1 and bool((valid[:, 1:] < valid[:, :-1]).any()):
-        row = int((valid[:, 1:] < valid[:, :-1]).any(1).nonzero()[0])
-        raise CacheError(f"{owner}: row {row} has a padding token after a real token; only left padding is supported")
-    started = seen > 0
-    if bool((started & ~valid.all(1)).any()):
-        row = int((started & ~valid.all(1)).nonzero()[0])
-        raise CacheError(
-            f"{owner}: row {row} already holds {int(seen[row])} real tokens, so this block cannot contain padding "
-            "(left padding comes before a row's first real token)"
-        )
-    return valid
+def _index_dtype_ok(index: torch.Tensor) -> bool:
+    return index.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def check_row_index(index: Any, batch: int, what: str, owner: str, same_size: bool) -> torch.Tensor:
+    """A 1-d integer row index in [0, batch) (no floats, no bools: they would be truncated or mean a mask)."""
+    if not isinstance(index, torch.Tensor):
+        items = index if isinstance(index, (list, tuple)) else None
+        if items is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            raise CacheError(f"{owner}: {what} index must be a 1-d integer tensor or a list of ints, got {index!r}")
+        index = torch.tensor(items, dtype=torch.long)
+    if index.dim() != 1 or not _index_dtype_ok(index):
+        raise CacheError(f"{owner}: {what} index must be a 1-d integer tensor, got {index.dtype} {tuple(index.shape)}")
+    if index.numel() == 0:
+        raise CacheError(f"{owner}: {what} index is empty")
+    if same_size and index.numel() != batch:
+        raise CacheError(f"{owner}: reorder index has {index.numel()} entries for a batch of {batch}")
+    index = index.long()
+    if bool(((index < 0) | (index >= batch)).any()):
+        raise CacheError(f"{owner}: {what} index {index.tolist()} out of range for a batch of {batch}")
+    return index
 
 
 class CacheLayer(ABC):
-    """One entry of a `Cache`. Subclasses are registered with `@register_cache_layer(name)`."""
+    """One entry of a `Cache`. Subclasses are registered with `@register_cache_layer(name)`.
+
+    `exact = True` promises: feeding a sequence in any split gives the same attention inputs (or states) as
+    feeding it at once, so cached generation equals the full recompute with the same pattern. Lossy types
+    (quantized storage, score-based eviction) set it False and document their bound.
+    """
 
     type_name: ClassVar[str] = "?"  # set by the registry
     kind: ClassVar[str]  # "attention" or "recurrent"
     spec_cls: ClassVar[type[LayerSpec]]
-    _batch_tensors: ClassVar[tuple[str, ...]] = ()  # state tensors whose dim 0 is the batch
+    exact: ClassVar[bool] = True
+    _batch_tensors: ClassVar[tuple[str, ...]] = ()  # storage tensors whose dim 0 is the batch
     _other_tensors: ClassVar[tuple[str, ...]] = ()  # bookkeeping tensors without a batch dim
 
-    def __init__(self, spec: LayerSpec, batch_size: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        spec: LayerSpec,
+        batch_size: int,
+        device: torch.device | str | None = None,
+        *,
+        sequence: SequenceState | None = None,
+    ) -> None:
         if not isinstance(spec, self.spec_cls):
             raise CacheError(
                 f"cache type '{self.type_name}' needs a {self.spec_cls.__name__}, got {type(spec).__name__}"
@@ -134,8 +153,13 @@ class CacheLayer(ABC):
         check_positive_int(f"cache type '{self.type_name}'", "batch_size", batch_size)
         self.spec = spec
         self.device = torch.device(device if device is not None else "cpu")
-        self.seen = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # real tokens per row
-        self.columns = 0  # block columns fed, padding included (the same for every row)
+        self.standalone = sequence is None  # a standalone layer owns its sequence state
+        if sequence is None:
+            sequence = SequenceState(batch_size, self.device)
+        elif sequence.batch_size != batch_size:
+            raise CacheError(f"{self.name}: batch size {batch_size} but the sequence state has {sequence.batch_size}")
+        self.seq = sequence
+        self._staged: Any = None  # what this layer wrote for the open block; None: not fed yet
         self._allocate(batch_size)
 
     # -- what subclasses provide -----------------------------------------------------------------------------
@@ -143,7 +167,20 @@ class CacheLayer(ABC):
     def _allocate(self, batch_size: int) -> None:
         """Create empty storage for `batch_size` rows."""
 
-    def _prepare_crop(self, n: int) -> Any:
+    def check_block(self, block: BlockState) -> None:
+        """Raise (changing nothing) if this layer cannot take `block` (capacity of preallocated storage, ...)."""
+        self.check_capacity(block.seen_after)
+
+    def check_capacity(self, seen_after: torch.Tensor) -> None:
+        """Raise if this layer cannot hold `seen_after` [B] real tokens per row (preallocated storage)."""
+
+    def _commit_staged(self, staged: Any) -> None:
+        """Make the writes staged by `update` permanent (called once per block, after every layer was fed)."""
+
+    def _abort_staged(self, staged: Any) -> None:
+        """Drop the writes staged by `update` (the block failed)."""
+
+    def _prepare_crop(self, n: int, seen: torch.Tensor) -> Any:
         raise NotImplementedError
 
     def _commit_crop(self, plan: Any) -> None:
@@ -151,20 +188,34 @@ class CacheLayer(ABC):
 
     # -- description -------------------------------------------------------------------------------------------
     @property
+    def seen(self) -> torch.Tensor:
+        """Real tokens per row [B] (read-only view of the sequence state)."""
+        return self.seq.seen
+
+    @property
+    def columns(self) -> int:
+        """Block columns fed so far, padding included."""
+        return self.seq.columns
+
+    @property
     def batch_size(self) -> int:
-        return int(self.seen.shape[0])
+        return self.seq.batch_size
 
     @property
     def name(self) -> str:
         return f"cache layer '{self.type_name}'"
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether this layer, as configured (storage included), is exact."""
+        return self.exact
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.spec.params().items())
         return f"{type(self).__name__}({params}; batch={self.batch_size}, columns={self.columns})"
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
-        names = ("seen",) + self._batch_tensors + self._other_tensors
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in self._batch_tensors + self._other_tensors}
 
     def nbytes(self) -> int:
         """Bytes of cached keys/values/states actually held (underlying storage; bookkeeping excluded)."""
@@ -179,37 +230,81 @@ class CacheLayer(ABC):
         """The theoretical minimum for what the rows have seen, from the spec."""
         return sum(self.spec.min_nbytes(1, int(s)) for s in self.seen.tolist())
 
+    # -- feeding a block ---------------------------------------------------------------------------------------
+    def _open(self, valid: Any, tokens: int) -> tuple[BlockState, bool]:
+        """The block this update belongs to: the Cache's open block, or (standalone) one opened for this call."""
+        block = self.seq.block
+        if block is not None:
+            if valid is not None and not (isinstance(valid, int) and valid == block.tokens):
+                raise CacheError(f"{self.name}: the block's mask was already given when the block was opened")
+            if tokens != block.tokens:
+                raise CacheError(f"{self.name}: got {tokens} tokens, the open block has {block.tokens}")
+            if self._staged is not None:
+                raise CacheError(f"{self.name}: this layer was already fed in the open block")
+            return block, False
+        if not self.standalone:
+            raise CacheError(
+                f"{self.name} belongs to a Cache, which owns the sequence state: feed it through the model, or "
+                "inside `with cache.block(mask):` (so every layer advances together)"
+            )
+        if isinstance(valid, int) and not isinstance(valid, bool):
+            if valid != tokens:
+                raise CacheError(f"{self.name}: valid={valid} tokens, but the block has {tokens}")
+            valid = None
+        block = self.seq.make_block(valid, tokens, self.name)
+        self.check_block(block)
+        self.seq.block = block
+        return block, True
+
+    def _close(self, opened: bool, failed: bool) -> None:
+        if not opened:
+            return
+        if failed:
+            self.abort_block()
+            self.seq.block = None
+        else:
+            self.commit_block()
+            self.seq.commit()
+
+    @property
+    def fed(self) -> bool:
+        """Whether this layer has staged writes for the open block."""
+        return self._staged is not None
+
+    def commit_block(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            self._commit_staged(staged)
+
+    def abort_block(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            self._abort_staged(staged)
+
     # -- reset / batch operations ------------------------------------------------------------------------------
+    def _check_standalone(self, what: str) -> None:
+        if not self.standalone:
+            raise CacheError(f"{self.name} belongs to a Cache: call cache.{what}() so every layer changes together")
+        if self.seq.block is not None:
+            raise CacheError(f"{self.name}: cannot {what} while a block is being fed")
+
     def reset(self) -> None:
         """Forget everything; keep the batch size."""
+        self._check_standalone("reset")
         self._commit_reset()
+        self.seq.seen, self.seq.columns = torch.zeros_like(self.seq.seen), 0
+        self.seq.fingerprint = torch.zeros_like(self.seq.seen)
 
     def _commit_reset(self) -> None:
-        self.seen = torch.zeros_like(self.seen)
-        self.columns = 0
         self._allocate(self.batch_size)
 
     def _prepare_index(self, index: Any, same_size: bool) -> torch.Tensor:
         what = "reorder" if same_size else "select"
-        if not isinstance(index, torch.Tensor):
-            try:
-                index = torch.as_tensor(index, dtype=torch.long)
-            except (TypeError, ValueError) as e:
-                raise CacheError(f"{self.name}: {what} index must be a 1-d integer tensor ({e})") from None
-        if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise CacheError(f"{self.name}: {what} index must be a 1-d integer tensor, got {index.dtype} {tuple(index.shape)}")
-        if index.numel() == 0:
-            raise CacheError(f"{self.name}: {what} index is empty")
-        if same_size and index.numel() != self.batch_size:
-            raise CacheError(f"{self.name}: reorder index has {index.numel()} entries for a batch of {self.batch_size}")
-        index = index.to(device=self.device, dtype=torch.long)
-        if bool(((index < 0) | (index >= self.batch_size)).any()):
-            raise CacheError(f"{self.name}: {what} index {index.tolist()} out of range for a batch of {self.batch_size}")
-        return index
+        return check_row_index(index, self.batch_size, what, self.name, same_size).to(self.device)
 
     def _commit_index(self, index: torch.Tensor) -> None:
         in_place = index.numel() == self.batch_size  # keep storage addresses stable (static shapes)
-        for name in ("seen",) + self._batch_tensors:
+        for name in self._batch_tensors:
             t = getattr(self, name)
             picked = t.index_select(0, index)
             if in_place:
@@ -217,13 +312,19 @@ class CacheLayer(ABC):
             else:
                 setattr(self, name, picked)
 
+    def _standalone_index(self, index: torch.Tensor) -> None:
+        self._commit_index(index)
+        self.seq.seen = self.seq.seen.index_select(0, index)
+
     def reorder(self, index: Any) -> None:
         """Row i becomes old row index[i] (beam search). Same batch size."""
-        self._commit_index(self._prepare_index(index, same_size=True))
+        self._check_standalone("reorder")
+        self._standalone_index(self._prepare_index(index, same_size=True))
 
     def select(self, index: Any) -> None:
         """Keep the rows in `index` (any length, repeats allowed)."""
-        self._commit_index(self._prepare_index(index, same_size=False))
+        self._check_standalone("select")
+        self._standalone_index(self._prepare_index(index, same_size=False))
 
     def _prepare_repeat(self, n: Any) -> torch.Tensor:
         check_positive_int(self.name, "repeat count", n)
@@ -231,25 +332,21 @@ class CacheLayer(ABC):
 
     def repeat(self, n: int) -> None:
         """Repeat every row n times in place: [a, b] -> [a, a, b, b] for n=2."""
-        self._commit_index(self._prepare_repeat(n))
-
-    def _check_crop_length(self, n: Any) -> int:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise CacheError(f"{self.name}: crop length must be an int, got {n!r}")
-        if n < 0:
-            raise CacheError(f"{self.name}: crop length must be >= 0, got {n}")
-        if n > self.columns:
-            raise CacheError(f"{self.name}: cannot crop to {n} tokens, it holds a sequence of only {self.columns}")
-        return n
+        self._check_standalone("repeat")
+        self._standalone_index(self._prepare_repeat(n))
 
     def crop(self, n: int) -> None:
         """Truncate the sequence to its first `n` columns (padding included), as if the rest was never fed."""
-        self._commit_crop(self._prepare_crop(n))
+        self._check_standalone("crop")
+        n = check_crop_length(n, self.columns, self.name)
+        seen = crop_seen(self.seq, n)
+        self._commit_crop(self._prepare_crop(n, seen))
+        self.seq.seen, self.seq.columns = seen, n
 
     # -- snapshot / restore ------------------------------------------------------------------------------------
     def snapshot(self) -> LayerSnapshot:
         tensors = {name: t.clone() for name, t in self._state_tensors().items()}
-        return LayerSnapshot(self.type_name, self.spec, self.columns, tensors)
+        return LayerSnapshot(self.type_name, self.spec, self.columns, self.seen.clone(), tensors)
 
     def _prepare_restore(self, snap: Any) -> LayerSnapshot:
         if not isinstance(snap, LayerSnapshot):
@@ -259,8 +356,17 @@ class CacheLayer(ABC):
                 f"{self.name}: the snapshot was taken from a '{snap.type_name}' layer with {snap.spec}, "
                 f"this layer is '{self.type_name}' with {self.spec}"
             )
-        if set(snap.tensors) != set(self._state_tensors()):
-            raise CacheError(f"{self.name}: the snapshot holds {sorted(snap.tensors)}, expected {sorted(self._state_tensors())}")
+        current = self._state_tensors()
+        if set(snap.tensors) != set(current):
+            raise CacheError(f"{self.name}: the snapshot holds {sorted(snap.tensors)}, expected {sorted(current)}")
+        rows = snap.seen.shape[0]
+        for name, t in snap.tensors.items():
+            if not isinstance(t, torch.Tensor) or t.dtype != current[name].dtype or t.dim() != current[name].dim():
+                raise CacheError(f"{self.name}: snapshot tensor '{name}' does not match this layer's storage")
+            if name in self._batch_tensors and t.shape[0] != rows:
+                raise CacheError(
+                    f"{self.name}: snapshot tensor '{name}' has {t.shape[0]} rows, its sequence state has {rows}"
+                )
         return snap
 
     def _commit_restore(self, snap: LayerSnapshot) -> None:
@@ -270,8 +376,24 @@ class CacheLayer(ABC):
                 current.copy_(t)  # keep storage addresses stable (static shapes)
             else:
                 setattr(self, name, t.clone().to(self.device))
-        self.columns = snap.columns
 
     def restore(self, snap: LayerSnapshot) -> None:
         """Put back the exact state of `snapshot()` (batch size included)."""
+        self._check_standalone("restore")
         self._commit_restore(self._prepare_restore(snap))
+        self.seq.seen, self.seq.columns = snap.seen.clone().to(self.device), snap.columns
+
+
+def check_crop_length(n: Any, columns: int, owner: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise CacheError(f"{owner}: crop length must be an int, got {n!r}")
+    if n < 0:
+        raise CacheError(f"{owner}: crop length must be >= 0, got {n}")
+    if n > columns:
+        raise CacheError(f"{owner}: cannot crop to {n} tokens, it holds a sequence of only {columns}")
+    return n
+
+
+def crop_seen(seq: SequenceState, n: int) -> torch.Tensor:
+    """Real tokens per row [B] after keeping the first n columns (left padding comes first)."""
+    return (seq.seen - (seq.columns - n)).clamp(min=0)

@@ -1,54 +1,119 @@
-"""`Cache`: the per-layer cache objects of one model and batch, with atomic whole-cache operations."""
+"""`Cache`: the cache layers of one model and batch, the one owner of their sequence state.
+
+Per decoder layer the cache holds one cache layer or a `CacheGroup` of named members. Every layer reads the same
+`SequenceState` (real tokens per row, columns, the open block), so layers can never disagree about what was seen.
+A block is a transaction: `begin_block` validates the mask and every layer's capacity and computes positions once;
+the model's mixers feed their layers (writes are staged); `end_block` commits every layer and the sequence, or
+`abort_block` drops the block. Every other operation validates every layer before it changes any.
+
+Threading: a Cache is not shared between threads. Using one from two threads at once raises instead of corrupting
+it (one operation at a time holds the cache's lock; a block holds it from begin to end).
+"""
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
-from rich.table import Table
 
-from hybridcache.cache.base import CacheLayer, LayerSnapshot, check_valid_mask
+from hybridcache.cache.base import CacheLayer, LayerSnapshot, check_crop_length, crop_seen
 from hybridcache.cache.errors import CacheError
-from hybridcache.cache.plan import CachePlan, NativeLayer, format_bytes, render_table, resolve_plan
+from hybridcache.cache.plan import CachePlan, Native, resolve_plan
 from hybridcache.cache.registry import get_layer_class
+from hybridcache.cache.sequence import BlockState, SequenceState, check_valid_mask
+
+
+class CacheGroup(Mapping[str, CacheLayer]):
+    """The cache layers of one decoder layer, by member name: `group["attention"]` or `group.attention`."""
+
+    def __init__(self, members: Mapping[str, CacheLayer]) -> None:
+        self._members = dict(members)
+
+    def __getitem__(self, name: str) -> CacheLayer:
+        try:
+            return self._members[name]
+        except KeyError:
+            raise KeyError(f"this cache group has members {', '.join(self._members)}, not {name!r}") from None
+
+    def __getattr__(self, name: str) -> CacheLayer:
+        members = self.__dict__.get("_members", {})
+        if name in members:
+            return members[name]
+        raise AttributeError(f"this cache group has members {', '.join(members)}, not {name!r}")
+
+    def __iter__(self):
+        return iter(self._members)
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __repr__(self) -> str:
+        return "CacheGroup(" + ", ".join(f"{k}={v!r}" for k, v in self._members.items()) + ")"
+
+
+Entry = CacheLayer | CacheGroup
 
 
 @dataclass(frozen=True)
 class CacheSnapshot:
-    """Deep copies of every layer's state; `Cache.restore` puts them back bit-exactly."""
+    """Deep copies of every layer's storage and of the sequence state; `Cache.restore` puts them back bit-exactly."""
 
     layers: tuple[LayerSnapshot, ...]
+    seen: torch.Tensor
+    columns: int
+    fingerprint: torch.Tensor | None = None
 
 
 class Cache:
-    """A list of cache layers (one per model layer) that share a batch and advance together.
+    """The cache layers of a model (one entry per decoder layer) sharing one batch and one sequence state."""
 
-    Whole-cache operations (reorder, select, repeat, crop, restore) validate every layer before changing any,
-    so a call that raises leaves the cache unchanged.
-    """
-
-    def __init__(self, layers: Sequence[CacheLayer], plan: CachePlan | None = None) -> None:
-        layers = list(layers)
-        if not layers:
+    def __init__(self, entries: Sequence[CacheLayer | Mapping[str, CacheLayer]], plan: CachePlan | None = None) -> None:
+        entries = [CacheGroup(e) if isinstance(e, Mapping) and not isinstance(e, CacheGroup) else e for e in entries]
+        if not entries:
             raise CacheError("a Cache needs at least one cache layer")
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, CacheLayer):
-                raise CacheError(f"Cache entry {i} is a {type(layer).__name__}, not a CacheLayer")
-        if len({layer.batch_size for layer in layers}) != 1:
-            raise CacheError(f"cache layers disagree on the batch size: {[layer.batch_size for layer in layers]}")
-        self.layers = layers
-        self.plan = plan
+        layers: list[CacheLayer] = []
+        for i, entry in enumerate(entries):
+            for layer in entry.values() if isinstance(entry, CacheGroup) else (entry,):
+                if not isinstance(layer, CacheLayer):
+                    raise CacheError(f"Cache entry {i} holds a {type(layer).__name__}, not a CacheLayer")
+                layers.append(layer)
+        if len({id(layer) for layer in layers}) != len(layers):
+            raise CacheError("the same cache layer object appears twice in a Cache")
+        first = layers[0].seq
+        for layer in layers:  # adopt the layers: they must agree on what was seen, then share one state
+            s = layer.seq
+            if s.block is not None:
+                raise CacheError(f"{layer.name} is in the middle of a block")
+            if s.batch_size != first.batch_size or s.columns != first.columns or not torch.equal(s.seen, first.seen):
+                raise CacheError("cache layers disagree on the batch or on what was seen; build them together")
+        self.seq = SequenceState(first.batch_size, first.seen.device)
+        self.seq.seen, self.seq.columns = first.seen.clone(), first.columns
+        for layer in layers:
+            layer.seq, layer.standalone = self.seq, False
+        self.entries, self.layers, self.plan = entries, layers, plan
+        self._lock = threading.Lock()
 
     @classmethod
     def from_plan(cls, plan: CachePlan, batch_size: int, device: torch.device | str | None = None) -> "Cache":
-        layers = [get_layer_class(p.type)(p.spec, batch_size, device) for p in plan.layers]
-        return cls(layers, plan)
+        seq = SequenceState(batch_size, torch.device(device if device is not None else "cpu"))
+        entries: list[Any] = []
+        for p in plan.layers:
+            layer = get_layer_class(p.type)(p.spec, batch_size, device, sequence=seq)
+            if p.member is None:
+                entries.append(layer)
+            elif p.index == len(entries):
+                entries.append({p.member: layer})
+            else:
+                entries[p.index][p.member] = layer
+        return cls(entries, plan)
 
     @classmethod
     def build(
         cls,
-        native: Sequence[NativeLayer],
+        native: Sequence[Native],
         batch_size: int,
         cache_config: Mapping[str, Any] | None = None,
         max_length: int | None = None,
@@ -59,83 +124,192 @@ class Cache:
 
     # -- sequence ----------------------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.layers)
+        return len(self.entries)
 
-    def __getitem__(self, i: int) -> CacheLayer:
-        return self.layers[i]
+    def __getitem__(self, i: int) -> Entry:
+        return self.entries[i]
 
-    def __iter__(self) -> Iterator[CacheLayer]:
-        return iter(self.layers)
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries)
 
     def __repr__(self) -> str:
-        types = ", ".join(layer.type_name for layer in self.layers)
-        return f"Cache([{types}]; batch={self.batch_size}, columns={self.columns})"
+        def describe(e: Entry) -> str:
+            if isinstance(e, CacheGroup):
+                return "{" + ", ".join(f"{k}: {v.type_name}" for k, v in e.items()) + "}"
+            return e.type_name
+
+        return f"Cache([{', '.join(describe(e) for e in self.entries)}]; batch={self.batch_size}, columns={self.columns})"
 
     @property
     def batch_size(self) -> int:
-        return self.layers[0].batch_size
+        return self.seq.batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq.seen.device
 
     @property
     def seen(self) -> torch.Tensor:
         """Real tokens seen per row [B] (left padding excluded)."""
-        return self.layers[0].seen.clone()
+        return self.seq.seen.clone()
 
     @property
     def columns(self) -> int:
         """Length of the sequence fed so far, padding included."""
-        return self.layers[0].columns
+        return self.seq.columns
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether every layer, as configured, is exact (cached == recompute with the same patterns)."""
+        return all(layer.is_exact for layer in self.layers)
+
+    @property
+    def current_block(self) -> BlockState:
+        block = self.seq.block
+        if block is None:
+            raise CacheError("no block is open: feed the cache through the model or `with cache.block(mask):`")
+        return block
 
     def positions(self, valid: torch.Tensor | None = None, num_tokens: int | None = None) -> torch.Tensor:
         """Positions [B, T] the next block's tokens will get (-1 for padding), without changing the cache."""
-        layer = self.layers[0]
-        if valid is None:
-            if num_tokens is None or num_tokens <= 0:
-                raise CacheError("positions() needs a real-token mask [B, T] or a positive num_tokens")
-            tokens = num_tokens
-        else:
-            tokens = valid.shape[-1] if isinstance(valid, torch.Tensor) and valid.dim() == 2 else -1
-        valid = check_valid_mask(valid, layer.batch_size, tokens, layer.seen, "Cache.positions")
-        pos = layer.seen[:, None] + valid.long().cumsum(1) - 1
-        return torch.where(valid, pos, -1)
+        tokens = valid.shape[-1] if isinstance(valid, torch.Tensor) and valid.dim() == 2 else num_tokens
+        if valid is None and (not isinstance(num_tokens, int) or num_tokens <= 0):
+            raise CacheError("positions() needs a real-token mask [B, T] or a positive num_tokens")
+        valid = check_valid_mask(valid, self.batch_size, tokens if tokens is not None else -1, self.seq.seen, "Cache.positions")
+        return torch.where(valid, self.seq.seen[:, None] + valid.long().cumsum(1) - 1, -1)
+
+    # -- feeding a block ---------------------------------------------------------------------------------------
+    def _acquire(self, what: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise CacheError(f"Cache.{what}: the cache is in use by another thread (a Cache is not thread-safe)")
+
+    def begin_block(self, valid: torch.Tensor | None = None, tokens: int | None = None, check: bool = True,
+                    ids: torch.Tensor | None = None) -> BlockState:
+        """Open a block of `tokens` columns (`valid` [B, T]: real tokens; None = all real). Validates the mask and
+        every layer's capacity before anything changes; `check=False` skips the mask work (all-real decode).
+        `ids` [B, T], when known, keep the cache's token fingerprint (what generation checks continuations by)."""
+        tokens = valid.shape[1] if isinstance(valid, torch.Tensor) and valid.dim() == 2 else tokens
+        self._acquire("begin_block")
+        try:
+            block = self.seq.make_block(valid, tokens, "Cache", check=check, ids=ids)
+            for layer in self.layers:
+                layer.check_block(block)
+        except BaseException:
+            self._lock.release()
+            raise
+        self.seq.block = block
+        return block
+
+    def end_block(self) -> None:
+        """Commit the open block in every layer; every layer must have been fed (else nothing is committed)."""
+        self.current_block  # noqa: B018 - raises when no block is open
+        missing = [i for i, layer in enumerate(self.layers) if not layer.fed]
+        if missing:
+            self.abort_block()
+            raise CacheError(f"cache layers {missing} were not fed in this block; the block was dropped")
+        for layer in self.layers:
+            layer.commit_block()
+        self.seq.commit()
+        self._lock.release()
+
+    def abort_block(self) -> None:
+        """Drop the open block: every layer keeps what it held before it."""
+        if self.seq.block is None:
+            return
+        for layer in self.layers:
+            layer.abort_block()
+        self.seq.block = None
+        self._lock.release()
+
+    @contextmanager
+    def block(self, valid: torch.Tensor | None = None, tokens: int | None = None) -> Iterator[BlockState]:
+        """`with cache.block(mask) as b:` feed every layer once (`layer.update(...)`); commits on success."""
+        block = self.begin_block(valid, tokens)
+        try:
+            yield block
+        except BaseException:
+            self.abort_block()
+            raise
+        self.end_block()
 
     # -- atomic whole-cache operations -------------------------------------------------------------------------
+    @contextmanager
+    def _operation(self, what: str):
+        self._acquire(what)
+        try:
+            if self.seq.block is not None:
+                raise CacheError(f"Cache.{what}: a block is being fed")
+            yield
+        finally:
+            self._lock.release()
+
     def reset(self) -> None:
+        with self._operation("reset"):
+            for layer in self.layers:
+                layer._commit_reset()
+            self.seq.seen, self.seq.columns = torch.zeros_like(self.seq.seen), 0
+            self.seq.fingerprint = torch.zeros_like(self.seq.seen)
+
+    def check_capacity(self, seen_after: torch.Tensor) -> None:
+        """Raise if preallocated layers cannot hold `seen_after` [B] real tokens per row (changes nothing)."""
         for layer in self.layers:
-            layer.reset()
+            layer.check_capacity(seen_after)
+
+    def _index(self, what: str, plans: list[torch.Tensor] | None, index: torch.Tensor) -> None:
+        for layer, plan in zip(self.layers, plans or [index] * len(self.layers)):
+            layer._commit_index(plan)
+        self.seq.seen = self.seq.seen.index_select(0, index)
+        if self.seq.fingerprint is not None:
+            self.seq.fingerprint = self.seq.fingerprint.index_select(0, index)
 
     def reorder(self, index: Any) -> None:
         """Row i becomes old row index[i] in every layer (beam search)."""
-        plans = [layer._prepare_index(index, same_size=True) for layer in self.layers]
-        for layer, plan in zip(self.layers, plans):
-            layer._commit_index(plan)
+        with self._operation("reorder"):
+            plans = [layer._prepare_index(index, same_size=True) for layer in self.layers]
+            self._index("reorder", plans, plans[0])
 
     def select(self, index: Any) -> None:
         """Keep rows `index` (the batch size may change)."""
-        plans = [layer._prepare_index(index, same_size=False) for layer in self.layers]
-        for layer, plan in zip(self.layers, plans):
-            layer._commit_index(plan)
+        with self._operation("select"):
+            plans = [layer._prepare_index(index, same_size=False) for layer in self.layers]
+            self._index("select", plans, plans[0])
 
     def repeat(self, n: int) -> None:
         """Repeat each row n times ([a, b] -> [a, a, b, b]), e.g. for several samples per prompt."""
-        plans = [layer._prepare_repeat(n) for layer in self.layers]
-        for layer, plan in zip(self.layers, plans):
-            layer._commit_index(plan)
+        with self._operation("repeat"):
+            index = self.layers[0]._prepare_repeat(n)
+            self._index("repeat", None, index)
 
     def crop(self, n: int) -> None:
         """Truncate every layer to the first n columns; raises (changing nothing) if a layer cannot."""
-        plans = [layer._prepare_crop(n) for layer in self.layers]
-        for layer, plan in zip(self.layers, plans):
-            layer._commit_crop(plan)
+        with self._operation("crop"):
+            n = check_crop_length(n, self.columns, "Cache")
+            seen = crop_seen(self.seq, n)
+            plans = [layer._prepare_crop(n, seen) for layer in self.layers]
+            for layer, plan in zip(self.layers, plans):
+                layer._commit_crop(plan)
+            if n != self.seq.columns:
+                self.seq.fingerprint = None  # the cropped tokens' ids are not kept
+            self.seq.seen, self.seq.columns = seen, n
 
     def snapshot(self) -> CacheSnapshot:
-        return CacheSnapshot(tuple(layer.snapshot() for layer in self.layers))
+        with self._operation("snapshot"):
+            fp = None if self.seq.fingerprint is None else self.seq.fingerprint.clone()
+            return CacheSnapshot(tuple(layer.snapshot() for layer in self.layers), self.seq.seen.clone(), self.columns, fp)
 
     def restore(self, snap: CacheSnapshot) -> None:
-        if not isinstance(snap, CacheSnapshot) or len(snap.layers) != len(self.layers):
-            raise CacheError("restore needs a CacheSnapshot taken from a cache with the same layers")
-        plans = [layer._prepare_restore(s) for layer, s in zip(self.layers, snap.layers)]
-        for layer, plan in zip(self.layers, plans):
-            layer._commit_restore(plan)
+        """Put back a snapshot of this cache (or of one with the same layers); checks every layer first."""
+        with self._operation("restore"):
+            if not isinstance(snap, CacheSnapshot) or len(snap.layers) != len(self.layers):
+                raise CacheError("restore needs a CacheSnapshot taken from a cache with the same layers")
+            for i, s in enumerate(snap.layers):
+                if s.columns != snap.columns or not torch.equal(s.seen, snap.seen):
+                    raise CacheError(f"snapshot layer {i} disagrees with the snapshot's sequence state")
+            plans = [layer._prepare_restore(s) for layer, s in zip(self.layers, snap.layers)]
+            for layer, plan in zip(self.layers, plans):
+                layer._commit_restore(plan)
+            self.seq.seen, self.seq.columns = snap.seen.clone().to(self.device), snap.columns
+            self.seq.fingerprint = None if snap.fingerprint is None else snap.fingerprint.clone()
 
     # -- memory ------------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -154,14 +328,3 @@ class Cache:
         for row in rows.values():
             row["ratio"] = row["held"] / row["minimum"] if row["minimum"] else (1.0 if not row["held"] else float("inf"))
         return list(rows.values())
-
-    def memory_table(self) -> Table:
-        t = Table(title=f"cache memory (batch {self.batch_size}, {self.columns} columns)")
-        for col in ("type", "layers", "held", "minimum", "held / minimum"):
-            t.add_column(col, justify="left" if col == "type" else "right")
-        for r in self.memory_report():
-            t.add_row(r["type"], str(r["layers"]), format_bytes(r["held"]), format_bytes(r["minimum"]), f"{r['ratio']:.2f}")
-        return t
-
-    def render_memory(self) -> str:
-        return render_table(self.memory_table())

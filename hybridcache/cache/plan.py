@@ -1,33 +1,32 @@
 """Cache configs: from a model's native per-layer cache types plus overrides to a resolved `CachePlan`.
 
-A cache config is a mapping; the most specific entry wins:
-    attention: / recurrent:   every layer of that kind
-    full: / sliding: / ...    every layer whose native type is that name
-    layers: {3: ...}          one layer by index
-Each entry may set `type` and that type's tunable parameters (window, chunk_size, max_length, state_dtype).
+A model declares, per decoder layer, one `NativeLayer` or a `NativeGroup` of named members (FalconH1 runs Mamba2
+and attention side by side in one layer). A cache config is a mapping; the most specific entry wins:
+    attention: / recurrent:   every cache layer of that kind
+    full: / sliding: / ...    every cache layer whose native type is that name
+    layers: {3: ...}          one decoder layer by index; inside a group, a member: {3: {attention: ...}} or "3.attention"
+Each entry may set `type` and that type's tunable parameters (window, chunk_size, max_length, state_dtype, storage).
 An entry whose `type` is overridden by a more specific one does not pass its parameters on.
+`plugins: [module, ...]` imports modules that register more cache types before anything is resolved.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-from rich.console import Console
-from rich.table import Table
+from typing import Any, Sequence, Union
 
 from hybridcache.cache.base import LayerSpec
 from hybridcache.cache.errors import CacheConfigError, CacheError
-from hybridcache.cache.registry import available_layers, get_layer_class
+from hybridcache.cache.kv_codecs import get_codec
+from hybridcache.cache.registry import available_layers, get_layer_class, load_plugins
 
 KINDS = ("attention", "recurrent")
 
 
 @dataclass(frozen=True)
 class NativeLayer:
-    """What a model declares for one layer: its native cache type and every parameter it knows (shapes,
+    """What a model declares for one cache layer: its native cache type and every parameter it knows (shapes,
     dtype, native window/chunk size)."""
 
     type: str
@@ -35,15 +34,93 @@ class NativeLayer:
 
 
 @dataclass(frozen=True)
+class NativeGroup:
+    """Several cache layers of one decoder layer, by member name (e.g. {"mamba": ..., "attention": ...})."""
+
+    members: Mapping[str, NativeLayer]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise CacheConfigError("a NativeGroup needs at least one member")
+        for name, member in self.members.items():
+            if not isinstance(name, str) or not name.isidentifier() or name == "type":
+                raise CacheConfigError(f"group member names must be identifiers other than 'type', got {name!r}")
+            if not isinstance(member, NativeLayer):
+                raise CacheConfigError(f"group member '{name}' must be a NativeLayer, got {type(member).__name__}")
+
+
+Native = Union[NativeLayer, NativeGroup]
+
+
+@dataclass(frozen=True)
 class LayerPlan:
+    """The resolved cache layer of decoder layer `index` (and group `member`, if any)."""
+
     index: int
     native_type: str
     type: str
     spec: LayerSpec
+    member: str | None = None
 
     @property
     def kind(self) -> str:
         return get_layer_class(self.type).kind
+
+    @property
+    def address(self) -> str:
+        """Where a cache config reaches this layer under `layers:` ("3" or "3.attention")."""
+        return str(self.index) if self.member is None else f"{self.index}.{self.member}"
+
+    @property
+    def exact(self) -> bool:
+        """Whether cached generation with this layer equals the full recompute with its pattern."""
+        storage = getattr(self.spec, "storage", None)
+        return get_layer_class(self.type).exact and (storage is None or get_codec(storage).exact)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The resolved cache type and spec of every cache layer, in decoder-layer order."""
+
+    layers: tuple[LayerPlan, ...]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerPlan:
+        return self.layers[i]
+
+    @property
+    def structure(self) -> list[tuple[str, ...] | None]:
+        """Per decoder layer: None for a single cache layer, else the member names of its group."""
+        out: list[tuple[str, ...] | None] = []
+        for p in self.layers:
+            if p.index == len(out):
+                out.append(None if p.member is None else (p.member,))
+            else:
+                out[p.index] = (*out[p.index], p.member)
+        return out
+
+    @property
+    def exact(self) -> bool:
+        return all(p.exact for p in self.layers)
+
+    def held_nbytes(self, batch: int, tokens: int) -> int:
+        return sum(p.spec.held_nbytes(batch, tokens) for p in self.layers)
+
+    def changed(self, other: "CachePlan") -> list[str]:
+        """Addresses whose type or parameters differ from `other` (e.g. the native plan)."""
+        return [p.address for p, q in zip(self.layers, other.layers) if (p.type, p.spec) != (q.type, q.spec)]
+
+    def to_records(self, batch: int = 1, tokens: int = 4096) -> list[dict[str, Any]]:
+        """One plain dict per cache layer (for logging and tables); every record has the same keys."""
+        params = sorted({k for p in self.layers for k in p.spec.params()})
+        return [
+            {"layer": p.address, "native": p.native_type, "type": p.type,
+             **{k: fmt_value(p.spec.params().get(k)) for k in params},
+             "exact": p.exact, "bytes": p.spec.held_nbytes(batch, tokens)}
+            for p in self.layers
+        ]
 
 
 def format_bytes(n: int) -> str:
@@ -54,56 +131,7 @@ def format_bytes(n: int) -> str:
     raise AssertionError
 
 
-@dataclass(frozen=True)
-class CachePlan:
-    """The resolved cache type and spec of every layer."""
-
-    layers: tuple[LayerPlan, ...]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, i: int) -> LayerPlan:
-        return self.layers[i]
-
-    def held_nbytes(self, batch: int, tokens: int) -> int:
-        return sum(p.spec.held_nbytes(batch, tokens) for p in self.layers)
-
-    def table(self, batch: int = 1, tokens: int = 4096) -> Table:
-        t = Table(title=f"cache plan (bytes for batch {batch} after {tokens} tokens)")
-        for col in ("layer", "native", "cache type", "parameters", "bytes"):
-            t.add_column(col, justify="right" if col in ("layer", "bytes") else "left")
-        for p in self.layers:
-            params = ", ".join(f"{k}={_fmt(v)}" for k, v in p.spec.params().items() if v is not None)
-            t.add_row(str(p.index), p.native_type, p.type, params, format_bytes(p.spec.held_nbytes(batch, tokens)))
-        t.add_row("all", "", "", "", format_bytes(self.held_nbytes(batch, tokens)), style="bold")
-        return t
-
-    def render(self, batch: int = 1, tokens: int = 4096) -> str:
-        return render_table(self.table(batch, tokens))
-
-    def __str__(self) -> str:
-        return self.render()
-
-    def to_records(self, batch: int = 1, tokens: int = 4096) -> list[dict[str, Any]]:
-        """One plain dict per layer (for logging); every record has the same keys."""
-        params = sorted({k for p in self.layers for k in p.spec.params()})
-        return [
-            {"layer": p.index, "native": p.native_type, "type": p.type,
-             **{k: _fmt(p.spec.params().get(k)) for k in params},
-             "bytes": p.spec.held_nbytes(batch, tokens)}
-            for p in self.layers
-        ]
-
-
-def render_table(table: Table) -> str:
-    """A rich table as plain text (for logs and __str__)."""
-    out = io.StringIO()
-    Console(file=out, width=110).print(table)
-    return out.getvalue()
-
-
-def _fmt(v: Any) -> Any:
+def fmt_value(v: Any) -> Any:
     return str(v).replace("torch.", "") if hasattr(v, "is_floating_point") else v
 
 
@@ -115,14 +143,37 @@ def _as_dict(value: Any, where: str) -> dict[str, Any]:
     return {str(k) if not isinstance(k, int) else k: v for k, v in value.items()}
 
 
-def _layer_index(key: Any, num_layers: int) -> int:
-    try:
-        i = int(key)
-    except (TypeError, ValueError):
-        raise CacheConfigError(f"cache config: layers.{key}: layer keys must be integers") from None
-    if not 0 <= i < num_layers:
-        raise CacheConfigError(f"cache config: layers.{key}: layer index out of range (the model has {num_layers} layers)")
-    return i
+def _per_layer_entries(native: Sequence[Native], config: Mapping[str, Any]) -> dict[tuple[int, str | None], dict]:
+    """`layers:` entries by (decoder layer, member): keys "3", 3 or "3.attention"; a group's entry maps members."""
+    out: dict[tuple[int, str | None], dict] = {}
+    for key, entry in _as_dict(config.get("layers"), "layers").items():
+        index_text, _, member = str(key).partition(".")
+        try:
+            i = int(index_text)
+        except ValueError:
+            raise CacheConfigError(f"cache config: layers.{key}: layer keys are indices like 3 or 3.attention") from None
+        if not 0 <= i < len(native):
+            raise CacheConfigError(f"cache config: layers.{key}: layer index out of range (the model has {len(native)} layers)")
+        entry = _as_dict(entry, f"layers.{key}")
+        nl = native[i]
+        if isinstance(nl, NativeLayer):
+            if member:
+                raise CacheConfigError(f"cache config: layers.{key}: layer {i} has a single cache layer, not a group")
+            out[i, None] = entry
+            continue
+        members = list(nl.members)
+        if member:
+            entries = {member: entry}
+        else:  # layers.3: {attention: {...}, mamba: {...}}
+            entries = {m: _as_dict(e, f"layers.{i}.{m}") for m, e in entry.items()}
+        for m, e in entries.items():
+            if m not in nl.members:
+                raise CacheConfigError(
+                    f"cache config: layers.{i}.{m}: layer {i} is a group of {', '.join(members)}; "
+                    f"address a member, e.g. layers.{i}.{members[0]}"
+                )
+            out[i, m] = e
+    return out
 
 
 def _check_group(where: str, group: dict[str, Any]) -> None:
@@ -139,30 +190,55 @@ def _check_group(where: str, group: dict[str, Any]) -> None:
             )
 
 
+def flatten_native(native: Sequence[Native]) -> list[tuple[int, str | None, NativeLayer]]:
+    """(decoder layer, member, native layer) for every cache layer, in order."""
+    if not native:
+        raise CacheConfigError("a model needs at least one cache layer")
+    flat = []
+    for i, nl in enumerate(native):
+        if isinstance(nl, NativeGroup):
+            flat.extend((i, m, member) for m, member in nl.members.items())
+        elif isinstance(nl, NativeLayer):
+            flat.append((i, None, nl))
+        else:
+            raise CacheConfigError(f"native layer {i} must be a NativeLayer or NativeGroup, got {type(nl).__name__}")
+    return flat
+
+
 def resolve_plan(
-    native: Sequence[NativeLayer], cache_config: Mapping[str, Any] | None = None, max_length: int | None = None
+    native: Sequence[Native], cache_config: Mapping[str, Any] | None = None, max_length: int | None = None
 ) -> CachePlan:
     """Resolve a model's native layers and a cache config into a `CachePlan` (clear errors for anything wrong)."""
     config = _as_dict(cache_config, "cache_config")
+    if "plugins" in config:
+        plugins = config.pop("plugins") or []
+        if not isinstance(plugins, (list, tuple)):
+            raise CacheConfigError(f"cache config: plugins must be a list of module names, got {plugins!r}")
+        load_plugins(plugins)
     allowed = set(KINDS) | {"layers"} | set(available_layers())
     for key in config:
         if key not in allowed:
             raise CacheConfigError(
-                f"cache config: unknown key '{key}' (expected 'attention', 'recurrent', 'layers' or a cache type: "
-                f"{', '.join(available_layers())})"
+                f"cache config: unknown key '{key}' (expected 'attention', 'recurrent', 'layers', 'plugins' or a "
+                f"cache type: {', '.join(available_layers())})"
             )
     groups = {k: _as_dict(v, k) for k, v in config.items() if k != "layers"}
-    per_layer = {_layer_index(k, len(native)): _as_dict(v, f"layers.{k}")
-                 for k, v in _as_dict(config.get("layers"), "layers").items()}
-    for where, group in [*groups.items(), *((f"layers.{i}", g) for i, g in per_layer.items())]:
+    per_layer = _per_layer_entries(native, config)
+    for where, group in [*groups.items(), *((f"layers.{_addr(i, m)}", g) for (i, m), g in per_layer.items())]:
         _check_group(where, group)
-    return CachePlan(tuple(_resolve_layer(i, nl, groups, per_layer.get(i, {}), max_length) for i, nl in enumerate(native)))
+    return CachePlan(tuple(
+        _resolve_layer(i, m, nl, groups, per_layer.get((i, m), {}), max_length) for i, m, nl in flatten_native(native)
+    ))
 
 
-def _resolve_layer(i: int, nl: NativeLayer, groups: dict, own: dict, max_length: int | None) -> LayerPlan:
+def _addr(i: int, member: str | None) -> str:
+    return str(i) if member is None else f"{i}.{member}"
+
+
+def _resolve_layer(i: int, member: str | None, nl: NativeLayer, groups: dict, own: dict, max_length: int | None) -> LayerPlan:
     native_cls = get_layer_class(nl.type)
-    kind = native_cls.kind
-    levels = [(kind, groups.get(kind, {})), (nl.type, groups.get(nl.type, {})), (f"layers.{i}", own)]
+    kind, where_i = native_cls.kind, _addr(i, member)
+    levels = [(kind, groups.get(kind, {})), (nl.type, groups.get(nl.type, {})), (f"layers.{where_i}", own)]
     type_level, final = -1, nl.type
     for level, (_, group) in enumerate(levels):
         if "type" in group:
@@ -170,8 +246,8 @@ def _resolve_layer(i: int, nl: NativeLayer, groups: dict, own: dict, max_length:
     cls = get_layer_class(final)
     if cls.kind != kind:
         raise CacheConfigError(
-            f"cache config: layer {i} is a {kind} layer (native '{nl.type}') and cannot use the {cls.kind} cache "
-            f"type '{final}'; {kind} types: {', '.join(available_layers(kind))}"
+            f"cache config: layer {where_i} is a {kind} layer (native '{nl.type}') and cannot use the {cls.kind} "
+            f"cache type '{final}'; {kind} types: {', '.join(available_layers(kind))}"
         )
     spec_fields, tunables = cls.spec_cls.field_names(), cls.spec_cls.tunable_names()
     params = {k: v for k, v in nl.params.items() if k in spec_fields}
@@ -185,19 +261,21 @@ def _resolve_layer(i: int, nl: NativeLayer, groups: dict, own: dict, max_length:
                 continue
             if key not in tunables:
                 raise CacheConfigError(
-                    f"cache config: {where}.{key}: layer {i} resolves to cache type '{final}', which does not take "
-                    f"'{key}' (accepted: {', '.join(sorted(tunables)) or 'none'}); set `type` in the same entry"
+                    f"cache config: {where}.{key}: layer {where_i} resolves to cache type '{final}', which does not "
+                    f"take '{key}' (accepted: {', '.join(sorted(tunables)) or 'none'}); set `type` in the same entry"
                 )
             params[key] = value
     missing = cls.spec_cls.required_names() - set(params)
     if missing:
         what = "parameter" if missing <= tunables else "model shapes"
         raise CacheConfigError(
-            f"cache config: layer {i} (native '{nl.type}') cannot use cache type '{final}': missing {what} "
+            f"cache config: layer {where_i} (native '{nl.type}') cannot use cache type '{final}': missing {what} "
             f"{', '.join(sorted(missing))}"
         )
     try:
         spec = cls.spec_cls(**params)
     except CacheError as e:
-        raise CacheConfigError(f"cache config: layer {i} ('{final}'): {e}") from None
-    return LayerPlan(i, nl.type, final, spec)
+        raise CacheConfigError(f"cache config: layer {where_i} ('{final}'): {e}") from None
+    except TypeError as e:
+        raise CacheConfigError(f"cache config: layer {where_i} ('{final}'): bad parameters ({e})") from None
+    return LayerPlan(i, nl.type, final, spec, member)

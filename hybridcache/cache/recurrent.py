@@ -1,7 +1,7 @@
 """Recurrent cache layers: `mamba`, `mamba2`, `rglru`, `conv`.
 
 Each holds named fixed-shape state tensors [B, ...] that its mixer reads (`layer.states`) and replaces with
-`layer.update(valid, **new_states)`. A convolution state keeps the last K-1 inputs of a width-K causal conv (the
+`layer.update(**new_states)` (staged until the block commits, so a failed forward leaves the old states). A convolution state keeps the last K-1 inputs of a width-K causal conv (the
 minimum); SSM / LRU states are float32 unless the config sets `state_dtype`. They keep only the latest state, so
 `crop` cannot rewind them: roll back with `Cache.snapshot()` / `Cache.restore()`.
 """
@@ -14,15 +14,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.cache.base import (
-    CacheLayer,
-    LayerSpec,
-    check_dtype,
-    check_positive_int,
-    check_valid_mask,
-    dtype_nbytes,
-    tunable,
-)
+from hybridcache.cache.base import CacheLayer, LayerSpec, check_float_dtype, check_positive_int, dtype_nbytes, tunable
 from hybridcache.cache.errors import CacheCropError, CacheError
 from hybridcache.cache.registry import register_cache_layer
 
@@ -55,7 +47,7 @@ class MambaSpec(RecurrentSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check("intermediate_size", "state_size", "conv_kernel")
-        check_dtype(type(self).__name__, "state_dtype", self.state_dtype)
+        check_float_dtype(type(self).__name__, "state_dtype", self.state_dtype)
 
     def state_shapes(self):
         return {
@@ -78,7 +70,7 @@ class Mamba2Spec(RecurrentSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel")
-        check_dtype(type(self).__name__, "state_dtype", self.state_dtype)
+        check_float_dtype(type(self).__name__, "state_dtype", self.state_dtype)
 
     def state_shapes(self):
         conv_dim = self.num_heads * self.head_dim + 2 * self.n_groups * self.state_size
@@ -99,7 +91,7 @@ class RGLRUSpec(RecurrentSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check("lru_width", "conv_kernel")
-        check_dtype(type(self).__name__, "state_dtype", self.state_dtype)
+        check_float_dtype(type(self).__name__, "state_dtype", self.state_dtype)
 
     def state_shapes(self):
         return {
@@ -143,8 +135,9 @@ class RecurrentCacheLayer(CacheLayer):
         """The current states by name, e.g. {"conv": [B, C, K-1], "ssm": [B, D, N]}."""
         return {name: getattr(self, name) for name in self._batch_tensors}
 
-    def update(self, valid: torch.Tensor | int, **new_states: torch.Tensor) -> None:
-        """Replace every state after a block; `valid` is the block's real-token mask [B, T] or its length T."""
+    def update(self, valid: torch.Tensor | int | None = None, **new_states: torch.Tensor) -> None:
+        """Replace every state after a block. Inside a Cache the block was opened by the Cache; a standalone layer
+        takes the block's real-token mask [B, T] or its length T as `valid`."""
         expected = self.spec.state_shapes()
         if set(new_states) != set(expected):
             raise CacheError(f"{self.name}: update needs exactly the states {sorted(expected)}, got {sorted(new_states)}")
@@ -158,22 +151,23 @@ class RecurrentCacheLayer(CacheLayer):
                 raise CacheError(f"{self.name}: state '{name}' must have dtype {dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise CacheError(f"{self.name}: state '{name}' is on {t.device}, the layer is on {self.device}")
-        if isinstance(valid, int) and not isinstance(valid, bool):
+        if self.seq.block is not None:
+            tokens = self.seq.block.tokens
+        elif isinstance(valid, int) and not isinstance(valid, bool):
             tokens, valid = valid, None
         elif isinstance(valid, torch.Tensor) and valid.dim() == 2:
             tokens = valid.shape[1]
         else:
             raise CacheError(f"{self.name}: valid must be a real-token mask [B, T] or a token count, got {valid!r}")
-        if tokens <= 0:
-            raise CacheError(f"{self.name}: empty block ({tokens} tokens)")
-        valid = check_valid_mask(valid, self.batch_size, tokens, self.seen, self.name)
-        for name, t in new_states.items():
-            getattr(self, name).copy_(t)
-        self.seen = self.seen + valid.sum(1)
-        self.columns += valid.shape[1]
+        _, opened = self._open(valid, tokens)
+        self._staged = new_states
+        self._close(opened, failed=False)
 
-    def _prepare_crop(self, n: Any) -> int:
-        n = self._check_crop_length(n)
+    def _commit_staged(self, staged: dict[str, torch.Tensor]) -> None:
+        for name, t in staged.items():
+            getattr(self, name).copy_(t)
+
+    def _prepare_crop(self, n: int, seen: torch.Tensor) -> int:
         if n != self.columns:
             raise CacheCropError(
                 f"{self.name}: keeps only its latest state, so crop({n}) cannot rewind it from {self.columns} "

@@ -1,19 +1,23 @@
-"""`HybridLM`: the base of every model family. Embeddings, decoder layers that each own one cache layer, head.
+"""`HybridLM`: the base of every model family. Embeddings, decoder layers that each own a cache entry, head.
 
-A family subclass builds its modules with the Hugging Face parameter names, declares each layer's native cache
-type in `native_layers()`, and provides `embed`, `decoder_layers` and `head`. Positions and masks come from the
-cache: `forward` never takes positions.
+A family subclass builds its modules with the Hugging Face parameter names, declares per decoder layer its native
+cache type in `native_layers()` (a `NativeLayer`, or a `NativeGroup` of named members for layers that hold several
+caches, such as FalconH1's parallel Mamba2 + attention), and provides `embed`, `decoder_layers` and `head`. Decoder
+layer i gets cache entry i (a cache layer or a `CacheGroup`). Positions and masks come from the cache: `forward`
+never takes positions, and it validates everything before the first cache layer changes.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
 
 from hybridcache.blocks import StepInput
-from hybridcache.cache import Cache, NativeLayer, get_layer_class
+from hybridcache.cache import Cache, CacheError, CacheGroup, NativeGroup, NativeLayer, get_layer_class
+from hybridcache.cache.plan import Native
+from hybridcache.cache.sequence import check_valid_mask
 
 
 class HybridLM(nn.Module):
@@ -27,8 +31,8 @@ class HybridLM(nn.Module):
         self.config = dict(config)
 
     # -- what a family provides --------------------------------------------------------------------------------
-    def native_layers(self) -> list[NativeLayer]:
-        """Native cache type and shape parameters of every layer, in order."""
+    def native_layers(self) -> list[Native]:
+        """Per decoder layer, in order: its native cache type and shape parameters (or a group of them)."""
         raise NotImplementedError
 
     @property
@@ -58,6 +62,17 @@ class HybridLM(nn.Module):
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
+    @property
+    def upcast_cpu_float32(self) -> bool:
+        """Whether this model's sensitive mixers (Mamba2) compute in float64 on CPU for float32 weights."""
+        return any(getattr(m, "upcast_cpu_float32", False) for m in self.modules())
+
+    @upcast_cpu_float32.setter
+    def upcast_cpu_float32(self, value: bool) -> None:
+        for m in self.modules():
+            if hasattr(m, "upcast_cpu_float32") and m is not self:
+                m.upcast_cpu_float32 = bool(value)
+
     def make_cache(
         self, batch_size: int = 1, cache_config: Mapping[str, Any] | None = None, max_length: int | None = None
     ) -> Cache:
@@ -70,63 +85,118 @@ class HybridLM(nn.Module):
             raise TypeError(f"cache must be a hybridcache Cache (from model.make_cache), got {type(cache).__name__}")
         native = self.native_layers()
         if len(cache) != len(native):
-            raise ValueError(f"the cache has {len(cache)} layers, this {self.family} model has {len(native)}")
+            raise ValueError(f"the cache has {len(cache)} entries, this {self.family} model has {len(native)} layers")
         if cache.batch_size != batch_size:
             raise ValueError(f"the cache was built for batch size {cache.batch_size}, input_ids have {batch_size} rows")
-        for i, (layer, nl) in enumerate(zip(cache, native)):
-            kind = get_layer_class(nl.type).kind
-            if layer.kind != kind:
-                raise ValueError(f"cache layer {i} is a {layer.kind} cache, model layer {i} needs a {kind} cache")
-            tunables = layer.spec.tunable_names()
-            for key, value in nl.params.items():
-                if key not in tunables and hasattr(layer.spec, key) and getattr(layer.spec, key) != value:
-                    raise ValueError(
-                        f"cache layer {i} has {key}={getattr(layer.spec, key)}, model layer {i} needs {key}={value}"
-                    )
+        for i, (entry, nl) in enumerate(zip(cache, native, strict=True)):
+            if isinstance(nl, NativeGroup) != isinstance(entry, CacheGroup) or (
+                isinstance(nl, NativeGroup) and list(nl.members) != list(entry)
+            ):
+                want = f"a group of {', '.join(nl.members)}" if isinstance(nl, NativeGroup) else "a single cache layer"
+                raise ValueError(f"cache entry {i} is {entry!r}, model layer {i} needs {want}")
+            pairs = [(f"{i}.{m}", entry[m], nl.members[m]) for m in nl.members] if isinstance(nl, NativeGroup) else [
+                (str(i), entry, nl)]
+            for where, layer, member in pairs:
+                kind = get_layer_class(member.type).kind
+                if layer.kind != kind:
+                    raise ValueError(f"cache layer {where} is a {layer.kind} cache, model layer {where} needs a {kind} cache")
+                tunables = layer.spec.tunable_names()
+                for key, value in member.params.items():
+                    if key not in tunables and hasattr(layer.spec, key) and getattr(layer.spec, key) != value:
+                        raise ValueError(
+                            f"cache layer {where} has {key}={getattr(layer.spec, key)}, model layer {where} needs "
+                            f"{key}={value}"
+                        )
 
-    def block_mask(self, attention_mask: Any, batch: int, tokens: int, cached: int) -> torch.Tensor:
-        """The block's real-token mask [B, T] from a mask over the block or over the whole sequence."""
+    def block_mask(self, attention_mask: Any, batch: int, tokens: int, cache: Cache) -> torch.Tensor | None:
+        """The block's real-token mask [B, T] (None: all real) from a 0/1 mask over the block or over the whole
+        sequence (the cache's columns plus this block; its cached part must match what the cache saw)."""
         if attention_mask is None:
-            return torch.ones(batch, tokens, dtype=torch.bool, device=self.device)
+            return None
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-            raise ValueError("attention_mask must be a 2-d tensor [B, T] of 0/1")
+            raise ValueError("attention_mask must be a 2-d tensor [B, T] of 0/1 (or bool)")
         if attention_mask.shape[0] != batch:
             raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {batch}")
-        width = attention_mask.shape[1]
-        if width == cached + tokens:
-            attention_mask = attention_mask[:, cached:]
-        elif width != tokens:
+        cached, width = cache.columns, attention_mask.shape[1]
+        if width not in (tokens, cached + tokens):
             raise ValueError(
                 f"attention_mask has {width} columns; expected {tokens} (this block) or {cached + tokens} "
-                f"(the {cached} cached tokens plus this block)"
+                f"(the {cached} cached columns plus this block)"
             )
-        return attention_mask.to(self.device).bool()
+        zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
+        mask = check_mask(attention_mask.to(self.device), zeros, width)
+        if width != tokens and cached:
+            seen = mask[:, :cached].sum(1)
+            if not torch.equal(seen, cache.seq.seen):
+                row = int((seen != cache.seq.seen).nonzero()[0])
+                raise ValueError(
+                    f"attention_mask row {row} marks {int(seen[row])} of the {cached} cached columns as real, but the "
+                    f"cache saw {int(cache.seq.seen[row])} real tokens in that row"
+                )
+            mask = mask[:, cached:]
+        return mask
 
     def forward(
-        self, input_ids: torch.Tensor, cache: Cache | None = None, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        allow_padding_rows: bool = False,
     ) -> torch.Tensor:
-        """Logits [B, T, V] for a block of tokens; advances `cache` (a fresh native cache when None)."""
+        """Logits [B, T, V] for a block of tokens; advances `cache` (a fresh native cache when None).
+
+        Everything is validated before the first cache layer changes, and a forward that fails anyway (an
+        interrupt, a bug) drops the block: the cache is left as it was. A row whose block is all padding while the
+        cache holds nothing for it gets meaningless logits, so it is refused unless `allow_padding_rows` (the
+        first pieces of a long left-padded prompt prefilled in chunks).
+        """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise ValueError("input_ids must be a LongTensor [B, T]")
         batch, tokens = input_ids.shape
-        if tokens == 0:
-            raise ValueError("input_ids is empty (0 tokens)")
+        if tokens == 0 or batch == 0:
+            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)})")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size:
             raise ValueError(f"input_ids hold ids outside the vocabulary [0, {self.vocab_size})")
         if cache is None:
             cache = self.make_cache(batch)
         self.check_cache(cache, batch)
-        valid = self.block_mask(attention_mask, batch, tokens, cache.columns) if attention_mask is not None else None
-        cache.positions(valid, tokens)  # validates left padding before anything changes
-        return self.forward_block(input_ids.to(self.device), cache, valid)
+        valid = self.block_mask(attention_mask, batch, tokens, cache)
+        if valid is not None and not allow_padding_rows:
+            empty = ~valid.any(1) & (cache.seq.seen == 0)
+            if bool(empty.any()):
+                raise ValueError(
+                    f"row {int(empty.nonzero()[0])} of this block is all padding and the cache holds no real token "
+                    "for it, so its logits would be meaningless (pass allow_padding_rows=True when prefilling a "
+                    "left-padded prompt in pieces)"
+                )
+        return self.run_block(input_ids.to(self.device), cache, valid)
 
-    def forward_block(self, input_ids: torch.Tensor, cache: Cache, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` without input validation (the compiled decode step): valid [B, T] bool or None (all real)."""
-        all_real = valid is None
-        if all_real:
-            valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-        step = StepInput(cache.positions(None if all_real else valid, input_ids.shape[1]), valid, all_real)
+    def run_block(self, input_ids: torch.Tensor, cache: Cache, valid: torch.Tensor | None = None,
+                  step: Callable[..., torch.Tensor] | None = None, check: bool = True) -> torch.Tensor:
+        """Feed one block as a cache transaction: open it (validating the mask and every layer's capacity), run
+        `step` (default `forward_block`; the compiled decode step in generation), commit, or drop it on failure."""
+        cache.begin_block(valid, input_ids.shape[1], check=check, ids=input_ids)
+        try:
+            logits = (step or self.forward_block)(input_ids, cache)
+        except BaseException:
+            cache.abort_block()
+            raise
+        cache.end_block()
+        return logits
+
+    def forward_block(self, input_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """The model body for the cache's open block (no validation; what the compiled decode step runs)."""
+        step = cache.current_block
         h = self.embed(input_ids)
-        for block, layer in zip(self.decoder_layers, cache):
-            h = block(h, layer, step)
+        for block, entry in zip(self.decoder_layers, cache.entries, strict=True):
+            h = block(h, entry, step)
         return self.head(h)
+
+
+def check_mask(mask: torch.Tensor, seen: torch.Tensor, width: int) -> torch.Tensor:
+    """A 0/1 (or bool) left-padding mask as bool; anything else is a named ValueError."""
+    try:
+        return check_valid_mask(mask, mask.shape[0], width, seen, "attention_mask")
+    except CacheError as e:
+        raise ValueError(str(e)) from None

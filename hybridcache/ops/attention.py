@@ -17,7 +17,8 @@ def masked_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
-) -> torch.Tensor:
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with an explicit boolean visibility mask.
 
     Args:
@@ -30,7 +31,7 @@ def masked_attention(
         softcap: if set, scores = softcap * tanh(scores / softcap).
 
     Returns:
-        [B, Hq, T, Dv] in q.dtype. Scores, softmax and the weighted sum run in
+        [B, Hq, T, Dv] in q.dtype (and the attention weights [B, Hq, T, S] with `return_weights`). Scores, softmax and the weighted sum run in
         float32 (float64 if q is float64). Fully masked rows give zeros.
 
     Guarantees: a NaN/inf key in a masked slot only affects masked scores, which
@@ -65,4 +66,7 @@ def masked_attention(
     seen = mask.any(dim=-2)[:, None, :, None]  # [B, 1, S, 1] slot visible to some query
     v_clean = torch.where(seen, v.to(acc), torch.zeros((), dtype=acc, device=v.device))
     out = torch.einsum("bhgts,bhse->bhgte", probs, v_clean)  # [B, Hkv, G, T, Dv]
-    return rearrange(out, "b h g t e -> b (h g) t e").to(q.dtype)
+    out = rearrange(out, "b h g t e -> b (h g) t e").to(q.dtype)
+    if return_weights:
+        return out, rearrange(probs, "b h g t s -> b (h g) t s")
+    return out

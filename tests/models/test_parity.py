@@ -96,12 +96,17 @@ def test_continuation_from_returned_cache_equals_one_call(family, models):
     again = hc.generate(ours, first.sequences, attention_mask=mask_a, max_new_tokens=9, cache=first.cache)
     assert torch.equal(again.sequences, whole.sequences)
     assert max_diff(torch.cat([first.logits, again.logits], 1), whole.logits) <= ORACLE_TOL
-    # (b) only the tokens the cache has not seen, with the mask of the whole sequence
+    # (b) only the new tokens is refused (one rule: the whole sequence), and the cache is left as it was
     first.cache.restore(snap)
-    unseen = first.sequences[:, first.cache.columns :]
-    again_b = hc.generate(ours, unseen, attention_mask=mask_a, max_new_tokens=9, cache=first.cache)
-    assert torch.equal(again_b.sequences[:, 1:], whole.sequences[:, ids.shape[1] + 7 :])
-    assert max_diff(again_b.logits, again.logits) <= ORACLE_TOL
+    unseen = first.sequences[:, first.cache.columns - 3 :]
+    with pytest.raises(ValueError, match="whole sequence"):
+        hc.generate(ours, unseen, max_new_tokens=9, cache=first.cache)
+    wrong = first.sequences.clone()
+    wrong[0, 2] = (wrong[0, 2] + 1) % 384  # a token the cache did not see, same length
+    with pytest.raises(ValueError, match="not the tokens the cache saw"):
+        hc.generate(ours, wrong, attention_mask=mask_a, max_new_tokens=9, cache=first.cache)
+    again_b = hc.generate(ours, first.sequences, attention_mask=mask_a, max_new_tokens=9, cache=first.cache)
+    assert torch.equal(again_b.sequences, whole.sequences)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])

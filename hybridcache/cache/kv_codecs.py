@@ -1,0 +1,95 @@
+"""How attention cache layers store the tokens they keep: a codec per storage format.
+
+Which tokens an attention layer keeps is its pattern's business (`full`, `sliding`, `chunked`, ...); how each kept
+token's key and value are stored is the codec's. Any pattern takes any codec through the spec field `storage`
+(`{"attention": {"storage": "int8"}}`). A codec turns a block x [B, H, T, D] into named parts [B, H, T, ...]
+(`encode`) and back (`decode`); storage, eviction, ring buffers and batch operations work on the parts.
+A new format is one class: `@register_kv_codec("name")`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, TypeVar
+
+import torch
+
+from hybridcache.cache.errors import CacheConfigError
+
+Fields = dict[str, tuple[tuple[int, ...], torch.dtype]]  # part name -> (trailing shape per token and head, dtype)
+
+
+class KVCodec(ABC):
+    """A storage format for keys or values. `exact` codecs give back exactly what they were given."""
+
+    name: ClassVar[str] = "?"
+    exact: ClassVar[bool] = False
+
+    @abstractmethod
+    def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
+        """The parts stored per token and head, e.g. {"": ((D,), float32)} for dense storage."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [B, H, T, D] -> parts [B, H, T, ...] (shapes and dtypes as in `fields`)."""
+
+    @abstractmethod
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Parts [B, H, S, ...] -> x [B, H, S, D] in `dtype`."""
+
+    def token_nbytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token takes per head."""
+        total = 0
+        for shape, dt in self.fields(head_dim, dtype).values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * torch.empty((), dtype=dt).element_size()
+        return total
+
+
+_CODECS: dict[str, type[KVCodec]] = {}
+C = TypeVar("C", bound=type[KVCodec])
+
+
+def register_kv_codec(name: str) -> Callable[[C], C]:
+    """Class decorator: make a `KVCodec` available as `storage: <name>` in cache configs."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise CacheConfigError(f"storage format names must be identifiers, got {name!r}")
+
+    def decorate(cls: C) -> C:
+        if not (isinstance(cls, type) and issubclass(cls, KVCodec)):
+            raise CacheConfigError(f"@register_kv_codec('{name}') needs a KVCodec subclass, got {cls!r}")
+        if name in _CODECS and _CODECS[name] is not cls:
+            raise CacheConfigError(f"storage format '{name}' is already registered ({_CODECS[name].__name__})")
+        cls.name = name
+        _CODECS[name] = cls
+        return cls
+
+    return decorate
+
+
+def available_codecs() -> list[str]:
+    return sorted(_CODECS)
+
+
+def get_codec(name: str) -> KVCodec:
+    if name not in _CODECS:
+        raise CacheConfigError(f"unknown attention storage {name!r}; known: {', '.join(available_codecs())}")
+    return _CODECS[name]()
+
+
+@register_kv_codec("dense")
+class DenseCodec(KVCodec):
+    """Plain tensors in the layer's dtype."""
+
+    exact = True
+
+    def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
+        return {"": ((head_dim,), dtype)}
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"": x}
+
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return parts[""]

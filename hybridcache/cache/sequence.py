@@ -1,0 +1,131 @@
+"""Sequence state: the one record of what a batch has seen, shared by every cache layer of a `Cache`.
+
+`seen` [B] counts each row's real tokens (left padding excluded); `columns` counts the block columns fed (padding
+included, the same for every row). A block is fed in three steps: `begin` validates its mask and computes the
+positions of its tokens once; the cache layers read them (`seq.block`) and stage their writes; `commit` advances
+the sequence (or `abort` drops the block). Positions are absolute per row, so no caller ever passes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridcache.cache.errors import CacheError
+
+
+def check_valid_mask(valid: Any, batch: int, tokens: int, seen: torch.Tensor, owner: str) -> torch.Tensor:
+    """Validate a block's real-token mask [B, T] (None = all real) and return it as a bool tensor.
+
+    One rule everywhere: bool, or an integer tensor of 0/1. Left padding only: a row's padding comes before its
+    first real token, so a row that already holds real tokens cannot get padding.
+    """
+    if valid is None:  # every token real: nothing to check (and no data-dependent branch for torch.compile)
+        return torch.ones(batch, tokens, dtype=torch.bool, device=seen.device)
+    if not isinstance(valid, torch.Tensor):
+        raise CacheError(f"{owner}: the attention mask must be a tensor [B, T], got {type(valid).__name__}")
+    if valid.shape != (batch, tokens):
+        raise CacheError(f"{owner}: the attention mask has shape {tuple(valid.shape)}, expected {(batch, tokens)}")
+    if valid.dtype != torch.bool:
+        if valid.dtype.is_floating_point or valid.dtype.is_complex:
+            raise CacheError(f"{owner}: the attention mask must be bool or an integer tensor of 0/1, got {valid.dtype}")
+        bad = (valid != 0) & (valid != 1)
+        if bool(bad.any()):
+            value = valid[bad][0].item()
+            raise CacheError(f"{owner}: the attention mask must hold only 0 and 1, got {value}")
+        valid = valid != 0
+    valid = valid.to(seen.device)
+    if tokens > 1 and bool((valid[:, 1:] < valid[:, :-1]).any()):
+        row = int((valid[:, 1:] < valid[:, :-1]).any(1).nonzero()[0])
+        raise CacheError(f"{owner}: row {row} has a padding token after a real token; only left padding is supported")
+    started = seen > 0
+    if bool((started & ~valid.all(1)).any()):
+        row = int((started & ~valid.all(1)).nonzero()[0])
+        raise CacheError(
+            f"{owner}: row {row} already holds {int(seen[row])} real tokens, so this block cannot contain padding "
+            "(left padding comes before a row's first real token)"
+        )
+    return valid
+
+
+_FP_MOD = 2_147_483_647  # 2^31 - 1: products of two residues fit in int64
+
+
+def token_fingerprint(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-row fingerprint [B] of real tokens (positions >= 0), additive over blocks and blind to padding.
+
+    sum of (id + 1) * w(position) mod 2^31-1 with a scrambled weight per position: feeding a sequence in any
+    split gives the same value, and a different token at any position changes it (up to ~1e-9 chance).
+    """
+    w = (positions.clamp(min=0) * 2_654_435_761 + 97_531) % _FP_MOD
+    terms = ((ids.long() + 1) % _FP_MOD) * w % _FP_MOD
+    return torch.where(positions >= 0, terms, 0).sum(1) % _FP_MOD
+
+
+@dataclass
+class BlockState:
+    """The block being fed: which tokens are real and their positions, computed once for every cache layer."""
+
+    valid: torch.Tensor  # [B, T] bool
+    positions: torch.Tensor  # [B, T] long, -1 for padding
+    seen_after: torch.Tensor  # [B] real tokens per row once this block is committed
+    all_real: bool  # no padding in this block: lets layers and mixers skip masking work
+    ids: torch.Tensor | None = None  # [B, T] token ids, when the feeder knows them (for the fingerprint)
+
+    @property
+    def tokens(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """Positions for rotary embeddings ([B, T]; padding gets 0, it is never attended to)."""
+        return self.positions.clamp(min=0)
+
+    def mask_padding(self, x: torch.Tensor) -> torch.Tensor:
+        """Zero the padding tokens of x [B, T, ...] so they leave recurrent states untouched."""
+        if self.all_real:
+            return x
+        return x * self.valid.view(*self.valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+class SequenceState:
+    """Per-row real-token counts and the column count of one batch; at most one block open at a time."""
+
+    def __init__(self, batch_size: int, device: torch.device) -> None:
+        self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self.columns = 0
+        self.block: BlockState | None = None
+        self.fingerprint: torch.Tensor | None = torch.zeros_like(self.seen)  # [B]; None once unknown
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seen.shape[0])
+
+    def make_block(self, valid: Any, tokens: int, owner: str, check: bool = True, ids: torch.Tensor | None = None) -> BlockState:
+        """Validate a block (mask [B, T] or None = all real) and compute its positions; changes nothing."""
+        if self.block is not None:
+            raise CacheError(f"{owner}: a block is already being fed; finish it (commit or abort) first")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise CacheError(f"{owner}: a block needs at least one token, got {tokens!r}")
+        all_real = valid is None
+        if check or not all_real:
+            valid = check_valid_mask(valid, self.batch_size, tokens, self.seen, owner)
+        else:  # the compiled decode step: every token real, nothing to check
+            valid = torch.ones(self.batch_size, tokens, dtype=torch.bool, device=self.seen.device)
+        if all_real:
+            steps = torch.arange(tokens, device=self.seen.device)
+            positions = self.seen[:, None] + steps[None, :]
+            seen_after = self.seen + tokens
+        else:
+            positions = torch.where(valid, self.seen[:, None] + valid.long().cumsum(1) - 1, -1)
+            seen_after = self.seen + valid.sum(1)
+        return BlockState(valid, positions, seen_after, all_real, ids)
+
+    def commit(self) -> None:
+        block = self.block
+        if self.fingerprint is not None:
+            self.fingerprint = (None if block.ids is None else
+                                (self.fingerprint + token_fingerprint(block.ids, block.positions)) % _FP_MOD)
+        self.seen, self.columns, self.block = block.seen_after, self.columns + block.tokens, None
