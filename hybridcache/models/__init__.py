@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from hybridcache.models.base import HybridLM
-from hybridcache.models.loading import load_weights, read_config, read_state_dict, resolve_checkpoint
+from hybridcache.models.family_config import ConfigError, FamilyConfig
+from hybridcache.models.loading import CheckpointError, empty_model, load_checkpoint, read_config, resolve_checkpoint
 
 # HF model_type -> "module:Class"
 MODEL_TYPES = {
@@ -22,21 +23,30 @@ MODEL_TYPES = {
 
 
 def model_class(model_type: str | None) -> type[HybridLM]:
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))}")
     module, _, cls = MODEL_TYPES[model_type].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def from_pretrained(
-    path_or_hub_id: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path_or_hub_id: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
+    allow_nonfinite: bool = False, allow_dtype_cast: bool = False,
 ) -> HybridLM:
-    """Load a Hugging Face checkpoint (local directory, or hub id where reachable) into our implementation."""
+    """Load a Hugging Face checkpoint (local directory, or hub id where reachable) into our implementation.
+
+    The config is validated (ConfigError names every bad field), the model is built without allocating its
+    weights and checked against the checkpoint's tensor names and shapes (CheckpointError) before any tensor is
+    read. Tensors with NaN/Inf values or of a non-float dtype where floats are expected are refused unless
+    `allow_nonfinite` / `allow_dtype_cast`.
+    """
     directory = resolve_checkpoint(path_or_hub_id)
     config = read_config(directory)
-    model = model_class(config.get("model_type"))(config)
-    load_weights(model, read_state_dict(directory))
+    cls = model_class(config.get("model_type"))
+    typed = cls.config_class.from_hf(config, source=str(directory / "config.json"))
+    model, _ = empty_model(lambda: cls(typed))
+    load_checkpoint(model, directory, dtype, device, allow_nonfinite, allow_dtype_cast)
     return model.to(device=device, dtype=dtype).eval()
 
 
-__all__ = ["HybridLM", "MODEL_TYPES", "from_pretrained", "model_class"]
+__all__ = ["CheckpointError", "ConfigError", "FamilyConfig", "HybridLM", "MODEL_TYPES", "from_pretrained", "model_class"]

@@ -99,10 +99,11 @@ class Gemma3Inner(nn.Module):
 
 class Gemma3LM(HybridLM):
     family = "gemma3"
+    config_class = Gemma3Config
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Mapping[str, Any] | Gemma3Config) -> None:
-        cfg = Gemma3Config.from_hf(config)
+        cfg = self.config_class.from_hf(config)
         super().__init__(cfg.to_dict())
         self.cfg = cfg
         self.types = layer_types(self.config)

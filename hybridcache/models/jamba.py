@@ -133,10 +133,11 @@ class JambaInner(nn.Module):
 
 class JambaLM(HybridLM):
     family = "jamba"
+    config_class = JambaConfig
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Mapping[str, Any] | JambaConfig) -> None:
-        cfg = JambaConfig.from_hf(config)
+        cfg = self.config_class.from_hf(config)
         super().__init__(cfg.to_dict())
         self.cfg = cfg
         self.types = block_types(self.config)

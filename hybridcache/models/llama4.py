@@ -187,10 +187,11 @@ class Llama4Inner(nn.Module):
 
 class Llama4LM(HybridLM):
     family = "llama4"
+    config_class = Llama4Config
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Mapping[str, Any] | Llama4Config) -> None:
-        cfg = Llama4Config.from_hf(config)
+        cfg = self.config_class.from_hf(config)
         super().__init__(cfg.to_dict())
         self.cfg = cfg
         self.types = layer_types(self.config)

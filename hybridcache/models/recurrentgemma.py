@@ -134,10 +134,11 @@ class RecurrentGemmaInner(nn.Module):
 
 class RecurrentGemmaLM(HybridLM):
     family = "recurrentgemma"
+    config_class = RecurrentGemmaConfig
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Mapping[str, Any] | RecurrentGemmaConfig) -> None:
-        cfg = RecurrentGemmaConfig.from_hf(config)
+        cfg = self.config_class.from_hf(config)
         super().__init__(cfg.to_dict())
         self.cfg = cfg
         self.types = block_types(self.config)

@@ -66,7 +66,7 @@ def test_shape_mismatch_is_named(gemma_dir):
 
 
 def test_missing_paths_fail_clearly(tmp_path, gemma_dir):
-    with pytest.raises(FileNotFoundError, match="not a local directory and could not be fetched"):
+    with pytest.raises(FileNotFoundError, match="checkpoint directory .*nope' does not exist"):
         hc.from_pretrained(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="is a file"):
         hc.from_pretrained(gemma_dir / "config.json")
@@ -90,3 +90,193 @@ def test_dtype_and_device_arguments(gemma_dir):
     assert cache[0].spec.dtype == torch.bfloat16
     out = hc.generate(model, prompts(1, 5, seed=0), max_new_tokens=3)
     assert out.sequences.shape == (1, 8)
+
+
+# -- issue 12: loading -------------------------------------------------------------------------------------------
+def write_config(directory, change):
+    config = json.loads((directory / "config.json").read_text())
+    change(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_config_disagreeing_with_weights_fails_before_reading_or_allocating(gemma_dir, monkeypatch):
+    """vocab_size 1e9 would be 256 GB of embeddings: the header check names the tensor before anything is built."""
+    import hybridcache.models.loading as loading
+
+    write_config(gemma_dir, lambda c: c.update(vocab_size=10**9))
+    monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the shape check"))
+    with pytest.raises(hc.models.CheckpointError,
+                       match=r"model.embed_tokens.weight has shape \(384, 64\) in the checkpoint, the model expects "
+                             r"\(1000000000, 64\)"):
+        hc.from_pretrained(gemma_dir)
+
+
+def test_loaded_model_has_no_meta_tensors(gemma_dir):
+    model = hc.from_pretrained(gemma_dir)
+    assert not [n for n, t in model.state_dict().items() if t.is_meta]
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", r"config.json must hold a JSON object, it holds a JSON list"),
+    ('"gemma"', r"config.json must hold a JSON object, it holds a JSON str"),
+    ('{\n  "model_type": "gemma3_text",\n  "hidden_size": 64,\n}\n', r"config.json: invalid JSON at line 4, column 1"),
+])
+def test_bad_config_json_is_named(gemma_dir, text, message):
+    (gemma_dir / "config.json").write_text(text)
+    with pytest.raises(hc.models.CheckpointError, match=message):
+        hc.from_pretrained(gemma_dir)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("hidden_size"), r"gemma3 config \(.*config.json\) is invalid: missing required field hidden_size"),
+    (lambda c: c.update(hidden_size="64"), r"hidden_size must be int, got '64' \(str\)"),
+    (lambda c: c.update(num_key_value_heads=True), r"num_key_value_heads must be int, got True"),
+    (lambda c: c.update(layer_types=["sliding_attention", "sliding_attention", "full", "sliding_attention"]),
+     r"layer_types has unknown entry 'full' \(known: sliding_attention, full_attention\)"),
+    (lambda c: c.update(sliding_window=0), r"sliding_window must be positive, got 0"),
+    (lambda c: c.update(sliding_window=-8), r"sliding_window must be positive, got -8"),
+    (lambda c: c.update(layer_types=["full_attention"]), r"layer_types has 1 entries, num_hidden_layers is 4"),
+])
+def test_bad_config_values_fail_at_load(gemma_dir, change, message):
+    write_config(gemma_dir, change)
+    with pytest.raises(hc.models.ConfigError, match=message):
+        hc.from_pretrained(gemma_dir)
+
+
+def test_llama4_zero_chunk_and_recurrentgemma_zero_window_fail_at_load(checkpoints, tmp_path):
+    for family, change, message in [
+        ("llama4", {"attention_chunk_size": 0}, "attention_chunk_size must be positive, got 0"),
+        ("llama4", {"layer_types": ["chunked_attention"] * 3 + ["sliding_attention"]},
+         "layer_types has unknown entry 'sliding_attention'"),
+        ("recurrentgemma", {"attention_window_size": 0}, "attention_window_size must be positive, got 0"),
+        ("recurrentgemma", {"block_types": ["recurrent", "mlp"]}, "block_types has unknown entry 'mlp'"),
+        ("jamba", {"layers_block_type": ["mamba", "mamba", "attn", "mamba"]}, "layers_block_type has unknown entry"),
+    ]:
+        target = tmp_path / f"{family}-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(checkpoints(family), target)
+        write_config(target, lambda c: c.update(change))
+        with pytest.raises(hc.models.ConfigError, match=message):
+            hc.from_pretrained(target)
+
+
+def test_nonfinite_weights_are_refused_unless_allowed(gemma_dir):
+    def poison(state):
+        state["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+        state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
+
+    rewrite(gemma_dir, poison)
+    with pytest.raises(hc.models.CheckpointError,
+                       match=r"tensor model.layers.1.mlp.up_proj.weight has 2 NaN/Inf values .*allow_nonfinite=True"):
+        hc.from_pretrained(gemma_dir)
+    model = hc.from_pretrained(gemma_dir, allow_nonfinite=True)
+    assert torch.isnan(model.model.layers[1].mlp.up_proj.weight[3, 5])
+
+
+def test_integer_tensor_where_floats_are_expected_is_refused_unless_allowed(gemma_dir):
+    rewrite(gemma_dir, lambda s: s.update({"model.norm.weight": torch.arange(64, dtype=torch.int64)}))
+    with pytest.raises(hc.models.CheckpointError,
+                       match=r"tensor model.norm.weight has dtype torch.int64 in the checkpoint, the model expects a "
+                             r"floating-point tensor .*allow_dtype_cast=True"):
+        hc.from_pretrained(gemma_dir)
+    model = hc.from_pretrained(gemma_dir, allow_dtype_cast=True)
+    assert model.model.norm.weight.dtype == torch.float32 and model.model.norm.weight[5].item() == 5.0
+
+
+def test_half_precision_checkpoint_loads_in_the_requested_dtype(gemma_dir, models):
+    ours, _ = models("gemma3")
+    rewrite(gemma_dir, lambda s: s.update({k: v.to(torch.bfloat16) for k, v in s.items()}))
+    model = hc.from_pretrained(gemma_dir, dtype=torch.float32)
+    assert model.dtype == torch.float32
+    expected = ours.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16).float()
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, expected)
+
+
+def shard(directory, shard_names):
+    """Split model.safetensors into shards named `shard_names` (paths relative to `directory`) plus the index."""
+    state = load_file(directory / "model.safetensors")
+    names = sorted(state)
+    weight_map = {}
+    for i, file in enumerate(shard_names):
+        keys = names[i :: len(shard_names)]
+        save_file({k: state[k] for k in keys}, directory / file)
+        weight_map.update({k: file for k in keys})
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_shard_paths_must_stay_inside_the_checkpoint(gemma_dir):
+    shard(gemma_dir, ["model-00001-of-00002.safetensors", "../outside.safetensors"])
+    assert (gemma_dir.parent / "outside.safetensors").exists()  # the old loader read it
+    with pytest.raises(hc.models.CheckpointError, match=r"shard path '../outside.safetensors' points outside"):
+        hc.from_pretrained(gemma_dir)
+
+
+def test_absolute_shard_paths_are_refused(gemma_dir, tmp_path):
+    outside = str(tmp_path / "abs.safetensors")
+    shard(gemma_dir, ["model-00001-of-00002.safetensors", outside])
+    with pytest.raises(hc.models.CheckpointError, match="points outside the checkpoint directory"):
+        hc.from_pretrained(gemma_dir)
+
+
+def test_subfolder_shards_load_and_bad_indexes_are_named(gemma_dir, models):
+    (gemma_dir / "weights").mkdir()
+    weight_map = shard(gemma_dir, ["weights/a.safetensors", "weights/b.safetensors"])
+    ours, _ = models("gemma3")
+    ids = prompts(1, 5, seed=1)
+    with torch.no_grad():
+        assert torch.equal(hc.from_pretrained(gemma_dir)(ids), ours(ids))
+    index = gemma_dir / "model.safetensors.index.json"
+    name = sorted(weight_map)[0]
+    index.write_text(json.dumps({"weight_map": {**weight_map, name: "weights/b.safetensors"}}))
+    with pytest.raises(hc.models.CheckpointError, match=f"lists tensor {name} in b.safetensors, which does not hold it"):
+        hc.from_pretrained(gemma_dir)
+    index.write_text(json.dumps({"weight_map": []}))
+    with pytest.raises(hc.models.CheckpointError, match="'weight_map' must be a non-empty object"):
+        hc.from_pretrained(gemma_dir)
+    index.write_text('{"weight_map": {')
+    with pytest.raises(hc.models.CheckpointError, match=r"model.safetensors.index.json: invalid JSON at line 1"):
+        hc.from_pretrained(gemma_dir)
+
+
+@pytest.mark.parametrize("path", ["./no/such/dir", "/tmp/hybridcache-no-such-dir-x", "~/no-such-hybridcache-dir",
+                                  "no/such/dir", "..", "bad name"])
+def test_missing_local_paths_never_reach_the_hub(path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("asked the hub"))
+    if path == "..":
+        path = "../hybridcache-no-such-dir"
+    with pytest.raises(FileNotFoundError, match=f"checkpoint directory '{path}' does not exist"):
+        hc.from_pretrained(path)
+
+
+def test_partly_existing_path_is_local_and_hub_ids_still_go_to_the_hub(gemma_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **k: asked.append(repo) or str(gemma_dir))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    with pytest.raises(FileNotFoundError, match="checkpoint directory 'org/model' does not exist"):
+        hc.from_pretrained("org/model")
+    assert hc.from_pretrained("google/gemma-tiny").family == "gemma3"
+    assert asked == ["google/gemma-tiny"]
+
+
+def test_convert_checkpoint_hook_runs_before_names_are_matched(gemma_dir, monkeypatch, models):
+    from hybridcache.models.gemma3 import Gemma3LM
+
+    rewrite(gemma_dir, lambda s: s.update({"model.final_norm.weight": s.pop("model.norm.weight") * 2}))
+    with pytest.raises(hc.models.CheckpointError, match="missing 1 tensors the gemma3 model needs: model.norm.weight"):
+        hc.from_pretrained(gemma_dir)
+
+    def convert(self, state):
+        state["model.norm.weight"] = state.pop("model.final_norm.weight") / 2  # alias and fold a multiplier
+        return state
+
+    monkeypatch.setattr(Gemma3LM, "convert_checkpoint", convert, raising=False)
+    ours, _ = models("gemma3")
+    model = hc.from_pretrained(gemma_dir)
+    assert torch.equal(model.model.norm.weight, ours.model.norm.weight)
