@@ -147,6 +147,8 @@ def generate(
     if attention_mask is None:
         full_mask = torch.ones(batch, width, dtype=torch.bool, device=device)
     else:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[0] != batch:
+            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {batch}")
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
             raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)} (the whole sequence), got {got}")

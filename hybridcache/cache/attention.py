@@ -181,11 +181,13 @@ class AttentionCacheLayer(CacheLayer):
     def _write(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> AttentionView:
         if self.static and block.all_real and block.tokens == 1:  # decode: write in place, attend over the buffer
             slots = self.spec.slot_of(block.positions)  # [B, 1]
+            old = {attr: getattr(self, attr).gather(2, _slot_index(slots, getattr(self, attr))) for attr in self._parts}
+            old_pos = self.key_pos.gather(1, slots)  # what the slot held, so an aborted block puts it back
             for side, x in zip(SIDES, (k, v)):
                 for part, t in self.codec.encode(x).items():
                     self._side(side)[part].scatter_(2, _slot_index(slots, t), t)
             self.key_pos.scatter_(1, slots, block.positions)
-            self._staged = ("decode", slots)
+            self._staged = ("decode", slots, old, old_pos)
             keys, values = self.read()
             return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
         held_k, held_v = self.read()
@@ -215,8 +217,11 @@ class AttentionCacheLayer(CacheLayer):
                 self._take(index)
 
     def _abort_staged(self, staged: Any) -> None:
-        if staged[0] == "decode":  # the overwritten slot held a token no query can see any more; mark it empty
-            self.key_pos.scatter_(1, staged[1], -1)
+        if staged[0] == "decode":  # put back what the written slot held
+            _, slots, old, old_pos = staged
+            for attr, t in old.items():
+                getattr(self, attr).scatter_(2, _slot_index(slots, t), t)
+            self.key_pos.scatter_(1, slots, old_pos)
 
     def _evict(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
         """Slots to keep after a block ([S'] for all rows or [B, S'] per row); None keeps everything.

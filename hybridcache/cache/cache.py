@@ -188,7 +188,10 @@ class Cache:
         """Open a block of `tokens` columns (`valid` [B, T]: real tokens; None = all real). Validates the mask and
         every layer's capacity before anything changes; `check=False` skips the mask work (all-real decode).
         `ids` [B, T], when known, keep the cache's token fingerprint (what generation checks continuations by)."""
-        tokens = valid.shape[1] if isinstance(valid, torch.Tensor) and valid.dim() == 2 else tokens
+        if isinstance(valid, torch.Tensor) and valid.dim() == 2:
+            if tokens is not None and tokens != valid.shape[1]:
+                raise CacheError(f"Cache: the attention mask has shape {tuple(valid.shape)}, expected ({self.batch_size}, {tokens})")
+            tokens = valid.shape[1]
         self._acquire("begin_block")
         try:
             block = self.seq.make_block(valid, tokens, "Cache", check=check, ids=ids)

@@ -20,23 +20,36 @@ def hybrid_cache(batch=2, max_length=None, types=tuple(NATIVE)):
     return Cache.build([NATIVE[t] for t in types], batch, max_length=max_length)
 
 
+def feed_layer(layer, tokens, g):
+    """Feed one cache layer (inside an open block) random keys/values or states."""
+    b = layer.batch_size
+    if layer.kind == "attention":
+        s = layer.spec
+        k = torch.randn(b, s.num_kv_heads, tokens, s.head_dim, generator=g)
+        return layer.update(k, torch.randn(k.shape, generator=g))
+    states = {n: torch.randn(t.shape, generator=g).to(t.dtype) for n, t in layer.states.items()}
+    return layer.update(**states)
+
+
 def feed(cache, tokens, valid=None, seed=0):
     """Advance every layer of `cache` by one block of random keys/values/states."""
     g = torch.Generator().manual_seed(seed)
-    b = cache.batch_size
-    for layer in cache:
-        if layer.kind == "attention":
-            s = layer.spec
-            k = torch.randn(b, s.num_kv_heads, tokens, s.head_dim, generator=g)
-            layer.update(k, torch.randn(k.shape, generator=g), valid)
-        else:
-            states = {n: torch.randn(t.shape, generator=g).to(t.dtype) for n, t in layer.states.items()}
-            layer.update(valid if valid is not None else tokens, **states)
+    with cache.block(valid, tokens):
+        for layer in cache.layers:
+            feed_layer(layer, tokens, g)
+
+
+def in_block(cache, tokens, call, valid=None):
+    """Run `call()` (feeding layers) inside one block of `cache`."""
+    with cache.block(valid, tokens):
+        call()
 
 
 def state_equal(a, b):
     """Bit-exact equality of two cache snapshots."""
     if len(a.layers) != len(b.layers):
+        return False
+    if a.columns != b.columns or not torch.equal(a.seen, b.seen):
         return False
     for x, y in zip(a.layers, b.layers):
         if x.columns != y.columns or x.tensors.keys() != y.tensors.keys():

@@ -4,43 +4,66 @@ import pytest
 import torch
 
 from hybridcache.cache import CacheError
-from tests.cache.helpers import feed, hybrid_cache, state_equal
+from dataclasses import replace
+
+from tests.cache.helpers import feed, hybrid_cache, in_block, state_equal
 
 # layer indices in hybrid_cache(): 0 full, 1 sliding, 2 chunked, 3 mamba, 4 mamba2, 5 rglru, 6 conv
 kv = lambda *shape, **kw: torch.randn(*shape, **kw)  # noqa: E731
 STATE = lambda c, i: {n: torch.zeros_like(t) for n, t in c[i].states.items()}  # noqa: E731
 
+def _mixed_batch_snapshot(c):
+    """A snapshot of `c` whose first layer's tensors come from a cache of batch 3."""
+    snap, other = c.snapshot(), hybrid_cache(batch=3, max_length=16).snapshot()
+    first = replace(other.layers[0], seen=snap.seen, columns=snap.columns)
+    return replace(snap, layers=(first, *snap.layers[1:]))
+
+
+B = in_block  # B(cache, tokens, call, valid=None): call() inside one block of the cache
+
 BAD = {
-    "keys of rank 3": (lambda c: c[0].update(kv(2, 2, 4), kv(2, 2, 4)), "4 dims"),
-    "keys not a tensor": (lambda c: c[0].update([[1.0]], kv(2, 2, 1, 4)), "must be a tensor"),
-    "batch mismatch": (lambda c: c[0].update(kv(3, 2, 1, 4), kv(3, 2, 1, 4)), "batch size 3"),
-    "heads mismatch": (lambda c: c[1].update(kv(2, 3, 1, 4), kv(2, 3, 1, 4)), "3 heads"),
-    "head_dim mismatch": (lambda c: c[2].update(kv(2, 2, 1, 8), kv(2, 2, 1, 8)), "head_dim 8"),
-    "dtype mismatch": (lambda c: c[0].update(kv(2, 2, 1, 4).double(), kv(2, 2, 1, 4).double()), "dtype torch.float64"),
-    "device mismatch": (lambda c: c[0].update(kv(2, 2, 1, 4, device="meta"), kv(2, 2, 1, 4, device="meta")), "on meta"),
-    "keys/values differ": (lambda c: c[0].update(kv(2, 2, 2, 4), kv(2, 2, 1, 4)), "differ in shape"),
-    "empty block": (lambda c: c[0].update(kv(2, 2, 0, 4), kv(2, 2, 0, 4)), "empty block"),
-    "mask shape": (lambda c: c[1].update(kv(2, 2, 2, 4), kv(2, 2, 2, 4), torch.ones(2, 3)), "shape"),
-    "mask not 0/1": (lambda c: c[1].update(kv(2, 2, 2, 4), kv(2, 2, 2, 4), torch.full((2, 2), 2)), "0/1"),
-    "right padding": (lambda c: c[1].update(kv(2, 2, 2, 4), kv(2, 2, 2, 4), torch.tensor([[1, 0], [1, 1]])), "left padding"),
-    "padding after real tokens": (
-        lambda c: c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4), torch.tensor([[0], [1]])), "cannot contain padding"),
-    "past max_length": (lambda c: c[0].update(kv(2, 2, 20, 4), kv(2, 2, 20, 4)), "max_length=16"),
+    "keys of rank 3": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 4), kv(2, 2, 4))), "4 dims"),
+    "keys not a tensor": (lambda c: B(c, 1, lambda: c[0].update([[1.0]], kv(2, 2, 1, 4))), "must be a tensor"),
+    "batch mismatch": (lambda c: B(c, 1, lambda: c[0].update(kv(3, 2, 1, 4), kv(3, 2, 1, 4))), "batch size 3"),
+    "heads mismatch": (lambda c: B(c, 1, lambda: c[1].update(kv(2, 3, 1, 4), kv(2, 3, 1, 4))), "3 heads"),
+    "head_dim mismatch": (lambda c: B(c, 1, lambda: c[2].update(kv(2, 2, 1, 8), kv(2, 2, 1, 8))), "head_dim 8"),
+    "dtype mismatch": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4).double(), kv(2, 2, 1, 4).double())),
+                       "dtype torch.float64"),
+    "device mismatch": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4, device="meta"), kv(2, 2, 1, 4, device="meta"))),
+                        "on meta"),
+    "keys/values differ": (lambda c: B(c, 2, lambda: c[0].update(kv(2, 2, 2, 4), kv(2, 2, 1, 4))), "differ in shape"),
+    "block length differs": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 2, 4), kv(2, 2, 2, 4))), "open block has 1"),
+    "fed twice": (lambda c: B(c, 1, lambda: [c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4)) for _ in range(2)]),
+                  "already fed"),
+    "not every layer fed": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4))), "were not fed"),
+    "fed outside a block": (lambda c: c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4)), "belongs to a Cache"),
+    "layer op on a member": (lambda c: c[0].reorder([1, 0]), "call cache.reorder"),
+    "empty block": (lambda c: B(c, 0, lambda: None), "at least one token"),
+    "mask shape": (lambda c: B(c, 2, lambda: None, torch.ones(2, 3, dtype=torch.long)), "shape"),
+    "mask not 0/1": (lambda c: B(c, 2, lambda: None, torch.full((2, 2), 2)), "only 0 and 1"),
+    "mask of floats": (lambda c: B(c, 2, lambda: None, torch.full((2, 2), 0.5)), "bool or an integer"),
+    "right padding": (lambda c: B(c, 2, lambda: None, torch.tensor([[1, 0], [1, 1]])), "left padding"),
+    "padding after real tokens": (lambda c: B(c, 1, lambda: None, torch.tensor([[0], [1]])), "cannot contain padding"),
+    "past max_length": (lambda c: B(c, 20, lambda: None), "max_length=16"),
     "negative crop": (lambda c: c.crop(-1), ">= 0"),
     "crop beyond length": (lambda c: c.crop(99), "only 5"),
     "crop a recurrent layer back": (lambda c: c.crop(2), "snapshot"),
     "reorder index out of range": (lambda c: c.reorder([0, 2]), "out of range"),
     "reorder index wrong length": (lambda c: c.reorder([0]), "1 entries for a batch of 2"),
     "reorder float index": (lambda c: c.reorder(torch.tensor([0.0, 1.0])), "integer"),
+    "reorder list of floats": (lambda c: c.reorder([0.0, 1.5]), "integer"),
+    "select bool index": (lambda c: c.select([True, False]), "integer"),
     "select empty": (lambda c: c.select([]), "empty"),
     "repeat zero": (lambda c: c.repeat(0), "positive integer"),
-    "state shape": (lambda c: c[3].update(1, conv=torch.zeros(2, 6, 4), ssm=torch.zeros(2, 6, 3)), "shape (2, 6, 3)"),
-    "state missing": (lambda c: c[5].update(1, conv=torch.zeros(2, 5, 3)), "exactly the states"),
-    "state dtype": (lambda c: c[6].update(1, conv=torch.zeros(2, 5, 2, dtype=torch.float64)), "dtype torch.float32"),
-    "state block length 0": (lambda c: c[4].update(0, **STATE(c, 4)), "empty block"),
+    "state shape": (lambda c: B(c, 1, lambda: c[3].update(conv=torch.zeros(2, 6, 4), ssm=torch.zeros(2, 6, 3))),
+                    "shape (2, 6, 3)"),
+    "state missing": (lambda c: B(c, 1, lambda: c[5].update(conv=torch.zeros(2, 5, 3))), "exactly the states"),
+    "state dtype": (lambda c: B(c, 1, lambda: c[6].update(conv=torch.zeros(2, 5, 2, dtype=torch.float64))),
+                    "dtype torch.float32"),
     "restore foreign snapshot": (lambda c: c.restore(hybrid_cache(batch=1, types=("full",)).snapshot()), "same layers"),
     "restore snapshot of another type": (
-        lambda c: c.restore(type(c.snapshot())(tuple(reversed(c.snapshot().layers)))), "snapshot was taken from"),
+        lambda c: c.restore(replace(c.snapshot(), layers=tuple(reversed(c.snapshot().layers)))), "snapshot was taken from"),
+    "restore snapshot whose layers disagree on the batch": (lambda c: c.restore(_mixed_batch_snapshot(c)), "3 rows"),
 }
 
 

@@ -1,6 +1,8 @@
 """Cache configs: precedence (kind < native type name < layer index), clear errors, the plan table."""
 
 import pytest
+
+from hybridcache.report import render_plan
 import torch
 from omegaconf import OmegaConf
 
@@ -72,7 +74,7 @@ ERRORS = [
     ({"attention": {"max_length": 0}}, "max_length must be a positive integer, got 0"),
     ({"attention": {"type": "sliding", "window": 2.5}}, "window must be a positive integer, got 2.5"),
     ({"layers": {5: {"type": "full"}}}, "layers.5: layer index out of range .*5 layers"),
-    ({"layers": {"x": {"type": "full"}}}, "layers.x: layer keys must be integers"),
+    ({"layers": {"x": {"type": "full"}}}, "layers.x: layer keys are indices"),
     ({"attention": {"type": "chunked", "chunksize": 8}}, "attention.chunksize: unknown parameter for cache type 'chunked'"),
     ({"attention": {"type": "full", "num_kv_heads": 8}}, "num_kv_heads: unknown parameter .*accepted: max_length"),
     ({"full": {"type": "sliding"}}, "layer 2 .* cannot use cache type 'sliding': missing parameter window"),
@@ -90,7 +92,7 @@ def test_bad_configs_fail_clearly(config, message):
 
 def test_plan_table_lists_every_layer_with_bytes():
     plan = resolve_plan(MODEL, {"attention": {"type": "chunked", "chunk_size": 64}})
-    text = plan.render(batch=2, tokens=100)
+    text = render_plan(plan, batch=2, tokens=100)
     assert "chunk_size=64" in text and "mamba" in text and "batch 2 after 100 tokens" in text
     # chunked(64) after 100 tokens holds 36 tokens of 2 heads x 4 dims x (k + v) x fp32, batch 2
     assert plan[1].spec.held_nbytes(2, 100) == 2 * 36 * 2 * 2 * 4 * 4

@@ -39,11 +39,13 @@ def test_update_counts_real_tokens_and_copies_states():
     cache = Cache.build([NATIVE["mamba"]], 2)
     layer = cache[0]
     new = {n: torch.randn(t.shape) for n, t in layer.states.items()}
-    layer.update(torch.tensor([[0, 1, 1], [1, 1, 1]]), **new)
+    with cache.block(torch.tensor([[0, 1, 1], [1, 1, 1]])):
+        layer.update(**new)
+        assert not torch.equal(layer.states["ssm"], new["ssm"])  # staged until the block commits
     assert layer.seen.tolist() == [2, 3] and layer.columns == 3
     for n in new:
         assert torch.equal(layer.states[n], new[n])
-    layer.reset()
+    cache.reset()
     assert layer.seen.tolist() == [0, 0] and layer.columns == 0 and not layer.states["ssm"].any()
 
 
@@ -52,8 +54,9 @@ def test_batch_operations_move_rows():
     feed(cache, 5, valid=torch.tensor([[0, 0, 1, 1, 1], [1] * 5, [0, 1, 1, 1, 1]]))
     before = cache.snapshot()
     cache.reorder([2, 0, 1])
+    assert cache.seen.tolist() == before.seen[[2, 0, 1]].tolist()
     for layer, snap in zip(cache, before.layers):
-        for name in ("seen", *layer._batch_tensors):
+        for name in layer._batch_tensors:
             assert torch.equal(getattr(layer, name), snap.tensors[name][[2, 0, 1]]), (layer.type_name, name)
     cache.restore(before)
     cache.select([1])

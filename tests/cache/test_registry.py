@@ -59,7 +59,8 @@ def test_user_registered_type_works_in_configs_and_evicts():
     layer = cache[0]
     k = torch.randn(1, 1, 12, 2)
     for t in range(12):
-        view = layer.update(k[:, :, t : t + 1], k[:, :, t : t + 1])
+        with cache.block(None, 1):
+            view = layer.update(k[:, :, t : t + 1], k[:, :, t : t + 1])
     # the last query (position 11) sees sinks 0, 1 and the window 9, 10, 11
     assert sorted(view.key_positions[0][view.mask[0, 0]].tolist()) == [0, 1, 9, 10, 11]
     assert sorted(p for p in layer.key_positions()[0].tolist() if p >= 0) == [0, 1, 10, 11]

@@ -40,7 +40,7 @@ def test_mismatched_cache_config_fails_clearly(jamba, config, message):
 
 def test_cache_of_another_model_is_refused(jamba, models):
     mamba = models("mamba")[0]
-    with pytest.raises(ValueError, match="3 layers"):
+    with pytest.raises(ValueError, match="3 entries"):
         jamba(prompts(1, 5, seed=0), cache=mamba.make_cache(1))
 
 
@@ -73,7 +73,10 @@ def test_all_padding_block_leaves_mamba_states_untouched(jamba):
     ids = prompts(2, 6, seed=9)
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1] = 0  # row 1: this whole block is padding
-    jamba(ids, cache, mask)
+    with pytest.raises(ValueError, match="all padding"):  # meaningless logits for row 1: refused by default
+        jamba(ids, cache, mask)
+    assert cache.columns == 0
+    jamba(ids, cache, mask, allow_padding_rows=True)
     for i in (0, 1, 3):
         for state in cache[i].states.values():
             assert bool((state[1] == 0).all()) and bool((state[0] != 0).any())
