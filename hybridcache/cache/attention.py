@@ -292,6 +292,7 @@ class SlidingWindowLayer(AttentionCacheLayer):
     """Sliding-window attention over the last `window` tokens; keeps W-1 (dynamic) or a ring of W slots."""
 
     spec_cls = SlidingSpec
+    example_params = {"window": 5}
 
 
 @register_cache_layer("chunked")
@@ -299,3 +300,4 @@ class ChunkedAttentionLayer(AttentionCacheLayer):
     """Chunked attention (Llama4): keeps only the current chunk (dynamic) or a ring of C slots."""
 
     spec_cls = ChunkedSpec
+    example_params = {"chunk_size": 4}

@@ -135,6 +135,8 @@ class CacheLayer(ABC):
     kind: ClassVar[str]  # "attention" or "recurrent"
     spec_cls: ClassVar[type[LayerSpec]]
     exact: ClassVar[bool] = True
+    example_params: ClassVar[Mapping[str, Any]] = {}  # tunable parameters the conformance kit tries the type with
+    example_native: ClassVar[Mapping[str, Any] | None] = None  # model-side shapes for the kit (recurrent types)
     _batch_tensors: ClassVar[tuple[str, ...]] = ()  # storage tensors whose dim 0 is the batch
     _other_tensors: ClassVar[tuple[str, ...]] = ()  # bookkeeping tensors without a batch dim
 

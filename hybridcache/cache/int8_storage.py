@@ -12,6 +12,7 @@ from hybridcache.cache.kv_codecs import KVCodec, register_kv_codec
 @register_kv_codec("int8")
 class Int8Codec(KVCodec):
     exact = False
+    output_error_bound = 0.1  # max |attention output error| on unit-normal keys/values (the conformance kit's data)
 
     def fields(self, head_dim, dtype):
         return {"q": ((head_dim,), torch.int8), "scale": ((1,), dtype)}

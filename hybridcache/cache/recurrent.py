@@ -185,6 +185,7 @@ class MambaStateLayer(RecurrentCacheLayer):
     """Mamba1 conv + selective-scan state."""
 
     spec_cls = MambaSpec
+    example_native = {"intermediate_size": 6, "state_size": 3, "conv_kernel": 4}
 
 
 @register_cache_layer("mamba2")
@@ -192,6 +193,7 @@ class Mamba2StateLayer(RecurrentCacheLayer):
     """Mamba2 conv + SSD state (heads x head_dim x d_state)."""
 
     spec_cls = Mamba2Spec
+    example_native = {"num_heads": 2, "head_dim": 3, "state_size": 4, "n_groups": 1, "conv_kernel": 4}
 
 
 @register_cache_layer("rglru")
@@ -199,6 +201,7 @@ class RGLRUStateLayer(RecurrentCacheLayer):
     """RecurrentGemma conv + RG-LRU state."""
 
     spec_cls = RGLRUSpec
+    example_native = {"lru_width": 5, "conv_kernel": 4}
 
 
 @register_cache_layer("conv")
@@ -206,3 +209,4 @@ class ConvStateLayer(RecurrentCacheLayer):
     """Short-convolution state only (LFM2-style)."""
 
     spec_cls = ConvSpec
+    example_native = {"channels": 5, "conv_kernel": 3}

@@ -46,3 +46,4 @@ class AttentionSinkLayer(AttentionCacheLayer):
     """Attention sinks + sliding window: keeps sinks + W-1 tokens (dynamic) or sinks + a ring of W slots."""
 
     spec_cls = SinkSpec
+    example_params = {"window": 4, "sinks": 2}  # what the conformance kit uses

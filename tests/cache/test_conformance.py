@@ -1,0 +1,97 @@
+"""Every registered cache type (attention types with every storage format) passes the conformance kit, and the kit
+itself catches broken types (so passing it means something)."""
+
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hybridcache.cache import (
+    AttentionCacheLayer,
+    SlidingSpec,
+    available_codecs,
+    available_layers,
+    get_layer_class,
+    load_plugins,
+    register_cache_layer,
+)
+from hybridcache.cache.kv_codecs import DenseCodec, register_kv_codec
+from hybridcache.testing import ConformanceError, check_cache_type
+
+CASES = [(name, codec) for name in available_layers() for codec in
+         (available_codecs() if get_layer_class(name).kind == "attention" else [None])]
+
+
+@pytest.mark.parametrize("name,codec", CASES, ids=[f"{n}-{c}" if c else n for n, c in CASES])
+def test_registered_type_passes_the_kit(name, codec):
+    counts = check_cache_type(name, params={"storage": codec} if codec else None, cases=8)
+    assert counts["atomic failures"] > 0 and counts["snapshot / restore"] > 0
+    if get_layer_class(name).kind == "attention":
+        assert counts["split == one-shot"] == 16
+
+
+def test_kit_catches_a_pattern_that_evicts_a_visible_token():
+    @dataclass(frozen=True, kw_only=True)
+    class ShortSpec(SlidingSpec):  # claims window W, but keeps only W-2 earlier tokens
+        def needed_tokens(self, seen):
+            return seen.clamp(max=self.window - 2)
+
+    @register_cache_layer("broken_sliding_test")
+    class Broken(AttentionCacheLayer):
+        spec_cls = ShortSpec
+        example_params = {"window": 4}
+
+        def _evict(self, pos, seen):
+            keep = ((pos >= 0) & (pos > seen[:, None] - self.spec.window + 1)).any(0)
+            return keep.nonzero().squeeze(1)
+
+    with pytest.raises(ConformanceError, match="differs from the pattern"):
+        check_cache_type("broken_sliding_test")
+
+
+def test_kit_catches_a_lossy_codec_that_claims_to_be_exact():
+    @register_kv_codec("fake_exact_test")
+    class Rounding(DenseCodec):
+        def encode(self, x):
+            return {"": x.to(torch.float16).to(x.dtype)}
+
+    with pytest.raises(ConformanceError, match="differs from the pattern"):
+        check_cache_type("full", params={"storage": "fake_exact_test"})
+
+
+PLUGIN = '''
+"""A user's cache type in one file: keep the first token and a window (a 1-sink StreamingLLM)."""
+from dataclasses import dataclass
+
+import torch
+
+from hybridcache.cache import AttentionCacheLayer, AttentionSpec, register_cache_layer, tunable
+
+
+@dataclass(frozen=True, kw_only=True)
+class FirstPlusWindowSpec(AttentionSpec):
+    window: int = tunable()
+
+    def visible(self, q, kv):
+        return (kv <= q) & ((kv == 0) | (kv > q - self.window))
+
+    def needed_tokens(self, seen):
+        return seen.clamp(max=self.window) if isinstance(seen, torch.Tensor) else min(seen, self.window)
+
+
+@register_cache_layer("first_plus_window")
+class FirstPlusWindowLayer(AttentionCacheLayer):
+    spec_cls = FirstPlusWindowSpec
+    example_params = {"window": 3}
+'''
+
+
+def test_a_plugin_file_registers_by_name_and_passes_the_kit(tmp_path, monkeypatch):
+    (tmp_path / "my_cache_plugin.py").write_text(textwrap.dedent(PLUGIN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_cache_plugin", None)
+    assert load_plugins(["my_cache_plugin"]) == ["first_plus_window"]
+    counts = check_cache_type("first_plus_window")
+    assert counts["split == one-shot"] > 0
