@@ -9,7 +9,9 @@ import torch
 
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import ConfigError, FamilyConfig
-from hybridcache.models.loading import CheckpointError, empty_model, load_checkpoint, read_config, resolve_checkpoint
+from hybridcache.models.loading import (
+    CheckpointError, check_checkpoint, empty_model, load_checkpoint, read_config, resolve_checkpoint,
+)
 
 # HF model_type -> "module:Class"
 MODEL_TYPES = {
@@ -44,7 +46,10 @@ def from_pretrained(
     config = read_config(directory)
     cls = model_class(config.get("model_type"))
     typed = cls.config_class.from_hf(config, source=str(directory / "config.json"))
-    model, _ = empty_model(lambda: cls(typed))
+    model, on_meta = empty_model(lambda: cls(typed))
+    if not on_meta:  # something the checkpoint cannot fill would stay on meta: check first, then build for real
+        check_checkpoint(model, directory, allow_dtype_cast)
+        model = cls(typed)
     load_checkpoint(model, directory, dtype, device, allow_nonfinite, allow_dtype_cast)
     return model.to(device=device, dtype=dtype).eval()
 

@@ -291,6 +291,15 @@ def load_weights(
         setattr(model.get_submodule(module_name), attr, model.get_parameter(emb))
 
 
+def check_checkpoint(model: HybridLM, directory: Path, allow_dtype_cast: bool = False) -> None:
+    """Match the checkpoint's tensor names, shapes and dtypes (headers only) against `model` (on meta is fine);
+    families with `convert_checkpoint` are checked after conversion, by `load_checkpoint`."""
+    if getattr(model, "convert_checkpoint", None) is None:
+        infos = read_header(*checkpoint_files(directory))
+        match_names(model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()},
+                    allow_dtype_cast)
+
+
 def load_checkpoint(
     model: HybridLM, directory: Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
     allow_nonfinite: bool = False, allow_dtype_cast: bool = False,

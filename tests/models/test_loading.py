@@ -280,3 +280,23 @@ def test_convert_checkpoint_hook_runs_before_names_are_matched(gemma_dir, monkey
     ours, _ = models("gemma3")
     model = hc.from_pretrained(gemma_dir)
     assert torch.equal(model.model.norm.weight, ours.model.norm.weight)
+
+
+def test_models_with_tensors_the_checkpoint_cannot_fill_are_checked_on_meta_then_built_for_real(gemma_dir, monkeypatch):
+    from hybridcache.models.gemma3 import Gemma3LM
+
+    init = Gemma3LM.__init__
+    built = []
+
+    def with_plain_tensor(self, config):
+        init(self, config)
+        self.offsets = torch.ones(3)  # a plain attribute: on the meta device it would never get values
+        built.append(self.offsets.is_meta)
+
+    monkeypatch.setattr(Gemma3LM, "__init__", with_plain_tensor)
+    model = hc.from_pretrained(gemma_dir)
+    assert built == [True, False] and torch.equal(model.offsets, torch.ones(3))
+    write_config(gemma_dir, lambda c: c.update(vocab_size=10**9))
+    with pytest.raises(hc.models.CheckpointError, match="model.embed_tokens.weight has shape"):
+        hc.from_pretrained(gemma_dir)
+    assert built[-1] is True  # refused from the meta build, never built for real
