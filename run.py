@@ -1,15 +1,29 @@
 """hybridcache's command line: `python run.py model=jamba cache=hybrid_chunked` (Hydra; see README)."""
 
-import hydra
-from omegaconf import DictConfig
+import os
+import sys
+
+# Quiet third-party progress bars and advisory warnings before they are imported (see experiments.common.quiet).
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+# A unique suffix for output directories (runs started in the same microsecond still differ by process id).
+OmegaConf.register_new_resolver("hc_pid", lambda: str(os.getpid()), use_cache=True, replace=True)
 
 
 @hydra.main(config_path="configs", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from experiments import run_experiment
 
-    run_experiment(cfg)
+    run_experiment(cfg)  # records its exit status in experiments.EXIT (user errors: one line, no traceback)
 
 
 if __name__ == "__main__":
     main()
+    from experiments import EXIT
+
+    sys.exit(EXIT.code)

@@ -4,6 +4,7 @@ import torch
 from rich.console import Console
 
 from hybridcache.cache import Cache, NativeLayer
+from hybridcache.report import memory_table
 
 BATCH, PROMPT, DECODE = 2, 4000, 96
 attn = {"num_kv_heads": 8, "head_dim": 64}
@@ -13,8 +14,8 @@ native = native * 2
 
 STRATEGIES = {
     "native": None,
-    "hybrid_sliding (window 64)": {"attention": {"type": "sliding", "window": 64}},
-    "hybrid_chunked (chunk 64)": {"attention": {"type": "chunked", "chunk_size": 64}},
+    "hybrid_sliding (full layers: window 64)": {"full": {"type": "sliding", "window": 64}},
+    "hybrid_chunked (full layers: chunk 64)": {"full": {"type": "chunked", "chunk_size": 64}},
 }
 
 
@@ -35,4 +36,4 @@ for name, config in STRATEGIES.items():
     cache = Cache.build(native, BATCH, config)
     run(cache)
     console.rule(name)
-    console.print(cache.memory_table())
+    console.print(memory_table(cache))

@@ -1,14 +1,42 @@
-"""Experiments run by run.py, chosen with experiment=<name>."""
+"""Experiments run by run.py, chosen with experiment=<name>.
+
+`run_experiment` never lets a user error (a bad setting, a missing file) escape as a traceback: it prints one line
+and records a non-zero exit status in `EXIT`, which run.py returns once Hydra is done (after every job of a sweep).
+"""
 
 import importlib
+import sys
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark"}
 
 
+@dataclass
+class ExitStatus:
+    code: int = 0
+
+    def fail(self, code: int) -> None:
+        self.code = max(self.code, code)
+
+
+EXIT = ExitStatus()
+
+
 def run_experiment(cfg: DictConfig):
+    from experiments.common import UserError, write_error_result
+
     name = cfg.experiment.name
-    if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment '{name}' (known: {', '.join(EXPERIMENTS)})")
-    return importlib.import_module(EXPERIMENTS[name]).run(cfg)
+    try:
+        if name not in EXPERIMENTS:
+            raise UserError(f"experiment={name} is not one of {', '.join(EXPERIMENTS)}")
+        result = importlib.import_module(EXPERIMENTS[name]).run(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        write_error_result(cfg, str(e))
+        EXIT.fail(2)
+        return None
+    if isinstance(result, dict) and result.get("exit_code"):
+        EXIT.fail(int(result["exit_code"]))
+    return result

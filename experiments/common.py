@@ -1,36 +1,124 @@
-"""Shared set-up for experiments: checkpoint, tokenizer, model, cache config, reference runner, output dir."""
+"""Shared set-up for experiments: settings checked before any model is loaded, checkpoint, tokenizer, cache config,
+reference runner, console, output directory, W&B.
+
+`preflight(cfg)` checks every user-facing setting first (cache fields, generation settings, device, reference files
+and interpreters) from the checkpoint's config.json alone, so a mistake costs one clear line, not a traceback after
+the model was built.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import sys
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import hybridcache as hc
-from hybridcache.cache import available_layers, get_layer_class
-from hybridcache.reference import FileRunner, HFRunner, ReferenceRunner, VLLMRunner
-from hybridcache.tiny_models import FAMILIES, tiny_checkpoint
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# max |Δlogit| between cached generation and the recompute, by dtype: a few hundred ulps of a logit of order 1-10.
+ORACLE_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
+GENERATION_FIELDS = ("max_new_tokens", "top_k")
 
 
+class UserError(Exception):
+    """A mistake in the settings or inputs: reported as one line, exit status 2 (no traceback)."""
+
+
+# -- console and noise ---------------------------------------------------------------------------------------------
+def quiet_libraries() -> None:
+    """Silence transformers' progress bars, advisory warnings and fallbacks (errors still show)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover - old huggingface_hub
+        pass
+    for module in ("transformers", "torch", "huggingface_hub", "wandb"):
+        warnings.filterwarnings("ignore", module=module)
+
+
+def make_console():
+    """A console at the terminal's width (rich's own detection); when output is not a terminal, $COLUMNS or 160
+    so logs keep whole table rows. Records everything, for console.log and W&B."""
+    from rich.console import Console
+
+    probe = Console()
+    width = None if probe.is_terminal or os.environ.get("COLUMNS") else 160
+    return Console(record=True, width=width)
+
+
+# -- checkpoint ----------------------------------------------------------------------------------------------------
 def dtype_of(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"model.dtype={name} is not one of {', '.join(DTYPES)}")
+        raise UserError(f"model.dtype={name} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
 def checkpoint_path(model_cfg: DictConfig, home: str) -> str:
     """model.checkpoint, or the family's tiny random checkpoint (built once under `home`)."""
+    from hybridcache.tiny_models import FAMILIES, tiny_checkpoint
+
     if model_cfg.checkpoint:
         return str(model_cfg.checkpoint)
     if model_cfg.family not in FAMILIES:
-        raise ValueError(f"model.family={model_cfg.family} has no tiny default; set model.checkpoint")
+        raise UserError(f"model.family={model_cfg.family} has no tiny default; set model.checkpoint")
     os.environ["HYBRIDCACHE_HOME"] = str(Path(home).expanduser())
     return str(tiny_checkpoint(model_cfg.family, seed=int(model_cfg.seed), size=model_cfg.get("size", "tiny")))
+
+
+def describe_checkpoint(model_cfg: DictConfig, checkpoint: str) -> str:
+    """What the weights are, said plainly: random defaults are not a trained model."""
+    if model_cfg.checkpoint:
+        return f"checkpoint {checkpoint}"
+    size = model_cfg.get("size", "tiny")
+    what = "random tiny" if size == "tiny" else f"random ~{str(size).upper()}-parameter"
+    return f"{what} {model_cfg.family} checkpoint (seed {model_cfg.seed}, untrained)"
+
+
+def weights_fingerprint(directory: str | Path) -> str:
+    """A short hash of config.json and the safetensors files (whole files up to 64 MiB, else the header and eight
+    evenly spaced 1 MiB samples): the same for the same weights, different for different seeds or checkpoints."""
+    directory = Path(directory)
+    h = hashlib.sha256()
+    files = [directory / "config.json", *sorted(directory.glob("*.safetensors"))]
+    for file in files:
+        if not file.is_file():
+            continue
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            if size <= 64 << 20:
+                h.update(f.read())
+            else:
+                for k in range(8):
+                    f.seek(k * (size - (1 << 20)) // 7)
+                    h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def native_layers_of(directory: Path) -> tuple[dict[str, Any], list]:
+    """The checkpoint's config.json and its model's native cache layers, built on the meta device (no weights)."""
+    from hybridcache.models import model_class
+    from hybridcache.models.loading import empty_model, read_config
+
+    config = read_config(directory)
+    cls = model_class(config.get("model_type"))
+    typed = cls.config_class.from_hf(config, source=str(directory / "config.json"))
+    model, _ = empty_model(lambda: cls(typed))
+    return config, model.native_layers()
 
 
 def load_tokenizer(checkpoint: str):
@@ -49,14 +137,17 @@ def tokenize(tokenizer, texts: list[str], vocab_size: int) -> list[list[int]]:
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     for text, ids in zip(texts, prompts):
         if not ids:
-            raise ValueError(f"prompt {text!r} tokenizes to nothing")
+            raise UserError(f"prompt {text!r} tokenizes to nothing")
         if max(ids) >= vocab_size:
-            raise ValueError(f"the tokenizer produces id {max(ids)} >= the model's vocab_size {vocab_size}")
+            raise UserError(f"the tokenizer produces id {max(ids)} >= the model's vocab_size {vocab_size}")
     return prompts
 
 
+# -- cache config ----------------------------------------------------------------------------------------------------
 def _accepted(key: str, entry: dict) -> set[str]:
     """Parameters an entry's effective type takes: its own type, else its type name, else all of its kind."""
+    from hybridcache.cache import available_layers, get_layer_class
+
     if "type" in entry:
         return get_layer_class(entry["type"]).spec_cls.tunable_names()
     if key in ("attention", "recurrent"):
@@ -64,17 +155,32 @@ def _accepted(key: str, entry: dict) -> set[str]:
     return get_layer_class(key).spec_cls.tunable_names() if key in available_layers() else set()
 
 
-def cache_config_from_hydra(cache_cfg: DictConfig) -> tuple[dict[str, Any], bool]:
-    """The cache-config mapping and whether to preallocate.
+def _why_ignored(key: str, entry: dict, name: str) -> str:
+    if "type" in entry:
+        return f"cache type '{entry['type']}' does not take {name}"
+    if key in ("attention", "recurrent"):
+        return f"cache.{key}.type is not set (set it to apply {name} to every {key} layer)"
+    return f"layers natively '{key}' do not take {name} unless cache.{key}.type is set"
 
-    Presets share one schema (type, window, chunk_size) so a sweep can override any field of any preset. A null
-    value means unset (type null: the native types). A known parameter the entry's effective type does not take
-    (chunk_size under type sliding) is dropped; unknown names stay, for resolve_plan to reject.
+
+def cache_config_with_notes(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any], bool, list[str]]:
+    """The cache-config mapping, whether to preallocate, and notes on fields that have no effect.
+
+    Presets share one schema (configs/cache_schema/base.yaml) so a sweep can override any field of any preset. A null
+    value means unset. `plugins` are imported first, so their types are known. A known parameter the entry's
+    effective type does not take (chunk_size under type sliding) is dropped with a note; unknown names stay, for
+    resolve_plan to reject.
     """
+    from hybridcache.cache import available_layers, get_layer_class, load_plugins
+
     raw = OmegaConf.to_container(cache_cfg, resolve=True) if isinstance(cache_cfg, DictConfig) else dict(cache_cfg)
     preallocate = bool(raw.pop("preallocate", False))
+    plugins = raw.pop("plugins", None) or []
+    if plugins:
+        load_plugins(list(plugins) if isinstance(plugins, (list, tuple)) else plugins)
     known = set().union(*(get_layer_class(t).spec_cls.tunable_names() for t in available_layers()))
-    config: dict[str, Any] = {}
+    config: dict[str, Any] = {"plugins": list(plugins)} if plugins else {}
+    notes: list[str] = []
     for key, entry in raw.items():
         if not isinstance(entry, dict):
             config[key] = entry  # resolve_plan names the problem
@@ -84,29 +190,235 @@ def cache_config_from_hydra(cache_cfg: DictConfig) -> tuple[dict[str, Any], bool
             entry = {i: {k: v for k, v in e.items() if v is not None} if isinstance(e, dict) else e
                      for i, e in entry.items()}
         elif key in ("attention", "recurrent") or key in available_layers():
+            if "type" in entry and entry["type"] not in available_layers():
+                config[key] = entry  # resolve_plan names the unknown type and the known ones
+                continue
             accepted = _accepted(key, entry)
+            for k, v in entry.items():
+                if k != "type" and k in known and k not in accepted:
+                    notes.append(f"cache.{key}.{k}={v} has no effect: {_why_ignored(key, entry, k)}")
             entry = {k: v for k, v in entry.items() if k == "type" or k in accepted or k not in known}
         if entry:
             config[key] = entry
+    return config, preallocate, notes
+
+
+def cache_config_from_hydra(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any], bool]:
+    """The cache-config mapping and whether to preallocate (see `cache_config_with_notes`)."""
+    config, preallocate, _ = cache_config_with_notes(cache_cfg)
     return config, preallocate
 
 
-def make_reference(ref_cfg: DictConfig, checkpoint: str, dtype: torch.dtype, device: str,
-                   eos: int | None) -> ReferenceRunner | None:
+# -- settings checked before the model is loaded -----------------------------------------------------------------------
+def check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"model.device={name} is not a device torch knows ({str(e).splitlines()[0]})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"model.device={name}: CUDA is not available on this machine (use model.device=cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"model.device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"model.device={name}: MPS is not available on this machine (use model.device=cpu)")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        try:
+            torch.empty(0, device=device)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"model.device={name} cannot hold tensors here ({str(e).splitlines()[0]})") from None
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name} must be a positive integer{' or null' if allow_none else ''}, got {value!r}")
+
+
+def oracle_tolerance(cfg: DictConfig, dtype: torch.dtype) -> float:
+    """oracle_tolerance, or the model dtype's default (ORACLE_TOLERANCE)."""
+    value = cfg.get("oracle_tolerance")
+    return float(value) if value is not None else ORACLE_TOLERANCE[dtype]
+
+
+@dataclass
+class Prepared:
+    """Everything checked before the model is loaded."""
+
+    checkpoint: str  # a local directory
+    checkpoint_note: str  # "random tiny jamba checkpoint (seed 0, untrained)" or "checkpoint <dir>"
+    model_type: str
+    fingerprint: str
+    dtype: torch.dtype
+    tokenizer: Any
+    prompts: list[list[int]]
+    cache_config: dict[str, Any]
+    preallocate: bool
+    notes: list[str] = field(default_factory=list)
+    plan: Any = None  # validation plan from the meta model (the run resolves again from the loaded model)
+    native_plan: Any = None
+    tolerance: float = 1e-4
+    eos: int | None = None
+
+
+def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
+    """Check every setting the user gave, from config.json alone; raise UserError with one clear line."""
+    from hybridcache.cache import CacheError, resolve_plan
+    from hybridcache.models.loading import resolve_checkpoint
+
+    quiet_libraries()
+    dtype = dtype_of(str(cfg.model.dtype))
+    check_device(str(cfg.model.device))
+    if with_prompts:
+        for name in GENERATION_FIELDS:
+            _positive_int(name, cfg.get(name))
+        _positive_int("prefill_chunk_size", cfg.get("prefill_chunk_size"), allow_none=True)
+        tol = cfg.get("oracle_tolerance")
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol <= 0):
+            raise UserError(f"oracle_tolerance must be a positive number or null (by dtype), got {tol!r}")
+    mode = cfg.logger.mode
+    if mode not in ("offline", "online", "disabled"):
+        raise UserError(f"logger.mode must be offline, online or disabled, got {mode!r}")
+    try:
+        checkpoint = str(resolve_checkpoint(checkpoint_path(cfg.model, cfg.home)))
+        hf_config, native = native_layers_of(Path(checkpoint))
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
+        raise UserError(f"model: {e}") from None
+    try:
+        cache_config, preallocate, notes = cache_config_with_notes(cfg.cache)
+        resolve_plan(native, cache_config)  # cache mistakes first, before the tokenizer
+    except CacheError as e:
+        raise UserError(str(e)) from None
+    prepared = Prepared(checkpoint, describe_checkpoint(cfg.model, checkpoint), str(hf_config.get("model_type")),
+                        weights_fingerprint(checkpoint), dtype, None, [], cache_config, preallocate, notes,
+                        tolerance=oracle_tolerance(cfg, dtype))
+    eos = hf_config.get("eos_token_id")
+    prepared.eos = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)
+    longest = None
+    if with_prompts:
+        texts = list(cfg.prompts.texts)
+        if not texts:
+            raise UserError("prompts.texts is empty")
+        prepared.tokenizer = load_tokenizer(checkpoint)
+        prepared.prompts = tokenize(prepared.tokenizer, texts, int(hf_config["vocab_size"]))
+        longest = max(len(p) for p in prepared.prompts) + int(cfg.max_new_tokens)
+    try:
+        prepared.plan = resolve_plan(native, cache_config, longest if preallocate else None)
+        prepared.native_plan = resolve_plan(native)
+    except CacheError as e:
+        raise UserError(str(e)) from None
+    if with_prompts:
+        check_reference(cfg, prepared)
+    return prepared
+
+
+def identity(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
+    """What a recording must share with a run that replays it."""
+    return {"model_type": prepared.model_type, "weights": prepared.fingerprint, "dtype": str(cfg.model.dtype),
+            "max_new_tokens": int(cfg.max_new_tokens), "top_k": int(cfg.top_k), "eos_token_id": prepared.eos}
+
+
+def check_reference(cfg: DictConfig, prepared: Prepared) -> None:
+    ref = cfg.reference
+    if ref.name == "file":
+        from hybridcache.reference import FileRunner, RecordingMismatch
+
+        if ref.get("path") in (None, "", "???") or OmegaConf.is_missing(ref, "path"):
+            raise UserError("reference=file needs reference.path=<a .jsonl written with +record=PATH.jsonl>")
+        try:
+            FileRunner(ref.path, expect=identity(cfg, prepared), prompts=prepared.prompts)
+        except (FileNotFoundError, ValueError, RecordingMismatch) as e:
+            raise UserError(str(e)) from None
+    elif ref.name == "vllm":
+        from hybridcache.reference.vllm_runner import find_interpreter
+
+        try:
+            find_interpreter(ref.get("python"))
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(str(e)) from None
+    elif ref.name not in ("hf", "none"):
+        raise UserError(f"unknown reference '{ref.name}' (known: hf, vllm, file, none)")
+
+
+def make_reference(ref_cfg: DictConfig, checkpoint: str, dtype: torch.dtype, device: str, eos: int | None,
+                   expect: dict | None = None, prompts: list[list[int]] | None = None):
+    from hybridcache.reference import FileRunner, HFRunner, VLLMRunner
+
     name = ref_cfg.name
     if name == "none":
         return None
     if name == "hf":
         return HFRunner(checkpoint, dtype, device, eos_token_id=eos)
     if name == "file":
-        return FileRunner(ref_cfg.path)
+        return FileRunner(ref_cfg.path, expect=expect, prompts=prompts)
     if name == "vllm":
         return VLLMRunner(ref_cfg.python, checkpoint, str(dtype).replace("torch.", ""), int(ref_cfg.max_model_len),
                           eos, float(ref_cfg.timeout), OmegaConf.to_container(ref_cfg.engine_args))
-    raise ValueError(f"unknown reference '{name}' (known: hf, vllm, file, none)")
+    raise UserError(f"unknown reference '{name}' (known: hf, vllm, file, none)")
 
 
-def load_model(cfg: DictConfig):
-    checkpoint = checkpoint_path(cfg.model, cfg.home)
+def load_model(cfg: DictConfig, checkpoint: str | None = None):
+    import hybridcache as hc
+
+    checkpoint = checkpoint or checkpoint_path(cfg.model, cfg.home)
     model = hc.from_pretrained(checkpoint, dtype=dtype_of(cfg.model.dtype), device=cfg.model.device)
     return checkpoint, model
+
+
+# -- output directory and titles -----------------------------------------------------------------------------------------
+def output_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def task_overrides() -> list[str]:
+    """The command-line overrides of this run (this job's, in a sweep), without hydra.* and logging ones."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:
+        return []
+    skip = ("hydra.", "logger.", "+record", "record", "home")
+    return [o for o in overrides if not o.lstrip("~+").startswith(skip)]
+
+
+def run_title(cfg: DictConfig) -> str:
+    """model · cache · reference, plus every other override, so runs of a sweep have different titles."""
+    shown = {"model", "cache", "reference"}
+    extra = [o for o in task_overrides() if o.lstrip("~+").split("=")[0] not in shown]
+    model = cfg.get("model_name") or cfg.model.family
+    title = f"{model} · cache={cfg.get('cache_name', '?')} · reference={cfg.reference.name}"
+    return title + (" · " + " ".join(extra) if extra else "")
+
+
+def sweep_group(cfg: DictConfig) -> str | None:
+    """W&B group: logger.group, else in a sweep "sweep-<date>-<time>" from the sweep directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if cfg.logger.group:
+        return str(cfg.logger.group)
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    sweep = Path(hydra_cfg.sweep.dir)
+    return f"sweep-{sweep.parent.name}-{sweep.name}"
+
+
+def write_error_result(cfg: DictConfig, message: str) -> None:
+    """results.json for a run stopped by a user error (so sweeps and scripts see why)."""
+    try:
+        out = output_dir()
+    except ValueError:  # not under Hydra
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"status": "error", "error": message, "exit_code": 2, "title": run_title(cfg),
+              "overrides": task_overrides(), "config": OmegaConf.to_container(cfg, resolve=False)}
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+
+
+def print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)

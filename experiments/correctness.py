@@ -1,8 +1,9 @@
 """experiment=correctness: our generation under a cache strategy vs a reference, plus the oracle check.
 
-For every prompt: generate with the requested cache strategy; recompute with use_cache=False under the same
-strategy (the oracle: a failure is a cache bug); generate with the reference; compare. Results go to the console,
-a JSON file in Hydra's output directory and a W&B run (offline by default).
+Every setting is checked before the model is loaded (`preflight`). For every prompt: generate with the requested
+cache strategy (timed after a warm-up); recompute the logits of the same tokens in one forward with a fresh cache
+under the same strategy (the oracle); generate with the reference; compare. results.json is written before W&B is
+touched, and W&B (started early, so it also captures the console) can fail without losing anything.
 """
 
 from __future__ import annotations
@@ -13,120 +14,239 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
-from rich.progress import Progress
 
-import hybridcache as hc
-from experiments.common import cache_config_from_hydra, load_model, load_tokenizer, make_reference, tokenize
-from experiments.report import print_summary, type_bytes
-from hybridcache.cache import resolve_plan
-from hybridcache.compare import compare_generations, oracle_check
-from hybridcache.reference import Generation, generation_from_logits, write_jsonl
+from experiments.common import (
+    Prepared, identity, load_model, make_console, make_reference, output_dir, preflight, run_title, sweep_group,
+    task_overrides,
+)
+from experiments.report import print_summary, type_bytes, verdict
 from hybridcache.tracking import Tracker
 
 
-def _generate_ours(model, prompt, cfg, cache_config, preallocate, eos) -> tuple[Generation, Any, dict]:
+def _generate_ours(model, prompt, cfg, prep: Prepared, max_new_tokens: int | None = None):
+    import hybridcache as hc
+
+    n = max_new_tokens or int(cfg.max_new_tokens)
     ids = torch.tensor([prompt], device=model.device)
-    max_length = len(prompt) + cfg.max_new_tokens if preallocate or cfg.generation.compile else None
-    cache = model.make_cache(1, cache_config, max_length)
+    max_length = len(prompt) + n if prep.preallocate or cfg.generation.compile else None
+    cache = model.make_cache(1, prep.cache_config, max_length)
     start = time.perf_counter()
-    out = hc.generate(model, ids, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, cache=cache,
+    out = hc.generate(model, ids, max_new_tokens=n, eos_token_id=prep.eos, cache=cache,
                       prefill_chunk_size=cfg.prefill_chunk_size, compile=cfg.generation.compile)
-    seconds = time.perf_counter() - start
-    oracle = hc.generate(model, ids, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, use_cache=False,
-                         cache_config=cache_config)
-    check = oracle_check(out.sequences, out.logits, oracle.sequences, oracle.logits, cfg.oracle_tolerance)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    return generation_from_logits(prompt, tokens, out.logits[0], cfg.top_k, seconds), check, {
-        "held": out.cache.nbytes(), "by_type": {r["type"]: r["held"] for r in out.cache.memory_report()}}
+    if out.sequences.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+@torch.no_grad()
+def _oracle_logits(model, sequence: torch.Tensor, prompt_len: int, cache_config) -> torch.Tensor:
+    """The recompute: the whole generated sequence (minus its last token) in one forward with a fresh cache under the
+    same strategy, as use_cache=False does at every step; the logits that chose each new token [1, N, V]."""
+    logits = model(sequence[:, :-1], model.make_cache(1, cache_config))
+    return logits[:, prompt_len - 1:]
+
+
+def _run_prompts(model, cfg, prep: Prepared, console) -> tuple[list, list, list, float]:
+    from rich.progress import Progress
+
+    from hybridcache.compare import teacher_forced_check
+    from hybridcache.reference import generation_from_logits
+
+    warm = time.perf_counter()
+    _generate_ours(model, prep.prompts[0], cfg, prep, max_new_tokens=min(2, int(cfg.max_new_tokens)))
+    warmup_s = time.perf_counter() - warm
+    ours, checks, memory = [], [], []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("ours + oracle", total=len(prep.prompts))
+        for prompt in prep.prompts:
+            out, seconds = _generate_ours(model, prompt, cfg, prep)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            oracle = _oracle_logits(model, out.sequences, len(prompt), prep.cache_config)
+            checks.append(teacher_forced_check(out.sequences[:, len(prompt):], out.logits, oracle, prep.tolerance))
+            ours.append(generation_from_logits(prompt, tokens, out.logits[0], cfg.top_k, seconds))
+            seen = int(out.cache.seen.max())
+            memory.append({"seen": seen, "held": out.cache.nbytes(),
+                           "by_type": {r["type"]: r["held"] for r in out.cache.memory_report()}})
+            progress.advance(task)
+    return ours, checks, memory, warmup_s
+
+
+def _run_reference(reference, prep: Prepared, cfg, console):
+    from rich.progress import Progress
+
+    if reference is None:
+        return None
+    if hasattr(reference, "warmup"):
+        reference.warmup(prep.prompts[0])
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"reference ({reference.name})", total=len(prep.prompts))
+        return reference.generate(prep.prompts, cfg.max_new_tokens, cfg.top_k, progress=lambda: progress.advance(task))
+
+
+def _reference_info(reference, cfg) -> dict[str, Any]:
+    """What the reference is and how its timing compares with ours."""
+    if reference is None:
+        return {"name": "none"}
+    if reference.name == "file":
+        meta = reference.meta
+        source = reference.source
+        info = {"name": "file", "source": source, "native": source in ("hf", "vllm"), "path": str(reference.path),
+                "timing": None}
+        if source == "hybridcache":
+            info["cache"] = meta.get("cache")
+            info["plan"] = meta.get("plan")
+        return info
+    batched = reference.name == "vllm"
+    return {"name": reference.name, "source": reference.name, "native": True,
+            "timing": "all prompts in one batch" if batched else "batch 1, per prompt, after a warm-up"}
+
+
+def _plan_keys(records: list[dict] | None) -> list[dict] | None:
+    return None if records is None else [{k: v for k, v in r.items() if k != "bytes"} for r in records]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    console = Console(width=max(Console().width, 110))
-    hydra_cfg = HydraConfig.get()
-    out_dir = Path(hydra_cfg.runtime.output_dir)
-    torch.manual_seed(cfg.seed)
-    with console.status(f"[bold]loading {cfg.model.family}[/] (a tiny default is built once and reused)"):
-        checkpoint, model = load_model(cfg)
-        tokenizer = load_tokenizer(checkpoint)
-    cache_config, preallocate = cache_config_from_hydra(cfg.cache)
-    prompts = tokenize(tokenizer, list(cfg.prompts.texts), model.vocab_size)
-    longest = max(len(p) for p in prompts) + cfg.max_new_tokens
-    plan = resolve_plan(model.native_layers(), cache_config, longest if preallocate else None)
-    native_plan = resolve_plan(model.native_layers())
-    console.print(plan.table(batch=1, tokens=longest))
-    eos = model.config.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
+    from hybridcache.cache import resolve_plan
+    from hybridcache.compare import compare_generations
+    from hybridcache.reference import write_jsonl
+    from hybridcache.report import plan_table
 
-    ours, checks, memory = [], [], []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("ours + oracle", total=len(prompts))
-        for prompt in prompts:
-            gen, check, mem = _generate_ours(model, prompt, cfg, cache_config, preallocate, eos)
-            ours.append(gen), checks.append(check), memory.append(mem)
-            progress.advance(task)
-        reference = make_reference(cfg.reference, checkpoint, model.dtype, cfg.model.device, eos)
-        refs: list[Generation] | None = None
-        if reference is not None:
-            task = progress.add_task(f"reference ({reference.name})", total=len(prompts))
-            refs = reference.generate(prompts, cfg.max_new_tokens, cfg.top_k, progress=lambda: progress.advance(task))
-    record = cfg.get("record")
-    if record:
-        recorded = write_jsonl(record, refs if refs is not None else ours,
-                               {"max_new_tokens": cfg.max_new_tokens, "checkpoint": checkpoint,
-                                "source": reference.name if reference else "hybridcache"})
-        console.print(f"recorded {len(prompts)} generations to {recorded}")
-
-    comparisons = [compare_generations(o, r) for o, r in zip(ours, refs)] if refs is not None else []
-    rows = []
-    for i, (text, gen, check) in enumerate(zip(cfg.prompts.texts, ours, checks)):
-        row = {"prompt": text, "prompt_tokens": len(gen.prompt), "ours_text": tokenizer.decode(gen.tokens),
-               "new_tokens": len(gen.tokens), "oracle_pass": check.passed, "oracle_max_dlogit": check.max_abs_dlogit}
-        if comparisons:
-            row.update(reference_text=tokenizer.decode(refs[i].tokens), **comparisons[i].to_json())
-        rows.append(row)
-    new_tokens = sum(len(g.tokens) for g in ours)
-    summary = {
-        "oracle_pass": all(c.passed for c in checks),
-        "oracle_max_dlogit": max(c.max_abs_dlogit for c in checks),
-        "tokens_per_s/ours": new_tokens / max(sum(g.seconds for g in ours), 1e-9),
-        "cache_bytes/held": memory[-1]["held"],
-        "cache_bytes/native": native_plan.held_nbytes(1, len(ours[-1].prompt) + len(ours[-1].tokens)),
-        **{f"cache_bytes/held/{t}": b for t, b in memory[-1]["by_type"].items()},
-        **{f"cache_bytes/native/{t}": b for t, b in type_bytes(native_plan, 1, len(ours[-1].prompt) + len(ours[-1].tokens)).items()},
-    }
-    if comparisons:
-        summary.update({
-            "agreement": sum(c.agreement for c in comparisons) / len(comparisons),
-            "pass_rate": sum(c.topk_pass for c in comparisons) / len(comparisons),
-            "max_abs_dlogprob": max(c.max_abs_dlogprob for c in comparisons),
-            "tokens_per_s/reference": sum(len(r.tokens) for r in refs) / max(sum(r.seconds for r in refs), 1e-9),
-        })
-        if getattr(reference, "engine_seconds", None):
-            summary["reference/engine_start_s"] = reference.engine_seconds  # excluded from tokens/s
-
-    config = OmegaConf.to_container(cfg, resolve=True)
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    group = cfg.logger.group or (Path(hydra_cfg.sweep.dir).name if multirun else None)
-    name = hydra_cfg.job.override_dirname or f"{cfg.model.family}-native"
-    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, config, group=group, name=name,
-                      tags=[cfg.model.family, cfg.reference.name])
-    tracker.run.config.update({"cache_plan": plan.to_records(1, longest)}, allow_val_change=True)
-    columns = list(rows[0])
-    tracker.table("prompts", columns, [[r.get(c) for c in columns] for r in rows])
-    tracker.table("cache_plan", list(plan.to_records(1, longest)[0]), [list(r.values()) for r in plan.to_records(1, longest)])
-    tracker.summary(summary)
-    run_dir = tracker.run_dir
-    tracker.finish()
-
-    result = {"config": config, "checkpoint": checkpoint, "cache_config": cache_config, "preallocate": preallocate,
-              "plan": plan.to_records(1, longest), "prompts": rows, "summary": summary,
-              "generations": {"ours": [g.to_json() for g in ours], "reference": [r.to_json() for r in refs or []]},
-              "wandb_dir": str(run_dir) if run_dir else None}
+    console = make_console()
+    out_dir = output_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "results.json"
+    title = run_title(cfg)
+    prep = preflight(cfg)  # UserError: one line, before any model is loaded
+    config = OmegaConf.to_container(cfg, resolve=True)
+    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, config, group=sweep_group(cfg), name=title,
+                      tags=[cfg.get("model_name") or cfg.model.family, cfg.cache_name, cfg.reference.name])
+    console.rule(f"[bold]{title}")
+    console.print(f"model: {prep.checkpoint_note}, {cfg.model.dtype} on {cfg.model.device}")
+    if tracker.error:
+        console.print(f"[yellow]W&B: {tracker.error}; continuing without W&B (everything goes to {json_path})[/]")
+    result: dict[str, Any] = {"status": "running", "title": title, "overrides": task_overrides(), "config": config,
+                              "checkpoint": prep.checkpoint, "checkpoint_note": prep.checkpoint_note,
+                              "random_weights": not cfg.model.checkpoint, "weights_fingerprint": prep.fingerprint,
+                              "cache_config": prep.cache_config, "preallocate": prep.preallocate, "notes": prep.notes}
     json_path.write_text(json.dumps(result, indent=2, default=str))
-    print_summary(console, cfg, rows, summary, run_dir, json_path)
+    torch.manual_seed(cfg.seed)
+    try:
+        with console.status(f"[bold]loading {cfg.get('model_name') or cfg.model.family}[/]"):
+            checkpoint, model = load_model(cfg, prep.checkpoint)
+        prompts = prep.prompts
+        longest_i = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        max_length = len(prompts[longest_i]) + int(cfg.max_new_tokens)
+        end_tokens = max_length - 1  # what the longest prompt's cache has seen after its last decode step
+        plan = resolve_plan(model.native_layers(), prep.cache_config, max_length if prep.preallocate else None)
+        native_plan = resolve_plan(model.native_layers())
+        changed = plan.changed(native_plan)
+        console.print(plan_table(plan, batch=1, tokens=end_tokens, native=native_plan))
+        plan_note = _plan_note(cfg, plan, native_plan, changed)
+        console.print(plan_note if changed else f"[bold yellow]{plan_note}[/]")
+        for note in prep.notes:
+            console.print(f"[yellow]note: {note}[/]")
+
+        ours, checks, memory, warmup_s = _run_prompts(model, cfg, prep, console)
+        reference = make_reference(cfg.reference, checkpoint, model.dtype, cfg.model.device, prep.eos,
+                                   expect=identity(cfg, prep), prompts=prompts)
+        refs = _run_reference(reference, prep, cfg, console)
+        ref_info = _reference_info(reference, cfg)
+        plan_records = plan.to_records(1, end_tokens)
+        if ref_info.get("source") == "hybridcache":
+            ref_info["same_plan"] = _plan_keys(ref_info.get("plan")) == _plan_keys(plan_records)
+
+        record = cfg.get("record")
+        if record:
+            meta = {**identity(cfg, prep), "checkpoint": checkpoint,
+                    "source": reference.name if reference and reference.name != "file" else "hybridcache"}
+            if meta["source"] == "hybridcache":
+                meta.update(cache=cfg.cache_name, plan=plan_records)
+            recorded = write_jsonl(record, refs if refs is not None and reference.name != "file" else ours, meta)
+            console.print(f"recorded {len(prompts)} generations ({meta['source']}) to {recorded}")
+
+        comparisons = [compare_generations(o, r) for o, r in zip(ours, refs)] if refs is not None else []
+        rows = []
+        for i, (text, gen, check) in enumerate(zip(cfg.prompts.texts, ours, checks)):
+            row = {"prompt": text, "prompt_tokens": len(gen.prompt), "ours_text": prep.tokenizer.decode(gen.tokens),
+                   "new_tokens": len(gen.tokens), "oracle_pass": check.passed,
+                   "oracle_max_dlogit": check.max_abs_dlogit, "oracle_tokens_equal": check.tokens_equal}
+            if comparisons:
+                row.update(reference_text=prep.tokenizer.decode(refs[i].tokens), **comparisons[i].to_json())
+            rows.append(row)
+
+        mem = memory[longest_i]
+        new_tokens = sum(len(g.tokens) for g in ours)
+        summary: dict[str, Any] = {
+            "plan_exact": plan.exact,
+            "plan_changed_layers": changed,
+            "plan_changes_nothing": not changed,
+            "oracle_pass": all(c.passed for c in checks),
+            "oracle_max_dlogit": max(c.max_abs_dlogit for c in checks),
+            "oracle_tolerance": prep.tolerance,
+            "tokens_per_s/ours": new_tokens / max(sum(g.seconds for g in ours), 1e-9),
+            "warmup_s/ours": warmup_s,
+            "cache_bytes/tokens": mem["seen"],
+            "cache_bytes/prompt": longest_i,
+            "cache_bytes/held": mem["held"],
+            "cache_bytes/plan": plan.held_nbytes(1, mem["seen"]),
+            "cache_bytes/native": native_plan.held_nbytes(1, mem["seen"]),
+            **{f"cache_bytes/held/{t}": b for t, b in mem["by_type"].items()},
+            **{f"cache_bytes/native/{t}": b for t, b in type_bytes(native_plan, 1, mem["seen"]).items()},
+        }
+        if comparisons:
+            deltas = [c.max_abs_dlogprob for c in comparisons if c.max_abs_dlogprob is not None]
+            summary.update({
+                "agreement": sum(c.agreement for c in comparisons) / len(comparisons),
+                "pass_rate": sum(c.topk_pass for c in comparisons) / len(comparisons),
+                "max_abs_dlogprob": max(deltas) if deltas else None,
+            })
+            if ref_info.get("timing"):
+                key = "tokens_per_s/reference_batched" if reference.name == "vllm" else "tokens_per_s/reference"
+                summary[key] = sum(len(r.tokens) for r in refs) / max(sum(r.seconds for r in refs), 1e-9)
+            if getattr(reference, "engine_seconds", None):
+                summary["reference/engine_start_s"] = reference.engine_seconds  # excluded from tokens/s
+        lines, exit_code = verdict(cfg, plan, summary, ref_info)
+        summary["verdict"] = lines
+        result.update(status="oracle_failed" if exit_code else "ok", exit_code=exit_code, plan=plan_records,
+                      plan_note=plan_note, reference=ref_info, prompts=rows, summary=summary,
+                      generations={"ours": [g.to_json() for g in ours], "reference": [r.to_json() for r in refs or []]},
+                      wandb={"dir": str(tracker.run_dir) if tracker.run_dir else None, "sync": tracker.sync_command})
+        json_path.write_text(json.dumps(result, indent=2, default=str))  # before any W&B logging
+
+        print_summary(console, title, rows, summary, ref_info, lines, tracker, json_path)
+        (out_dir / "console.log").write_text(console.export_text(clear=False))
+        tracker.config({"cache_plan": plan_records})
+        columns = list(rows[0])
+        tracker.table("prompts", columns, [[r.get(c) for c in columns] for r in rows])
+        tracker.table("cache_plan", list(plan_records[0]), [list(r.values()) for r in plan_records])
+        tracker.summary({k: v for k, v in summary.items() if not isinstance(v, list)})
+        tracker.save(out_dir / "console.log")
+        tracker.save(json_path)
+    except BaseException as e:
+        result.update(status="crashed", error=f"{type(e).__name__}: {e}", exit_code=1)
+        json_path.write_text(json.dumps(result, indent=2, default=str))
+        (out_dir / "console.log").write_text(console.export_text(clear=False))
+        tracker.finish()
+        raise
+    tracker.finish()
+    if tracker.error:
+        console.print(f"[yellow]W&B: {tracker.error}; nothing is lost: {json_path}[/]")
+        result["wandb"]["error"] = tracker.error
+        json_path.write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+def _plan_note(cfg, plan, native_plan, changed: list[str]) -> str:
+    """Which layers the preset changed, or that it changed none (said plainly: such a run is the native one)."""
+    name = cfg.cache_name
+    if changed:
+        what = ", ".join(f"{p.address} ({q.type}→{p.type})" if q.type != p.type else f"{p.address} ({p.type}, new parameters)"
+                         for p, q in zip(plan.layers, native_plan.layers) if p.address in changed)
+        return f"cache={name} changes {len(changed)} of {len(plan.layers)} cache layers: {what}"
+    model = cfg.get("model_name") or cfg.model.family
+    natives = sorted({p.native_type for p in native_plan.layers})
+    return (f"cache={name} changes no layer of {model} (native types: {', '.join(natives)}): this run is the native "
+            "strategy" + ("" if name in ("native", "hybrid") else
+                          "; hybrid_* presets change only natively full attention layers "
+                          "(cache.attention.type=... changes every attention layer)"))

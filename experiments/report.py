@@ -1,17 +1,27 @@
-"""Console summaries for experiments."""
+"""Console summaries and verdicts for experiments, and the sweep summary after `hydra -m` (a Hydra callback).
+
+Imports stay light (no torch at import): Hydra instantiates `SweepSummary` before any job runs.
+"""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
+from hydra.experimental.callback import Callback
 from rich.console import Console
 from rich.table import Table
 
-from hybridcache.cache.plan import CachePlan, format_bytes
+
+def format_bytes(n: int | None) -> str:
+    from hybridcache.cache.plan import format_bytes as fmt
+
+    return "n/a" if n is None else fmt(n)
 
 
-def type_bytes(plan: CachePlan, batch: int, tokens: int) -> dict[str, int]:
+def type_bytes(plan, batch: int, tokens: int) -> dict[str, int]:
     """Bytes a plan holds per cache type at (batch, tokens)."""
     out: dict[str, int] = defaultdict(int)
     for p in plan.layers:
@@ -23,38 +33,204 @@ def _short(text: str, n: int = 30) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def print_summary(console: Console, cfg, rows: list[dict], summary: dict, run_dir: Path | None, json_path: Path) -> None:
+def _ref_label(ref: dict[str, Any]) -> str:
+    if ref.get("name") == "file":
+        source = ref.get("source", "?")
+        if source == "hybridcache":
+            return f"our own recording (cache={ref.get('cache', '?')})"
+        return f"a recording of {source}"
+    return {"hf": "HF transformers", "vllm": "vLLM"}.get(ref.get("name"), str(ref.get("name")))
+
+
+def verdict(cfg, plan, summary: dict[str, Any], ref: dict[str, Any]) -> tuple[list[str], int]:
+    """What the measurements say, in words, and the exit status (1 when an exact plan fails its oracle)."""
+    lines: list[str] = []
+    tol, dlogit = summary["oracle_tolerance"], summary["oracle_max_dlogit"]
+    dtype = cfg.model.dtype
+    exit_code = 0
+    lossy = [p.address for p in plan.layers if not p.exact]
+    if plan.exact and summary["oracle_pass"]:
+        lines.append(f"oracle (cached == recompute, same strategy): passes, max |Δlogit| {dlogit:.1e} <= {tol:.0e} "
+                     f"({dtype})")
+    elif plan.exact:
+        exit_code = 1
+        lines.append(f"oracle (cached == recompute, same strategy): FAILS, max |Δlogit| {dlogit:.1e} > {tol:.0e} "
+                     f"({dtype}): every layer of this plan is exact, so the cache is wrong (a bug)")
+    else:
+        effect = "no measurable effect" if dlogit <= tol else "the measured effect of the lossy layers, not a bug"
+        lines.append(f"oracle: the plan is lossy (layers {', '.join(lossy)}); cached generation differs from the exact "
+                     f"recompute by max |Δlogit| {dlogit:.1e}: {effect}")
+    if "agreement" not in summary:
+        return lines, exit_code
+    label = _ref_label(ref)
+    changed = summary["plan_changed_layers"]
+    if summary["agreement"] == 1.0:
+        lines.append(f"every token agrees with {label}")
+        return lines, exit_code
+    if exit_code:
+        lines.append(f"the differences from {label} mean little until the cache bug is fixed")
+    elif ref.get("source") == "hybridcache":
+        if ref.get("same_plan"):
+            lines.append(f"{label} used the same plan, so the differences are a change in the code, weights or "
+                         "environment since it was recorded (a regression to check)")
+        else:
+            lines.append(f"{label} used another plan, so the differences are the effect of switching to this plan")
+    elif not changed:
+        lines.append(f"the plan is the model's native one, so the differences from {label} are not a cache "
+                     "strategy's effect: numerics of the two implementations"
+                     + (" (each side's token is in the other's top-k)" if summary["pass_rate"] == 1.0
+                        else ", or a model bug (top-k check fails)"))
+    elif lossy:
+        lines.append(f"the differences from {label} are the effect of this plan (layers {', '.join(changed)} changed, "
+                     f"lossy storage on {', '.join(lossy)}) on the model")
+    else:
+        lines.append(f"the oracle passes, so the differences from {label} are the strategy's effect on the model "
+                     f"(layers {', '.join(changed)} changed), not a cache bug")
+    return lines, exit_code
+
+
+def print_summary(console: Console, title: str, rows: list[dict], summary: dict, ref: dict, lines: list[str],
+                  tracker, json_path: Path) -> None:
     has_ref = "agreement" in summary
-    t = Table(title=f"{cfg.model.family} · cache={cfg.cache_name} · reference={cfg.reference.name}" if "cache_name" in cfg
-              else f"{cfg.model.family} · reference={cfg.reference.name}")
+    t = Table(title=title)
     t.add_column("prompt", no_wrap=True, max_width=30)
     t.add_column("tokens", justify="right")
     if has_ref:
         for col in ("agree", "1st div", "top-k", "max|Δlp|"):
             t.add_column(col, justify="right")
-    t.add_column("oracle", justify="right")
+    t.add_column("oracle |Δlogit|" if summary["plan_exact"] else "lossy |Δlogit|", justify="right")
     for r in rows:
         cells = [_short(r["prompt"]), f"{r['prompt_tokens']}+{r['new_tokens']}"]
         if has_ref:
             first = "-" if r["first_divergence"] is None else str(r["first_divergence"])
-            cells += [f"{r['agreement']:.0%}", first, "pass" if r["topk_pass"] else "[red]FAIL[/]",
-                      f"{r['max_abs_dlogprob']:.1e}"]
-        cells.append("pass" if r["oracle_pass"] else f"[red]FAIL[/] ({r['oracle_max_dlogit']:.1e})")
+            dlp = "n/a" if r["max_abs_dlogprob"] is None else f"{r['max_abs_dlogprob']:.1e}"
+            cells += [f"{r['agreement']:.0%}", first, "pass" if r["topk_pass"] else "[red]FAIL[/]", dlp]
+        if summary["plan_exact"]:
+            cells.append(f"pass ({r['oracle_max_dlogit']:.0e})" if r["oracle_pass"]
+                         else f"[red]FAIL[/] ({r['oracle_max_dlogit']:.1e})")
+        else:
+            cells.append(f"{r['oracle_max_dlogit']:.1e}")
         t.add_row(*cells)
     console.print(t)
-    lines = []
+    out = []
     if has_ref:
-        lines.append(f"agreement with {cfg.reference.name}: {summary['agreement']:.1%}   top-k pass rate: "
-                     f"{summary['pass_rate']:.0%}   tokens/s ours {summary['tokens_per_s/ours']:.0f} vs "
-                     f"{summary['tokens_per_s/reference']:.0f}")
-    verdict = "[green]passes[/]" if summary["oracle_pass"] else "[bold red]FAILS: the cache is wrong (a bug)[/]"
-    lines.append(f"oracle (cached == use_cache=False, same strategy): {verdict}, max |Δlogit| "
-                 f"{summary['oracle_max_dlogit']:.1e}")
-    if has_ref and summary["oracle_pass"] and summary["agreement"] < 1:
-        lines.append("the oracle passes, so the difference from the reference is the strategy's effect on the model")
-    lines.append(f"cache bytes held (longest prompt): {format_bytes(summary['cache_bytes/held'])} vs "
-                 f"{format_bytes(summary['cache_bytes/native'])} with the native strategy")
-    lines.append(f"W&B run: {run_dir if run_dir else 'disabled'}" + ("   (sync: wandb sync DIR)" if run_dir else ""))
-    lines.append(f"results: {json_path}")
-    for line in lines:
-        console.print(line)
+        dlp = summary["max_abs_dlogprob"]
+        out.append(f"agreement with {_ref_label(ref)}: {summary['agreement']:.1%}   top-k pass rate: "
+                   f"{summary['pass_rate']:.0%}   max |Δlogprob| over agreed steps: "
+                   f"{'n/a (no step agreed)' if dlp is None else f'{dlp:.1e}'}")
+    out.extend(lines)
+    speed = (f"tokens/s (batch 1, prompt + {rows[0]['new_tokens'] if rows else '?'} new tokens per prompt, after a "
+             f"warm-up): ours {summary['tokens_per_s/ours']:.0f}")
+    if "tokens_per_s/reference" in summary:
+        speed += f", {ref['name']} {summary['tokens_per_s/reference']:.0f} (measured the same way)"
+    elif "tokens_per_s/reference_batched" in summary:
+        speed += (f"; {ref['name']} {summary['tokens_per_s/reference_batched']:.0f} with all prompts in one batch "
+                  "(not comparable)")
+    out.append(speed)
+    out.append(f"cache bytes held for the longest prompt (prompt {summary['cache_bytes/prompt']}, "
+               f"{summary['cache_bytes/tokens']} tokens): {format_bytes(summary['cache_bytes/held'])} vs "
+               f"{format_bytes(summary['cache_bytes/native'])} with the native strategy")
+    if tracker.sync_command:
+        out.append(f"W&B run (offline): {tracker.run_dir}   upload: {tracker.sync_command}")
+    elif tracker.run_dir:
+        out.append(f"W&B run: {tracker.run_dir}")
+    else:
+        out.append(f"W&B: {tracker.error or 'disabled'}")
+    out.append(f"results: {json_path}")
+    for line in out:
+        console.print(line, soft_wrap=True)
+
+
+# -- sweeps ----------------------------------------------------------------------------------------------------------------
+def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per run of a sweep, from each run's results.json."""
+    rows = []
+    files = sorted(sweep_dir.glob("*/results.json"), key=lambda p: (len(p.parent.name), p.parent.name))
+    plans: dict[str, str] = {}
+    for file in files:
+        try:
+            r = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            rows.append({"run": file.parent.name, "status": f"unreadable ({e})"})
+            continue
+        s = r.get("summary", {})
+        plan_key = json.dumps([{k: v for k, v in p.items() if k != "bytes"} for p in r.get("plan", [])], sort_keys=True)
+        config = r.get("config", {})
+        plan_key += json.dumps([config.get("model_name"), config.get("model"), config.get("reference"),
+                                config.get("max_new_tokens"), config.get("prompts")], sort_keys=True, default=str)
+        same = plans.setdefault(plan_key, file.parent.name) if r.get("plan") else file.parent.name
+        rows.append({
+            "run": file.parent.name, "overrides": " ".join(r.get("overrides", [])), "status": r.get("status", "?"),
+            "error": r.get("error"), "exit_code": r.get("exit_code", 0), "plan_exact": s.get("plan_exact"),
+            "changed_layers": len(s.get("plan_changed_layers", [])) if "plan_changed_layers" in s else None,
+            "oracle_pass": s.get("oracle_pass"), "oracle_max_dlogit": s.get("oracle_max_dlogit"),
+            "agreement": s.get("agreement"), "pass_rate": s.get("pass_rate"),
+            "cache_bytes_held": s.get("cache_bytes/held"), "cache_bytes_native": s.get("cache_bytes/native"),
+            "tokens_per_s": s.get("tokens_per_s/ours"), "same_as": None if same == file.parent.name else same,
+            "results": str(file),
+        })
+    return rows
+
+
+def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("run", "overrides", "status", "changed", "oracle", "agree", "top-k", "cache held", "native",
+                "tok/s", "note"):
+        t.add_column(col, justify="left" if col in ("overrides", "status", "note", "oracle") else "right")
+    pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
+    for r in rows:
+        if r.get("plan_exact") is False:
+            oracle = f"lossy {r['oracle_max_dlogit']:.1e}"
+        else:
+            oracle = "-" if r.get("oracle_pass") is None else ("pass" if r["oracle_pass"] else "[red]FAIL[/]")
+        note = r.get("error") or (f"same plan as run {r['same_as']}" if r.get("same_as") else "")
+        status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]"
+        t.add_row(r["run"], r.get("overrides", ""), status,
+                  "-" if r.get("changed_layers") is None else str(r["changed_layers"]), oracle, pct(r.get("agreement")),
+                  pct(r.get("pass_rate")), format_bytes(r.get("cache_bytes_held")),
+                  format_bytes(r.get("cache_bytes_native")),
+                  "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}", note)
+    return t
+
+
+class SweepSummary(Callback):
+    """After `python run.py -m ...`: a table over every run's results.json (console, sweep_summary.json in the
+    sweep directory, a W&B run named "sweep summary" in the sweep's group), and a non-zero exit status when any run
+    failed (a user error, a crash, or an exact plan failing its oracle)."""
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        from experiments import EXIT
+        from experiments.common import make_console
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        rows = sweep_rows(sweep_dir)
+        if not rows:
+            return
+        console = make_console()
+        group = config.logger.get("group") or f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
+        console.print(sweep_table(rows, f"sweep {group}: {len(rows)} runs ({sweep_dir})"))
+        path = sweep_dir / "sweep_summary.json"
+        path.write_text(json.dumps(rows, indent=2, default=str))
+        failed = [r for r in rows if r["status"] != "ok"]
+        if any(r.get("same_as") for r in rows):
+            console.print("[yellow]some runs have the same plan and settings as an earlier one (an override their "
+                          "preset does not use): see the note column[/]")
+        try:
+            from hybridcache.tracking import Tracker
+
+            tracker = Tracker(config.logger.mode, config.logger.project, sweep_dir, {"sweep_dir": str(sweep_dir)},
+                              group=group, name="sweep summary", job_type="sweep-summary")
+            columns = [c for c in rows[0] if c != "error"]
+            tracker.table("sweep", columns, [[json.dumps(r.get(c)) if isinstance(r.get(c), (list, dict)) else r.get(c)
+                                              for c in columns] for r in rows])
+            tracker.summary({"runs": len(rows), "failed": len(failed)})
+            sync = tracker.sync_command
+            tracker.finish()
+            if sync:
+                console.print(f"W&B sweep summary (offline): upload with {sync}")
+        except Exception as e:  # noqa: BLE001 - the summary file is already written
+            console.print(f"[yellow]W&B sweep summary not logged ({type(e).__name__}: {e})[/]")
+        console.print(f"sweep summary: {path}")
+        if failed:
+            console.print(f"[bold red]{len(failed)} of {len(rows)} runs failed[/]")
+            EXIT.fail(max(int(r.get("exit_code") or 1) for r in failed))

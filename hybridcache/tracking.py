@@ -1,44 +1,123 @@
-"""Weights & Biases logging, offline by default: works with no account and no network."""
+"""Weights & Biases logging, offline by default: works with no account and no network.
+
+A `Tracker` never loses results to a logging failure: if `wandb.init` fails (online without an API key, no network,
+a broken install) or any later call fails, it records the error in `tracker.error`, turns itself off and the run goes
+on; callers write their results file first. Everything W&B writes (run files, artifact staging, its cache) stays in
+the directory it is given.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class Tracker:
-    """A thin wrapper over one wandb run (mode offline | online | disabled)."""
+    """A thin, failure-proof wrapper over one wandb run (mode offline | online | disabled)."""
 
     def __init__(self, mode: str, project: str, directory: str | Path, config: dict[str, Any],
-                 group: str | None = None, name: str | None = None, tags: list[str] | None = None) -> None:
+                 group: str | None = None, name: str | None = None, tags: list[str] | None = None,
+                 job_type: str | None = None) -> None:
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logger.mode must be offline, online or disabled, got {mode!r}")
-        import wandb
+        self.mode, self.run, self.wandb, self.error = mode, None, None, None
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if mode == "disabled":
+            return
+        keep_inside(self.directory)
+        try:
+            import wandb
 
-        self.wandb = wandb
-        self.mode = mode
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project=project, mode=mode, dir=str(directory), config=config, group=group,
-                              name=name, tags=tags, reinit="finish_previous")
+            self.wandb = wandb
+            self.run = wandb.init(project=project, mode=mode, dir=str(self.directory), config=config, group=group,
+                                  name=name, tags=tags, job_type=job_type, reinit="finish_previous")
+        except BaseException as e:  # noqa: BLE001 - W&B must never cost the results (it may even sys.exit)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self._failed("wandb.init", e)
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        self.error = self.error or f"{what} failed ({type(e).__name__}: {first})"
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                run.finish(exit_code=1)
+            except BaseException:  # noqa: BLE001
+                pass
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self._failed(what, e)
+
+    @property
+    def active(self) -> bool:
+        return self.run is not None
 
     @property
     def run_dir(self) -> Path | None:
-        """The local run directory (offline: sync it later with `wandb sync DIR`)."""
-        if self.mode == "disabled" or self.run is None:
+        """The local run directory (offline: upload it later with `wandb sync <run_dir>`)."""
+        if self.run is None:
             return None
-        return Path(self.run.dir).parent
+        try:
+            return Path(self.run.dir).parent
+        except BaseException:  # noqa: BLE001
+            return None
+
+    @property
+    def sync_command(self) -> str | None:
+        """The exact command that uploads this offline run, or None (online, disabled or failed)."""
+        if self.mode != "offline" or self.run_dir is None:
+            return None
+        return f"wandb sync {self.run_dir}"
 
     def table(self, key: str, columns: list[str], rows: list[list[Any]]) -> None:
-        self.run.log({key: self.wandb.Table(columns=columns, data=rows)})
+        self._call(f"logging table {key}", lambda: self.run.log({key: self.wandb.Table(columns=columns, data=rows)}))
 
     def summary(self, values: dict[str, Any]) -> None:
-        for k, v in values.items():
-            self.run.summary[k] = v
+        def write() -> None:
+            for k, v in values.items():
+                if v is not None:
+                    self.run.summary[k] = v
+
+        self._call("writing the summary", write)
+
+    def config(self, values: dict[str, Any]) -> None:
+        self._call("updating the config", lambda: self.run.config.update(values, allow_val_change=True))
 
     def log(self, values: dict[str, Any]) -> None:
-        self.run.log(values)
+        self._call("logging", lambda: self.run.log(values))
+
+    def save(self, path: str | Path) -> None:
+        """Attach a file (e.g. console.log, results.json) to the run."""
+        self._call(f"saving {path}", lambda: self.run.save(str(path), base_path=str(Path(path).parent), policy="now"))
 
     def finish(self) -> None:
-        self.run.finish()
+        run, self.run = self.run, None
+        if run is None:
+            return
+        try:
+            run.finish()
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self.error = self.error or f"wandb finish failed ({type(e).__name__}: {e})"
+
+
+def keep_inside(directory: Path) -> None:
+    """Point W&B's run, staging, artifact and cache directories into `directory` (not ~/.cache, ~/.local or /tmp).
+    The settings directory (WANDB_CONFIG_DIR: login, default entity) is left where the user keeps it."""
+    root = directory / "wandb"
+    os.environ["WANDB_DIR"] = str(directory)
+    os.environ["WANDB_DATA_DIR"] = str(root / "staging")
+    os.environ["WANDB_ARTIFACT_DIR"] = str(root / "artifacts")
+    os.environ["WANDB_CACHE_DIR"] = str(root / "cache")
+    os.environ.setdefault("WANDB_SILENT", "true")

@@ -21,6 +21,13 @@ class HFRunner(ReferenceRunner):
         self.device, self.eos_token_id = device, eos_token_id
 
     @torch.no_grad()
+    def warmup(self, prompt: list[int]) -> None:
+        """One short generation, untimed, so the timed ones are measured like ours (after a warm-up)."""
+        ids = torch.tensor([prompt], device=self.device)
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                            eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id or 0)
+
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, progress=None) -> list[Generation]:
         results = []
         for prompt in prompts:

@@ -25,17 +25,23 @@ def _root_cause(proc: subprocess.CompletedProcess) -> str:
     return "\n".join(causes[:3]) if causes else "\n".join(lines[-15:])
 
 
+def find_interpreter(python: str | None) -> str:
+    """The vLLM environment's interpreter, or a clear error saying how to set one."""
+    if not python:
+        raise ValueError("reference=vllm needs reference.python=<the python of a vLLM environment> "
+                         "(or HYBRIDCACHE_VLLM_PYTHON); see the README for how to create one")
+    resolved = shutil.which(python) or (python if Path(python).is_file() else None)
+    if resolved is None:
+        raise FileNotFoundError(f"reference.python={python} is not an interpreter on this machine")
+    return resolved
+
+
 class VLLMRunner(ReferenceRunner):
     name = "vllm"
 
     def __init__(self, python: str | None, checkpoint: str, dtype: str = "float32", max_model_len: int = 2048,
                  eos_token_id: int | None = None, timeout: float = 1800, engine_args: dict | None = None) -> None:
-        if not python:
-            raise ValueError("reference=vllm needs reference.python=<the python of a vLLM environment> "
-                             "(or HYBRIDCACHE_VLLM_PYTHON); see the README for how to create one")
-        resolved = shutil.which(python) or (python if Path(python).is_file() else None)
-        if resolved is None:
-            raise FileNotFoundError(f"reference.python={python} is not an interpreter on this machine")
+        resolved = find_interpreter(python)
         self.python, self.checkpoint, self.dtype = resolved, str(checkpoint), dtype
         self.max_model_len, self.eos_token_id, self.timeout = max_model_len, eos_token_id, timeout
         self.engine_args = dict(engine_args or {})
