@@ -54,4 +54,6 @@ def from_pretrained(
     return model.to(device=device, dtype=dtype).eval()
 
 
-__all__ = ["CheckpointError", "ConfigError", "FamilyConfig", "HybridLM", "MODEL_TYPES", "from_pretrained", "model_class"]
+__all__ = [
+    "CheckpointError", "ConfigError", "FamilyConfig", "HybridLM", "MODEL_TYPES", "from_pretrained", "model_class",
+]

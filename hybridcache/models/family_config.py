@@ -93,9 +93,8 @@ def _matches(value: Any, tp: Any) -> bool:
     if tp is str:
         return isinstance(value, str)
     if tp is list or origin is list:
-        args = typing.get_args(tp)
-        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value) if args else \
-            isinstance(value, (list, tuple))
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, (list, tuple)) and all(_matches(v, item) for v in value)
     if tp is dict or origin is dict:
         return isinstance(value, dict)
     return isinstance(value, tp)

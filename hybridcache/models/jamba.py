@@ -53,7 +53,8 @@ class JambaConfig(FamilyConfig):
     def problems(self) -> list[str]:
         out = attention_problems(self)
         if self.attn_layer_offset >= self.attn_layer_period:
-            out.append(f"attn_layer_offset ({self.attn_layer_offset}) must be < attn_layer_period ({self.attn_layer_period})")
+            out.append(f"attn_layer_offset ({self.attn_layer_offset}) must be < attn_layer_period "
+                       f"({self.attn_layer_period})")
         if self.expert_layer_offset >= self.expert_layer_period:
             out.append(f"expert_layer_offset ({self.expert_layer_offset}) must be < expert_layer_period "
                        f"({self.expert_layer_period})")

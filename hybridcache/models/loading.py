@@ -143,7 +143,8 @@ def read_header(files: list[Path], weight_map: Mapping[str, Path] | None = None)
                 for name in handle.keys():
                     sl = handle.get_slice(name)
                     if name in infos:
-                        raise CheckpointError(f"tensor {name} is stored twice: in {infos[name].file.name} and {file.name}")
+                        raise CheckpointError(
+                            f"tensor {name} is stored twice: in {infos[name].file.name} and {file.name}")
                     dtype = sl.get_dtype()
                     infos[name] = TensorInfo(file, tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype))
         except CheckpointError:
@@ -226,7 +227,9 @@ def _dtype_problem(name: str, dtype: torch.dtype | str, expected: torch.dtype) -
             return None
         kinds = "float16, bfloat16, float32 or float64"
         return f"tensor {name} has dtype {dtype} in the checkpoint, the model expects a floating-point tensor ({kinds})"
-    return None if dtype == expected else f"tensor {name} has dtype {dtype} in the checkpoint, the model expects {expected}"
+    if dtype == expected:
+        return None
+    return f"tensor {name} has dtype {dtype} in the checkpoint, the model expects {expected}"
 
 
 def match_names(
@@ -242,9 +245,11 @@ def match_names(
     missing = [hf for hf, name in by_hf.items() if hf not in shapes and name not in tied]
     unexpected = [k for k in shapes if k not in by_hf]
     if missing:
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors the {model.family} model needs: {_names(missing)}")
+        raise CheckpointError(
+            f"checkpoint is missing {len(missing)} tensors the {model.family} model needs: {_names(missing)}")
     if unexpected:
-        raise CheckpointError(f"checkpoint has {len(unexpected)} tensors the {model.family} model does not use: {_names(unexpected)}")
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} tensors the {model.family} model does not use: {_names(unexpected)}")
     mapping = {}
     for hf, name in by_hf.items():
         if name in tied:

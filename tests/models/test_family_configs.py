@@ -21,9 +21,11 @@ def raw_config(checkpoints, family):
     return json.loads((checkpoints(family) / "config.json").read_text())
 
 
+MODEL_TYPE = {"recurrentgemma": "recurrent_gemma", "gemma3": "gemma3_text", "llama4": "llama4_text"}
+
+
 def config_class(family):
-    model_type = {"recurrentgemma": "recurrent_gemma", "gemma3": "gemma3_text", "llama4": "llama4_text"}.get(family, family)
-    return model_class(model_type).config_class
+    return model_class(MODEL_TYPE.get(family, family)).config_class
 
 
 @pytest.mark.parametrize("family", FAMILIES)

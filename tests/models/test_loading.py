@@ -230,7 +230,7 @@ def test_subfolder_shards_load_and_bad_indexes_are_named(gemma_dir, models):
     index = gemma_dir / "model.safetensors.index.json"
     name = sorted(weight_map)[0]
     index.write_text(json.dumps({"weight_map": {**weight_map, name: "weights/b.safetensors"}}))
-    with pytest.raises(hc.models.CheckpointError, match=f"lists tensor {name} in b.safetensors, which does not hold it"):
+    with pytest.raises(hc.models.CheckpointError, match=f"lists tensor {name} in b.safetensors, which does not hold"):
         hc.from_pretrained(gemma_dir)
     index.write_text(json.dumps({"weight_map": []}))
     with pytest.raises(hc.models.CheckpointError, match="'weight_map' must be a non-empty object"):
