@@ -296,10 +296,18 @@ def load_weights(
         setattr(model.get_submodule(module_name), attr, model.get_parameter(emb))
 
 
+def checkpoint_converter(model: HybridLM) -> Callable[[dict], dict] | None:
+    """The family's `convert_checkpoint`, or None when it has none (or only an identity default on HybridLM)."""
+    own = getattr(type(model), "convert_checkpoint", None)
+    if own is None or own is getattr(HybridLM, "convert_checkpoint", None):
+        return None
+    return getattr(model, "convert_checkpoint")
+
+
 def check_checkpoint(model: HybridLM, directory: Path, allow_dtype_cast: bool = False) -> None:
     """Match the checkpoint's tensor names, shapes and dtypes (headers only) against `model` (on meta is fine);
     families with `convert_checkpoint` are checked after conversion, by `load_checkpoint`."""
-    if getattr(model, "convert_checkpoint", None) is None:
+    if checkpoint_converter(model) is None:
         infos = read_header(*checkpoint_files(directory))
         match_names(model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()},
                     allow_dtype_cast)
@@ -313,7 +321,7 @@ def load_checkpoint(
     any tensor is read (unless the family converts checkpoints: then after `convert_checkpoint`)."""
     files, weight_map = checkpoint_files(directory)
     infos = read_header(files, weight_map)
-    convert = getattr(model, "convert_checkpoint", None)
+    convert = checkpoint_converter(model)
     if convert is None:
         checked = match_names(model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()},
                               allow_dtype_cast)

@@ -300,3 +300,14 @@ def test_models_with_tensors_the_checkpoint_cannot_fill_are_checked_on_meta_then
     with pytest.raises(hc.models.CheckpointError, match="model.embed_tokens.weight has shape"):
         hc.from_pretrained(gemma_dir)
     assert built[-1] is True  # refused from the meta build, never built for real
+
+
+def test_an_identity_convert_hook_on_the_base_class_keeps_the_header_check(gemma_dir, monkeypatch):
+    import hybridcache.models.loading as loading
+    from hybridcache.models.base import HybridLM
+
+    monkeypatch.setattr(HybridLM, "convert_checkpoint", lambda self, state: state, raising=False)
+    write_config(gemma_dir, lambda c: c.update(vocab_size=10**9))
+    monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the shape check"))
+    with pytest.raises(hc.models.CheckpointError, match=r"model.embed_tokens.weight has shape \(384, 64\)"):
+        hc.from_pretrained(gemma_dir)
