@@ -50,11 +50,11 @@ def verdict(cfg, plan, summary: dict[str, Any], ref: dict[str, Any]) -> tuple[li
     exit_code = 0
     lossy = [p.address for p in plan.layers if not p.exact]
     if plan.exact and summary["oracle_pass"]:
-        lines.append(f"oracle (cached == recompute, same strategy): passes, max |Δlogit| {dlogit:.1e} <= {tol:.0e} "
+        lines.append(f"oracle (cached == recompute, same strategy): passes, max |Δlogit| {dlogit:.1e} <= {tol:.2g} "
                      f"({dtype})")
     elif plan.exact:
         exit_code = 1
-        lines.append(f"oracle (cached == recompute, same strategy): FAILS, max |Δlogit| {dlogit:.1e} > {tol:.0e} "
+        lines.append(f"oracle (cached == recompute, same strategy): FAILS, max |Δlogit| {dlogit:.1e} > {tol:.2g} "
                      f"({dtype}): every layer of this plan is exact, so the cache is wrong (a bug)")
     else:
         effect = "no measurable effect" if dlogit <= tol else "the measured effect of the lossy layers, not a bug"
