@@ -162,11 +162,9 @@ def _per_layer_entries(native: Sequence[Native], config: Mapping[str, Any]) -> d
             out[i, None] = entry
             continue
         members = list(nl.members)
-        if member:
-            entries = {member: entry}
-        else:  # layers.3: {attention: {...}, mamba: {...}}
-            entries = {m: _as_dict(e, f"layers.{i}.{m}") for m, e in entry.items()}
+        entries = {member: entry} if member else entry  # layers.3: {attention: {...}, mamba: {...}}
         for m, e in entries.items():
+            e = _as_dict(e, f"layers.{i}.{m}") if m in nl.members else e
             if m not in nl.members:
                 raise CacheConfigError(
                     f"cache config: layers.{i}.{m}: layer {i} is a group of {', '.join(members)}; "
