@@ -2,6 +2,7 @@
 
 import os
 import sys
+from pathlib import Path
 
 # Quiet third-party progress bars and advisory warnings before they are imported (see experiments.common.quiet).
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 OmegaConf.register_new_resolver("hc_pid", lambda: str(os.getpid()), use_cache=True, replace=True)
 
 
-@hydra.main(config_path="configs", config_name="config", version_base=None)
+@hydra.main(config_path=str(Path(__file__).resolve().parent / "configs"), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from experiments import run_experiment
 
