@@ -23,7 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import hybridcache as hc
-from experiments.common import cache_config_from_hydra, load_model
+from experiments.common import cache_config_from_hydra, load_model, make_console, preflight
 from experiments.plots import scaling_lines, throughput_bars
 from hybridcache.cache.plan import format_bytes
 from hybridcache.tiny_models import tiny_checkpoint
@@ -123,7 +123,8 @@ def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: Dic
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    console = Console(width=max(Console().width, 110))
+    console = make_console()
+    preflight(cfg, with_prompts=False)  # settings, device and cache fields checked before any model is loaded
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     b = cfg.experiment
     if b.smoke:
@@ -143,21 +144,25 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint, "throughput": rows,
               "memory": {str(k): v for k, v in memory.items()}, "long_context": scaling, "summary": summary,
               "plots": [str(p) for p in plots]}
-    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], name=f"benchmark-{cfg.model.family}",
+    json_path = out_dir / "benchmark.json"
+    json_path.write_text(json.dumps(result, indent=2, default=str))  # first: W&B must never cost the results
+    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"],
+                      name=f"benchmark-{cfg.get('model_name') or cfg.model.family}",
                       tags=["benchmark", cfg.model.family])
     tracker.table("throughput", list(rows[0]), [[r.get(c) for c in rows[0]] for r in rows])
     if scaling:
         tracker.table("long_context", list(scaling[0]), [list(r.values()) for r in scaling])
     tracker.summary(summary)
-    if tracker.mode != "disabled":
+    if tracker.active:
         tracker.log({p.stem: tracker.wandb.Image(str(p)) for p in plots})
-    run_dir = tracker.run_dir
+    run_dir, sync = tracker.run_dir, tracker.sync_command
     tracker.finish()
     result["wandb_dir"] = str(run_dir) if run_dir else None
-    json_path = out_dir / "benchmark.json"
+    result["wandb_error"] = tracker.error
     json_path.write_text(json.dumps(result, indent=2, default=str))
     print_tables(console, rows, memory, scaling, summary)
-    console.print(f"plots: {', '.join(str(p) for p in plots)}\nW&B run: {run_dir}\nresults: {json_path}")
+    wandb_line = f"W&B run (offline): {run_dir}   upload: {sync}" if sync else f"W&B: {run_dir or tracker.error or 'disabled'}"
+    console.print(f"plots: {', '.join(str(p) for p in plots)}\n{wandb_line}\nresults: {json_path}", soft_wrap=True)
     return result
 
 

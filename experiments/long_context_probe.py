@@ -30,7 +30,7 @@ def main(checkpoint: str, cache_config: str, tokens: int, decode: int, chunk: in
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(decode):
-            token = model.forward_block(token, cache)[:, -1:].argmax(-1)
+            token = model.run_block(token, cache)[:, -1:].argmax(-1)  # one decode step, no input checks
     per_token = (time.perf_counter() - start) / decode
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return {"tokens": tokens, "prefill_s": prefill, "decode_ms_per_token": per_token * 1e3,
