@@ -1,6 +1,6 @@
 """The Cache: per decoder layer one cache layer (or a group of them) drawn from a registry of types.
 
-Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window); any of them stores tokens
+Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window), tova (score-based eviction to a budget); any of them stores tokens
 with a codec (`storage`: dense, int8, ...). Recurrent types: mamba, mamba2, rglru, conv.
 """
 
@@ -33,7 +33,7 @@ from hybridcache.cache.registry import available_layers, get_layer_class, load_p
 from hybridcache.cache.sequence import BlockState, SequenceState
 
 # Built-in extensions, written exactly as a user's plugin module would be (one file each).
-from hybridcache.cache import int8_storage, sink  # noqa: E402,F401  isort: skip
+from hybridcache.cache import int8_storage, sink, tova  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "AttentionCacheLayer", "AttentionSpec", "AttentionView", "BlockState", "Cache", "CacheConfigError",

@@ -70,6 +70,7 @@ class AttentionCacheLayer(CacheLayer):
     spec_cls = AttentionSpec
     evicts: ClassVar[bool] = True  # False for patterns where every earlier token stays visible
     wants_attention_weights: ClassVar[bool] = False
+    supports_preallocation: ClassVar[bool] = True  # False: the spec refuses max_length (data-dependent slots)
     spec: AttentionSpec
 
     # -- storage -----------------------------------------------------------------------------------------------

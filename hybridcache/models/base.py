@@ -49,6 +49,12 @@ class HybridLM(nn.Module):
         """Our state-dict name -> the checkpoint's name (the same unless a family renames)."""
         return name
 
+    def convert_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors -> the tensors this model loads (folding multipliers, aliasing shared weights).
+
+        Called by loading before names and shapes are matched; the default keeps the checkpoint as it is."""
+        return state
+
     # -- shared ------------------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:

@@ -100,3 +100,15 @@ def test_concurrent_use_from_two_threads_raises(jamba):
     assert cache.columns == 0
     jamba(prompts(1, 2, seed=10), cache)  # usable again afterwards
     assert cache.columns == 2
+
+
+def test_precision_is_a_setting_of_one_model_not_of_the_process(checkpoints):
+    import hybridcache as hc
+
+    a, b = hc.from_pretrained(checkpoints("mamba2")), hc.from_pretrained(checkpoints("mamba2"))
+    assert a.upcast_cpu_float32 and b.upcast_cpu_float32
+    a.upcast_cpu_float32 = False
+    assert not a.upcast_cpu_float32 and b.upcast_cpu_float32
+    ids = prompts(1, 9, seed=11)
+    diff = (a(ids) - b(ids)).abs().max().item()
+    assert 0 < diff < 1e-4  # float32 vs float64 mixer arithmetic: different rounding, same model
