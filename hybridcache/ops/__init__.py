@@ -8,6 +8,7 @@ implementations are the default; the CUDA kernels of ``mamba_ssm`` and
 
 from .attention import masked_attention
 from .conv import causal_conv1d, causal_conv1d_step
+from .gated_delta import gated_delta_rule, gated_delta_step
 from .rglru import linear_recurrence
 from .selective_scan import selective_scan, selective_state_update
 from .ssd import ssd_scan, ssd_step
@@ -16,6 +17,8 @@ __all__ = [
     "masked_attention",
     "causal_conv1d",
     "causal_conv1d_step",
+    "gated_delta_rule",
+    "gated_delta_step",
     "selective_scan",
     "selective_state_update",
     "ssd_scan",
