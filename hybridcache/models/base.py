@@ -71,7 +71,7 @@ class HybridLM(nn.Module):
     @property
     def upcast_cpu_float32(self) -> bool:
         """Whether this model's sensitive mixers (Mamba2) compute in float64 on CPU for float32 weights."""
-        return any(getattr(m, "upcast_cpu_float32", False) for m in self.modules())
+        return any(getattr(m, "upcast_cpu_float32", False) for m in self.modules() if m is not self)
 
     @upcast_cpu_float32.setter
     def upcast_cpu_float32(self, value: bool) -> None:
