@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark"}
+EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark", "study": "experiments.study"}
 
 
 @dataclass
