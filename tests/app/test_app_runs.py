@@ -280,3 +280,9 @@ def test_readme_sweep_example_has_no_duplicate_runs():
         key = (cfg.model.family, tuple((p.type, p.spec) for p in plan.layers))
         assert key not in seen, f"{overrides} repeats an earlier combination"
         seen.add(key)
+
+
+def test_titles_name_the_model_config_not_its_family(app, monkeypatch):
+    no_model_load(monkeypatch)
+    code, results, _, _ = app("model=jamba20m", "max_new_tokens=0")
+    assert code == 2 and results["title"].startswith("jamba20m · cache=native · reference=hf")
