@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 import threading
+import weakref
 
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
@@ -163,6 +164,8 @@ def generate(
     if use_cache and cache is None:
         max_length = int(full_mask.sum(1).max()) + max_new_tokens if compile else None
         cache = model.make_cache(batch, cache_config, max_length)
+    if cache is not None:
+        cache.owner = weakref.ref(model)  # what `cache.save(path)` records the identity of
     if cache is not None:  # every prefill piece and decode step must fit: check before the first write
         seen_after = cache.seq.seen + full_mask[:, cache.columns:].sum(1) + max_new_tokens - 1
         try:

@@ -314,6 +314,28 @@ class Cache:
             self.seq.seen, self.seq.columns = snap.seen.clone().to(self.device), snap.columns
             self.seq.fingerprint = None if snap.fingerprint is None else snap.fingerprint.clone()
 
+    # -- persistence (hybridcache/cache/persistence.py) -----------------------------------------------------------
+    def save(self, path: Any, model: Any = None) -> Any:
+        """Write this cache to `path` (safetensors + JSON header + payload sha256; never pickle). `model` is the
+        model that filled it (default: the one `generate` last ran with this cache); its identity is recorded so
+        the file only loads into the same model."""
+        from hybridcache.cache.persistence import save_cache
+
+        owner = getattr(self, "owner", None)
+        model = model if model is not None else (owner() if owner is not None else None)
+        if model is None:
+            raise CacheError("Cache.save: pass model= (the model that filled this cache)")
+        return save_cache(self, path, model)
+
+    @classmethod
+    def load(cls, path: Any, model: Any, batch_size: int | None = None,
+             cache_config: Mapping[str, Any] | None = None, device: Any = None) -> "Cache":
+        """Load a saved cache for `model`; a corrupted file, another model, batch size or cache config is a
+        `CacheFileError` naming what differs. The round trip is bit-exact (token fingerprint included)."""
+        from hybridcache.cache.persistence import load_cache
+
+        return load_cache(path, model, batch_size, cache_config, device)
+
     # -- memory ------------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of keys, values and states actually held."""
