@@ -167,6 +167,7 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "agreement": s.get("agreement"), "pass_rate": s.get("pass_rate"),
             "cache_bytes_held": s.get("cache_bytes/held"), "cache_bytes_native": s.get("cache_bytes/native"),
             "tokens_per_s": s.get("tokens_per_s/ours"), "same_as": None if same == file.parent.name else same,
+            "changes_nothing": s.get("plan_changes_nothing"),
             "results": str(file),
         })
     return rows
@@ -184,6 +185,8 @@ def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
         else:
             oracle = "-" if r.get("oracle_pass") is None else ("pass" if r["oracle_pass"] else "[red]FAIL[/]")
         note = r.get("error") or (f"same plan as run {r['same_as']}" if r.get("same_as") else "")
+        if r.get("changes_nothing") and not r.get("error"):
+            note = "; ".join(filter(None, ["the native plan (the preset changes no layer)", note]))
         status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]"
         t.add_row(r["run"], r.get("overrides", ""), status,
                   "-" if r.get("changed_layers") is None else str(r["changed_layers"]), oracle, pct(r.get("agreement")),
