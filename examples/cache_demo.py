@@ -23,12 +23,13 @@ def run(cache: Cache) -> None:
     """Prefill a prompt in 512-token chunks, then decode token by token (random keys, values and states)."""
     g = torch.Generator().manual_seed(0)
     for block in [512] * (PROMPT // 512) + [PROMPT % 512] + [1] * DECODE:
-        for layer in cache:
-            if layer.kind == "attention":
-                k = torch.randn(BATCH, 8, block, 64, generator=g)
-                layer.update(k, k)
-            else:
-                layer.update(block, **{n: torch.randn(t.shape, generator=g) for n, t in layer.states.items()})
+        with cache.block(tokens=block):  # every layer advances together
+            for layer in cache:
+                if layer.kind == "attention":
+                    k = torch.randn(BATCH, 8, block, 64, generator=g)
+                    layer.update(k, k)
+                else:
+                    layer.update(block, **{n: torch.randn(t.shape, generator=g) for n, t in layer.states.items()})
 
 
 console = Console()
