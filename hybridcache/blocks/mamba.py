@@ -81,6 +81,9 @@ class MambaMixer(nn.Module):
         u = step.mask_padding(xc)  # padding never enters the SSM state
         delta, b, c = self._ssm_inputs(u)  # [B, T, Di], [B, T, N], [B, T, N]
         a = -torch.exp(self.A_log.float())  # [Di, N]
+        m = layer.trail_length(tokens)
+        if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
+            return self._forward_with_trail(h, layer, states, x, u, delta, a, b, c, z, conv, m)
         if tokens == 1:
             y, ssm = selective_state_update(states["ssm"], u[:, 0], delta[:, 0], a, b[:, 0], c[:, 0], self.D,
                                             z[:, 0], self.dt_proj.bias, delta_softplus=True)
@@ -94,3 +97,26 @@ class MambaMixer(nn.Module):
             y = y.transpose(1, 2)  # [B, T, Di]
         layer.update(conv=conv.to(layer.spec.dtype), ssm=ssm.to(layer.spec.state_dtype))
         return self.out_proj(y.to(h.dtype))
+
+    def _forward_with_trail(self, h, layer, states, x, u, delta, a, b, c, z, conv, m: int) -> torch.Tensor:
+        """The scan over the first T - m tokens, then m steps whose incoming states are the layer's checkpoints."""
+        from hybridcache.blocks.trail import conv_trail, stack_trail
+
+        head = u.shape[1] - m
+
+        def t(v: torch.Tensor) -> torch.Tensor:
+            return v.transpose(1, 2).contiguous()  # [B, C, T]
+
+        y, ssm = selective_scan(t(u[:, :head]), t(delta[:, :head]), a, t(b[:, :head]), t(c[:, :head]), self.D,
+                                t(z[:, :head]), self.dt_proj.bias, delta_softplus=True, state=states["ssm"])
+        ys, trail = [y.transpose(1, 2)], []
+        for i in range(head, u.shape[1]):
+            trail.append(ssm)
+            yi, ssm = selective_state_update(ssm, u[:, i], delta[:, i], a, b[:, i], c[:, i], self.D, z[:, i],
+                                             self.dt_proj.bias, delta_softplus=True)
+            ys.append(yi[:, None])
+        spec = layer.spec
+        layer.update(conv=conv.to(spec.dtype), ssm=ssm.to(spec.state_dtype),
+                     trail={"conv": conv_trail(states["conv"], x.transpose(1, 2), m).to(spec.dtype),
+                            "ssm": stack_trail(trail, spec.state_dtype)})
+        return self.out_proj(torch.cat(ys, dim=1).to(h.dtype))

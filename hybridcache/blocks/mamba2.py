@@ -22,6 +22,7 @@ from einops import rearrange
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
+from hybridcache.blocks.trail import conv_trail, stack_trail
 from hybridcache.cache import CacheLayer
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, ssd_scan, ssd_step
 
@@ -134,6 +135,7 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = F.linear(h.to(cd), cast(self.in_proj.weight), cast(self.in_proj.bias)).to(dtype)  # [B, T, E]
         z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         xbc = step.mask_padding(xbc).to(cd)  # [B, T, C]: padding enters the conv as zeros (= the empty state)
+        xbc_in = xbc  # the conv inputs (what the conv state holds)
         states = layer.states
         weight, bias = cast(self.conv1d.weight.squeeze(1)), cast(self.conv1d.bias)  # [C, K], [C]
         if tokens == 1:
@@ -149,7 +151,12 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc)).clamp(*self.time_step_limit)  # [B, T, H]
         dt = step.mask_padding(dt)
         A, D = -torch.exp(self.A_log.to(acc)), self.D.to(acc)  # [H]
-        if tokens == 1:
+        m = layer.trail_length(tokens)
+        if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
+            y, ssm_state, trail = self._scan_with_trail(x, dt, A, b, c, D, states["ssm"], m)
+            trail = {"conv": conv_trail(states["conv"], xbc_in.transpose(1, 2), m).to(states["conv"].dtype),
+                     "ssm": stack_trail(trail, states["ssm"].dtype)}
+        elif tokens == 1:
             y, ssm_state = ssd_step(
                 states["ssm"], rearrange(x[:, 0], "b (h p) -> b h p", p=self.head_dim), dt[:, 0], A,
                 rearrange(b[:, 0], "b (g n) -> b g n", g=g), rearrange(c[:, 0], "b (g n) -> b g n", g=g), D)
@@ -159,7 +166,22 @@ class Mamba2Mixer(nn.Module):
                 rearrange(x, "b t (h p) -> b t h p", p=self.head_dim), dt, A,
                 rearrange(b, "b t (g n) -> b t g n", g=g), rearrange(c, "b t (g n) -> b t g n", g=g),
                 self.chunk_size, D=D, state=states["ssm"])  # y [B, T, H, P]
-        layer.update(conv=conv_state.to(states["conv"].dtype), ssm=ssm_state.to(states["ssm"].dtype))
+        layer.update(conv=conv_state.to(states["conv"].dtype), ssm=ssm_state.to(states["ssm"].dtype),
+                     **({"trail": trail} if m > 0 else {}))
         y = rearrange(y, "b t h p -> b t (h p)")  # [B, T, I]
         y = self.norm(y, z.to(acc)) if self.norm is not None else y * F.silu(z.to(acc))
         return F.linear(y.to(cd), cast(self.out_proj.weight), cast(self.out_proj.bias)).to(dtype)  # [B, T, D]
+
+    def _scan_with_trail(self, x, dt, A, b, c, D, state, m: int):
+        """SSD over the first T - m tokens, then m steps; returns y [B, T, H, P], the final state and the m states
+        entering those steps (the layer's checkpoints)."""
+        g, head = self.n_groups, x.shape[1] - m
+        xh = rearrange(x, "b t (h p) -> b t h p", p=self.head_dim)
+        bg, cg = (rearrange(v, "b t (g n) -> b t g n", g=g) for v in (b, c))
+        y, ssm = ssd_scan(xh[:, :head], dt[:, :head], A, bg[:, :head], cg[:, :head], self.chunk_size, D=D, state=state)
+        ys, trail = [y], []
+        for i in range(head, x.shape[1]):
+            trail.append(ssm)
+            yi, ssm = ssd_step(ssm, xh[:, i], dt[:, i], A, bg[:, i], cg[:, i], D)
+            ys.append(yi[:, None])
+        return torch.cat(ys, dim=1), ssm, trail

@@ -50,16 +50,21 @@ class RGLRU(nn.Module):
         pad = ~step.valid[..., None]  # [B, T, 1]
         return a.masked_fill(pad, 1.0), normalized.masked_fill(pad, 0.0)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, state: torch.Tensor, step: StepInput, trail: int = 0):
         """x [B, T, W], state [B, W] -> (h [B, T, W] in x.dtype, final state [B, W] in the state's dtype).
 
-        The scan runs in the state's dtype (float32 by default; float64 when the cache config asks for it)."""
+        The scan runs in the state's dtype (float32 by default; float64 when the cache config asks for it).
+        `trail=m > 0` also returns the states after each of the last m tokens before the final one [B, m, W]
+        (the scan computes every token's state anyway: the same values, no extra work)."""
         a, normalized = self.coefficients(x, step)
         acc = torch.promote_types(state.dtype, torch.float32)
         if x.shape[1] == 1:  # decoding step
             h = torch.addcmul(normalized[:, 0].to(acc), a[:, 0].to(acc), state.to(acc))  # [B, W]
             return h[:, None].to(x.dtype), h.to(state.dtype)
         h, final = linear_recurrence(a.to(acc), normalized.to(acc), state.to(acc))
+        if trail > 0:
+            t = x.shape[1]
+            return h.to(x.dtype), final.to(state.dtype), h[:, t - 1 - trail : t - 1].to(state.dtype)
         return h.to(x.dtype), final.to(state.dtype)
 
 
@@ -86,7 +91,14 @@ class RecurrentBlock(nn.Module):
         else:
             xc, conv_state = causal_conv1d(x.transpose(1, 2), weight, bias, states["conv"])  # [B, W, T]
             xc = xc.transpose(1, 2)
+        spec, m = layer.spec, layer.trail_length(x.shape[1])
+        if m > 0:  # checkpoints on: the states after the block's last m tokens before the final one
+            from hybridcache.blocks.trail import conv_trail
+
+            out, lru_state, lru_trail = self.rg_lru(xc, states["lru"], step, trail=m)
+            trail = {"conv": conv_trail(states["conv"], x.transpose(1, 2), m).to(spec.dtype), "lru": lru_trail}
+            layer.update(conv=conv_state.to(spec.dtype), lru=lru_state.to(spec.state_dtype), trail=trail)
+            return self.linear_out(out * y)
         out, lru_state = self.rg_lru(xc, states["lru"], step)  # [B, T, W], [B, W]
-        spec = layer.spec
         layer.update(conv=conv_state.to(spec.dtype), lru=lru_state.to(spec.state_dtype))
         return self.linear_out(out * y)

@@ -2,8 +2,14 @@
 
 Each holds named fixed-shape state tensors [B, ...] that its mixer reads (`layer.states`) and replaces with
 `layer.update(**new_states)` (staged until the block commits, so a failed forward leaves the old states). A convolution state keeps the last K-1 inputs of a width-K causal conv (the
-minimum); SSM / LRU states are float32 unless the config sets `state_dtype`. They keep only the latest state, so
-`crop` cannot rewind them: roll back with `Cache.snapshot()` / `Cache.restore()`.
+minimum); SSM / LRU states are float32 unless the config sets `state_dtype`.
+
+Rollback: by default a layer keeps only its latest state, so `crop` cannot rewind it (roll back with
+`Cache.snapshot()` / `Cache.restore()`). With `checkpoints: k` (a tunable of every recurrent type,
+`{"recurrent": {"checkpoints": 4}}`) it also keeps the states after each of the last k columns (`<name>_trail`
+[B, k, ...], `trail_columns` [k]): the state before a block is kept by the layer itself, and a mixer hands over the
+states after the block's interior tokens (`update(..., trail={name: [B, m, ...]})`, m = `trail_length(T)`), so
+`crop(n)` is exact for any n within the last k columns, across blocks and decode steps (speculative decoding).
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ from hybridcache.cache.registry import register_cache_layer
 class RecurrentSpec(LayerSpec):
     """Base of recurrent specs: `state_shapes()` names every state tensor (shape without batch, dtype)."""
 
+    checkpoints: int = tunable(0)  # keep the states after each of the last k columns, so crop(n) can rewind k
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        k = self.checkpoints
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise CacheError(f"{type(self).__name__}: checkpoints must be an integer >= 0, got {k!r}")
+
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise NotImplementedError
 
@@ -32,7 +46,7 @@ class RecurrentSpec(LayerSpec):
 
     def min_nbytes(self, batch: int, tokens: int) -> int:
         per_row = sum(math.prod(shape) * dtype_nbytes(dt) for shape, dt in self.state_shapes().values())
-        return batch * per_row
+        return batch * per_row * (1 + self.checkpoints)  # the state, plus the kept checkpoints
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,17 +116,22 @@ class RGLRUSpec(RecurrentSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class ConvSpec(RecurrentSpec):
-    """A short causal convolution (LFM2-style): conv state [C, K-1] only."""
+    """A short causal convolution (LFM2-style): conv state [C, K-1] only, in `state_dtype` (None: the model
+    dtype; the state holds past conv inputs, so a wider dtype only costs memory). Accepting `state_dtype` lets a
+    `recurrent: {state_dtype: ...}` config apply to every recurrent type."""
 
     channels: int
     conv_kernel: int
+    state_dtype: torch.dtype | None = tunable(None)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check("channels", "conv_kernel")
+        if self.state_dtype is not None:
+            check_float_dtype(type(self).__name__, "state_dtype", self.state_dtype)
 
     def state_shapes(self):
-        return {"conv": ((self.channels, self.conv_kernel - 1), self.dtype)}
+        return {"conv": ((self.channels, self.conv_kernel - 1), self.state_dtype or self.dtype)}
 
 
 class RecurrentCacheLayer(CacheLayer):
@@ -124,33 +143,55 @@ class RecurrentCacheLayer(CacheLayer):
 
     @property
     def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple(self.spec.state_shapes())
+        names = tuple(self.spec.state_shapes())
+        return names + tuple(f"{n}_trail" for n in names) if self.spec.checkpoints else names
+
+    @property
+    def _other_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("trail_columns",) if self.spec.checkpoints else ()
 
     def _allocate(self, batch_size: int) -> None:
+        k = self.spec.checkpoints
         for name, (shape, dtype) in self.spec.state_shapes().items():
             setattr(self, name, torch.zeros((batch_size, *shape), dtype=dtype, device=self.device))
+            if k:
+                setattr(self, f"{name}_trail", torch.zeros((batch_size, k, *shape), dtype=dtype, device=self.device))
+        if k:
+            self.trail_columns = torch.full((k,), -1, dtype=torch.long, device=self.device)  # [k], -1: empty
 
     @property
     def states(self) -> dict[str, torch.Tensor]:
         """The current states by name, e.g. {"conv": [B, C, K-1], "ssm": [B, D, N]}."""
-        return {name: getattr(self, name) for name in self._batch_tensors}
+        return {name: getattr(self, name) for name in self.spec.state_shapes()}
 
-    def update(self, valid: torch.Tensor | int | None = None, **new_states: torch.Tensor) -> None:
-        """Replace every state after a block. Inside a Cache the block was opened by the Cache; a standalone layer
-        takes the block's real-token mask [B, T] or its length T as `valid`."""
+    def trail_length(self, tokens: int) -> int:
+        """How many interior states of a block of `tokens` a mixer hands over: the states after each of its last
+        m = min(checkpoints, tokens - 1) tokens before the final one (0 when checkpoints are off)."""
+        return min(self.spec.checkpoints, tokens - 1)
+
+    def _check_states(self, new_states: dict[str, Any], extra: int | None = None) -> None:
         expected = self.spec.state_shapes()
+        what = "state" if extra is None else "trail state"
         if set(new_states) != set(expected):
             raise CacheError(f"{self.name}: update needs exactly the states {sorted(expected)}, got {sorted(new_states)}")
         for name, (shape, dtype) in expected.items():
             t = new_states[name]
-            want = (self.batch_size, *shape)
+            want = (self.batch_size, *shape) if extra is None else (self.batch_size, extra, *shape)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise CacheError(f"{self.name}: state '{name}' must have shape {want}, got {got}")
+                raise CacheError(f"{self.name}: {what} '{name}' must have shape {want}, got {got}")
             if t.dtype != dtype:
-                raise CacheError(f"{self.name}: state '{name}' must have dtype {dtype}, got {t.dtype}")
+                raise CacheError(f"{self.name}: {what} '{name}' must have dtype {dtype}, got {t.dtype}")
             if t.device != self.device:
-                raise CacheError(f"{self.name}: state '{name}' is on {t.device}, the layer is on {self.device}")
+                raise CacheError(f"{self.name}: {what} '{name}' is on {t.device}, the layer is on {self.device}")
+
+    def update(self, valid: torch.Tensor | int | None = None, trail: dict[str, torch.Tensor] | None = None,
+               **new_states: torch.Tensor) -> None:
+        """Replace every state after a block. Inside a Cache the block was opened by the Cache; a standalone layer
+        takes the block's real-token mask [B, T] or its length T as `valid`. With checkpoints on, `trail` holds the
+        states after each of the block's last `trail_length(T)` tokens before the final one ([B, m, ...] each);
+        without it those columns are simply not available to `crop`."""
+        self._check_states(new_states)
         if self.seq.block is not None:
             tokens = self.seq.block.tokens
         elif isinstance(valid, int) and not isinstance(valid, bool):
@@ -159,25 +200,53 @@ class RecurrentCacheLayer(CacheLayer):
             tokens = valid.shape[1]
         else:
             raise CacheError(f"{self.name}: valid must be a real-token mask [B, T] or a token count, got {valid!r}")
+        m = self.trail_length(tokens)
+        if trail is not None and m > 0:
+            self._check_states(trail, extra=m)
         _, opened = self._open(valid, tokens)
-        self._staged = new_states
+        self._staged = (new_states, trail if m > 0 else None)
         self._close(opened, failed=False)
 
-    def _commit_staged(self, staged: dict[str, torch.Tensor]) -> None:
-        for name, t in staged.items():
+    def _commit_staged(self, staged: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> None:
+        new_states, trail = staged
+        k = self.spec.checkpoints
+        if k:  # keep the states after the last k columns: older checkpoints, the state before the block, the trail
+            old, end = self.seq.columns, self.seq.columns + self.seq.block.tokens
+            m = 0 if trail is None else next(iter(trail.values())).shape[1]
+            columns = self.trail_columns.tolist() + [old] + list(range(end - m, end))
+            keep = [i for i, c in enumerate(columns) if c >= 0 and c >= end - k][-k:]
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.trail_columns.fill_(-1)
+            self.trail_columns[k - len(keep):] = torch.tensor([columns[i] for i in keep], dtype=torch.long)
+            for name, state in self.states.items():
+                parts = [getattr(self, f"{name}_trail"), state[:, None]] + ([trail[name]] if m else [])
+                picked = torch.cat(parts, dim=1).index_select(1, index)
+                getattr(self, f"{name}_trail")[:, k - len(keep):] = picked
+        for name, t in new_states.items():
             getattr(self, name).copy_(t)
 
-    def _prepare_crop(self, n: int, seen: torch.Tensor) -> int:
-        if n != self.columns:
-            raise CacheCropError(
-                f"{self.name}: keeps only its latest state, so crop({n}) cannot rewind it from {self.columns} "
-                "tokens. Rollback of recurrent layers works from a checkpoint: take snap = cache.snapshot() "
-                "at the point you may return to, then cache.restore(snap)."
-            )
-        return n
+    def _prepare_crop(self, n: int, seen: torch.Tensor) -> int | None:
+        if n == self.columns:
+            return None
+        k = self.spec.checkpoints
+        held = self.trail_columns.tolist() if k else []
+        if n in held:
+            return held.index(n)
+        hint = (f"it keeps checkpoints for columns {sorted(c for c in held if c >= 0)} only (checkpoints={k})" if k
+                else "it keeps only its latest state")
+        raise CacheCropError(
+            f"{self.name}: {hint}, so crop({n}) cannot rewind it from {self.columns} tokens. Set `checkpoints: k` "
+            "on recurrent layers (cache config {'recurrent': {'checkpoints': k}}) to crop back up to k tokens, or "
+            "take snap = cache.snapshot() at the point you may return to and cache.restore(snap)."
+        )
 
-    def _commit_crop(self, plan: int) -> None:
-        pass  # only a crop to the current length passes validation
+    def _commit_crop(self, plan: int | None) -> None:
+        if plan is None:
+            return
+        n = int(self.trail_columns[plan])
+        for name, state in self.states.items():
+            state.copy_(getattr(self, f"{name}_trail")[:, plan])
+        self.trail_columns.masked_fill_(self.trail_columns >= n, -1)  # checkpoints past the new end are gone
 
 
 @register_cache_layer("mamba")
