@@ -104,8 +104,11 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
         panels.append(("passkey accuracy", [r["passkey_acc"] or 0.0 for r in ok], False))
     for ax, (label, ys, lower_better) in zip(axes[0], panels):
         ax.scatter(xs, ys, s=40, zorder=3)
-        for x, y, r in zip(xs, ys, ok):
-            ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        labels: dict[tuple[float, float], list[str]] = {}
+        for x, y, r in zip(xs, ys, ok):  # strategies at the same point share one label
+            labels.setdefault((round(x, 3), round(y, 6)), []).append(r["name"])
+        for (x, y), names in labels.items():
+            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         front = pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)])
         front = sorted(front, key=lambda i: xs[i])
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red", label="Pareto front")
@@ -115,6 +118,8 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
         ax.legend(loc="best", fontsize=8)
         if ys and all(y > 0 for y in ys) and lower_better and max(ys) / min(ys) > 20:
             ax.set_yscale("log")
+        if not lower_better:
+            ax.set_ylim(-0.05, 1.05)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -11,7 +11,7 @@ weights are therefore the Q4_K_M values, not the original bfloat16 ones, which i
 load. `save_pretrained` refuses a GGUF-loaded model, so the conversion writes `state_dict()` as safetensors (the
 tied `lm_head.weight` dropped), `config.json` without its `quantization_config`, and the tokenizer. It runs once
 (about a minute on CPU), in a temporary sibling directory renamed into place, so concurrent callers never see
-partial files. The configs can name it as `${real:gemma3_270m}` (an OmegaConf resolver this module registers).
+partial files. Configs name it as `${real:gemma3_270m,${home}}` (an OmegaConf resolver this module registers).
 """
 
 from __future__ import annotations
@@ -157,13 +157,17 @@ def _convert(spec: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> N
 
 
 def _register_resolver() -> None:
-    """`${real:gemma3_270m}` in a Hydra/OmegaConf config resolves to the converted directory."""
+    """`${real:gemma3_270m}` in a Hydra/OmegaConf config resolves to the converted directory (converting it on first
+    use); `${real:gemma3_270m,${home}}` puts it under the app's `home` instead of $HYBRIDCACHE_HOME."""
     try:
         from omegaconf import OmegaConf
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         return
+    def resolve(name: str, home: str | None = None) -> str:
+        return str(real_checkpoint(str(name), root=Path(str(home)).expanduser() / "real" if home else None))
+
     if not OmegaConf.has_resolver("real"):
-        OmegaConf.register_new_resolver("real", lambda name: str(real_checkpoint(str(name))))
+        OmegaConf.register_new_resolver("real", resolve)
 
 
 _register_resolver()
