@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4")
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
@@ -75,10 +75,17 @@ _FAMILY_SPECS = {
         attention_chunk_size=8,              # RoPE layers: chunked attention
         max_position_embeddings=1024,
     )),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # rotary on the first 32 dims
+        attn_layer_indices=[2],                          # layers: M M A M
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+        mamba_chunk_size=8, max_position_embeddings=1024,
+    )),
 }
 
 # Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4"}
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba"}
 
 
 def _check_family(family: str) -> None:
@@ -119,7 +126,7 @@ _KEEP = ("A_log", "dt_proj", "dt_bias", "recurrent_param", "input_gate", "recurr
 
 # Extra gain for SSM input projections (B, C, dt come from these) so that the
 # state path, not only the D skip / short convolution, carries information.
-_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}}
+_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}}
 
 
 @torch.no_grad()
