@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba")
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "qwen3_next")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
@@ -82,10 +82,22 @@ _FAMILY_SPECS = {
         mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
         mamba_chunk_size=8, max_position_embeddings=1024,
     )),
+    # Head dims 64 (attention and linear): vLLM's CPU Gated DeltaNet path needs them (and bfloat16).
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention",      # L A L L
+                     "linear_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # partial RoPE: 16 of 64 dims
+        linear_num_key_heads=2, linear_num_value_heads=4,        # 2 value heads per key head
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, mlp_only_layers=[1],  # MoE at 0, 2, 3; dense at 1
+        max_position_embeddings=1024,
+    )),
 }
 
 # Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba"}
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "qwen3_next"}
 
 
 def _check_family(family: str) -> None:

@@ -18,6 +18,8 @@ class AttentionMixer(nn.Module):
     """q/k/v/o projections (HF names), optional per-head q/k norms, rotary, scale and softcap.
 
     `query_hook(q, step)` lets a family rescale queries by position (Llama4 attention temperature).
+    `output_gate=True` (Qwen3-Next): q_proj also yields a per-head gate, laid out per head as [query | gate], and
+    the attention output is multiplied by sigmoid(gate) before o_proj.
     """
 
     def __init__(
@@ -35,10 +37,12 @@ class AttentionMixer(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         query_hook: Callable[[torch.Tensor, StepInput], torch.Tensor] | None = None,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
@@ -47,7 +51,12 @@ class AttentionMixer(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput) -> torch.Tensor:
-        q = rearrange(self.q_proj(h), "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hq, T, D]
+        gate = None
+        if self.output_gate:  # per head: [query (D) | gate (D)]
+            q, gate = rearrange(self.q_proj(h), "b t (h d) -> b h t d", d=2 * self.head_dim).chunk(2, dim=-1)
+            gate = rearrange(gate, "b h t d -> b t (h d)")  # [B, T, Hq * D]
+        else:
+            q = rearrange(self.q_proj(h), "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hq, T, D]
         k = rearrange(self.k_proj(h), "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hkv, T, D]
         v = rearrange(self.v_proj(h), "b t (h d) -> b h t d", d=self.head_dim)
         if self.q_norm is not None:
@@ -63,4 +72,7 @@ class AttentionMixer(nn.Module):
             layer.observe_attention(weights)
         else:
             out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap)
-        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
+        out = rearrange(out, "b h t d -> b t (h d)")
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

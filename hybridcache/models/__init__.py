@@ -21,6 +21,7 @@ MODEL_TYPES = {
     "recurrent_gemma": "hybridcache.models.recurrentgemma:RecurrentGemmaLM",
     "gemma3_text": "hybridcache.models.gemma3:Gemma3LM",
     "llama4_text": "hybridcache.models.llama4:Llama4LM",
+    "qwen3_next": "hybridcache.models.qwen3_next:Qwen3NextLM",
     "bamba": "hybridcache.models.bamba:BambaLM",
 }
 

@@ -1,0 +1,173 @@
+"""Qwen3-Next: Gated DeltaNet linear-attention layers and gated full-attention layers (output gate, partial RoPE,
+(1 + w) q/k norms), sparse MoE feed-forwards with a gated shared expert (dense MLPs on `mlp_only_layers`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import nn
+
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
+from hybridcache.blocks.rotary import rope_frequencies
+from hybridcache.blocks.shared_moe import SharedExpertMoE
+from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+@dataclass(kw_only=True)
+class Qwen3NextConfig(FamilyConfig):
+    """HF Qwen3NextConfig (transformers 5) fields the model reads, with HF defaults. Older configs' `rope_theta`,
+    `partial_rotary_factor` and `rope_scaling` are read when `rope_parameters` is absent, and
+    `full_attention_interval` when `layer_types` is."""
+
+    family: ClassVar[str] = "qwen3_next"
+    intermediate_size: int = param(5632, positive=True)
+    num_attention_heads: int = param(16, positive=True)
+    num_key_value_heads: int = param(2, positive=True)
+    head_dim: int = param(256, positive=True)
+    hidden_act: str = "silu"
+    rms_norm_eps: float = param(1e-6, positive=True)
+    max_position_embeddings: int = param(32768, positive=True)
+    attention_bias: bool = False
+    rope_parameters: dict | None = None
+    rope_scaling: dict | None = None
+    rope_theta: float = param(10_000.0, positive=True)
+    partial_rotary_factor: float = param(0.25, positive=True)
+    linear_conv_kernel_dim: int = param(4, positive=True)
+    linear_key_head_dim: int = param(128, positive=True)
+    linear_value_head_dim: int = param(128, positive=True)
+    linear_num_key_heads: int = param(16, positive=True)
+    linear_num_value_heads: int = param(32, positive=True)
+    decoder_sparse_step: int = param(1, positive=True)
+    moe_intermediate_size: int = param(512, positive=True)
+    shared_expert_intermediate_size: int = param(512, positive=True)
+    num_experts_per_tok: int = param(10, positive=True)
+    num_experts: int = param(512, nonnegative=True)
+    norm_topk_prob: bool = True
+    mlp_only_layers: list[int] | None = param(None, nonnegative=True)  # None: none
+    layer_types: list[str] | None = param(None, choices=LAYER_KINDS)  # else from full_attention_interval
+    full_attention_interval: int = param(4, positive=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is None:
+            n = self.full_attention_interval
+            self.layer_types = ["full_attention" if (i + 1) % n == 0 else "linear_attention"
+                                for i in range(self.num_hidden_layers)]
+
+    def problems(self) -> list[str]:
+        out = attention_problems(self)
+        bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
+        out += [bad] if bad else []
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            out.append(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                       f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
+        if any(i >= self.num_hidden_layers for i in self.mlp_only_layers or []):
+            out.append(f"mlp_only_layers {self.mlp_only_layers} has indices >= num_hidden_layers "
+                       f"({self.num_hidden_layers})")
+        if self.rotary_dim() < 2 or self.rotary_dim() > self.head_dim:
+            out.append(f"partial_rotary_factor ({self.rope()['partial_rotary_factor']}) gives a rotary dim of "
+                       f"{self.rotary_dim()} for head_dim {self.head_dim}")
+        return out
+
+    def rope(self) -> dict:
+        """`rope_parameters` (transformers 5), or the older `rope_scaling` + `rope_theta` + `partial_rotary_factor`."""
+        if self.rope_parameters:
+            params = dict(self.rope_parameters)
+        else:
+            params = dict(self.rope_scaling or {})
+            params.setdefault("rope_type", params.pop("type", "default"))
+            params.setdefault("rope_theta", self.rope_theta)
+        params.setdefault("partial_rotary_factor", self.partial_rotary_factor)
+        return params
+
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * float(self.rope()["partial_rotary_factor"]))
+
+    def is_moe(self, i: int) -> bool:
+        return i not in (self.mlp_only_layers or []) and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    """h + mixer(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); mixer = linear_attn or self_attn."""
+
+    def __init__(self, cfg: Qwen3NextConfig, kind: str, rotary: RotaryEmbedding, moe: bool) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNetMixer(
+                d, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, eps, cfg.hidden_act)
+        else:
+            hd = cfg.head_dim
+            self.self_attn = AttentionMixer(
+                d, cfg.num_attention_heads, cfg.num_key_value_heads, hd, qkv_bias=cfg.attention_bias,
+                o_bias=cfg.attention_bias, rotary=rotary, q_norm=RMSNorm(hd, eps, unit_offset=True),
+                k_norm=RMSNorm(hd, eps, unit_offset=True), output_gate=True)
+        if moe:
+            self.mlp: nn.Module = SharedExpertMoE(d, cfg.moe_intermediate_size, cfg.num_experts,
+                                                  cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size,
+                                                  cfg.hidden_act, normalize=cfg.norm_topk_prob)
+        else:
+            self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
+
+    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        h = h + mixer(self.input_layernorm(h), layer, step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3NextInner(nn.Module):
+    def __init__(self, cfg: Qwen3NextConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), cfg.rope(), cfg.rotary_dim()))
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(cfg, kind, rotary, cfg.is_moe(i))
+                                    for i, kind in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+
+
+class Qwen3NextLM(HybridLM):
+    family = "qwen3_next"
+    config_class = Qwen3NextConfig
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: Mapping[str, Any] | Qwen3NextConfig) -> None:
+        cfg = self.config_class.from_hf(config)
+        super().__init__(cfg.to_dict())
+        self.cfg = cfg
+        self.model = Qwen3NextInner(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def native_layers(self) -> list[NativeLayer]:
+        c = self.cfg
+        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
+        delta = {"num_k_heads": c.linear_num_key_heads, "num_v_heads": c.linear_num_value_heads,
+                 "head_k_dim": c.linear_key_head_dim, "head_v_dim": c.linear_value_head_dim,
+                 "conv_kernel": c.linear_conv_kernel_dim, "dtype": self.dtype}
+        return [NativeLayer("gated_delta", dict(delta)) if t == "linear_attention" else NativeLayer("full", dict(attn))
+                for t in c.layer_types]
+
+    def hf_name(self, name: str) -> str:
+        return name.replace(".mlp.router.", ".mlp.gate.")  # HF calls the MoE router `gate`
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [B, T, D]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))  # [B, T, V]
