@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "qwen3_next")
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "lfm2", "qwen3_next")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
@@ -82,6 +82,12 @@ _FAMILY_SPECS = {
         mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
         mamba_chunk_size=8, max_position_embeddings=1024,
     )),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        hidden_size=128, intermediate_size=256, block_multiple_of=64,  # feed-forward width 192
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,  # head_dim 64
+        layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3,
+        max_position_embeddings=1024,
+    )),
     # Head dims 64 (attention and linear): vLLM's CPU Gated DeltaNet path needs them (and bfloat16).
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -97,7 +103,7 @@ _FAMILY_SPECS = {
 }
 
 # Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "qwen3_next"}
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "lfm2", "qwen3_next"}
 
 
 def _check_family(family: str) -> None:

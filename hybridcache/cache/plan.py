@@ -6,7 +6,8 @@ and attention side by side in one layer). A cache config is a mapping; the most 
     full: / sliding: / ...    every cache layer whose native type is that name
     layers: {3: ...}          one decoder layer by index; inside a group, a member: {3: {attention: ...}} or "3.attention"
 Each entry may set `type` and that type's tunable parameters (window, chunk_size, max_length, state_dtype, storage).
-An entry whose `type` is overridden by a more specific one does not pass its parameters on.
+An entry whose `type` is overridden by a more specific one does not pass its parameters on. A kind-wide entry without
+`type` applies each parameter to the layers whose type takes it (`recurrent: {state_dtype: float64}` skips `conv`).
 `plugins: [module, ...]` imports modules that register more cache types before anything is resolved.
 """
 
@@ -175,8 +176,17 @@ def _per_layer_entries(native: Sequence[Native], config: Mapping[str, Any]) -> d
 
 
 def _check_group(where: str, group: dict[str, Any]) -> None:
-    """An entry that sets a type may only name that type's tunable parameters."""
+    """An entry that sets a type may only name that type's tunable parameters; a kind-wide entry without a type
+    (`recurrent: {state_dtype: ...}`) may name any parameter that some type of that kind takes."""
     if "type" not in group:
+        if where in KINDS:
+            known = set().union(*(get_layer_class(t).spec_cls.tunable_names() for t in available_layers(where)))
+            for key in group:
+                if key not in known:
+                    raise CacheConfigError(
+                        f"cache config: {where}.{key}: no {where} cache type takes '{key}' "
+                        f"(accepted: {', '.join(sorted(known))})"
+                    )
         return
     cls = get_layer_class(group["type"])
     tunables = cls.spec_cls.tunable_names()
@@ -224,9 +234,22 @@ def resolve_plan(
     per_layer = _per_layer_entries(native, config)
     for where, group in [*groups.items(), *((f"layers.{_addr(i, m)}", g) for (i, m), g in per_layer.items())]:
         _check_group(where, group)
-    return CachePlan(tuple(
+    plan = CachePlan(tuple(
         _resolve_layer(i, m, nl, groups, per_layer.get((i, m), {}), max_length) for i, m, nl in flatten_native(native)
     ))
+    for kind in KINDS:  # a kind-wide parameter that none of the model's layers of that kind takes is a mistake
+        group = groups.get(kind, {})
+        layers = [p for p in plan.layers if p.kind == kind]
+        if "type" in group or not layers:  # (a model without layers of that kind: nothing to apply, as for sweeps)
+            continue
+        for key in group:
+            if not any(key in get_layer_class(p.type).spec_cls.tunable_names() for p in layers):
+                found = sorted({p.type for p in layers})
+                raise CacheConfigError(
+                    f"cache config: {kind}.{key}: no {kind} layer of this model takes '{key}' (their types: "
+                    f"{', '.join(found) or 'none'}); set `type` in the same entry"
+                )
+    return plan
 
 
 def _addr(i: int, member: str | None) -> str:
@@ -258,6 +281,8 @@ def _resolve_layer(i: int, member: str | None, nl: NativeLayer, groups: dict, ow
             if key == "type":
                 continue
             if key not in tunables:
+                if level == 0 and "type" not in group:
+                    continue  # a kind-wide parameter applies to the layers whose type takes it
                 raise CacheConfigError(
                     f"cache config: {where}.{key}: layer {where_i} resolves to cache type '{final}', which does not "
                     f"take '{key}' (accepted: {', '.join(sorted(tunables)) or 'none'}); set `type` in the same entry"

@@ -6,7 +6,7 @@ from hybridcache.report import render_plan
 import torch
 from omegaconf import OmegaConf
 
-from hybridcache.cache import Cache, CacheConfigError, resolve_plan
+from hybridcache.cache import Cache, CacheConfigError, NativeLayer, resolve_plan
 from tests.cache.helpers import NATIVE
 
 # a Gemma3/Jamba-like mix: 0 mamba, 1 sliding(4), 2 full, 3 sliding(4), 4 full
@@ -80,7 +80,8 @@ ERRORS = [
     ({"full": {"type": "sliding"}}, "layer 2 .* cannot use cache type 'sliding': missing parameter window"),
     ({"atention": {"type": "full"}}, "unknown key 'atention'"),
     ({"attention": "chunked"}, "'attention' must be a mapping"),
-    ({"attention": {"window": 3}}, "layer 2 resolves to cache type 'full', which does not take 'window'"),
+    ({"full": {"window": 3}}, "layer 2 resolves to cache type 'full', which does not take 'window'"),
+    ({"recurrent": {"windw": 3}}, "recurrent.windw: no recurrent cache type takes .windw."),
 ]
 
 
@@ -104,3 +105,12 @@ def test_cache_build_uses_the_plan():
     cache = Cache.build(MODEL, 3, {"attention": {"type": "sliding", "window": 2}})
     assert [layer.type_name for layer in cache] == ["mamba", "sliding", "sliding", "sliding", "sliding"]
     assert cache.batch_size == 3 and cache.plan is not None
+
+
+def test_kind_wide_parameters_apply_where_the_type_takes_them():
+    attn = {"num_kv_heads": 1, "head_dim": 4}
+    native = [NativeLayer("sliding", {**attn, "window": 8}), NativeLayer("full", attn)]
+    plan = resolve_plan(native, {"attention": {"window": 3}})
+    assert plan[0].spec.window == 3 and plan[1].type == "full" and "window" not in plan[1].spec.params()
+    with pytest.raises(CacheConfigError, match="attention.window: no attention layer of this model takes 'window'"):
+        resolve_plan([native[1]], {"attention": {"window": 3}})
