@@ -16,6 +16,7 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
 from hybridcache.blocks.rotary import rope_frequencies
+from hybridcache.blocks.trail import conv_trail
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
@@ -103,14 +104,9 @@ class ShortConv(nn.Module):
         else:
             y, new_state = causal_conv1d(bx.transpose(1, 2), weight, self.conv.bias, state)  # [B, D, T]
             y = y.transpose(1, 2)
-        m = layer.trail_length(h.shape[1])  # checkpoints on: the conv states after the block's last m tokens
-        if m > 0:
-            from hybridcache.blocks.trail import conv_trail
-
-            trail = {"conv": conv_trail(state, bx.transpose(1, 2), m).to(state.dtype)}
-            layer.update(conv=new_state.to(state.dtype), trail=trail)
-        else:
-            layer.update(conv=new_state.to(state.dtype))
+        m = layer.trail_length(h.shape[1])  # checkpoints on: hand over the conv states inside the block too
+        trail = {"trail": {"conv": conv_trail(state, bx.transpose(1, 2), m).to(state.dtype)}} if m > 0 else {}
+        layer.update(conv=new_state.to(state.dtype), **trail)
         return self.out_proj(c * y)  # [B, T, D]
 
 
