@@ -30,6 +30,7 @@ class GenerateOutput:
     sequences: torch.Tensor  # [B, T_prompt + T_new]
     logits: torch.Tensor  # [B, T_new, V]: the logits each new token was chosen from
     cache: Cache | None  # pass back as cache= to continue (None when use_cache=False)
+    stats: dict[str, Any] | None = None  # speculative decoding / prefix reuse: acceptance, hits, tokens saved
 
 
 def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
@@ -85,6 +86,22 @@ def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> 
     return input_ids[:, cached:]
 
 
+def _check_speculative(model, draft, k, do_sample, cache, use_cache, compile, prefix_cache) -> None:
+    if not isinstance(draft, HybridLM):
+        raise ValueError(f"draft_model must be a hybridcache model (hc.from_pretrained), got {type(draft).__name__}")
+    if draft.vocab_size != model.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+                         f"({model.vocab_size}); speculative decoding needs the same tokenizer")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be a positive integer, got {k!r}")
+    if do_sample:
+        raise ValueError("speculative decoding here is greedy: do_sample=True is not supported with draft_model")
+    for bad, what in ((cache is not None, "cache="), (not use_cache, "use_cache=False"), (compile, "compile=True"),
+                      (prefix_cache is not None, "prefix_cache=")):
+        if bad:
+            raise ValueError(f"draft_model= builds both caches itself and cannot be combined with {what}")
+
+
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -115,11 +132,20 @@ def generate(
     cache_config: Mapping[str, Any] | None = None,
     prefill_chunk_size: int | None = None,
     compile: bool = False,
+    draft_model: HybridLM | None = None,
+    num_draft_tokens: int = 4,
+    draft_cache_config: Mapping[str, Any] | None = None,
+    prefix_cache: Any = None,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per row. See the module docstring for continuation.
 
     `compile=True` runs the decode step through `torch.compile` over a preallocated (static-shape) cache: the
     cache is built with max_length = prompt + max_new_tokens unless one is passed.
+
+    `draft_model=` decodes speculatively (greedy; hybridcache/speculative.py): the draft proposes
+    `num_draft_tokens` tokens, the target verifies them in one block, both caches roll back to the accepted prefix;
+    the tokens are those of plain greedy decoding, `out.stats` has the acceptance rate. `prefix_cache=` (a
+    `PrefixStore`, hybridcache/prefix_cache.py) starts from the longest stored prefix of the prompt.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a LongTensor [B, T]")
@@ -140,6 +166,8 @@ def generate(
         raise ValueError("use_cache=False recomputes from scratch and cannot continue from a cache")
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step; it cannot be combined with use_cache=False")
+    if draft_model is not None:
+        _check_speculative(model, draft_model, num_draft_tokens, do_sample, cache, use_cache, compile, prefix_cache)
     device = model.device
     input_ids = input_ids.to(device)
     batch, width = input_ids.shape
@@ -156,6 +184,26 @@ def generate(
         full_mask = check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width)
     if not bool(full_mask.any(1).all()):
         raise ValueError("every row needs at least one real token (a row of the attention_mask is all zeros)")
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    pad_id = model.config.get("pad_token_id")
+    pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
+    if draft_model is not None:
+        from hybridcache.speculative import speculative_generate
+
+        sequences, logits, cache, _, stats = speculative_generate(
+            model, draft_model, input_ids, full_mask, max_new_tokens, num_draft_tokens, eos, pad_id, cache_config,
+            draft_cache_config, prefill_chunk_size)
+        cache.owner = weakref.ref(model)
+        return GenerateOutput(sequences, logits, cache, stats)
+    if prefix_cache is not None:
+        if cache is not None or not use_cache or compile:
+            raise ValueError("prefix_cache= builds the cache itself: do not combine it with cache=, use_cache=False "
+                             "or compile=True")
+        cache, prefix_stats = prefix_cache.prepare(model, input_ids, full_mask, cache_config)
+        out = generate(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                       eos_token_id, True, cache, None, prefill_chunk_size)
+        out.stats = prefix_cache.finish(model, out, prefix_stats)
+        return out
     if cache is not None:
         model.check_cache(cache, batch)
         block = _continuation(input_ids, full_mask, cache)
@@ -174,9 +222,6 @@ def generate(
             raise ValueError(f"{e} (this request needs {int(seen_after.max())} tokens per row: the prompt plus "
                              f"max_new_tokens - 1)") from None
     decode = compiled_decode_step(model) if compile else model.forward_block
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
-    pad_id = model.config.get("pad_token_id")
-    pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
     def prefill(tokens: torch.Tensor) -> torch.Tensor:

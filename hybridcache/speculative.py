@@ -1,0 +1,150 @@
+"""Speculative (assisted) decoding for any family, hybrids and pure-recurrent models included. Greedy.
+
+Each round the draft model proposes r <= k tokens one step at a time, the target verifies [last, d1..dr] in one
+block, and the longest prefix where the draft agrees with the target's argmax is accepted, plus the target's own
+next token. Both caches then roll back to the accepted prefix:
+- "crop": when every layer can rewind r tokens exactly (full attention, recurrent layers with `checkpoints >= r`;
+  the caches are built with `{"recurrent": {"checkpoints": k}}` for this), `cache.crop(n)`;
+- "recompute": otherwise (sliding / chunked / evicting attention keeps too little to rewind), a snapshot taken
+  before the round is restored and the accepted tokens are fed again.
+The output is the target's plain greedy decoding (the same tokens), only with fewer target calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import torch
+
+from hybridcache.cache import Cache
+from hybridcache.cache.sequence import token_fingerprint
+
+
+def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
+    """`cache_config` with recurrent layers keeping at least k checkpoints (so they can rewind a rejected draft)."""
+    config = dict(cache_config or {})
+    recurrent = dict(config.get("recurrent") or {})
+    recurrent["checkpoints"] = max(int(recurrent.get("checkpoints", 0) or 0), k)
+    config["recurrent"] = recurrent
+    return config
+
+
+def rollback_mode(cache: Cache, r: int) -> str:
+    """"crop" when every layer can rewind the last r columns exactly, else "recompute"."""
+    for layer in cache.layers:
+        if layer.kind == "recurrent" and layer.spec.checkpoints < r:
+            return "recompute"
+        if layer.kind == "attention" and getattr(layer, "evicts", True):
+            return "recompute"
+    return "crop"
+
+
+class _Rollback:
+    """Feeds blocks to one model's cache and rolls it back to a prefix, by crop or by snapshot + recompute."""
+
+    def __init__(self, model, cache: Cache, window: int) -> None:
+        self.model, self.cache, self.mode = model, cache, rollback_mode(cache, window)
+        self.snap = None
+
+    def mark(self) -> None:
+        """The point a later `keep` may return to (a snapshot only when rollback recomputes)."""
+        self.start = self.cache.columns
+        self.snap = self.cache.snapshot() if self.mode == "recompute" else None
+
+    def feed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.run_block(ids, self.cache, None)
+
+    def keep(self, fed: torch.Tensor, keep: int) -> None:
+        """The cache was fed `fed` [B, F] since `mark`; keep its first `keep` columns (feeding more if keep > F)."""
+        f = fed.shape[1]
+        if keep > f:
+            raise AssertionError("keep beyond what was fed")
+        if keep == f:
+            return
+        if self.mode == "crop":
+            self.cache.crop(self.start + keep)
+            return
+        self.cache.restore(self.snap)
+        if keep:
+            self.feed(fed[:, :keep])
+
+
+def _prefill(model, cache: Cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int) -> torch.Tensor:
+    for i in range(0, ids.shape[1], chunk):
+        valid = mask[:, i : i + chunk]
+        logits = model.run_block(ids[:, i : i + chunk], cache, None if bool(valid.all()) else valid)
+    return logits[:, -1]
+
+
+@torch.no_grad()
+def speculative_generate(model, draft_model, input_ids: torch.Tensor, full_mask: torch.Tensor, max_new_tokens: int,
+                         num_draft_tokens: int, eos: torch.Tensor, pad_id: int,
+                         cache_config: Mapping[str, Any] | None = None,
+                         draft_cache_config: Mapping[str, Any] | None = None,
+                         prefill_chunk_size: int | None = None):
+    """Greedy speculative decoding; returns (sequences, logits [B, T_new, V], target cache, draft cache, stats)."""
+    k, batch = num_draft_tokens, input_ids.shape[0]
+    started = time.perf_counter()
+    target = model.make_cache(batch, with_checkpoints(cache_config, k))
+    draft = draft_model.make_cache(batch, with_checkpoints(draft_cache_config, k))
+    chunk = prefill_chunk_size or min(input_ids.shape[1], 1024)
+    logits = _prefill(model, target, input_ids, full_mask, chunk)
+    _prefill(draft_model, draft, input_ids.to(draft_model.device), full_mask.to(draft_model.device), chunk)
+    t_roll, d_roll = _Rollback(model, target, k), _Rollback(draft_model, draft, k)
+    out_tokens, out_logits = [], []
+    done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    stats = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 1, "draft_calls": 1,
+             "rollback": {"target": t_roll.mode, "draft": d_roll.mode}}
+
+    def emit(token: torch.Tensor, step_logits: torch.Tensor) -> None:
+        nonlocal done
+        if eos.numel():
+            token = torch.where(done, torch.full_like(token, pad_id), token)
+            done = done | torch.isin(token, eos)
+        out_tokens.append(token)
+        out_logits.append(step_logits.float())
+
+    last = logits.argmax(-1)  # [B]
+    emit(last, logits)
+    while len(out_tokens) < max_new_tokens and not (eos.numel() and bool(done.all())):
+        r = min(k, max_new_tokens - len(out_tokens) - 1)
+        d_roll.mark()
+        proposal, token = [], last
+        for _ in range(r):  # the draft proposes r tokens, one step each
+            token = draft_model.run_block(token[:, None].to(draft_model.device), draft, None)[:, -1].argmax(-1)
+            proposal.append(token.to(input_ids.device))
+            stats["draft_calls"] += 1
+        block = torch.stack([last, *proposal], dim=1)  # [B, r + 1]
+        t_roll.mark()
+        verify = t_roll.feed(block)  # [B, r + 1, V]
+        stats["target_calls"] += 1
+        best = verify.argmax(-1)  # [B, r + 1]: the target's greedy choice after each block token
+        agree = (block[:, 1:] == best[:, :r]).long().cumprod(1).sum(1)  # [B] accepted per row
+        live = ~done if eos.numel() else torch.ones_like(done)
+        a = int(agree[live].min()) if bool(live.any()) else r
+        for j in range(a + 1):
+            emit(best[:, j], verify[:, j])
+        stats["rounds"] += 1
+        stats["drafted"] += r
+        stats["accepted"] += a
+        t_roll.keep(block, a + 1)  # the target keeps last, d1..da
+        fed = block[:, :r].to(draft_model.device)  # the draft was fed last, d1..d_{r-1}
+        if a + 1 <= r:
+            d_roll.keep(fed, a + 1)
+        else:  # everything accepted: the draft has not seen the last accepted token yet
+            draft_model.run_block(block[:, r:].to(draft_model.device), draft, None)
+            stats["draft_calls"] += 1
+        last = best[:, a]
+    new = torch.stack(out_tokens, dim=1)
+    sequences = torch.cat([input_ids, new], dim=1)
+    held = torch.cat([full_mask, torch.ones_like(new[:, :-1], dtype=torch.bool)], dim=1)  # all but the last token
+    replaced = bool(eos.numel()) and bool(done.any())  # rows past eos show padding the caches never saw
+    for cache, device in ((target, model.device), (draft, draft_model.device)):
+        if cache.seq.fingerprint is None and not replaced:  # a crop forgets the ids; the caller's continuation check needs them
+            pos = torch.where(held, held.long().cumsum(1) - 1, -1)
+            cache.seq.fingerprint = token_fingerprint(sequences[:, :-1], pos).to(device)
+    stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
+    stats["tokens_per_target_call"] = new.shape[1] / max(1, stats["target_calls"] - 1)
+    stats["seconds"] = time.perf_counter() - started
+    return sequences, torch.stack(out_logits, dim=1), target, draft, stats
