@@ -101,6 +101,6 @@ def test_trail_bookkeeping_against_states_written_by_hand():
             cache.restore(snap)
 
 
-@pytest.mark.parametrize("name", ["mamba", "mamba2", "rglru", "conv"])
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "rglru", "conv", "gated_delta"])
 def test_conformance_kit_with_checkpoints(name):
     check_cache_type(name, params={"checkpoints": 3})
