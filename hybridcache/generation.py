@@ -200,8 +200,9 @@ def generate(
             raise ValueError("prefix_cache= builds the cache itself: do not combine it with cache=, use_cache=False "
                              "or compile=True")
         cache, prefix_stats = prefix_cache.prepare(model, input_ids, full_mask, cache_config)
-        out = generate(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
-                       eos_token_id, True, cache, None, prefill_chunk_size)
+        out = generate(model, input_ids, attention_mask, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, cache=cache,
+                       prefill_chunk_size=prefill_chunk_size)
         out.stats = prefix_cache.finish(model, out, prefix_stats)
         return out
     if cache is not None:
