@@ -24,9 +24,15 @@ def test_readme_python_block_runs(index, tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-def test_readme_sink_example_prints_what_it_says(tmp_path):
-    (sink,) = [b for b in BLOCKS if 'register_cache_layer("sink")' in b]
-    assert run_block(sink, tmp_path).stdout.strip().splitlines()[-1] == "11"
+def test_readme_extension_examples_pass_the_kit_and_print_what_they_say(tmp_path):
+    (sink,) = [b for b in BLOCKS if 'register_cache_layer("my_sink")' in b]
+    out = run_block(sink, tmp_path).stdout.strip().splitlines()[-1]
+    assert "'split == one-shot': 12" in out and "atomic failures" in out
+    (codec,) = [b for b in BLOCKS if 'register_kv_codec("my_int8")' in b]
+    assert run_block(codec, tmp_path).stdout.strip().splitlines()[-1] == "ok"
+    (cache,) = [b for b in BLOCKS if "with cache.block(mask) as block:" in b]
+    lines = run_block(cache, tmp_path).stdout
+    assert "tensor([4, 6]) 6" in lines and "[-1, -1,  0,  1,  2]" in lines
 
 
 def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
