@@ -5,9 +5,10 @@
     out = hc.generate(model, input_ids, cache_config={"attention": {"type": "chunked", "chunk_size": 64}})
 """
 
+from hybridcache.beam_search import BeamSearchOutput, beam_search
 from hybridcache.cache import Cache, available_layers, register_cache_layer
 from hybridcache.generation import GenerateOutput, generate
 from hybridcache.models import from_pretrained
 
-__all__ = ["Cache", "GenerateOutput", "available_layers", "from_pretrained", "generate", "register_cache_layer"]
+__all__ = ["BeamSearchOutput", "beam_search", "Cache", "GenerateOutput", "available_layers", "from_pretrained", "generate", "register_cache_layer"]
 __version__ = "0.1.0"
