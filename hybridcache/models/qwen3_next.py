@@ -93,7 +93,8 @@ class Qwen3NextConfig(FamilyConfig):
         return int(self.head_dim * float(self.rope()["partial_rotary_factor"]))
 
     def is_moe(self, i: int) -> bool:
-        return i not in (self.mlp_only_layers or []) and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+        dense = i in (self.mlp_only_layers or []) or self.num_experts == 0
+        return not dense and (i + 1) % self.decoder_sparse_step == 0
 
 
 class Qwen3NextDecoderLayer(nn.Module):
