@@ -87,8 +87,9 @@ def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> 
 
 
 def _check_speculative(model, draft, k, do_sample, cache, use_cache, compile, prefix_cache) -> None:
-    if not isinstance(draft, HybridLM):
-        raise ValueError(f"draft_model must be a hybridcache model (hc.from_pretrained), got {type(draft).__name__}")
+    if not all(hasattr(draft, a) for a in ("run_block", "make_cache", "vocab_size", "device")):
+        raise ValueError(f"draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft), got "
+                         f"{type(draft).__name__}")
     if draft.vocab_size != model.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
                          f"({model.vocab_size}); speculative decoding needs the same tokenizer")

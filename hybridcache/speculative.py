@@ -148,3 +148,47 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, full_mask:
     stats["tokens_per_target_call"] = new.shape[1] / max(1, stats["target_calls"] - 1)
     stats["seconds"] = time.perf_counter() - started
     return sequences, torch.stack(out_logits, dim=1), target, draft, stats
+
+
+class EarlyExitDraft(torch.nn.Module):
+    """A self-speculative draft: the target's embedding, its first `num_layers` decoder layers and its head (the
+    weights are shared, nothing is copied). Cheaper than the target by about num_layers / total; needs no second
+    checkpoint, only the same tokenizer by construction."""
+
+    def __init__(self, target, num_layers: int) -> None:
+        super().__init__()
+        total = len(target.decoder_layers)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+            raise ValueError(f"num_layers must be in [1, {total}], got {num_layers!r}")
+        self.target, self.num_layers = target, num_layers
+        self.config, self.family = target.config, f"{target.family}[:{num_layers}]"
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["target"], name)
+
+    @property
+    def decoder_layers(self):
+        return self.target.decoder_layers[: self.num_layers]
+
+    def native_layers(self):
+        return self.target.native_layers()[: self.num_layers]
+
+    def make_cache(self, batch_size: int = 1, cache_config=None, max_length=None) -> Cache:
+        return Cache.build(self.native_layers(), batch_size, cache_config, max_length, device=self.target.device)
+
+    def run_block(self, input_ids, cache, valid=None, step=None, check=True):
+        cache.begin_block(valid, input_ids.shape[1], check=check, ids=input_ids)
+        try:
+            block = cache.current_block
+            h = self.target.embed(input_ids)
+            for layer, entry in zip(self.decoder_layers, cache.entries, strict=True):
+                h = layer(h, entry, block)
+            logits = self.target.head(h)
+        except BaseException:
+            cache.abort_block()
+            raise
+        cache.end_block()
+        return logits

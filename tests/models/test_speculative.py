@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.speculative import rollback_mode
+from hybridcache.speculative import EarlyExitDraft, rollback_mode
 from hybridcache.tiny_models import FAMILIES
 from tests.models.conftest import prompts
 
@@ -21,9 +21,31 @@ def perturbed(model, scale, seed=0):
     draft = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        w = dict(draft.named_parameters())["lm_head.weight"]  # [V, D], untied in the tiny checkpoints
+        params = dict(draft.named_parameters())  # the output head [V, D] (the embedding when they are tied)
+        w = params.get("lm_head.weight", next((p for p in params.values() if p.shape[0] == model.vocab_size), None))
         w.add_(torch.randn(w.shape, generator=g) * scale * w.std())
     return draft
+
+
+class SometimesWrong(torch.nn.Module):
+    """A draft that is the target itself except at every `every`-th position, where it proposes another token:
+    partial acceptance by construction, for any family, so rollbacks land at every offset of a draft."""
+
+    def __init__(self, target, every=3):
+        super().__init__()
+        self.target, self.every = target, every
+        self.vocab_size, self.device = target.vocab_size, target.device
+
+    def make_cache(self, *args, **kwargs):
+        return self.target.make_cache(*args, **kwargs)
+
+    def run_block(self, ids, cache, valid=None, step=None, check=True):
+        logits = self.target.run_block(ids, cache, valid).clone()
+        t = ids.shape[1]
+        pos = cache.seen[:, None] - t + torch.arange(t)  # [B, T] positions of the block's tokens
+        wrong = (pos % self.every == self.every - 1)[..., None]
+        other = torch.nn.functional.one_hot((logits.argmax(-1) + 1) % self.vocab_size, self.vocab_size).bool()
+        return torch.where(wrong & other, logits.max(-1, keepdim=True).values + 1, logits)
 
 
 def check_same_as_plain(model, draft, ids, mask=None, k=3, new=14, **kw):
@@ -45,12 +67,15 @@ def test_greedy_output_identical_to_plain_greedy(models, family):
     ids = prompts(2, 9, seed=21)
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[0, :2] = 0
-    spec = check_same_as_plain(model, perturbed(model, 0.5), ids, mask, k=3)
+    spec = check_same_as_plain(model, SometimesWrong(model), ids, mask, k=4)
     s = spec.stats
     assert 0 < s["accepted"] < s["drafted"], s  # some drafts accepted, some rolled back
     assert s["target_calls"] < 1 + spec.sequences.shape[1] - 9
+    check_same_as_plain(model, perturbed(model, 0.5), ids, mask, k=3)  # a noisier copy of the target
     other = models("mamba" if family != "mamba" else "gemma3")[0]
     check_same_as_plain(model, other, ids[:1], k=4, new=10)  # another family: mostly rejected
+    half = EarlyExitDraft(model, max(1, len(model.decoder_layers) // 2))  # self-speculative: the first layers
+    check_same_as_plain(model, half, ids, mask, k=2, new=9)
     full = check_same_as_plain(model, model, ids[:1], k=4, new=11)  # itself: everything accepted
     assert full.stats["acceptance_rate"] == 1.0 and full.stats["target_calls"] == 1 + 2
 
