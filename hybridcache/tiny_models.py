@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "lfm2", "qwen3_next")
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
@@ -75,6 +75,17 @@ _FAMILY_SPECS = {
         attention_chunk_size=8,              # RoPE layers: chunked attention
         max_position_embeddings=1024,
     )),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3,   # every layer: attention + Mamba2
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2,  # d_ssm != expand * hidden
+        mamba_d_state=16, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=False,
+        max_position_embeddings=1024,
+        # MuP multipliers (folded into the weights at load): not 1 and not powers of 2
+        embedding_multiplier=1.5, lm_head_multiplier=0.75, mlp_multipliers=[0.8, 1.25], key_multiplier=1.3,
+        attention_in_multiplier=0.9, attention_out_multiplier=1.1, ssm_in_multiplier=1.2,
+        ssm_out_multiplier=0.85, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+    )),
     "bamba": ("BambaConfig", "BambaForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # rotary on the first 32 dims
@@ -103,7 +114,7 @@ _FAMILY_SPECS = {
 }
 
 # Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "lfm2", "qwen3_next"}
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next"}
 
 
 def _check_family(family: str) -> None:
@@ -144,7 +155,7 @@ _KEEP = ("A_log", "dt_proj", "dt_bias", "recurrent_param", "input_gate", "recurr
 
 # Extra gain for SSM input projections (B, C, dt come from these) so that the
 # state path, not only the D skip / short convolution, carries information.
-_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}}
+_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}, "falcon_h1": {"in_proj": 3.0}}
 
 
 @torch.no_grad()

@@ -61,7 +61,10 @@ class GatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """The Mamba2 SSD mixer: forward(h [B, T, D], layer, step) -> [B, T, D]."""
+    """The Mamba2 SSD mixer: forward(h [B, T, D], layer, step) -> [B, T, D].
+
+    `use_bias` sets the in_proj and out_proj biases; `out_bias` overrides the latter (FalconH1's projectors_bias).
+    """
 
     def __init__(
         self,
@@ -81,6 +84,7 @@ class Mamba2Mixer(nn.Module):
         eps: float = 1e-5,
         activation: str = "silu",
         upcast_cpu_float32: bool = True,
+        out_bias: bool | None = None,
     ) -> None:
         super().__init__()
         self.upcast_cpu_float32 = upcast_cpu_float32  # see the module docstring; set per model
@@ -101,7 +105,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(num_heads))
         group = self.intermediate // n_groups
         self.norm = GatedRMSNorm(self.intermediate, group, eps, norm_before_gate) if rms_norm else None
-        self.out_proj = nn.Linear(self.intermediate, hidden, bias=use_bias)
+        self.out_proj = nn.Linear(self.intermediate, hidden, bias=use_bias if out_bias is None else out_bias)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "Mamba2Mixer":

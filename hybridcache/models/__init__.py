@@ -23,6 +23,7 @@ MODEL_TYPES = {
     "llama4_text": "hybridcache.models.llama4:Llama4LM",
     "qwen3_next": "hybridcache.models.qwen3_next:Qwen3NextLM",
     "bamba": "hybridcache.models.bamba:BambaLM",
+    "falcon_h1": "hybridcache.models.falcon_h1:FalconH1LM",
     "lfm2": "hybridcache.models.lfm2:Lfm2LM",
 }
 
