@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next")
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
@@ -94,8 +94,8 @@ _FAMILY_SPECS = {
         mamba_chunk_size=8, max_position_embeddings=1024,
     )),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
-        hidden_size=128, intermediate_size=256, block_multiple_of=64,  # feed-forward width 192
-        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,  # head_dim 64
+        hidden_size=64, intermediate_size=256, block_multiple_of=64,  # feed-forward width 192
+        num_hidden_layers=4, num_attention_heads=1, num_key_value_heads=1,  # head_dim = hidden / heads = 64
         layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3,
         max_position_embeddings=1024,
     )),
@@ -111,10 +111,20 @@ _FAMILY_SPECS = {
         shared_expert_intermediate_size=32, mlp_only_layers=[1],  # MoE at 0, 2, 3; dense at 1
         max_position_embeddings=1024,
     )),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, mlp_hidden_act="relu2",
+        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention", "moe"],  # M * - M E
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        moe_shared_expert_intermediate_size=64, routed_scaling_factor=2.5,
+        time_step_min=1e-6,  # HF clamps dt >= time_step_min in prefill but not in decode: keep it out of reach
+        max_position_embeddings=1024,
+    )),
 }
 
 # Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next"}
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h"}
 
 
 def _check_family(family: str) -> None:
@@ -155,7 +165,7 @@ _KEEP = ("A_log", "dt_proj", "dt_bias", "recurrent_param", "input_gate", "recurr
 
 # Extra gain for SSM input projections (B, C, dt come from these) so that the
 # state path, not only the D skip / short convolution, carries information.
-_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}, "falcon_h1": {"in_proj": 3.0}}
+_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}, "falcon_h1": {"in_proj": 3.0}, "nemotron_h": {"in_proj": 3.0}}
 
 
 @torch.no_grad()

@@ -25,6 +25,8 @@ EXPECTED_CLASS = {
     "gemma3": "Gemma3ForCausalLM",
     "llama4": "Llama4ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 

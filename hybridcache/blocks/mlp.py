@@ -14,6 +14,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Nemotron-H)
 }
 
 

@@ -7,11 +7,13 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, or * (1 + weight) for Gemma-style norms (`unit_offset=True`)."""
+    """x / rms(x) * weight, or * (1 + weight) for Gemma-style norms (`unit_offset=True`). The weight multiplies
+    the normalised x after the cast back to x's dtype (Llama), or before it with `scale_in_float32=True`
+    (Nemotron-H; the same in float32 and float64)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False, scale_in_float32: bool = False) -> None:
         super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
+        self.eps, self.unit_offset, self.scale_in_float32 = eps, unit_offset, scale_in_float32
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -19,4 +21,6 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:  # Gemma: scale in float32, then cast
             return (normed * (1.0 + self.weight.to(normed.dtype))).to(x.dtype)
+        if self.scale_in_float32:
+            return (self.weight.to(normed.dtype) * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)  # Llama/Mamba: cast, then scale

@@ -25,6 +25,7 @@ MODEL_TYPES = {
     "bamba": "hybridcache.models.bamba:BambaLM",
     "falcon_h1": "hybridcache.models.falcon_h1:FalconH1LM",
     "lfm2": "hybridcache.models.lfm2:Lfm2LM",
+    "nemotron_h": "hybridcache.models.nemotron_h:NemotronHLM",
 }
 
 
