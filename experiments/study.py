@@ -1,6 +1,7 @@
 """experiment=study: what a cache strategy costs. Memory held against quality, on the same text, per strategy.
 
-A strategy is a named cache-config mapping in configs/experiment/study.yaml (`strategies:`); a new one (a new cache
+Bytes are the peak a batch-1 cache holds over the context (`CachePlan.held_nbytes`, equal to `cache.nbytes()` after
+the run, which study.json keeps as `bytes_after`). A strategy is a named cache-config mapping in configs/experiment/study.yaml (`strategies:`); a new one (a new cache
 type, a storage format, a per-layer mix) is one more YAML entry, no code. For each strategy and context length:
 cache bytes held (and vs native), teacher-forced perplexity on long documents, KL from native's next-token
 distribution, top-1 and greedy agreement with native, and passkey retrieval accuracy (see experiments/study_eval.py).
@@ -106,7 +107,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 trials[name].append(passkey(model, tokenizer, prompt, configs[name], int(e.block)))
                 progress.advance(task)
 
-    native_bytes = per_doc[ref_name][0].nbytes_after
+    native_bytes = peak_bytes(native_plan, max(lengths))
     for name in compute:
         rows[name] = summarize(name, configs[name], plans[name], native_plan, per_doc[name], per_doc[ref_name], trials[name],
                                trials[ref_name], lengths, native_bytes)
@@ -153,15 +154,23 @@ def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs
     for t, nt in zip(trials, native_trials):
         t["native_correct"] = nt["correct"]
     correct = sum(t["correct"] for t in trials)
-    nbytes = docs[0].nbytes_after
+    peak = peak_bytes(plan, max(lengths))
     return {"name": name, "config": config, "exact_cache": plan.exact, "changed_layers": plan.changed(native_plan),
-            "bytes": nbytes, "bytes_ratio": nbytes / native_bytes if native_bytes else float("nan"),
+            "bytes": peak, "bytes_ratio": peak / native_bytes if native_bytes else float("nan"),
+            "bytes_after": docs[0].nbytes_after,
             "planned_bytes": {str(L): plan.held_nbytes(1, L) for L in lengths},
+            "peak_bytes": {str(L): peak_bytes(plan, L) for L in lengths},
             "ppl": ppl, "kl": kl, "kl_max": {k: finite(v) for k, v in kl_max.items()}, "top1": top1,
             "greedy_agreement": greedy, "greedy_diverges_at": diverges,
             "greedy_tokens": {str(L): docs[0].greedy.get(L) for L in lengths},
             "passkey": trials, "passkey_correct": correct, "passkey_trials": len(trials),
             "passkey_acc": correct / len(trials) if trials else None}
+
+
+def peak_bytes(plan, tokens: int) -> int:
+    """The most bytes the cache holds between blocks at batch 1 over a sequence of `tokens` tokens (from the specs;
+    a chunked cache is empty right after a chunk boundary, so its bytes after the run say little)."""
+    return max(plan.held_nbytes(1, t) for t in range(1, tokens + 1))
 
 
 def log_to_tracker(tracker: Tracker, rows: list[dict], lengths: list[int], plot: Path) -> None:

@@ -58,7 +58,7 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
     t = Table(title=title, show_lines=False)
     longest = str(max(lengths))
     t.add_column("strategy", style="bold")
-    t.add_column(f"bytes @{longest}", justify="right")
+    t.add_column(f"peak bytes ≤{longest}", justify="right")
     t.add_column("vs native", justify="right")
     for L in lengths:
         t.add_column(f"ppl @{L}", justify="right")
@@ -112,7 +112,7 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
         front = pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)])
         front = sorted(front, key=lambda i: xs[i])
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red", label="Pareto front")
-        ax.set_xlabel(f"cache bytes at {longest} tokens (% of native)")
+        ax.set_xlabel(f"peak cache bytes over {longest} tokens (% of native)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
