@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.cache_config import cache_config_from_hydra, cache_config_with_notes  # noqa: F401  (re-exported)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # max |Δlogit| between cached generation and the recompute, by dtype: a few hundred ulps of a logit of order 1-10.
 ORACLE_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
@@ -141,72 +143,6 @@ def tokenize(tokenizer, texts: list[str], vocab_size: int) -> list[list[int]]:
         if max(ids) >= vocab_size:
             raise UserError(f"the tokenizer produces id {max(ids)} >= the model's vocab_size {vocab_size}")
     return prompts
-
-
-# -- cache config ----------------------------------------------------------------------------------------------------
-def _accepted(key: str, entry: dict) -> set[str]:
-    """Parameters an entry's effective type takes: its own type, else its type name, else all of its kind."""
-    from hybridcache.cache import available_layers, get_layer_class
-
-    if "type" in entry:
-        return get_layer_class(entry["type"]).spec_cls.tunable_names()
-    if key in ("attention", "recurrent"):
-        return set.intersection(*(get_layer_class(t).spec_cls.tunable_names() for t in available_layers(key)))
-    return get_layer_class(key).spec_cls.tunable_names() if key in available_layers() else set()
-
-
-def _why_ignored(key: str, entry: dict, name: str) -> str:
-    if "type" in entry:
-        return f"cache type '{entry['type']}' does not take {name}"
-    if key in ("attention", "recurrent"):
-        return f"cache.{key}.type is not set (set it to apply {name} to every {key} layer)"
-    return f"layers natively '{key}' do not take {name} unless cache.{key}.type is set"
-
-
-def cache_config_with_notes(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any], bool, list[str]]:
-    """The cache-config mapping, whether to preallocate, and notes on fields that have no effect.
-
-    Presets share one schema (configs/cache_schema/base.yaml) so a sweep can override any field of any preset. A null
-    value means unset. `plugins` are imported first, so their types are known. A known parameter the entry's
-    effective type does not take (chunk_size under type sliding) is dropped with a note; unknown names stay, for
-    resolve_plan to reject.
-    """
-    from hybridcache.cache import available_layers, get_layer_class, load_plugins
-
-    raw = OmegaConf.to_container(cache_cfg, resolve=True) if isinstance(cache_cfg, DictConfig) else dict(cache_cfg)
-    preallocate = bool(raw.pop("preallocate", False))
-    plugins = raw.pop("plugins", None) or []
-    if plugins:
-        load_plugins(list(plugins) if isinstance(plugins, (list, tuple)) else plugins)
-    known = set().union(*(get_layer_class(t).spec_cls.tunable_names() for t in available_layers()))
-    config: dict[str, Any] = {"plugins": list(plugins)} if plugins else {}
-    notes: list[str] = []
-    for key, entry in raw.items():
-        if not isinstance(entry, dict):
-            config[key] = entry  # resolve_plan names the problem
-            continue
-        entry = {k: v for k, v in entry.items() if v is not None}
-        if key == "layers":
-            entry = {i: {k: v for k, v in e.items() if v is not None} if isinstance(e, dict) else e
-                     for i, e in entry.items()}
-        elif key in ("attention", "recurrent") or key in available_layers():
-            if "type" in entry and entry["type"] not in available_layers():
-                config[key] = entry  # resolve_plan names the unknown type and the known ones
-                continue
-            accepted = _accepted(key, entry)
-            for k, v in entry.items():
-                if k != "type" and k in known and k not in accepted:
-                    notes.append(f"cache.{key}.{k}={v} has no effect: {_why_ignored(key, entry, k)}")
-            entry = {k: v for k, v in entry.items() if k == "type" or k in accepted or k not in known}
-        if entry:
-            config[key] = entry
-    return config, preallocate, notes
-
-
-def cache_config_from_hydra(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any], bool]:
-    """The cache-config mapping and whether to preallocate (see `cache_config_with_notes`)."""
-    config, preallocate, _ = cache_config_with_notes(cache_cfg)
-    return config, preallocate
 
 
 # -- settings checked before the model is loaded -----------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from hybridcache.cache.errors import CacheError
-from hybridcache.cache.sequence import BlockState, SequenceState
+from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, crop_seen
 
 
 def tunable(default: Any = dataclasses.MISSING) -> Any:
@@ -384,18 +384,3 @@ class CacheLayer(ABC):
         self._check_standalone("restore")
         self._commit_restore(self._prepare_restore(snap))
         self.seq.seen, self.seq.columns = snap.seen.clone().to(self.device), snap.columns
-
-
-def check_crop_length(n: Any, columns: int, owner: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise CacheError(f"{owner}: crop length must be an int, got {n!r}")
-    if n < 0:
-        raise CacheError(f"{owner}: crop length must be >= 0, got {n}")
-    if n > columns:
-        raise CacheError(f"{owner}: cannot crop to {n} tokens, it holds a sequence of only {columns}")
-    return n
-
-
-def crop_seen(seq: SequenceState, n: int) -> torch.Tensor:
-    """Real tokens per row [B] after keeping the first n columns (left padding comes first)."""
-    return (seq.seen - (seq.columns - n)).clamp(min=0)

@@ -19,11 +19,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from hybridcache.cache.base import CacheLayer, LayerSnapshot, check_crop_length, crop_seen
+from hybridcache.cache.base import CacheLayer, LayerSnapshot
 from hybridcache.cache.errors import CacheError
 from hybridcache.cache.plan import CachePlan, Native, resolve_plan
 from hybridcache.cache.registry import get_layer_class
-from hybridcache.cache.sequence import BlockState, SequenceState, check_valid_mask
+from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, check_valid_mask, crop_seen
 
 
 class CacheGroup(Mapping[str, CacheLayer]):

@@ -129,3 +129,18 @@ class SequenceState:
             self.fingerprint = (None if block.ids is None else
                                 (self.fingerprint + token_fingerprint(block.ids, block.positions)) % _FP_MOD)
         self.seen, self.columns, self.block = block.seen_after, self.columns + block.tokens, None
+
+
+def check_crop_length(n: Any, columns: int, owner: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise CacheError(f"{owner}: crop length must be an int, got {n!r}")
+    if n < 0:
+        raise CacheError(f"{owner}: crop length must be >= 0, got {n}")
+    if n > columns:
+        raise CacheError(f"{owner}: cannot crop to {n} tokens, it holds a sequence of only {columns}")
+    return n
+
+
+def crop_seen(seq: SequenceState, n: int) -> torch.Tensor:
+    """Real tokens per row [B] after keeping the first n columns (left padding comes first)."""
+    return (seq.seen - (seq.columns - n)).clamp(min=0)

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.common import cache_config_from_hydra
+from hybridcache.cache.plan import flatten_native
 from hybridcache.cache import CacheConfigError, resolve_plan
 from hybridcache.models import model_class
 from hybridcache.tiny_models import FAMILIES, tiny_config
@@ -36,7 +37,7 @@ def test_every_model_and_preset_composes_into_a_plan(family, preset):
     cache_config, preallocate = cache_config_from_hydra(cfg.cache)
     native = native_layers(family)
     plan = resolve_plan(native, cache_config, 128 if preallocate else None)
-    assert [p.native_type for p in plan.layers] == [n.type for n in native]
+    assert [p.native_type for p in plan.layers] == [n.type for _, _, n in flatten_native(native)]
     attention = [p for p in plan.layers if p.kind == "attention"]
     assert bool(attention) == (family not in ("mamba", "mamba2"))
     native_plan = resolve_plan(native)

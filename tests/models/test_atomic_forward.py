@@ -112,3 +112,16 @@ def test_precision_is_a_setting_of_one_model_not_of_the_process(checkpoints):
     ids = prompts(1, 9, seed=11)
     diff = (a(ids) - b(ids)).abs().max().item()
     assert 0 < diff < 1e-4  # float32 vs float64 mixer arithmetic: different rounding, same model
+
+
+def test_compiled_step_is_created_once_even_from_many_threads(jamba):
+    from hybridcache.generation import compiled_decode_step
+
+    jamba.__dict__.pop("_compiled_decode_step", None)
+    steps = []
+    threads = [threading.Thread(target=lambda: steps.append(compiled_decode_step(jamba))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(steps) == 8 and all(s is steps[0] for s in steps)
