@@ -138,12 +138,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = summarize(rows, memory, scaling, rss, time.perf_counter() - compile_start)
+    ops, ops_cfg = None, (OmegaConf.to_container(b.cache_ops) if "cache_ops" in b else {})
+    if ops_cfg.pop("enabled", True):  # speculative decoding, prefix reuse (experiments/benchmark_cache_ops.py)
+        from experiments.benchmark_cache_ops import print_cache_ops, run_cache_ops
+        ops = run_cache_ops(model, cache_config, ops_cfg, smoke=bool(b.smoke))
+        summary.update(ops["summary"])
     plots = [throughput_bars(rows, out_dir / "throughput.png")]
     if scaling:
         plots.append(scaling_lines(scaling, out_dir / "long_context.png"))
     result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint, "throughput": rows,
               "memory": {str(k): v for k, v in memory.items()}, "long_context": scaling, "summary": summary,
-              "plots": [str(p) for p in plots]}
+              "plots": [str(p) for p in plots], "cache_ops": ops}
     json_path = out_dir / "benchmark.json"
     json_path.write_text(json.dumps(result, indent=2, default=str))  # first: W&B must never cost the results
     tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"],
@@ -161,6 +166,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result["wandb_error"] = tracker.error
     json_path.write_text(json.dumps(result, indent=2, default=str))
     print_tables(console, rows, memory, scaling, summary)
+    if ops:
+        print_cache_ops(console, ops)
     wandb_line = f"W&B run (offline): {run_dir}   upload: {sync}" if sync else f"W&B: {run_dir or tracker.error or 'disabled'}"
     console.print(f"plots: {', '.join(str(p) for p in plots)}\n{wandb_line}\nresults: {json_path}", soft_wrap=True)
     return result
