@@ -23,7 +23,7 @@ from hybridcache.cache.base import CacheLayer, LayerSnapshot
 from hybridcache.cache.errors import CacheError
 from hybridcache.cache.plan import CachePlan, Native, resolve_plan
 from hybridcache.cache.registry import get_layer_class
-from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, check_valid_mask, crop_seen
+from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, crop_seen
 
 
 class CacheGroup(Mapping[str, CacheLayer]):
@@ -169,14 +169,6 @@ class Cache:
         if block is None:
             raise CacheError("no block is open: feed the cache through the model or `with cache.block(mask):`")
         return block
-
-    def positions(self, valid: torch.Tensor | None = None, num_tokens: int | None = None) -> torch.Tensor:
-        """Positions [B, T] the next block's tokens will get (-1 for padding), without changing the cache."""
-        tokens = valid.shape[-1] if isinstance(valid, torch.Tensor) and valid.dim() == 2 else num_tokens
-        if valid is None and (not isinstance(num_tokens, int) or num_tokens <= 0):
-            raise CacheError("positions() needs a real-token mask [B, T] or a positive num_tokens")
-        valid = check_valid_mask(valid, self.batch_size, tokens if tokens is not None else -1, self.seq.seen, "Cache.positions")
-        return torch.where(valid, self.seq.seen[:, None] + valid.long().cumsum(1) - 1, -1)
 
     # -- feeding a block ---------------------------------------------------------------------------------------
     def _acquire(self, what: str) -> None:
