@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h")
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
@@ -121,10 +121,20 @@ _FAMILY_SPECS = {
         time_step_min=1e-6,  # HF clamps dt >= time_step_min in prefill but not in decode: keep it out of reach
         max_position_embeddings=1024,
     )),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        hidden_size=64, intermediate_size=64, shared_intermediate_size=128, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],  # M A M M
+        num_attention_heads=1, num_key_value_heads=1,  # head_dim = hidden / heads = 64
+        num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope",
+        mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8,
+        # Granite multipliers, not 1 and not powers of 2: embedding / residual / logits folded at load
+        embedding_multiplier=1.5, residual_multiplier=0.7, logits_scaling=1.25, attention_multiplier=0.09,
+        max_position_embeddings=1024,
+    )),
 }
 
 # Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h"}
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid"}
 
 
 def _check_family(family: str) -> None:
@@ -165,7 +175,7 @@ _KEEP = ("A_log", "dt_proj", "dt_bias", "recurrent_param", "input_gate", "recurr
 
 # Extra gain for SSM input projections (B, C, dt come from these) so that the
 # state path, not only the D skip / short convolution, carries information.
-_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}, "falcon_h1": {"in_proj": 3.0}, "nemotron_h": {"in_proj": 3.0}}
+_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}, "falcon_h1": {"in_proj": 3.0}, "nemotron_h": {"in_proj": 3.0}, "granitemoehybrid": {"in_proj": 3.0}}
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ EXPECTED_CLASS = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 

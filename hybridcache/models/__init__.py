@@ -26,6 +26,7 @@ MODEL_TYPES = {
     "falcon_h1": "hybridcache.models.falcon_h1:FalconH1LM",
     "lfm2": "hybridcache.models.lfm2:Lfm2LM",
     "nemotron_h": "hybridcache.models.nemotron_h:NemotronHLM",
+    "granitemoehybrid": "hybridcache.models.granitemoehybrid:GraniteMoeHybridLM",
 }
 
 

@@ -1,0 +1,267 @@
+"""Granite 4.0 hybrid (IBM, HF "granitemoehybrid"): Mamba2 or attention per layer (`layer_types`), then a mixture
+of SwiGLU experts plus an always-on shared SwiGLU MLP (or the shared MLP alone when num_local_experts is 0).
+
+Granite's multipliers, and where they go:
+- residual_multiplier scales every branch before it joins the residual stream: folded into the output projections
+  (attention o_proj, Mamba out_proj, both MLP output_linear) by `convert_checkpoint`;
+- embedding_multiplier and logits_scaling (a divisor) scale the embeddings and the logits: folded into
+  embed_tokens / lm_head by `convert_checkpoint` when the head is untied; with tied embeddings one matrix serves
+  both, so they are applied at run time instead;
+- attention_multiplier is the softmax scale (replacing 1/sqrt(head_dim)): the attention mixer's `scale`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks.mamba2 import Mamba2Mixer
+from hybridcache.blocks.mlp import ACTIVATIONS, activation
+from hybridcache.blocks.rotary import rope_frequencies
+from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+
+LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' legacy layer type names
+
+
+@dataclass(kw_only=True)
+class GraniteMoeHybridConfig(FamilyConfig):
+    """HF GraniteMoeHybridConfig (transformers 5) fields the model reads, with HF defaults. RoPE only when
+    position_embedding_type is "rope" (Granite 4.0 hybrids use none); `rope_theta` serves older configs."""
+
+    family: ClassVar[str] = "granitemoehybrid"
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    intermediate_size: int = param(11008, positive=True)
+    num_attention_heads: int = param(32, positive=True)
+    num_key_value_heads: int | None = param(None, positive=True)  # None: num_attention_heads
+    head_dim: int | None = param(None, positive=True)  # not an HF field; honoured if a config has it
+    hidden_act: str = param("silu", choices=tuple(ACTIVATIONS))
+    max_position_embeddings: int = param(2048, positive=True)
+    rms_norm_eps: float = param(1e-6, positive=True)
+    rope_parameters: dict | None = None
+    rope_theta: float = param(10_000.0, positive=True)
+    attention_bias: bool = False
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = param(1.0, positive=True)
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    num_local_experts: int = param(8, nonnegative=True)  # 0: the shared MLP only
+    num_experts_per_tok: int = param(2, positive=True)
+    shared_intermediate_size: int = param(1024, positive=True)
+    position_embedding_type: str | None = None
+    layer_types: list[str] | None = param(None, choices=("linear_attention", "full_attention", *LEGACY),
+                                          aliases=("layers_block_type",))
+    mamba_n_heads: int = param(128, positive=True)
+    mamba_n_groups: int = param(1, positive=True)
+    mamba_d_state: int = param(256, positive=True)
+    mamba_d_head: int | str = param("auto", positive=True)
+    mamba_d_conv: int = param(4, positive=True)
+    mamba_expand: int = param(2, positive=True)
+    mamba_chunk_size: int = param(256, positive=True)
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: list[float] = param([0.0, math.inf], nonnegative=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.mamba_d_head == "auto":
+            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
+        types = self.layer_types or ["linear_attention"] * self.num_hidden_layers  # HF's default: all Mamba2
+        self.layer_types = [LEGACY.get(t, t) for t in types]
+
+    def problems(self) -> list[str]:
+        out = attention_problems(self)
+        bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
+        out += [bad] if bad else []
+        inner = self.mamba_expand * self.hidden_size
+        if not isinstance(self.mamba_d_head, int) or self.mamba_d_head * self.mamba_n_heads != inner:
+            out.append(f"mamba_d_head ({self.mamba_d_head!r}) * mamba_n_heads ({self.mamba_n_heads}) must equal "
+                       f"mamba_expand * hidden_size ({inner})")
+        if self.mamba_n_heads % self.mamba_n_groups:
+            out.append(f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups "
+                       f"({self.mamba_n_groups})")
+        if "linear_attention" in self.layer_types and self.hidden_act not in ("silu", "swish"):
+            out.append(f"hidden_act is also the Mamba conv activation, which must be silu, got {self.hidden_act!r}")
+        if self.num_local_experts and self.num_experts_per_tok > self.num_local_experts:
+            out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts "
+                       f"({self.num_local_experts})")
+        if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
+            out.append(f"time_step_limit must be [min, max] with min <= max, got {self.time_step_limit!r}")
+        return out
+
+
+class SwiGLU(nn.Module):
+    """Granite's shared MLP (HF names): input_linear -> [gate | up], output_linear(act(gate) * up)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.output_linear = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        return self.output_linear(self.act(gate) * up)
+
+
+class ExpertWeights(nn.Module):
+    """One stacked weight [E, out, in] for all experts (HF's file name `<name>.weight`)."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, out_features, in_features))
+
+
+class GraniteMoE(nn.Module):
+    """router.layer (top-k logits, softmax over those k), stacked SwiGLU experts input_linear / output_linear.
+
+    As in HF, routed outputs are weighted in the hidden dtype and summed there.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str = "silu") -> None:
+        super().__init__()
+        self.top_k, self.num_experts = top_k, num_experts
+        self.router = nn.Module()
+        self.router.layer = nn.Linear(hidden, num_experts, bias=False)
+        self.input_linear = ExpertWeights(num_experts, 2 * intermediate, hidden)
+        self.output_linear = ExpertWeights(num_experts, hidden, intermediate)
+        self.act = activation(act)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, D]
+        gate, up = F.linear(x, self.input_linear.weight[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.output_linear.weight[e])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
+        x = h.reshape(-1, h.shape[-1])  # [N, D]
+        logits = self.router.layer(x).to(torch.promote_types(x.dtype, torch.float32))  # [N, E]
+        top, index = logits.topk(self.top_k, dim=-1)  # [N, k]
+        weights = torch.softmax(top, dim=-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        if torch.compiler.is_compiling():  # static shapes: every expert on every token, zero weight if not routed
+            dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+            dense.scatter_(1, index, weights)  # [N, E]
+            for e in range(self.num_experts):
+                out = out + self.expert(e, x) * dense[:, e, None]
+        else:
+            for e in torch.unique(index).tolist():  # only experts that received tokens
+                token, slot = torch.where(index == e)
+                out.index_add_(0, token, self.expert(e, x[token]) * weights[token, slot, None])
+        return out.view_as(h)
+
+
+class GraniteMoeHybridDecoderLayer(nn.Module):
+    """h + mixer(input_layernorm(h)), then h + (moe + shared_mlp)(post_attention_layernorm(h)); the
+    residual_multiplier is already in the output projections (see the module docstring)."""
+
+    def __init__(self, cfg: GraniteMoeHybridConfig, kind: str, rotary: RotaryEmbedding | None) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.kind = kind
+        if kind == "linear_attention":
+            self.mamba = Mamba2Mixer(
+                d, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups, cfg.mamba_d_conv,
+                cfg.mamba_chunk_size, use_conv_bias=cfg.mamba_conv_bias, use_bias=cfg.mamba_proj_bias,
+                time_step_limit=tuple(cfg.time_step_limit), eps=eps, activation=cfg.hidden_act)
+        else:
+            self.self_attn = AttentionMixer(
+                d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, qkv_bias=cfg.attention_bias,
+                o_bias=cfg.attention_bias, scale=cfg.attention_multiplier, rotary=rotary)
+        self.block_sparse_moe = (GraniteMoE(d, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok,
+                                            cfg.hidden_act) if cfg.num_local_experts > 0 else None)
+        self.shared_mlp = SwiGLU(d, cfg.shared_intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+
+    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        mixer = self.mamba if self.kind == "linear_attention" else self.self_attn
+        h = h + mixer(self.input_layernorm(h), layer, step)
+        x = self.post_attention_layernorm(h)
+        ff = self.shared_mlp(x)
+        if self.block_sparse_moe is not None:
+            ff = self.block_sparse_moe(x) + ff
+        return h + ff
+
+
+class GraniteMoeHybridInner(nn.Module):
+    def __init__(self, cfg: GraniteMoeHybridConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = None
+        if cfg.position_embedding_type == "rope":
+            rope = cfg.rope_parameters or {"rope_type": "default", "rope_theta": cfg.rope_theta}
+            rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), rope, cfg.head_dim))
+        self.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(cfg, kind, rotary) for kind in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# Checkpoint tensors that feed the residual stream: residual_multiplier is folded into them.
+_RESIDUAL_OUTPUTS = (".self_attn.o_proj.", ".mamba.out_proj.", ".shared_mlp.output_linear.",
+                     ".block_sparse_moe.output_linear.")
+
+
+class GraniteMoeHybridLM(HybridLM):
+    family = "granitemoehybrid"
+    config_class = GraniteMoeHybridConfig
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: Mapping[str, Any] | GraniteMoeHybridConfig) -> None:
+        cfg = self.config_class.from_hf(config)
+        super().__init__(cfg.to_dict())
+        self.cfg = cfg
+        self.types = list(cfg.layer_types)
+        self.model = GraniteMoeHybridInner(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tied embeddings: one matrix is both embedding and head, so neither scaling can be folded into it.
+        self.runtime_scales = cfg.tie_word_embeddings
+
+    def convert_checkpoint(self, state: dict) -> dict:
+        """Fold the plain scalings into the weights (in float32 or wider, one rounding): residual_multiplier into
+        every output projection, embedding_multiplier and 1 / logits_scaling into untied embeddings / head."""
+        c = self.cfg
+
+        def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+            return t.to(torch.promote_types(t.dtype, torch.float32)) * factor if factor != 1.0 else t
+
+        out = {}
+        for name, t in state.items():
+            if any(part in name for part in _RESIDUAL_OUTPUTS):
+                t = scaled(t, c.residual_multiplier)
+            elif name == "model.embed_tokens.weight" and not self.runtime_scales:
+                t = scaled(t, c.embedding_multiplier)
+            elif name == "lm_head.weight" and not self.runtime_scales:
+                t = scaled(t, 1.0 / c.logits_scaling)
+            out[name] = t
+        return out
+
+    def native_layers(self) -> list[NativeLayer]:
+        c = self.cfg
+        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
+        mamba = {"num_heads": c.mamba_n_heads, "head_dim": c.mamba_d_head, "state_size": c.mamba_d_state,
+                 "n_groups": c.mamba_n_groups, "conv_kernel": c.mamba_d_conv, "dtype": self.dtype}
+        return [NativeLayer("mamba2", dict(mamba)) if t == "linear_attention" else NativeLayer("full", dict(attn))
+                for t in self.types]
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # [B, T, D]
+        return h * self.cfg.embedding_multiplier if self.runtime_scales else h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(h))  # [B, T, V]
+        return logits / self.cfg.logits_scaling if self.runtime_scales else logits
