@@ -46,7 +46,7 @@ class Lfm2Config(FamilyConfig):
     conv_bias: bool = False
     conv_L_cache: int = param(3, positive=True)
     block_multiple_of: int = param(256, positive=True)
-    block_ffn_dim_multiplier: float | None = param(1.0, positive=True)
+    block_ffn_dim_multiplier: float = param(1.0, positive=True)
     block_auto_adjust_ff_dim: bool = True
     full_attn_idxs: list[int] | None = param(None, nonnegative=True)
     layer_types: list[str] | None = param(None, choices=LAYER_TYPES)
@@ -71,13 +71,12 @@ class Lfm2Config(FamilyConfig):
 
     @property
     def mlp_size(self) -> int:
-        """The feed-forward width HF derives from intermediate_size (2/3 of it, times the multiplier, rounded up)."""
+        """The feed-forward width: intermediate_size, or with block_auto_adjust_ff_dim 2/3 of it times the
+        multiplier, rounded up to a multiple of block_multiple_of (as HF)."""
         size = self.intermediate_size
         if self.block_auto_adjust_ff_dim:
-            size = int(2 * size / 3)
-            if self.block_ffn_dim_multiplier is not None:
-                size = int(self.block_ffn_dim_multiplier * size)
-                size = self.block_multiple_of * ((size + self.block_multiple_of - 1) // self.block_multiple_of)
+            size = int(self.block_ffn_dim_multiplier * int(2 * size / 3))
+            size = self.block_multiple_of * ((size + self.block_multiple_of - 1) // self.block_multiple_of)
         return size
 
 
