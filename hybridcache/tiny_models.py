@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid")
+FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "zamba2", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
@@ -86,6 +86,18 @@ _FAMILY_SPECS = {
         attention_in_multiplier=0.9, attention_out_multiplier=1.1, ssm_in_multiplier=1.2,
         ssm_out_multiplier=0.85, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
     )),
+    # Tied embeddings as in the real checkpoints: HF ties the shared blocks only when tie_word_embeddings is true.
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=6, tie_word_embeddings=True,
+        layers_block_type=["linear_attention", "hybrid", "linear_attention",   # M H M H H M: 3 uses of
+                           "hybrid", "hybrid", "linear_attention"],           # 2 shared blocks (0, 1, 0)
+        num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+        num_attention_heads=2,                                     # attention head_dim 2 * 64 / 2 = 64
+        n_mamba_heads=8, mamba_ngroups=2, mamba_d_state=16, chunk_size=8, max_position_embeddings=1024,
+        # HF clamps dt at time_step_min in multi-token forwards only, not in decode steps: keep the clamp out of
+        # reach (dt_bias is initialised >= log(time_step_floor)); tests/models/test_zamba2_extra.py covers it
+        time_step_min=1e-9,
+    )),
     "bamba": ("BambaConfig", "BambaForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # rotary on the first 32 dims
@@ -134,7 +146,7 @@ _FAMILY_SPECS = {
 }
 
 # Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid"}
+_EAGER = {"jamba", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "zamba2", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid"}
 
 
 def _check_family(family: str) -> None:
@@ -175,7 +187,7 @@ _KEEP = ("A_log", "dt_proj", "dt_bias", "recurrent_param", "input_gate", "recurr
 
 # Extra gain for SSM input projections (B, C, dt come from these) so that the
 # state path, not only the D skip / short convolution, carries information.
-_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}, "falcon_h1": {"in_proj": 3.0}, "nemotron_h": {"in_proj": 3.0}, "granitemoehybrid": {"in_proj": 3.0}}
+_GAINS = {"mamba": {"x_proj": 4.0}, "mamba2": {"in_proj": 3.0}, "bamba": {"in_proj": 3.0}, "falcon_h1": {"in_proj": 3.0}, "zamba2": {"in_proj": 3.0}, "nemotron_h": {"in_proj": 3.0}, "granitemoehybrid": {"in_proj": 3.0}}
 
 
 @torch.no_grad()

@@ -20,6 +20,9 @@ class AttentionMixer(nn.Module):
     `query_hook(q, step)` lets a family rescale queries by position (Llama4 attention temperature).
     `output_gate=True` (Qwen3-Next): q_proj also yields a per-head gate, laid out per head as [query | gate], and
     the attention output is multiplied by sigmoid(gate) before o_proj.
+    `out_hidden` (Zamba2): o_proj writes this width instead of `hidden` (its shared attention reads [h, embeddings]).
+    `forward(..., extra=(q, k, v))` adds per-call terms to the projections, [B, T, H*D] each or None (Zamba2's
+    per-use LoRA adapters on one shared attention).
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class AttentionMixer(nn.Module):
         k_norm: nn.Module | None = None,
         query_hook: Callable[[torch.Tensor, StepInput], torch.Tensor] | None = None,
         output_gate: bool = False,
+        out_hidden: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -45,20 +49,24 @@ class AttentionMixer(nn.Module):
         self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_hidden or hidden, bias=o_bias)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap, self.rotary, self.query_hook = softcap, rotary, query_hook
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput,
+                extra: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
+        qp, kp, vp = self.q_proj(h), self.k_proj(h), self.v_proj(h)  # [B, T, H * D]
+        if extra is not None:
+            qp, kp, vp = (p if e is None else p + e for p, e in zip((qp, kp, vp), extra, strict=True))
         gate = None
         if self.output_gate:  # per head: [query (D) | gate (D)]
-            q, gate = rearrange(self.q_proj(h), "b t (h d) -> b h t d", d=2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = rearrange(qp, "b t (h d) -> b h t d", d=2 * self.head_dim).chunk(2, dim=-1)
             gate = rearrange(gate, "b h t d -> b t (h d)")  # [B, T, Hq * D]
         else:
-            q = rearrange(self.q_proj(h), "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hq, T, D]
-        k = rearrange(self.k_proj(h), "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hkv, T, D]
-        v = rearrange(self.v_proj(h), "b t (h d) -> b h t d", d=self.head_dim)
+            q = rearrange(qp, "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hq, T, D]
+        k = rearrange(kp, "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hkv, T, D]
+        v = rearrange(vp, "b t (h d) -> b h t d", d=self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:

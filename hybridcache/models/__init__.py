@@ -24,6 +24,7 @@ MODEL_TYPES = {
     "qwen3_next": "hybridcache.models.qwen3_next:Qwen3NextLM",
     "bamba": "hybridcache.models.bamba:BambaLM",
     "falcon_h1": "hybridcache.models.falcon_h1:FalconH1LM",
+    "zamba2": "hybridcache.models.zamba2:Zamba2LM",
     "lfm2": "hybridcache.models.lfm2:Lfm2LM",
     "nemotron_h": "hybridcache.models.nemotron_h:NemotronHLM",
     "granitemoehybrid": "hybridcache.models.granitemoehybrid:GraniteMoeHybridLM",

@@ -14,7 +14,7 @@ from hybridcache.models.family_config import ConfigError, FamilyConfig, param
 from hybridcache.tiny_models import FAMILIES
 
 HF_CLASSES = {"jamba": "JambaConfig", "mamba": "MambaConfig", "mamba2": "Mamba2Config",
-              "recurrentgemma": "RecurrentGemmaConfig", "gemma3": "Gemma3TextConfig", "llama4": "Llama4TextConfig", "qwen3_next": "Qwen3NextConfig", "bamba": "BambaConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config", "nemotron_h": "NemotronHConfig", "granitemoehybrid": "GraniteMoeHybridConfig"}
+              "recurrentgemma": "RecurrentGemmaConfig", "gemma3": "Gemma3TextConfig", "llama4": "Llama4TextConfig", "qwen3_next": "Qwen3NextConfig", "bamba": "BambaConfig", "falcon_h1": "FalconH1Config", "zamba2": "Zamba2Config", "lfm2": "Lfm2Config", "nemotron_h": "NemotronHConfig", "granitemoehybrid": "GraniteMoeHybridConfig"}
 
 
 def raw_config(checkpoints, family):

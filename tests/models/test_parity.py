@@ -16,6 +16,9 @@ HF_TOL, ORACLE_TOL = 1e-4, 1e-5
 # tiny models (|logits| up to 13) that floor measures 5e-6 .. 1.1e-5 (llama4), and HF's own cached vs uncached
 # generation differs by 8e-6 (llama4) .. 1.8e-5 (mamba2). The float32 check allows twice the 1e-5 target.
 EXACT_TOL, FLOAT32_ORACLE_TOL = 1e-9, 2e-5
+# Zamba2's shared block reads [h | e] (fan-in 2 * hidden) at 3 uses: float32 prefill splits differ by up to 2.4e-5
+# (HF's own token-by-token vs full forward: 4.5e-5 on the same tiny model). Exact in float64 like every family.
+SPLIT_TOL = {"zamba2": 5e-5}
 F64_STATES = {"recurrent": {"state_dtype": torch.float64}}
 # HF's RecurrentGemma runs its recurrent blocks over left padding, so padded rows are compared to ours alone.
 HF_PADDING_EXACT = {f: f != "recurrentgemma" for f in FAMILIES}
@@ -80,7 +83,7 @@ def test_chunked_prefill_equals_one_shot(family, models, chunk):
     one = hc.generate(ours, ids, max_new_tokens=6)
     chunked = hc.generate(ours, ids, max_new_tokens=6, prefill_chunk_size=chunk)
     assert torch.equal(one.sequences, chunked.sequences)
-    assert max_diff(one.logits, chunked.logits) <= ORACLE_TOL
+    assert max_diff(one.logits, chunked.logits) <= SPLIT_TOL.get(family, ORACLE_TOL)
 
 
 def test_continuation_from_returned_cache_equals_one_call(family, models):
@@ -95,7 +98,7 @@ def test_continuation_from_returned_cache_equals_one_call(family, models):
     snap = first.cache.snapshot()
     again = hc.generate(ours, first.sequences, attention_mask=mask_a, max_new_tokens=9, cache=first.cache)
     assert torch.equal(again.sequences, whole.sequences)
-    assert max_diff(torch.cat([first.logits, again.logits], 1), whole.logits) <= ORACLE_TOL
+    assert max_diff(torch.cat([first.logits, again.logits], 1), whole.logits) <= SPLIT_TOL.get(family, ORACLE_TOL)
     # (b) only the new tokens is refused (one rule: the whole sequence), and the cache is left as it was
     first.cache.restore(snap)
     unseen = first.sequences[:, first.cache.columns - 3 :]
@@ -145,4 +148,4 @@ def test_preallocated_cache_equals_dynamic(family, models):
     dynamic = hc.generate(ours, ids, max_new_tokens=10)
     static = hc.generate(ours, ids, max_new_tokens=10, cache=ours.make_cache(2, max_length=40))
     assert torch.equal(dynamic.sequences, static.sequences)
-    assert max_diff(dynamic.logits, static.logits) <= ORACLE_TOL
+    assert max_diff(dynamic.logits, static.logits) <= SPLIT_TOL.get(family, ORACLE_TOL)
