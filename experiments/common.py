@@ -266,12 +266,16 @@ def check_reference(cfg: DictConfig, prepared: Prepared) -> None:
             FileRunner(ref.path, expect=identity(cfg, prepared), prompts=prepared.prompts)
         except (FileNotFoundError, ValueError, RecordingMismatch) as e:
             raise UserError(str(e)) from None
-    elif ref.name == "vllm":
+    elif ref.name == "vllm":  # everything vLLM would refuse, from config.json, before anything is generated
+        from hybridcache.reference.vllm_families import vllm_engine_args
         from hybridcache.reference.vllm_runner import find_interpreter
 
         try:
-            find_interpreter(ref.get("python"))
-        except (ValueError, FileNotFoundError) as e:
+            python = find_interpreter(ref.get("python"))
+            config = json.loads((Path(prepared.checkpoint) / "config.json").read_text())
+            engine_args = OmegaConf.to_container(ref.engine_args) if ref.get("engine_args") else {}
+            vllm_engine_args(config, str(cfg.model.dtype), engine_args, str(ref.get("platform", "auto")), python)
+        except (ValueError, FileNotFoundError) as e:  # VLLMIncompatible is a ValueError
             raise UserError(str(e)) from None
     elif ref.name not in ("hf", "none"):
         raise UserError(f"unknown reference '{ref.name}' (known: hf, vllm, file, none)")
@@ -290,7 +294,8 @@ def make_reference(ref_cfg: DictConfig, checkpoint: str, dtype: torch.dtype, dev
         return FileRunner(ref_cfg.path, expect=expect, prompts=prompts)
     if name == "vllm":
         return VLLMRunner(ref_cfg.python, checkpoint, str(dtype).replace("torch.", ""), int(ref_cfg.max_model_len),
-                          eos, float(ref_cfg.timeout), OmegaConf.to_container(ref_cfg.engine_args))
+                          eos, float(ref_cfg.timeout), OmegaConf.to_container(ref_cfg.engine_args),
+                          str(ref_cfg.get("platform", "auto")))
     raise UserError(f"unknown reference '{name}' (known: hf, vllm, file, none)")
 
 

@@ -1,28 +1,130 @@
-"""vLLM as a live reference, run as a subprocess of a separate interpreter (its own environment), over JSON."""
+"""vLLM as a live reference, run as a subprocess of a separate interpreter (its own environment), over JSON.
+
+The worker runs in its own session (process group): vLLM starts engine-core processes of its own, and a timeout,
+a failure or an interrupt ends the whole group (SIGTERM, then SIGKILL after a grace period), so no engine keeps its
+memory after we give up on it. A failure is reported by its root cause (the engine's own exception), first.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from hybridcache.reference.base import Generation, ReferenceRunner
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+GRACE_SECONDS = 5.0
+
+# vLLM's log prefix: "(EngineCore_DP0 pid=123) ERROR 01-02 03:04:05 [core.py:700] " (process tag optional).
+_PREFIX = re.compile(r"^(\([^)]*pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s?)?")
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure))(: .*)?$")
+# Exceptions that only say "look above": never the root cause.
+_WRAPPERS = ("See root cause above", "Engine core initialization failed", "EngineDeadError",
+             "EngineCore encountered an issue", "EngineGenerateError")
 
 
-def _root_cause(proc: subprocess.CompletedProcess) -> str:
-    """The first exception lines vLLM printed (its workers log them far above the final traceback)."""
-    lines = (proc.stderr + proc.stdout).splitlines()
+def _strip(line: str) -> str:
+    return _PREFIX.sub("", line.rstrip(), count=1)
+
+
+def _traceback_ends(lines: list[str]) -> list[str]:
+    """The exception line that ends each traceback, in order of appearance."""
+    ends, inside = [], False
+    for raw in lines:
+        text = _strip(raw)
+        if text.startswith("Traceback (most recent call last)"):
+            inside = True
+        elif inside and not text.startswith((" ", "\t")) and _EXCEPTION.match(text):
+            ends.append(text)
+            inside = False
+    return ends
+
+
+def root_cause(stderr: str, stdout: str = "") -> str:
+    """The engine's own exception first (the last traceback that is not a wrapper saying "see above"), then the
+    other distinct exceptions; warnings (a warm-up's, say) are never picked. Falls back to ERROR lines, then the tail."""
+    lines = (stderr + "\n" + stdout).splitlines()
+    ends = _traceback_ends(lines)
+    real = [e for e in ends if not any(w in e for w in _WRAPPERS)]
     causes = []
-    for line in lines:
-        text = re.sub(r"^\([^)]*pid=\d+\) (ERROR|WARNING) [^\]]*\] ", "", line).strip()
-        if re.match(r"^[\w.]*(Error|Exception): ", text) and text not in causes:
-            causes.append(text)
-    return "\n".join(causes[:3]) if causes else "\n".join(lines[-15:])
+    for e in (real[-1:] + real[::-1] + ends[::-1]):
+        if e not in causes:
+            causes.append(e)
+    if not causes:  # no traceback: ERROR-level lines that name an exception
+        for raw in lines:
+            text = _strip(raw)
+            if re.search(r"\bERROR\b", raw) and _EXCEPTION.match(text) and text not in causes:
+                causes.append(text)
+    if not causes:
+        tail = [line for line in lines if line.strip()][-10:]
+        return "\n".join(tail) if tail else "(it printed nothing)"
+    return causes[0] + "".join(f"\n  (also: {c})" for c in causes[1:3])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a member we may not signal: treat as gone
+        return False
+
+
+def _wait_gone(proc: subprocess.Popen, pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        proc.poll()  # reap the worker itself (a zombie still counts as a member of its group)
+        if proc.returncode is not None and not _group_alive(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def kill_group(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
+    """End the worker's whole process group: SIGTERM, then SIGKILL to whatever is left after `grace` seconds."""
+    pgid = proc.pid  # the worker leads its own session, hence its group
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        if _wait_gone(proc, pgid, wait):
+            break
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (uninterruptible sleep)
+            pass
+
+
+def run_worker(command: list[str], timeout: float, log_dir: Path, grace: float = GRACE_SECONDS) -> tuple[int, str, str]:
+    """Run `command` in its own session with stdout/stderr in files; on timeout, failure or interrupt (and after
+    success, for stragglers) end its whole process group. Returns (exit status, stdout, stderr); raises
+    TimeoutError (with the root cause so far) when it ran past `timeout`."""
+    out_path, err_path = log_dir / "worker.stdout", log_dir / "worker.stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:  # also on KeyboardInterrupt and any other exception
+            kill_group(proc, grace)
+    stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    if timed_out:
+        raise TimeoutError(f"the vLLM subprocess gave no answer within {timeout:g} s (reference.timeout); its "
+                           f"process group was ended. Last error: {root_cause(stderr, stdout)}")
+    return proc.returncode, stdout, stderr
 
 
 def find_interpreter(python: str | None) -> str:
@@ -40,13 +142,18 @@ class VLLMRunner(ReferenceRunner):
     name = "vllm"
 
     def __init__(self, python: str | None, checkpoint: str, dtype: str = "float32", max_model_len: int = 2048,
-                 eos_token_id: int | None = None, timeout: float = 1800, engine_args: dict | None = None) -> None:
+                 eos_token_id: int | None = None, timeout: float = 1800, engine_args: dict | None = None,
+                 platform: str = "auto", worker: str | Path = WORKER) -> None:
+        from hybridcache.reference.vllm_families import vllm_engine_args
+
         resolved = find_interpreter(python)
         self.python, self.checkpoint, self.dtype = resolved, str(checkpoint), dtype
         self.max_model_len, self.eos_token_id, self.timeout = max_model_len, eos_token_id, timeout
-        self.engine_args = dict(engine_args or {})
+        self.worker = Path(worker)
         config = json.loads((Path(checkpoint) / "config.json").read_text())
         self.architectures = config.get("architectures") or []
+        # the family's engine arguments (checked: raises VLLMIncompatible when vLLM cannot run it here)
+        self.engine_args = vllm_engine_args(config, dtype, dict(engine_args or {}), platform, resolved)
         self.engine_seconds = 0.0
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, progress=None) -> list[Generation]:
@@ -57,10 +164,10 @@ class VLLMRunner(ReferenceRunner):
         with tempfile.TemporaryDirectory() as tmp:
             req, ans = Path(tmp) / "request.json", Path(tmp) / "answer.json"
             req.write_text(json.dumps(request))
-            proc = subprocess.run([self.python, str(WORKER), str(req), str(ans)], capture_output=True, text=True,
-                                  timeout=self.timeout)
+            code, stdout, stderr = run_worker([self.python, str(self.worker), str(req), str(ans)], self.timeout,
+                                              Path(tmp))
             if not ans.exists():
-                raise RuntimeError(f"the vLLM subprocess failed (exit {proc.returncode}):\n{_root_cause(proc)}")
+                raise RuntimeError(f"the vLLM subprocess failed (exit {code}): {root_cause(stderr, stdout)}")
             answer = json.loads(ans.read_text())
         if "error" in answer:
             raise RuntimeError(f"vLLM reference: {answer['error']}")
