@@ -28,6 +28,9 @@ EXPECTED_CLASS = {
     "lfm2": "Lfm2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "zamba2": "Zamba2ForCausalLM",
 }
 
 

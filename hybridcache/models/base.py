@@ -14,8 +14,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hybridcache.blocks import StepInput
-from hybridcache.cache import Cache, CacheError, CacheGroup, NativeGroup, NativeLayer, get_layer_class
+from hybridcache.cache import Cache, CacheError, CacheGroup, NativeGroup, get_layer_class
 from hybridcache.cache.plan import Native
 from hybridcache.cache.sequence import check_valid_mask
 
@@ -37,10 +36,12 @@ class HybridLM(nn.Module):
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        raise NotImplementedError
+        """The decoder layers in order (default: HF's usual `model.layers`)."""
+        return self.model.layers
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Token embeddings [B, T, D] (default: HF's usual `model.embed_tokens`)."""
+        return self.model.embed_tokens(input_ids)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

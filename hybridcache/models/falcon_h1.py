@@ -229,10 +229,6 @@ class FalconH1LM(HybridLM):
                                        "conv_kernel": c.mamba_d_conv, "dtype": self.dtype})
         return [NativeGroup({"attention": attn, "mamba": mamba}) for _ in range(c.num_hidden_layers)]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [B, T, D]
         return h * self.embedding_scale if self.embedding_scale != 1.0 else h

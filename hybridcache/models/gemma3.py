@@ -115,10 +115,6 @@ class Gemma3LM(HybridLM):
         attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "dtype": self.dtype}
         return [NativeLayer(NATIVE_TYPE[t], {**attn, "window": c["sliding_window"]}) for t in self.types]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         return h * torch.tensor(math.sqrt(self.config["hidden_size"]), dtype=h.dtype)

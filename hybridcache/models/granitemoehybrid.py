@@ -254,10 +254,6 @@ class GraniteMoeHybridLM(HybridLM):
         return [NativeLayer("mamba2", dict(mamba)) if t == "linear_attention" else NativeLayer("full", dict(attn))
                 for t in self.types]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [B, T, D]
         return h * self.cfg.embedding_multiplier if self.runtime_scales else h

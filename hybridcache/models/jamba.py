@@ -152,12 +152,5 @@ class JambaLM(HybridLM):
                  "conv_kernel": c["mamba_d_conv"], "dtype": self.dtype}
         return [NativeLayer("full", attn) if t == "attention" else NativeLayer("mamba", mamba) for t in self.types]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # [B, T, D]
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.final_layernorm(h))  # [B, T, V]

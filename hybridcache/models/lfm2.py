@@ -169,12 +169,5 @@ class Lfm2LM(HybridLM):
         conv = {"channels": c.hidden_size, "conv_kernel": c.conv_L_cache, "dtype": self.dtype}
         return [NativeLayer("conv", dict(conv)) if t == "conv" else NativeLayer("full", dict(attn)) for t in self.types]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # [B, T, D]
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.embedding_norm(h))  # [B, T, V]

@@ -208,12 +208,5 @@ class Llama4LM(HybridLM):
             for t in self.types
         ]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h))

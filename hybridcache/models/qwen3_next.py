@@ -163,12 +163,5 @@ class Qwen3NextLM(HybridLM):
     def hf_name(self, name: str) -> str:
         return name.replace(".mlp.router.", ".mlp.gate.")  # HF calls the MoE router `gate`
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # [B, T, D]
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h))  # [B, T, V]

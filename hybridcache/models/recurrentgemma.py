@@ -157,10 +157,6 @@ class RecurrentGemmaLM(HybridLM):
         })
         return [attn if t == "attention" else lru for t in self.types]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [B, T, D]
         normalizer = torch.tensor(self.config["hidden_size"] ** 0.5, dtype=torch.bfloat16)  # HF rounds it to bf16

@@ -271,10 +271,6 @@ class Zamba2LM(HybridLM):
                                     "dtype": self.dtype})
         return [NativeGroup({"attention": attn, "mamba": mamba}) if t == "hybrid" else mamba for t in c.block_types]
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         e = self.model.embed_tokens(input_ids)  # [B, T, D]
         return torch.cat([e, e], dim=-1)  # [h | e]: the stream starts at the embeddings and carries them along

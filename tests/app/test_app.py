@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from experiments.common import cache_config_from_hydra
 from hybridcache.cache.plan import flatten_native

@@ -2,7 +2,6 @@
 W&B failures that lose nothing, verdict wording, numbers that agree, sweeps with a summary, unique run directories."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

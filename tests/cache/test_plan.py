@@ -64,7 +64,7 @@ def test_recurrent_state_dtype_override():
 
 
 ERRORS = [
-    ({"attention": {"type": "slidng"}}, "unknown cache type 'slidng'; known types: chunked, conv, full"),
+    ({"attention": {"type": "slidng"}}, r"unknown cache type 'slidng'; known types: (\w+, )*chunked, conv, (\w+, )*full, (\w+, )*sliding"),
     ({"layers": {0: {"type": "full"}}}, "layer 0 is a recurrent layer .* cannot use the attention cache type 'full'"),
     ({"attention": {"type": "mamba"}}, "layer 1 is a attention layer .* cannot use the recurrent cache type 'mamba'"),
     ({"layers": {1: {"type": "rglru"}}}, "cannot use the recurrent cache type 'rglru'"),
@@ -75,7 +75,7 @@ ERRORS = [
     ({"attention": {"type": "sliding", "window": 2.5}}, "window must be a positive integer, got 2.5"),
     ({"recurrent": {"state_dtype": torch.int32}}, "state_dtype must be a floating-point dtype, got torch.int32"),
     ({"recurrent": {"state_dtype": torch.bool}}, "state_dtype must be a floating-point dtype, got torch.bool"),
-    ({"attention": {"storage": "int3"}}, "unknown attention storage 'int3'; known: dense, int8"),
+    ({"attention": {"storage": "int3"}}, r"unknown attention storage 'int3'; known: (\w+, )*dense, (\w+, )*int8"),
     ({"layers": {5: {"type": "full"}}}, "layers.5: layer index out of range .*5 layers"),
     ({"layers": {"x": {"type": "full"}}}, "layers.x: layer keys are indices"),
     ({"attention": {"type": "chunked", "chunksize": 8}}, "attention.chunksize: unknown parameter for cache type 'chunked'"),
