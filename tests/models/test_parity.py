@@ -19,6 +19,9 @@ EXACT_TOL, FLOAT32_ORACLE_TOL = 1e-9, 2e-5
 # Zamba2's shared block reads [h | e] (fan-in 2 * hidden) at 3 uses: float32 prefill splits differ by up to 2.4e-5
 # (HF's own token-by-token vs full forward: 4.5e-5 on the same tiny model). Exact in float64 like every family.
 SPLIT_TOL = {"zamba2": 5e-5}
+# On the left-padded batch HF's own float32 Zamba2 is 1.5e-4 from the float64 result (ours: 4.7e-5), so the HF
+# comparison gets 2e-4 there and our float32 is held to the 1e-4 bar against our float64 run instead.
+HF_PAD_TOL = {"zamba2": 2e-4}
 F64_STATES = {"recurrent": {"state_dtype": torch.float64}}
 # HF's RecurrentGemma runs its recurrent blocks over left padding, so padded rows are compared to ours alone.
 HF_PADDING_EXACT = {f: f != "recurrentgemma" for f in FAMILIES}
@@ -73,7 +76,12 @@ def test_left_padded_batch_equals_each_prompt_alone(family, models):
     if HF_PADDING_EXACT[family]:
         sequences, logits = hf_generate(ref, ids, mask, 12)
         assert torch.equal(batch.sequences, sequences)
-        assert max_diff(batch.logits, logits) <= HF_TOL
+        assert max_diff(batch.logits, logits) <= HF_PAD_TOL.get(family, HF_TOL)
+    if family in HF_PAD_TOL:
+        exact, _ = models(family, torch.float64)
+        truth = hc.generate(exact, ids, attention_mask=mask, max_new_tokens=12, cache_config=F64_STATES)
+        assert torch.equal(batch.sequences, truth.sequences)
+        assert max_diff(batch.logits, truth.logits) <= HF_TOL
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7])
@@ -126,7 +134,8 @@ def test_cached_generation_equals_oracle(family, models, strategy, dtype):
     oracle = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=10, cache_config=config, use_cache=False)
     assert torch.equal(cached.sequences, oracle.sequences)
     assert cached.logits.dtype == dtype
-    assert max_diff(cached.logits, oracle.logits) <= (EXACT_TOL if dtype == torch.float64 else FLOAT32_ORACLE_TOL)
+    float32_tol = max(FLOAT32_ORACLE_TOL, SPLIT_TOL.get(family, 0.0))
+    assert max_diff(cached.logits, oracle.logits) <= (EXACT_TOL if dtype == torch.float64 else float32_tol)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7])
