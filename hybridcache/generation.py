@@ -235,7 +235,7 @@ def generate(
         for i in range(0, tokens.shape[1], chunk):
             piece = tokens[:, i : i + chunk]
             valid = full_mask[:, start + i : start + i + piece.shape[1]]
-            logits = model.run_block(piece, cache, None if bool(valid.all()) else valid)
+            logits = model.run_block(piece, cache, None if bool(valid.all()) else valid, last_only=True)
         return logits[:, -1]
 
     def next_logits(step: int) -> torch.Tensor:

@@ -73,7 +73,7 @@ class _Rollback:
 def _prefill(model, cache: Cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int) -> torch.Tensor:
     for i in range(0, ids.shape[1], chunk):
         valid = mask[:, i : i + chunk]
-        logits = model.run_block(ids[:, i : i + chunk], cache, None if bool(valid.all()) else valid)
+        logits = model.run_block(ids[:, i : i + chunk], cache, None if bool(valid.all()) else valid, last_only=True)
     return logits[:, -1]
 
 
@@ -133,7 +133,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, full_mask:
         if a + 1 <= r:
             d_roll.keep(fed, a + 1)
         else:  # everything accepted: the draft has not seen the last accepted token yet
-            draft_model.run_block(block[:, r:].to(draft_model.device), draft, None)
+            draft_model.run_block(block[:, r:].to(draft_model.device), draft, None, last_only=True)
             stats["draft_calls"] += 1
         last = best[:, a]
     new = torch.stack(out_tokens, dim=1)
@@ -179,14 +179,14 @@ class EarlyExitDraft(torch.nn.Module):
     def make_cache(self, batch_size: int = 1, cache_config=None, max_length=None) -> Cache:
         return Cache.build(self.native_layers(), batch_size, cache_config, max_length, device=self.target.device)
 
-    def run_block(self, input_ids, cache, valid=None, step=None, check=True):
+    def run_block(self, input_ids, cache, valid=None, step=None, check=True, last_only=False):
         cache.begin_block(valid, input_ids.shape[1], check=check, ids=input_ids)
         try:
             block = cache.current_block
             h = self.target.embed(input_ids)
             for layer, entry in zip(self.decoder_layers, cache.entries, strict=True):
                 h = layer(h, entry, block)
-            logits = self.target.head(h)
+            logits = self.target.head(h[:, -1:] if last_only else h)
         except BaseException:
             cache.abort_block()
             raise

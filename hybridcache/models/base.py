@@ -180,25 +180,31 @@ class HybridLM(nn.Module):
         return self.run_block(input_ids.to(self.device), cache, valid)
 
     def run_block(self, input_ids: torch.Tensor, cache: Cache, valid: torch.Tensor | None = None,
-                  step: Callable[..., torch.Tensor] | None = None, check: bool = True) -> torch.Tensor:
+                  step: Callable[..., torch.Tensor] | None = None, check: bool = True,
+                  last_only: bool = False) -> torch.Tensor:
         """Feed one block as a cache transaction: open it (validating the mask and every layer's capacity), run
-        `step` (default `forward_block`; the compiled decode step in generation), commit, or drop it on failure."""
+        `step` (default `forward_block`; the compiled decode step in generation), commit, or drop it on failure.
+        `last_only` computes the head for the block's last position only ([B, 1, V]): what prefill needs, and on a
+        tied 262k-token head it is most of a prefill's time."""
         cache.begin_block(valid, input_ids.shape[1], check=check, ids=input_ids)
         try:
-            logits = (step or self.forward_block)(input_ids, cache)
+            if step is None:
+                logits = self.forward_block(input_ids, cache, last_only=last_only)
+            else:
+                logits = step(input_ids, cache)
         except BaseException:
             cache.abort_block()
             raise
         cache.end_block()
         return logits
 
-    def forward_block(self, input_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+    def forward_block(self, input_ids: torch.Tensor, cache: Cache, last_only: bool = False) -> torch.Tensor:
         """The model body for the cache's open block (no validation; what the compiled decode step runs)."""
         step = cache.current_block
         h = self.embed(input_ids)
         for block, entry in zip(self.decoder_layers, cache.entries, strict=True):
             h = block(h, entry, step)
-        return self.head(h)
+        return self.head(h[:, -1:] if last_only else h)
 
 
 def check_mask(mask: torch.Tensor, seen: torch.Tensor, width: int) -> torch.Tensor:

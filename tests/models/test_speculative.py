@@ -39,9 +39,9 @@ class SometimesWrong(torch.nn.Module):
     def make_cache(self, *args, **kwargs):
         return self.target.make_cache(*args, **kwargs)
 
-    def run_block(self, ids, cache, valid=None, step=None, check=True):
-        logits = self.target.run_block(ids, cache, valid).clone()
-        t = ids.shape[1]
+    def run_block(self, ids, cache, valid=None, step=None, check=True, last_only=False):
+        logits = self.target.run_block(ids, cache, valid, last_only=last_only).clone()
+        t = logits.shape[1]  # the block's last t positions
         pos = cache.seen[:, None] - t + torch.arange(t)  # [B, T] positions of the block's tokens
         wrong = (pos % self.every == self.every - 1)[..., None]
         other = torch.nn.functional.one_hot((logits.argmax(-1) + 1) % self.vocab_size, self.vocab_size).bool()
