@@ -62,6 +62,10 @@ def register_kv_codec(name: str) -> Callable[[C], C]:
             raise CacheConfigError(f"@register_kv_codec('{name}') needs a KVCodec subclass, got {cls!r}")
         if name in _CODECS and _CODECS[name] is not cls:
             raise CacheConfigError(f"storage format '{name}' is already registered ({_CODECS[name].__name__})")
+        own = cls.__dict__.get("name")  # set by an earlier registration of this very class
+        if own is not None and own != name and _CODECS.get(own) is cls:
+            raise CacheConfigError(f"{cls.__name__} is already registered as storage '{own}'; it cannot also be "
+                                   f"'{name}'")
         cls.name = name
         _CODECS[name] = cls
         return cls

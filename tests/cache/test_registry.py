@@ -77,3 +77,52 @@ def test_registration_errors():
         register_cache_layer("attention")
     with pytest.raises(CacheConfigError, match="CacheLayer subclass"):
         register_cache_layer("thing")(object)
+    # one class under a second name would silently rename a registered type
+    existing = get_layer_class("sliding")
+    with pytest.raises(CacheConfigError, match="already registered as 'sliding'"):
+        register_cache_layer("sliding_again_test")(existing)
+    assert get_layer_class("sliding") is existing and "sliding_again_test" not in available_layers()
+
+
+def test_kv_codec_registration_errors():
+    from hybridcache.cache.kv_codecs import DenseCodec, available_codecs, get_codec, register_kv_codec
+
+    with pytest.raises(CacheConfigError, match="already registered"):
+        register_kv_codec("dense")(type("OtherDense", (DenseCodec,), {}))
+    with pytest.raises(CacheConfigError, match="already registered as storage 'dense'"):
+        register_kv_codec("dense_again_test")(DenseCodec)
+    assert DenseCodec.name == "dense" and "dense_again_test" not in available_codecs()
+    assert type(get_codec("dense")) is DenseCodec
+    with pytest.raises(CacheConfigError, match="KVCodec subclass"):
+        register_kv_codec("thing_test")(object)
+
+
+def test_entry_point_plugins_register_types(tmp_path, monkeypatch):
+    """A package declaring a module under the `hybridcache.cache_layers` entry-point group gets its types into
+    configs with no import by the user; a broken entry point names itself."""
+    from importlib import metadata
+
+    from hybridcache.cache import registry
+
+    (tmp_path / "ep_plugin_test.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from hybridcache.cache import AttentionSpec, register_cache_layer\n"
+        "from hybridcache.cache.attention import SlidingWindowLayer\n"
+        "@register_cache_layer('ep_window_test')\n"
+        "class EpWindow(SlidingWindowLayer):\n"
+        "    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    good = metadata.EntryPoint(name="ep", value="ep_plugin_test", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [good] if group == good.group else [])
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    assert "ep_window_test" in available_layers("attention")
+    native = [NativeLayer("full", {"num_kv_heads": 1, "head_dim": 2})]
+    cache = Cache.build(native, 1, {"attention": {"type": "ep_window_test", "window": 3}})
+    assert type(cache[0]).__name__ == "EpWindow"
+
+    bad = metadata.EntryPoint(name="broken", value="no_such_module_test_xyz", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [bad])
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    with pytest.raises(CacheConfigError, match="entry point 'broken'.*failed to load"):
+        available_layers()
