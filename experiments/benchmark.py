@@ -25,41 +25,50 @@ from rich.table import Table
 import hybridcache as hc
 from experiments.common import cache_config_from_hydra, load_model, make_console, preflight
 from experiments.plots import scaling_lines, throughput_bars
+from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
 from hybridcache.cache.plan import format_bytes
 from hybridcache.tiny_models import tiny_checkpoint
 from hybridcache.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = {"batch_sizes": [1], "prompt_tokens": 8, "new_tokens": 8, "warmup": 1, "repeats": 1, "compile": False,
+         "bandwidth_probe_mib": 64,
          "long_context": {"tokens": [64, 128], "decode_tokens": 4, "prefill_chunk_size": 32}}
 
 
-def median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def rates(system: str, batch: int, prompt: int, new: int, run: Callable[[int], Any], b: DictConfig) -> dict:
-    prefill = median_seconds(lambda: run(1), b.warmup, b.repeats)
-    total = median_seconds(lambda: run(new), b.warmup, b.repeats)
-    decode = max(total - prefill, 1e-9)
+    """Prefill = a 1-token generation; decode = a `new`-token generation minus the 1-token one, measured as pairs
+    back to back (so a slow moment hits both) and reported as medians over `repeats` pairs after `warmup` pairs."""
+    for _ in range(b.warmup):
+        run(1), run(new)
+    prefills, decodes, totals = [], [], []
+    for _ in range(b.repeats):
+        start = time.perf_counter()
+        run(1)
+        middle = time.perf_counter()
+        run(new)
+        end = time.perf_counter()
+        prefills.append(middle - start)
+        totals.append(end - middle)
+        decodes.append((end - middle) - (middle - start))
+    prefill, decode = median(prefills), median(decodes)
+    # a decode shorter than timer noise (tiny smoke sizes) has no meaningful rate
+    decode_rate = batch * (new - 1) / decode if decode > 0 else float("nan")
     return {"system": system, "batch": batch, "prefill_tok_s": batch * prompt / prefill,
-            "decode_tok_s": batch * (new - 1) / decode, "prefill_s": prefill, "total_s": total}
+            "decode_tok_s": decode_rate, "prefill_s": prefill, "total_s": median(totals)}
 
 
 def throughput(model, checkpoint: str, cache_config, b: DictConfig, cfg: DictConfig, progress) -> tuple[list, dict]:
     import transformers
 
+    task = progress.add_task("loading the HF reference", total=3 * len(b.batch_sizes))
     ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.dtype,
                                                             attn_implementation="eager").to(model.device).eval()
     rows, memory = [], {}
-    task = progress.add_task("throughput", total=len(b.batch_sizes))
     for batch in b.batch_sizes:
         ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch))
 
@@ -67,14 +76,24 @@ def throughput(model, checkpoint: str, cache_config, b: DictConfig, cfg: DictCon
             return hc.generate(model, ids, max_new_tokens=n, cache_config=cache_config, compile=compile)
 
         if b.compile:
+            progress.update(task, description=f"batch {batch}: compiling our decode step")
             ours(2, True)  # compile outside the timed region (reported in the summary)
+            progress.update(task, description=f"batch {batch}: ours (compiled)")
             rows.append(rates("ours (compiled)", batch, b.prompt_tokens, b.new_tokens, lambda n: ours(n, True), b))
+        progress.update(task, description=f"batch {batch}: ours (eager)", advance=1)
         rows.append(rates("ours (eager)", batch, b.prompt_tokens, b.new_tokens, lambda n: ours(n, False), b))
+        progress.update(task, description=f"batch {batch}: HF transformers", advance=1)
         with torch.no_grad():
             rows.append(rates("hf", batch, b.prompt_tokens, b.new_tokens, lambda n: ref.generate(
                 ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0), b))
-        memory[batch] = ours(b.new_tokens, False).cache.memory_report()
+        # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
+        first, last = ours(1, False).cache, ours(b.new_tokens, False).cache
+        memory[batch] = last.memory_report()
+        for r in rows:
+            if r["batch"] == batch:
+                r["cache_bytes_read"] = (first.nbytes() + last.nbytes()) // 2
         progress.advance(task)
+    del ref
     if cfg.reference.name == "vllm":
         rows += vllm_rates(checkpoint, b, cfg, model.vocab_size)
     return rows, memory
@@ -96,6 +115,23 @@ def vllm_rates(checkpoint: str, b: DictConfig, cfg: DictConfig, vocab: int) -> l
     return rows
 
 
+def roofline(model, rows: list[dict], b: DictConfig, progress) -> dict:
+    """Adds roofline tok/s and the fraction reached to every row of ours/HF (same weights, same cache bytes)."""
+    task = progress.add_task("measuring read bandwidth", total=None)
+    probe = int(b.get("bandwidth_probe_mib", 1024))
+    bandwidth = read_bandwidth(probe << 20)
+    progress.remove_task(task)
+    weights = weight_read_bytes(model)
+    for r in rows:
+        if r.get("cache_bytes_read") is None:
+            continue
+        row = roofline_row(r["system"], r["batch"], r["decode_tok_s"], weights["weights"], r["cache_bytes_read"],
+                           bandwidth)
+        r.update(bytes_per_token=row["bytes_per_token"], roofline_tok_s=row["roofline_tok_s"],
+                 roofline_fraction=row["fraction"])
+    return {"read_bandwidth_gb_s": bandwidth / 1e9, "probe_mib": probe, **weights}
+
+
 def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: DictConfig, progress) -> list[dict]:
     lc = b.long_context
     recurrent = str(tiny_checkpoint(lc.recurrent_model)) if model_cfg.checkpoint is None else None
@@ -112,6 +148,7 @@ def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: Dic
     task = progress.add_task("long context", total=len(strategies) * len(lc.tokens))
     for name, (ckpt, config) in strategies.items():
         for tokens in lc.tokens:
+            progress.update(task, description=f"long context: {name}, {tokens} tokens (own process)")
             cmd = [sys.executable, "-m", "experiments.long_context_probe", ckpt, json.dumps(config), str(tokens),
                    str(lc.decode_tokens), str(lc.prefill_chunk_size)]
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -135,9 +172,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with Progress(console=console, transient=True) as progress:
         compile_start = time.perf_counter()
         rows, memory = throughput(model, checkpoint, cache_config, b, cfg, progress)
+        roof = roofline(model, rows, b, progress)
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = summarize(rows, memory, scaling, rss, time.perf_counter() - compile_start)
+    summary["roofline"] = roof
     ops, ops_cfg = None, (OmegaConf.to_container(b.cache_ops) if "cache_ops" in b else {})
     if ops_cfg.pop("enabled", True):  # speculative decoding, prefix reuse (experiments/benchmark_cache_ops.py)
         from experiments.benchmark_cache_ops import print_cache_ops, run_cache_ops
@@ -183,6 +222,9 @@ def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
             out[f"engine_start_s/{key}/b{r['batch']}"] = r["engine_start_s"]  # excluded from its tokens/s
         if r["system"].startswith("ours") and r["batch"] in hf:
             out[f"decode_speedup_vs_hf/{key}/b{r['batch']}"] = r["decode_tok_s"] / hf[r["batch"]]["decode_tok_s"]
+            out[f"prefill_speedup_vs_hf/{key}/b{r['batch']}"] = r["prefill_tok_s"] / hf[r["batch"]]["prefill_tok_s"]
+        if r.get("roofline_fraction") is not None:
+            out[f"roofline_fraction/{key}/b{r['batch']}"] = r["roofline_fraction"]
     for batch, report in memory.items():
         for m in report:
             out[f"cache_held_over_min/{m['type']}/b{batch}"] = m["ratio"]
@@ -193,15 +235,25 @@ def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
 
 
 def print_tables(console: Console, rows, memory, scaling, summary) -> None:
-    t = Table(title="throughput (tokens/s, medians)")
-    for col in ("system", "batch", "prefill tok/s", "decode tok/s", "decode vs HF"):
+    t = Table(title="throughput (tokens/s, medians; prefill = a 1-token generation, decode = the other steps)")
+    for col in ("system", "batch", "prefill tok/s", "prefill vs HF", "decode tok/s", "decode vs HF", "roofline tok/s",
+                "of roofline"):
         t.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
         key = r["system"].replace(" ", "_").replace("(", "").replace(")", "")
         speed = summary.get(f"decode_speedup_vs_hf/{key}/b{r['batch']}")
+        pre = summary.get(f"prefill_speedup_vs_hf/{key}/b{r['batch']}")
+        limit = r.get("roofline_tok_s")
         t.add_row(r["system"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}" if r.get("prefill_tok_s") else "-",
-                  f"{r['decode_tok_s']:.0f}", f"{speed:.2f}x" if speed else "")
+                  f"{pre:.2f}x" if pre else "", f"{r['decode_tok_s']:.1f}", f"{speed:.2f}x" if speed else "",
+                  f"{limit:.1f}" if limit else "", f"{r['roofline_fraction']:.0%}" if limit else "")
     console.print(t)
+    roof = summary.get("roofline")
+    if roof:
+        console.print(f"roofline: read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s (a streaming read-only sum "
+                      f"over {roof['probe_mib']} MiB, this run); a decode step reads {format_bytes(roof['weights'])} "
+                      f"of weights (tied head included, untied input embeddings excluded) + the cache; roofline "
+                      "tok/s = batch x bandwidth / (weights + cache bytes)", soft_wrap=True)
     m = Table(title="cache memory after the throughput run (held vs theoretical minimum)")
     for col in ("batch", "type", "held", "minimum", "ratio"):
         m.add_column(col, justify="right")
