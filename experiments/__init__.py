@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+import hybridcache.real_checkpoints  # noqa: F401 - registers ${real:NAME} (model=gemma3_270m) for every experiment
+
 EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark", "study": "experiments.study"}
 
 

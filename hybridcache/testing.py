@@ -358,4 +358,39 @@ class _RecurrentKit(_Kit):
                          bad({k: v.to(torch.float16) for k, v in after.items()}),
                          lambda: layer.update(**after), lambda: cache.crop(n + 1)):
                 self.expect_refusal(where, cache, call)
+            self.check_checkpoints(where, batch)
         return self.counts
+
+    def check_checkpoints(self, where: str, batch: int) -> None:
+        """With `checkpoints: k`, crop(n) for any of the last k columns gives back exactly the states the layer
+        had after column n (handed over as a block's trail or as its final state); an older column is refused."""
+        k = self.randint(1, 3)
+        config = {"recurrent": {"type": self.name, **self.params, "checkpoints": k}}
+        cache = Cache.build([NativeLayer(self.name, {**self.native, "dtype": torch.float64})], batch, config)
+        layer = cache[0]
+        after = {0: {n: t.clone() for n, t in layer.states.items()}}  # column -> the states after it
+        for _ in range(self.randint(1, 3)):
+            tokens, start = self.randint(1, 4), cache.columns
+            m = layer.trail_length(tokens)
+            trail = {n: torch.randn((batch, m, *t.shape[1:]), generator=self.g, dtype=torch.float64).to(t.dtype)
+                     for n, t in layer.states.items()}
+            final = self.states(cache)
+            with cache.block(None, tokens):
+                layer.update(trail=trail if m else None, **final)
+            for j in range(m):
+                after[start + tokens - m + j] = {n: t[:, j] for n, t in trail.items()}
+            after[start + tokens] = final
+        end = cache.columns
+        reachable = [c for c in after if end - k <= c < end]  # every such column was a trail or block boundary
+        snap = cache.snapshot()
+        for n in reachable:
+            cache.restore(snap)
+            cache.crop(n)
+            if cache.columns != n or any(not torch.equal(layer.states[s], after[n][s]) for s in after[n]):
+                _fail(where, f"crop({n}) with checkpoints={k} after {end} columns does not give the states after "
+                             f"column {n}")
+            self.count("crop to a checkpoint (exact)")
+        cache.restore(snap)
+        too_old = [c for c in after if c < end - k]
+        if too_old:
+            self.expect_refusal(where, cache, lambda: cache.crop(too_old[-1]))

@@ -31,6 +31,8 @@ def test_registered_type_passes_the_kit(name, codec):
     if get_layer_class(name).kind == "attention":
         layouts = 2 if get_layer_class(name).supports_preallocation else 1
         assert counts["split == one-shot"] == 8 * layouts
+    else:  # every case crops a checkpointed recurrent layer back to at least one earlier column
+        assert counts["crop to a checkpoint (exact)"] >= 8
 
 
 def test_kit_catches_a_pattern_that_evicts_a_visible_token():
