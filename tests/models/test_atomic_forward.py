@@ -125,3 +125,20 @@ def test_compiled_step_is_created_once_even_from_many_threads(jamba):
     for t in threads:
         t.join()
     assert len(steps) == 8 and all(s is steps[0] for s in steps)
+
+
+@pytest.mark.parametrize("chunk", [2, 5])
+def test_generate_checks_every_prefill_piece_before_the_first_is_written(jamba, chunk):
+    """A prompt that fits the first pieces but overflows a later one (or the decode steps) is refused whole: the
+    returned-cache continuation path leaves every layer exactly as it was."""
+    import hybridcache as hc
+
+    cache = jamba.make_cache(1, {"layers": {2: {"max_length": 12}}})
+    first = hc.generate(jamba, prompts(1, 4, seed=7), max_new_tokens=2, cache=cache)
+    before = first.cache.snapshot()
+    longer = torch.cat([first.sequences, prompts(1, 7, seed=8)], dim=1)  # 13 tokens: the 3rd..4th piece overflows
+    with pytest.raises(ValueError, match="max_length=12"):
+        hc.generate(jamba, longer, max_new_tokens=1, cache=first.cache, prefill_chunk_size=chunk)
+    assert state_equal(first.cache.snapshot(), before) and first.cache.columns == 5
+    fits = torch.cat([first.sequences, prompts(1, 3, seed=9)], dim=1)  # 9 tokens + 3 new - 1 = 11 <= 12
+    hc.generate(jamba, fits, max_new_tokens=3, cache=first.cache, prefill_chunk_size=chunk)
