@@ -1,0 +1,58 @@
+"""The lossy/pattern presets (sink, int8, tova, and any later one in configs/cache) compose into plans on every
+family, and a new cache type is one Python file plus one YAML preset that names it under `plugins:`."""
+
+from pathlib import Path
+
+import pytest
+
+from experiments.cache_config import cache_config_from_hydra
+from hybridcache.cache.plan import flatten_native, resolve_plan
+from hybridcache.tiny_models import FAMILIES
+from tests.app.test_app import compose_cfg, native_layers
+from tests.app.test_app_runs import SHORT, app  # noqa: F401 - the in-process app fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+EXACT_PRESETS = {"native", "hybrid", "full", "static", "hybrid_sliding", "hybrid_chunked"}  # tests/app/test_app.py
+OTHER_PRESETS = sorted(p.stem for p in (ROOT / "configs" / "cache").glob("*.yaml") if p.stem not in EXACT_PRESETS)
+
+
+def test_the_lossy_and_pattern_presets_are_all_covered():
+    assert {"sink", "int8", "tova"} <= set(OTHER_PRESETS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("preset", OTHER_PRESETS)
+def test_every_other_preset_composes_into_a_plan_on_every_family(family, preset):
+    cfg = compose_cfg(f"model={family}", f"cache={preset}")
+    cache_config, preallocate = cache_config_from_hydra(cfg.cache)
+    native = native_layers(family)
+    plan = resolve_plan(native, cache_config, 128 if preallocate else None)
+    assert [p.native_type for p in plan.layers] == [n.type for _, _, n in flatten_native(native)]
+    native_plan = resolve_plan(native)
+    for p, q in zip(plan.layers, native_plan.layers):
+        if p.kind == "recurrent":  # recurrent states are never touched by an attention preset
+            assert p.type == q.type
+        elif preset in ("sink", "tova") and p.native_type == "full":
+            assert p.type == preset
+        elif preset == "int8":
+            assert p.type == q.type and p.spec.storage == "int8"
+
+
+def test_a_yaml_preset_with_plugins_adds_a_cache_type_end_to_end(app, tmp_path, monkeypatch):
+    """One file (the type) + one YAML (the preset naming it): `python run.py cache=<preset>` with no other edit."""
+    (tmp_path / "hc_yaml_plugin_window.py").write_text(
+        "from hybridcache.cache import SlidingWindowLayer, register_cache_layer\n\n\n"
+        "@register_cache_layer('yaml_plugin_window')\nclass YamlPluginWindow(SlidingWindowLayer):\n"
+        "    '''A sliding window under its own name (a stand-in for a real new pattern).'''\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    presets = tmp_path / "configs" / "cache"
+    presets.mkdir(parents=True)
+    (presets / "yaml_plugin_preset.yaml").write_text(
+        "defaults:\n  - /cache_schema/base@_here_\n  - _self_\n"
+        "plugins: [hc_yaml_plugin_window]\nfull:\n  type: yaml_plugin_window\n  window: 8\n")
+    code, results, out, _ = app("model=jamba", "cache=yaml_plugin_preset",
+                                f"hydra.searchpath=[file://{tmp_path / 'configs'}]", *SHORT)
+    assert code == 0, out
+    types = [r["type"] for r in results["plan"]]
+    assert types == ["mamba", "mamba", "yaml_plugin_window", "mamba"], types  # tiny jamba: layer 2 is attention
+    assert results["summary"]["oracle_pass"]
