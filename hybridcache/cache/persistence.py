@@ -3,13 +3,15 @@
 File layout: one safetensors file. Its tensors are every cache layer's storage (`layers.<i>.<name>`) plus the
 sequence state (`sequence.seen`, `sequence.fingerprint`); its metadata holds one JSON document under "hybridcache":
 
-    {"format": "hybridcache.cache", "version": 1,
+    {"format": "hybridcache.cache", "version": 2,
      "model": {"family", "config_sha256", "weights_sha256"},      # who the cache belongs to
      "batch_size", "columns", "has_fingerprint",
      "layers": [{"index", "member", "native_type", "type", "spec": {...}}, ...],
-     "payload_sha256": sha256 over every tensor (name, dtype, shape, bytes, in name order)}
+     "payload_sha256": sha256 over every tensor (name, dtype, shape, bytes, in name order),
+     "header_sha256": sha256 of this document without this field (canonical JSON, sorted keys)}
 
-`load` checks, before building anything: the format and version, the payload hash (a corrupted or truncated file
+`load` checks, before building anything: the format and version, the header's and the payload's hashes (an edited
+header, a corrupted or truncated file
 fails here or in the safetensors parser), the model's identity, the batch size and cache config if the caller
 names them, and that each layer's spec fits the model. Every failure is a `CacheFileError` saying what differs.
 """
@@ -35,7 +37,7 @@ from hybridcache.cache.registry import get_layer_class
 if TYPE_CHECKING:
     from hybridcache.cache.cache import Cache
 
-FORMAT, VERSION = "hybridcache.cache", 1
+FORMAT, VERSION = "hybridcache.cache", 2  # 2: the header carries its own sha256
 _SAMPLE = 4096  # elements per parameter that enter the weights digest (first and last ones)
 
 
@@ -55,6 +57,12 @@ def model_identity(model: torch.nn.Module) -> dict[str, str]:
         h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return {"family": str(getattr(model, "family", type(model).__name__)),
             "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "weights_sha256": h.hexdigest()}
+
+
+def header_sha256(header: Mapping[str, Any]) -> str:
+    """sha256 of the header's canonical JSON (sorted keys), without its own `header_sha256` field."""
+    body = {k: v for k, v in header.items() if k != "header_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def payload_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -114,6 +122,7 @@ def save_cache(cache: "Cache", path: str | os.PathLike, model: torch.nn.Module) 
                   "batch_size": cache.batch_size, "columns": cache.columns,
                   "has_fingerprint": cache.seq.fingerprint is not None, "layers": layers,
                   "payload_sha256": payload_sha256(tensors)}
+        header["header_sha256"] = header_sha256(header)
         data = st_save(tensors, metadata={"hybridcache": json.dumps(header)})
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
@@ -144,6 +153,8 @@ def read_cache_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     if header.get("version") != VERSION:
         raise CacheFileError(f"{path}: cache file format version {header.get('version')!r}; this hybridcache reads "
                              f"version {VERSION}")
+    if header_sha256(header) != header.get("header_sha256"):
+        raise CacheFileError(f"{path}: the cache header does not match its sha256 (the file was edited or corrupted)")
     if payload_sha256(tensors) != header.get("payload_sha256"):
         raise CacheFileError(f"{path}: the tensor payload does not match its sha256 (the file is corrupted)")
     return header, tensors

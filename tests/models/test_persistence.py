@@ -105,6 +105,11 @@ def test_corrupted_truncated_or_foreign_files_are_clear_errors(models, tmp_path)
     save_file(tensors, str(bad), metadata={"hybridcache": json.dumps(header)})
     with pytest.raises(CacheFileError, match="version 99"):
         Cache.load(bad, model)
+    # an edited header with an intact payload: here the sequence claims one column more than was fed
+    header["version"], header["columns"] = 2, header["columns"] + 1
+    save_file(tensors, str(bad), metadata={"hybridcache": json.dumps(header)})
+    with pytest.raises(CacheFileError, match="header does not match its sha256"):
+        Cache.load(bad, model)
     with pytest.raises(FileNotFoundError):
         Cache.load(tmp_path / "missing", model)
     assert b"pickle" not in data and not data.startswith(b"\x80")  # safetensors, never a pickle
