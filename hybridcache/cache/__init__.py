@@ -1,7 +1,8 @@
 """The Cache: per decoder layer one cache layer (or a group of them) drawn from a registry of types.
 
 Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window), tova (score-based eviction to a budget); any of them stores tokens
-with a codec (`storage`: dense, int8, ...). Recurrent types: mamba, mamba2, rglru, conv.
+with a codec (`storage`: dense, int8, int4 (`q_group_size`), offload (dense on a slower tier), ...), optionally with a
+`residual` window of unquantized recent tokens. Recurrent types: mamba, mamba2, rglru, conv.
 """
 
 from hybridcache.cache.attention import (
@@ -33,7 +34,7 @@ from hybridcache.cache.registry import available_layers, get_layer_class, load_p
 from hybridcache.cache.sequence import BlockState, SequenceState
 
 # Built-in extensions, written exactly as a user's plugin module would be (one file each).
-from hybridcache.cache import delta_rule, int8_storage, sink, tova  # noqa: E402,F401  isort: skip
+from hybridcache.cache import delta_rule, int4_storage, int8_storage, offload_storage, sink, tova  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "AttentionCacheLayer", "AttentionSpec", "AttentionView", "BlockState", "Cache", "CacheConfigError",

@@ -8,6 +8,11 @@ see is kept (sliding: the last W-1 tokens, chunked: the current chunk), or what 
 Preallocated (max_length set): static buffers whose slots the spec assigns (`slot_of`: linear for `full`, a ring of
 W / C slots for `sliding` / `chunked`). A one-token decode block is written in place and the buffer itself is
 returned: no roll, no copy of the window. Longer blocks attend over a copy and are written at commit.
+
+Storage options on every pattern: the codec (`storage`, with `q_group_size` for quantized formats), a residual window
+of dense recent tokens next to a quantized storage (`residual`, residual_window.py), and a storage tier that keeps
+the parts off the compute device between blocks (`storage: offload`, offload_storage.py): the layer fetches them
+when a block or a batch operation needs them and parks them again after it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from hybridcache.cache import residual_window
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.base import CacheLayer
 from hybridcache.cache.errors import CacheCropError, CacheError
-from hybridcache.cache.kv_codecs import DenseCodec, get_codec
+from hybridcache.cache.kv_codecs import DenseCodec
 from hybridcache.cache.registry import register_cache_layer
 from hybridcache.cache.sequence import BlockState
 
@@ -76,7 +82,7 @@ class AttentionCacheLayer(CacheLayer):
     # -- storage -----------------------------------------------------------------------------------------------
     def _allocate(self, batch_size: int) -> None:
         s = self.spec
-        self.codec = get_codec(s.storage)
+        self.codec = s.codec()
         slots = s.slots or 0
         self._parts: dict[str, tuple[str, str]] = {}  # attribute -> (side, codec part)
         for side in SIDES:
@@ -85,14 +91,27 @@ class AttentionCacheLayer(CacheLayer):
                 self._parts[attr] = (side, part)
                 setattr(self, attr, torch.zeros(batch_size, s.num_kv_heads, slots, *shape, dtype=dtype, device=self.device))
         self.key_pos = torch.full((batch_size, slots), -1, dtype=torch.long, device=self.device)  # [B, S]
+        self._residual = residual_window.allocate(self, batch_size)  # dense recent tokens (residual: R)
+        self._tier = self.codec.tier(self)  # None: the parts stay on self.device
+        self._park()
 
     @property
     def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (*self._parts, "key_pos")
+        return (*self._parts, *self._residual, "key_pos")
+
+    def _fetch(self) -> None:
+        """Bring offloaded parts to the compute device (before a block or a batch operation uses them)."""
+        if self._tier is not None:
+            self._tier.fetch()
+
+    def _park(self) -> None:
+        """Put offloaded parts back on their storage tier (after the block or operation)."""
+        if self._tier is not None:
+            self._tier.park()
 
     def nbytes(self) -> int:
         storages = {}
-        for name in self._parts:
+        for name in (*self._parts, *self._residual[:-1]):
             t = getattr(self, name)
             if t.numel():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -115,8 +134,10 @@ class AttentionCacheLayer(CacheLayer):
                 setattr(self, attr, parts[part])
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held keys and values [B, H, S, D], decoded (the stored tensors themselves for dense storage)."""
-        return tuple(self.codec.decode(self._side(side), self.spec.dtype) for side in SIDES)  # type: ignore[return-value]
+        """The held keys and values [B, H, S, D], decoded (the stored tensors themselves for dense storage), with
+        the residual window's tokens unquantized."""
+        keys, values = (self.codec.decode(self._side(side), self.spec.dtype).to(self.device) for side in SIDES)
+        return residual_window.overlay(self, keys, values)
 
     @property
     def keys(self) -> torch.Tensor:  # for dense storage, the stored tensor itself
@@ -172,9 +193,11 @@ class AttentionCacheLayer(CacheLayer):
         tokens = self._check_kv(k, v)
         block, opened = self._open(valid, tokens)
         try:
+            self._fetch()
             view = self._write(k, v, block)
         except BaseException:
             self._close(opened, failed=True)
+            self._park()
             raise
         self._close(opened, failed=False)
         return view
@@ -188,7 +211,8 @@ class AttentionCacheLayer(CacheLayer):
                 for part, t in self.codec.encode(x).items():
                     self._side(side)[part].scatter_(2, _slot_index(slots, t), t)
             self.key_pos.scatter_(1, slots, block.positions)
-            self._staged = ("decode", slots, old, old_pos)
+            residual = residual_window.write_decode(self, k, v, block.positions)
+            self._staged = ("decode", slots, old, old_pos, residual)
             keys, values = self.read()
             return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
         held_k, held_v = self.read()
@@ -198,9 +222,11 @@ class AttentionCacheLayer(CacheLayer):
         return AttentionView(keys, values, block.positions, pos, self.spec)
 
     def _commit_staged(self, staged: Any) -> None:
-        if staged[0] == "decode":
-            return  # written in place
-        _, k, v, keys, values, pos, block = staged
+        if staged[0] != "decode":  # a decode step was written in place
+            self._commit_block(*staged[1:])
+        self._park()
+
+    def _commit_block(self, k, v, keys, values, pos, block: BlockState) -> None:
         if self.static:
             self._commit_static(k, v, block)
             return
@@ -216,13 +242,17 @@ class AttentionCacheLayer(CacheLayer):
             index = self._evict(pos, block.seen_after)
             if index is not None:
                 self._take(index)
+        if self._residual:
+            residual_window.commit_dynamic(self, k, v, block.positions, block.seen_after)
 
     def _abort_staged(self, staged: Any) -> None:
         if staged[0] == "decode":  # put back what the written slot held
-            _, slots, old, old_pos = staged
+            _, slots, old, old_pos, residual = staged
             for attr, t in old.items():
                 getattr(self, attr).scatter_(2, _slot_index(slots, t), t)
             self.key_pos.scatter_(1, slots, old_pos)
+            residual_window.undo_decode(self, residual)
+        self._park()
 
     def _evict(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
         """Slots to keep after a block ([S'] for all rows or [B, S'] per row); None keeps everything.
@@ -254,6 +284,18 @@ class AttentionCacheLayer(CacheLayer):
                 mask = hit[:, None, :].reshape(*hit.shape[:1], 1, size, *([1] * (dst.dim() - 3)))
                 dst.copy_(torch.where(mask, new, dst))
         self.key_pos.copy_(torch.where(hit, pos.gather(1, source.clamp(min=0)), self.key_pos))
+        if self._residual:
+            residual_window.commit_static(self, k, v, pos, block.seen_after)
+
+    # -- batch operations on offloaded parts ---------------------------------------------------------------------
+    def _commit_index(self, index: torch.Tensor) -> None:
+        self._fetch()
+        super()._commit_index(index)
+        self._park()
+
+    def _commit_restore(self, snap: Any) -> None:
+        super()._commit_restore(snap)
+        self._park()
 
     # -- crop --------------------------------------------------------------------------------------------------
     def _prepare_crop(self, n: int, seen: torch.Tensor):
@@ -268,16 +310,20 @@ class AttentionCacheLayer(CacheLayer):
                 f"{self.type_name} pattern). Take cache.snapshot() before the tokens you may roll back, "
                 "and cache.restore() it instead."
             )
-        return kept
+        return kept, seen
 
-    def _commit_crop(self, kept: torch.Tensor) -> None:
+    def _commit_crop(self, plan: tuple[torch.Tensor, torch.Tensor]) -> None:
+        kept, seen = plan
+        self._fetch()
+        residual_window.crop(self, seen)
         if self.static:
             self.key_pos.masked_fill_(~kept, -1)
-            return
-        self.key_pos = torch.where(kept, self.key_pos, -1)
-        columns = kept.any(0)
-        if not bool(columns.all()):
-            self._take(columns.nonzero().squeeze(1))
+        else:
+            self.key_pos = torch.where(kept, self.key_pos, -1)
+            columns = kept.any(0)
+            if not bool(columns.all()):
+                self._take(columns.nonzero().squeeze(1))
+        self._park()
 
 
 @register_cache_layer("full")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridcache.cache.base import LayerSpec, check_positive_int, tunable
+from hybridcache.cache.base import LayerSpec, check_positive_int, dtype_nbytes, tunable
 from hybridcache.cache.errors import CacheError
-from hybridcache.cache.kv_codecs import get_codec
+from hybridcache.cache.kv_codecs import KVCodec, get_codec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,13 +26,17 @@ class AttentionSpec(LayerSpec):
     """Keys and values of `num_kv_heads` heads of size `head_dim`.
 
     `max_length` preallocates static storage for that many tokens per row; `storage` names the codec that stores
-    each kept token (`dense`, or e.g. `int8`; see kv_codecs.py).
+    each kept token (`dense`, or e.g. `int8`, `int4`, `offload`; see kv_codecs.py), `q_group_size` its quantization
+    group along head_dim (None: the format's default); `residual` keeps the most recent tokens of a quantized
+    storage unquantized as well (KIVI / HF QuantizedCache; see residual_window.py).
     """
 
     num_kv_heads: int
     head_dim: int
     max_length: int | None = tunable(None)
     storage: str = tunable("dense")
+    q_group_size: int | None = tunable(None)
+    residual: int | None = tunable(None)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -42,7 +46,24 @@ class AttentionSpec(LayerSpec):
         check_positive_int(owner, "max_length", self.max_length, allow_none=True)
         if not isinstance(self.storage, str):
             raise CacheError(f"{owner}: storage must be the name of a storage format, got {self.storage!r}")
-        get_codec(self.storage)  # unknown names fail here, with the list of known ones
+        check_positive_int(owner, "q_group_size", self.q_group_size, allow_none=True)
+        r = self.residual
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise CacheError(f"{owner}: residual must be a non-negative integer (recent tokens kept unquantized), "
+                             f"got {r!r}")
+        codec = self.codec()  # unknown names, options and group sizes fail here, with what is known
+        if r and codec.exact:
+            raise CacheError(f"{owner}: residual={r} keeps the most recent tokens unquantized, but storage "
+                             f"'{self.storage}' is exact already; use it with a quantized storage (int8, int4)")
+        dense = self.num_kv_heads * self.head_dim * dtype_nbytes(self.dtype)
+        object.__setattr__(self, "_nbytes", (2 * self.num_kv_heads * codec.token_nbytes(self.head_dim, self.dtype),
+                                             2 * dense))
+
+    def codec(self) -> KVCodec:
+        """A codec of this spec's storage format (validated against head_dim and dtype)."""
+        codec = get_codec(self.storage, q_group_size=self.q_group_size)
+        codec.check(self.head_dim, self.dtype)
+        return codec
 
     # -- the pattern -------------------------------------------------------------------------------------------
     def visible(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -76,7 +97,12 @@ class AttentionSpec(LayerSpec):
     @property
     def token_nbytes(self) -> int:
         """Bytes of one token's key and value, as the storage format keeps them."""
-        return 2 * self.num_kv_heads * get_codec(self.storage).token_nbytes(self.head_dim, self.dtype)
+        return self._nbytes[0]
+
+    @property
+    def dense_token_nbytes(self) -> int:
+        """Bytes of one token's key and value unquantized (in `dtype`): what a residual-window token adds."""
+        return self._nbytes[1]
 
     @property
     def slots(self) -> int | None:
@@ -85,12 +111,19 @@ class AttentionSpec(LayerSpec):
             return None
         return self.max_length if self.ring_size is None else min(self.ring_size, self.max_length)
 
+    @property
+    def residual_slots(self) -> int | None:
+        """Preallocated slots of the residual window's ring per row: min(residual, slots) (None when dynamic)."""
+        return None if self.slots is None else min(self.residual or 0, self.slots)
+
     def min_nbytes(self, batch: int, tokens: int) -> int:
-        return batch * int(self.needed_tokens(tokens)) * self.token_nbytes
+        """Every needed token in `storage`; the last `residual` of them also unquantized."""
+        needed = int(self.needed_tokens(tokens))
+        return batch * (needed * self.token_nbytes + min(needed, self.residual or 0) * self.dense_token_nbytes)
 
     def held_nbytes(self, batch: int, tokens: int) -> int:
         if self.slots is not None:
-            return batch * self.slots * self.token_nbytes
+            return batch * (self.slots * self.token_nbytes + self.residual_slots * self.dense_token_nbytes)
         return self.min_nbytes(batch, tokens)
 
 

@@ -5,12 +5,16 @@ token's key and value are stored is the codec's. Any pattern takes any codec thr
 (`{"attention": {"storage": "int8"}}`). A codec turns a block x [B, H, T, D] into named parts [B, H, T, ...]
 (`encode`) and back (`decode`); storage, eviction, ring buffers and batch operations work on the parts.
 A new format is one class: `@register_kv_codec("name")`.
+
+A format may take options from the spec (`options`, e.g. int4's `q_group_size`: `get_codec("int4", q_group_size=16)`),
+refuse a head size or dtype (`check`), and keep its parts somewhere other than the layer's device between blocks
+(`tier`: `offload` keeps them in CPU memory or memory-mapped files, see offload_storage.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import torch
 
@@ -24,6 +28,15 @@ class KVCodec(ABC):
 
     name: ClassVar[str] = "?"
     exact: ClassVar[bool] = False
+    options: ClassVar[tuple[str, ...]] = ()  # spec fields this format takes, passed to __init__ (e.g. "q_group_size")
+
+    def check(self, head_dim: int, dtype: torch.dtype) -> None:
+        """Raise CacheConfigError if this format cannot store vectors of `head_dim` elements in `dtype`."""
+
+    def tier(self, layer: Any) -> Any:
+        """Where `layer`'s stored parts live between blocks: None keeps them on the layer's device; an offloading
+        format returns an object with `fetch()` / `park()` (see offload_storage.py)."""
+        return None
 
     @abstractmethod
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
@@ -77,10 +90,17 @@ def available_codecs() -> list[str]:
     return sorted(_CODECS)
 
 
-def get_codec(name: str) -> KVCodec:
+def get_codec(name: str, **options: Any) -> KVCodec:
+    """A codec of format `name`; `options` set to None are left at the format's defaults."""
     if name not in _CODECS:
         raise CacheConfigError(f"unknown attention storage {name!r}; known: {', '.join(available_codecs())}")
-    return _CODECS[name]()
+    cls = _CODECS[name]
+    options = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        takes = f"it takes {', '.join(cls.options)}" if cls.options else "it takes no options"
+        raise CacheConfigError(f"storage '{name}' does not take {', '.join(unknown)} ({takes})")
+    return cls(**options)
 
 
 @register_kv_codec("dense")
