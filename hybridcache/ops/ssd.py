@@ -51,9 +51,33 @@ def _check_heads(h: int, g: int) -> None:
         raise ValueError(f"number of heads H={h} must be a multiple of groups G={g}")
 
 
+# Chunks handled at once by the vectorized scan: bounds the [B, H, K, L, L] intra-chunk weights to ~64 MiB.
+_GROUP_BYTES = 64 << 20
+
+
+def _ssd_chunks(xdt, dA, bc, cc, h):
+    """K whole chunks at once. xdt [B, G, R, K, L, P]; dA [B, G, R, K, L]; bc, cc [B, K, L, G, N];
+    h [B, G, R, P, N] the state entering the first chunk. Returns y [B, G, R, K, L, P] and the state after the last."""
+    cum = torch.cumsum(dA, dim=-1)  # [B, G, R, K, L]
+    # 1. intra-chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s
+    scores = torch.einsum("bklgn,bksgn->bgkls", cc, bc)  # [B, G, K, L, S]
+    y = torch.einsum("bgrkls,bgrksp->bgrklp", scores[:, :, None] * torch.exp(_segsum(dA)), xdt)
+    # 2. each chunk's own contribution to the state at its end (suffix sums: no cancellation of long cumsums)
+    suffix = torch.flip(torch.cumsum(torch.flip(dA, [-1]), dim=-1), [-1])  # sum_{k>=l}
+    to_end = torch.exp(torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], dim=-1))  # sum_{k>l}
+    own = torch.einsum("bksgn,bgrksp->bgrkpn", bc, xdt * to_end[..., None])  # [B, G, R, K, P, N]
+    # 3. the state entering each chunk: h and the earlier chunks' states, decayed across the chunks in between
+    total = F.pad(suffix[..., 0], (1, 0))  # [B, G, R, K+1]: 0, then each chunk's whole log-decay
+    states = torch.cat([h[:, :, :, None], own], dim=3)  # [B, G, R, K+1, P, N]
+    states = torch.einsum("bgrzk,bgrkpn->bgrzpn", torch.exp(_segsum(total)), states)
+    # 4. incoming state: y_l += exp(cum_l) * (h_in @ C_l)
+    y = y + torch.einsum("bklgn,bgrkpn->bgrklp", cc, states[:, :, :, :-1]) * torch.exp(cum)[..., None]
+    return y, states[:, :, :, -1]
+
+
 def _ssd_scan_torch(x, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, dt_softplus=False,
                     dt_limit=_NO_LIMIT, state=None):
-    """Reference chunked SSD; loops over chunks, memory O(B * H * chunk^2) per step."""
+    """Pure-torch chunked SSD: whole groups of chunks per step (no Python loop per chunk), memory bounded."""
     bsz, t, nh, p = x.shape
     g, n = B.shape[2], B.shape[3]
     _check_heads(nh, g)
@@ -62,44 +86,31 @@ def _ssd_scan_torch(x, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, dt_sof
     acc = acc_dtype(x, state)
     xf = x.to(acc)
     dtf = _dt(dt, dt_bias, dt_softplus, dt_limit, acc)  # [B, T, H]
-    a = rearrange(A.to(acc), "(g r) -> g r 1", g=g)  # [G, R, 1]
+    a = rearrange(A.to(acc), "(g r) -> g r 1 1", g=g)  # [G, R, 1, 1]
     if state is None:
         h = xf.new_zeros(bsz, g, nh // g, p, n)
     else:
         h = rearrange(state.to(acc), "b (g r) p n -> b g r p n", g=g)  # [B, G, R, P, N]
-
+    if t == 0:
+        return xf.new_zeros(bsz, 0, nh, p).to(x.dtype), rearrange(h, "b g r p n -> b (g r) p n").clone()
+    L = min(chunk_size, t)
+    pad = -t % L  # padded steps have dt = 0: no decay and no input, so the state passes through unchanged
+    chunks = (t + pad) // L
+    xdt = F.pad(xf * dtf[..., None], (0, 0, 0, 0, 0, pad))  # [B, T', H, P]
+    xdt = rearrange(xdt, "b (k l) (g r) p -> b g r k l p", l=L, g=g)
+    dA = rearrange(F.pad(dtf, (0, 0, 0, pad)), "b (k l) (g r) -> b g r k l", l=L, g=g) * a
+    bc, cc = (rearrange(F.pad(v.to(acc), (0, 0, 0, 0, 0, pad)), "b (k l) g n -> b k l g n", l=L) for v in (B, C))
+    per_chunk = bsz * nh * L * L * torch.empty((), dtype=acc).element_size()
+    group = max(1, _GROUP_BYTES // per_chunk)
     ys = []
-    for t0 in range(0, t, chunk_size):
-        sl = slice(t0, t0 + chunk_size)
-        xc = rearrange(xf[:, sl], "b l (g r) p -> b g r l p", g=g)  # [B, G, R, L, P]
-        dtc = rearrange(dtf[:, sl], "b l (g r) -> b g r l", g=g)  # [B, G, R, L]
-        bc, cc = B[:, sl].to(acc), C[:, sl].to(acc)  # [B, L, G, N]
-        xdt = xc * dtc[..., None]  # [B, G, R, L, P]
-        dA = dtc * a  # [B, G, R, L] log-decay per step
-        cum = torch.cumsum(dA, dim=-1)
-
-        # 1. intra-chunk: y_l += sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s
-        scores = torch.einsum("blgn,bsgn->bgls", cc, bc)  # [B, G, L, S]
-        weights = scores[:, :, None] * torch.exp(_segsum(dA))  # [B, G, R, L, S]
-        y = torch.einsum("bgrls,bgrsp->bgrlp", weights, xdt)
-        # 2. incoming state: y_l += exp(cum_l) * (h0 @ C_l)
-        y = y + torch.einsum("blgn,bgrpn->bgrlp", cc, h) * torch.exp(cum)[..., None]
-        # 3. pass the state to the next chunk
-        # sum_{k>l} dA_k as a suffix sum (no cancellation of two long cumulative sums)
-        suffix = torch.flip(torch.cumsum(torch.flip(dA, [-1]), dim=-1), [-1])  # sum_{k>=l}
-        to_end = torch.exp(torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], dim=-1))  # [B, G, R, L]
-        h = torch.exp(cum[..., -1])[..., None, None] * h + torch.einsum(
-            "bsgn,bgrsp->bgrpn", bc, xdt * to_end[..., None])
+    for k0 in range(0, chunks, group):
+        sl = slice(k0, k0 + group)
+        y, h = _ssd_chunks(xdt[:, :, :, sl], dA[:, :, :, sl], bc[:, sl], cc[:, sl], h)
         ys.append(y)
-
-    if ys:
-        y = rearrange(torch.cat(ys, dim=3), "b g r t p -> b t (g r) p")
-    else:
-        y = xf.new_zeros(bsz, 0, nh, p)
+    y = rearrange(torch.cat(ys, dim=3), "b g r k l p -> b (k l) (g r) p")[:, :t]
     if D is not None:
         y = y + D.to(acc)[:, None] * xf
-    h = rearrange(h, "b g r p n -> b (g r) p n")
-    return y.to(x.dtype), (h if t > 0 else h.clone())
+    return y.to(x.dtype), rearrange(h, "b g r p n -> b (g r) p n")
 
 
 def ssd_scan(

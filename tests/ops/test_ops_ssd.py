@@ -182,3 +182,17 @@ def test_heads_must_divide_groups():
     kw = make(5, nh=3, g=2)
     with pytest.raises(ValueError):
         scan(kw)
+
+
+@pytest.mark.parametrize("group_bytes", [1, 2000])
+def test_groups_of_chunks_carry_the_state_like_one_group(monkeypatch, group_bytes):
+    """Long sequences run in memory-bounded groups of chunks (one chunk per group at group_bytes=1): each group
+    hands its final state to the next, and the result is the naive recurrence's."""
+    from hybridcache.ops import ssd
+
+    kw = make(11, bsz=2, t=23, with_state=True)
+    monkeypatch.setattr(ssd, "_GROUP_BYTES", group_bytes)
+    y, h = scan(kw, chunk_size=4)
+    ry, rh = oracle(kw)
+    torch.testing.assert_close(y, ry, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h, rh, rtol=1e-10, atol=1e-10)
