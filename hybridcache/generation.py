@@ -34,12 +34,25 @@ class GenerateOutput:
 
 
 def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0
+            or temperature == float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def _eos_ids(eos_token_id: Any, vocab_size: int) -> list[int]:
+    """eos_token_id (None, an id or a list of ids) as a list of ids in [0, vocab_size)."""
+    ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
+    if ids is None:
+        return []
+    if (not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            or not all(0 <= i < vocab_size for i in ids)):
+        raise ValueError(f"eos_token_id must be None, a token id or a list of token ids in [0, {vocab_size}), got "
+                         f"{eos_token_id!r}")
+    return list(ids)
 
 
 def sample_next(
@@ -73,16 +86,19 @@ def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> 
             f"attention_mask row {row} marks {int(seen[row])} of the first {cached} columns as real, but the cache saw "
             f"{int(cache.seq.seen[row])} real tokens in that row"
         )
-    if cache.seq.fingerprint is not None:
-        prefix = mask[:, :cached].bool()
-        positions = torch.where(prefix, prefix.long().cumsum(1) - 1, -1)
-        differs = token_fingerprint(input_ids[:, :cached], positions) != cache.seq.fingerprint
-        if bool(differs.any()):
-            raise ValueError(
-                f"input_ids[:, :{cached}] (row {int(differs.nonzero()[0])}) are not the tokens the cache saw. With "
-                "cache=, pass the whole sequence (the cache's tokens followed by new ones), e.g. out.sequences plus "
-                "new tokens, never only the new tokens"
-            )
+    if cache.seq.fingerprint is None:
+        raise ValueError(
+            "this cache does not know which tokens it saw (it was fed outside the model, without token ids), so "
+            "a continuation cannot be checked against it; continue it with model(new_ids, cache) instead")
+    prefix = mask[:, :cached].bool()
+    positions = torch.where(prefix, prefix.long().cumsum(1) - 1, -1)
+    differs = token_fingerprint(input_ids[:, :cached], positions) != cache.seq.fingerprint
+    if bool(differs.any()):
+        raise ValueError(
+            f"input_ids[:, :{cached}] (row {int(differs.nonzero()[0])}) are not the tokens the cache saw. With "
+            "cache=, pass the whole sequence (the cache's tokens followed by new ones), e.g. out.sequences plus "
+            "new tokens, never only the new tokens"
+        )
     return input_ids[:, cached:]
 
 
@@ -159,6 +175,9 @@ def generate(
     ):
         raise ValueError(f"prefill_chunk_size must be a positive integer or None, got {prefill_chunk_size!r}")
     _check_sampling(temperature, top_k, top_p)  # also when greedy: a bad value is a bug in the caller either way
+    for name, flag in (("do_sample", do_sample), ("use_cache", use_cache), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
     if cache is not None and cache_config is not None:
@@ -185,7 +204,7 @@ def generate(
         full_mask = check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width)
     if not bool(full_mask.any(1).all()):
         raise ValueError("every row needs at least one real token (a row of the attention_mask is all zeros)")
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    eos = torch.tensor(_eos_ids(eos_token_id, model.vocab_size), dtype=torch.long, device=device)
     pad_id = model.config.get("pad_token_id")
     pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
     if draft_model is not None:

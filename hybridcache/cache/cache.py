@@ -65,6 +65,7 @@ class CacheSnapshot:
     seen: torch.Tensor
     columns: int
     fingerprint: torch.Tensor | None = None
+    history: torch.Tensor | None = None  # [B, columns] running token fingerprint (what crop keeps it by)
 
 
 class Cache:
@@ -91,9 +92,21 @@ class Cache:
                 raise CacheError("cache layers disagree on the batch or on what was seen; build them together")
         self.seq = SequenceState(first.batch_size, first.seen.device)
         self.seq.seen, self.seq.columns = first.seen.clone(), first.columns
+        if first.columns:  # layers fed on their own: which tokens they saw is not known
+            self.seq.set_tokens(None)
         for layer in layers:
             layer.seq, layer.standalone = self.seq, False
         self.entries, self.layers, self.plan = entries, layers, plan
+        self._lock, self._holder = threading.Lock(), None
+
+    def __getstate__(self) -> dict[str, Any]:  # copy / deepcopy / pickle: a fresh lock, not the held one
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        state["_holder"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     @classmethod
@@ -173,7 +186,15 @@ class Cache:
     # -- feeding a block ---------------------------------------------------------------------------------------
     def _acquire(self, what: str) -> None:
         if not self._lock.acquire(blocking=False):
-            raise CacheError(f"Cache.{what}: the cache is in use by another thread (a Cache is not thread-safe)")
+            if self._holder == threading.get_ident():  # this thread is feeding a block
+                raise CacheError(f"Cache.{what}: a block is being fed; finish it (commit or abort) first")
+            raise CacheError(f"Cache.{what}: the cache is in use by another thread (a Cache belongs to one thread "
+                             "at a time; give each thread its own cache, or hand it over when one is done)")
+        self._holder = threading.get_ident()
+
+    def _release(self) -> None:
+        self._holder = None
+        self._lock.release()
 
     def begin_block(self, valid: torch.Tensor | None = None, tokens: int | None = None, check: bool = True,
                     ids: torch.Tensor | None = None) -> BlockState:
@@ -190,7 +211,7 @@ class Cache:
             for layer in self.layers:
                 layer.check_block(block)
         except BaseException:
-            self._lock.release()
+            self._release()
             raise
         self.seq.block = block
         return block
@@ -205,7 +226,7 @@ class Cache:
         for layer in self.layers:
             layer.commit_block()
         self.seq.commit()
-        self._lock.release()
+        self._release()
 
     def abort_block(self) -> None:
         """Drop the open block: every layer keeps what it held before it."""
@@ -214,7 +235,7 @@ class Cache:
         for layer in self.layers:
             layer.abort_block()
         self.seq.block = None
-        self._lock.release()
+        self._release()
 
     @contextmanager
     def block(self, valid: torch.Tensor | None = None, tokens: int | None = None) -> Iterator[BlockState]:
@@ -236,14 +257,13 @@ class Cache:
                 raise CacheError(f"Cache.{what}: a block is being fed")
             yield
         finally:
-            self._lock.release()
+            self._release()
 
     def reset(self) -> None:
         with self._operation("reset"):
             for layer in self.layers:
                 layer._commit_reset()
-            self.seq.seen, self.seq.columns = torch.zeros_like(self.seq.seen), 0
-            self.seq.fingerprint = torch.zeros_like(self.seq.seen)
+            self.seq.reset()
 
     def check_capacity(self, seen_after: torch.Tensor) -> None:
         """Raise if preallocated layers cannot hold `seen_after` [B] real tokens per row (changes nothing)."""
@@ -253,9 +273,7 @@ class Cache:
     def _index(self, what: str, plans: list[torch.Tensor] | None, index: torch.Tensor) -> None:
         for layer, plan in zip(self.layers, plans or [index] * len(self.layers)):
             layer._commit_index(plan)
-        self.seq.seen = self.seq.seen.index_select(0, index)
-        if self.seq.fingerprint is not None:
-            self.seq.fingerprint = self.seq.fingerprint.index_select(0, index)
+        self.seq.select_rows(index)
 
     def reorder(self, index: Any) -> None:
         """Row i becomes old row index[i] in every layer (beam search)."""
@@ -283,28 +301,42 @@ class Cache:
             plans = [layer._prepare_crop(n, seen) for layer in self.layers]
             for layer, plan in zip(self.layers, plans):
                 layer._commit_crop(plan)
-            if n != self.seq.columns:
-                self.seq.fingerprint = None  # the cropped tokens' ids are not kept
-            self.seq.seen, self.seq.columns = seen, n
+            self.seq.crop(n, seen)  # the token fingerprint of the first n columns is kept
 
     def snapshot(self) -> CacheSnapshot:
         with self._operation("snapshot"):
             fp = None if self.seq.fingerprint is None else self.seq.fingerprint.clone()
-            return CacheSnapshot(tuple(layer.snapshot() for layer in self.layers), self.seq.seen.clone(), self.columns, fp)
+            return CacheSnapshot(tuple(layer.snapshot() for layer in self.layers), self.seq.seen.clone(), self.columns,
+                                 fp, self.seq.history())
 
     def restore(self, snap: CacheSnapshot) -> None:
-        """Put back a snapshot of this cache (or of one with the same layers); checks every layer first."""
+        """Put back a snapshot of this cache (or of one with the same layers; the batch size may differ). Checks
+        every layer's tensors (rows, shapes, dtypes) against the snapshot's sequence state first."""
         with self._operation("restore"):
             if not isinstance(snap, CacheSnapshot) or len(snap.layers) != len(self.layers):
                 raise CacheError("restore needs a CacheSnapshot taken from a cache with the same layers")
+            columns, seen = snap.columns, snap.seen
+            if isinstance(columns, bool) or not isinstance(columns, int) or columns < 0:
+                raise CacheError(f"restore: the snapshot's column count must be an int >= 0, got {columns!r}")
+            if (not isinstance(seen, torch.Tensor) or seen.dim() != 1 or seen.dtype != torch.long or not len(seen)
+                    or bool(((seen < 0) | (seen > columns)).any())):
+                raise CacheError(f"restore: the snapshot's real-token counts must be a LongTensor [B] in [0, "
+                                 f"{columns}], got {seen!r}")
+            for name, t in (("fingerprint", snap.fingerprint), ("history", snap.history)):
+                want = (len(seen),) if name == "fingerprint" else (len(seen), columns)
+                if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != want):
+                    raise CacheError(f"restore: the snapshot's token {name} must have shape {want}")
             for i, s in enumerate(snap.layers):
-                if s.columns != snap.columns or not torch.equal(s.seen, snap.seen):
+                if s.columns != columns or not torch.equal(s.seen, seen):
                     raise CacheError(f"snapshot layer {i} disagrees with the snapshot's sequence state")
             plans = [layer._prepare_restore(s) for layer, s in zip(self.layers, snap.layers)]
+            for i, (layer, s) in enumerate(zip(self.layers, snap.layers)):
+                check_snapshot_shapes(i, layer, s)
             for layer, plan in zip(self.layers, plans):
                 layer._commit_restore(plan)
-            self.seq.seen, self.seq.columns = snap.seen.clone().to(self.device), snap.columns
-            self.seq.fingerprint = None if snap.fingerprint is None else snap.fingerprint.clone()
+            self.seq.seen, self.seq.columns = seen.clone().to(self.device), columns
+            fp = None if snap.fingerprint is None else snap.fingerprint.clone().to(self.device)
+            self.seq.set_tokens(fp, None if snap.history is None else snap.history.to(self.device))
 
     # -- persistence (hybridcache/cache/persistence.py) -----------------------------------------------------------
     def save(self, path: Any, model: Any = None) -> Any:
@@ -345,3 +377,37 @@ class Cache:
         for row in rows.values():
             row["ratio"] = row["held"] / row["minimum"] if row["minimum"] else (1.0 if not row["held"] else float("inf"))
         return list(rows.values())
+
+
+def check_snapshot_shapes(i: int, layer: CacheLayer, snap: Any) -> None:
+    """Every tensor of a layer snapshot has the layer's shape in each dimension its spec fixes (the dimensions a
+    freshly built layer of the same spec gives a non-zero size; a size-0 dimension grows with what is stored)."""
+    for name, t in snap.tensors.items():
+        ref = _stored_shapes(type(layer), layer.spec).get(name)
+        if ref is None or len(ref) != t.dim():
+            continue  # a name or rank the layer's own check refuses
+        if any(want not in (None, "B") and got != want for got, want in zip(t.shape, ref)):
+            want = ", ".join("*" if d is None else str(d) for d in ref)
+            raise CacheError(f"snapshot layer {i} ({layer.type_name}): tensor '{name}' has shape {tuple(t.shape)}, this "
+                             f"layer stores [{want}]")
+
+
+_SHAPES: dict[Any, dict[str, tuple]] = {}
+
+
+def _stored_shapes(cls: type, spec: Any) -> dict[str, tuple]:
+    """Per stored tensor of a `cls` layer with `spec`: its fixed size per dimension (None where it grows with what
+    is stored, "B" for the batch), from a layer built on the meta device (remembered per spec)."""
+    try:
+        return _SHAPES[cls, spec]
+    except (KeyError, TypeError):
+        pass
+    layer = cls(spec, 1, "meta")
+    batch = set(layer._batch_tensors)
+    shapes = {name: tuple("B" if d == 0 and name in batch else (n or None) for d, n in enumerate(t.shape))
+              for name, t in layer._state_tensors().items()}
+    try:
+        _SHAPES[cls, spec] = shapes
+    except TypeError:  # an unhashable spec: not remembered
+        pass
+    return shapes

@@ -59,9 +59,14 @@ def token_fingerprint(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     sum of (id + 1) * w(position) mod 2^31-1 with a scrambled weight per position: feeding a sequence in any
     split gives the same value, and a different token at any position changes it (up to ~1e-9 chance).
     """
+    return _fingerprint_terms(ids, positions).sum(1) % _FP_MOD
+
+
+def _fingerprint_terms(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each token's term [B, T] of the fingerprint (0 for padding)."""
     w = (positions.clamp(min=0) * 2_654_435_761 + 97_531) % _FP_MOD
     terms = ((ids.long() + 1) % _FP_MOD) * w % _FP_MOD
-    return torch.where(positions >= 0, terms, 0).sum(1) % _FP_MOD
+    return torch.where(positions >= 0, terms, 0)
 
 
 @dataclass
@@ -98,6 +103,10 @@ class SequenceState:
         self.columns = 0
         self.block: BlockState | None = None
         self.fingerprint: torch.Tensor | None = torch.zeros_like(self.seen)  # [B]; None once unknown
+        # The running fingerprint after each column ([B, capacity], the first `_history_columns` used): what
+        # `crop(n)` keeps the fingerprint of the first n columns by, so a cropped cache still knows its tokens.
+        self._history: torch.Tensor | None = None
+        self._history_columns = 0
 
     @property
     def batch_size(self) -> int:
@@ -125,10 +134,74 @@ class SequenceState:
 
     def commit(self) -> None:
         block = self.block
-        if self.fingerprint is not None:
-            self.fingerprint = (None if block.ids is None else
-                                (self.fingerprint + token_fingerprint(block.ids, block.positions)) % _FP_MOD)
+        if self.fingerprint is not None and block.ids is not None:
+            running = (self.fingerprint[:, None] + _fingerprint_terms(block.ids, block.positions).cumsum(1)) % _FP_MOD
+            self._append_history(running)
+            self.fingerprint = running[:, -1]
+        else:  # fed without token ids (a block fed by hand): what the cache saw is no longer known
+            self.fingerprint, self._history = None, None
         self.seen, self.columns, self.block = block.seen_after, self.columns + block.tokens, None
+
+    # -- the token fingerprint's history (crop keeps the fingerprint of the columns it keeps) ------------------
+    def _history_valid(self) -> bool:
+        h = self._history
+        return (self.fingerprint is not None and h is not None and self._history_columns == self.columns
+                and h.shape[0] == self.batch_size)
+
+    def _append_history(self, running: torch.Tensor) -> None:
+        """Record the running fingerprint [B, T] of a block being committed (amortized: capacity doubles)."""
+        if self.columns == 0:
+            self._history, self._history_columns = None, 0
+        elif not self._history_valid():
+            self._history = None
+            return
+        used, need = self._history_columns, self._history_columns + running.shape[1]
+        h = self._history
+        if h is None or h.shape[1] < need:
+            grown = running.new_zeros(running.shape[0], max(need, 2 * (0 if h is None else h.shape[1]), 16))
+            if h is not None:
+                grown[:, :used] = h[:, :used]
+            h = grown
+        h[:, used:need] = running
+        self._history, self._history_columns = h, need
+
+    def fingerprint_at(self, n: int) -> torch.Tensor | None:
+        """The fingerprint [B] of the first n columns, or None when it is not known."""
+        if n == self.columns:
+            return None if self.fingerprint is None else self.fingerprint.clone()
+        if n == 0:
+            return torch.zeros_like(self.seen)
+        if not self._history_valid() or not 0 < n < self.columns:
+            return None
+        return self._history[:, n - 1].clone()
+
+    def history(self) -> torch.Tensor | None:
+        """A copy of the per-column running fingerprint [B, columns] (None when unknown), for snapshots."""
+        return self._history[:, : self.columns].clone() if self._history_valid() else None
+
+    def set_tokens(self, fingerprint: torch.Tensor | None, history: torch.Tensor | None = None) -> None:
+        """Replace what the sequence knows of its tokens (restore, crop, reset, row operations)."""
+        self.fingerprint = fingerprint
+        ok = fingerprint is not None and history is not None and tuple(history.shape) == (self.batch_size, self.columns)
+        self._history = history.clone() if ok else None
+        self._history_columns = self.columns if ok else 0
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Rows `index` of the per-row records (seen, fingerprint and its history)."""
+        history = self.history()
+        self.seen = self.seen.index_select(0, index)
+        fp = None if self.fingerprint is None else self.fingerprint.index_select(0, index)
+        self.set_tokens(fp, None if history is None else history.index_select(0, index))
+
+    def crop(self, n: int, seen: torch.Tensor) -> None:
+        """Keep the first n columns (`seen`: real tokens per row after the crop); the fingerprint follows."""
+        fp, history = self.fingerprint_at(n), self.history()
+        self.seen, self.columns = seen, n
+        self.set_tokens(fp, None if history is None else history[:, :n])
+
+    def reset(self) -> None:
+        self.seen, self.columns = torch.zeros_like(self.seen), 0
+        self.set_tokens(torch.zeros_like(self.seen))
 
 
 def check_crop_length(n: Any, columns: int, owner: str) -> int:

@@ -305,12 +305,20 @@ def checkpoint_converter(model: HybridLM) -> Callable[[dict], dict] | None:
 
 
 def check_checkpoint(model: HybridLM, directory: Path, allow_dtype_cast: bool = False) -> None:
-    """Match the checkpoint's tensor names, shapes and dtypes (headers only) against `model` (on meta is fine);
-    families with `convert_checkpoint` are checked after conversion, by `load_checkpoint`."""
-    if checkpoint_converter(model) is None:
-        infos = read_header(*checkpoint_files(directory))
+    """Match the checkpoint's tensor names, shapes and dtypes against `model` (on meta is fine): from the headers
+    alone, or, for families with `convert_checkpoint`, from the converted tensors (the checkpoint's size, never the
+    model's), so a model that must be built for real is never built from a config the weights contradict."""
+    infos = read_header(*checkpoint_files(directory))
+    convert = checkpoint_converter(model)
+    if convert is None:
         match_names(model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()},
                     allow_dtype_cast)
+        return
+    state = convert(read_tensors(infos))
+    if not isinstance(state, dict):
+        raise TypeError(f"{type(model).__name__}.convert_checkpoint must return a dict, got {type(state).__name__}")
+    match_names(model, {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()},
+                allow_dtype_cast)
 
 
 def load_checkpoint(

@@ -39,6 +39,13 @@ def test_bad_requests_fail_clearly(model):
         (lambda: hc.generate(model, ids, do_sample=True, top_p=1.5), "top_p"),
         (lambda: hc.generate(model, ids, prefill_chunk_size=0), "prefill_chunk_size"),
         (lambda: hc.generate(model, torch.full((1, 3), 999)), "outside the vocabulary"),
+        (lambda: hc.generate(model, ids, temperature=float("inf")), "finite number"),
+        (lambda: hc.generate(model, ids, do_sample="yes"), "do_sample must be True or False"),
+        (lambda: hc.generate(model, ids, use_cache=0), "use_cache must be True or False"),
+        (lambda: hc.generate(model, ids, eos_token_id=1.5), "eos_token_id"),
+        (lambda: hc.generate(model, ids, eos_token_id="</s>"), "eos_token_id"),
+        (lambda: hc.generate(model, ids, eos_token_id=[1, 10**9]), "eos_token_id"),
+        (lambda: hc.generate(model, ids, eos_token_id=-1), "eos_token_id"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -98,3 +105,63 @@ def test_top_k_and_top_p_filter_by_hand():
     assert draws == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
     draws = {int(sample_next(logits, 1.0, None, 0.81, g)) for _ in range(300)}
     assert draws == {0, 1, 2}
+
+
+# -- continuation: the whole sequence, checked against what the cache saw, also after crop / restore / row ops ----
+def test_a_cropped_cache_still_knows_its_tokens(model):
+    ids = prompts(2, 7, seed=3)
+    out = hc.generate(model, ids, max_new_tokens=4, cache_config={"attention": {"type": "full"}})
+    cache = out.cache
+    cache.crop(9)  # the prompt and two generated tokens
+    kept = out.sequences[:, :9]
+    with pytest.raises(ValueError, match="not the tokens the cache saw"):  # only new tokens, longer than 9
+        hc.generate(model, prompts(2, 12, seed=4), max_new_tokens=2, cache=cache)
+    with pytest.raises(ValueError, match="not the tokens the cache saw"):  # a different first part
+        hc.generate(model, torch.cat([kept.flip(1), kept[:, :1]], 1), max_new_tokens=2, cache=cache)
+    more = torch.cat([kept, prompts(2, 3, seed=5)], 1)
+    got = hc.generate(model, more, max_new_tokens=3, cache=cache)
+    want = hc.generate(model, more, max_new_tokens=3, cache_config={"attention": {"type": "full"}})
+    assert torch.equal(got.sequences, want.sequences)
+    cache.crop(0)  # nothing kept: any sequence is a valid continuation
+    assert torch.equal(hc.generate(model, more, max_new_tokens=3, cache=cache).sequences, want.sequences)
+
+
+def test_row_operations_and_restore_keep_what_each_row_saw(model):
+    ids = prompts(2, 6, seed=6)
+    out = hc.generate(model, ids, max_new_tokens=3, cache_config={"attention": {"type": "full"}})
+    cache, seq = out.cache, out.sequences
+    snap = cache.snapshot()
+    cache.reorder([1, 0])
+    cache.crop(7)
+    with pytest.raises(ValueError, match="not the tokens the cache saw"):
+        hc.generate(model, torch.cat([seq[:, :7], seq[:, :1]], 1), max_new_tokens=1, cache=cache)
+    flipped = seq.flip(0)
+    hc.generate(model, torch.cat([flipped[:, :7], flipped[:, 7:8]], 1), max_new_tokens=1, cache=cache)
+    cache.restore(snap)  # back to both rows as generated, token history included
+    cache.crop(6)
+    hc.generate(model, seq[:, :7], max_new_tokens=1, cache=cache)
+    cache.select([1])
+    with pytest.raises(ValueError, match="not the tokens the cache saw"):
+        hc.generate(model, seq[:1, :8], max_new_tokens=1, cache=cache)
+    hc.generate(model, seq[1:, :8], max_new_tokens=1, cache=cache)
+
+
+def test_a_cache_fed_without_token_ids_cannot_be_continued_by_generate(model):
+    cache = model.make_cache(1)
+    with cache.block(None, 2):  # fed by hand: the cache never learns the token ids
+        for layer in cache.layers:
+            s = layer.spec
+            layer.update(torch.randn(1, s.num_kv_heads, 2, s.head_dim), torch.randn(1, s.num_kv_heads, 2, s.head_dim))
+    with pytest.raises(ValueError, match="does not know which tokens it saw"):
+        hc.generate(model, prompts(1, 5, seed=7), max_new_tokens=1, cache=cache)
+    model(prompts(1, 1, seed=8), cache)  # the model itself can still feed it
+
+
+def test_a_cache_can_be_copied(model):
+    import copy
+
+    out = hc.generate(model, prompts(1, 5, seed=9), max_new_tokens=2)
+    twin = copy.deepcopy(out.cache)
+    a = hc.generate(model, torch.cat([out.sequences, prompts(1, 2, seed=10)], 1), max_new_tokens=2, cache=out.cache)
+    b = hc.generate(model, torch.cat([out.sequences, prompts(1, 2, seed=10)], 1), max_new_tokens=2, cache=twin)
+    assert torch.equal(a.logits, b.logits)

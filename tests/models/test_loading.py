@@ -314,3 +314,27 @@ def test_an_identity_convert_hook_on_the_base_class_keeps_the_header_check(gemma
     monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the shape check"))
     with pytest.raises(hc.models.CheckpointError, match=r"model.embed_tokens.weight has shape \(384, 64\)"):
         hc.from_pretrained(gemma_dir)
+
+
+def test_a_converting_family_that_must_be_built_for_real_is_checked_first(checkpoints, tmp_path, monkeypatch):
+    """Zamba2 converts its checkpoints (shared blocks aliased); when its model cannot stay on the meta device the
+    converted tensors are matched before it is built for real, so vocab_size 1e9 never allocates 256 GB."""
+    from hybridcache.models.zamba2 import Zamba2LM
+
+    directory = tmp_path / "zamba2"
+    shutil.copytree(checkpoints("zamba2"), directory)
+    init = Zamba2LM.__init__
+    built = []
+
+    def with_plain_tensor(self, config):
+        init(self, config)
+        self.offsets = torch.ones(3)  # on the meta device it would never get values: built for real
+        built.append(self.offsets.is_meta)
+
+    monkeypatch.setattr(Zamba2LM, "__init__", with_plain_tensor)
+    hc.from_pretrained(directory)
+    assert built == [True, False]
+    write_config(directory, lambda c: c.update(vocab_size=10**9))
+    with pytest.raises(hc.models.CheckpointError, match=r"embed_tokens.weight has shape \(384, 64\)"):
+        hc.from_pretrained(directory)
+    assert built[-1] is True  # refused from the meta build, never built for real
