@@ -11,8 +11,9 @@ returned: no roll, no copy of the window. Longer blocks attend over a copy and a
 
 Storage options on every pattern: the codec (`storage`, with `q_group_size` for quantized formats), a residual window
 of dense recent tokens next to a quantized storage (`residual`, residual_window.py), and a storage tier that keeps
-the parts off the compute device between blocks (`storage: offload`, offload_storage.py): the layer fetches them
-when a block or a batch operation needs them and parks them again after it.
+the parts off the compute device (`storage: offload`, offload_storage.py): the layer fetches them for its update
+(and drops that copy once the view is built: it stages only the block's new keys/values), again for its commit and
+for batch operations, and parks them after each, so about one layer's parts are on the compute device at a time.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ class AttentionCacheLayer(CacheLayer):
             self._close(opened, failed=True)
             self._park()
             raise
+        if self._tier is not None:
+            self._tier.release()  # nothing was written yet: the commit fetches again
         self._close(opened, failed=False)
         return view
 
@@ -207,22 +210,32 @@ class AttentionCacheLayer(CacheLayer):
             slots = self.spec.slot_of(block.positions)  # [B, 1]
             old = {attr: getattr(self, attr).gather(2, _slot_index(slots, getattr(self, attr))) for attr in self._parts}
             old_pos = self.key_pos.gather(1, slots)  # what the slot held, so an aborted block puts it back
-            for side, x in zip(SIDES, (k, v)):
-                for part, t in self.codec.encode(x).items():
-                    self._side(side)[part].scatter_(2, _slot_index(slots, t), t)
-            self.key_pos.scatter_(1, slots, block.positions)
-            residual = residual_window.write_decode(self, k, v, block.positions)
-            self._staged = ("decode", slots, old, old_pos, residual)
+            residual = self._write_slots(k, v, block.positions, slots)
+            self._staged = ("decode", slots, old, old_pos, residual, k, v, block.positions)
             keys, values = self.read()
             return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
         held_k, held_v = self.read()
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)  # [B, H, S + T, D]
         pos = torch.cat([self.key_pos, block.positions], dim=1)  # [B, S + T]
-        self._staged = ("block", k, v, keys, values, pos, block)
+        offloaded = self._tier is not None  # then do not keep the whole view alive until the commit
+        self._staged = ("block", k, v, None if offloaded else keys, None if offloaded else values, pos, block)
         return AttentionView(keys, values, block.positions, pos, self.spec)
 
+    def _write_slots(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> Any:
+        """Write a decode token [B, H, 1, D] into its slots [B, 1] of preallocated storage, in place."""
+        for side, x in zip(SIDES, (k, v)):
+            for part, t in self.codec.encode(x).items():
+                self._side(side)[part].scatter_(2, _slot_index(slots, t), t)
+        self.key_pos.scatter_(1, slots, positions)
+        return residual_window.write_decode(self, k, v, positions)
+
     def _commit_staged(self, staged: Any) -> None:
-        if staged[0] != "decode":  # a decode step was written in place
+        if staged[0] == "decode":  # written in place; an offloaded layer dropped that copy and writes again
+            if self._tier is not None:
+                self._fetch()
+                self._write_slots(*staged[5:], staged[1])
+        else:
+            self._fetch()
             self._commit_block(*staged[1:])
         self._park()
 
@@ -231,7 +244,7 @@ class AttentionCacheLayer(CacheLayer):
             self._commit_static(k, v, block)
             return
         for side, new, full in zip(SIDES, (k, v), (keys, values)):
-            if isinstance(self.codec, DenseCodec):
+            if full is not None and isinstance(self.codec, DenseCodec):
                 parts = self.codec.encode(full)  # dense: the view's tensors are the new storage, no second cat
             else:
                 old, enc = self._side(side), self.codec.encode(new)
@@ -246,8 +259,8 @@ class AttentionCacheLayer(CacheLayer):
             residual_window.commit_dynamic(self, k, v, block.positions, block.seen_after)
 
     def _abort_staged(self, staged: Any) -> None:
-        if staged[0] == "decode":  # put back what the written slot held
-            _, slots, old, old_pos, residual = staged
+        if staged[0] == "decode" and self._tier is None:  # put back what the written slot held
+            _, slots, old, old_pos, residual = staged[:5]
             for attr, t in old.items():
                 getattr(self, attr).scatter_(2, _slot_index(slots, t), t)
             self.key_pos.scatter_(1, slots, old_pos)

@@ -1,19 +1,23 @@
-"""`storage: offload`: dense keys and values kept on a slower tier between blocks, with next-layer prefetch.
+"""`storage: offload`: dense keys and values kept on a slower tier, with next-layer prefetch.
 
-Exact (the payload is the dense tensors, bit for bit) and usable with every attention pattern. Where the parts live:
-- model on a GPU: in pinned CPU memory. Fetching a layer copies its parts to the GPU; parking copies them back.
-  Prefetch issues the next layer's host-to-device copy on a side CUDA stream while this layer computes (HF's
-  OffloadedCache does the same), and the next layer waits on that copy's event instead of copying again.
+Exact (the payload is the dense tensors, bit for bit) and usable with every attention pattern and layout. A layer
+fetches its parts to the compute device for its update (and drops that copy as soon as the attention view is built;
+only the block's new keys/values are staged), fetches them again for its commit, which parks the result, and for
+batch operations (reorder, crop, ...). So about one layer's parts, plus the one prefetched, are on the compute
+device at a time, and none between blocks. Where the parked parts live:
+- model on a GPU: in pinned CPU memory. Prefetch issues the next layer's host-to-device copy on a side CUDA stream
+  while this layer computes (as HF's OffloadedCache does); the next layer waits on that copy's event instead of
+  copying again. Per layer and block: two host-to-device copies (update, commit) and one device-to-host copy (park).
 - model on the CPU: in memory-mapped files (`torch.from_file(shared=True)` under $HYBRIDCACHE_OFFLOAD_DIR or the
   system temp dir; each file is unlinked as soon as it is mapped, so nothing is left behind). The pages are file
   backed, so the kernel may write them out under memory pressure instead of counting them as process memory.
-  Prefetch reads the next layer's files into ordinary memory before its turn (synchronously, on the same thread):
-  that layer then attends over memory, not over possibly evicted pages, and writes back when it parks.
+  Prefetch reads the next layer's files into ordinary memory before its turn (synchronously, on the same thread),
+  so that layer attends over memory, not over pages that may have to be read back from disk.
 "Next layer" is learned, not declared: layers fetched one after another on the same sequence state link up (the
-last one of a block links to the first one of the next), so any model order and any mix of cache types works.
-A layer's parts are on the compute device only while a block or a batch operation uses them; `nbytes()` counts the
-parked parts (the dense bytes), not the transient copy of the layer being computed or the one prefetched.
-Not for `generation.compile` (the compiled step would capture the parked tensors).
+last one of a block links to the first one of the next), so any model order and any mix of cache types works; a
+prefetched copy is dropped whenever its layer parks (it may be stale). `nbytes()` counts the parked parts (the
+dense bytes), not the transient copies. Not for `generation.compile` (the compiled step would capture the parked
+tensors).
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ class OffloadTier:
         self.parked: dict[str, torch.Tensor] = {}
         self.prefetched: dict[str, torch.Tensor] | None = None
         self.event: Any = None  # CUDA: the prefetch copy's completion
-        self.next: weakref.ref | None = None
+        self.stream: Any = None  # CUDA: the side stream prefetches run on
+        self.next: weakref.ref | None = None  # the tier fetched after this one (learned)
+        self.prefetch_hits = 0  # fetches served by a prefetched copy
 
     def _slow(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of `t` on the slow tier."""
@@ -76,6 +82,12 @@ class OffloadTier:
                 self.parked[attr] = self._slow(t)
             setattr(layer, attr, self.parked[attr])
 
+    def release(self) -> None:
+        """Drop the fetched copy without writing it back (the layer changed nothing since `fetch`)."""
+        layer = self.layer()
+        for attr, t in self.parked.items():
+            setattr(layer, attr, t)
+
     def fetch(self) -> None:
         layer = self.layer()
         last = _LAST.get(layer.seq)
@@ -84,6 +96,7 @@ class OffloadTier:
         _LAST[layer.seq] = weakref.ref(self)
         if self.prefetched is not None:
             parts = self.prefetched
+            self.prefetch_hits += 1
             if self.event is not None:
                 torch.cuda.current_stream(layer.device).wait_event(self.event)
                 for t in parts.values():
@@ -105,10 +118,10 @@ class OffloadTier:
             return
         device = self.layer().device
         if self.cuda:
-            stream = torch.cuda.Stream(device)
-            with torch.cuda.stream(stream):
+            self.stream = self.stream or torch.cuda.Stream(device)
+            with torch.cuda.stream(self.stream):
                 self.prefetched = {attr: self._load(t, device) for attr, t in self.parked.items()}
-                self.event = stream.record_event()
+                self.event = self.stream.record_event()
         else:
             self.prefetched = {attr: self._load(t, device) for attr, t in self.parked.items()}
 

@@ -10,7 +10,8 @@ decoded slots. So
 - bytes held: needed tokens x quantized bytes + min(needed, R) x dense bytes (the window's tokens are held in both
   forms; HF keeps them dense only, min(needed, R) quantized tokens fewer: under 1/6 of the window for int4).
 Dynamic storage keeps the window compact (cat, then the columns some row still keeps); preallocated storage keeps a
-ring of min(R, slots) slots per row, slot = position % size, written in place by a decode step.
+ring of min(R, slots) slots per row, slot = position % size, written in place by a decode step (so there the window
+is the last min(R, slots) positions: a `sink` layer's sink tokens stay quantized once they leave it).
 After `crop(n)` the tokens that re-enter the window (those between the new and the old window start) are read from
 their quantized copies; every later token is dense again while inside the window.
 """
