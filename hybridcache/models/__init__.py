@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from hybridcache.blocks.split_linear import use_split_rows
+
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import ConfigError, FamilyConfig
 from hybridcache.models.loading import (
@@ -40,14 +42,15 @@ def model_class(model_type: str | None) -> type[HybridLM]:
 
 def from_pretrained(
     path_or_hub_id: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
-    allow_nonfinite: bool = False, allow_dtype_cast: bool = False,
+    allow_nonfinite: bool = False, allow_dtype_cast: bool = False, split_rows: bool = True,
 ) -> HybridLM:
     """Load a Hugging Face checkpoint (local directory, or hub id where reachable) into our implementation.
 
     The config is validated (ConfigError names every bad field), the model is built without allocating its
     weights and checked against the checkpoint's tensor names and shapes (CheckpointError) before any tensor is
     read. Tensors with NaN/Inf values or of a non-float dtype where floats are expected are refused unless
-    `allow_nonfinite` / `allow_dtype_cast`.
+    `allow_nonfinite` / `allow_dtype_cast`. `split_rows` gives projections of 64 MB and more (a big vocabulary head)
+    a faster CPU decode path (hybridcache/blocks/split_linear.py; same math, another BLAS kernel).
     """
     directory = resolve_checkpoint(path_or_hub_id)
     config = read_config(directory)
@@ -58,6 +61,8 @@ def from_pretrained(
         check_checkpoint(model, directory, allow_dtype_cast)
         model = cls(typed)
     load_checkpoint(model, directory, dtype, device, allow_nonfinite, allow_dtype_cast)
+    if split_rows:
+        use_split_rows(model)
     return model.to(device=device, dtype=dtype).eval()
 
 
