@@ -49,3 +49,43 @@ def test_cached_and_continued_generation_equals_the_recompute(models, s):
     assert torch.equal(second.sequences, oracle.sequences)
     logits = torch.cat([first.logits, second.logits], 1)
     assert (logits - oracle.logits).abs().max().item() < 1e-9
+
+
+@st.composite
+def rollbacks(draw):
+    batch, length, k = draw(st.integers(1, 2)), draw(st.integers(2, 12)), draw(st.integers(1, 4))
+    return dict(
+        family=draw(st.sampled_from(FAMILIES)), seed=draw(st.integers(0, 2**16)), batch=batch, length=length,
+        pads=[draw(st.integers(0, length - 1)) for _ in range(batch)], k=k, fed=draw(st.integers(1, 5)),
+        steps=draw(st.booleans()), back=draw(st.integers(0, k)), new=draw(st.integers(1, 3)),
+    )
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 20))
+@given(rollbacks())
+def test_crop_within_the_checkpoints_then_continue_equals_the_recompute(models, s):
+    """Feed a left-padded prompt and more tokens (one block or decode steps), crop back up to k columns with
+    `checkpoints: k`, continue with generate (which checks the cropped cache's tokens): equal to the recompute."""
+    model, _ = models(s["family"], torch.float64)
+    config = {"recurrent": {"checkpoints": s["k"], "state_dtype": torch.float64}}
+    if any(layer.kind == "attention" and layer.type_name != "full" for layer in model.make_cache(1).layers):
+        config["attention"] = {"type": "full"}  # sliding / chunked layers evict what a crop would need back
+    g = torch.Generator().manual_seed(s["seed"])
+    total = s["length"] + s["fed"] + s["new"]
+    ids = torch.randint(3, 384, (s["batch"], total), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(s["pads"]):
+        mask[row, :pad] = 0
+    cache = model.make_cache(s["batch"], config)
+    model(ids[:, : s["length"]], cache, mask[:, : s["length"]])
+    fed = range(s["length"], s["length"] + s["fed"])
+    for start, end in ([(t, t + 1) for t in fed] if s["steps"] else [(fed.start, fed.stop)]):
+        model(ids[:, start:end], cache)
+    n = max(cache.columns - s["back"], max(s["pads"]))  # keep a real token in every row
+    cache.crop(n)
+    keep = n + s["new"]
+    out = hc.generate(model, ids[:, :keep], attention_mask=mask[:, :keep], max_new_tokens=2, cache=cache)
+    oracle = hc.generate(model, ids[:, :keep], attention_mask=mask[:, :keep], max_new_tokens=2, cache_config=config,
+                         use_cache=False)
+    assert torch.equal(out.sequences, oracle.sequences)
+    assert (out.logits - oracle.logits).abs().max().item() < 1e-9
