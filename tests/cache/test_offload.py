@@ -145,3 +145,15 @@ def test_on_a_gpu_parts_are_pinned_cpu_memory_and_exact(models):
     assert torch.equal(dense.sequences, off.sequences) and torch.equal(dense.logits, off.logits)
     layer = off.cache.layers[0]
     assert layer.keys_data.device.type == "cpu" and layer.keys_data.is_pinned()
+
+
+def test_save_and_load_round_trip_parks_the_loaded_parts(models, tmp_path):
+    model, config = models["gemma3"], {"attention": {"storage": "offload"}}
+    out = hc.generate(model, torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), max_new_tokens=4, cache_config=config)
+    out.cache.save(tmp_path / "off", model=model)
+    loaded = Cache.load(tmp_path / "off", model, cache_config=config)
+    assert all(layer.keys_data.untyped_storage().filename for layer in loaded.layers)
+    seq = torch.cat([out.sequences, torch.tensor([[3, 4]])], 1)
+    a = hc.generate(model, seq, max_new_tokens=3, cache=out.cache)
+    b = hc.generate(model, seq, max_new_tokens=3, cache=loaded)
+    assert torch.equal(a.logits, b.logits)

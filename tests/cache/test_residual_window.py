@@ -202,3 +202,16 @@ def test_model_generation_equals_dense_while_the_window_holds_everything(gemma):
     short = hc.generate(gemma, ids, attention_mask=mask, max_new_tokens=6,
                         cache_config={"attention": {"storage": "int4", "residual": 2}})
     assert not torch.equal(dense.logits, short.logits)  # older tokens quantized: a (small) difference
+
+
+@pytest.mark.parametrize("max_length", [None, 32])
+def test_save_and_load_round_trip(gemma, tmp_path, max_length):
+    config = {"attention": {"storage": "int4", "residual": 3}}
+    out = hc.generate(gemma, torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), max_new_tokens=4,
+                      cache=gemma.make_cache(1, config, max_length=max_length))
+    out.cache.save(tmp_path / "kivi", model=gemma)
+    loaded = Cache.load(tmp_path / "kivi", gemma, cache_config=None if max_length else config)
+    seq = torch.cat([out.sequences, torch.tensor([[3, 4]])], 1)
+    a = hc.generate(gemma, seq, max_new_tokens=3, cache=out.cache)
+    b = hc.generate(gemma, seq, max_new_tokens=3, cache=loaded)
+    assert torch.equal(a.logits, b.logits)
