@@ -7,6 +7,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridcache.cache import CacheConfigError
+
 
 def _accepted(key: str, entry: dict) -> set[str]:
     """Parameters an entry's effective type takes: its own type, else its type name, else all of its kind."""
@@ -25,6 +27,30 @@ def _why_ignored(key: str, entry: dict, name: str) -> str:
     if key in ("attention", "recurrent"):
         return f"cache.{key}.type is not set (set it to apply {name} to every {key} layer)"
     return f"layers natively '{key}' do not take {name} unless cache.{key}.type is set"
+
+
+DTYPE_FIELDS = ("state_dtype",)  # names of float dtypes on the command line -> torch dtypes
+SIZE_FIELDS = {"window": 1, "chunk_size": 1, "sinks": 1, "budget": 1, "q_group_size": 1, "residual": 0,
+               "checkpoints": 0, "max_length": 1}  # field -> smallest valid value
+
+
+def _typed(where: str, entry: dict) -> dict:
+    """An entry's values as the library takes them (dtype names -> torch dtypes); a bad value, even in a field that
+    has no effect on this model, is named: `cache.attention.window=-3` is a mistake whatever the type."""
+    import torch
+
+    out = dict(entry)
+    for k, v in entry.items():
+        if k in DTYPE_FIELDS and isinstance(v, str):
+            dtype = getattr(torch, v.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise CacheConfigError(f"cache.{where}.{k}={v} is not a floating-point dtype (float32, float64, "
+                                       "bfloat16, float16)")
+            out[k] = dtype
+        elif k in SIZE_FIELDS and (isinstance(v, bool) or not isinstance(v, int) or v < SIZE_FIELDS[k]):
+            kind = "a positive integer" if SIZE_FIELDS[k] else "an integer >= 0"
+            raise CacheConfigError(f"cache.{where}.{k} must be {kind}, got {v!r}")
+    return out
 
 
 def cache_config_with_notes(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any], bool, list[str]]:
@@ -51,9 +77,9 @@ def cache_config_with_notes(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any
             continue
         entry = {k: v for k, v in entry.items() if v is not None}
         if key == "layers":
-            entry = {i: {k: v for k, v in e.items() if v is not None} if isinstance(e, dict) else e
-                     for i, e in entry.items()}
+            entry = {i: _layer_entry(f"layers.{i}", e) for i, e in entry.items()}
         elif key in ("attention", "recurrent") or key in available_layers():
+            entry = _typed(key, entry)
             if "type" in entry and entry["type"] not in available_layers():
                 config[key] = entry  # resolve_plan names the unknown type and the known ones
                 continue
@@ -65,6 +91,16 @@ def cache_config_with_notes(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any
         if entry:
             config[key] = entry
     return config, preallocate, notes
+
+
+def _layer_entry(where: str, e: Any) -> Any:
+    """One `layers.<i>` entry (or a group's `{member: entry}`) without nulls, typed."""
+    if not isinstance(e, dict):
+        return e
+    e = {k: v for k, v in e.items() if v is not None}
+    if e and all(isinstance(v, dict) for v in e.values()):  # a group: {attention: {...}, mamba: {...}}
+        return {m: _typed(f"{where}.{m}", {k: v for k, v in sub.items() if v is not None}) for m, sub in e.items()}
+    return _typed(where, e)
 
 
 def cache_config_from_hydra(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any], bool]:

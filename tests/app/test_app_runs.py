@@ -66,6 +66,9 @@ def no_model_load(monkeypatch):
     (["model.dtype=float8"], "model.dtype=float8 is not one of"),
     (["model.checkpoint=/no/such/checkpoint"], "checkpoint directory '/no/such/checkpoint' does not exist"),
     (["cache.plugins=[no_such_plugin_module]"], "cache plugin 'no_such_plugin_module' could not be imported"),
+    (["cache.attention.window=-3"], "cache.attention.window must be a positive integer, got -3"),  # even unused
+    (["cache.recurrent.state_dtype=int32"], "cache.recurrent.state_dtype=int32 is not a floating-point dtype"),
+    (["+cache.layers.2.chunk_size=0"], "cache.layers.2.chunk_size must be a positive integer, got 0"),
 ])
 def test_user_errors_are_one_line_before_the_model_loads(app, monkeypatch, args, message):
     no_model_load(monkeypatch)
@@ -285,3 +288,10 @@ def test_titles_name_the_model_config_not_its_family(app, monkeypatch):
     no_model_load(monkeypatch)
     code, results, _, _ = app("model=jamba20m", "max_new_tokens=0")
     assert code == 2 and results["title"].startswith("jamba20m · cache=native · reference=hf")
+
+
+def test_recurrent_state_dtype_from_the_command_line(app):
+    """The documented `cache.recurrent.state_dtype` field: a dtype name becomes the library's torch dtype."""
+    code, results, out, err = app("model=mamba2", "cache.recurrent.state_dtype=float64", *SHORT)
+    assert code == 0 and results["status"] == "ok", err
+    assert {p["state_dtype"] for p in results["plan"]} == {"float64"}
