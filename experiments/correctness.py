@@ -16,8 +16,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import (
-    Prepared, identity, load_model, make_console, make_reference, output_dir, preflight, run_title, sweep_group,
-    task_overrides,
+    Prepared, UserError, identity, load_model, make_console, make_reference, output_dir, preflight, run_title,
+    sweep_group, task_overrides,
 )
 from experiments.report import print_summary, type_bytes, verdict
 from hybridcache.tracking import Tracker
@@ -116,8 +116,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "results.json"
     title = run_title(cfg)
-    prep = preflight(cfg)  # UserError: one line, before any model is loaded
-    config = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - an interpolation that fails is preflight's to report
+        config = OmegaConf.to_container(cfg, resolve=False)
+    # results.json exists from the first moment: a run that stops anywhere (even in a bug) leaves its status
+    json_path.write_text(json.dumps({"status": "starting", "title": title, "overrides": task_overrides(),
+                                     "config": config}, indent=2, default=str))
+    try:
+        prep = preflight(cfg)  # UserError: one line, before any model is loaded (run_experiment records it)
+    except UserError:
+        raise
+    except BaseException as e:
+        json_path.write_text(json.dumps({"status": "crashed", "error": f"{type(e).__name__}: {e}", "exit_code": 1,
+                                         "title": title, "overrides": task_overrides(), "config": config},
+                                        indent=2, default=str))
+        raise
     tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, config, group=sweep_group(cfg), name=title,
                       tags=[cfg.get("model_name") or cfg.model.family, cfg.cache_name, cfg.reference.name])
     console.rule(f"[bold]{title}")

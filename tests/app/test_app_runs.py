@@ -295,3 +295,18 @@ def test_recurrent_state_dtype_from_the_command_line(app):
     code, results, out, err = app("model=mamba2", "cache.recurrent.state_dtype=float64", *SHORT)
     assert code == 0 and results["status"] == "ok", err
     assert {p["state_dtype"] for p in results["plan"]} == {"float64"}
+
+
+def test_results_json_exists_even_when_a_check_crashes(app, monkeypatch, tmp_path):
+    """A bug before the model loads (here in the settings checks) still leaves a results.json saying so."""
+    import experiments.correctness
+
+    def crash(cfg):
+        raise RuntimeError("a bug in the checks")
+
+    monkeypatch.setattr(experiments.correctness, "preflight", crash)
+    with pytest.raises(SystemExit):  # Hydra reports the traceback and exits 1
+        app("model=jamba", *SHORT)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["status"] == "crashed" and results["error"] == "RuntimeError: a bug in the checks"
+    assert results["exit_code"] == 1 and "model=jamba" in results["overrides"]
