@@ -119,15 +119,16 @@ def print_summary(console: Console, title: str, rows: list[dict], summary: dict,
                    f"{summary['pass_rate']:.0%}   max |Δlogprob| over agreed steps: "
                    f"{'n/a (no step agreed)' if dlp is None else f'{dlp:.1e}'}")
     out.extend(lines)
-    speed = (f"tokens/s (batch 1, prompt + {rows[0]['new_tokens'] if rows else '?'} new tokens per prompt, after a "
-             f"warm-up): ours {summary['tokens_per_s/ours']:.0f}")
+    speed = (f"new tokens/s (batch 1, each prompt's prefill included in the time, after a warm-up): ours "
+             f"{summary['tokens_per_s/ours']:.0f}")
     if "tokens_per_s/reference" in summary:
         speed += f", {ref['name']} {summary['tokens_per_s/reference']:.0f} (measured the same way)"
     elif "tokens_per_s/reference_batched" in summary:
         speed += (f"; {ref['name']} {summary['tokens_per_s/reference_batched']:.0f} with all prompts in one batch "
                   "(not comparable)")
     out.append(speed)
-    out.append(f"cache bytes held for the longest prompt (prompt {summary['cache_bytes/prompt']}, "
+    longest = f"prompt {summary['cache_bytes/prompt'] + 1} of {len(rows)}"
+    out.append(f"cache bytes held for the longest prompt ({longest}, "
                f"{summary['cache_bytes/tokens']} tokens): {format_bytes(summary['cache_bytes/held'])} vs "
                f"{format_bytes(summary['cache_bytes/native'])} with the native strategy")
     if tracker.sync_command:
@@ -160,7 +161,8 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
                                 config.get("max_new_tokens"), config.get("prompts")], sort_keys=True, default=str)
         same = plans.setdefault(plan_key, file.parent.name) if r.get("plan") else file.parent.name
         rows.append({
-            "run": file.parent.name, "overrides": " ".join(r.get("overrides", [])), "status": r.get("status", "?"),
+            "run": file.parent.name, "overrides": " ".join(r.get("overrides", [])),
+            "override_list": list(r.get("overrides", [])), "status": r.get("status", "?"),
             "error": r.get("error"), "exit_code": r.get("exit_code", 0), "plan_exact": s.get("plan_exact"),
             "changed_layers": len(s.get("plan_changed_layers", [])) if "plan_changed_layers" in s else None,
             "oracle_pass": s.get("oracle_pass"), "oracle_max_dlogit": s.get("oracle_max_dlogit"),
@@ -173,8 +175,17 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    """The overrides every run of a sweep shares (said once, in the title, instead of on every row)."""
+    lists = [r["override_list"] for r in rows if "override_list" in r]
+    if len(lists) < 2:
+        return []
+    return [o for o in lists[0] if all(o in other for other in lists[1:])]
+
+
 def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
-    t = Table(title=title)
+    shared = common_overrides(rows)
+    t = Table(title=title + (f"\nevery run: {' '.join(shared)}" if shared else ""))
     for col in ("run", "overrides", "status", "changed", "oracle", "agree", "top-k", "cache held", "native",
                 "tok/s", "note"):
         t.add_column(col, justify="left" if col in ("overrides", "status", "note", "oracle") else "right")
@@ -188,7 +199,8 @@ def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
         if r.get("changes_nothing") and not r.get("error"):
             note = "; ".join(filter(None, ["the native plan (the preset changes no layer)", note]))
         status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]"
-        t.add_row(r["run"], r.get("overrides", ""), status,
+        own = " ".join(o for o in r.get("override_list", []) if o not in shared)
+        t.add_row(r["run"], own, status,
                   "-" if r.get("changed_layers") is None else str(r["changed_layers"]), oracle, pct(r.get("agreement")),
                   pct(r.get("pass_rate")), format_bytes(r.get("cache_bytes_held")),
                   format_bytes(r.get("cache_bytes_native")),
@@ -223,7 +235,7 @@ class SweepSummary(Callback):
 
             tracker = Tracker(config.logger.mode, config.logger.project, sweep_dir, {"sweep_dir": str(sweep_dir)},
                               group=group, name="sweep summary", job_type="sweep-summary")
-            columns = [c for c in rows[0] if c != "error"]
+            columns = [c for c in rows[0] if c not in ("error", "override_list")]
             tracker.table("sweep", columns, [[json.dumps(r.get(c)) if isinstance(r.get(c), (list, dict)) else r.get(c)
                                               for c in columns] for r in rows])
             tracker.summary({"runs": len(rows), "failed": len(failed)})

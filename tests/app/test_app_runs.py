@@ -172,7 +172,8 @@ def test_numbers_longest_prompt_plan_and_labels(app):
     assert s["cache_bytes/tokens"] == max(lengths) + 4 - 1
     # the summary's bytes are the plan's bytes (the table printed above it), to the byte
     assert s["cache_bytes/held"] == s["cache_bytes/plan"] == sum(r["bytes"] for r in results["plan"])
-    assert "warmup_s/ours" in s and "after a warm-up" in out
+    assert "warmup_s/ours" in s and "new tokens/s (batch 1, each prompt's prefill included" in out
+    assert f"cache bytes held for the longest prompt (prompt 2 of 3, {s['cache_bytes/tokens']} tokens)" in out
     assert "random tiny jamba checkpoint (seed 0, untrained)" in out and results["random_weights"]
     assert "jamba · cache=hybrid_chunked · reference=none · cache.full.chunk_size=8" in out
 
@@ -217,6 +218,12 @@ def test_sweep_prints_a_summary_and_titles_differ(app, tmp_path):
     titles = [json.loads((tmp_path / "sweep" / r / "results.json").read_text())["title"] for r in ("0", "1")]
     assert len(set(titles)) == 2
     assert f"sweep sweep-{tmp_path.name}-sweep: 2 runs" in out.replace("\n", "")
+    from experiments.report import common_overrides
+
+    shared = common_overrides(rows)  # said once, in the table's title
+    assert {"model=jamba", "max_new_tokens=4", "reference=none"} < set(shared) and len(shared) == 4
+    assert not any(o.startswith("cache=") for o in shared)
+    assert "every run: model=jamba" in out
 
 
 def test_sweep_with_a_failing_run_exits_non_zero(app, tmp_path):
