@@ -165,7 +165,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                    expect=identity(cfg, prep), prompts=prompts)
         refs = _run_reference(reference, prep, cfg, console)
         ref_info = _reference_info(reference, cfg)
-        plan_records = plan.to_records(1, end_tokens)
+        plan_records = plan.to_records(1, memory[longest_i]["seen"])  # what the summary's bytes are for (eos too)
         if ref_info.get("source") == "hybridcache":
             ref_info["same_plan"] = _plan_keys(ref_info.get("plan")) == _plan_keys(plan_records)
 

@@ -317,3 +317,21 @@ def test_results_json_exists_even_when_a_check_crashes(app, monkeypatch, tmp_pat
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["status"] == "crashed" and results["error"] == "RuntimeError: a bug in the checks"
     assert results["exit_code"] == 1 and "model=jamba" in results["overrides"]
+
+
+def test_plan_bytes_in_results_are_for_what_the_longest_prompt_held(app, monkeypatch):
+    """A row that stops early (eos) holds fewer tokens than prompt + max_new_tokens - 1: results.json's plan bytes
+    are computed for what it held, so they still add up to the summary's bytes."""
+    import experiments.correctness as correctness
+
+    generate = correctness._generate_ours
+
+    def stops_early(model, prompt, cfg, prep, max_new_tokens=None):
+        longest = max(len(p) for p in prep.prompts)
+        return generate(model, prompt, cfg, prep, max_new_tokens or (2 if len(prompt) == longest else None))
+
+    monkeypatch.setattr(correctness, "_generate_ours", stops_early)
+    code, results, _, _ = app("model=jamba", "cache=hybrid_chunked", "cache.full.chunk_size=8", *SHORT)
+    s = results["summary"]
+    assert s["cache_bytes/tokens"] == max(r["prompt_tokens"] for r in results["prompts"]) + 2 - 1
+    assert s["cache_bytes/held"] == s["cache_bytes/plan"] == sum(r["bytes"] for r in results["plan"])
