@@ -321,12 +321,24 @@ def check_checkpoint(model: HybridLM, directory: Path, allow_dtype_cast: bool = 
                 allow_dtype_cast)
 
 
+def check_load_arguments(dtype: Any, device: Any) -> None:
+    """`dtype`: None or a floating-point torch dtype the models compute in; `device`: one torch knows."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES):
+        raise ValueError(f"dtype must be one of {', '.join(str(d) for d in FLOAT_DTYPES)}, got {dtype!r}")
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device {device!r} is not a device torch knows ({str(e).splitlines()[0]})") from None
+
+
 def load_checkpoint(
     model: HybridLM, directory: Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
     allow_nonfinite: bool = False, allow_dtype_cast: bool = False,
 ) -> None:
     """Read `directory`'s safetensors into `model`: names, shapes and dtypes are checked from the headers before
     any tensor is read (unless the family converts checkpoints: then after `convert_checkpoint`)."""
+    check_load_arguments(dtype, device)
     files, weight_map = checkpoint_files(directory)
     infos = read_header(files, weight_map)
     convert = checkpoint_converter(model)

@@ -338,3 +338,15 @@ def test_a_converting_family_that_must_be_built_for_real_is_checked_first(checkp
     with pytest.raises(hc.models.CheckpointError, match=r"embed_tokens.weight has shape \(384, 64\)"):
         hc.from_pretrained(directory)
     assert built[-1] is True  # refused from the meta build, never built for real
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"dtype": torch.int8}, "dtype must be one of"), ({"dtype": "float32"}, "dtype must be one of"),
+    ({"dtype": torch.complex64}, "dtype must be one of"), ({"device": "nodevice"}, "device 'nodevice' is not a device"),
+])
+def test_dtype_and_device_are_checked_before_reading(gemma_dir, monkeypatch, kwargs, message):
+    import hybridcache.models.loading as loading
+
+    monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the check"))
+    with pytest.raises(ValueError, match=message):
+        hc.from_pretrained(gemma_dir, **kwargs)
