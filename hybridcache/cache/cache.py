@@ -112,6 +112,8 @@ class Cache:
 
     @classmethod
     def from_plan(cls, plan: CachePlan, batch_size: int, device: torch.device | str | None = None) -> "Cache":
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise CacheError(f"Cache: batch_size must be a positive integer, got {batch_size!r}")
         seq = SequenceState(batch_size, torch.device(device if device is not None else "cpu"))
         entries: list[Any] = []
         for p in plan.layers:

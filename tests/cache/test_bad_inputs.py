@@ -102,3 +102,9 @@ def test_atomic_across_layers_when_a_later_layer_refuses():
     with pytest.raises(CacheError):
         cache.crop(3)
     assert state_equal(cache.snapshot(), before)
+
+
+@pytest.mark.parametrize("batch", [0, True, 1.5, "2"])
+def test_batch_size_must_be_a_positive_int(batch):
+    with pytest.raises(CacheError, match="batch_size must be a positive integer"):
+        hybrid_cache(batch=batch)
