@@ -31,7 +31,7 @@ from hybridcache.cache import resolve_plan
 from hybridcache.tracking import Tracker
 
 SMOKE = {"lengths": [64, 160], "block": 32, "greedy_tokens": 4, "documents": 1,
-         "passkey": {"lengths": [320], "depths": [0.2, 0.8], "trials": 1}}  # bytes: the tiny models use ByT5
+         "passkey": {"lengths": [256, 320], "depths": [0.2, 0.8], "trials": 1}}  # bytes: the tiny models use ByT5
 
 
 def strategy_configs(e: DictConfig) -> dict[str, dict[str, Any]]:
@@ -87,7 +87,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     docs = documents(tokenizer, e.text, max(lengths), int(e.documents), model.vocab_size)
     rng = random.Random(int(e.passkey.seed))
-    prompts = [passkey_prompt(tokenizer, int(L), float(d), rng, int(e.passkey.digits))
+    prompts = [(int(L), passkey_prompt(tokenizer, int(L), float(d), rng, int(e.passkey.digits)))
                for L in e.passkey.lengths for d in e.passkey.depths for _ in range(int(e.passkey.trials))]
     per_doc: dict[str, list[Strategy]] = {n: [] for n in compute}
     trials: dict[str, list[dict]] = {n: [] for n in compute}
@@ -103,8 +103,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 per_doc[s.name].append(s)
         task = progress.add_task("passkey", total=len(prompts) * len(compute))
         for name in compute:
-            for prompt in prompts:
-                trials[name].append(passkey(model, tokenizer, prompt, configs[name], int(e.block)))
+            for requested, prompt in prompts:
+                trials[name].append({"requested": requested,
+                                     **passkey(model, tokenizer, prompt, configs[name], int(e.block))})
                 progress.advance(task)
 
     native_bytes = peak_bytes(native_plan, max(lengths))
@@ -154,6 +155,11 @@ def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs
     for t, nt in zip(trials, native_trials):
         t["native_correct"] = nt["correct"]
     correct = sum(t["correct"] for t in trials)
+    by_length: dict[str, list[int]] = {}
+    for t in trials:  # per requested prompt length: [correct, trials]
+        cell = by_length.setdefault(str(t["requested"]), [0, 0])
+        cell[0] += int(t["correct"])
+        cell[1] += 1
     peak = peak_bytes(plan, max(lengths))
     return {"name": name, "config": config, "exact_cache": plan.exact, "changed_layers": plan.changed(native_plan),
             "bytes": peak, "bytes_ratio": peak / native_bytes if native_bytes else float("nan"),
@@ -164,6 +170,7 @@ def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs
             "greedy_agreement": greedy, "greedy_diverges_at": diverges,
             "greedy_tokens": {str(L): docs[0].greedy.get(L) for L in lengths},
             "passkey": trials, "passkey_correct": correct, "passkey_trials": len(trials),
+            "passkey_by_length": by_length,
             "passkey_acc": correct / len(trials) if trials else None}
 
 

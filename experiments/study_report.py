@@ -31,7 +31,7 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
     parts = []
     if kl < EXACT_KL and not diverged and (pk is None or pk >= pk_native):
         parts.append("exact: same as native (up to float rounding)" if row["exact_cache"]
-                     else "same as native here (lossy storage, no measurable effect)")
+                     else "same as native here (a lossy cache, no measurable effect)")
     else:
         parts.append(f"{'near native' if abs(d_ppl) < NEAR_PPL else 'lossy'}: ppl {d_ppl:+.1%} at {longest} tokens, "
                      f"KL {kl:.3g}")
@@ -65,13 +65,15 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
     t.add_column(f"KL @{longest}", justify="right")
     t.add_column(f"top-1 @{longest}", justify="right")
     t.add_column("greedy agree @" + "/".join(map(str, lengths)), justify="right")
-    t.add_column("passkey", justify="right")
+    pk_lengths = next((list(r["passkey_by_length"]) for r in rows if r.get("passkey_by_length")), [])
+    t.add_column("passkey" + (" @" + "/".join(pk_lengths) if pk_lengths else ""), justify="right")
     for r in rows:
         if r.get("error"):
             t.add_row(r["name"], *["-"] * (6 + len(lengths)))
             continue
         greedy = " ".join(f"{v:.0%}" for v in r["greedy_agreement"].values()) or "-"
-        pk = f"{r['passkey_correct']}/{r['passkey_trials']}" if r["passkey_trials"] else "-"
+        cells = r.get("passkey_by_length") or {}
+        pk = " ".join(f"{c}/{n}" for c, n in cells.values()) if cells else "-"
         t.add_row(r["name"], format_bytes(r["bytes"]), f"{r['bytes_ratio']:.0%}",
                   *[f"{r['ppl'][str(L)]:.3f}" for L in lengths], f"{r['kl'][longest]:.2e}",
                   f"{r['top1'][longest]:.1%}", greedy, pk)
