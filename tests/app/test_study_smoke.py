@@ -30,8 +30,8 @@ def test_study_smoke(tmp_path):
     data = json.loads((out / "study.json").read_text())
     assert data["random_weights"] is True
     rows = {r["name"]: r for r in data["strategies"]}
-    assert list(rows)[0] == "native" and set(rows) == {"native", "sliding_16", "all_local_512", "tova_256", "int8", "int4",
-                                                       "kivi", "kivi_512", "int4_first2_dense", "no_such_type"}
+    assert list(rows)[0] == "native" and set(rows) == {"native", "sliding_16", "all_local_512", "tova_256", "int8",
+                                                       "int4", "kivi", "kivi_512", "int4_first2_dense", "no_such_type"}
     assert "unavailable" in rows["no_such_type"]["verdict"] and "no_such_type" in rows["no_such_type"]["error"]
     native, longest = rows["native"], str(max(data["lengths"]))
     assert native["kl"][longest] == 0 and native["bytes_ratio"] == 1 and native["passkey_trials"] == 4

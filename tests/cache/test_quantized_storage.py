@@ -14,8 +14,8 @@ from hybridcache.testing import check_cache_type
 def grouped_reference(x: np.ndarray, group: int, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """Independent absmax quantization in float64 numpy: (dequantized x, per-element scale)."""
     out, scales = np.empty_like(x), np.empty_like(x)
-    flat, flat_out, flat_scale = x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1]), scales.reshape(-1, x.shape[-1])
-    for row, dst, sc in zip(flat, flat_out, flat_scale):
+    d = x.shape[-1]
+    for row, dst, sc in zip(x.reshape(-1, d), out.reshape(-1, d), scales.reshape(-1, d)):
         for start in range(0, len(row), group):
             g = row[start:start + group]
             scale = max(abs(float(v)) for v in g) / levels

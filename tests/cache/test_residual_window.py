@@ -11,7 +11,8 @@ from hybridcache.testing import check_cache_type
 from hybridcache.tiny_models import tiny_checkpoint
 
 H, D = 2, 8
-PATTERNS = [("full", {}), ("sliding", {"window": 6}), ("chunked", {"chunk_size": 5}), ("sink", {"window": 4, "sinks": 2})]
+PATTERNS = [("full", {}), ("sliding", {"window": 6}), ("chunked", {"chunk_size": 5}),
+            ("sink", {"window": 4, "sinks": 2})]
 
 
 def build(pattern, params, storage="int4", residual=4, batch=2, max_length=None, dtype=torch.float64):
