@@ -80,7 +80,7 @@ def test_timeout_ends_the_whole_process_group(fake, tmp_path, monkeypatch, mode)
 
 
 def test_timeout_reports_the_state_before_the_kill_not_what_the_kill_caused(fake, tmp_path, monkeypatch):
-    worker, pids = fake
+    worker, _ = fake
     monkeypatch.setenv("FAKE_MODE", "noisy")
     with pytest.raises(TimeoutError) as err:
         run_worker([sys.executable, str(worker)], timeout=3, log_dir=tmp_path, grace=2.0)
