@@ -333,5 +333,5 @@ def test_plan_bytes_in_results_are_for_what_the_longest_prompt_held(app, monkeyp
     monkeypatch.setattr(correctness, "_generate_ours", stops_early)
     code, results, _, _ = app("model=jamba", "cache=hybrid_chunked", "cache.full.chunk_size=8", *SHORT)
     s = results["summary"]
-    assert s["cache_bytes/tokens"] == max(r["prompt_tokens"] for r in results["prompts"]) + 2 - 1
+    assert code == 0 and s["cache_bytes/tokens"] == max(r["prompt_tokens"] for r in results["prompts"]) + 2 - 1
     assert s["cache_bytes/held"] == s["cache_bytes/plan"] == sum(r["bytes"] for r in results["plan"])
