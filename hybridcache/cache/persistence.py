@@ -1,7 +1,7 @@
 """Saving and loading a `Cache`: safetensors for the tensors, a small JSON header, a sha256 of the payload. No pickle.
 
 File layout: one safetensors file. Its tensors are every cache layer's storage (`layers.<i>.<name>`) plus the
-sequence state (`sequence.seen`, `sequence.fingerprint`); its metadata holds one JSON document under "hybridcache":
+sequence state (`sequence.seen`, `sequence.fingerprint` and its per-column `sequence.fingerprint_history`); its metadata holds one JSON document under "hybridcache":
 
     {"format": "hybridcache.cache", "version": 2,
      "model": {"family", "config_sha256", "weights_sha256"},      # who the cache belongs to
@@ -108,6 +108,9 @@ def save_cache(cache: "Cache", path: str | os.PathLike, model: torch.nn.Module) 
         tensors: dict[str, torch.Tensor] = {"sequence.seen": cache.seq.seen}
         if cache.seq.fingerprint is not None:
             tensors["sequence.fingerprint"] = cache.seq.fingerprint
+            history = cache.seq.history()  # [B, columns]: lets a loaded cache be cropped and still be continued
+            if history is not None:
+                tensors["sequence.fingerprint_history"] = history
         layers = []
         for i, (plan, layer) in enumerate(zip(cache.plan.layers, cache.layers, strict=True)):
             if plan.spec != layer.spec or plan.type != layer.type_name:
@@ -207,8 +210,10 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
         layer_t = {n: tensors[f"layers.{i}.{n}"].to(cache.device) for n in names if f"layers.{i}.{n}" in tensors}
         snaps.append(LayerSnapshot(layer.type_name, layer.spec, columns, seen, layer_t))
     fp = tensors.get("sequence.fingerprint") if header.get("has_fingerprint") else None
+    history = tensors.get("sequence.fingerprint_history") if fp is not None else None
     try:
-        cache.restore(CacheSnapshot(tuple(snaps), seen, columns, None if fp is None else fp.to(cache.device)))
+        cache.restore(CacheSnapshot(tuple(snaps), seen, columns, None if fp is None else fp.to(cache.device),
+                                    None if history is None else history.to(cache.device)))
     except CacheError as e:
         raise CacheFileError(f"{path}: the saved tensors do not fit the cache layers ({e})") from None
     return cache

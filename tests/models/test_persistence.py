@@ -113,3 +113,22 @@ def test_corrupted_truncated_or_foreign_files_are_clear_errors(models, tmp_path)
     with pytest.raises(FileNotFoundError):
         Cache.load(tmp_path / "missing", model)
     assert b"pickle" not in data and not data.startswith(b"\x80")  # safetensors, never a pickle
+
+
+def test_a_loaded_cache_can_be_cropped_and_continued(models, tmp_path):
+    """The token fingerprint's per-column history is saved: crop after load still knows the kept tokens."""
+    model = models("jamba")[0]
+    ids = prompts(1, 9, seed=21)
+    out = hc.generate(model, ids, max_new_tokens=4, cache_config={"recurrent": {"checkpoints": 3}})
+    out.cache.save(tmp_path / "c.safetensors")
+    loaded = Cache.load(tmp_path / "c.safetensors", model=model, cache_config={"recurrent": {"checkpoints": 3}})
+    keep = loaded.columns - 2
+    loaded.crop(keep)
+    prefix = out.sequences[:, : keep + 1]  # the kept columns and one token to feed
+    wrong = prefix.clone()
+    wrong[0, 1] = (wrong[0, 1] + 1) % 384  # not the token the cache saw at column 1
+    with pytest.raises(ValueError, match="not the tokens the cache saw"):
+        hc.generate(model, wrong, max_new_tokens=4, cache=loaded)
+    again = hc.generate(model, prefix, max_new_tokens=4, cache=loaded)
+    ref = hc.generate(model, prefix, max_new_tokens=4, use_cache=False)
+    assert torch.equal(again.sequences, ref.sequences)
