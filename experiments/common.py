@@ -81,12 +81,31 @@ def checkpoint_path(model_cfg: DictConfig, home: str) -> str:
     return str(tiny_checkpoint(model_cfg.family, seed=int(model_cfg.seed), size=model_cfg.get("size", "tiny")))
 
 
+def use_vllm_variant(cfg: DictConfig) -> bool:
+    """With reference=vllm, a tiny default whose family keeps a vLLM-compatible variant apart (llama4: chunk 32,
+    a multiple of vLLM-CPU's block size; lfm2: tied head, as vLLM always ties it) uses that variant, and says so."""
+    from hybridcache.tiny_models import SIZES
+
+    if (cfg.reference.get("name") != "vllm" or cfg.model.checkpoint or cfg.model.get("size", "tiny") != "tiny"
+            or cfg.model.family not in SIZES["vllm"]):
+        return False
+    cfg.model.size = "vllm"
+    print(f"reference=vllm: using the vLLM-compatible tiny {cfg.model.family} (model.size=vllm: "
+          f"{', '.join(f'{k}={v}' for k, v in SIZES['vllm'][cfg.model.family].items())})")
+    return True
+
+
 def describe_checkpoint(model_cfg: DictConfig, checkpoint: str) -> str:
     """What the weights are, said plainly: random defaults are not a trained model."""
     if model_cfg.checkpoint:
         return f"checkpoint {checkpoint}"
     size = model_cfg.get("size", "tiny")
-    what = "random tiny" if size == "tiny" else f"random ~{str(size).upper()}-parameter"
+    if size == "tiny":
+        what = "random tiny"
+    elif size == "vllm":
+        what = "random tiny (vLLM-compatible variant)"
+    else:
+        what = f"random ~{str(size).upper()}-parameter"
     return f"{what} {model_cfg.family} checkpoint (seed {model_cfg.seed}, untrained)"
 
 
@@ -216,6 +235,7 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
     mode = cfg.logger.mode
     if mode not in ("offline", "online", "disabled"):
         raise UserError(f"logger.mode must be offline, online or disabled, got {mode!r}")
+    use_vllm_variant(cfg)
     try:
         checkpoint = str(resolve_checkpoint(checkpoint_path(cfg.model, cfg.home)))
         hf_config, native = native_layers_of(Path(checkpoint))

@@ -190,7 +190,6 @@ APP_REFUSALS = [
     (["model=bamba"], "dropped BambaForCausalLM"),
     (["model=recurrentgemma"], "no RecurrentGemma"),
     (["model=qwen3_next"], "add model.dtype=bfloat16"),
-    (["model=llama4"], "model.size=vllm"),
     (["model=nemotron_h", "+reference.engine_args.enable_prefix_caching=true"], "enable_prefix_caching=False"),
 ]
 
@@ -205,3 +204,20 @@ def test_app_refuses_before_generating(tmp_path, overrides, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "agreement with" not in proc.stdout and "cache plan" not in proc.stdout
+
+
+@pytest.mark.parametrize("family,used", [("llama4", True), ("lfm2", True), ("gemma3", False), ("mamba2", False)])
+def test_app_uses_the_vllm_variant_where_the_default_differs_on_purpose(tmp_path, family, used):
+    """`python run.py model=llama4 reference=vllm` works: the tiny default's vLLM variant is used (and said);
+    the variant's config passes the preflight that refuses the plain tiny default."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.common import checkpoint_path, use_vllm_variant
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"model={family}", "reference=vllm", f"home={tmp_path}"])
+        hf = compose(config_name="config", overrides=[f"model={family}", "reference=hf"])
+    assert use_vllm_variant(cfg) is used and use_vllm_variant(hf) is False
+    assert cfg.model.size == ("vllm" if used else "tiny") and hf.model.size == "tiny"
+    config = json.loads((Path(checkpoint_path(cfg.model, str(tmp_path))) / "config.json").read_text())
+    vllm_engine_args(config, "float32", {}, "cpu")  # refused for the plain tiny llama4 / lfm2 (above)
