@@ -50,6 +50,17 @@ def strategy_configs(e: DictConfig) -> dict[str, dict[str, Any]]:
     return out
 
 
+def passkey_strategies(e: DictConfig, compute: list[str]) -> list[str]:
+    """The strategies the passkey test runs for: `passkey.strategies` (null: all), the reference always."""
+    names = e.passkey.get("strategies")
+    if names is None:
+        return list(compute)
+    unknown = [n for n in names if n not in e.strategies]
+    if unknown:
+        raise ValueError(f"experiment.passkey.strategies names unknown strategies {unknown}")
+    return [n for n in compute if n in set(names) or n == e.reference]
+
+
 def plan_or_error(model, config: dict[str, Any]):
     try:
         return resolve_plan(model.native_layers(), config), None
@@ -101,8 +112,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                            lambda: progress.advance(task))
             for s in strategies:
                 per_doc[s.name].append(s)
-        task = progress.add_task("passkey", total=len(prompts) * len(compute))
-        for name in compute:
+        probed = passkey_strategies(e, compute)
+        task = progress.add_task("passkey", total=len(prompts) * len(probed))
+        for name in probed:
             for requested, prompt in prompts:
                 trials[name].append({"requested": requested,
                                      **passkey(model, tokenizer, prompt, configs[name], int(e.block))})

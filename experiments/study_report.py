@@ -100,14 +100,15 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
     longest = str(max(lengths))
     has_passkey = any(r["passkey_trials"] for r in ok)
     fig, axes = plt.subplots(1, 2 if has_passkey else 1, figsize=(12 if has_passkey else 6.5, 4.8), squeeze=False)
-    xs = [100 * r["bytes_ratio"] for r in ok]
-    panels = [("perplexity @" + longest, [r["ppl"][longest] for r in ok], True)]
-    if has_passkey:
-        panels.append(("passkey accuracy", [r["passkey_acc"] or 0.0 for r in ok], False))
-    for ax, (label, ys, lower_better) in zip(axes[0], panels):
+    panels = [("perplexity @" + longest, ok, [r["ppl"][longest] for r in ok], True)]
+    if has_passkey:  # only the strategies the passkey test ran for (experiment.passkey.strategies)
+        probed = [r for r in ok if r["passkey_trials"]]
+        panels.append(("passkey accuracy", probed, [r["passkey_acc"] for r in probed], False))
+    for ax, (label, shown, ys, lower_better) in zip(axes[0], panels):
+        xs = [100 * r["bytes_ratio"] for r in shown]
         ax.scatter(xs, ys, s=40, zorder=3)
         labels: dict[tuple[float, float], list[str]] = {}
-        for x, y, r in zip(xs, ys, ok):  # strategies at the same point share one label
+        for x, y, r in zip(xs, ys, shown):  # strategies at the same point share one label
             labels.setdefault((round(x, 3), round(y, 6)), []).append(r["name"])
         for (x, y), names in labels.items():
             ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
