@@ -176,6 +176,27 @@ class VLLMRunner(ReferenceRunner):
                    "top_k": top_k, "max_model_len": self.max_model_len, "architectures": self.architectures,
                    "stop_token_ids": [self.eos_token_id] if self.eos_token_id is not None else [],
                    "engine_args": self.engine_args}
+        answer = self._ask(request)
+        self.engine_seconds = answer["engine_seconds"]
+        out = [Generation.from_json(r) for r in answer["results"]]
+        if progress is not None:
+            for _ in out:
+                progress()
+        return out
+
+    def time_batches(self, batches: list[list[list[int]]], max_new_tokens: int, repeats: int = 1) -> list[dict]:
+        """Prefill and decode timings per batch of prompts, all in one engine (its start is `engine_seconds`):
+        [{"batch", "prefill_s" (a 1-token generation), "total_s" (a max_new_tokens one)}], medians over repeats."""
+        request = {"model": self.checkpoint, "dtype": self.dtype, "prompts": [], "max_new_tokens": max_new_tokens,
+                   "top_k": 1, "max_model_len": self.max_model_len, "architectures": self.architectures,
+                   "engine_args": self.engine_args, "repeats": repeats,
+                   "timing": [{"prompts": b} for b in batches]}
+        answer = self._ask(request)
+        self.engine_seconds = answer["engine_seconds"]
+        return answer["timings"]
+
+    def _ask(self, request: dict) -> dict:
+        """Run the worker on one request in its own process group; its answer, or the root cause of its failure."""
         with tempfile.TemporaryDirectory() as tmp:
             req, ans = Path(tmp) / "request.json", Path(tmp) / "answer.json"
             req.write_text(json.dumps(request))
@@ -186,9 +207,4 @@ class VLLMRunner(ReferenceRunner):
             answer = json.loads(ans.read_text())
         if "error" in answer:
             raise RuntimeError(f"vLLM reference: {answer['error']}")
-        self.engine_seconds = answer["engine_seconds"]
-        out = [Generation.from_json(r) for r in answer["results"]]
-        if progress is not None:
-            for _ in out:
-                progress()
-        return out
+        return answer

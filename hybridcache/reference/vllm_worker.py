@@ -30,6 +30,10 @@ def main(request_path: str, answer_path: str) -> None:
               max_model_len=request["max_model_len"], enforce_eager=True, seed=0,
               **request.get("engine_args", {}))
     engine_seconds = time.perf_counter() - started
+    if request.get("timing"):  # the benchmark: prefill and decode times per batch, one engine for all of them
+        json.dump({"timings": timings(llm, request, SamplingParams, TokensPrompt), "engine_seconds": engine_seconds},
+                  open(answer_path, "w"))
+        return
     params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], logprobs=request["top_k"],
                             detokenize=False, stop_token_ids=request.get("stop_token_ids") or None)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
@@ -47,6 +51,31 @@ def main(request_path: str, answer_path: str) -> None:
                         "seconds": seconds / len(prompts)})
     json.dump({"results": results, "engine_seconds": engine_seconds, "generate_seconds": seconds},
               open(answer_path, "w"))
+
+
+def timings(llm, request, SamplingParams, TokensPrompt) -> list:
+    """Per batch: a 1-token generation (prefill) and an N-token one back to back, medians over repeats after one
+    warm-up pair; eos ignored so every run decodes exactly N tokens."""
+    def params(n):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    out = []
+    for run in request["timing"]:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in run["prompts"]]
+        n = request["max_new_tokens"]
+        llm.generate(prompts, params(1), use_tqdm=False)
+        llm.generate(prompts, params(n), use_tqdm=False)
+        pairs = []
+        for _ in range(int(request.get("repeats", 1))):
+            start = time.perf_counter()
+            llm.generate(prompts, params(1), use_tqdm=False)
+            middle = time.perf_counter()
+            llm.generate(prompts, params(n), use_tqdm=False)
+            pairs.append((middle - start, time.perf_counter() - middle))
+        pairs.sort(key=lambda p: p[1] - p[0])
+        prefill, total = pairs[len(pairs) // 2]
+        out.append({"batch": len(prompts), "prefill_s": prefill, "total_s": total})
+    return out
 
 
 if __name__ == "__main__":
