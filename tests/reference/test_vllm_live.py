@@ -75,3 +75,19 @@ def test_timeout_ends_every_engine_process_and_says_where_it_was(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "gave no answer within 12 s" in out, out[-3000:]
     assert "its process group was ended. Before that, it had not failed" in out
+
+
+def test_benchmark_times_vllm_prefill_and_decode_apart(tmp_path):
+    """experiment=benchmark with reference=vllm: one engine times every batch; decode excludes the prompt."""
+    marker = f"HYBRIDCACHE_TEST_MARK={uuid.uuid4().hex}"
+    env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path / "home"), marker.split("=")[0]: marker.split("=")[1]}
+    proc = subprocess.run([sys.executable, "run.py", "experiment=benchmark", "model=gemma3", "reference=vllm",
+                           "experiment.smoke=true", "experiment.cache_ops.enabled=false", "logger.mode=disabled",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in json.loads((tmp_path / "run" / "benchmark.json").read_text())["throughput"]
+            if r["system"] == "vllm"]
+    assert [r["batch"] for r in rows] == [1]
+    assert all(0 < r["prefill_s"] < r["total_s"] and r["engine_start_s"] > 0 for r in rows)
+    assert not survivors(marker)
