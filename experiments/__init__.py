@@ -34,10 +34,10 @@ def run_experiment(cfg: DictConfig):
         if name not in EXPERIMENTS:
             raise UserError(f"experiment={name} is not one of {', '.join(EXPERIMENTS)}")
         result = importlib.import_module(EXPERIMENTS[name]).run(cfg)
-    except UserError as e:
+    except UserError as e:  # and ReferenceFailed (exit status 3)
         print(f"error: {e}", file=sys.stderr)
-        write_error_result(cfg, str(e))
-        EXIT.fail(2)
+        write_error_result(cfg, str(e), e.exit_code)
+        EXIT.fail(e.exit_code)
         return None
     if isinstance(result, dict) and result.get("exit_code"):
         EXIT.fail(int(result["exit_code"]))

@@ -31,6 +31,15 @@ GENERATION_FIELDS = ("max_new_tokens", "top_k")
 class UserError(Exception):
     """A mistake in the settings or inputs: reported as one line, exit status 2 (no traceback)."""
 
+    exit_code = 2
+
+
+class ReferenceFailed(UserError):
+    """The reference system itself failed or timed out (e.g. a vLLM engine error): one line with its root cause,
+    exit status 3."""
+
+    exit_code = 3
+
 
 # -- console and noise ---------------------------------------------------------------------------------------------
 def quiet_libraries() -> None:
@@ -369,14 +378,14 @@ def sweep_group(cfg: DictConfig) -> str | None:
     return f"sweep-{sweep.parent.name}-{sweep.name}"
 
 
-def write_error_result(cfg: DictConfig, message: str) -> None:
-    """results.json for a run stopped by a user error (so sweeps and scripts see why)."""
+def write_error_result(cfg: DictConfig, message: str, exit_code: int = 2) -> None:
+    """results.json for a run stopped by a user error or a failed reference (so sweeps and scripts see why)."""
     try:
         out = output_dir()
     except ValueError:  # not under Hydra
         return
     out.mkdir(parents=True, exist_ok=True)
-    result = {"status": "error", "error": message, "exit_code": 2, "title": run_title(cfg),
+    result = {"status": "error", "error": message, "exit_code": exit_code, "title": run_title(cfg),
               "overrides": task_overrides(), "config": OmegaConf.to_container(cfg, resolve=False)}
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
 

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import (
-    Prepared, UserError, identity, load_model, make_console, make_reference, output_dir, preflight, run_title,
+    Prepared, ReferenceFailed, UserError, identity, load_model, make_console, make_reference, output_dir, preflight, run_title,
     sweep_group, task_overrides,
 )
 from experiments.report import print_summary, type_bytes, verdict
@@ -80,7 +80,11 @@ def _run_reference(reference, prep: Prepared, cfg, console):
         reference.warmup(prep.prompts[0])
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"reference ({reference.name})", total=len(prep.prompts))
-        return reference.generate(prep.prompts, cfg.max_new_tokens, cfg.top_k, progress=lambda: progress.advance(task))
+        try:
+            return reference.generate(prep.prompts, cfg.max_new_tokens, cfg.top_k,
+                                      progress=lambda: progress.advance(task))
+        except (RuntimeError, TimeoutError) as e:  # the reference's own failure, its root cause first
+            raise ReferenceFailed(f"the {reference.name} reference failed: {e}") from None
 
 
 def _reference_info(reference, cfg) -> dict[str, Any]:

@@ -221,3 +221,18 @@ def test_app_uses_the_vllm_variant_where_the_default_differs_on_purpose(tmp_path
     assert cfg.model.size == ("vllm" if used else "tiny") and hf.model.size == "tiny"
     config = json.loads((Path(checkpoint_path(cfg.model, str(tmp_path))) / "config.json").read_text())
     vllm_engine_args(config, "float32", {}, "cpu")  # refused for the plain tiny llama4 / lfm2 (above)
+
+
+def test_a_failing_reference_is_one_line_with_exit_status_3(tmp_path):
+    """The family passes the preflight, but the interpreter has no vLLM: the worker's failure is reported as one
+    line (its root cause), exit status 3, results.json says so; no traceback."""
+    env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "run.py", "model=gemma3", "reference=vllm", f"reference.python={sys.executable}",
+                           "reference.platform=cpu", "logger.mode=disabled", "max_new_tokens=2",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the vllm reference failed" in proc.stderr and "vllm is not importable" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    result = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert result["exit_code"] == 3 and "vllm is not importable" in result["error"]
