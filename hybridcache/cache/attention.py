@@ -106,9 +106,14 @@ class AttentionCacheLayer(CacheLayer):
             self._tier.fetch()
 
     def _park(self) -> None:
-        """Put offloaded parts back on their storage tier (after the block or operation)."""
+        """Put offloaded parts back on their storage tier (after the commit or operation)."""
         if self._tier is not None:
             self._tier.park()
+
+    def _release(self) -> None:
+        """Drop the fetched copy of offloaded parts unwritten (after an update, or a block that failed)."""
+        if self._tier is not None:
+            self._tier.release()
 
     def nbytes(self) -> int:
         storages = {}
@@ -198,10 +203,9 @@ class AttentionCacheLayer(CacheLayer):
             view = self._write(k, v, block)
         except BaseException:
             self._close(opened, failed=True)
-            self._park()
+            self._release()
             raise
-        if self._tier is not None:
-            self._tier.release()  # nothing was written yet: the commit fetches again
+        self._release()  # offloaded: the parked parts are unchanged, the commit fetches them again
         self._close(opened, failed=False)
         return view
 
@@ -259,13 +263,14 @@ class AttentionCacheLayer(CacheLayer):
             residual_window.commit_dynamic(self, k, v, block.positions, block.seen_after)
 
     def _abort_staged(self, staged: Any) -> None:
-        if staged[0] == "decode" and self._tier is None:  # put back what the written slot held
+        if staged[0] == "decode":  # put back what the written slot held
             _, slots, old, old_pos, residual = staged[:5]
-            for attr, t in old.items():
-                getattr(self, attr).scatter_(2, _slot_index(slots, t), t)
             self.key_pos.scatter_(1, slots, old_pos)
-            residual_window.undo_decode(self, residual)
-        self._park()
+            if self._tier is None:  # offloaded: the parts were written in a fetched copy, the parked ones untouched
+                for attr, t in old.items():
+                    getattr(self, attr).scatter_(2, _slot_index(slots, t), t)
+                residual_window.undo_decode(self, residual)
+        self._release()
 
     def _evict(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
         """Slots to keep after a block ([S'] for all rows or [B, S'] per row); None keeps everything.

@@ -101,10 +101,8 @@ class OffloadTier:
                 torch.cuda.current_stream(layer.device).wait_event(self.event)
                 for t in parts.values():
                     t.record_stream(torch.cuda.current_stream(layer.device))
-        elif self.cuda:
-            parts = {attr: t.to(layer.device) for attr, t in self.parked.items()}
-        else:
-            parts = dict(self.parked)  # attend over the mapped files themselves
+        else:  # a copy either way: writes reach the parked parts only when the layer parks
+            parts = {attr: t.to(layer.device, copy=True) for attr, t in self.parked.items()}
         for attr, t in parts.items():
             setattr(layer, attr, t)
         self.prefetched, self.event = None, None

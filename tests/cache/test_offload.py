@@ -157,3 +157,31 @@ def test_save_and_load_round_trip_parks_the_loaded_parts(models, tmp_path):
     a = hc.generate(model, seq, max_new_tokens=3, cache=out.cache)
     b = hc.generate(model, seq, max_new_tokens=3, cache=loaded)
     assert torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize("max_length", [None, 16])
+def test_a_failed_block_leaves_every_offloaded_layer_unchanged(max_length):
+    from hybridcache.cache import CacheError
+    from tests.cache.helpers import state_equal
+
+    native = [NativeLayer("full", {"num_kv_heads": H, "head_dim": D})] * 2
+    caches = [Cache.build(native, 1, {"attention": {"storage": s}}, max_length=max_length) for s in ("offload", "dense")]
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(2, 1, H, n, D, generator=g) for n in (3, 1, 1)]
+    for kv in steps[:2]:
+        for cache in caches:
+            with cache.block(None, kv.shape[3]):
+                for layer in cache.layers:
+                    layer.update(kv[0], kv[1])
+    offload = caches[0]
+    before = offload.snapshot()
+    with pytest.raises(CacheError), offload.block(None, 1):  # a one-token decode block that fails in layer 1
+        offload[0].update(steps[2][0], steps[2][1])
+        offload[1].update(steps[2][0][..., :-1], steps[2][1][..., :-1])
+    assert state_equal(offload.snapshot(), before)
+    for cache in caches:  # and it continues exactly like the dense cache
+        with cache.block(None, 1):
+            views = [layer.update(steps[2][0], steps[2][1]) for layer in cache.layers]
+        cache.views = views
+    for a, b in zip(*(c.views for c in caches)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
