@@ -118,7 +118,7 @@ BAD = [
     ({"storage": "int4", "q_group_size": 2.0}, "q_group_size must be a positive integer, got 2.0"),
     ({"q_group_size": 4}, "storage 'dense' does not take q_group_size .it takes no options"),
     ({"storage": "offload", "q_group_size": 4}, "storage 'offload' does not take q_group_size"),
-    ({"storage": "int2"}, r"unknown attention storage 'int2'; known: dense, int4, int8, offload"),
+    ({"storage": "int2"}, r"unknown attention storage 'int2'; known: (\w+, )*dense, (\w+, )*int4, int8, (\w+, )*offload"),
 ]
 
 
