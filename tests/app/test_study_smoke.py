@@ -36,8 +36,9 @@ def test_study_smoke(tmp_path):
     native, longest = rows["native"], str(max(data["lengths"]))
     assert native["kl"][longest] == 0 and native["bytes_ratio"] == 1 and native["passkey_trials"] == 4
     assert {k: v[1] for k, v in native["passkey_by_length"].items()} == {"256": 2, "320": 2}
-    # the passkey runs for experiment.passkey.strategies only (the default's: native, sliding_256, all_local_512)
-    assert rows["all_local_512"]["passkey_trials"] == 4 and rows["int4"]["passkey_trials"] == 0
+    # the passkey runs for experiment.passkey.strategies only (the default's: native, sliding_256, all_local_512,
+    # tova_256, int4)
+    assert rows["int4"]["passkey_trials"] == 4 and rows["int8"]["passkey_trials"] == 0
     # the global layers made local with a window longer than the context: the same model, token for token
     assert rows["all_local_512"]["kl"][longest] < 1e-6 and rows["all_local_512"]["verdict"].startswith("exact")
     assert all(v == 1.0 for v in rows["all_local_512"]["greedy_agreement"].values())
