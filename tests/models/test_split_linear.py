@@ -30,7 +30,7 @@ def test_use_split_rows_switches_only_big_divisible_linears_and_keeps_ties():
     model.small = nn.Linear(8, 8)
     model.odd = nn.Linear(8, 63)  # no split divides 63 rows
     switched = use_split_rows(model, min_bytes=64 * 8 * 4)
-    assert switched == ["head"] and type(model.head) is SplitRowsLinear and model.head.splits == 8
+    assert switched == ["head"] and type(model.head) is SplitRowsLinear and model.head.splits == 4
     assert model.head.weight is model.embed.weight and type(model.small) is nn.Linear and type(model.odd) is nn.Linear
     x = torch.randn(2, 3, 8)
     torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight), rtol=1e-5, atol=1e-5)
