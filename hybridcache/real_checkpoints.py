@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridcache.paths import home_dir
+
 INSTALL_HINT = 'pip install -e ".[real]"'
 #: Bump when the conversion changes (a new directory name invalidates old conversions).
 CONVERSION_VERSION = 1
@@ -64,11 +66,7 @@ def available(name: str) -> bool:
 
 def real_root() -> Path:
     """$HYBRIDCACHE_HOME/real, else ~/.cache/hybridcache/real (XDG_CACHE_HOME respected)."""
-    home = os.environ.get("HYBRIDCACHE_HOME")
-    if home:
-        return Path(home).expanduser() / "real"
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "hybridcache" / "real"
+    return home_dir("real")
 
 
 def real_checkpoint(name: str, root: str | Path | None = None, quiet: bool = False) -> Path:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from hybridcache.paths import home_dir
+
 FAMILIES = ("jamba", "mamba", "mamba2", "recurrentgemma", "gemma3", "llama4", "bamba", "falcon_h1", "zamba2", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid")
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
@@ -252,11 +254,7 @@ def build_tiny_checkpoint(family: str, path, seed: int = 0, **overrides) -> Path
 
 
 def _cache_root() -> Path:
-    home = os.environ.get("HYBRIDCACHE_HOME")
-    if home:
-        return Path(home).expanduser() / "tiny"
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "hybridcache" / "tiny"
+    return home_dir("tiny")
 
 
 # Named variants of the tiny checkpoints (family -> overrides); "tiny" is the default. "20m": larger, for benchmarks;

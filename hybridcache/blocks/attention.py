@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from einops import rearrange
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
+from hybridcache.blocks.linear_group import LinearGroup
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.ops import masked_attention
@@ -53,34 +53,43 @@ class AttentionMixer(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap, self.rotary, self.query_hook = softcap, rotary, query_hook
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one matmul once fused (from_pretrained)
+
+    def projection_groups(self) -> list[LinearGroup]:
+        return [self.qkv]
 
     def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput,
                 extra: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
-        qp, kp, vp = self.q_proj(h), self.k_proj(h), self.v_proj(h)  # [B, T, H * D]
+        b, t, _ = h.shape
+        d = self.head_dim
+        qp, kp, vp = self.qkv(h)  # [B, T, H * D] each
         if extra is not None:
             qp, kp, vp = (p if e is None else p + e for p, e in zip((qp, kp, vp), extra, strict=True))
         gate = None
         if self.output_gate:  # per head: [query (D) | gate (D)]
-            q, gate = rearrange(qp, "b t (h d) -> b h t d", d=2 * self.head_dim).chunk(2, dim=-1)
-            gate = rearrange(gate, "b h t d -> b t (h d)")  # [B, T, Hq * D]
+            q, gate = qp.view(b, t, self.num_heads, 2 * d).chunk(2, dim=-1)
+            q, gate = q.transpose(1, 2), gate.reshape(b, t, self.num_heads * d)  # [B, Hq, T, D], [B, T, Hq * D]
         else:
-            q = rearrange(qp, "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hq, T, D]
-        k = rearrange(kp, "b t (h d) -> b h t d", d=self.head_dim)  # [B, Hkv, T, D]
-        v = rearrange(vp, "b t (h d) -> b h t d", d=self.head_dim)
+            q = qp.view(b, t, self.num_heads, d).transpose(1, 2)  # [B, Hq, T, D]
+        k = kp.view(b, t, self.num_kv_heads, d).transpose(1, 2)  # [B, Hkv, T, D]
+        v = vp.view(b, t, self.num_kv_heads, d).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, step.rope_positions)
+            q, k = self.rotary(q, k, step)  # cos/sin computed once per block and frequency table
         if self.query_hook is not None:
             q = self.query_hook(q, step)
-        view = layer.update(k.to(layer.spec.dtype), v.to(layer.spec.dtype))
-        keys, values = view.keys.to(q.dtype), view.values.to(q.dtype)
+        dtype = layer.spec.dtype
+        view = layer.update(k if k.dtype == dtype else k.to(dtype), v if v.dtype == dtype else v.to(dtype))
+        keys, values = view.keys, view.values
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if layer.wants_attention_weights:  # score-based eviction (H2O / TOVA) reads the block's weights
             out, weights = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, return_weights=True)
             layer.observe_attention(weights)
         else:
             out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap)
-        out = rearrange(out, "b h t d -> b t (h d)")
+        out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
+from hybridcache.blocks.linear import linear
 from hybridcache.blocks.norms import RMSNorm
 from hybridcache.cache import MambaStateLayer
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_scan, selective_state_update
@@ -64,7 +65,7 @@ class MambaMixer(nn.Module):
         dt, b, c = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         if self.inner_norms:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
-        return F.linear(dt, self.dt_proj.weight), b, c
+        return linear(dt, self.dt_proj.weight, None, self.dt_proj._buffers.get("scale")), b, c  # bias: in softplus
 
     def forward(self, h: torch.Tensor, layer: MambaStateLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         tokens = h.shape[1]

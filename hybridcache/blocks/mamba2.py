@@ -4,11 +4,11 @@ The conv and SSM states live only in the mixer's `mamba2` cache layer: every blo
 and writes both back, so a sequence fed in any split gives the same result. Left padding is made invisible by
 zeroing the conv input, the conv output and dt at padding positions (decay exp(0 * A) = 1, no input).
 
-Precision: float32 models on CPU compute the mixer in float64 (per model: `model.upcast_cpu_float32`). BLAS rounds a
-token's projection differently depending on how many tokens share the matmul, and the chunked scan rounds differently
-from the step; Mamba2 amplifies such ulp-level differences ~10x into the logits. In float64, with the in_proj output
-rounded back to the model dtype (so the stored conv state is exact), any split of a sequence gives the same logits
-up to the float32 rounding of the stored SSM state.
+Precision: float32 models on CPU compute the conv and the scan in float64 (per model: `model.upcast_cpu_float32`):
+the chunked scan rounds differently from the step, and Mamba2 amplifies such ulp-level differences ~10x into the
+logits. The projections run in the model's dtype like every other projection (their output is stored in it anyway);
+a one-row projection (decode) and a whole block's (BLAS) still round apart, which leaves float32 splits of a
+sequence ~2.5e-5 apart on the tiny test model (exact in float64).
 """
 
 from __future__ import annotations
@@ -136,7 +136,9 @@ class Mamba2Mixer(nn.Module):
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(cd)
 
-        zxbcdt = F.linear(h.to(cd), cast(self.in_proj.weight), cast(self.in_proj.bias)).to(dtype)  # [B, T, E]
+        # The projections run in the model's dtype (their output was rounded to it anyway); the float64 upcast is
+        # for the conv and the scan, where float32 cached and whole-sequence paths drift apart.
+        zxbcdt = self.in_proj(h)  # [B, T, E]
         z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         xbc = step.mask_padding(xbc).to(cd)  # [B, T, C]: padding enters the conv as zeros (= the empty state)
         xbc_in = xbc  # the conv inputs (what the conv state holds)
@@ -174,7 +176,7 @@ class Mamba2Mixer(nn.Module):
                      **({"trail": trail} if m > 0 else {}))
         y = rearrange(y, "b t h p -> b t (h p)")  # [B, T, I]
         y = self.norm(y, z.to(acc)) if self.norm is not None else y * F.silu(z.to(acc))
-        return F.linear(y.to(cd), cast(self.out_proj.weight), cast(self.out_proj.bias)).to(dtype)  # [B, T, D]
+        return self.out_proj(y.to(dtype))  # [B, T, D]
 
     def _scan_with_trail(self, x, dt, A, b, c, D, state, m: int):
         """SSD over the first T - m tokens, then m steps; returns y [B, T, H, P], the final state and the m states

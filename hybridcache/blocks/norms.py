@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridcache.ops.cpu_kernels import rms_norm
+
+_LOW = (torch.float16, torch.bfloat16)
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, or * (1 + weight) for Gemma-style norms (`unit_offset=True`). The weight multiplies
@@ -15,12 +19,31 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.unit_offset, self.scale_in_float32 = eps, unit_offset, scale_in_float32
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self._scale: tuple[tuple, torch.Tensor] | None = None
+
+    def scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """(1 + weight) in `dtype`, kept until the weight changes (a decode step would recompute it per norm)."""
+        w = self.weight
+        if torch.compiler.is_compiling():
+            return 1.0 + w.to(dtype)
+        key = (w.data_ptr(), w._version, dtype, w.device)
+        cached = self._scale
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self._scale = (key, 1.0 + w.detach().to(dtype))
+        return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # at least float32
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == torch.float32 and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            # float32 on CPU: one kernel call (every variant below is x * rsqrt(mean(x^2) + eps) * w in float32)
+            out = rms_norm(x, self.scale(torch.float32) if self.unit_offset else self.weight, self.eps)
+            if out is not None:
+                return out
+        x32 = x.float() if x.dtype in _LOW else x  # at least float32
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))
         if self.unit_offset:  # Gemma: scale in float32, then cast
-            return (normed * (1.0 + self.weight.to(normed.dtype))).to(x.dtype)
+            out = normed * (self.scale(normed.dtype) if not torch.is_grad_enabled() else 1.0 + self.weight.to(normed.dtype))
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         if self.scale_in_float32:
             return (self.weight.to(normed.dtype) * normed).to(x.dtype)
-        return self.weight * normed.to(x.dtype)  # Llama/Mamba: cast, then scale
+        return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))  # Llama/Mamba: cast, then scale

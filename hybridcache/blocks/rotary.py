@@ -30,7 +30,11 @@ def rope_frequencies(hf_config: Mapping[str, Any], params: Mapping[str, Any], ro
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates the first `rotary_dim` features of q and k [B, H, T, D] by position."""
+    """Rotates the first `rotary_dim` features of q and k [B, H, T, D] by position.
+
+    `forward(q, k, positions_or_step)` takes the block's positions [B, T], or the block itself (a `StepInput`):
+    then cos/sin are computed once per block and frequency table, and every layer sharing this module reuses them.
+    """
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0, interleaved: bool = False) -> None:
         super().__init__()
@@ -39,12 +43,16 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = 2 * inv_freq.numel()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, T, R/2]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions[..., None].float() * self.inv_freq  # [B, T, R/2]
         if self.interleaved:
             angles = angles.repeat_interleave(2, dim=-1)  # [B, T, R]: pairs (0, 1), (2, 3), ...
         else:
             angles = torch.cat([angles, angles], dim=-1)  # [B, T, R]: halves
-        cos, sin = angles.cos() * self.scaling, angles.sin() * self.scaling
+        cos, sin = angles.cos(), angles.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
         return cos[:, None].to(dtype), sin[:, None].to(dtype)  # [B, 1, T, R]
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,11 +62,20 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(positions, torch.Tensor):
+            cos, sin = self.cos_sin(positions, q.dtype)
+        else:  # the block: one cos/sin per block, shared by the layers that use this table
+            key = (id(self), q.dtype)
+            cs = positions.memo.get(key)
+            if cs is None:
+                cs = positions.memo[key] = self.cos_sin(positions.rope_positions, q.dtype)
+            cos, sin = cs
         r = self.rotary_dim
 
         def apply(x: torch.Tensor) -> torch.Tensor:
+            if r == x.shape[-1]:
+                return x * cos + self._rotate(x) * sin
             rot, rest = x[..., :r], x[..., r:]
             return torch.cat([rot * cos + self._rotate(rot) * sin, rest], dim=-1)
 

@@ -8,7 +8,7 @@ the sequence (or `abort` drops the block). Positions are absolute per row, so no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +78,9 @@ class BlockState:
     seen_after: torch.Tensor  # [B] real tokens per row once this block is committed
     all_real: bool  # no padding in this block: lets layers and mixers skip masking work
     ids: torch.Tensor | None = None  # [B, T] token ids, when the feeder knows them (for the fingerprint)
+    # Values derived from the block that every layer of a kind would recompute (rotary cos/sin per frequency
+    # table): computed by the first layer that needs them, read by the others. Dropped with the block.
+    memo: dict = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -86,6 +89,8 @@ class BlockState:
     @property
     def rope_positions(self) -> torch.Tensor:
         """Positions for rotary embeddings ([B, T]; padding gets 0, it is never attended to)."""
+        if self.all_real:  # no padding: nothing to clamp
+            return self.positions
         return self.positions.clamp(min=0)
 
     def mask_padding(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.blocks.split_linear import use_split_rows
+from hybridcache.blocks.linear import WEIGHT_FORMATS, pack_weights, use_decode_linear
 
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import ConfigError, FamilyConfig
@@ -42,16 +42,27 @@ def model_class(model_type: str | None) -> type[HybridLM]:
 
 def from_pretrained(
     path_or_hub_id: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
-    allow_nonfinite: bool = False, allow_dtype_cast: bool = False, split_rows: bool = True,
+    allow_nonfinite: bool = False, allow_dtype_cast: bool = False, weights: str | None = None,
+    decode_kernel: bool = True,
 ) -> HybridLM:
     """Load a Hugging Face checkpoint (local directory, or hub id where reachable) into our implementation.
 
     The config is validated (ConfigError names every bad field), the model is built without allocating its
     weights and checked against the checkpoint's tensor names and shapes (CheckpointError) before any tensor is
     read. Tensors with NaN/Inf values or of a non-float dtype where floats are expected are refused unless
-    `allow_nonfinite` / `allow_dtype_cast`. `split_rows` gives projections of 64 MB and more (a big vocabulary head)
-    a faster CPU decode path (hybridcache/blocks/split_linear.py; same math, another BLAS kernel).
+    `allow_nonfinite` / `allow_dtype_cast`.
+
+    Speed (hybridcache/blocks/linear.py): q/k/v and gate/up projections run as one matmul each; with
+    `decode_kernel` every projection of a few float32 rows on CPU (a decode step) runs on a weight-streaming kernel
+    (same math, float32 sums in another order). `weights="bfloat16"` or `"int8"` stores the projection matrices
+    packed (2x / 4x fewer bytes to read per token; activations and sums stay float32): faster, but a different
+    model, so it is opt-in; None keeps them in `dtype`.
     """
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be None or one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights is not None and dtype != torch.float32:
+        raise ValueError(f"weights={weights!r} packs float32 models (the decode kernel sums in float32); got "
+                         f"dtype={dtype}")
     directory = resolve_checkpoint(path_or_hub_id)
     config = read_config(directory)
     cls = model_class(config.get("model_type"))
@@ -61,9 +72,14 @@ def from_pretrained(
         check_checkpoint(model, directory, allow_dtype_cast)
         model = cls(typed)
     load_checkpoint(model, directory, dtype, device, allow_nonfinite, allow_dtype_cast)
-    if split_rows:
-        use_split_rows(model)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.fuse_projections()
+    model._projections_fused = True  # re-fused after later .to() calls
+    if decode_kernel:
+        use_decode_linear(model)
+    if weights is not None:
+        pack_weights(model, weights)
+    return model
 
 
 __all__ = [

@@ -57,9 +57,24 @@ class HybridLM(nn.Module):
         return state
 
     # -- shared ------------------------------------------------------------------------------------------------
+    def fuse_projections(self) -> int:
+        """Run q/k/v and gate/up projections as one matmul each (hybridcache/blocks/linear_group.py); from_pretrained
+        does this, and `model.to(...)` does it again for the converted parameters. Returns the groups fused."""
+        from hybridcache.blocks.linear_group import fuse_projections
+
+        return fuse_projections(self)
+
+    def _apply(self, fn, recurse=True):  # .to() / .float() / .cuda() replace the parameters: fuse the new ones
+        out = super()._apply(fn, recurse)
+        if getattr(self, "_projections_fused", False):
+            self.fuse_projections()
+        return out
+
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        """The dtype the model computes in (its float parameters'; packed projection weights do not count)."""
+        packed = getattr(self, "_compute_dtype", None)
+        return packed if packed is not None else next(self.parameters()).dtype
 
     @property
     def device(self) -> torch.device:

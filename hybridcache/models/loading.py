@@ -289,7 +289,9 @@ def load_weights(
         if not allow_nonfinite:
             check_finite(hf, tensor)
         target = (dtype or ours[name].dtype) if ours[name].is_floating_point() else ours[name].dtype
-        tensors[name] = tensor.to(device=device if device is not None else tensor.device, dtype=target)
+        # copy=True: safetensors hands out views of the memory-mapped file; weights read from file-backed pages
+        # stream ~40% slower than from ordinary memory (measured on the 262k x 640 head: 32 ms vs 22.5 ms a read)
+        tensors[name] = tensor.to(device=device if device is not None else tensor.device, dtype=target, copy=True)
     model.load_state_dict(tensors, strict=False, assign=True)
     for name, emb in tied.items():  # share the embedding matrix as the output head
         module_name, _, attr = name.rpartition(".")

@@ -63,4 +63,4 @@ class SSMLM(HybridLM):
         return self.backbone.embeddings(input_ids)  # [B, T, D]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.backbone.norm_f(h).to(self.lm_head.weight.dtype))  # [B, T, V]
+        return self.lm_head(self.backbone.norm_f(h).to(self.dtype))  # [B, T, V]

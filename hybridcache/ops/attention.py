@@ -1,4 +1,5 @@
-"""Masked (grouped-query) softmax attention, pure torch.
+"""Masked (grouped-query) softmax attention, pure torch (a one-query block in float32 on CPU: one kernel call,
+hybridcache/ops/cpu_kernels.py, with the same guarantees).
 
 Robust to arbitrary masks: rows with no visible key return exact zeros, and
 garbage (NaN/inf) stored in masked cache slots never reaches the output.
@@ -7,7 +8,8 @@ garbage (NaN/inf) stored in masked cache slots never reaches the output.
 from __future__ import annotations
 
 import torch
-from einops import rearrange
+
+from hybridcache.ops.cpu_kernels import decode_attention
 
 
 def masked_attention(
@@ -39,7 +41,7 @@ def masked_attention(
     zeroed before the weighted sum (a NaN value visible to some query would
     otherwise leak into others through 0 * NaN in the matmul).
     """
-    b, hq, t, _ = q.shape
+    b, hq, t, dq = q.shape
     hkv, s = k.shape[1], k.shape[2]
     if hq % hkv != 0:
         raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
@@ -47,26 +49,28 @@ def masked_attention(
         raise TypeError(f"mask must be bool, got {mask.dtype}")
     if mask.dim() != 3 or mask.shape[-2:] != (t, s):
         raise ValueError(f"mask {tuple(mask.shape)} does not match [B, {t}, {s}]")
+    if t == 1 and not return_weights and not torch.compiler.is_compiling():  # a decode step: one kernel call
+        out = decode_attention(q, k, v, mask, scale, softcap)
+        if out is not None:
+            return out
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = hq // hkv
 
-    # Group query heads by their kv head instead of repeating K/V.
-    qg = rearrange(q.to(acc), "b (h g) t d -> b h g t d", h=hkv)  # [B, Hkv, G, T, D]
-    scores = torch.einsum("bhgtd,bhsd->bhgts", qg, k.to(acc)) * scale  # [B, Hkv, G, T, S]
+    # Group query heads by their kv head instead of repeating K/V: one matmul per kv head, few ops (a decode step
+    # calls this once per attention layer, so every op counts).
+    qg = q.to(acc).reshape(b, hkv, g * t, dq)  # [B, Hkv, G*T, D]
+    scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)).view(b, hkv, g, t, s) * scale  # [B, Hkv, G, T, S]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-
-    visible = mask[:, None, None]  # [B, 1, 1, T, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)  # [B, Hkv, G, T, 1]; -inf on empty rows
-    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
-    probs = torch.exp(scores - row_max)  # exact 0 where masked
-    denom = probs.sum(dim=-1, keepdim=True)
-    probs = probs / torch.where(denom > 0, denom, torch.ones_like(denom))
+    # masked_fill (not an additive mask): a NaN/inf score in a hidden slot is replaced, never added to
+    probs = torch.softmax(scores.masked_fill(~mask[:, None, None], float("-inf")), dim=-1)
+    empty = ~mask.any(dim=-1)  # [B, T]: queries that see nothing get zeros, not softmax's NaN
+    probs = probs.masked_fill(empty[:, None, None, :, None], 0.0)
 
     seen = mask.any(dim=-2)[:, None, :, None]  # [B, 1, S, 1] slot visible to some query
     v_clean = torch.where(seen, v.to(acc), torch.zeros((), dtype=acc, device=v.device))
-    out = torch.einsum("bhgts,bhse->bhgte", probs, v_clean)  # [B, Hkv, G, T, Dv]
-    out = rearrange(out, "b h g t e -> b (h g) t e").to(q.dtype)
+    out = torch.matmul(probs.view(b, hkv, g * t, s), v_clean)  # [B, Hkv, G*T, Dv]
+    out = out.view(b, hq, t, out.shape[-1]).to(q.dtype)
     if return_weights:
-        return out, rearrange(probs, "b h g t s -> b (h g) t s")
+        return out, probs.view(b, hq, t, s)
     return out

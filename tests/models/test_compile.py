@@ -5,6 +5,7 @@ import torch
 
 import hybridcache as hc
 from tests.models.conftest import prompts
+from tests.models.test_parity import SPLIT_TOL  # families that amplify float32 rounding differences (documented there)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "jamba", "bamba", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "nemotron_h", "granitemoehybrid"])  # a sliding ring + full buffer; mamba states + full buffer
@@ -16,7 +17,7 @@ def test_compiled_decode_equals_eager(family, models):
     eager = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12)
     compiled = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12, compile=True)
     assert torch.equal(eager.sequences, compiled.sequences)
-    assert (eager.logits - compiled.logits).abs().max().item() <= 2e-5
+    assert (eager.logits - compiled.logits).abs().max().item() <= max(2e-5, SPLIT_TOL.get(family, 0.0))
     assert all(getattr(layer, "static", True) for layer in compiled.cache)  # attention layers preallocated
 
 

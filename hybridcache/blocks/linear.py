@@ -1,0 +1,150 @@
+"""Linear layers for fast decode: the CPU weight-streaming kernel for few rows, and packed weight formats.
+
+`linear(x, weight, bias, scale)` is the one place a projection is computed: the kernel of
+hybridcache/ops/cpu_kernels.py for a few float32 rows on CPU (a decode step), torch's F.linear otherwise
+(prefill, GPU, float64, torch.compile). `from_pretrained` switches every nn.Linear to `DecodeLinear`, which calls it.
+
+Packed weights (`from_pretrained(..., weights="bfloat16" | "int8")`) store the projection matrices in fewer bytes
+while everything else (activations, norms, states, the cache, the sums) stays in the model's dtype:
+- `bfloat16`: each weight rounded to bfloat16 (8 significant bits); half the bytes of float32.
+- `int8`: symmetric per output row, w ~= q * scale with scale = max|row| / 127; a quarter of the bytes.
+A decode step reads every weight once, so it gets up to 2x / 4x faster; the outputs change (what
+`experiment=correctness` measures against the unpacked reference). A tied embedding keeps sharing the head's
+packed matrix (its lookups are dequantized rows), so the float32 copy is not kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridcache.ops.cpu_kernels import decode_linear, kernel_available
+
+WEIGHT_FORMATS = ("bfloat16", "int8")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (* scale [N], for int8 weights) (+ bias [N]) -> [..., N] in x's dtype."""
+    if torch.compiler.is_compiling():
+        if x.device.type == "cpu" and x.dtype == torch.float32 and kernel_available():
+            # the same kernel as eager (same rounding), and packed weights are never unpacked into memory
+            return torch.ops.hybridcache.packed_linear(x, weight, bias, scale)
+    else:
+        out = decode_linear(x, weight, bias, scale)
+        if out is not None:
+            return out
+    return reference_linear(x, weight, bias, scale)
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch path: weights widened to x's dtype, F.linear, then the per-row scale and the bias."""
+    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    if scale is None:
+        return F.linear(x, w, bias)
+    out = F.linear(x, w) * scale.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+@torch.library.custom_op("hybridcache::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scale: torch.Tensor | None) -> torch.Tensor:
+    """`linear` as one opaque op for torch.compile (on CPU float32): the decode kernel for few rows, torch for more."""
+    out = decode_linear(x, weight, bias, scale)
+    return out if out is not None else reference_linear(x, weight, bias, scale)
+
+
+@packed_linear.register_fake
+def _(x, weight, bias, scale):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class DecodeLinear(nn.Linear):
+    """nn.Linear through `linear`: the decode kernel for few rows on CPU, an optional per-row `scale` (int8)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self._buffers.get("scale"))
+
+
+def use_decode_linear(model: nn.Module) -> int:
+    """Switch every plain nn.Linear of `model` to `DecodeLinear`, in place (same parameters); returns how many."""
+    switched = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DecodeLinear
+            module._buffers.setdefault("scale", None)
+            switched += 1
+    return switched
+
+
+class PackedEmbedding(nn.Embedding):
+    """An embedding that shares a packed (bfloat16 / int8) head matrix: rows are widened to `out_dtype` and
+    scaled (int8) on lookup."""
+
+    out_dtype: torch.dtype = torch.float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight, self.padding_idx).to(self.out_dtype)
+        scale = self._buffers.get("scale")
+        return rows if scale is None else rows * scale[ids].unsqueeze(-1).to(self.out_dtype)
+
+
+def pack_matrix(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w [N, K] -> (packed [N, K], per-row float32 scale [N] for int8, else None)."""
+    if fmt == "bfloat16":
+        return w.to(torch.bfloat16), None
+    absmax = w.detach().abs().amax(dim=1).float()
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # an all-zero row stays zero
+    q = torch.round(w.detach().float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_weights(model: nn.Module, fmt: str) -> int:
+    """Store every projection matrix of `model` in `fmt` (WEIGHT_FORMATS), in place; returns how many matrices.
+
+    Fused groups (q/k/v, gate/up) are packed as one matrix, their members' weights staying row blocks of it;
+    embeddings that share a packed matrix (tied heads) share the packed one."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)} (or None: the model's dtype), got "
+                         f"{fmt!r}")
+    compute = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if compute != torch.float32:
+        raise ValueError(f"packed weights need a float32 model (the decode kernel computes in float32), this one "
+                         f"is {compute}")
+    use_decode_linear(model)  # every projection must read its scale
+    packed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor | None]] = {}  # id(old) -> (old, new, scale)
+    count = 0
+    for module in model.modules():
+        groups = getattr(module, "projection_groups", None)
+        for group in groups() if groups is not None else ():
+            if group.fused:
+                old = [lin.weight for lin in group.linears]
+                group.pack(fmt)
+                for w, lin in zip(old, group.linears):
+                    packed[id(w)] = (w, lin.weight, lin._buffers.get("scale"))
+                count += 1
+    for module in list(model.modules()):
+        if isinstance(module, nn.Linear) and id(module.weight) not in packed:
+            if not isinstance(module, DecodeLinear):
+                module.__class__ = DecodeLinear
+            q, scale = pack_matrix(module.weight, fmt)
+            old = module.weight
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module._buffers["scale"] = scale
+            packed[id(old)] = (old, module.weight, scale)
+            count += 1
+    for module in list(model.modules()):  # every remaining holder of a packed matrix: tied heads and embeddings
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in packed:
+                _, weight, scale = packed[id(param)]
+                module._parameters[name] = weight
+                if isinstance(module, nn.Embedding):
+                    module.__class__ = PackedEmbedding
+                    module.out_dtype = compute
+                    module._buffers["scale"] = scale
+                elif isinstance(module, nn.Linear):
+                    module._buffers["scale"] = scale
+    model._compute_dtype = compute
+    return count

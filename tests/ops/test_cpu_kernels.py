@@ -1,0 +1,160 @@
+"""The CPU decode-linear kernel (hybridcache/ops/kernels/decode_linear.c) against a float64 reference."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hybridcache.ops.cpu_kernels as dl
+from hybridcache.blocks.linear import linear, pack_matrix, reference_linear
+from tests.ops.test_ops_attention import naive_attention
+
+
+def _reference(x, w, bias, scale):
+    """float64: x @ widened(w)^T * scale + bias."""
+    out = x.double() @ w.double().T
+    if scale is not None:
+        out = out * scale.double()
+    return out if bias is None else out + bias.double()
+
+
+def _bound(x, w, scale):
+    """float32 rounding bound of a K-term dot product: ~K * eps * sum|x||w| (generous constant)."""
+    mag = x.double().abs() @ w.double().abs().T
+    if scale is not None:
+        mag = mag * scale.double()
+    return 4 * x.shape[-1] * 2**-24 * mag + 1e-30
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    if dl._library() is None:
+        pytest.skip(f"no decode kernel here: {dl.kernel_status()}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, dl.MAX_ROWS), n=st.integers(1, 37), k=st.integers(1, 70),
+       fmt=st.sampled_from(["float32", "bfloat16", "int8"]), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_kernel_matches_float64(rows, n, k, fmt, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    w32 = torch.randn(n, k, generator=g)
+    w, scale = (w32, None) if fmt == "float32" else pack_matrix(w32, fmt)
+    b = torch.randn(n, generator=g) if bias else None
+    with torch.no_grad():
+        out = dl.decode_linear(x, w, b, scale)
+    assert out is not None and out.shape == (rows, n) and out.dtype == torch.float32
+    err = (out.double() - _reference(x, w, b, scale)).abs()
+    assert bool((err <= _bound(x, w, scale)).all()), float(err.max())
+
+
+@pytest.mark.parametrize("lead", [(1,), (2, 1), (3, 5)])
+def test_leading_dims_and_noncontiguous_rows(lead):
+    x = torch.randn(*lead, 48)[..., ::2]  # [..., 24], strided
+    w = torch.randn(10, 24)
+    with torch.no_grad():
+        out = dl.decode_linear(x, w)
+    assert out.shape == (*lead, 10)
+    torch.testing.assert_close(out.double(), _reference(x, w, None, None), rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_kernel_declines_goes_to_torch():
+    w = torch.randn(8, 16)
+    cases = {
+        "float64 rows": torch.randn(2, 16, dtype=torch.float64),
+        "too many rows": torch.randn(dl.MAX_ROWS + 1, 16),
+    }
+    with torch.no_grad():
+        for what, x in cases.items():
+            assert dl.decode_linear(x, w) is None, what
+            torch.testing.assert_close(linear(x, w.to(x.dtype)), x @ w.to(x.dtype).T)
+        assert dl.decode_linear(torch.randn(2, 16), w.T.contiguous().T) is None  # a strided weight
+    x = torch.randn(2, 16, requires_grad=True)
+    assert dl.decode_linear(x, w) is None  # autograd: torch keeps the graph
+    linear(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(2, 16))
+
+
+def test_reference_path_equals_the_kernel_for_packed_weights():
+    x = torch.randn(3, 40)
+    for fmt in ("bfloat16", "int8"):
+        w, scale = pack_matrix(torch.randn(12, 40), fmt)
+        b = torch.randn(12)
+        with torch.no_grad():
+            torch.testing.assert_close(dl.decode_linear(x, w, b, scale), reference_linear(x, w, b, scale),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def _fresh_state(monkeypatch, tmp_path):
+    monkeypatch.setattr(dl, "_state", {})
+    monkeypatch.setenv("HYBRIDCACHE_HOME", str(tmp_path))
+
+
+def test_disabled_by_the_environment(monkeypatch, tmp_path):
+    _fresh_state(monkeypatch, tmp_path)
+    monkeypatch.setenv("HYBRIDCACHE_DISABLE_KERNELS", "1")
+    assert "off" in dl.kernel_status()
+    with torch.no_grad():
+        assert dl.decode_linear(torch.randn(1, 8), torch.randn(4, 8)) is None
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    _fresh_state(monkeypatch, tmp_path)
+    monkeypatch.setattr(dl, "FLAGS", [*dl.FLAGS, "-DHC_BROKEN", "-include", "/nonexistent/header.h"])
+    with pytest.warns(UserWarning, match="did not build"):
+        status = dl.kernel_status()
+    assert "failed" in status
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with torch.no_grad():
+        assert dl.decode_linear(x, w) is None
+        torch.testing.assert_close(linear(x, w), x @ w.T)
+
+
+def test_built_once_into_the_home_directory(monkeypatch, tmp_path):
+    _fresh_state(monkeypatch, tmp_path)
+    assert "kernel" in dl.kernel_status()
+    built = list((tmp_path / "kernels").glob("cpu_decode-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(dl, "_state", {})
+    dl.kernel_status()  # a second process finds it
+    assert built[0].stat().st_mtime_ns == mtime
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), d=st.integers(1, 70), eps=st.sampled_from([1e-6, 1e-2]), seed=st.integers(0, 2**31 - 1))
+def test_rms_norm_matches_float64(rows, d, eps, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, d, generator=g) * 3, torch.randn(d, generator=g)
+    with torch.no_grad():
+        out = dl.rms_norm(x, w, eps)
+    x64 = x.double()
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]), s=st.integers(1, 40),
+       d=st.integers(1, 40), softcap=st.sampled_from([None, 5.0]), p_visible=st.sampled_from([0.0, 0.3, 1.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_decode_attention_matches_the_torch_path(b, hkv, group, s, d, softcap, p_visible, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv * group, 1, d, generator=g)
+    kv = torch.randn(b, hkv, s, 2 * d, generator=g)  # keys and values as strided views of one tensor
+    k, v = kv[..., :d], kv[..., d:]
+    mask = torch.rand(b, 1, s, generator=g) < p_visible
+    k = k.masked_fill(~mask[:, :, :, None], float("nan"))  # garbage in hidden slots stays hidden
+    with torch.no_grad():
+        out = dl.decode_attention(q, k, v, mask, d**-0.5, softcap)
+    assert out is not None and out.shape == q.shape
+    want = naive_attention(q, torch.nan_to_num(k), v, mask, d**-0.5, softcap)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_declines_what_it_does_not_take():
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 5, 8)  # two queries
+    mask = torch.ones(1, 2, 5, dtype=torch.bool)
+    with torch.no_grad():
+        assert dl.decode_attention(q, k, k, mask, 1.0, None) is None
+        assert dl.decode_attention(q[:, :, :1].double(), k.double(), k.double(), mask[:, :1], 1.0, None) is None
+        assert dl.decode_attention(q[:, :, :1], k, torch.randn(1, 1, 5, 4), mask[:, :1], 1.0, None) is None
