@@ -8,6 +8,7 @@ a fresh process (experiments/long_context_probe.py) so its peak RSS is its own.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from rich.table import Table
 
 import hybridcache as hc
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
+from hybridcache.ops.cpu_kernels import kernel_status
 from experiments.plots import scaling_lines, throughput_bars
 from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
 from hybridcache.cache.plan import format_bytes
@@ -32,6 +34,7 @@ from hybridcache.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = {"batch_sizes": [1], "prompt_tokens": 8, "new_tokens": 8, "warmup": 1, "repeats": 1, "compile": False,
+         "weights": ["int8"],
          "bandwidth_probe_mib": 64,
          "long_context": {"tokens": [64, 128], "decode_tokens": 4, "prefill_chunk_size": 32}}
 
@@ -62,37 +65,63 @@ def rates(system: str, batch: int, prompt: int, new: int, run: Callable[[int], A
             "decode_tok_s": decode_rate, "prefill_s": prefill, "total_s": median(totals)}
 
 
-def throughput(model, checkpoint: str, cache_config, b: DictConfig, runner, progress) -> tuple[list, dict]:
+def row_key(system: str) -> str:
+    """A summary-key form of a row's system: 'ours (eager, int8 weights)' -> 'ours_eager_int8_weights'."""
+    return re.sub(r"[^a-z0-9]+", "_", system.lower()).strip("_")
+
+
+def variant_label(weights: str | None, compiled: bool) -> str:
+    """'ours (eager)', 'ours (compiled, int8 weights)', ..."""
+    return f"ours ({'compiled' if compiled else 'eager'}{f', {weights} weights' if weights else ''})"
+
+
+def throughput(cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress) -> tuple[list, dict]:
+    """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size."""
     import transformers
 
-    task = progress.add_task("loading the HF reference", total=3 * len(b.batch_sizes))
+    formats = list(dict.fromkeys([cfg.model.get("weights"), *b.get("weights", [])]))  # the model's own first
+    steps = len(b.batch_sizes) * (len(formats) * (2 if b.compile else 1) + 2)
+    task = progress.add_task("loading the HF reference", total=steps)
     ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.dtype,
                                                             attn_implementation="eager").to(model.device).eval()
     rows, memory = [], {}
+    for fmt in formats:
+        if fmt != cfg.model.get("weights"):
+            progress.update(task, description=f"loading ours with {fmt} weights")
+            model = load_model(cfg, checkpoint, weights=fmt)[1]
+        weights = weight_read_bytes(model)["weights"]
+        for batch in b.batch_sizes:
+            ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens),
+                                generator=torch.Generator().manual_seed(batch))
+
+            def ours(n: int, compile: bool, model=model, ids=ids):
+                return hc.generate(model, ids, max_new_tokens=n, cache_config=cache_config, compile=compile)
+
+            # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
+            first, last = ours(1, False).cache, ours(b.new_tokens, False).cache
+            cache_bytes = (first.nbytes() + last.nbytes()) // 2
+            memory.setdefault(batch, last.memory_report())
+            for compiled in (False, True) if b.compile else (False,):
+                label = variant_label(fmt, compiled)
+                if compiled:
+                    progress.update(task, description=f"batch {batch}: compiling our decode step ({label})")
+                    ours(2, True)  # compile outside the timed region (reported in the summary)
+                progress.update(task, description=f"batch {batch}: {label}")
+                rows.append({**rates(label, batch, b.prompt_tokens, b.new_tokens,
+                                     lambda n, c=compiled: ours(n, c), b),
+                             "weights_bytes": weights, "cache_bytes_read": cache_bytes, "weights_format": fmt})
+                progress.advance(task)
     for batch in b.batch_sizes:
         ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch))
-
-        def ours(n: int, compile: bool):
-            return hc.generate(model, ids, max_new_tokens=n, cache_config=cache_config, compile=compile)
-
-        if b.compile:
-            progress.update(task, description=f"batch {batch}: compiling our decode step")
-            ours(2, True)  # compile outside the timed region (reported in the summary)
-            progress.update(task, description=f"batch {batch}: ours (compiled)")
-            rows.append(rates("ours (compiled)", batch, b.prompt_tokens, b.new_tokens, lambda n: ours(n, True), b))
-        progress.update(task, description=f"batch {batch}: ours (eager)", advance=1)
-        rows.append(rates("ours (eager)", batch, b.prompt_tokens, b.new_tokens, lambda n: ours(n, False), b))
-        progress.update(task, description=f"batch {batch}: HF transformers", advance=1)
+        progress.update(task, description=f"batch {batch}: HF transformers ({str(ref.dtype).removeprefix('torch.')})")
         with torch.no_grad():
-            rows.append(rates("hf", batch, b.prompt_tokens, b.new_tokens, lambda n: ref.generate(
-                ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0), b))
-        # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
-        first, last = ours(1, False).cache, ours(b.new_tokens, False).cache
-        memory[batch] = last.memory_report()
-        for r in rows:
-            if r["batch"] == batch:
-                r["cache_bytes_read"] = (first.nbytes() + last.nbytes()) // 2
-        progress.advance(task)
+            row = rates("hf", batch, b.prompt_tokens, b.new_tokens, lambda n: ref.generate(
+                ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0), b)
+        same = next(r for r in rows if r["batch"] == batch and r["weights_format"] is None) if None in formats else None
+        # HF reads the unpacked weights and (about) the cache our unpacked model holds
+        rows.append({**row, "weights_bytes": weight_read_bytes(ref)["weights"],
+                     "cache_bytes_read": same["cache_bytes_read"] if same else None})
+        progress.advance(task, 2)
     ref = None  # free the HF copy before a vLLM engine starts
     if runner is not None:
         progress.update(task, description="vLLM (its own engine; start reported apart)")
@@ -123,20 +152,21 @@ def vllm_rates(runner, b: DictConfig, vocab: int) -> list[dict]:
 
 
 def roofline(model, rows: list[dict], b: DictConfig, progress) -> dict:
-    """Adds roofline tok/s and the fraction reached to every row of ours/HF (same weights, same cache bytes)."""
+    """Adds roofline tok/s and the fraction reached to every row of ours/HF: each row's own weight bytes (packed
+    formats read fewer) plus the cache bytes its decode steps read."""
     task = progress.add_task("measuring read bandwidth", total=None)
     probe = int(b.get("bandwidth_probe_mib", 1024))
     bandwidth = read_bandwidth(probe << 20)
     progress.remove_task(task)
-    weights = weight_read_bytes(model)
     for r in rows:
-        if r.get("cache_bytes_read") is None:
+        if r.get("cache_bytes_read") is None or r.get("weights_bytes") is None:
             continue
-        row = roofline_row(r["system"], r["batch"], r["decode_tok_s"], weights["weights"], r["cache_bytes_read"],
+        row = roofline_row(r["system"], r["batch"], r["decode_tok_s"], r["weights_bytes"], r["cache_bytes_read"],
                            bandwidth)
         r.update(bytes_per_token=row["bytes_per_token"], roofline_tok_s=row["roofline_tok_s"],
                  roofline_fraction=row["fraction"])
-    return {"read_bandwidth_gb_s": bandwidth / 1e9, "probe_mib": probe, **weights}
+    return {"read_bandwidth_gb_s": bandwidth / 1e9, "probe_mib": probe, **weight_read_bytes(model),
+            "dtype": str(model.dtype).removeprefix("torch."), "cpu_kernels": kernel_status()}
 
 
 def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: DictConfig, progress) -> list[dict]:
@@ -184,7 +214,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     cache_config, _ = cache_config_from_hydra(cfg.cache)
     with Progress(console=console, transient=True) as progress:
         compile_start = time.perf_counter()
-        rows, memory = throughput(model, checkpoint, cache_config, b, runner, progress)
+        rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress)
         roof = roofline(model, rows, b, progress)
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -229,7 +259,7 @@ def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
     out: dict[str, Any] = {"peak_rss_mib": rss_mib, "throughput_wall_s": seconds}
     hf = {r["batch"]: r for r in rows if r["system"] == "hf"}
     for r in rows:
-        key = r["system"].replace(" ", "_").replace("(", "").replace(")", "")
+        key = row_key(r["system"])
         out[f"decode_tok_s/{key}/b{r['batch']}"] = r["decode_tok_s"]
         if r.get("engine_start_s") is not None:
             out[f"engine_start_s/{key}/b{r['batch']}"] = r["engine_start_s"]  # excluded from its tokens/s
@@ -253,7 +283,7 @@ def print_tables(console: Console, rows, memory, scaling, summary) -> None:
                 "of roofline"):
         t.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
-        key = r["system"].replace(" ", "_").replace("(", "").replace(")", "")
+        key = row_key(r["system"])
         speed = summary.get(f"decode_speedup_vs_hf/{key}/b{r['batch']}")
         pre = summary.get(f"prefill_speedup_vs_hf/{key}/b{r['batch']}")
         limit = r.get("roofline_tok_s")
@@ -266,8 +296,9 @@ def print_tables(console: Console, rows, memory, scaling, summary) -> None:
     if roof:
         console.print(f"roofline: read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s (a streaming read-only sum "
                       f"over {roof['probe_mib']} MiB, this run); a decode step reads {format_bytes(roof['weights'])} "
-                      f"of weights (tied head included, untied input embeddings excluded) + the cache; roofline "
-                      "tok/s = batch x bandwidth / (weights + cache bytes)", soft_wrap=True)
+                      f"of {roof['dtype']} weights (tied head included, untied input embeddings excluded; packed "
+                      "formats: their own bytes) + the cache; roofline tok/s = batch x bandwidth / (weights + cache "
+                      f"bytes). CPU decode kernels: {roof['cpu_kernels']}", soft_wrap=True)
     m = Table(title="cache memory after the throughput run (held vs theoretical minimum)")
     for col in ("batch", "type", "held", "minimum", "ratio"):
         m.add_column(col, justify="right")

@@ -234,6 +234,7 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
     quiet_libraries()
     dtype = dtype_of(str(cfg.model.dtype))
     check_device(str(cfg.model.device))
+    check_weights(cfg.model.get("weights"), dtype)
     if with_prompts:
         for name in GENERATION_FIELDS:
             _positive_int(name, cfg.get(name))
@@ -281,6 +282,7 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
 def identity(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
     """What a recording must share with a run that replays it."""
     return {"model_type": prepared.model_type, "weights": prepared.fingerprint, "dtype": str(cfg.model.dtype),
+            "packed_weights": cfg.model.get("weights"),
             "max_new_tokens": int(cfg.max_new_tokens), "top_k": int(cfg.top_k), "eos_token_id": prepared.eos}
 
 
@@ -328,11 +330,24 @@ def make_reference(ref_cfg: DictConfig, checkpoint: str, dtype: torch.dtype, dev
     raise UserError(f"unknown reference '{name}' (known: hf, vllm, file, none)")
 
 
-def load_model(cfg: DictConfig, checkpoint: str | None = None):
+def check_weights(weights: Any, dtype: torch.dtype) -> None:
+    """model.weights: null (projections in model.dtype) or a packed format, which needs a float32 model."""
+    from hybridcache.blocks.linear import WEIGHT_FORMATS
+
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise UserError(f"model.weights={weights} is not one of null, {', '.join(WEIGHT_FORMATS)}")
+    if weights is not None and dtype != torch.float32:
+        raise UserError(f"model.weights={weights} packs the projections of a float32 model (its kernel sums in "
+                        f"float32); model.dtype is {str(dtype).removeprefix('torch.')}")
+
+
+def load_model(cfg: DictConfig, checkpoint: str | None = None, weights: Any = "model"):
+    """(checkpoint, our model); `weights` overrides model.weights (None: unpacked)."""
     import hybridcache as hc
 
     checkpoint = checkpoint or checkpoint_path(cfg.model, cfg.home)
-    model = hc.from_pretrained(checkpoint, dtype=dtype_of(cfg.model.dtype), device=cfg.model.device)
+    weights = cfg.model.get("weights") if weights == "model" else weights
+    model = hc.from_pretrained(checkpoint, dtype=dtype_of(cfg.model.dtype), device=cfg.model.device, weights=weights)
     return checkpoint, model
 
 

@@ -27,9 +27,12 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def weight_read_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of weights one decode step reads: every parameter once (shared ones once), except input embeddings
-    that no output projection shares (a step reads only B of their rows). MoE experts all count (an upper bound)."""
+    """Bytes of weights one decode step reads: every parameter once (shared ones once; packed projections in their
+    packed bytes, with their scales), except input embeddings that no output projection shares (a step reads only B
+    of their rows). MoE experts all count (an upper bound)."""
     params = {p.data_ptr(): p for p in model.parameters()}
+    # packed (int8) projections read a per-row scale too
+    params.update({s.data_ptr(): s for m in model.modules() if (s := m._buffers.get("scale")) is not None})
     linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Linear)}
     skipped = {m.weight.data_ptr() for m in model.modules()
                if isinstance(m, nn.Embedding) and m.weight.data_ptr() not in linear}

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from hybridcache.cache import residual_window
+from hybridcache.cache.append_buffer import AppendBuffers
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.base import CacheLayer
 from hybridcache.cache.errors import CacheCropError, CacheError
@@ -94,6 +95,9 @@ class AttentionCacheLayer(CacheLayer):
         self.key_pos = torch.full((batch_size, slots), -1, dtype=torch.long, device=self.device)  # [B, S]
         self._residual = residual_window.allocate(self, batch_size)  # dense recent tokens (residual: R)
         self._tier = self.codec.tier(self)  # None: the parts stay on self.device
+        # dynamic dense storage appends in place into spare slots (append_buffer.py)
+        plain = isinstance(self.codec, DenseCodec) and not self._residual and self._tier is None and not slots
+        self._append = AppendBuffers({**{attr: 2 for attr in self._parts}, "key_pos": 1}) if plain else None
         self._park()
 
     @property
@@ -120,8 +124,16 @@ class AttentionCacheLayer(CacheLayer):
         for name in (*self._parts, *self._residual[:-1]):
             t = getattr(self, name)
             if t.numel():
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                backed = self._append is not None and self._append.backs(name, t)  # a view of a buffer: its slots
+                storages[t.untyped_storage().data_ptr()] = (t.numel() * t.element_size() if backed
+                                                            else t.untyped_storage().nbytes())
         return sum(storages.values())
+
+    def spare_nbytes(self) -> int:
+        """Bytes of spare slots after the held ones (dynamic dense storage appends into them in place)."""
+        if self._append is None:
+            return 0
+        return self._append.spare_nbytes({name: getattr(self, name) for name in self._append.dims})
 
     @property
     def is_exact(self) -> bool:
@@ -218,6 +230,13 @@ class AttentionCacheLayer(CacheLayer):
             self._staged = ("decode", slots, old, old_pos, residual, k, v, block.positions)
             keys, values = self.read()
             return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
+        if self._append is not None:  # into spare slots: no copy of what is held
+            current = {name: getattr(self, name) for name in self._append.dims}
+            new = dict(zip(self._parts, (k, v)), key_pos=block.positions)
+            views = self._append.append(current, new)
+            keys, values, pos = (views[name] for name in (*self._parts, "key_pos"))
+            self._staged = ("block", k, v, keys, values, pos, block)
+            return AttentionView(keys, values, block.positions, pos, self.spec)
         held_k, held_v = self.read()
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)  # [B, H, S + T, D]
         pos = torch.cat([self.key_pos, block.positions], dim=1)  # [B, S + T]
@@ -281,6 +300,14 @@ class AttentionCacheLayer(CacheLayer):
         return None if bool(keep.all()) else keep.nonzero().squeeze(1)
 
     def _take(self, index: torch.Tensor) -> None:
+        slots, n = self.key_pos.shape[1], index.numel()
+        if (self._append is not None and index.dim() == 1 and 0 < n < slots
+                and torch.equal(index, torch.arange(slots - n, slots, device=index.device))):
+            drop = slots - n  # exactly the newest slots, in order: a view, no copy
+            for attr in (*self._parts, "key_pos"):
+                t = getattr(self, attr)
+                setattr(self, attr, t.narrow(1 if attr == "key_pos" else 2, drop, n))
+            return
         for attr in self._parts:
             setattr(self, attr, _gather_slots(getattr(self, attr), index))
         self.key_pos = self.key_pos.index_select(1, index) if index.dim() == 1 else self.key_pos.gather(1, index)

@@ -228,6 +228,10 @@ class CacheLayer(ABC):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
 
+    def spare_nbytes(self) -> int:
+        """Bytes allocated beyond what `nbytes()` holds (spare slots that appends fill in place); 0 by default."""
+        return 0
+
     def min_nbytes(self) -> int:
         """The theoretical minimum for what the rows have seen, from the spec."""
         return sum(self.spec.min_nbytes(1, int(s)) for s in self.seen.tolist())

@@ -368,14 +368,20 @@ class Cache:
         """Bytes of keys, values and states actually held."""
         return sum(layer.nbytes() for layer in self.layers)
 
+    def spare_nbytes(self) -> int:
+        """Bytes allocated beyond those held: spare slots that dynamic attention layers append into in place."""
+        return sum(layer.spare_nbytes() for layer in self.layers)
+
     def memory_report(self) -> list[dict[str, Any]]:
-        """Per cache type: layers, bytes held, theoretical minimum for what the rows have seen, and the ratio."""
+        """Per cache type: layers, bytes held, theoretical minimum for what the rows have seen, the ratio, and the
+        spare bytes allocated beyond the held ones (append_buffer.py)."""
         rows: dict[str, dict[str, Any]] = {}
         for layer in self.layers:
             key = layer.type_name + (" (preallocated)" if getattr(layer, "static", False) else "")
-            row = rows.setdefault(key, {"type": key, "layers": 0, "held": 0, "minimum": 0})
+            row = rows.setdefault(key, {"type": key, "layers": 0, "held": 0, "minimum": 0, "spare": 0})
             row["layers"] += 1
             row["held"] += layer.nbytes()
+            row["spare"] += layer.spare_nbytes()
             row["minimum"] += layer.min_nbytes()
         for row in rows.values():
             row["ratio"] = row["held"] / row["minimum"] if row["minimum"] else (1.0 if not row["held"] else float("inf"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -157,17 +158,42 @@ def read_header(files: list[Path], weight_map: Mapping[str, Path] | None = None)
     return infos
 
 
+def _data_offsets(file: Path, handle: Any) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Where the data starts in a safetensors file, and each tensor's [begin, end) byte range after it."""
+    (size,) = struct.unpack("<Q", handle.read(8))
+    header = json.loads(handle.read(size))
+    return 8 + size, {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+
+
 def read_tensors(infos: Mapping[str, TensorInfo], names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Load the named tensors (all when None), one file open at a time."""
+    """Load the named tensors (all when None), one file open at a time, each read straight into its own memory.
+
+    Not memory-mapped: weights in file-backed pages stream ~40% slower in a decode step (measured on Gemma 3
+    270M's 671 MB head: 32 ms vs 22.5 ms a read), and copying them out of a mapping would hold the file's pages and
+    the copies at once (twice the model in peak memory)."""
     wanted = list(infos) if names is None else names
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(infos[name].file, []).append(name)
     state = {}
     for file, names_in_file in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as handle:
+        length = file.stat().st_size
+        with open(file, "rb") as handle:
+            start, offsets = _data_offsets(file, handle)
             for name in names_in_file:
-                state[name] = handle.get_tensor(name)
+                info = infos[name]
+                if not isinstance(info.dtype, torch.dtype):
+                    raise CheckpointError(f"{file}: tensor {name} has dtype {info.dtype}, which torch cannot hold")
+                begin, end = offsets[name]
+                tensor = torch.empty(info.shape, dtype=info.dtype)
+                raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.view(torch.uint8)
+                if end - begin != raw.numel() or start + end > length:
+                    raise CheckpointError(f"{file}: tensor {name} has {end - begin} bytes at [{begin}, {end}), "
+                                          f"expected {raw.numel()} within the file ({length} bytes)")
+                handle.seek(start + begin)
+                if raw.numel() and handle.readinto(memoryview(raw.numpy())) != raw.numel():
+                    raise CheckpointError(f"{file}: tensor {name} is cut short (truncated file?)")
+                state[name] = tensor
     return state
 
 
@@ -267,8 +293,11 @@ def match_names(
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        bad = int((~torch.isfinite(tensor)).sum())
+    if not tensor.is_floating_point():
+        return
+    # in pieces: isfinite over a whole 671 MB matrix at once peaks at about twice its size in temporaries
+    bad = sum(int((~torch.isfinite(piece)).sum()) for piece in tensor.reshape(-1).split(1 << 22))
+    if bad:
         raise CheckpointError(f"tensor {name} has {bad} NaN/Inf values of {tensor.numel()}; "
                               "pass allow_nonfinite=True to load it anyway")
 
@@ -289,9 +318,7 @@ def load_weights(
         if not allow_nonfinite:
             check_finite(hf, tensor)
         target = (dtype or ours[name].dtype) if ours[name].is_floating_point() else ours[name].dtype
-        # copy=True: safetensors hands out views of the memory-mapped file; weights read from file-backed pages
-        # stream ~40% slower than from ordinary memory (measured on the 262k x 640 head: 32 ms vs 22.5 ms a read)
-        tensors[name] = tensor.to(device=device if device is not None else tensor.device, dtype=target, copy=True)
+        tensors[name] = tensor.to(device=device if device is not None else tensor.device, dtype=target)
     model.load_state_dict(tensors, strict=False, assign=True)
     for name, emb in tied.items():  # share the embedding matrix as the output head
         module_name, _, attr = name.rpartition(".")

@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridcache.reference.base import Generation, ReferenceRunner
 
-IDENTITY = ("model_type", "weights", "dtype")
+IDENTITY = ("model_type", "weights", "dtype", "packed_weights")
 
 
 class RecordingMismatch(ValueError):
@@ -36,7 +36,8 @@ def check_identity(path: Path, recorded: dict[str, Any], expect: dict[str, Any])
     if "weights" not in recorded:
         raise RecordingMismatch(f"{path} does not say which model and weights made it (recorded before identities "
                                 "were stored); record it again with +record=PATH.jsonl")
-    what = {"model_type": "model type", "weights": "weights fingerprint", "dtype": "dtype"}
+    what = {"model_type": "model type", "weights": "weights fingerprint", "dtype": "dtype",
+            "packed_weights": "model.weights"}
     for key in IDENTITY:
         if key in expect and recorded.get(key) != expect[key]:
             hint = " (another checkpoint or seed)" if key == "weights" else ""

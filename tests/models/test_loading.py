@@ -350,3 +350,20 @@ def test_dtype_and_device_are_checked_before_reading(gemma_dir, monkeypatch, kwa
     monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the check"))
     with pytest.raises(ValueError, match=message):
         hc.from_pretrained(gemma_dir, **kwargs)
+
+
+def test_weights_are_read_into_memory_of_their_own(gemma_dir, models):
+    """Read, not memory-mapped (file-backed pages stream slower): the file can go once the model is loaded."""
+    model = hc.from_pretrained(gemma_dir, decode_kernel=False)
+    ids = prompts(1, 6, seed=2)
+    before = model(ids)
+    (gemma_dir / "model.safetensors").write_bytes(b"")  # no mapping may still read from it
+    torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
+
+
+def test_a_truncated_file_is_refused_before_anything_is_read(gemma_dir):
+    path = gemma_dir / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(hc.models.CheckpointError, match="model.safetensors is not a readable safetensors file"):
+        hc.from_pretrained(gemma_dir)

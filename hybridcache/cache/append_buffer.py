@@ -1,0 +1,84 @@
+"""Dynamic attention storage with spare slots: blocks are appended in place, and dropping the oldest slots is a view.
+
+A dynamic layer's dense keys, values and key positions are views [start, end) (along the slot dim) of buffers that
+have spare slots after `end`. Appending a block of T tokens writes it into [end, end + T) of the buffers, which the
+layer does not hold yet (an aborted block leaves nothing visible behind), and returns the views [start, end + T);
+the commit makes them the layer's storage, and an eviction that keeps the newest slots (sliding, chunked) only moves
+`start`. When the spare slots run out, the held slots are copied into new buffers with `spare_slots(n)` spare
+slots. So a decode step copies O(1) tokens amortized instead of the whole cache twice (a cat to append, a gather to
+evict): on Gemma 3 270M those copies re-read every layer's keys and values from memory each step.
+
+The layer still holds only what its pattern needs (`nbytes()` counts the held slots); the spare slots are reported
+apart (`spare_nbytes()`, at most max(16, n / 4) slots). Anything that replaces the layer's tensors (crop, row
+operations that change the batch, restore with other shapes, a gather) simply ends the buffers' use: the next
+append copies into new ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPARE_MIN = 16  # slots
+SPARE_FRACTION = 4  # at most 1/4 of the held slots spare
+
+
+def spare_slots(n: int) -> int:
+    return max(SPARE_MIN, n // SPARE_FRACTION)
+
+
+class AppendBuffers:
+    """The buffers behind some of a layer's tensors, by attribute name, with the dim that indexes slots."""
+
+    def __init__(self, dims: dict[str, int]) -> None:
+        self.dims = dims  # attribute -> slot dim (keys/values [B, H, S, D]: 2; key_pos [B, S]: 1)
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def _window(self, name: str, t: torch.Tensor) -> tuple[int, int] | None:
+        """(start, end) of `t` in its buffer, or None if `t` is not a plain slot range of it."""
+        buf, dim = self.buffers.get(name), self.dims[name]
+        if (buf is None or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+                or t.stride() != buf.stride() or t.shape[:dim] != buf.shape[:dim] or t.shape[dim + 1:] != buf.shape[dim + 1:]):
+            return None
+        offset = t.storage_offset() - buf.storage_offset()
+        if offset % buf.stride(dim):
+            return None
+        start = offset // buf.stride(dim)
+        return start, start + t.shape[dim]
+
+    def window(self, current: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+        """The common (start, end) of every current tensor in its buffer, or None."""
+        windows = {self._window(name, t) for name, t in current.items()}
+        return next(iter(windows)) if len(windows) == 1 else None
+
+    def backs(self, name: str, t: torch.Tensor) -> bool:
+        return self._window(name, t) is not None
+
+    def spare_nbytes(self, current: dict[str, torch.Tensor]) -> int:
+        """Bytes of the buffers beyond the current views (0 when they no longer back them)."""
+        if self.window(current) is None:
+            return 0
+        return sum(self.buffers[n].numel() * self.buffers[n].element_size() - t.numel() * t.element_size()
+                   for n, t in current.items())
+
+    def append(self, current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Views of current + new along the slot dims (nothing the layer holds changes)."""
+        names = list(current)
+        tokens = new[names[0]].shape[self.dims[names[0]]]
+        win = self.window(current)
+        if win is None or win[1] + tokens > self.buffers[names[0]].shape[self.dims[names[0]]]:
+            held = current[names[0]].shape[self.dims[names[0]]]
+            capacity = held + tokens + spare_slots(held + tokens)
+            for name in names:  # new buffers: the held slots first
+                t, dim = current[name], self.dims[name]
+                shape = (*t.shape[:dim], capacity, *t.shape[dim + 1:])
+                buf = torch.empty(shape, dtype=t.dtype, device=t.device)
+                buf.narrow(dim, 0, held).copy_(t)
+                self.buffers[name] = buf
+            win = (0, held)
+        start, end = win
+        out = {}
+        for name in names:
+            buf, dim = self.buffers[name], self.dims[name]
+            buf.narrow(dim, end, tokens).copy_(new[name])
+            out[name] = buf.narrow(dim, start, end - start + tokens)
+        return out

@@ -1,0 +1,52 @@
+"""Dynamic dense attention layers append into spare slots in place (hybridcache/cache/append_buffer.py)."""
+
+import pytest
+import torch
+
+from hybridcache.cache import Cache, NativeLayer
+from hybridcache.cache.append_buffer import spare_slots
+
+
+def _cache(kind, **params):
+    return Cache.build([NativeLayer(kind, {"num_kv_heads": 2, "head_dim": 4, **params})], batch_size=2)
+
+
+def _feed(cache, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    with cache.block(None, tokens):
+        k, v = (torch.randn(2, 2, tokens, 4, generator=g) for _ in range(2))
+        cache[0].update(k, v)
+    return k, v
+
+
+@pytest.mark.parametrize("kind, params", [("full", {}), ("sliding", {"window": 24}), ("chunked", {"chunk_size": 20})])
+def test_decode_steps_write_in_place_and_hold_only_what_is_needed(kind, params):
+    cache = _cache(kind, **params)
+    layer = cache[0]
+    history_k, buffers = [], set()
+    _feed(cache, 5, seed=0)
+    for step in range(300):
+        k, _ = _feed(cache, 1, seed=step + 1)
+        history_k.append(k)
+        buffers.add(layer._append.buffers["keys_data"].untyped_storage().data_ptr())
+        held = layer.key_pos.shape[1]
+        assert layer.nbytes() == layer.min_nbytes()  # the spare slots are not held tokens
+        slot_bytes = layer.spare_nbytes() // (2 * 2 * 2 * 4 * 4 + 2 * 8)  # per slot: keys + values [2, 2, 4] + key_pos
+        assert 0 <= slot_bytes <= spare_slots(held) + 1
+        if held:  # (a chunk that just ended holds nothing)
+            torch.testing.assert_close(layer.keys[:, :, -1:], k)  # the newest key is where it belongs
+    # amortized: new buffers only when the spare slots ran out (at most one per ~held/4 steps, >= 16)
+    assert len(buffers) <= 300 // 12
+
+
+def test_an_aborted_block_leaves_what_the_layer_holds():
+    cache = _cache("full")
+    _feed(cache, 3, seed=0)
+    before = (cache[0].keys.clone(), cache[0].key_pos.clone())
+    with pytest.raises(RuntimeError):
+        with cache.block(None, 1):
+            cache[0].update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))  # written into a spare slot
+            raise RuntimeError("the model failed after the update")
+    assert torch.equal(cache[0].keys, before[0]) and torch.equal(cache[0].key_pos, before[1])
+    k, _ = _feed(cache, 1, seed=9)  # the next block takes the same spare slot
+    assert torch.equal(cache[0].keys[:, :, :3], before[0]) and torch.equal(cache[0].keys[:, :, 3:], k)
