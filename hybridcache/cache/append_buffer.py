@@ -9,7 +9,8 @@ slots. So a decode step copies O(1) tokens amortized instead of the whole cache 
 evict): on Gemma 3 270M those copies re-read every layer's keys and values from memory each step.
 
 The layer still holds only what its pattern needs (`nbytes()` counts the held slots); the spare slots are reported
-apart (`spare_nbytes()`, at most max(16, n / 4) slots). Anything that replaces the layer's tensors (crop, row
+apart (`spare_nbytes()`; the buffers have at most max(16, n / 4) slots beyond the most n the layer held in them;
+a chunked layer whose chunk ended starts over at the front of its buffers). Anything that replaces the layer's tensors (crop, row
 operations that change the batch, restore with other shapes, a gather) simply ends the buffers' use: the next
 append copies into new ones.
 """
@@ -65,6 +66,8 @@ class AppendBuffers:
         names = list(current)
         tokens = new[names[0]].shape[self.dims[names[0]]]
         win = self.window(current)
+        if win is not None and win[0] == win[1]:
+            win = (0, 0)  # nothing held (a chunk just ended): the buffers start over
         if win is None or win[1] + tokens > self.buffers[names[0]].shape[self.dims[names[0]]]:
             held = current[names[0]].shape[self.dims[names[0]]]
             capacity = held + tokens + spare_slots(held + tokens)

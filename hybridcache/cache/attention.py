@@ -301,7 +301,7 @@ class AttentionCacheLayer(CacheLayer):
 
     def _take(self, index: torch.Tensor) -> None:
         slots, n = self.key_pos.shape[1], index.numel()
-        if (self._append is not None and index.dim() == 1 and 0 < n < slots
+        if (self._append is not None and index.dim() == 1 and n < slots
                 and torch.equal(index, torch.arange(slots - n, slots, device=index.device))):
             drop = slots - n  # exactly the newest slots, in order: a view, no copy
             for attr in (*self._parts, "key_pos"):
