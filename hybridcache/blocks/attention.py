@@ -12,6 +12,7 @@ from hybridcache.blocks.linear_group import LinearGroup
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.ops import masked_attention
+from hybridcache.ops.cpu_kernels import decode_attention
 
 
 class AttentionMixer(nn.Module):
@@ -84,10 +85,15 @@ class AttentionMixer(nn.Module):
         keys, values = view.keys, view.values
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out = None
         if layer.wants_attention_weights:  # score-based eviction (H2O / TOVA) reads the block's weights
             out, weights = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, return_weights=True)
             layer.observe_attention(weights)
-        else:
+        elif t == 1 and not torch.compiler.is_compiling():  # a decode step: the kernel reads positions, no mask
+            pattern = view.pattern()
+            if pattern is not None:
+                out = decode_attention(q, keys, values, None, self.scale, self.softcap, positions=pattern)
+        if out is None:
             out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap)
         out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, Hq * D]
         if gate is not None:

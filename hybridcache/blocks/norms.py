@@ -26,15 +26,15 @@ class RMSNorm(nn.Module):
         w = self.weight
         if torch.compiler.is_compiling():
             return 1.0 + w.to(dtype)
-        key = (w.data_ptr(), w._version, dtype, w.device)
         cached = self._scale
+        key = (w.data_ptr(), w._version, dtype)
         if cached is None or cached[0] != key:
             with torch.no_grad():
                 cached = self._scale = (key, 1.0 + w.detach().to(dtype))
         return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        if x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # float32 on CPU: one kernel call (every variant below is x * rsqrt(mean(x^2) + eps) * w in float32)
             out = rms_norm(x, self.scale(torch.float32) if self.unit_offset else self.weight, self.eps)
             if out is not None:

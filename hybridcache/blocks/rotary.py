@@ -7,6 +7,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from hybridcache.ops.cpu_kernels import rope
+
 
 def rope_frequencies(hf_config: Mapping[str, Any], params: Mapping[str, Any], rotary_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim/2] and the cos/sin scaling for one `rope_parameters` entry.
@@ -72,6 +74,10 @@ class RotaryEmbedding(nn.Module):
                 cs = positions.memo[key] = self.cos_sin(positions.rope_positions, q.dtype)
             cos, sin = cs
         r = self.rotary_dim
+        if q.shape[2] == 1 and not torch.compiler.is_compiling():  # a decode step: one kernel call per tensor
+            rq, rk = rope(q, cos, sin, self.interleaved), rope(k, cos, sin, self.interleaved)
+            if rq is not None and rk is not None:
+                return rq, rk
 
         def apply(x: torch.Tensor) -> torch.Tensor:
             if r == x.shape[-1]:

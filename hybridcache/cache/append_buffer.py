@@ -33,6 +33,7 @@ class AppendBuffers:
     def __init__(self, dims: dict[str, int]) -> None:
         self.dims = dims  # attribute -> slot dim (keys/values [B, H, S, D]: 2; key_pos [B, S]: 1)
         self.buffers: dict[str, torch.Tensor] = {}
+        self._last: tuple[dict[str, torch.Tensor], tuple[int, int]] | None = None  # the views last handed out
 
     def _window(self, name: str, t: torch.Tensor) -> tuple[int, int] | None:
         """(start, end) of `t` in its buffer, or None if `t` is not a plain slot range of it."""
@@ -48,6 +49,9 @@ class AppendBuffers:
 
     def window(self, current: dict[str, torch.Tensor]) -> tuple[int, int] | None:
         """The common (start, end) of every current tensor in its buffer, or None."""
+        last = self._last
+        if last is not None and all(t is last[0].get(name) for name, t in current.items()):
+            return last[1]  # the views this object made (the common case: a decode step after a commit)
         windows = {self._window(name, t) for name, t in current.items()}
         return next(iter(windows)) if len(windows) == 1 else None
 
@@ -84,4 +88,12 @@ class AppendBuffers:
             buf, dim = self.buffers[name], self.dims[name]
             buf.narrow(dim, end, tokens).copy_(new[name])
             out[name] = buf.narrow(dim, start, end - start + tokens)
+        self._last = (out, (start, end + tokens))
+        return out
+
+    def drop_oldest(self, current: dict[str, torch.Tensor], drop: int) -> dict[str, torch.Tensor]:
+        """Views of `current` without their first `drop` slots (an eviction that keeps the newest)."""
+        out = {name: t.narrow(self.dims[name], drop, t.shape[self.dims[name]] - drop) for name, t in current.items()}
+        win = self.window(current)
+        self._last = (out, (win[0] + drop, win[1])) if win is not None else None
         return out

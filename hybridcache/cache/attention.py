@@ -52,6 +52,14 @@ class AttentionView:
         k = self.key_positions[:, None, :]
         return (q >= 0) & (k >= 0) & self.spec.visible(q, k)
 
+    def pattern(self) -> tuple[torch.Tensor, torch.Tensor, str, int] | None:
+        """(query positions, key positions, pattern name, window or chunk size) for the built-in patterns, which a
+        decode kernel evaluates itself (no mask tensor); None for any other spec (use `mask`)."""
+        kind = _BUILT_IN.get(type(self.spec))
+        if kind is None:
+            return None
+        return self.query_positions, self.key_positions, kind, getattr(self.spec, _PARAM[kind], 0)
+
 
 def _slot_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A per-row slot index [B, S'] broadcast to gather/scatter along dim 2 of a [B, H, S', ...] tensor."""
@@ -274,7 +282,16 @@ class AttentionCacheLayer(CacheLayer):
                 parts = {p: torch.cat([old[p], enc[p]], dim=2) for p in old}
             self._set_side(side, parts)
         self.key_pos = pos
-        if self.evicts:
+        if self.evicts and self._append is not None and type(self.spec) in _BUILT_IN and type(self)._evict is \
+                AttentionCacheLayer._evict:
+            # built-in patterns keep a suffix of the slots (positions grow along the slots in every row, and what a
+            # query sees of them is a suffix): count it, drop the rest as a view
+            keep = int(((pos >= 0) & self.spec.visible(block.seen_after[:, None], pos)).any(0).sum())
+            if keep < pos.shape[1]:
+                views = self._append.drop_oldest({a: getattr(self, a) for a in self._append.dims}, pos.shape[1] - keep)
+                for attr, t in views.items():
+                    setattr(self, attr, t)
+        elif self.evicts:
             index = self._evict(pos, block.seen_after)
             if index is not None:
                 self._take(index)
@@ -303,10 +320,10 @@ class AttentionCacheLayer(CacheLayer):
         slots, n = self.key_pos.shape[1], index.numel()
         if (self._append is not None and index.dim() == 1 and n < slots
                 and torch.equal(index, torch.arange(slots - n, slots, device=index.device))):
-            drop = slots - n  # exactly the newest slots, in order: a view, no copy
-            for attr in (*self._parts, "key_pos"):
-                t = getattr(self, attr)
-                setattr(self, attr, t.narrow(1 if attr == "key_pos" else 2, drop, n))
+            # exactly the newest slots, in order: views, no copy
+            views = self._append.drop_oldest({attr: getattr(self, attr) for attr in self._append.dims}, slots - n)
+            for attr, t in views.items():
+                setattr(self, attr, t)
             return
         for attr in self._parts:
             setattr(self, attr, _gather_slots(getattr(self, attr), index))
@@ -369,6 +386,10 @@ class AttentionCacheLayer(CacheLayer):
             if not bool(columns.all()):
                 self._take(columns.nonzero().squeeze(1))
         self._park()
+
+
+_BUILT_IN = {FullSpec: "full", SlidingSpec: "sliding", ChunkedSpec: "chunked"}
+_PARAM = {"full": "num_kv_heads", "sliding": "window", "chunked": "chunk_size"}  # full: unused
 
 
 @register_cache_layer("full")

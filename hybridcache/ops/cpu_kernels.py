@@ -43,6 +43,7 @@ _WEIGHT_FN = {torch.float32: "hc_linear_f32", torch.bfloat16: "hc_linear_bf16", 
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library or None, "status": a line saying which
+_LINEAR: dict[torch.dtype, object] = {}  # weight dtype -> its kernel, once loaded
 
 
 def _cpu_signature() -> str:
@@ -84,21 +85,27 @@ def _load() -> ctypes.CDLL | None:
                       "F.linear instead", stacklevel=3)
         _state["status"] = "unavailable (the build failed): torch's F.linear"
         return None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    for name in _WEIGHT_FN.values():
+    pointer, integer, long, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    signatures = {
+        "hc_linear_f32": [pointer] * 5 + [integer] * 3, "hc_linear_bf16": [pointer] * 5 + [integer] * 3,
+        "hc_linear_i8": [pointer] * 5 + [integer] * 3,
+        "hc_rms_norm": [pointer] * 3 + [integer] * 2 + [real],
+        "hc_decode_attention": [pointer] * 6 + [integer, long, pointer] + [integer] * 5 + [long] * 6 + [real] * 2,
+        "hc_rope": [pointer] * 4 + [integer] * 5,
+    }
+    for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes = [pointer, pointer, pointer, pointer, pointer, integer, integer, integer]
-        fn.restype = None
+        fn.argtypes, fn.restype = argtypes, None
     lib.hc_isa.restype = ctypes.c_char_p
-    lib.hc_rms_norm.argtypes = [pointer, pointer, pointer, integer, integer, ctypes.c_float]
-    lib.hc_rms_norm.restype = None
-    lib.hc_decode_attention.argtypes = [pointer] * 5 + [integer] * 5 + [ctypes.c_long] * 6 + [ctypes.c_float] * 2
-    lib.hc_decode_attention.restype = None
+    _LINEAR.update({dtype: getattr(lib, name) for dtype, name in _WEIGHT_FN.items()})
     _state["status"] = f"{lib.hc_isa().decode()} kernel ({target.name})"
     return lib
 
 
 def _library() -> ctypes.CDLL | None:
+    lib = _state.get("lib", _state)  # the hot path: one dict lookup once loaded
+    if lib is not _state:
+        return lib  # type: ignore[return-value]
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
@@ -124,70 +131,104 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not torch.is_grad_enabled())
 
 
+# The wrappers below run once per projection / norm / layer of every decode step: checks are ordered cheapest first
+# and each returns None (the caller's torch path) for anything its kernel does not take.
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ weight[N, K]^T (* scale [N]) (+ bias [N]) -> [..., N] float32, by the kernel; None when the
-    kernel cannot take these tensors (see `supports`) or is unavailable: the caller then uses torch."""
-    if not supports(x, weight):
+    kernel cannot take these tensors (see `supports`; contiguous float32 scale / bias of N) or is unavailable."""
+    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or _library() is None:
         return None
-    lib = _library()
-    if lib is None:
+    fn = _LINEAR.get(weight.dtype)
+    if fn is None or weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous():
         return None
     n, k = weight.shape
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, k)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    if not weight.is_contiguous():
+    rows = x.numel() // k if k else 0
+    if x.shape[-1] != k or not 0 < rows <= MAX_ROWS:
         return None
-    extras = []
     for t in (scale, bias):
-        if t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous()):
+        if t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous() or not t.is_cpu):
             return None
-        extras.append(t.data_ptr() if t is not None else None)
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    getattr(lib, _WEIGHT_FN[weight.dtype])(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), extras[0], extras[1],
-                                            rows.shape[0], n, k)
-    return out.view(*lead, n)
-
-
-def _cpu_float32(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and not torch.is_grad_enabled()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), None if scale is None else scale.data_ptr(),
+       None if bias is None else bias.data_ptr(), rows, n, k)
+    return out
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D] in float32 (a norm's effective scale, e.g. 1 + weight); None
     when the kernel does not take these (not float32 CPU, autograd on, more than MAX_NORM_ROWS rows)."""
-    d = x.shape[-1]
-    if (not _cpu_float32(x, scale) or scale.shape != (d,) or x.numel() > MAX_NORM_ROWS * d or x.numel() == 0
-            or not scale.is_contiguous()):
+    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled():
         return None
     lib = _library()
-    if lib is None:
+    d = x.shape[-1]
+    if (lib is None or scale.dtype != torch.float32 or scale.shape != (d,) or not scale.is_contiguous()
+            or not 0 < x.numel() <= MAX_NORM_ROWS * d):
         return None
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     out = torch.empty_like(x)
     lib.hc_rms_norm(x.data_ptr(), scale.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
     return out
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     softcap: float | None) -> torch.Tensor | None:
+PATTERNS = {"full": 0, "sliding": 1, "chunked": 2}  # what hc_decode_attention evaluates itself from positions
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     softcap: float | None, positions: tuple[torch.Tensor, torch.Tensor, str, int] | None = None,
+                     ) -> torch.Tensor | None:
     """Grouped-query attention of one query per row: q [B, Hq, 1, D], k / v [B, Hkv, S, D] (any strides but a
-    contiguous last dim), mask bool [B, 1, S] -> [B, Hq, 1, D] in float32. Hidden slots are never read; a row that
-    sees nothing gets zeros. None when the kernel does not take these."""
-    if q.dim() != 4 or q.shape[2] != 1 or not _cpu_float32(q, k, v) or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
-        return None
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or mask.dtype != torch.bool or q.shape[1] % k.shape[1]:
+    contiguous last dim) -> [B, Hq, 1, D] in float32. Visibility: `mask` bool [B, 1, S], or `positions` =
+    (query positions [B, 1], key positions [B, S], pattern name in PATTERNS, its window / chunk size) so the kernel
+    needs no mask. Hidden slots are never read; a row that sees nothing gets zeros. None when the kernel does not
+    take these."""
+    if q.dtype != torch.float32 or not q.is_cpu or torch.is_grad_enabled() or q.dim() != 4 or q.shape[2] != 1:
         return None
     lib = _library()
-    if lib is None:
+    if (lib is None or k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape != v.shape
+            or q.shape[-1] != k.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1 or q.shape[1] % k.shape[1]):
         return None
     b, hq, _, d = q.shape
     s = k.shape[2]
-    q = q.contiguous()
-    m = mask.reshape(b, s).contiguous()
+    if not q.is_contiguous():
+        q = q.contiguous()
+    qpos = kpos = m = None
+    pattern, param = 0, 0
+    if positions is not None:
+        qpos, kpos, name, param = positions
+        pattern = PATTERNS[name]
+        if qpos.dtype != torch.int64 or kpos.dtype != torch.int64 or kpos.shape != (b, s):
+            return None
+        qpos, kpos = qpos.reshape(b).contiguous(), kpos.contiguous()
+    elif mask is not None and mask.dtype == torch.bool and mask.numel() == b * s:
+        m = mask.reshape(b, s).contiguous()
+    else:
+        return None
     out = torch.empty_like(q)
-    lib.hc_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), m.data_ptr(), out.data_ptr(), b, hq,
-                            k.shape[1], s, d, *k.stride()[:3], *v.stride()[:3], scale, softcap or 0.0)
+    lib.hc_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if m is None else m.data_ptr(),
+                            None if qpos is None else qpos.data_ptr(), None if kpos is None else kpos.data_ptr(),
+                            pattern, int(param or 0), out.data_ptr(), b, hq, k.shape[1], s, d, *k.stride()[:3],
+                            *v.stride()[:3], scale, softcap or 0.0)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
+    """Rotary embedding of a one-token block x [B, H, 1, D] by cos / sin [B, 1, 1, R] (R <= D: the first R
+    features rotate, the rest are copied); None when the kernel does not take these."""
+    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or x.dim() != 4 or x.shape[2] != 1:
+        return None
+    lib = _library()
+    b, h, _, d = x.shape
+    r = cos.shape[-1]
+    if (lib is None or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != b * r
+            or sin.numel() != b * r or r > d or r % 2 or not cos.is_contiguous() or not sin.is_contiguous()):
+        return None
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.hc_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b * h, d, r, h, int(interleaved))
     return out

@@ -158,3 +158,60 @@ def test_decode_attention_declines_what_it_does_not_take():
         assert dl.decode_attention(q, k, k, mask, 1.0, None) is None
         assert dl.decode_attention(q[:, :, :1].double(), k.double(), k.double(), mask[:, :1], 1.0, None) is None
         assert dl.decode_attention(q[:, :, :1], k, torch.randn(1, 1, 5, 4), mask[:, :1], 1.0, None) is None
+
+
+@pytest.mark.parametrize("kind, param", [("full", 0), ("sliding", 4), ("chunked", 5)])
+def test_decode_attention_from_positions_equals_the_mask(kind, param):
+    from hybridcache.cache.attention_specs import ChunkedSpec, FullSpec, SlidingSpec
+
+    spec = {"full": FullSpec, "sliding": SlidingSpec, "chunked": ChunkedSpec}[kind]
+    extra = {"window": param} if kind == "sliding" else {"chunk_size": param} if kind == "chunked" else {}
+    spec = spec(num_kv_heads=2, head_dim=8, **extra)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g)
+    kpos = torch.tensor([[-1, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8], list(range(11)), [-1] * 10 + [0]])
+    qpos = torch.tensor([[8], [10], [-1]])  # row 2: a padding query sees nothing
+    mask = (qpos[:, :, None] >= 0) & (kpos[:, None, :] >= 0) & spec.visible(qpos[:, :, None], kpos[:, None, :])
+    with torch.no_grad():
+        by_positions = dl.decode_attention(q, k, v, None, 0.3, None, positions=(qpos, kpos, kind, param))
+        by_mask = dl.decode_attention(q, k, v, mask, 0.3, None)
+    assert by_positions is not None and torch.equal(by_positions, by_mask)
+    assert torch.equal(by_positions[2], torch.zeros_like(by_positions[2]))
+    torch.testing.assert_close(by_mask.double(), naive_attention(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot", [8, 4])
+def test_rope_kernel_matches_the_torch_path(interleaved, rot):
+    from hybridcache.blocks.rotary import RotaryEmbedding
+
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    rotary = RotaryEmbedding(inv, interleaved=interleaved)
+    q, k = torch.randn(2, 3, 1, 8), torch.randn(2, 1, 1, 8)
+    positions = torch.tensor([[5], [17]])
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    with torch.no_grad():
+        got = dl.rope(q, cos, sin, interleaved), dl.rope(k, cos, sin, interleaved)
+        torch.set_grad_enabled(True)  # the torch path (the kernel declines under autograd)
+        want = rotary(q, k, positions)
+        torch.set_grad_enabled(False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("visible", ["all", "second half", "a few", "none"])
+def test_decode_attention_split_over_slots_equals_the_reference(visible):
+    """Long enough that one (row, kv head) is split over threads, whose partial softmaxes are combined."""
+    g = torch.Generator().manual_seed(1)
+    s = 700
+    q, k, v = torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 1, s, 64, generator=g), torch.randn(1, 1, s, 64, generator=g)
+    mask = torch.zeros(1, 1, s, dtype=torch.bool)
+    if visible == "all":
+        mask[:] = True
+    elif visible == "second half":
+        mask[..., s // 2:] = True
+    elif visible == "a few":
+        mask[..., [3, 350, 699]] = True
+    with torch.no_grad():
+        out = dl.decode_attention(q, k, v, mask, 0.125, None)
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@
    weights to float32 in registers, and accumulates in float32. Rows of w are split over OpenMP threads (the
    runtime torch itself uses). Compiled on first use by hybridcache/ops/decode_linear.py with -march=native. */
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -65,6 +66,10 @@ const char *hc_isa(void) { return ISA; }
 /* Software prefetch, PF rows of w ahead (into L2): a tile reads R short rows at once, and the hardware prefetcher
    alone reaches about half the read bandwidth on int8 / bfloat16 rows (measured: int8 262k x 640 head 11.6 ->
    6.5 ms with it). */
+/* Below this many bytes of work (weights, x4 for 4+ rows of x) one thread does it: waking the others costs more. */
+#ifndef PARALLEL_BYTES
+#define PARALLEL_BYTES (256 * 1024)
+#endif
 #ifndef PF_ROWS
 #define PF_ROWS 8
 #endif
@@ -118,7 +123,8 @@ static inline float sload_bf16(const uint16_t *p) {
   TILE(NAME##_tile, WT, VLOAD, SLOAD, PF)                                                                        \
   void NAME(const float *x, const WT *w, float *y, const float *scale, const float *bias, int M, int N, int K) { \
     int blocks = (N + 3) / 4;                                                                                  \
-    _Pragma("omp parallel for schedule(static)") for (int b = 0; b < blocks; b++) {                           \
+    int wide = (size_t)N * K * sizeof(WT) * (M < 4 ? 1 : 4) >= PARALLEL_BYTES;                                 \
+    _Pragma("omp parallel for schedule(static) if(wide)") for (int b = 0; b < blocks; b++) {                  \
       int n = 4 * b, R = N - n < 4 ? N - n : 4;                                                                \
       for (int m0 = 0; m0 < M; m0 += 4) {                                                                      \
         int MT = M - m0 < 4 ? M - m0 : 4;                                                                      \
@@ -169,48 +175,138 @@ static inline float dot_f32(const float *a, const float *b, int D) {
   return s;
 }
 
+/* Visibility of a key at position kp to a query at position qp (both real: >= 0), by pattern:
+   0 full (kp <= qp), 1 sliding window W (qp - W < kp <= qp), 2 chunked C (same chunk, kp <= qp). */
+static inline int visible(long qp, long kp, int pattern, long param) {
+  if (kp < 0 || kp > qp) return 0;
+  if (pattern == 1) return kp > qp - param;
+  if (pattern == 2) return kp / param == qp / param;
+  return 1;
+}
+
+/* Attention of the G query heads q [G, D] sharing one kv head over slots [s0, s1): unnormalized output acc [G, D],
+   per head the max score mx [G] and the sum of exp(score - mx) total [G] (mx = -inf: nothing visible). */
+static void attend_range(const float *qh, const float *kb, const float *vb, long kss, long vss, int s0, int s1, int D,
+                         int G, const uint8_t *mrow, const int64_t *kprow, long qp, int pattern, long param,
+                         float scale, float softcap, float *scores, int S, float *acc, float *mx, float *total) {
+  for (int g = 0; g < G; g++) {
+    mx[g] = -INFINITY, total[g] = 0.0f;
+    for (int d = 0; d < D; d++) acc[(size_t)g * D + d] = 0.0f;
+  }
+  for (int s = s0; s < s1; s++) {
+    if (mrow ? !mrow[s] : !(qp >= 0 && visible(qp, kprow[s], pattern, param))) continue;
+    const float *ks = kb + s * kss;
+    for (int g = 0; g < G; g++) {
+      float sc = dot_f32(qh + (size_t)g * D, ks, D) * scale;
+      if (softcap > 0) sc = softcap * tanhf(sc / softcap);
+      scores[(size_t)g * S + s] = sc;
+      if (sc > mx[g]) mx[g] = sc;
+    }
+  }
+  if (mx[0] == -INFINITY) return; /* nothing visible (the same slots for every head) */
+  for (int s = s0; s < s1; s++) {
+    if (mrow ? !mrow[s] : !(qp >= 0 && visible(qp, kprow[s], pattern, param))) continue;
+    const float *vs = vb + s * vss;
+    for (int g = 0; g < G; g++) {
+      float p = expf(scores[(size_t)g * S + s] - mx[g]);
+      total[g] += p;
+      float *o = acc + (size_t)g * D;
+      for (int d = 0; d < D; d++) o[d] += p * vs[d];
+    }
+  }
+}
+
 /* One query per row (a decode step), grouped-query attention over the visible slots only:
    q [B, Hq, D] (contiguous), k / v [B, Hkv, S, D] with strides (elements) sb, sh, ss for batch, head, slot and a
-   contiguous last dim, mask [B, S] (1 = visible), out [B, Hq, D]. Hidden slots are never read (garbage in them
-   cannot reach the output); a row that sees nothing gets zeros. softcap <= 0: none. */
-void hc_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask, float *out, int B,
-                         int Hq, int Hkv, int S, int D, long ksb, long ksh, long kss, long vsb, long vsh, long vss,
-                         float scale, float softcap) {
-  int G = Hq / Hkv;
-  _Pragma("omp parallel") {
-    float *scores = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));
-    _Pragma("omp for schedule(static)") for (int bh = 0; bh < B * Hq; bh++) {
-      int b = bh / Hq, h = bh % Hq, kvh = h / G;
-      const float *qv = q + (size_t)bh * D;
-      const float *kb = k + b * ksb + kvh * ksh, *vb = v + b * vsb + kvh * vsh;
-      const uint8_t *mb = mask + (size_t)b * S;
-      float *o = out + (size_t)bh * D;
-      float mx = -INFINITY;
-      for (int s = 0; s < S; s++) {
-        if (!mb[s]) continue;
-        float sc = dot_f32(qv, kb + s * kss, D) * scale;
-        if (softcap > 0) sc = softcap * tanhf(sc / softcap);
-        scores[s] = sc;
-        if (sc > mx) mx = sc;
+   contiguous last dim. Visibility: `mask` [B, S] (1 = visible) when given, else from the query positions qpos [B]
+   and key positions kpos [B, S] by `pattern` / `param` (see visible()); a padding query (qpos < 0) sees nothing.
+   out [B, Hq, D]. Hidden slots are never read (garbage in them cannot reach the output); a row that sees nothing
+   gets zeros. softcap <= 0: none. Each key and value is read once for the G query heads that share it. Work is
+   split over threads by (row, kv head) when there are enough of those, else by ranges of slots, whose partial
+   softmax sums are then combined (as flash-decoding does). */
+void hc_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const int64_t *qpos,
+                         const int64_t *kpos, int pattern, long param, float *out, int B, int Hq, int Hkv, int S,
+                         int D, long ksb, long ksh, long kss, long vsb, long vsh, long vss, float scale,
+                         float softcap) {
+  int G = Hq / Hkv, pairs = B * Hkv;
+  int threads = omp_get_max_threads();
+  int wide = (size_t)S * D * G >= PARALLEL_BYTES / 4;
+  int split = wide && pairs < threads && S >= 2 * threads ? threads : 1; /* slot ranges per (row, kv head) */
+  float *scores = (float *)malloc(sizeof(float) * (size_t)(S > 0 ? S : 1) * G * (split > 1 ? 1 : threads));
+  float *acc = (float *)malloc(sizeof(float) * (size_t)split * G * D * (split > 1 ? 1 : threads));
+  float *stats = (float *)malloc(sizeof(float) * (size_t)2 * split * G * (split > 1 ? 1 : threads));
+  for (int bk0 = 0; bk0 < pairs; bk0 += (split > 1 ? 1 : pairs)) {
+    int bk1 = split > 1 ? bk0 + 1 : pairs;
+    _Pragma("omp parallel num_threads(split > 1 ? split : threads) if(wide)") {
+      int t = omp_get_thread_num();
+      if (split > 1) { /* this thread: one range of slots of (row, kv head) bk0 */
+        int b = bk0 / Hkv, kvh = bk0 % Hkv, chunk = (S + split - 1) / split;
+        int s0 = t * chunk, s1 = s0 + chunk < S ? s0 + chunk : S;
+        attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh, v + b * vsb + kvh * vsh,
+                     kss, vss, s0 < S ? s0 : S, s1, D, G, mask ? mask + (size_t)b * S : NULL,
+                     kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale, softcap,
+                     scores, S, acc + (size_t)t * G * D, stats + (size_t)t * 2 * G, stats + (size_t)t * 2 * G + G);
+      } else {
+        _Pragma("omp for schedule(static)") for (int bk = bk0; bk < bk1; bk++) {
+          int b = bk / Hkv, kvh = bk % Hkv;
+          float *a = acc + (size_t)t * G * D, *st = stats + (size_t)t * 2 * G;
+          attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
+                       v + b * vsb + kvh * vsh, kss, vss, 0, S, D, G, mask ? mask + (size_t)b * S : NULL,
+                       kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale, softcap,
+                       scores + (size_t)t * S * G, S, a, st, st + G);
+          float *o = out + ((size_t)b * Hq + (size_t)kvh * G) * D;
+          for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++)
+              o[(size_t)g * D + d] = st[g] == -INFINITY ? 0.0f : a[(size_t)g * D + d] / st[G + g];
+        }
       }
-      for (int d = 0; d < D; d++) o[d] = 0.0f;
-      if (mx == -INFINITY) continue; /* nothing visible */
-      float total = 0.0f;
-      for (int s = 0; s < S; s++) {
-        if (!mb[s]) continue;
-        float p = expf(scores[s] - mx);
-        scores[s] = p;
-        total += p;
-      }
-      for (int s = 0; s < S; s++) {
-        if (!mb[s]) continue;
-        const float *vs = vb + s * vss;
-        float p = scores[s];
-        for (int d = 0; d < D; d++) o[d] += p * vs[d];
-      }
-      float inv = 1.0f / total;
-      for (int d = 0; d < D; d++) o[d] *= inv;
     }
-    free(scores);
+    if (split > 1) { /* combine the ranges: rescale each to the common max */
+      int b = bk0 / Hkv, kvh = bk0 % Hkv;
+      float *o = out + ((size_t)b * Hq + (size_t)kvh * G) * D;
+      for (int g = 0; g < G; g++) {
+        float m = -INFINITY, l = 0.0f;
+        for (int t = 0; t < split; t++) m = stats[(size_t)t * 2 * G + g] > m ? stats[(size_t)t * 2 * G + g] : m;
+        for (int d = 0; d < D; d++) o[(size_t)g * D + d] = 0.0f;
+        if (m == -INFINITY) continue;
+        for (int t = 0; t < split; t++) {
+          float mt = stats[(size_t)t * 2 * G + g];
+          if (mt == -INFINITY) continue;
+          float w = expf(mt - m);
+          l += w * stats[(size_t)t * 2 * G + G + g];
+          const float *a = acc + ((size_t)t * G + g) * D;
+          for (int d = 0; d < D; d++) o[(size_t)g * D + d] += w * a[d];
+        }
+        for (int d = 0; d < D; d++) o[(size_t)g * D + d] /= l;
+      }
+    }
+  }
+  free(scores), free(acc), free(stats);
+}
+
+/* Rotary embedding of rows x [R, D] in place of out: the first `rot` features rotated by cos / sin [P, rot] where row r
+   uses table row r / heads_per_pos (rows are [B, H, T] with T = 1 or [B, T, H]: see the caller); half-split pairs
+   (i, i + rot/2), or interleaved pairs (2i, 2i + 1); features past `rot` are copied. */
+void hc_rope(const float *x, const float *cos_t, const float *sin_t, float *out, int R, int D, int rot,
+             int heads_per_pos, int interleaved) {
+  int h = rot / 2;
+  for (int r = 0; r < R; r++) {
+    const float *xr = x + (size_t)r * D, *c = cos_t + (size_t)(r / heads_per_pos) * rot,
+                *sn = sin_t + (size_t)(r / heads_per_pos) * rot;
+    float *o = out + (size_t)r * D;
+    if (interleaved) {
+      for (int i = 0; i < h; i++) {
+        float a = xr[2 * i], b = xr[2 * i + 1];
+        o[2 * i] = a * c[2 * i] - b * sn[2 * i];
+        o[2 * i + 1] = b * c[2 * i + 1] + a * sn[2 * i + 1];
+      }
+    } else {
+      for (int i = 0; i < h; i++) {
+        float a = xr[i], b = xr[i + h];
+        o[i] = a * c[i] - b * sn[i];
+        o[i + h] = b * c[i + h] + a * sn[i + h];
+      }
+    }
+    for (int i = rot; i < D; i++) o[i] = xr[i];
   }
 }
