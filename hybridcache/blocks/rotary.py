@@ -74,7 +74,7 @@ class RotaryEmbedding(nn.Module):
                 cs = positions.memo[key] = self.cos_sin(positions.rope_positions, q.dtype)
             cos, sin = cs
         r = self.rotary_dim
-        if q.shape[2] == 1 and not torch.compiler.is_compiling():  # a decode step: one kernel call per tensor
+        if not torch.compiler.is_compiling():  # float32 on CPU: one kernel call per tensor, any layout
             rq, rk = rope(q, cos, sin, self.interleaved), rope(k, cos, sin, self.interleaved)
             if rq is not None and rk is not None:
                 return rq, rk

@@ -91,7 +91,7 @@ def _load() -> ctypes.CDLL | None:
         "hc_linear_i8": [pointer] * 5 + [integer] * 3,
         "hc_rms_norm": [pointer] * 3 + [integer] * 2 + [real],
         "hc_decode_attention": [pointer] * 6 + [integer, long, pointer] + [integer] * 5 + [long] * 6 + [real] * 2,
-        "hc_rope": [pointer] * 4 + [integer] * 5,
+        "hc_rope": [pointer] + [long] * 3 + [pointer] * 3 + [integer] * 6,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -217,18 +217,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
-    """Rotary embedding of a one-token block x [B, H, 1, D] by cos / sin [B, 1, 1, R] (R <= D: the first R
-    features rotate, the rest are copied); None when the kernel does not take these."""
-    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or x.dim() != 4 or x.shape[2] != 1:
+    """Rotary embedding of x [B, H, T, D] (any strides but a contiguous last dim) by cos / sin [B, 1, T, R]
+    (R <= D: the first R features rotate, the rest are copied) -> a contiguous [B, H, T, D]; None when the kernel
+    does not take these."""
+    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or x.dim() != 4 or x.stride(-1) != 1:
         return None
     lib = _library()
-    b, h, _, d = x.shape
+    b, h, t, d = x.shape
     r = cos.shape[-1]
-    if (lib is None or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != b * r
-            or sin.numel() != b * r or r > d or r % 2 or not cos.is_contiguous() or not sin.is_contiguous()):
+    if (lib is None or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != b * t * r
+            or sin.numel() != b * t * r or r > d or r % 2 or not cos.is_contiguous() or not sin.is_contiguous()):
         return None
-    if not x.is_contiguous():
-        x = x.contiguous()
-    out = torch.empty_like(x)
-    lib.hc_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b * h, d, r, h, int(interleaved))
+    out = torch.empty(b, h, t, d, dtype=torch.float32)
+    sb, sh, st, _ = x.stride()
+    lib.hc_rope(x.data_ptr(), sb, sh, st, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b, h, t, d, r,
+                int(interleaved))
     return out

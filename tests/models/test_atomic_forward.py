@@ -106,9 +106,9 @@ def test_precision_is_a_setting_of_one_model_not_of_the_process(checkpoints):
     import hybridcache as hc
 
     a, b = hc.from_pretrained(checkpoints("mamba2")), hc.from_pretrained(checkpoints("mamba2"))
-    assert a.upcast_cpu_float32 and b.upcast_cpu_float32
-    a.upcast_cpu_float32 = False
-    assert not a.upcast_cpu_float32 and b.upcast_cpu_float32
+    assert not a.upcast_cpu_float32 and not b.upcast_cpu_float32  # float32 like HF by default
+    a.upcast_cpu_float32 = True
+    assert a.upcast_cpu_float32 and not b.upcast_cpu_float32
     ids = prompts(1, 9, seed=11)
     diff = (a(ids) - b(ids)).abs().max().item()
     assert 0 < diff < 1e-4  # float32 vs float64 mixer arithmetic: different rounding, same model

@@ -284,27 +284,29 @@ void hc_decode_attention(const float *q, const float *k, const float *v, const u
   free(scores), free(acc), free(stats);
 }
 
-/* Rotary embedding of rows x [R, D] in place of out: the first `rot` features rotated by cos / sin [P, rot] where row r
-   uses table row r / heads_per_pos (rows are [B, H, T] with T = 1 or [B, T, H]: see the caller); half-split pairs
-   (i, i + rot/2), or interleaved pairs (2i, 2i + 1); features past `rot` are copied. */
-void hc_rope(const float *x, const float *cos_t, const float *sin_t, float *out, int R, int D, int rot,
-             int heads_per_pos, int interleaved) {
-  int h = rot / 2;
-  for (int r = 0; r < R; r++) {
-    const float *xr = x + (size_t)r * D, *c = cos_t + (size_t)(r / heads_per_pos) * rot,
-                *sn = sin_t + (size_t)(r / heads_per_pos) * rot;
+/* Rotary embedding of x [B, H, T, D] (strides sb, sh, st in elements; contiguous last dim) into out [B, H, T, D]
+   (contiguous): the first `rot` features rotated by cos / sin [B, T, rot], half-split pairs (i, i + rot/2) or
+   interleaved pairs (2i, 2i + 1); features past `rot` are copied. */
+void hc_rope(const float *x, long sb, long sh, long st, const float *cos_t, const float *sin_t, float *out, int B,
+             int H, int T, int D, int rot, int interleaved) {
+  int h2 = rot / 2;
+  int wide = (size_t)B * H * T * D >= PARALLEL_BYTES / 4;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (long r = 0; r < (long)B * H * T; r++) {
+    long b = r / ((long)H * T), h = (r / T) % H, t = r % T;
+    const float *xr = x + b * sb + h * sh + t * st;
+    const float *c = cos_t + ((size_t)b * T + t) * rot, *sn = sin_t + ((size_t)b * T + t) * rot;
     float *o = out + (size_t)r * D;
     if (interleaved) {
-      for (int i = 0; i < h; i++) {
-        float a = xr[2 * i], b = xr[2 * i + 1];
-        o[2 * i] = a * c[2 * i] - b * sn[2 * i];
-        o[2 * i + 1] = b * c[2 * i + 1] + a * sn[2 * i + 1];
+      for (int i = 0; i < h2; i++) {
+        float a = xr[2 * i], bb = xr[2 * i + 1];
+        o[2 * i] = a * c[2 * i] - bb * sn[2 * i];
+        o[2 * i + 1] = bb * c[2 * i + 1] + a * sn[2 * i + 1];
       }
     } else {
-      for (int i = 0; i < h; i++) {
-        float a = xr[i], b = xr[i + h];
-        o[i] = a * c[i] - b * sn[i];
-        o[i + h] = b * c[i + h] + a * sn[i + h];
+      for (int i = 0; i < h2; i++) {
+        float a = xr[i], bb = xr[i + h2];
+        o[i] = a * c[i] - bb * sn[i];
+        o[i + h2] = bb * c[i + h2] + a * sn[i + h2];
       }
     }
     for (int i = rot; i < D; i++) o[i] = xr[i];
