@@ -13,6 +13,7 @@ from hybridcache.blocks.linear import linear
 from hybridcache.blocks.norms import RMSNorm
 from hybridcache.cache import MambaStateLayer
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_scan, selective_state_update
+from hybridcache.ops.selective_scan import selective_scan_btd
 
 
 def resolve_dt_rank(rank: int | str, hidden: int) -> int:
@@ -85,17 +86,13 @@ class MambaMixer(nn.Module):
         m = layer.trail_length(tokens)
         if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
             return self._forward_with_trail(h, layer, states, x, u, delta, a, b, c, z, conv, m)
-        if tokens == 1:
+        if tokens == 1 and not (u.dtype == torch.float32 and u.is_cpu and not torch.compiler.is_compiling()):
             y, ssm = selective_state_update(states["ssm"], u[:, 0], delta[:, 0], a, b[:, 0], c[:, 0], self.D,
                                             z[:, 0], self.dt_proj.bias, delta_softplus=True)
             y = y[:, None]  # [B, 1, Di]
         else:
-            def t(v: torch.Tensor) -> torch.Tensor:
-                return v.transpose(1, 2).contiguous()  # [B, C, T]
-
-            y, ssm = selective_scan(t(u), t(delta), a, t(b), t(c), self.D, t(z), self.dt_proj.bias,
-                                    delta_softplus=True, state=states["ssm"])
-            y = y.transpose(1, 2)  # [B, T, Di]
+            y, ssm = selective_scan_btd(u, delta, a, b, c, self.D, z, self.dt_proj.bias, delta_softplus=True,
+                                        state=states["ssm"])  # y [B, T, Di]
         layer.update(conv=conv.to(layer.spec.dtype), ssm=ssm.to(layer.spec.state_dtype))
         return self.out_proj(y.to(h.dtype))
 

@@ -92,6 +92,8 @@ def _load() -> ctypes.CDLL | None:
         "hc_rms_norm": [pointer] * 3 + [integer] * 2 + [real],
         "hc_decode_attention": [pointer] * 6 + [integer, long, pointer] + [integer] * 5 + [long] * 6 + [real] * 2,
         "hc_rope": [pointer] + [long] * 3 + [pointer] * 3 + [integer] * 6,
+        "hc_selective_scan": ([pointer, long, long] * 5 + [pointer] * 3 + [integer] + [pointer] * 3
+                              + [integer] * 4),
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -131,6 +133,17 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not torch.is_grad_enabled())
 
 
+def _eager(x: torch.Tensor) -> bool:
+    """Float32 on CPU, no autograd, not being traced by torch.compile (a kernel call writes through raw pointers,
+    which a trace would run on placeholder tensors): what every wrapper here needs first."""
+    return x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _dense_last(x: torch.Tensor) -> bool:
+    """Whether the last dim is contiguous (a size-1 dim may have any stride)."""
+    return x.shape[-1] <= 1 or x.stride(-1) == 1
+
+
 # The wrappers below run once per projection / norm / layer of every decode step: checks are ordered cheapest first
 # and each returns None (the caller's torch path) for anything its kernel does not take.
 
@@ -138,7 +151,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ weight[N, K]^T (* scale [N]) (+ bias [N]) -> [..., N] float32, by the kernel; None when the
     kernel cannot take these tensors (see `supports`; contiguous float32 scale / bias of N) or is unavailable."""
-    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or _library() is None:
+    if not _eager(x) or _library() is None:
         return None
     fn = _LINEAR.get(weight.dtype)
     if fn is None or weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous():
@@ -161,7 +174,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D] in float32 (a norm's effective scale, e.g. 1 + weight); None
     when the kernel does not take these (not float32 CPU, autograd on, more than MAX_NORM_ROWS rows)."""
-    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled():
+    if not _eager(x):
         return None
     lib = _library()
     d = x.shape[-1]
@@ -186,11 +199,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (query positions [B, 1], key positions [B, S], pattern name in PATTERNS, its window / chunk size) so the kernel
     needs no mask. Hidden slots are never read; a row that sees nothing gets zeros. None when the kernel does not
     take these."""
-    if q.dtype != torch.float32 or not q.is_cpu or torch.is_grad_enabled() or q.dim() != 4 or q.shape[2] != 1:
+    if not _eager(q) or q.dim() != 4 or q.shape[2] != 1:
         return None
     lib = _library()
     if (lib is None or k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape != v.shape
-            or q.shape[-1] != k.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1 or q.shape[1] % k.shape[1]):
+            or q.shape[-1] != k.shape[-1] or not _dense_last(k) or not _dense_last(v) or q.shape[1] % k.shape[1]):
         return None
     b, hq, _, d = q.shape
     s = k.shape[2]
@@ -220,7 +233,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     """Rotary embedding of x [B, H, T, D] (any strides but a contiguous last dim) by cos / sin [B, 1, T, R]
     (R <= D: the first R features rotate, the rest are copied) -> a contiguous [B, H, T, D]; None when the kernel
     does not take these."""
-    if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or x.dim() != 4 or x.stride(-1) != 1:
+    if not _eager(x) or x.dim() != 4 or not _dense_last(x):
         return None
     lib = _library()
     b, h, t, d = x.shape
@@ -233,3 +246,35 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     lib.hc_rope(x.data_ptr(), sb, sh, st, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b, h, t, d, r,
                 int(interleaved))
     return out
+
+
+def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None, b: torch.Tensor, c: torch.Tensor,
+                   a: torch.Tensor, d: torch.Tensor | None, bias: torch.Tensor | None, softplus: bool,
+                   state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mamba1 selective scan (see hybridcache/ops/selective_scan.py) on [B, T, Dm] / [B, T, N] layouts (any batch and
+    time strides; a strided last dim is copied first): y [B, T, Dm] and the final state [B, Dm, N], float32; None
+    when the kernel does not take these."""
+    if not _eager(u) or u.dim() != 3:
+        return None
+    lib = _library()
+    bsz, t, dm = u.shape
+    n = a.shape[-1]
+    u, delta, z, b, c = (x if x is None or _dense_last(x) else x.contiguous() for x in (u, delta, z, b, c))
+    three = [x for x in (u, delta, z) if x is not None]
+    if (lib is None or any(x.shape != u.shape or x.dtype != torch.float32 for x in three)
+            or any(x.shape != (bsz, t, n) or x.dtype != torch.float32 for x in (b, c))
+            or a.shape != (dm, n) or a.dtype != torch.float32
+            or any(x is not None and (x.shape != (dm,) or x.dtype != torch.float32) for x in (d, bias))
+            or (state is not None and (state.shape != (bsz, dm, n) or state.dtype != torch.float32))):
+        return None
+    a, d, bias = a.contiguous(), None if d is None else d.contiguous(), None if bias is None else bias.contiguous()
+    state = None if state is None else state.contiguous()
+    y = torch.empty(bsz, t, dm, dtype=torch.float32)
+    out = torch.empty(bsz, dm, n, dtype=torch.float32)
+    args = []
+    for x in (u, delta, z, b, c):
+        args += [None, 0, 0] if x is None else [x.data_ptr(), x.stride(0), x.stride(1)]
+    lib.hc_selective_scan(*args, a.data_ptr(), None if d is None else d.data_ptr(),
+                          None if bias is None else bias.data_ptr(), int(softplus),
+                          None if state is None else state.data_ptr(), y.data_ptr(), out.data_ptr(), bsz, t, dm, n)
+    return y, out

@@ -215,3 +215,27 @@ def test_decode_attention_split_over_slots_equals_the_reference(visible):
     with torch.no_grad():
         out = dl.decode_attention(q, k, v, mask, 0.125, None)
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), t=st.integers(1, 9), dm=st.integers(1, 20), n=st.sampled_from([1, 5, 16, 21]),
+       optional=st.booleans(), softplus=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, softplus, seed):
+    from hybridcache.ops.selective_scan import _selective_scan_torch
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    u, delta, z = r(b, t, 2 * dm)[..., ::2], r(b, t, dm) * 0.5, r(b, t, dm)  # u strided over channels' batch rows
+    u = u.contiguous() if u.stride(-1) != 1 else u
+    bm, cm = r(b, t, n), r(b, t, n)
+    a = -torch.exp(r(dm, n) * 0.5)
+    d, bias, state = (r(dm), r(dm), r(b, dm, n)) if optional else (None, None, None)
+    with torch.no_grad():
+        out = dl.selective_scan(u, delta, z if optional else None, bm, cm, a, d, bias, softplus, state)
+    assert out is not None
+    tr = lambda v: None if v is None else v.transpose(1, 2).double()  # noqa: E731
+    y, last = _selective_scan_torch(tr(u), tr(delta), a.double(), tr(bm), tr(cm), None if d is None else d.double(),
+                                    tr(z) if optional else None, None if bias is None else bias.double(), softplus,
+                                    None if state is None else state.double())
+    torch.testing.assert_close(out[0].double(), y.transpose(1, 2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[1].double(), last, rtol=1e-4, atol=1e-5)
