@@ -45,9 +45,10 @@ def median(values: list[float]) -> float:
 
 def rates(system: str, batch: int, prompt: int, new: int, run: Callable[[int], Any], b: DictConfig) -> dict:
     """Prefill = a 1-token generation; decode = a `new`-token generation minus the 1-token one, measured as pairs
-    back to back (so a slow moment hits both) and reported as medians over `repeats` pairs after `warmup` pairs."""
+    back to back (so a slow moment hits both) and reported as medians over `repeats` pairs after `warmup` short
+    (2-token) generations, which touch every kernel and buffer a longer one does."""
     for _ in range(b.warmup):
-        run(1), run(new)
+        run(2)
     prefills, decodes, totals = [], [], []
     for _ in range(b.repeats):
         start = time.perf_counter()
@@ -212,18 +213,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         except (ValueError, FileNotFoundError) as e:
             raise UserError(f"reference=vllm: {e}") from None
     cache_config, _ = cache_config_from_hydra(cfg.cache)
+    ops, ops_cfg = None, (OmegaConf.to_container(b.cache_ops) if "cache_ops" in b else {})
     with Progress(console=console, transient=True) as progress:
         compile_start = time.perf_counter()
         rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress)
         roof = roofline(model, rows, b, progress)
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
+        seconds = time.perf_counter() - compile_start
+        if ops_cfg.pop("enabled", True):  # speculative decoding, prefix reuse (experiments/benchmark_cache_ops.py)
+            from experiments.benchmark_cache_ops import print_cache_ops, run_cache_ops
+            progress.add_task("cache operations: speculative decoding, then prefix reuse", total=None)
+            ops = run_cache_ops(model, cache_config, ops_cfg, smoke=bool(b.smoke))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    summary = summarize(rows, memory, scaling, rss, time.perf_counter() - compile_start)
+    summary = summarize(rows, memory, scaling, rss, seconds)
     summary["roofline"] = roof
-    ops, ops_cfg = None, (OmegaConf.to_container(b.cache_ops) if "cache_ops" in b else {})
-    if ops_cfg.pop("enabled", True):  # speculative decoding, prefix reuse (experiments/benchmark_cache_ops.py)
-        from experiments.benchmark_cache_ops import print_cache_ops, run_cache_ops
-        ops = run_cache_ops(model, cache_config, ops_cfg, smoke=bool(b.smoke))
+    summary["wall_s"] = time.perf_counter() - compile_start
+    if ops:
         summary.update(ops["summary"])
     plots = [throughput_bars(rows, out_dir / "throughput.png")]
     if scaling:
@@ -250,6 +255,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print_tables(console, rows, memory, scaling, summary)
     if ops:
         print_cache_ops(console, ops)
+    console.print(f"benchmark time: {summary['wall_s']:.0f} s after loading (throughput, roofline and long context "
+                  f"{summary['throughput_wall_s']:.0f} s)")
     wandb_line = f"W&B run (offline): {run_dir}   upload: {sync}" if sync else f"W&B: {run_dir or tracker.error or 'disabled'}"
     console.print(f"plots: {', '.join(str(p) for p in plots)}\n{wandb_line}\nresults: {json_path}", soft_wrap=True)
     return result
