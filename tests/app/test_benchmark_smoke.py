@@ -16,14 +16,17 @@ def test_benchmark_smoke(tmp_path):
                              f"hydra.run.dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((out / "benchmark.json").read_text())
-    assert {r["system"] for r in data["throughput"]} == {"ours (eager)", "hf"}
+    assert {r["system"] for r in data["throughput"]} == {"ours (eager)", "ours (eager, int8 weights)", "hf"}
     assert all(r["prefill_tok_s"] > 0 for r in data["throughput"])
     assert all(not r["decode_tok_s"] <= 0 for r in data["throughput"])  # positive, or NaN when below timer noise
     # the roofline: a measured read bandwidth and, per row, bytes per token = (weights + cache bytes) / batch
     roof = data["summary"]["roofline"]
     assert roof["read_bandwidth_gb_s"] > 0 and roof["weights"] > 0
+    packed = next(r for r in data["throughput"] if r["weights_format"] == "int8")
+    assert packed["weights_bytes"] < 0.5 * roof["weights"]  # int8 projections: about a quarter of their bytes
     for r in data["throughput"]:
-        assert r["bytes_per_token"] == (roof["weights"] + r["cache_bytes_read"]) / r["batch"]
+        assert r["weights_bytes"] == (packed["weights_bytes"] if r is packed else roof["weights"])
+        assert r["bytes_per_token"] == (r["weights_bytes"] + r["cache_bytes_read"]) / r["batch"]
         assert abs(r["roofline_tok_s"] - roof["read_bandwidth_gb_s"] * 1e9 / r["bytes_per_token"]) < 1e-6 * r[
             "roofline_tok_s"]
     # speculative decoding and prefix reuse ran and reproduced plain greedy generation exactly
