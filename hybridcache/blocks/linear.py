@@ -125,8 +125,9 @@ def pack_weights(model: nn.Module, fmt: str) -> int:
                 for w, lin in zip(old, group.linears):
                     packed[id(w)] = (w, lin.weight, lin._buffers.get("scale"))
                 count += 1
+    done = {id(new) for _, new, _ in packed.values()}  # the fused groups' members hold packed rows already
     for module in list(model.modules()):
-        if isinstance(module, nn.Linear) and id(module.weight) not in packed:
+        if isinstance(module, nn.Linear) and id(module.weight) not in packed and id(module.weight) not in done:
             if not isinstance(module, DecodeLinear):
                 module.__class__ = DecodeLinear
             q, scale = pack_matrix(module.weight, fmt)
@@ -134,6 +135,7 @@ def pack_weights(model: nn.Module, fmt: str) -> int:
             module.weight = nn.Parameter(q, requires_grad=False)
             module._buffers["scale"] = scale
             packed[id(old)] = (old, module.weight, scale)
+            done.add(id(module.weight))
             count += 1
     for module in list(model.modules()):  # every remaining holder of a packed matrix: tied heads and embeddings
         for name, param in list(module._parameters.items()):

@@ -79,6 +79,36 @@ def _dequantized_copy(path, packed):
     return plain
 
 
+@pytest.mark.parametrize("family", ["gemma3", "jamba", "zamba2", "falcon_h1", "qwen3_next"])
+def test_every_packed_matrix_is_the_original_rounded(checkpoints, family):
+    """Against the unpacked model's own weights: int8 rows within half a step, bfloat16 the rounded values. Every
+    projection and embedding is packed once (fused groups too: a second packing would replace their scales)."""
+    plain = dict(hc.from_pretrained(checkpoints(family)).named_modules())
+    heads = {id(m.weight) for m in plain.values() if isinstance(m, nn.Linear)}
+    untied = {name for name, m in plain.items() if isinstance(m, nn.Embedding) and id(m.weight) not in heads}
+    for fmt in ("int8", "bfloat16"):
+        packed = hc.from_pretrained(checkpoints(family), weights=fmt)
+        seen = 0
+        for name, m in packed.named_modules():
+            if not isinstance(m, (nn.Linear, nn.Embedding)):
+                continue
+            ref = plain[name].weight
+            if name in untied:  # an untied embedding stays as it is (a step reads only B of its rows)
+                assert torch.equal(m.weight, ref), name
+                seen += 1
+                continue
+            if fmt == "bfloat16":
+                assert m.weight.dtype == torch.bfloat16 and torch.equal(m.weight, ref.to(torch.bfloat16)), name
+            else:
+                scale = m._buffers.get("scale")
+                assert m.weight.dtype == torch.int8 and scale is not None, name
+                torch.testing.assert_close(scale, ref.abs().amax(1).clamp(min=1e-30) / 127, rtol=1e-6, atol=0)
+                err = (m.weight.float() * scale[:, None] - ref).abs()
+                assert bool((err <= scale[:, None] / 2 * (1 + 1e-5)).all()), name
+            seen += 1
+        assert seen == sum(isinstance(m, (nn.Linear, nn.Embedding)) for m in plain.values())
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
 @pytest.mark.parametrize("family", ["gemma3", "jamba", "mamba2", "falcon_h1"])
 def test_packed_model_equals_the_model_with_those_weights(checkpoints, family, fmt):
