@@ -43,27 +43,38 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def rates(system: str, batch: int, prompt: int, new: int, run: Callable[[int], Any], b: DictConfig) -> dict:
+def rates(systems: dict[str, Callable[[int], Any]], batch: int, prompt: int, new: int, b: DictConfig,
+          progress=None, task=None) -> dict[str, dict]:
     """Prefill = a 1-token generation; decode = a `new`-token generation minus the 1-token one, measured as pairs
-    back to back (so a slow moment hits both) and reported as medians over `repeats` pairs after `warmup` short
-    (2-token) generations, which touch every kernel and buffer a longer one does."""
-    for _ in range(b.warmup):
-        run(2)
-    prefills, decodes, totals = [], [], []
-    for _ in range(b.repeats):
-        start = time.perf_counter()
-        run(1)
-        middle = time.perf_counter()
-        run(new)
-        end = time.perf_counter()
-        prefills.append(middle - start)
-        totals.append(end - middle)
-        decodes.append((end - middle) - (middle - start))
-    prefill, decode = median(prefills), median(decodes)
-    # a decode shorter than timer noise (tiny smoke sizes) has no meaningful rate
-    decode_rate = batch * (new - 1) / decode if decode > 0 else float("nan")
-    return {"system": system, "batch": batch, "prefill_tok_s": batch * prompt / prefill,
-            "decode_tok_s": decode_rate, "prefill_s": prefill, "total_s": median(totals)}
+    back to back (so a slow moment hits both). Every system gets `warmup` short (2-token) generations, then the
+    systems take turns, one pair each per repeat, so a slow stretch of the machine hits them all alike; medians
+    over `repeats` pairs. `systems`: label -> run(n_new_tokens)."""
+    for label, run in systems.items():
+        if progress is not None:
+            progress.update(task, description=f"batch {batch}: warming up {label}")
+        for _ in range(b.warmup):
+            run(2)
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in systems}
+    for rep in range(b.repeats):
+        for label, run in systems.items():
+            if progress is not None:
+                progress.update(task, description=f"batch {batch}: {label} (repeat {rep + 1}/{b.repeats})")
+            start = time.perf_counter()
+            run(1)
+            middle = time.perf_counter()
+            run(new)
+            times[label].append((middle - start, time.perf_counter() - middle))
+        if progress is not None:
+            progress.advance(task)
+    out = {}
+    for label, pairs in times.items():
+        prefill, total = median([p for p, _ in pairs]), median([t for _, t in pairs])
+        decode = median([t - p for p, t in pairs])
+        # a decode shorter than timer noise (tiny smoke sizes) has no meaningful rate
+        out[label] = {"system": label, "batch": batch, "prefill_tok_s": batch * prompt / prefill,
+                      "decode_tok_s": batch * (new - 1) / decode if decode > 0 else float("nan"),
+                      "prefill_s": prefill, "total_s": total}
+    return out
 
 
 def row_key(system: str) -> str:
@@ -77,53 +88,50 @@ def variant_label(weights: str | None, compiled: bool) -> str:
 
 
 def throughput(cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress) -> tuple[list, dict]:
-    """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size."""
+    """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size, the
+    systems taking turns within each repeat (`rates`)."""
     import transformers
 
     formats = list(dict.fromkeys([cfg.model.get("weights"), *b.get("weights", [])]))  # the model's own first
-    steps = len(b.batch_sizes) * (len(formats) * (2 if b.compile else 1) + 2)
-    task = progress.add_task("loading the HF reference", total=steps)
+    task = progress.add_task("loading the HF reference", total=len(b.batch_sizes) * b.repeats)
     ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.dtype,
                                                             attn_implementation="eager").to(model.device).eval()
+    models = {}
+    for fmt in formats:  # all in memory at once, so they can take turns
+        progress.update(task, description=f"loading ours with {fmt or cfg.model.dtype} weights")
+        models[fmt] = model if fmt == cfg.model.get("weights") else load_model(cfg, checkpoint, weights=fmt)[1]
     rows, memory = [], {}
-    for fmt in formats:
-        if fmt != cfg.model.get("weights"):
-            progress.update(task, description=f"loading ours with {fmt} weights")
-            model = load_model(cfg, checkpoint, weights=fmt)[1]
-        weights = weight_read_bytes(model)["weights"]
-        for batch in b.batch_sizes:
-            ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens),
-                                generator=torch.Generator().manual_seed(batch))
-
-            def ours(n: int, compile: bool, model=model, ids=ids):
-                return hc.generate(model, ids, max_new_tokens=n, cache_config=cache_config, compile=compile)
+    for batch in b.batch_sizes:
+        ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch))
+        systems, extra = {}, {}
+        for fmt, m in models.items():
+            def ours(n: int, compile: bool, m=m):
+                return hc.generate(m, ids, max_new_tokens=n, cache_config=cache_config, compile=compile)
 
             # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
             first, last = ours(1, False).cache, ours(b.new_tokens, False).cache
-            cache_bytes = (first.nbytes() + last.nbytes()) // 2
             memory.setdefault(batch, last.memory_report())
             for compiled in (False, True) if b.compile else (False,):
                 label = variant_label(fmt, compiled)
                 if compiled:
                     progress.update(task, description=f"batch {batch}: compiling our decode step ({label})")
-                    ours(2, True)  # compile outside the timed region (reported in the summary)
-                progress.update(task, description=f"batch {batch}: {label}")
-                rows.append({**rates(label, batch, b.prompt_tokens, b.new_tokens,
-                                     lambda n, c=compiled: ours(n, c), b),
-                             "weights_bytes": weights, "cache_bytes_read": cache_bytes, "weights_format": fmt})
-                progress.advance(task)
-    for batch in b.batch_sizes:
-        ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch))
-        progress.update(task, description=f"batch {batch}: HF transformers ({str(ref.dtype).removeprefix('torch.')})")
-        with torch.no_grad():
-            row = rates("hf", batch, b.prompt_tokens, b.new_tokens, lambda n: ref.generate(
-                ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0), b)
-        same = next(r for r in rows if r["batch"] == batch and r["weights_format"] is None) if None in formats else None
+                    ours(2, True)  # compile outside the timed region
+                systems[label] = lambda n, c=compiled, run=ours: run(n, c)
+                extra[label] = {"weights_bytes": weight_read_bytes(m)["weights"], "weights_format": fmt,
+                                "cache_bytes_read": (first.nbytes() + last.nbytes()) // 2}
+
+        def hf(n: int, ids=ids):
+            with torch.no_grad():
+                return ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+        systems["hf"] = hf
+        same = next((e for e in extra.values() if e["weights_format"] is None), None)
         # HF reads the unpacked weights and (about) the cache our unpacked model holds
-        rows.append({**row, "weights_bytes": weight_read_bytes(ref)["weights"],
-                     "cache_bytes_read": same["cache_bytes_read"] if same else None})
-        progress.advance(task, 2)
-    ref = None  # free the HF copy before a vLLM engine starts
+        extra["hf"] = {"weights_bytes": weight_read_bytes(ref)["weights"], "weights_format": None,
+                       "cache_bytes_read": same["cache_bytes_read"] if same else None}
+        measured = rates(systems, batch, b.prompt_tokens, b.new_tokens, b, progress, task)
+        rows += [{**measured[label], **extra[label]} for label in systems]
+    ref = models = None  # free the HF copy and the variants before a vLLM engine starts
     if runner is not None:
         progress.update(task, description="vLLM (its own engine; start reported apart)")
         rows += vllm_rates(runner, b, model.vocab_size)

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("kernels") / "cpu_decode.c"
 MAX_ROWS = 16  # more rows than this: a real GEMM, where the BLAS is better
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm"]
-MAX_NORM_ROWS = 256  # the norm kernel is one thread: bigger blocks (prefill) keep torch's threaded ops
+MAX_NORM_ROWS = 1 << 20  # rows per norm call (a prefill block of 1M tokens); split over threads when big
 _WEIGHT_FN = {torch.float32: "hc_linear_f32", torch.bfloat16: "hc_linear_bf16", torch.int8: "hc_linear_i8"}
 
 _lock = threading.Lock()

@@ -69,6 +69,8 @@ def no_model_load(monkeypatch):
     (["cache.attention.window=-3"], "cache.attention.window must be a positive integer, got -3"),  # even unused
     (["cache.recurrent.state_dtype=int32"], "cache.recurrent.state_dtype=int32 is not a floating-point dtype"),
     (["+cache.layers.2.chunk_size=0"], "cache.layers.2.chunk_size must be a positive integer, got 0"),
+    (["model.weights=int4"], "model.weights=int4 is not one of null, bfloat16, int8"),
+    (["model.weights=int8", "model.dtype=float64"], "model.weights=int8 packs the projections of a float32 model"),
 ])
 def test_user_errors_are_one_line_before_the_model_loads(app, monkeypatch, args, message):
     no_model_load(monkeypatch)
@@ -335,3 +337,10 @@ def test_plan_bytes_in_results_are_for_what_the_longest_prompt_held(app, monkeyp
     s = results["summary"]
     assert code == 0 and s["cache_bytes/tokens"] == max(r["prompt_tokens"] for r in results["prompts"]) + 2 - 1
     assert s["cache_bytes/held"] == s["cache_bytes/plan"] == sum(r["bytes"] for r in results["plan"])
+
+
+def test_packed_weights_run_with_the_oracle_and_say_so(app):
+    """model.weights=int8: another model (it diverges from HF's float32), but cached == recompute still holds."""
+    code, results, out, _ = app("model=gemma3", "model.weights=int8", "reference=hf", *SHORT[:2])
+    assert code == 0 and results["summary"]["oracle_pass"]
+    assert results["config"]["model"]["weights"] == "int8"

@@ -197,7 +197,8 @@ KERNEL(hc_linear_i8, int8_t, vload_i8, sload_i8, PF_ROWS)
 
 /* y[r, :] = x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps)) * w  (w: the norm's effective scale, e.g. 1 + weight). */
 void hc_rms_norm(const float *x, const float *w, float *y, int rows, int D, float eps) {
-  for (int r = 0; r < rows; r++) {
+  int wide = (size_t)rows * D >= PARALLEL_BYTES / 4;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * D;
     float *yr = y + (size_t)r * D;
     vf acc = vzero();
