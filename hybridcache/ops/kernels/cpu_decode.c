@@ -232,35 +232,96 @@ static inline int visible(long qp, long kp, int pattern, long param) {
   return 1;
 }
 
+/* Per-thread scratch, grown as needed and kept (a decode step calls this once per layer: no malloc each time). */
+static __thread float *scratch_f = NULL;
+static __thread size_t scratch_n = 0;
+static float *scratch(size_t n) {
+  if (n > scratch_n) {
+    free(scratch_f);
+    scratch_f = (float *)malloc(sizeof(float) * n);
+    scratch_n = scratch_f ? n : 0;
+  }
+  return scratch_f;
+}
+
 /* Attention of the G query heads q [G, D] sharing one kv head over slots [s0, s1): unnormalized output acc [G, D],
-   per head the max score mx [G] and the sum of exp(score - mx) total [G] (mx = -inf: nothing visible). */
+   per head the max score mx [G] and the sum of exp(score - mx) total [G] (mx = -inf: nothing visible). The visible
+   slots are listed first, so the exponentials run vectorized over them and hidden slots are never read. */
 static void attend_range(const float *qh, const float *kb, const float *vb, long kss, long vss, int s0, int s1, int D,
                          int G, const uint8_t *mrow, const int64_t *kprow, long qp, int pattern, long param,
-                         float scale, float softcap, float *scores, int S, float *acc, float *mx, float *total) {
+                         float scale, float softcap, float *acc, float *mx, float *total) {
+  int n = s1 > s0 ? s1 - s0 : 0;
+  float *buf = scratch((size_t)n * (G + 1) + 1);
+  int *idx = (int *)buf; /* [n] visible slots, then scores [G, n] */
+  float *sc = buf + n;
+  int nv = 0;
+  for (int s = s0; s < s1; s++)
+    if (mrow ? mrow[s] : (qp >= 0 && visible(qp, kprow[s], pattern, param))) idx[nv++] = s;
   for (int g = 0; g < G; g++) {
     mx[g] = -INFINITY, total[g] = 0.0f;
     for (int d = 0; d < D; d++) acc[(size_t)g * D + d] = 0.0f;
   }
-  for (int s = s0; s < s1; s++) {
-    if (mrow ? !mrow[s] : !(qp >= 0 && visible(qp, kprow[s], pattern, param))) continue;
-    const float *ks = kb + s * kss;
-    for (int g = 0; g < G; g++) {
-      float sc = dot_f32(qh + (size_t)g * D, ks, D) * scale;
-      if (softcap > 0) sc = softcap * tanhf(sc / softcap);
-      scores[(size_t)g * S + s] = sc;
-      if (sc > mx[g]) mx[g] = sc;
+  if (nv == 0) return;
+  for (int i = 0; i < nv; i++) { /* each key read once for up to 8 heads at a time */
+    const float *ks = kb + idx[i] * kss;
+    for (int g0 = 0; g0 < G; g0 += 8) {
+      int gn = G - g0 < 8 ? G - g0 : 8;
+      float dots[8];
+#if VW > 1
+      vf a[8];
+      for (int g = 0; g < gn; g++) a[g] = vzero();
+      int d = 0;
+      for (; d + VW <= D; d += VW) {
+        vf kv = vload_f32(ks + d);
+        for (int g = 0; g < gn; g++) a[g] = vfma(vload_f32(qh + (size_t)(g0 + g) * D + d), kv, a[g]);
+      }
+      for (int g = 0; g < gn; g++) {
+        dots[g] = vsum(a[g]);
+        for (int dd = d; dd < D; dd++) dots[g] += qh[(size_t)(g0 + g) * D + dd] * ks[dd];
+      }
+#else
+      for (int g = 0; g < gn; g++) dots[g] = dot_f32(qh + (size_t)(g0 + g) * D, ks, D);
+#endif
+      for (int g = 0; g < gn; g++) {
+        float x = dots[g] * scale;
+        if (softcap > 0) x = softcap * tanhf(x / softcap);
+        sc[(size_t)(g0 + g) * n + i] = x;
+        if (x > mx[g0 + g]) mx[g0 + g] = x;
+      }
     }
   }
-  if (mx[0] == -INFINITY) return; /* nothing visible (the same slots for every head) */
-  for (int s = s0; s < s1; s++) {
-    if (mrow ? !mrow[s] : !(qp >= 0 && visible(qp, kprow[s], pattern, param))) continue;
-    const float *vs = vb + s * vss;
-    for (int g = 0; g < G; g++) {
-      float p = expf(scores[(size_t)g * S + s] - mx[g]);
-      total[g] += p;
-      float *o = acc + (size_t)g * D;
-      for (int d = 0; d < D; d++) o[d] += p * vs[d];
+  for (int g = 0; g < G; g++) {
+    float *row = sc + (size_t)g * n, t = 0.0f;
+    int i = 0;
+#if VW > 1
+    vf m = vset1(mx[g]), tv = vzero();
+    for (; i + VW <= nv; i += VW) {
+      vf p = vexp(vload_f32(row + i) - m);
+      vstore(row + i, p);
+      tv = tv + p;
     }
+    t = vsum(tv);
+#endif
+    for (; i < nv; i++) {
+      row[i] = expf(row[i] - mx[g]);
+      t += row[i];
+    }
+    total[g] = t;
+  }
+  for (int i = 0; i < nv; i++) { /* each value read once for every head */
+    const float *vs = vb + idx[i] * vss;
+    int d = 0;
+#if VW > 1
+    for (; d + VW <= D; d += VW) {
+      vf vv = vload_f32(vs + d);
+      for (int g = 0; g < G; g++) {
+        float *o = acc + (size_t)g * D + d;
+        vstore(o, vfma(vset1(sc[(size_t)g * n + i]), vv, vload_f32(o)));
+      }
+    }
+#endif
+    for (; d < D; d++)
+      for (int g = 0; g < G; g++) acc[(size_t)g * D + d] += sc[(size_t)g * n + i] * vs[d];
   }
 }
 
@@ -278,35 +339,37 @@ void hc_decode_attention(const float *q, const float *k, const float *v, const u
                          float softcap) {
   int G = Hq / Hkv, pairs = B * Hkv;
   int threads = omp_get_max_threads();
-  int wide = (size_t)S * D * G >= PARALLEL_BYTES / 4;
-  int split = wide && pairs < threads && S >= 2 * threads ? threads : 1; /* slot ranges per (row, kv head) */
-  float *scores = (float *)malloc(sizeof(float) * (size_t)(S > 0 ? S : 1) * G * (split > 1 ? 1 : threads));
-  float *acc = (float *)malloc(sizeof(float) * (size_t)split * G * D * (split > 1 ? 1 : threads));
-  float *stats = (float *)malloc(sizeof(float) * (size_t)2 * split * G * (split > 1 ? 1 : threads));
+  /* threads pay off for long caches only: below this many scores one thread is faster than waking another */
+  int wide = (size_t)S * G >= 1024;
+  int split = wide && pairs < threads ? threads : 1; /* slot ranges per (row, kv head) */
+  float *part = (float *)malloc(sizeof(float) * (size_t)(split > 1 ? split : 1) * G * (D + 2));
   for (int bk0 = 0; bk0 < pairs; bk0 += (split > 1 ? 1 : pairs)) {
     int bk1 = split > 1 ? bk0 + 1 : pairs;
     _Pragma("omp parallel num_threads(split > 1 ? split : threads) if(wide)") {
       int t = omp_get_thread_num();
       if (split > 1) { /* this thread: one range of slots of (row, kv head) bk0 */
         int b = bk0 / Hkv, kvh = bk0 % Hkv, chunk = (S + split - 1) / split;
-        int s0 = t * chunk, s1 = s0 + chunk < S ? s0 + chunk : S;
+        int s0 = t * chunk < S ? t * chunk : S, s1 = s0 + chunk < S ? s0 + chunk : S;
+        float *p = part + (size_t)t * G * (D + 2);
         attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh, v + b * vsb + kvh * vsh,
-                     kss, vss, s0 < S ? s0 : S, s1, D, G, mask ? mask + (size_t)b * S : NULL,
-                     kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale, softcap,
-                     scores, S, acc + (size_t)t * G * D, stats + (size_t)t * 2 * G, stats + (size_t)t * 2 * G + G);
+                     kss, vss, s0, s1, D, G, mask ? mask + (size_t)b * S : NULL, kpos ? kpos + (size_t)b * S : NULL,
+                     qpos ? qpos[b] : 0, pattern, param, scale, softcap, p, p + (size_t)G * D,
+                     p + (size_t)G * D + G);
       } else {
+        float *a = (float *)malloc(sizeof(float) * (size_t)G * (D + 2));
         _Pragma("omp for schedule(static)") for (int bk = bk0; bk < bk1; bk++) {
           int b = bk / Hkv, kvh = bk % Hkv;
-          float *a = acc + (size_t)t * G * D, *st = stats + (size_t)t * 2 * G;
+          float *st = a + (size_t)G * D;
           attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
                        v + b * vsb + kvh * vsh, kss, vss, 0, S, D, G, mask ? mask + (size_t)b * S : NULL,
-                       kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale, softcap,
-                       scores + (size_t)t * S * G, S, a, st, st + G);
+                       kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale, softcap, a,
+                       st, st + G);
           float *o = out + ((size_t)b * Hq + (size_t)kvh * G) * D;
           for (int g = 0; g < G; g++)
             for (int d = 0; d < D; d++)
               o[(size_t)g * D + d] = st[g] == -INFINITY ? 0.0f : a[(size_t)g * D + d] / st[G + g];
         }
+        free(a);
       }
     }
     if (split > 1) { /* combine the ranges: rescale each to the common max */
@@ -314,22 +377,25 @@ void hc_decode_attention(const float *q, const float *k, const float *v, const u
       float *o = out + ((size_t)b * Hq + (size_t)kvh * G) * D;
       for (int g = 0; g < G; g++) {
         float m = -INFINITY, l = 0.0f;
-        for (int t = 0; t < split; t++) m = stats[(size_t)t * 2 * G + g] > m ? stats[(size_t)t * 2 * G + g] : m;
+        for (int t = 0; t < split; t++) {
+          float mt = part[(size_t)t * G * (D + 2) + (size_t)G * D + g];
+          m = mt > m ? mt : m;
+        }
         for (int d = 0; d < D; d++) o[(size_t)g * D + d] = 0.0f;
         if (m == -INFINITY) continue;
         for (int t = 0; t < split; t++) {
-          float mt = stats[(size_t)t * 2 * G + g];
+          const float *p = part + (size_t)t * G * (D + 2);
+          float mt = p[(size_t)G * D + g];
           if (mt == -INFINITY) continue;
           float w = expf(mt - m);
-          l += w * stats[(size_t)t * 2 * G + G + g];
-          const float *a = acc + ((size_t)t * G + g) * D;
-          for (int d = 0; d < D; d++) o[(size_t)g * D + d] += w * a[d];
+          l += w * p[(size_t)G * D + G + g];
+          for (int d = 0; d < D; d++) o[(size_t)g * D + d] += w * p[(size_t)g * D + d];
         }
         for (int d = 0; d < D; d++) o[(size_t)g * D + d] /= l;
       }
     }
   }
-  free(scores), free(acc), free(stats);
+  free(part);
 }
 
 /* Rotary embedding of x [B, H, T, D] (strides sb, sh, st in elements; contiguous last dim) into out [B, H, T, D]
