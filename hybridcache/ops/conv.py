@@ -79,14 +79,23 @@ def causal_conv1d(
     if x.shape[-1] == 0:
         return x.new_zeros(x.shape), new_state
     xs = torch.cat([prefix, x], dim=-1)  # [B, C, K-1+T]
-    # The same window-times-weight reduction as the decode step (so any split rounds alike); CPU depthwise conv1d
-    # is 10-100x slower than this at these sizes (0.6 s for a tiny float64 block).
-    y = torch.einsum("bctk,ck->bct", xs.unfold(-1, k, 1), w)  # [B, C, T]
+    # The same window-times-weight sum as the decode step, in the same order (so any split rounds alike): K shifted
+    # multiply-adds. 10-30x faster than an einsum over unfolded windows, which copies them; CPU depthwise conv1d
+    # has no float64 kernel (0.6 s for a tiny float64 block).
+    y = _window_sum(xs, w, x.shape[-1])  # [B, C, T]
     if b is not None:
         y = y + b[:, None]
     if activation is not None:
         y = F.silu(y)
     return y, new_state
+
+
+def _window_sum(xs: torch.Tensor, w: torch.Tensor, t: int) -> torch.Tensor:
+    """y[..., c, i] = sum_j xs[..., c, i + j] * w[c, j] for i < t, summed in order j = 0, 1, ... (xs [B, C, K-1+t])."""
+    y = xs[..., 0:t] * w[:, 0, None]
+    for j in range(1, w.shape[-1]):
+        y = torch.addcmul(y, xs[..., j : j + t], w[:, j, None])
+    return y
 
 
 def causal_conv1d_step(
@@ -114,7 +123,7 @@ def causal_conv1d_step(
         return y, buf[..., 1:].contiguous()
 
     window = torch.cat([prefix, x.unsqueeze(-1)], dim=-1)  # [B, C, K]
-    y = torch.einsum("bck,ck->bc", window, w)
+    y = _window_sum(window, w, 1)[..., 0]
     if b is not None:
         y = y + b
     if activation is not None:
