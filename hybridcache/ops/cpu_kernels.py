@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from hybridcache.ops._dispatch import kernels_disabled
 from hybridcache.paths import home_dir
@@ -267,14 +268,17 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None,
             or any(x is not None and (x.shape != (dm,) or x.dtype != torch.float32) for x in (d, bias))
             or (state is not None and (state.shape != (bsz, dm, n) or state.dtype != torch.float32))):
         return None
-    a, d, bias = a.contiguous(), None if d is None else d.contiguous(), None if bias is None else bias.contiguous()
+    a, d = a.contiguous(), None if d is None else d.contiguous()
     state = None if state is None else state.contiguous()
+    # dt and the gate by torch's vectorized ops (per channel, the kernel would call log1p/exp one at a time)
+    delta = delta + bias if bias is not None else delta
+    delta = F.softplus(delta) if softplus else delta.contiguous()
+    z = None if z is None else F.silu(z)
     y = torch.empty(bsz, t, dm, dtype=torch.float32)
     out = torch.empty(bsz, dm, n, dtype=torch.float32)
     args = []
     for x in (u, delta, z, b, c):
         args += [None, 0, 0] if x is None else [x.data_ptr(), x.stride(0), x.stride(1)]
-    lib.hc_selective_scan(*args, a.data_ptr(), None if d is None else d.data_ptr(),
-                          None if bias is None else bias.data_ptr(), int(softplus),
+    lib.hc_selective_scan(*args, a.data_ptr(), None if d is None else d.data_ptr(), None, 0,
                           None if state is None else state.data_ptr(), y.data_ptr(), out.data_ptr(), bsz, t, dm, n)
     return y, out

@@ -339,9 +339,9 @@ void hc_decode_attention(const float *q, const float *k, const float *v, const u
                          float softcap) {
   int G = Hq / Hkv, pairs = B * Hkv;
   int threads = omp_get_max_threads();
-  /* threads pay off for long caches only: below this many scores one thread is faster than waking another */
-  int wide = (size_t)S * G >= 1024;
-  int split = wide && pairs < threads ? threads : 1; /* slot ranges per (row, kv head) */
+  /* threads pay off above ~64k multiply-adds (scores and weighted sums); below that, waking one costs more */
+  int wide = (size_t)pairs * S * G * D >= (1 << 16);
+  int split = wide && pairs < threads && (size_t)S * G * D >= (1 << 16) ? threads : 1; /* slot ranges */
   float *part = (float *)malloc(sizeof(float) * (size_t)(split > 1 ? split : 1) * G * (D + 2));
   for (int bk0 = 0; bk0 < pairs; bk0 += (split > 1 ? 1 : pairs)) {
     int bk1 = split > 1 ? bk0 + 1 : pairs;
@@ -430,7 +430,8 @@ void hc_rope(const float *x, long sb, long sh, long st, const float *cos_t, cons
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* Mamba1 selective scan over T >= 1 tokens, state in and out (float32):
-     dt = softplus(delta + bias) (or delta + bias), h = exp(dt A) h + dt u B_t, y = <h, C_t> + D u, y *= silu(z).
+     dt = softplus(delta + bias) (or delta + bias), h = exp(dt A) h + dt u B_t, y = <h, C_t> + D u, y *= z
+   (z: the gate silu(z), computed by the caller; the caller may also pass dt itself with bias NULL, softplus 0).
    u, delta, z: [B, T, Dm] (element strides ub/ut, db/dt_, zb/zt; contiguous over Dm); Bm, Cm: [B, T, N] (strides bb/bt,
    cb/ct; contiguous over N); A [Dm, N], D, bias [Dm] (D, bias, z may be NULL); state [B, Dm, N] (NULL: zeros);
    y out [B, T, Dm], state_out [B, Dm, N]. Work is split over (row, channel). */
@@ -466,10 +467,7 @@ void hc_selective_scan(const float *u, long ub, long ut, const float *delta, lon
         acc_s += h[n] * Ct[n];
       }
       float out = acc_s + (D ? D[d] * ud : 0.0f);
-      if (z) {
-        float zz = z[b * zb + t * zt + d];
-        out *= zz / (1.0f + expf(-zz));
-      }
+      if (z) out *= z[b * zb + t * zt + d]; /* the gate, silu(z), computed by the caller (vectorized) */
       y[((size_t)b * T + t) * Dm + d] = out;
     }
     for (int n = 0; n < N; n++) state_out[(size_t)bd * N + n] = h[n];
