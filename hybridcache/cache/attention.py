@@ -282,7 +282,12 @@ class AttentionCacheLayer(CacheLayer):
                 parts = {p: torch.cat([old[p], enc[p]], dim=2) for p in old}
             self._set_side(side, parts)
         self.key_pos = pos
-        if self.evicts and self._append is not None and type(self.spec) in _BUILT_IN and type(self)._evict is \
+        if (self.evicts and type(self.spec) is SlidingSpec and type(self)._evict is AttentionCacheLayer._evict
+                and pos.shape[1] <= block.most_seen_after < self.spec.window):
+            # the row that saw the most holds a real token in every one of the S held columns (its last S), all
+            # still inside its window: nothing can be evicted yet (no per-step eviction ops before the window fills)
+            pass
+        elif self.evicts and self._append is not None and type(self.spec) in _BUILT_IN and type(self)._evict is \
                 AttentionCacheLayer._evict:
             # built-in patterns keep a suffix of the slots (positions grow along the slots in every row, and what a
             # query sees of them is a suffix): count it, drop the rest as a view

@@ -87,6 +87,14 @@ class BlockState:
         return self.valid.shape[1]
 
     @property
+    def most_seen_after(self) -> int:
+        """max(seen_after), once per block (what eviction checks use to skip work that cannot evict anything)."""
+        value = self.memo.get("most_seen_after")
+        if value is None:
+            value = self.memo["most_seen_after"] = int(self.seen_after.max()) if self.seen_after.numel() else 0
+        return value
+
+    @property
     def rope_positions(self) -> torch.Tensor:
         """Positions for rotary embeddings ([B, T]; padding gets 0, it is never attended to)."""
         if self.all_real:  # no padding: nothing to clamp
