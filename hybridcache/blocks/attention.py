@@ -12,7 +12,8 @@ from hybridcache.blocks.linear_group import LinearGroup
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.ops import masked_attention
-from hybridcache.ops.cpu_kernels import decode_attention
+from hybridcache.blocks.norms import RMSNorm
+from hybridcache.ops.cpu_kernels import decode_attention, norm_rope
 
 
 class AttentionMixer(nn.Module):
@@ -59,6 +60,26 @@ class AttentionMixer(nn.Module):
     def projection_groups(self) -> list[LinearGroup]:
         return [self.qkv]
 
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
+        """The plain RMSNorm q/k norms and plain rotary of this mixer by the norm-rope kernel; None when either is
+        another kind (Llama4's L2 norm after its rotary, say), or when the kernel does not take these tensors."""
+        plain_norms = self.q_norm is None or (type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm)
+        plain_rotary = self.rotary is None or type(self.rotary) is RotaryEmbedding
+        if (not plain_norms or not plain_rotary or (self.q_norm is None and self.rotary is None)
+                or q.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()):
+            return None
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = self.rotary.tables(step, q.dtype)
+        out = []
+        for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+            y = norm_rope(x, None if norm is None else norm.kernel_scale(), norm.eps if norm is not None else 0.0,
+                          cos, sin, self.rotary is not None and self.rotary.interleaved)
+            if y is None:
+                return None
+            out.append(y)
+        return tuple(out)
+
     def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput,
                 extra: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
         b, t, _ = h.shape
@@ -74,10 +95,14 @@ class AttentionMixer(nn.Module):
             q = qp.view(b, t, self.num_heads, d).transpose(1, 2)  # [B, Hq, T, D]
         k = kp.view(b, t, self.num_kv_heads, d).transpose(1, 2)  # [B, Hkv, T, D]
         v = vp.view(b, t, self.num_kv_heads, d).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, step)  # cos/sin computed once per block and frequency table
+        fused = self._norm_rope(q, k, step)  # float32 on CPU: q/k norms and rotary in one kernel call each
+        if fused is not None:
+            q, k = fused
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rotary is not None:
+                q, k = self.rotary(q, k, step)  # cos/sin computed once per block and frequency table
         if self.query_hook is not None:
             q = self.query_hook(q, step)
         dtype = layer.spec.dtype

@@ -33,10 +33,14 @@ class RMSNorm(nn.Module):
                 cached = self._scale = (key, 1.0 + w.detach().to(dtype))
         return cached[1]
 
+    def kernel_scale(self) -> torch.Tensor:
+        """The float32 vector a kernel multiplies the normalised x by (1 + weight for Gemma-style norms)."""
+        return self.scale(torch.float32) if self.unit_offset else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # float32 on CPU: one kernel call (every variant below is x * rsqrt(mean(x^2) + eps) * w in float32)
-            out = rms_norm(x, self.scale(torch.float32) if self.unit_offset else self.weight, self.eps)
+            out = rms_norm(x, self.kernel_scale(), self.eps)
             if out is not None:
                 return out
         x32 = x.float() if x.dtype in _LOW else x  # at least float32

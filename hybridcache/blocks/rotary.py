@@ -64,15 +64,19 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, R] for positions [B, T], or for a block (a `StepInput`): computed once per block and
+        frequency table, and reused by every layer that shares this module."""
         if isinstance(positions, torch.Tensor):
-            cos, sin = self.cos_sin(positions, q.dtype)
-        else:  # the block: one cos/sin per block, shared by the layers that use this table
-            key = (id(self), q.dtype)
-            cs = positions.memo.get(key)
-            if cs is None:
-                cs = positions.memo[key] = self.cos_sin(positions.rope_positions, q.dtype)
-            cos, sin = cs
+            return self.cos_sin(positions, dtype)
+        key = (id(self), dtype)
+        cs = positions.memo.get(key)
+        if cs is None:
+            cs = positions.memo[key] = self.cos_sin(positions.rope_positions, dtype)
+        return cs
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(positions, q.dtype)
         r = self.rotary_dim
         if not torch.compiler.is_compiling():  # float32 on CPU: one kernel call per tensor, any layout
             rq, rk = rope(q, cos, sin, self.interleaved), rope(k, cos, sin, self.interleaved)

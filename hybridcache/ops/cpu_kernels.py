@@ -93,6 +93,7 @@ def _load() -> ctypes.CDLL | None:
         "hc_rms_norm": [pointer] * 3 + [integer] * 2 + [real],
         "hc_decode_attention": [pointer] * 6 + [integer, long, pointer] + [integer] * 5 + [long] * 6 + [real] * 2,
         "hc_rope": [pointer] + [long] * 3 + [pointer] * 3 + [integer] * 6,
+        "hc_norm_rope": [pointer] + [long] * 3 + [pointer, real] + [pointer] * 3 + [integer] * 6,
         "hc_selective_scan": ([pointer, long, long] * 5 + [pointer] * 3 + [integer] + [pointer] * 3
                               + [integer] * 4),
     }
@@ -282,3 +283,28 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None,
     lib.hc_selective_scan(*args, a.data_ptr(), None if d is None else d.data_ptr(), None, 0,
                           None if state is None else state.data_ptr(), y.data_ptr(), out.data_ptr(), bsz, t, dm, n)
     return y, out
+
+
+def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
+              sin: torch.Tensor | None, interleaved: bool) -> torch.Tensor | None:
+    """RMSNorm over the last dim with `scale` [D] (None: no norm), then rotary by cos / sin [B, 1, T, R] (None: no
+    rotary) of x [B, H, T, D] (any strides but a contiguous last dim) -> a contiguous [B, H, T, D]: a layer's q or k in
+    one call. None when the kernel does not take these."""
+    if not _eager(x) or x.dim() != 4 or not _dense_last(x):
+        return None
+    lib = _library()
+    b, h, t, d = x.shape
+    r = 0 if cos is None else cos.shape[-1]
+    if lib is None or (scale is not None and (scale.dtype != torch.float32 or scale.shape != (d,)
+                                              or not scale.is_contiguous())):
+        return None
+    if cos is not None and (cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != b * t * r
+                            or sin.numel() != b * t * r or r > d or r % 2 or not cos.is_contiguous()
+                            or not sin.is_contiguous()):
+        return None
+    out = torch.empty(b, h, t, d, dtype=torch.float32)
+    sb, sh, st, _ = x.stride()
+    lib.hc_norm_rope(x.data_ptr(), sb, sh, st, None if scale is None else scale.data_ptr(), eps,
+                     None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), out.data_ptr(),
+                     b, h, t, d, r, int(interleaved))
+    return out

@@ -192,11 +192,10 @@ def test_rope_kernel_matches_the_torch_path(interleaved, rot):
     cos, sin = rotary.cos_sin(positions, torch.float32)
     with torch.no_grad():
         got = dl.rope(q, cos, sin, interleaved), dl.rope(k, cos, sin, interleaved)
-        torch.set_grad_enabled(True)  # the torch path (the kernel declines under autograd)
-        want = rotary(q, k, positions)
-        torch.set_grad_enabled(False)
+        with torch.enable_grad():  # the torch path (the kernel declines under autograd)
+            want = rotary(q, k, positions)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("visible", ["all", "second half", "a few", "none"])
@@ -239,3 +238,26 @@ def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, soft
                                     None if state is None else state.double())
     torch.testing.assert_close(out[0].double(), y.transpose(1, 2), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out[1].double(), last, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm, rot, interleaved", [(True, 8, False), (True, 4, True), (False, 8, False), (True, 0, False)])
+def test_norm_rope_kernel_matches_the_modules(norm, rot, interleaved):
+    from hybridcache.blocks.norms import RMSNorm
+    from hybridcache.blocks.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 3, 5, 8, generator=g)  # [B, T, H, D]: q as a strided view, as the mixer has it
+    x = qkv.transpose(1, 2)  # [B, H, T, D]
+    rms = RMSNorm(8, 1e-6, unit_offset=True)
+    with torch.no_grad():
+        rms.weight.copy_(torch.randn(8, generator=g) * 0.1)
+    rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot)), interleaved=interleaved) if rot else None
+    positions = torch.tensor([[0, 4, 9], [2, 3, 30]])
+    cos, sin = rotary.cos_sin(positions, torch.float32) if rotary else (None, None)
+    with torch.no_grad():
+        got = dl.norm_rope(x, rms.kernel_scale() if norm else None, rms.eps, cos, sin, interleaved)
+    with torch.enable_grad():  # the modules' torch paths (kernels decline under autograd)
+        want = rms(x) if norm else x
+        if rotary:
+            want = rotary(want, want, positions)[0]
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -473,3 +473,48 @@ void hc_selective_scan(const float *u, long ub, long ut, const float *delta, lon
     for (int n = 0; n < N; n++) state_out[(size_t)bd * N + n] = h[n];
   }
 }
+
+/* RMSNorm (optional) then rotary embedding (optional) of x [B, H, T, D] (strides sb, sh, st in elements, contiguous
+   last dim) into out [B, H, T, D] (contiguous): per row y = x * (1 / sqrt(mean(x^2) + eps)) * scale (scale NULL: no
+   norm), then the first `rot` features rotated by cos / sin [B, T, rot] (rot 0: none) as in hc_rope. One call for
+   what a layer's q or k needs before attention. */
+void hc_norm_rope(const float *x, long sb, long sh, long st, const float *scale, float eps, const float *cos_t,
+                  const float *sin_t, float *out, int B, int H, int T, int D, int rot, int interleaved) {
+  int h2 = rot / 2;
+  int wide = (size_t)B * H * T * D >= PARALLEL_BYTES / 4;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (long r = 0; r < (long)B * H * T; r++) {
+    long b = r / ((long)H * T), h = (r / T) % H, t = r % T;
+    const float *xr = x + b * sb + h * sh + t * st;
+    float *o = out + (size_t)r * D;
+    if (scale) {
+      vf acc = vzero();
+      int k = 0;
+      for (; k + VW <= D; k += VW) {
+        vf v = vload_f32(xr + k);
+        acc = vfma(v, v, acc);
+      }
+      float ss = vsum(acc);
+      for (; k < D; k++) ss += xr[k] * xr[k];
+      float inv = 1.0f / sqrtf(ss / (float)D + eps);
+      for (k = 0; k < D; k++) o[k] = (xr[k] * inv) * scale[k];
+    } else {
+      for (int k = 0; k < D; k++) o[k] = xr[k];
+    }
+    if (rot) {
+      const float *c = cos_t + ((size_t)b * T + t) * rot, *sn = sin_t + ((size_t)b * T + t) * rot;
+      if (interleaved) {
+        for (int i = 0; i < h2; i++) {
+          float a = o[2 * i], bb = o[2 * i + 1];
+          o[2 * i] = a * c[2 * i] - bb * sn[2 * i];
+          o[2 * i + 1] = bb * c[2 * i + 1] + a * sn[2 * i + 1];
+        }
+      } else {
+        for (int i = 0; i < h2; i++) {
+          float a = o[i], bb = o[i + h2];
+          o[i] = a * c[i] - bb * sn[i];
+          o[i + h2] = bb * c[i + h2] + a * sn[i + h2];
+        }
+      }
+    }
+  }
+}
