@@ -3,7 +3,7 @@
 from hybridcache.blocks.attention import AttentionMixer
 from hybridcache.blocks.common import StepInput
 from hybridcache.blocks.mlp import ACTIVATIONS, GatedMLP
-from hybridcache.blocks.norms import RMSNorm
+from hybridcache.blocks.norms import RMSNorm, residual_norm
 from hybridcache.blocks.rotary import RotaryEmbedding
 
-__all__ = ["ACTIVATIONS", "AttentionMixer", "GatedMLP", "RMSNorm", "RotaryEmbedding", "StepInput"]
+__all__ = ["ACTIVATIONS", "AttentionMixer", "GatedMLP", "RMSNorm", "RotaryEmbedding", "StepInput", "residual_norm"]

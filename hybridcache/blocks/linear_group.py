@@ -71,10 +71,17 @@ class LinearGroup:
         """Whether the projections run as one matmul (their parameters are still blocks of the fused tensor)."""
         return self._fused is not None and self._fused[3] == self._pointers()
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def joint(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The members' outputs side by side [..., sum(out)] by one matmul; None when not fused."""
         f = self._fused
         if f is not None and (torch.compiler.is_compiling() or f[3] == self._pointers()):
-            return linear(x, f[0], f[1], f[2]).split(self.sizes, dim=-1)
+            return linear(x, f[0], f[1], f[2])
+        return None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.joint(x)
+        if out is not None:
+            return out.split_with_sizes(self.sizes, dim=-1)
         return tuple(lin(x) for lin in self.linears)
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.blocks.linear_group import LinearGroup
+from hybridcache.ops.cpu_kernels import act_mul
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -33,12 +34,19 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
         self.gate_up = LinearGroup(self.gate_proj, self.up_proj)  # one matmul once fused (from_pretrained)
 
     def projection_groups(self) -> list[LinearGroup]:
         return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
+        gate_up = self.gate_up.joint(x)  # [..., 2I] once fused
+        if gate_up is None:
+            gate, up = self.gate_up(x)
+        else:
+            out = act_mul(gate_up, self.act_name)  # float32 on CPU: activation and product in one kernel call
+            if out is not None:
+                return self.down_proj(out)
+            gate, up = gate_up.split_with_sizes(self.gate_up.sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)

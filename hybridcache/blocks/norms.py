@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridcache.ops.cpu_kernels import residual_norm as _residual_norm_kernel
 from hybridcache.ops.cpu_kernels import rms_norm
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -51,3 +52,19 @@ class RMSNorm(nn.Module):
         if self.scale_in_float32:
             return (self.weight.to(normed.dtype) * normed).to(x.dtype)
         return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))  # Llama/Mamba: cast, then scale
+
+
+def residual_norm(h: torch.Tensor, x: torch.Tensor, post: nn.Module | None,
+                  nxt: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h + post(x), nxt(h + post(x))) with `post` / `nxt` None meaning none (h + x; no second output): where a
+    decoder layer's branch joins the residual stream and the next branch's pre-norm reads it. One kernel call for
+    float32 on CPU when both are plain RMSNorms (the same arithmetic as their own kernel path); the modules otherwise.
+    """
+    norms = (post, nxt)
+    if (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and all(n is None or type(n) is RMSNorm for n in norms)):
+        out = _residual_norm_kernel(h, x, *(None if n is None else (n.kernel_scale(), n.eps) for n in norms))
+        if out is not None:
+            return out
+    h = h + (x if post is None else post(x))
+    return h, None if nxt is None else nxt(h)

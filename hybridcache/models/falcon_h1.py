@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheGroup, NativeGroup, NativeLayer
@@ -149,8 +149,9 @@ class FalconH1DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, group: CacheGroup, step: StepInput) -> torch.Tensor:  # [B, T, D]
         x = self.input_layernorm(h)
-        h = h + (self.mamba(x, group["mamba"], step) + self.self_attn(x, group.attention, step))
-        return h + self.feed_forward(self.pre_ff_layernorm(h))
+        h, x = residual_norm(h, self.mamba(x, group["mamba"], step) + self.self_attn(x, group.attention, step), None,
+                             self.pre_ff_layernorm)
+        return h + self.feed_forward(x)
 
 
 class FalconH1Inner(nn.Module):

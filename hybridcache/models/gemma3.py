@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
@@ -79,8 +79,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), layer, step))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        a = self.self_attn(self.input_layernorm(h), layer, step)
+        h, x = residual_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return residual_norm(h, self.mlp(x), self.post_feedforward_layernorm, None)[0]
 
 
 class Gemma3Inner(nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.mlp import ACTIVATIONS, activation
 from hybridcache.blocks.rotary import rope_frequencies
@@ -187,8 +187,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         mixer = self.mamba if self.kind == "linear_attention" else self.self_attn
-        h = h + mixer(self.input_layernorm(h), layer, step)
-        x = self.post_attention_layernorm(h)
+        h, x = residual_norm(h, mixer(self.input_layernorm(h), layer, step), None, self.post_attention_layernorm)
         ff = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             ff = self.block_sparse_moe(x) + ff

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput, residual_norm
 from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
 from hybridcache.blocks.moe import SparseMoE
 from hybridcache.cache import CacheLayer, NativeLayer
@@ -118,8 +118,8 @@ class JambaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         mixer = self.self_attn if self.kind == "attention" else self.mamba
-        h = h + mixer(self.input_layernorm(h), layer, step)
-        return h + self.feed_forward(self.pre_ff_layernorm(h))
+        h, x = residual_norm(h, mixer(self.input_layernorm(h), layer, step), None, self.pre_ff_layernorm)
+        return h + self.feed_forward(x)
 
 
 class JambaInner(nn.Module):

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.blocks.trail import conv_trail
 from hybridcache.cache import CacheLayer, NativeLayer
@@ -125,8 +125,8 @@ class Lfm2DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         operator = self.conv if self.kind == "conv" else self.self_attn
-        h = h + operator(self.operator_norm(h), layer, step)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, x = residual_norm(h, operator(self.operator_norm(h), layer, step), None, self.ffn_norm)
+        return h + self.feed_forward(x)
 
 
 class Lfm2Inner(nn.Module):

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.llama4_moe import Llama4MoE
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
@@ -166,8 +166,8 @@ class Llama4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        h = h + self.self_attn(self.input_layernorm(h), layer, step)
-        return h + self.feed_forward(self.post_attention_layernorm(h))
+        h, x = residual_norm(h, self.self_attn(self.input_layernorm(h), layer, step), None, self.post_attention_layernorm)
+        return h + self.feed_forward(x)
 
 
 class Llama4Inner(nn.Module):

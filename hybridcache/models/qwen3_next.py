@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.blocks.shared_moe import SharedExpertMoE
@@ -125,8 +125,8 @@ class Qwen3NextDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
-        h = h + mixer(self.input_layernorm(h), layer, step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = residual_norm(h, mixer(self.input_layernorm(h), layer, step), None, self.post_attention_layernorm)
+        return h + self.mlp(x)
 
 
 class Qwen3NextInner(nn.Module):

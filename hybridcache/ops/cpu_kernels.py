@@ -91,6 +91,8 @@ def _load() -> ctypes.CDLL | None:
         "hc_linear_f32": [pointer] * 5 + [integer] * 3, "hc_linear_bf16": [pointer] * 5 + [integer] * 3,
         "hc_linear_i8": [pointer] * 5 + [integer] * 3,
         "hc_rms_norm": [pointer] * 3 + [integer] * 2 + [real],
+        "hc_residual_norm": [pointer] * 3 + [real, pointer, real] + [pointer] * 2 + [integer] * 2,
+        "hc_act_mul": [pointer] * 2 + [integer] * 3,
         "hc_decode_attention": [pointer] * 6 + [integer, long, pointer] + [integer] * 5 + [long] * 6 + [real] * 2,
         "hc_rope": [pointer] + [long] * 3 + [pointer] * 3 + [integer] * 6,
         "hc_norm_rope": [pointer] + [long] * 3 + [pointer, real] + [pointer] * 3 + [integer] * 6,
@@ -187,6 +189,50 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor |
         x = x.contiguous()
     out = torch.empty_like(x)
     lib.hc_rms_norm(x.data_ptr(), scale.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+    return out
+
+
+def residual_norm(h: torch.Tensor, x: torch.Tensor, post: tuple[torch.Tensor, float] | None,
+                  nxt: tuple[torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """h + rms_norm(x) * post scale (x itself when `post` is None), and the RMSNorm of that sum by `nxt` (None: not
+    computed): a residual add between two norms in one call. `post` / `nxt`: (effective scale [D], eps). None when
+    the kernel does not take these (h and x [..., D] float32 of one shape)."""
+    if not _eager(x) or h.dtype != torch.float32 or h.shape != x.shape:
+        return None
+    lib = _library()
+    d = x.shape[-1]
+    for norm in (post, nxt):
+        if norm is not None and (norm[0].dtype != torch.float32 or norm[0].shape != (d,)
+                                 or not norm[0].is_contiguous()):
+            return None
+    if lib is None or not 0 < x.numel() <= MAX_NORM_ROWS * d:
+        return None
+    h, x = h.contiguous(), x.contiguous()
+    h_out = torch.empty_like(h)
+    n_out = None if nxt is None else torch.empty_like(h)
+    lib.hc_residual_norm(h.data_ptr(), x.data_ptr(), None if post is None else post[0].data_ptr(),
+                         0.0 if post is None else post[1], None if nxt is None else nxt[0].data_ptr(),
+                         0.0 if nxt is None else nxt[1], h_out.data_ptr(), None if n_out is None else n_out.data_ptr(),
+                         x.numel() // d, d)
+    return h_out, n_out
+
+
+ACT_MUL = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # activations hc_act_mul computes
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
+    """act(gate) * up from a fused gate / up projection [..., 2I] (gate first) -> [..., I], for the activations in
+    ACT_MUL; None when the kernel does not take these."""
+    code = ACT_MUL.get(act)
+    if code is None or not _eager(gate_up) or gate_up.shape[-1] % 2:
+        return None
+    lib = _library()
+    two_i = gate_up.shape[-1]
+    if lib is None or not 0 < gate_up.numel() <= MAX_NORM_ROWS * two_i:
+        return None
+    gate_up = gate_up.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], two_i // 2, dtype=torch.float32)
+    lib.hc_act_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // two_i, two_i // 2, code)
     return out
 
 

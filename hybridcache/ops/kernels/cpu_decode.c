@@ -255,6 +255,66 @@ void hc_rms_norm(const float *x, const float *w, float *y, int rows, int D, floa
   }
 }
 
+static inline float sum_squares(const float *x, int D) {
+  vf acc = vzero();
+  int k = 0;
+  for (; k + VW <= D; k += VW) {
+    vf v = vload_f32(x + k);
+    acc = vfma(v, v, acc);
+  }
+  float ss = vsum(acc);
+  for (; k < D; k++) ss += x[k] * x[k];
+  return ss;
+}
+
+/* h_out = h + (w_post ? rms_norm(x) * w_post : x), then n_out = rms_norm(h_out) * w_next (when w_next): the
+   residual add between two norms (a sandwich-norm layer's post-norm and the next pre-norm) in one call. The norms
+   round as hc_rms_norm does. */
+void hc_residual_norm(const float *h, const float *x, const float *w_post, float eps_post, const float *w_next,
+                      float eps_next, float *h_out, float *n_out, int rows, int D) {
+  int wide = (size_t)rows * D >= PARALLEL_BYTES / 4;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (int r = 0; r < rows; r++) {
+    const float *hr = h + (size_t)r * D, *xr = x + (size_t)r * D;
+    float *ho = h_out + (size_t)r * D;
+    if (w_post) {
+      float inv = 1.0f / sqrtf(sum_squares(xr, D) / (float)D + eps_post);
+      for (int k = 0; k < D; k++) ho[k] = hr[k] + (xr[k] * inv) * w_post[k];
+    } else {
+      for (int k = 0; k < D; k++) ho[k] = hr[k] + xr[k];
+    }
+    if (w_next) {
+      float inv = 1.0f / sqrtf(sum_squares(ho, D) / (float)D + eps_next);
+      float *no = n_out + (size_t)r * D;
+      for (int k = 0; k < D; k++) no[k] = (ho[k] * inv) * w_next[k];
+    }
+  }
+}
+
+/* out[r, i] = act(gu[r, i]) * gu[r, I + i]: a gated MLP's activation of its fused gate / up projection [rows, 2I].
+   act 0: SiLU x / (1 + exp(-x)); 1: GELU's tanh approximation 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
+   as the equal x / (1 + exp(-2u)) (no cancellation in 1 + tanh(u) for negative u). */
+void hc_act_mul(const float *gu, float *out, int rows, int I, int act) {
+  int wide = (size_t)rows * I >= PARALLEL_BYTES / 4;
+  const float c = 0.7978845608028654f, c3 = 0.044715f;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (int r = 0; r < rows; r++) {
+    const float *g = gu + (size_t)r * 2 * I, *u = g + I;
+    float *o = out + (size_t)r * I;
+    int i = 0;
+#if VW > 1
+    vf one = vset1(1.0f);
+    for (; i + VW <= I; i += VW) {
+      vf x = vload_f32(g + i);
+      vf z = act == 0 ? x : vmul(vset1(2.0f * c), vfma(vmul(vset1(c3), x), vmul(x, x), x));
+      vstore(o + i, vmul(x / (one + vexp(vset1(0.0f) - z)), vload_f32(u + i)));
+    }
+#endif
+    for (; i < I; i++) {
+      float x = g[i], z = act == 0 ? x : 2.0f * c * (x + c3 * x * x * x);
+      o[i] = x / (1.0f + expf(-z)) * u[i];
+    }
+  }
+}
+
 static inline float dot_f32(const float *a, const float *b, int D) {
   vf acc = vzero();
   int k = 0;
