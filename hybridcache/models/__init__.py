@@ -58,7 +58,7 @@ def from_pretrained(
     (same math, float32 sums in another order). `weights="bfloat16"` or `"int8"` stores the projection matrices
     packed (2x / 4x fewer bytes to read per token; activations and sums stay float32): faster, but a different
     model, so it is opt-in; None keeps them in `dtype`. `huge_pages` moves the weights onto 2 MiB pages where Linux
-    allows (hybridcache/ops/huge_pages.py: same memory, faster streaming; about 2 s per GB once, at load).
+    allows (hybridcache/ops/huge_pages.py: same memory, faster streaming; 1-2 s per GB once, at load).
     """
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be None or one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")

@@ -6,12 +6,16 @@ float32; a streaming read of it takes ~22 ms):
 
     rows  MKL F.linear (float32)   this kernel: float32   bfloat16 weights   int8 weights (+ per-row scale)
     1     22 ms                    21 ms                  11 ms              6.5 ms
-    8     80 ms                    26 ms                  19 ms              15 ms
+    8     80 ms                    27 ms                  17 ms              12.5 ms
+
+(4 KiB pages; on 2 MiB pages, see huge_pages.py, the bfloat16 read at batch 1 takes 10.7 ms.) At batch 8 the
+bfloat16 / int8 reads are bound by the multiply-adds of 2 cores, not by memory.
 
 The kernel reads each weight row once for all rows of x, widens bfloat16 / int8 weights to float32 in registers
 and accumulates in float32 (activations are never rounded). The other kernels do a decode step's small work in one
 call each where torch would dispatch 7 (RMSNorm) or ~20 (masked attention of one query) ops on a few hundred
-numbers. They are compiled once per machine with the C compiler
+numbers: RMSNorm, the residual add between two norms, q/k norm + rotary, a gated MLP's activation x product,
+one-query attention, the Mamba1 scan. They are compiled once per machine with the C compiler
 (`$CC`, else `cc`; `-O3 -march=native -fopenmp`, about a second) into $HYBRIDCACHE_HOME/kernels, keyed by the
 source, the compiler and the CPU. Without a compiler, or with HYBRIDCACHE_DISABLE_KERNELS=1, every function here
 returns None and callers use their torch path (the same results up to float32 rounding order).

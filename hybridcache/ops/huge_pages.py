@@ -5,7 +5,7 @@ page walk) every 4 KiB; with 2 MiB pages it does not, and the same read runs fas
 benchmark machine: Gemma 3 270M's bfloat16 head, 335 MB, 12.4 -> 10.7 ms per read). Most systems only give huge
 pages to memory that asks for them (transparent_hugepage = madvise), and torch's allocator does not ask, so
 `from_pretrained` asks for the weights after loading: `MADV_COLLAPSE` moves the 2 MiB blocks of each tensor's
-memory onto huge pages synchronously (about 2 s per GB, once), at the same addresses, with the same contents, so
+memory onto huge pages synchronously (1-2 s per GB, once), at the same addresses, with the same contents, so
 nothing that holds the tensors notices. Where the call is unsupported (other systems, older kernels,
 no free huge pages) nothing changes and nothing fails.
 """
