@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import hybridcache as hc
+from hybridcache.generation import greedy_next
 
 
 def peak_rss_kib() -> float:
@@ -39,11 +40,11 @@ def main(checkpoint: str, cache_config: str, tokens: int, decode: int, chunk: in
         for i in range(0, tokens, chunk):  # the head for the last position only (as generate's prefill)
             logits = model.run_block(ids[:, i : i + chunk], cache, last_only=True)
     prefill = time.perf_counter() - start
-    token = logits[:, -1:].argmax(-1)
+    token = greedy_next(logits[:, -1])[:, None]  # [B, 1]
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(decode):
-            token = model.run_block(token, cache)[:, -1:].argmax(-1)  # one decode step, no input checks
+            token = greedy_next(model.run_block(token, cache)[:, -1])[:, None]  # one decode step, no input checks
     per_token = (time.perf_counter() - start) / decode
     rss = peak_rss_kib()
     return {"tokens": tokens, "prefill_s": prefill, "decode_ms_per_token": per_token * 1e3,

@@ -19,6 +19,7 @@ import weakref
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.models.base import HybridLM, check_mask
+from hybridcache.ops.cpu_kernels import argmax_rows
 
 # Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
 # full-length [T, T] mask or score matrix is ever built (sliding/chunked/recurrent memory stays flat in T).
@@ -53,6 +54,13 @@ def _eos_ids(eos_token_id: Any, vocab_size: int) -> list[int]:
         raise ValueError(f"eos_token_id must be None, a token id or a list of token ids in [0, {vocab_size}), got "
                          f"{eos_token_id!r}")
     return list(ids)
+
+
+def greedy_next(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V].argmax(-1): by the CPU kernel for float32 (torch's answer, ~20x faster on a 262k vocabulary,
+    where torch's argmax takes 2% of a decode step), by torch otherwise."""
+    out = argmax_rows(logits)
+    return out if out is not None else logits.argmax(-1)
 
 
 def sample_next(
@@ -272,7 +280,7 @@ def generate(
     steps = max_new_tokens
     for step in range(max_new_tokens):
         all_logits.append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-        token = sample_next(logits, temperature, top_k, top_p, generator) if do_sample else logits.argmax(-1)
+        token = sample_next(logits, temperature, top_k, top_p, generator) if do_sample else greedy_next(logits)
         if eos.numel():
             token = torch.where(done, torch.full_like(token, pad_id), token)
             done |= torch.isin(token, eos)

@@ -19,6 +19,7 @@ import torch
 
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
+from hybridcache.generation import greedy_next
 
 
 def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
@@ -105,14 +106,14 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, full_mask:
         out_tokens.append(token)
         out_logits.append(step_logits.float())
 
-    last = logits.argmax(-1)  # [B]
+    last = greedy_next(logits)  # [B]
     emit(last, logits)
     while len(out_tokens) < max_new_tokens and not (eos.numel() and bool(done.all())):
         r = min(k, max_new_tokens - len(out_tokens) - 1)
         d_roll.mark()
         proposal, token = [], last
         for _ in range(r):  # the draft proposes r tokens, one step each
-            token = draft_model.run_block(token[:, None].to(draft_model.device), draft, None)[:, -1].argmax(-1)
+            token = greedy_next(draft_model.run_block(token[:, None].to(draft_model.device), draft, None)[:, -1])
             proposal.append(token.to(input_ids.device))
             stats["draft_calls"] += 1
         block = torch.stack([last, *proposal], dim=1)  # [B, r + 1]

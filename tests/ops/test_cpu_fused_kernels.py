@@ -95,3 +95,27 @@ def test_gated_mlp_fused_equals_unfused(act):
         plain = mlp.down_proj(mlp.act(mlp.gate_proj(x)) * mlp.up_proj(x))
         assert isinstance(mlp.gate_up, LinearGroup) and mlp.gate_up.fuse()
         torch.testing.assert_close(mlp(x), plain, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), n=st.sampled_from([1, 7, 16, 33, 100, 40_000]), ties=st.booleans(),
+       special=st.sampled_from([None, "nan", "-inf", "inf"]), seed=st.integers(0, 2**31 - 1))
+def test_argmax_rows_is_torchs_argmax(rows, n, ties, special, seed):
+    """The first largest value's index, the first NaN's if there is one (what torch.argmax answers), on rows long
+    enough to be split over threads too."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (rows, n), generator=g).float() if ties else torch.randn(rows, n, generator=g)
+    if special is not None:
+        where = torch.randint(0, n, (rows, 3), generator=g)
+        x.scatter_(1, where, float(special))
+    with torch.no_grad():
+        out = ck.argmax_rows(x)
+    assert out.dtype == torch.int64 and torch.equal(out, x.argmax(-1))
+
+
+def test_argmax_rows_all_minus_infinity_and_nan_rows():
+    x = torch.full((2, 50_000), float("-inf"))
+    x[1, 40_000] = float("nan")
+    x[1, 45_000] = float("nan")
+    with torch.no_grad():
+        assert ck.argmax_rows(x).tolist() == [0, 40_000] == x.argmax(-1).tolist()

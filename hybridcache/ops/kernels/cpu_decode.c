@@ -315,6 +315,84 @@ void hc_act_mul(const float *gu, float *out, int rows, int I, int act) {
   }
 }
 
+/* argmax of x[s0, s1) as torch.argmax: the first index of the largest value, or of the first NaN if there is one.
+   *nan_at: that NaN's index (-1: none); *best_v / *best_i: the first largest value and its index otherwise. */
+static void argmax_range(const float *x, long s0, long s1, float *best_v, long *best_i, long *nan_at) {
+  long i = s0, bi = s0;
+  float bv = x[s0];
+  *nan_at = -1;
+#if VW == 16
+  if (s1 - s0 >= 32) {
+    __m512 vmax = _mm512_loadu_ps(x + s0);
+    __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i vidx = lane, cur = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+    if (_mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q)) { i = s0; goto scalar; }
+    for (i = s0 + 16; i + 16 <= s1; i += 16, cur = _mm512_add_epi32(cur, _mm512_set1_epi32(16))) {
+      __m512 v = _mm512_loadu_ps(x + i);
+      if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) goto scalar; /* the scalar loop finds the first NaN */
+      __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ); /* strict: each lane keeps its first largest */
+      vmax = _mm512_mask_blend_ps(gt, vmax, v);
+      vidx = _mm512_mask_blend_epi32(gt, vidx, cur);
+    }
+    float mv[16];
+    int mi[16];
+    _mm512_storeu_ps(mv, vmax);
+    _mm512_storeu_si512((void *)mi, vidx);
+    bv = mv[0], bi = s0 + mi[0];
+    for (int l = 1; l < 16; l++)
+      if (mv[l] > bv || (mv[l] == bv && s0 + mi[l] < bi)) bv = mv[l], bi = s0 + mi[l];
+    for (; i < s1; i++) {
+      if (x[i] != x[i]) { *nan_at = i; return; }
+      if (x[i] > bv) bv = x[i], bi = i;
+    }
+    *best_v = bv, *best_i = bi;
+    return;
+  }
+scalar:
+#endif
+  for (; i < s1; i++) {
+    if (x[i] != x[i]) { *nan_at = i; return; }
+    if (x[i] > bv || i == s0) bv = x[i], bi = i;
+  }
+  *best_v = bv, *best_i = bi;
+}
+
+/* out[r] = argmax of row r of x [rows, n] (torch.argmax's answer, NaN included); a long row is split over threads. */
+void hc_argmax_rows(const float *x, int64_t *out, int rows, long n) {
+  int threads = omp_get_max_threads();
+  int split = rows < threads && n >= (1 << 15) ? threads : 1;
+  for (int r0 = 0; r0 < rows; r0 += (split > 1 ? 1 : rows)) {
+    int r1 = split > 1 ? r0 + 1 : rows;
+    float bv[64];
+    long bi[64], nan_at[64];
+    if (split > 64) split = 64;
+    _Pragma("omp parallel for schedule(static) if(split > 1 || (long)rows * n >= (1 << 16))")
+    for (int task = 0; task < (split > 1 ? split : r1 - r0); task++) {
+      if (split > 1) {
+        long chunk = (n + split - 1) / split, s0 = task * chunk < n ? task * chunk : n;
+        long s1 = s0 + chunk < n ? s0 + chunk : n;
+        if (s0 < s1) argmax_range(x + (size_t)r0 * n, s0, s1, &bv[task], &bi[task], &nan_at[task]);
+        else nan_at[task] = -2; /* empty */
+      } else {
+        float v;
+        long i, nn;
+        argmax_range(x + (size_t)(r0 + task) * n, 0, n, &v, &i, &nn);
+        out[r0 + task] = nn >= 0 ? nn : i;
+      }
+    }
+    if (split > 1) {
+      long best = -1;
+      float v = 0.0f;
+      for (int t = 0; t < split && best < 0; t++)
+        if (nan_at[t] >= 0) best = nan_at[t];
+      if (best < 0)
+        for (int t = 0; t < split; t++)
+          if (nan_at[t] == -1 && (best < 0 || bv[t] > v)) v = bv[t], best = bi[t];
+      out[r0] = best;
+    }
+  }
+}
+
 static inline float dot_f32(const float *a, const float *b, int D) {
   vf acc = vzero();
   int k = 0;
