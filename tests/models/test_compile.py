@@ -25,3 +25,21 @@ def test_compile_needs_the_cache(models):
     ours, _ = models("gemma3")
     with pytest.raises(ValueError, match="use_cache=False"):
         hc.generate(ours, prompts(1, 4, seed=0), compile=True, use_cache=False)
+
+
+def test_compiled_projection_keeps_autograd():
+    """Under torch.compile with autograd on, a projection takes the differentiable torch path (the decode kernel's
+    op has no backward): gradients equal those of nn.Linear."""
+    from hybridcache.blocks.linear import DecodeLinear
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(8, 4)
+    fast = DecodeLinear(8, 4)
+    fast.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 8, requires_grad=True)
+    compiled = torch.compile(lambda t: fast(t).square().sum(), backend="aot_eager")
+    compiled(x).backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    plain(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(fast.weight.grad, plain.weight.grad)
