@@ -13,6 +13,7 @@ from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.ops import masked_attention
 from hybridcache.blocks.norms import RMSNorm
+from hybridcache.ops.cpu_fused import qkv_norm_rope
 from hybridcache.ops.cpu_kernels import decode_attention, norm_rope
 
 
@@ -80,8 +81,9 @@ class AttentionMixer(nn.Module):
             out.append(y)
         return tuple(out)
 
-    def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput,
-                extra: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
+    def _project(self, h: torch.Tensor, step: StepInput, extra) -> tuple[torch.Tensor, ...]:
+        """q [B, Hq, T, D], k and v [B, Hkv, T, D] (q/k normed and rotated) and the output gate (or None), by the
+        separate calls."""
         b, t, _ = h.shape
         d = self.head_dim
         qp, kp, vp = self.qkv(h)  # [B, T, H * D] each
@@ -103,6 +105,35 @@ class AttentionMixer(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.rotary is not None:
                 q, k = self.rotary(q, k, step)  # cos/sin computed once per block and frequency table
+        return q, k, v, gate
+
+    def _fused_input(self, h: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
+        """q, k, v [B, H, T, D] by one kernel call (projection, plain RMSNorm q/k norms, plain rotary) for a decode
+        step on CPU; None when this mixer or these tensors need the separate path."""
+        if (h.dtype != torch.float32 or not h.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or self.output_gate or self.query_hook is not None):
+            return None
+        parts = self.qkv.parts()
+        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
+        if (parts is None or not all(n is None or type(n) is RMSNorm for n in (qn, kn))
+                or not (rotary is None or type(rotary) is RotaryEmbedding)):
+            return None
+        cos, sin = rotary.tables(step, torch.float32) if rotary is not None else (None, None)
+        return qkv_norm_rope(h, parts, self.num_heads, self.num_kv_heads, self.head_dim,
+                             None if qn is None else (qn.kernel_scale(), qn.eps),
+                             None if kn is None else (kn.kernel_scale(), kn.eps), cos, sin,
+                             rotary is not None and rotary.interleaved)
+
+    def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput,
+                extra: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
+        b, t, _ = h.shape
+        d = self.head_dim
+        gate = None
+        fused_input = self._fused_input(h, step) if extra is None else None
+        if fused_input is not None:
+            q, k, v = fused_input
+        else:
+            q, k, v, gate = self._project(h, step, extra)
         if self.query_hook is not None:
             q = self.query_hook(q, step)
         dtype = layer.spec.dtype

@@ -71,6 +71,13 @@ class LinearGroup:
         """Whether the projections run as one matmul (their parameters are still blocks of the fused tensor)."""
         return self._fused is not None and self._fused[3] == self._pointers()
 
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """(weight [sum(out), in], bias, per-row scale) of the fused matrix; None when not fused."""
+        f = self._fused
+        if f is not None and f[3] == self._pointers():
+            return f[0], f[1], f[2]
+        return None
+
     def joint(self, x: torch.Tensor) -> torch.Tensor | None:
         """The members' outputs side by side [..., sum(out)] by one matmul; None when not fused."""
         f = self._fused

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridcache.blocks.linear import DecodeLinear
 from hybridcache.blocks.linear_group import LinearGroup
+from hybridcache.ops.cpu_fused import gated_mlp
 from hybridcache.ops.cpu_kernels import act_mul
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -41,6 +43,13 @@ class GatedMLP(nn.Module):
         return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        if x.dtype == torch.float32 and x.is_cpu and isinstance(down, DecodeLinear):
+            parts = self.gate_up.parts()
+            if parts is not None:  # a decode step on CPU: the whole MLP in one kernel call
+                y = gated_mlp(x, parts, (down.weight, down.bias, down._buffers.get("scale")), self.act_name)
+                if y is not None:
+                    return y
         gate_up = self.gate_up.joint(x)  # [..., 2I] once fused
         if gate_up is None:
             gate, up = self.gate_up(x)

@@ -98,6 +98,10 @@ def _load() -> ctypes.CDLL | None:
         "hc_residual_norm": [pointer] * 3 + [real, pointer, real] + [pointer] * 2 + [integer] * 2,
         "hc_act_mul": [pointer] * 2 + [integer] * 3,
         "hc_argmax_rows": [pointer] * 2 + [integer, long],
+        "hc_gated_mlp": [pointer] + [integer] * 3 + [pointer, integer] + [pointer] * 3 + [integer] + [pointer] * 2
+                        + [integer] + [pointer] * 2,
+        "hc_qkv_norm_rope": [pointer] + [integer] * 3 + [pointer, integer] + [pointer] * 2 + [integer] * 3
+                            + [pointer] * 2 + [real, pointer, real] + [pointer] * 2 + [integer] * 2 + [pointer] * 2,
         "hc_decode_attention": [pointer] * 6 + [integer, long, pointer] + [integer] * 5 + [long] * 6 + [real] * 2,
         "hc_rope": [pointer] + [long] * 3 + [pointer] * 3 + [integer] * 6,
         "hc_norm_rope": [pointer] + [long] * 3 + [pointer, real] + [pointer] * 3 + [integer] * 6,

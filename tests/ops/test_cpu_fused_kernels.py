@@ -119,3 +119,62 @@ def test_argmax_rows_all_minus_infinity_and_nan_rows():
     x[1, 45_000] = float("nan")
     with torch.no_grad():
         assert ck.argmax_rows(x).tolist() == [0, 40_000] == x.argmax(-1).tolist()
+
+
+from hybridcache.blocks.linear import pack_matrix  # noqa: E402
+from hybridcache.ops import cpu_fused  # noqa: E402
+
+
+def _packed(w, fmt):
+    return (w, None) if fmt == "float32" else pack_matrix(w, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_gated_mlp_in_one_call_is_the_separate_calls(fmt, rows):
+    """One call runs the same kernels in the same order as the three separate calls: bit-identical outputs
+    (each of those kernels is checked against float64 above and in test_cpu_kernels.py)."""
+    torch.manual_seed(rows)
+    d, inner = 40, 24
+    w_gu, s_gu = _packed(torch.randn(2 * inner, d), fmt)
+    w_dn, s_dn = _packed(torch.randn(d, inner), fmt)
+    b_dn = torch.randn(d)
+    x = torch.randn(rows, 1, d)
+    with torch.no_grad():
+        fused = cpu_fused.gated_mlp(x, (w_gu, None, s_gu), (w_dn, b_dn, s_dn), "gelu_pytorch_tanh")
+        separate = ck.decode_linear(ck.act_mul(ck.decode_linear(x, w_gu, None, s_gu), "gelu_pytorch_tanh"), w_dn,
+                                    b_dn, s_dn)
+    assert fused is not None and torch.equal(fused, separate)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("norms, rotary", [(True, True), (False, True), (True, False)])
+def test_qkv_norm_rope_in_one_call_is_the_separate_calls(fmt, norms, rotary):
+    torch.manual_seed(0)
+    b, t, dm, hq, hkv, d = 2, 1, 48, 4, 2, 16
+    w, s = _packed(torch.randn((hq + 2 * hkv) * d, dm), fmt)
+    bias = torch.randn((hq + 2 * hkv) * d)
+    x = torch.randn(b, t, dm)
+    qs, ks = torch.randn(d), torch.randn(d)
+    cos, sin = (torch.randn(b, 1, t, 8), torch.randn(b, 1, t, 8)) if rotary else (None, None)
+    with torch.no_grad():
+        q, k, v = cpu_fused.qkv_norm_rope(x, (w, bias, s), hq, hkv, d, (qs, 1e-6) if norms else None,
+                                          (ks, 1e-5) if norms else None, cos, sin, False)
+        qkv = ck.decode_linear(x, w, bias, s)
+        qp, kp, vp = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        heads = lambda p, h: p.view(b, t, h, d).transpose(1, 2)  # noqa: E731
+        q_ref = ck.norm_rope(heads(qp, hq), qs if norms else None, 1e-6, cos, sin, False)
+        k_ref = ck.norm_rope(heads(kp, hkv), ks if norms else None, 1e-5, cos, sin, False)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref) and torch.equal(v, heads(vp, hkv))
+
+
+def test_fused_paths_decline_what_they_do_not_take():
+    x = torch.randn(17, 8)  # more rows than a decode step
+    w = torch.randn(12, 8)
+    with torch.no_grad():
+        assert cpu_fused.gated_mlp(x, (w, None, None), (torch.randn(8, 6), None, None), "silu") is None
+        assert cpu_fused.gated_mlp(x[:2], (w, None, None), (torch.randn(8, 6), None, None), "relu") is None
+        assert cpu_fused.qkv_norm_rope(torch.randn(1, 17, 8), (w, None, None), 1, 1, 4, None, None, None, None,
+                                       False) is None
+    with torch.enable_grad():
+        assert cpu_fused.gated_mlp(x[:2], (w, None, None), (torch.randn(8, 6), None, None), "silu") is None

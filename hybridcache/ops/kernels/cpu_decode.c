@@ -697,3 +697,37 @@ void hc_norm_rope(const float *x, long sb, long sh, long st, const float *scale,
     }
   }
 }
+
+/* ---- a decoder layer's branches in one call each: no interpreter between their kernels ---------------------- */
+
+/* weight type codes: 0 float32, 1 bfloat16, 2 int8 (+ per-row scale) */
+static void linear_any(int wtype, const float *x, const void *w, float *y, const float *scale, const float *bias,
+                       int M, int N, int K) {
+  if (wtype == 1) hc_linear_bf16(x, (const uint16_t *)w, y, scale, bias, M, N, K);
+  else if (wtype == 2) hc_linear_i8(x, (const int8_t *)w, y, scale, bias, M, N, K);
+  else hc_linear_f32(x, (const float *)w, y, scale, bias, M, N, K);
+}
+
+/* A gated MLP of M rows: y [M, D] = down(act(gate(x)) * up(x)) with the fused gate / up matrix [2I, D] (gate rows
+   first) and down [D, I]; scratch: [M, 3I] floats. The same kernels, in the same order, as the separate calls. */
+void hc_gated_mlp(const float *x, int M, int D, int I, const void *w_gu, int gu_type, const float *gu_scale,
+                  const float *gu_bias, const void *w_down, int down_type, const float *down_scale,
+                  const float *down_bias, int act, float *scratch, float *y) {
+  float *gu = scratch, *a = scratch + (size_t)M * 2 * I;
+  linear_any(gu_type, x, w_gu, gu, gu_scale, gu_bias, M, 2 * I, D);
+  hc_act_mul(gu, a, M, I, act);
+  linear_any(down_type, a, w_down, y, down_scale, down_bias, M, D, I);
+}
+
+/* The fused q / k / v projection of M = B * T rows, qkv [M, (Hq + 2 Hkv) D] (per row: q heads, k heads, v heads),
+   then q and k each through hc_norm_rope (q_scale / k_scale NULL: no norm; rot 0: no rotary) into q_out
+   [B, Hq, T, D] and k_out [B, Hkv, T, D]; v stays in qkv. */
+void hc_qkv_norm_rope(const float *x, int B, int T, int Dm, const void *w, int wtype, const float *wscale,
+                      const float *bias, int Hq, int Hkv, int D, float *qkv, const float *q_scale, float q_eps,
+                      const float *k_scale, float k_eps, const float *cos_t, const float *sin_t, int rot,
+                      int interleaved, float *q_out, float *k_out) {
+  long W = (long)(Hq + 2 * Hkv) * D;
+  linear_any(wtype, x, w, qkv, wscale, bias, B * T, (int)W, Dm);
+  hc_norm_rope(qkv, W * T, D, W, q_scale, q_eps, cos_t, sin_t, q_out, B, Hq, T, D, rot, interleaved);
+  hc_norm_rope(qkv + (size_t)Hq * D, W * T, D, W, k_scale, k_eps, cos_t, sin_t, k_out, B, Hkv, T, D, rot, interleaved);
+}
