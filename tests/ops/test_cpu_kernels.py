@@ -134,7 +134,7 @@ def test_rms_norm_matches_float64(rows, d, eps, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(b=st.integers(1, 3), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]), s=st.integers(1, 40),
+@given(b=st.integers(1, 3), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 6, 8]), s=st.integers(1, 40),
        d=st.integers(1, 40), softcap=st.sampled_from([None, 5.0]), p_visible=st.sampled_from([0.0, 0.3, 1.0]),
        seed=st.integers(0, 2**31 - 1))
 def test_decode_attention_matches_the_torch_path(b, hkv, group, s, d, softcap, p_visible, seed):

@@ -441,7 +441,45 @@ static void attend_range(const float *qh, const float *kb, const float *vb, long
     for (int d = 0; d < D; d++) acc[(size_t)g * D + d] = 0.0f;
   }
   if (nv == 0) return;
-  for (int i = 0; i < nv; i++) { /* each key read once for up to 8 heads at a time */
+  int i0 = 0;
+#if VW == 16
+  /* 4 keys x up to 4 heads at a time: 16 dot products in registers, summed by one transpose-add tree */
+  for (; i0 + 4 <= nv; i0 += 4) {
+    const float *k0 = kb + idx[i0] * kss, *k1 = kb + idx[i0 + 1] * kss, *k2 = kb + idx[i0 + 2] * kss,
+                *k3 = kb + idx[i0 + 3] * kss;
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      int gn = G - g0 < 4 ? G - g0 : 4;
+      vf a[16];
+      for (int j = 0; j < 16; j++) a[j] = vzero();
+      int d = 0;
+      for (; d + VW <= D; d += VW) {
+        vf x0 = vload_f32(k0 + d), x1 = vload_f32(k1 + d), x2 = vload_f32(k2 + d), x3 = vload_f32(k3 + d);
+        for (int g = 0; g < 4; g++) {
+          if (g >= gn) break;
+          vf qv = vload_f32(qh + (size_t)(g0 + g) * D + d);
+          a[4 * g] = vfma(qv, x0, a[4 * g]), a[4 * g + 1] = vfma(qv, x1, a[4 * g + 1]);
+          a[4 * g + 2] = vfma(qv, x2, a[4 * g + 2]), a[4 * g + 3] = vfma(qv, x3, a[4 * g + 3]);
+        }
+      }
+      float dots[16];
+      TILE_SUMS(a, dots, 16);
+      for (int g = 0; g < gn; g++) {
+        const float *qg = qh + (size_t)(g0 + g) * D;
+        for (int dd = d; dd < D; dd++) {
+          dots[4 * g] += qg[dd] * k0[dd], dots[4 * g + 1] += qg[dd] * k1[dd];
+          dots[4 * g + 2] += qg[dd] * k2[dd], dots[4 * g + 3] += qg[dd] * k3[dd];
+        }
+        for (int j = 0; j < 4; j++) {
+          float x = dots[4 * g + j] * scale;
+          if (softcap > 0) x = softcap * tanhf(x / softcap);
+          sc[(size_t)(g0 + g) * n + i0 + j] = x;
+          if (x > mx[g0 + g]) mx[g0 + g] = x;
+        }
+      }
+    }
+  }
+#endif
+  for (int i = i0; i < nv; i++) { /* each key read once for up to 8 heads at a time */
     const float *ks = kb + idx[i] * kss;
     for (int g0 = 0; g0 < G; g0 += 8) {
       int gn = G - g0 < 8 ? G - g0 : 8;
@@ -487,21 +525,42 @@ static void attend_range(const float *qh, const float *kb, const float *vb, long
     }
     total[g] = t;
   }
-  for (int i = 0; i < nv; i++) { /* each value read once for every head */
-    const float *vs = vb + idx[i] * vss;
-    int d = 0;
+  int d = 0;
 #if VW > 1
-    for (; d + VW <= D; d += VW) {
-      vf vv = vload_f32(vs + d);
-      for (int g = 0; g < G; g++) {
-        float *o = acc + (size_t)g * D + d;
-        vstore(o, vfma(vset1(sc[(size_t)g * n + i]), vv, vload_f32(o)));
+  /* the weighted sum of values by blocks of 4 vectors of D and 4 heads: the 16 sums stay in registers over all
+     visible slots (accumulating in memory made this loop store-bound) */
+  for (; d + 4 * VW <= D; d += 4 * VW)
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      int gn = G - g0 < 4 ? G - g0 : 4;
+      vf a[4][4];
+      for (int g = 0; g < 4; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = vzero();
+      for (int i = 0; i < nv; i++) {
+        const float *vs = vb + idx[i] * vss + d;
+        vf v0 = vload_f32(vs), v1 = vload_f32(vs + VW), v2 = vload_f32(vs + 2 * VW), v3 = vload_f32(vs + 3 * VW);
+        for (int g = 0; g < 4; g++) {
+          if (g >= gn) break;
+          vf w = vset1(sc[(size_t)(g0 + g) * n + i]);
+          a[g][0] = vfma(w, v0, a[g][0]), a[g][1] = vfma(w, v1, a[g][1]);
+          a[g][2] = vfma(w, v2, a[g][2]), a[g][3] = vfma(w, v3, a[g][3]);
+        }
       }
+      for (int g = 0; g < gn; g++)
+        for (int j = 0; j < 4; j++) vstore(acc + (size_t)(g0 + g) * D + d + j * VW, a[g][j]);
+    }
+  for (; d + VW <= D; d += VW)
+    for (int g = 0; g < G; g++) {
+      vf a = vzero();
+      for (int i = 0; i < nv; i++) a = vfma(vset1(sc[(size_t)g * n + i]), vload_f32(vb + idx[i] * vss + d), a);
+      vstore(acc + (size_t)g * D + d, a);
     }
 #endif
-    for (; d < D; d++)
-      for (int g = 0; g < G; g++) acc[(size_t)g * D + d] += sc[(size_t)g * n + i] * vs[d];
-  }
+  for (; d < D; d++)
+    for (int g = 0; g < G; g++) {
+      float a = 0.0f;
+      for (int i = 0; i < nv; i++) a += sc[(size_t)g * n + i] * vb[idx[i] * vss + d];
+      acc[(size_t)g * D + d] = a;
+    }
 }
 
 /* One query per row (a decode step), grouped-query attention over the visible slots only:
