@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import hybridcache as hc
 from tests.models.conftest import prompts
@@ -15,7 +16,10 @@ def test_compiled_decode_equals_eager(family, models):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     eager = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12)
+    torch._dynamo.reset()  # compile here, counting graph breaks: one graph per step, or it falls back per layer
+    counters.clear()
     compiled = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12, compile=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch.equal(eager.sequences, compiled.sequences)
     assert (eager.logits - compiled.logits).abs().max().item() <= max(2e-5, SPLIT_TOL.get(family, 0.0))
     assert all(getattr(layer, "static", True) for layer in compiled.cache)  # attention layers preallocated
