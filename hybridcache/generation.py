@@ -29,7 +29,7 @@ DEFAULT_PREFILL_CHUNK = 1024
 @dataclass
 class GenerateOutput:
     sequences: torch.Tensor  # [B, T_prompt + T_new]
-    logits: torch.Tensor  # [B, T_new, V]: the logits each new token was chosen from
+    logits: torch.Tensor | None  # [B, T_new, V]: the logits each new token was chosen from (None: output_logits=False)
     cache: Cache | None  # pass back as cache= to continue (None when use_cache=False)
     stats: dict[str, Any] | None = None  # speculative decoding / prefix reuse: acceptance, hits, tokens saved
 
@@ -161,6 +161,7 @@ def generate(
     num_draft_tokens: int = 4,
     draft_cache_config: Mapping[str, Any] | None = None,
     prefix_cache: Any = None,
+    output_logits: bool = True,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per row. See the module docstring for continuation.
 
@@ -171,6 +172,9 @@ def generate(
     `num_draft_tokens` tokens, the target verifies them in one block, both caches roll back to the accepted prefix;
     the tokens are those of plain greedy decoding, `out.stats` has the acceptance rate. `prefix_cache=` (a
     `PrefixStore`, hybridcache/prefix_cache.py) starts from the longest stored prefix of the prompt.
+
+    `output_logits=False` keeps only the tokens (`out.logits` is None): the logits are B x V floats per new token
+    (1 MB per row and token on a 262k vocabulary), which a long or batched generation would otherwise keep.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a LongTensor [B, T]")
@@ -183,7 +187,8 @@ def generate(
     ):
         raise ValueError(f"prefill_chunk_size must be a positive integer or None, got {prefill_chunk_size!r}")
     _check_sampling(temperature, top_k, top_p)  # also when greedy: a bad value is a bug in the caller either way
-    for name, flag in (("do_sample", do_sample), ("use_cache", use_cache), ("compile", compile)):
+    for name, flag in (("do_sample", do_sample), ("use_cache", use_cache), ("compile", compile),
+                       ("output_logits", output_logits)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -222,7 +227,7 @@ def generate(
             model, draft_model, input_ids, full_mask, max_new_tokens, num_draft_tokens, eos, pad_id, cache_config,
             draft_cache_config, prefill_chunk_size)
         cache.owner = weakref.ref(model)
-        return GenerateOutput(sequences, logits, cache, stats)
+        return GenerateOutput(sequences, logits if output_logits else None, cache, stats)
     if prefix_cache is not None:
         if cache is not None or not use_cache or compile:
             raise ValueError("prefix_cache= builds the cache itself: do not combine it with cache=, use_cache=False "
@@ -230,7 +235,7 @@ def generate(
         cache, prefix_stats = prefix_cache.prepare(model, input_ids, full_mask, cache_config)
         out = generate(model, input_ids, attention_mask, max_new_tokens, do_sample=do_sample, temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, cache=cache,
-                       prefill_chunk_size=prefill_chunk_size)
+                       prefill_chunk_size=prefill_chunk_size, output_logits=output_logits)
         out.stats = prefix_cache.finish(model, out, prefix_stats)
         return out
     if cache is not None:
@@ -279,7 +284,8 @@ def generate(
     logits = prefill(block)
     steps = max_new_tokens
     for step in range(max_new_tokens):
-        all_logits.append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        if output_logits:
+            all_logits.append(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         token = sample_next(logits, temperature, top_k, top_p, generator) if do_sample else greedy_next(logits)
         if eos.numel():
             token = torch.where(done, torch.full_like(token, pad_id), token)
@@ -290,4 +296,4 @@ def generate(
             break
         logits = next_logits(step)
     sequences = torch.cat([input_ids, generated[:, :steps]], dim=1)
-    return GenerateOutput(sequences, torch.stack(all_logits, dim=1), cache)
+    return GenerateOutput(sequences, torch.stack(all_logits, dim=1) if output_logits else None, cache)

@@ -46,6 +46,7 @@ def test_bad_requests_fail_clearly(model):
         (lambda: hc.generate(model, ids, eos_token_id="</s>"), "eos_token_id"),
         (lambda: hc.generate(model, ids, eos_token_id=[1, 10**9]), "eos_token_id"),
         (lambda: hc.generate(model, ids, eos_token_id=-1), "eos_token_id"),
+        (lambda: hc.generate(model, ids, output_logits=None), "output_logits must be True or False"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -165,3 +166,15 @@ def test_a_cache_can_be_copied(model):
     a = hc.generate(model, torch.cat([out.sequences, prompts(1, 2, seed=10)], 1), max_new_tokens=2, cache=out.cache)
     b = hc.generate(model, torch.cat([out.sequences, prompts(1, 2, seed=10)], 1), max_new_tokens=2, cache=twin)
     assert torch.equal(a.logits, b.logits)
+
+
+def test_output_logits_false_keeps_only_the_tokens(model):
+    """The same tokens and the same cache, without the [B, T_new, V] logits (greedy, sampled, continued)."""
+    ids = prompts(2, 7, seed=3)
+    for kwargs in ({}, {"do_sample": True, "seed": 5, "top_k": 20}):
+        full = hc.generate(model, ids, max_new_tokens=6, **kwargs)
+        lean = hc.generate(model, ids, max_new_tokens=6, output_logits=False, **kwargs)
+        assert lean.logits is None and torch.equal(full.sequences, lean.sequences)
+        more = hc.generate(model, lean.sequences, cache=lean.cache, max_new_tokens=3, output_logits=False)
+        again = hc.generate(model, full.sequences, cache=full.cache, max_new_tokens=3)
+        assert more.logits is None and torch.equal(more.sequences, again.sequences)
