@@ -636,31 +636,35 @@ void hc_decode_attention(const float *q, const float *k, const float *v, const u
   free(part);
 }
 
+/* Rotary rotation of the first 2 * h2 features of x into o (o may be x): half-split pairs (i, i + h2) or
+   interleaved pairs (2i, 2i + 1), by cos / sin [2 * h2]. Each pair is read before it is written. */
+static inline void rotate(const float *x, float *o, const float *c, const float *sn, int h2, int interleaved) {
+  if (interleaved) {
+    for (int i = 0; i < h2; i++) {
+      float a = x[2 * i], bb = x[2 * i + 1];
+      o[2 * i] = a * c[2 * i] - bb * sn[2 * i];
+      o[2 * i + 1] = bb * c[2 * i + 1] + a * sn[2 * i + 1];
+    }
+  } else {
+    for (int i = 0; i < h2; i++) {
+      float a = x[i], bb = x[i + h2];
+      o[i] = a * c[i] - bb * sn[i];
+      o[i + h2] = bb * c[i + h2] + a * sn[i + h2];
+    }
+  }
+}
+
 /* Rotary embedding of x [B, H, T, D] (strides sb, sh, st in elements; contiguous last dim) into out [B, H, T, D]
    (contiguous): the first `rot` features rotated by cos / sin [B, T, rot], half-split pairs (i, i + rot/2) or
    interleaved pairs (2i, 2i + 1); features past `rot` are copied. */
 void hc_rope(const float *x, long sb, long sh, long st, const float *cos_t, const float *sin_t, float *out, int B,
              int H, int T, int D, int rot, int interleaved) {
-  int h2 = rot / 2;
   int wide = (size_t)B * H * T * D >= PARALLEL_BYTES / 4;
   _Pragma("omp parallel for schedule(static) if(wide)") for (long r = 0; r < (long)B * H * T; r++) {
     long b = r / ((long)H * T), h = (r / T) % H, t = r % T;
     const float *xr = x + b * sb + h * sh + t * st;
-    const float *c = cos_t + ((size_t)b * T + t) * rot, *sn = sin_t + ((size_t)b * T + t) * rot;
     float *o = out + (size_t)r * D;
-    if (interleaved) {
-      for (int i = 0; i < h2; i++) {
-        float a = xr[2 * i], bb = xr[2 * i + 1];
-        o[2 * i] = a * c[2 * i] - bb * sn[2 * i];
-        o[2 * i + 1] = bb * c[2 * i + 1] + a * sn[2 * i + 1];
-      }
-    } else {
-      for (int i = 0; i < h2; i++) {
-        float a = xr[i], bb = xr[i + h2];
-        o[i] = a * c[i] - bb * sn[i];
-        o[i + h2] = bb * c[i + h2] + a * sn[i + h2];
-      }
-    }
+    rotate(xr, o, cos_t + ((size_t)b * T + t) * rot, sin_t + ((size_t)b * T + t) * rot, rot / 2, interleaved);
     for (int i = rot; i < D; i++) o[i] = xr[i];
   }
 }
@@ -718,7 +722,6 @@ void hc_selective_scan(const float *u, long ub, long ut, const float *delta, lon
    what a layer's q or k needs before attention. */
 void hc_norm_rope(const float *x, long sb, long sh, long st, const float *scale, float eps, const float *cos_t,
                   const float *sin_t, float *out, int B, int H, int T, int D, int rot, int interleaved) {
-  int h2 = rot / 2;
   int wide = (size_t)B * H * T * D >= PARALLEL_BYTES / 4;
   _Pragma("omp parallel for schedule(static) if(wide)") for (long r = 0; r < (long)B * H * T; r++) {
     long b = r / ((long)H * T), h = (r / T) % H, t = r % T;
@@ -738,22 +741,7 @@ void hc_norm_rope(const float *x, long sb, long sh, long st, const float *scale,
     } else {
       for (int k = 0; k < D; k++) o[k] = xr[k];
     }
-    if (rot) {
-      const float *c = cos_t + ((size_t)b * T + t) * rot, *sn = sin_t + ((size_t)b * T + t) * rot;
-      if (interleaved) {
-        for (int i = 0; i < h2; i++) {
-          float a = o[2 * i], bb = o[2 * i + 1];
-          o[2 * i] = a * c[2 * i] - bb * sn[2 * i];
-          o[2 * i + 1] = bb * c[2 * i + 1] + a * sn[2 * i + 1];
-        }
-      } else {
-        for (int i = 0; i < h2; i++) {
-          float a = o[i], bb = o[i + h2];
-          o[i] = a * c[i] - bb * sn[i];
-          o[i + h2] = bb * c[i + h2] + a * sn[i + h2];
-        }
-      }
-    }
+    if (rot) rotate(o, o, cos_t + ((size_t)b * T + t) * rot, sin_t + ((size_t)b * T + t) * rot, rot / 2, interleaved);
   }
 }
 
