@@ -236,25 +236,6 @@ KERNEL(hc_linear_i8, int8_t, vload_i8, sload_i8, PF_ROWS, 1)
 
 /* ---- the rest of a decode step's small work, where per-op dispatch costs more than the arithmetic ---------- */
 
-/* y[r, :] = x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps)) * w  (w: the norm's effective scale, e.g. 1 + weight). */
-void hc_rms_norm(const float *x, const float *w, float *y, int rows, int D, float eps) {
-  int wide = (size_t)rows * D >= PARALLEL_BYTES / 4;
-  _Pragma("omp parallel for schedule(static) if(wide)") for (int r = 0; r < rows; r++) {
-    const float *xr = x + (size_t)r * D;
-    float *yr = y + (size_t)r * D;
-    vf acc = vzero();
-    int k = 0;
-    for (; k + VW <= D; k += VW) {
-      vf v = vload_f32(xr + k);
-      acc = vfma(v, v, acc);
-    }
-    float ss = vsum(acc);
-    for (; k < D; k++) ss += xr[k] * xr[k];
-    float inv = 1.0f / sqrtf(ss / (float)D + eps);
-    for (k = 0; k < D; k++) yr[k] = (xr[k] * inv) * w[k];
-  }
-}
-
 static inline float sum_squares(const float *x, int D) {
   vf acc = vzero();
   int k = 0;
@@ -265,6 +246,20 @@ static inline float sum_squares(const float *x, int D) {
   float ss = vsum(acc);
   for (; k < D; k++) ss += x[k] * x[k];
   return ss;
+}
+
+/* y = x * (1 / sqrt(mean(x^2) + eps)) * w over one row of D (every norm kernel here rounds this way). */
+static inline void norm_row(const float *x, const float *w, float *y, int D, float eps) {
+  float inv = 1.0f / sqrtf(sum_squares(x, D) / (float)D + eps);
+  for (int k = 0; k < D; k++) y[k] = (x[k] * inv) * w[k];
+}
+
+/* y[r, :] = x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps)) * w  (w: the norm's effective scale, e.g. 1 + weight). */
+void hc_rms_norm(const float *x, const float *w, float *y, int rows, int D, float eps) {
+  int wide = (size_t)rows * D >= PARALLEL_BYTES / 4;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (int r = 0; r < rows; r++) {
+    norm_row(x + (size_t)r * D, w, y + (size_t)r * D, D, eps);
+  }
 }
 
 /* h_out = h + (w_post ? rms_norm(x) * w_post : x), then n_out = rms_norm(h_out) * w_next (when w_next): the
@@ -282,11 +277,7 @@ void hc_residual_norm(const float *h, const float *x, const float *w_post, float
     } else {
       for (int k = 0; k < D; k++) ho[k] = hr[k] + xr[k];
     }
-    if (w_next) {
-      float inv = 1.0f / sqrtf(sum_squares(ho, D) / (float)D + eps_next);
-      float *no = n_out + (size_t)r * D;
-      for (int k = 0; k < D; k++) no[k] = (ho[k] * inv) * w_next[k];
-    }
+    if (w_next) norm_row(ho, w_next, n_out + (size_t)r * D, D, eps_next);
   }
 }
 
@@ -728,16 +719,7 @@ void hc_norm_rope(const float *x, long sb, long sh, long st, const float *scale,
     const float *xr = x + b * sb + h * sh + t * st;
     float *o = out + (size_t)r * D;
     if (scale) {
-      vf acc = vzero();
-      int k = 0;
-      for (; k + VW <= D; k += VW) {
-        vf v = vload_f32(xr + k);
-        acc = vfma(v, v, acc);
-      }
-      float ss = vsum(acc);
-      for (; k < D; k++) ss += xr[k] * xr[k];
-      float inv = 1.0f / sqrtf(ss / (float)D + eps);
-      for (k = 0; k < D; k++) o[k] = (xr[k] * inv) * scale[k];
+      norm_row(xr, scale, o, D, eps);
     } else {
       for (int k = 0; k < D; k++) o[k] = xr[k];
     }
