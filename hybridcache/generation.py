@@ -56,6 +56,12 @@ def _eos_ids(eos_token_id: Any, vocab_size: int) -> list[int]:
     return list(ids)
 
 
+def awaiting_prompt(cache: Cache) -> bool:
+    """Whether a layer of `cache` compresses the next block it sees as the prompt (score-based, mode: prefill)."""
+    return any(getattr(layer, "spec", None) is not None and getattr(layer.spec, "mode", None) == "prefill"
+               and not getattr(layer, "compressed", True) for layer in cache.layers)
+
+
 def greedy_next(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V].argmax(-1): by the CPU kernel for float32 (torch's answer, ~20x faster on a 262k vocabulary,
     where torch's argmax takes 2% of a decode step), by torch otherwise."""
@@ -263,6 +269,12 @@ def generate(
         if cache is None:  # the oracle: the whole sequence, a fresh cache with the same patterns
             return model(input_ids, model.make_cache(batch, cache_config), full_mask)[:, -1]
         chunk = prefill_chunk_size or min(tokens.shape[1], DEFAULT_PREFILL_CHUNK)
+        if awaiting_prompt(cache):  # a prefill-mode method compresses at the end of the first block: the prompt
+            if prefill_chunk_size is not None and prefill_chunk_size < tokens.shape[1]:
+                raise ValueError(f"prefill_chunk_size={prefill_chunk_size}: this cache compresses the prompt once, at "
+                                 "the end of its first block (mode: prefill), so the prompt is fed as one block; "
+                                 "leave prefill_chunk_size unset, or use mode: continuous")
+            chunk = tokens.shape[1]
         start = cache.columns
         for i in range(0, tokens.shape[1], chunk):
             piece = tokens[:, i : i + chunk]

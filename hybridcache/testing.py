@@ -31,6 +31,7 @@ import torch
 
 from hybridcache.cache import Cache, CacheCropError, CacheError, NativeLayer, get_layer_class
 from hybridcache.cache.kv_codecs import get_codec
+from hybridcache.cache.scored_eviction import QueryInputs
 
 ATTENTION_SHAPES = {"num_kv_heads": 2, "head_dim": 8}
 EXACT_TOL = 1e-9  # float64
@@ -148,8 +149,11 @@ class _AttentionKit(_Kit):
             with cache.block(None if bool(block_mask.all()) else block_mask, b - a):
                 view = cache[0].update(k[:, :, a:b], v[:, :, a:b])
                 scores = (q[:, :, a:b] @ view.keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-                probs = torch.softmax(scores.masked_fill(~view.mask[:, None], float("-inf")), -1).nan_to_num(0.0)
-                if cache[0].wants_attention_weights:
+                vis = view.mask if view.mask.dim() == 4 else view.mask[:, None]  # per-head positions: [B, H, T, S]
+                probs = torch.softmax(scores.masked_fill(~vis, float("-inf")), -1).nan_to_num(0.0)
+                if getattr(cache[0], "wants_queries", False):  # no rotary here: the queries are pre-rotary
+                    cache[0].observe_attention(probs, QueryInputs(q[:, :, a:b], None, 1 / math.sqrt(q.shape[-1])))
+                elif cache[0].wants_attention_weights:
                     cache[0].observe_attention(probs)
             outs.append(probs @ view.values)
         return torch.cat(outs, dim=2)
@@ -197,8 +201,8 @@ class _AttentionKit(_Kit):
         if max_length is not None:
             if cache.nbytes() != cache.plan.held_nbytes(batch, seen):
                 _fail(where, f"holds {cache.nbytes()} bytes, the plan says {cache.plan.held_nbytes(batch, seen)}")
-        elif bool(mask.all()) and layer.nbytes() > self.spec.min_nbytes(batch, n):
-            _fail(where, f"holds {layer.nbytes()} bytes, more than the {self.spec.min_nbytes(batch, n)} its pattern needs")
+        elif bool(mask.all()) and layer.nbytes() > layer.min_nbytes():
+            _fail(where, f"holds {layer.nbytes()} bytes, more than the {layer.min_nbytes()} its pattern needs")
         self.count("held <= needed")
 
     def crop(self, where: str, max_length: int | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -11,6 +12,7 @@ from hybridcache.blocks.common import StepInput
 from hybridcache.blocks.linear_group import LinearGroup
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
+from hybridcache.cache.scored_eviction import QueryInputs
 from hybridcache.ops import masked_attention
 from hybridcache.blocks.norms import RMSNorm
 from hybridcache.ops.cpu_fused import qkv_norm_rope
@@ -81,9 +83,9 @@ class AttentionMixer(nn.Module):
             out.append(y)
         return tuple(out)
 
-    def _project(self, h: torch.Tensor, step: StepInput, extra) -> tuple[torch.Tensor, ...]:
-        """q [B, Hq, T, D], k and v [B, Hkv, T, D] (q/k normed and rotated) and the output gate (or None), by the
-        separate calls."""
+    def _project(self, h: torch.Tensor, step: StepInput, extra, prerope: bool = False) -> tuple[torch.Tensor, ...]:
+        """q [B, Hq, T, D], k and v [B, Hkv, T, D] (q/k normed and rotated), the output gate (or None) and, with
+        `prerope`, q before rotary (else None), by the separate calls."""
         b, t, _ = h.shape
         d = self.head_dim
         qp, kp, vp = self.qkv(h)  # [B, T, H * D] each
@@ -97,15 +99,17 @@ class AttentionMixer(nn.Module):
             q = qp.view(b, t, self.num_heads, d).transpose(1, 2)  # [B, Hq, T, D]
         k = kp.view(b, t, self.num_kv_heads, d).transpose(1, 2)  # [B, Hkv, T, D]
         v = vp.view(b, t, self.num_kv_heads, d).transpose(1, 2)
-        fused = self._norm_rope(q, k, step)  # float32 on CPU: q/k norms and rotary in one kernel call each
+        fused = None if prerope else self._norm_rope(q, k, step)  # float32 CPU: norms + rotary, one kernel call each
+        q_pre = None
         if fused is not None:
             q, k = fused
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
+            q_pre = q if prerope else None
             if self.rotary is not None:
                 q, k = self.rotary(q, k, step)  # cos/sin computed once per block and frequency table
-        return q, k, v, gate
+        return q, k, v, gate, q_pre
 
     def _fused_input(self, h: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
         """q, k, v [B, H, T, D] by one kernel call (projection, plain RMSNorm q/k norms, plain rotary) for a decode
@@ -128,12 +132,13 @@ class AttentionMixer(nn.Module):
                 extra: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
         b, t, _ = h.shape
         d = self.head_dim
-        gate = None
-        fused_input = self._fused_input(h, step) if extra is None else None
+        gate = q_pre = None
+        wants_queries = getattr(layer, "wants_queries", False)  # a method modelling future queries (ExpectedAttention)
+        fused_input = self._fused_input(h, step) if extra is None and not wants_queries else None
         if fused_input is not None:
             q, k, v = fused_input
         else:
-            q, k, v, gate = self._project(h, step, extra)
+            q, k, v, gate, q_pre = self._project(h, step, extra, prerope=wants_queries)
         if self.query_hook is not None:
             q = self.query_hook(q, step)
         dtype = layer.spec.dtype
@@ -142,9 +147,13 @@ class AttentionMixer(nn.Module):
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = None
-        if layer.wants_attention_weights:  # score-based eviction (H2O / TOVA) reads the block's weights
+        if layer.wants_attention_weights or wants_queries:  # score-based eviction reads the block's weights
             out, weights = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, return_weights=True)
-            layer.observe_attention(weights)
+            if wants_queries:
+                rotation = None if self.rotary is None else partial(self.rotary.mean_rotation, head_dim=d)
+                layer.observe_attention(weights, QueryInputs(q_pre, rotation, self.scale))
+            else:
+                layer.observe_attention(weights)
         elif t == 1 and not torch.compiler.is_compiling():  # a decode step: the kernel reads positions, no mask
             pattern = view.pattern()
             if pattern is not None:

@@ -75,6 +75,16 @@ class RotaryEmbedding(nn.Module):
             cs = positions.memo[key] = self.cos_sin(positions.rope_positions, dtype)
         return cs
 
+    def mean_rotation(self, positions: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """R [D, D] with R @ x = the mean over `positions` [N] of x rotated to each (ExpectedAttention's average
+        rotary matrix), built by rotating the identity's rows: partial and interleaved layouts included."""
+        basis = torch.eye(head_dim, dtype=torch.float64)[None, None].expand(positions.numel(), 1, head_dim, head_dim)
+        cos, sin = self.cos_sin(positions.reshape(-1, 1).to(self.inv_freq.device), torch.float64)  # [N, 1, 1, R]
+        r = self.rotary_dim
+        rot, rest = basis[..., :r], basis[..., r:]
+        rotated = torch.cat([rot * cos + self._rotate(rot) * sin, rest], dim=-1)  # row j: rotation of e_j
+        return rotated.mean(0)[0].T
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: Any) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.tables(positions, q.dtype)
         r = self.rotary_dim

@@ -1,7 +1,9 @@
 """Attention cache layers: `full`, `sliding`, `chunked` (and the base that new patterns subclass).
 
-Storage is per slot: the codec's parts of keys and values [B, H, S, ...] plus `key_pos` [B, S], the position each
-slot holds in its row (-1: empty or padding). Masks come from the spec's pattern and these positions alone.
+Storage is per slot: the codec's parts of keys and values [B, H, S, ...] plus `key_pos`, the position each slot
+holds (-1: empty or padding): [B, S] shared by a row's heads, or [B, H, S] per kv head for patterns that keep
+different tokens per head (`spec.per_head`: kvpress's scorer presses). Masks come from the spec's pattern and
+these positions alone.
 
 Dynamic (max_length None): `update` returns cat(held, new); at commit only what some row's next query can still
 see is kept (sliding: the last W-1 tokens, chunked: the current chunk), or what an eviction policy picks.
@@ -37,19 +39,23 @@ SIDES = ("keys", "values")
 
 @dataclass
 class AttentionView:
-    """What one block attends to: keys/values [B, H, S, D], their positions [B, S], the queries' [B, T]."""
+    """What one block attends to: keys/values [B, H, S, D], their positions ([B, S], or [B, H, S] per kv head),
+    the queries' [B, T]."""
 
     keys: torch.Tensor
     values: torch.Tensor
     query_positions: torch.Tensor  # [B, T], -1 for padding
-    key_positions: torch.Tensor  # [B, S], -1 for padding or empty slots
+    key_positions: torch.Tensor  # [B, S] or [B, H, S], -1 for padding or empty slots
     spec: AttentionSpec
 
     @property
     def mask(self) -> torch.Tensor:
-        """Boolean visibility [B, T, S]: True where query t may attend to key s."""
-        q = self.query_positions[:, :, None]
-        k = self.key_positions[:, None, :]
+        """Boolean visibility [B, T, S] (or [B, H, T, S] with per-head positions): True where query t may attend to
+        key s."""
+        if self.key_positions.dim() == 3:
+            q, k = self.query_positions[:, None, :, None], self.key_positions[:, :, None, :]
+        else:
+            q, k = self.query_positions[:, :, None], self.key_positions[:, None, :]
         return (q >= 0) & (k >= 0) & self.spec.visible(q, k)
 
     def pattern(self) -> tuple[torch.Tensor, torch.Tensor, str, int] | None:
@@ -62,16 +68,26 @@ class AttentionView:
 
 
 def _slot_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-row slot index [B, S'] broadcast to gather/scatter along dim 2 of a [B, H, S', ...] tensor."""
+    """A slot index per row [B, S'] (or per row and head [B, H, S']) broadcast to gather/scatter along dim 2 of a
+    [B, H, S', ...] tensor."""
+    if index.dim() == 3:
+        b, h, n = index.shape
+        return index.view(b, h, n, *([1] * (like.dim() - 3))).expand(b, h, n, *like.shape[3:])
     b, n = index.shape
     return index.view(b, 1, n, *([1] * (like.dim() - 3))).expand(b, like.shape[1], n, *like.shape[3:])
 
 
 def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t [B, H, S, ...] at slots `index` ([S'] shared by rows, or [B, S'] per row) -> [B, H, S', ...]."""
+    """t [B, H, S, ...] at slots `index` ([S'] shared by rows, [B, S'] per row or [B, H, S'] per row and head)
+    -> [B, H, S', ...]."""
     if index.dim() == 1:
         return t.index_select(2, index)
     return t.gather(2, _slot_index(index, t))
+
+
+def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x [B] shaped to broadcast against per-row positions [B, S] or per-head positions [B, H, S]."""
+    return x.view(-1, *([1] * (like.dim() - 1)))
 
 
 class AttentionCacheLayer(CacheLayer):
@@ -100,11 +116,13 @@ class AttentionCacheLayer(CacheLayer):
                 attr = f"{side}_{part or 'data'}"
                 self._parts[attr] = (side, part)
                 setattr(self, attr, torch.zeros(batch_size, s.num_kv_heads, slots, *shape, dtype=dtype, device=self.device))
-        self.key_pos = torch.full((batch_size, slots), -1, dtype=torch.long, device=self.device)  # [B, S]
+        heads = (s.num_kv_heads,) if s.per_head else ()
+        self.key_pos = torch.full((batch_size, *heads, slots), -1, dtype=torch.long, device=self.device)  # [B, (H,) S]
         self._residual = residual_window.allocate(self, batch_size)  # dense recent tokens (residual: R)
         self._tier = self.codec.tier(self)  # None: the parts stay on self.device
         # dynamic dense storage appends in place into spare slots (append_buffer.py)
-        plain = isinstance(self.codec, DenseCodec) and not self._residual and self._tier is None and not slots
+        plain = (isinstance(self.codec, DenseCodec) and not self._residual and self._tier is None and not slots
+                 and not s.per_head)
         self._append = AppendBuffers({**{attr: 2 for attr in self._parts}, "key_pos": 1}) if plain else None
         self._park()
 
@@ -174,7 +192,7 @@ class AttentionCacheLayer(CacheLayer):
         return self.read()[1]
 
     def key_positions(self) -> torch.Tensor:
-        """Positions [B, S] of the held keys (-1: padding or empty slot)."""
+        """Positions [B, S] (per kv head: [B, H, S]) of the held keys (-1: padding or empty slot)."""
         return self.key_pos
 
     # -- update ------------------------------------------------------------------------------------------------
@@ -247,7 +265,10 @@ class AttentionCacheLayer(CacheLayer):
             return AttentionView(keys, values, block.positions, pos, self.spec)
         held_k, held_v = self.read()
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)  # [B, H, S + T, D]
-        pos = torch.cat([self.key_pos, block.positions], dim=1)  # [B, S + T]
+        new_pos = block.positions  # [B, T]
+        if self.key_pos.dim() == 3:  # per-head positions: every head holds the block's tokens
+            new_pos = new_pos[:, None].expand(-1, self.key_pos.shape[1], -1)
+        pos = torch.cat([self.key_pos, new_pos], dim=-1)  # [B, (H,) S + T]
         offloaded = self._tier is not None  # then do not keep the whole view alive until the commit
         self._staged = ("block", k, v, None if offloaded else keys, None if offloaded else values, pos, block)
         return AttentionView(keys, values, block.positions, pos, self.spec)
@@ -318,7 +339,7 @@ class AttentionCacheLayer(CacheLayer):
 
         Default: the slots some row's next query (at position `seen`) can still see.
         """
-        keep = ((pos >= 0) & self.spec.visible(seen[:, None], pos)).any(0)  # [S]
+        keep = ((pos >= 0) & self.spec.visible(_per_row(seen, pos), pos)).flatten(0, -2).any(0)  # [S]
         return None if bool(keep.all()) else keep.nonzero().squeeze(1)
 
     def _take(self, index: torch.Tensor) -> None:
@@ -332,7 +353,12 @@ class AttentionCacheLayer(CacheLayer):
             return
         for attr in self._parts:
             setattr(self, attr, _gather_slots(getattr(self, attr), index))
-        self.key_pos = self.key_pos.index_select(1, index) if index.dim() == 1 else self.key_pos.gather(1, index)
+        if index.dim() == 1:
+            self.key_pos = self.key_pos.index_select(-1, index)
+        elif index.dim() == self.key_pos.dim():
+            self.key_pos = self.key_pos.gather(-1, index)
+        else:  # a per-row index over per-head positions
+            self.key_pos = self.key_pos.gather(-1, index[:, None].expand(-1, self.key_pos.shape[1], -1))
 
     def _commit_static(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> None:
         """Write a block's tokens into their slots: per row, the ones `stays_in_slots` keeps (distinct slots)."""
@@ -366,8 +392,10 @@ class AttentionCacheLayer(CacheLayer):
 
     # -- crop --------------------------------------------------------------------------------------------------
     def _prepare_crop(self, n: int, seen: torch.Tensor):
-        kept = (self.key_pos >= 0) & (self.key_pos < seen[:, None])  # [B, S]
-        have = (kept & self.spec.visible(seen[:, None], self.key_pos)).sum(1)
+        rows = _per_row(seen, self.key_pos)
+        kept = (self.key_pos >= 0) & (self.key_pos < rows)  # [B, (H,) S]
+        have = (kept & self.spec.visible(rows, self.key_pos)).sum(-1)  # [B] or [B, H]: per head, the fewest counts
+        have = have if have.dim() == 1 else have.min(1).values
         need = self.spec.needed_tokens(seen)
         if bool((have < need).any()):
             row = int((have < need).nonzero()[0])
@@ -387,7 +415,7 @@ class AttentionCacheLayer(CacheLayer):
             self.key_pos.masked_fill_(~kept, -1)
         else:
             self.key_pos = torch.where(kept, self.key_pos, -1)
-            columns = kept.any(0)
+            columns = kept.flatten(0, -2).any(0)  # slots some row (and head) still holds
             if not bool(columns.all()):
                 self._take(columns.nonzero().squeeze(1))
         self._park()

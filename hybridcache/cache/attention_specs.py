@@ -52,6 +52,9 @@ class AttentionSpec(LayerSpec):
             raise CacheError(f"{owner}: residual must be a non-negative integer (recent tokens kept unquantized), "
                              f"got {r!r}")
         codec = self.codec()  # unknown names, options and group sizes fail here, with what is known
+        if r and self.per_head:
+            raise CacheError(f"{owner}: residual={r} is not available for a pattern that keeps different tokens per "
+                             "kv head (the residual window holds one position per row and slot)")
         if r and codec.exact:
             raise CacheError(f"{owner}: residual={r} keeps the most recent tokens unquantized, but storage "
                              f"'{self.storage}' is exact already; use it with a quantized storage (int8, int4)")
@@ -66,6 +69,11 @@ class AttentionSpec(LayerSpec):
         return codec
 
     # -- the pattern -------------------------------------------------------------------------------------------
+    @property
+    def per_head(self) -> bool:
+        """Whether each kv head keeps its own tokens (positions [B, H, S]) rather than one set per row ([B, S])."""
+        return False
+
     def visible(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """May a query at position q see a key at position kv? (broadcasting; both >= 0)"""
         return kv <= q

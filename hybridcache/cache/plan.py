@@ -235,7 +235,8 @@ def resolve_plan(
     for where, group in [*groups.items(), *((f"layers.{_addr(i, m)}", g) for (i, m), g in per_layer.items())]:
         _check_group(where, group)
     plan = CachePlan(tuple(
-        _resolve_layer(i, m, nl, groups, per_layer.get((i, m), {}), max_length) for i, m, nl in flatten_native(native)
+        _resolve_layer(i, m, nl, groups, per_layer.get((i, m), {}), max_length, len(native))
+        for i, m, nl in flatten_native(native)
     ))
     for kind in KINDS:  # a kind-wide parameter that none of the model's layers of that kind takes is a mistake
         group = groups.get(kind, {})
@@ -256,7 +257,8 @@ def _addr(i: int, member: str | None) -> str:
     return str(i) if member is None else f"{i}.{member}"
 
 
-def _resolve_layer(i: int, member: str | None, nl: NativeLayer, groups: dict, own: dict, max_length: int | None) -> LayerPlan:
+def _resolve_layer(i: int, member: str | None, nl: NativeLayer, groups: dict, own: dict, max_length: int | None,
+                   depth: int) -> LayerPlan:
     native_cls = get_layer_class(nl.type)
     kind, where_i = native_cls.kind, _addr(i, member)
     levels = [(kind, groups.get(kind, {})), (nl.type, groups.get(nl.type, {})), (f"layers.{where_i}", own)]
@@ -274,6 +276,8 @@ def _resolve_layer(i: int, member: str | None, nl: NativeLayer, groups: dict, ow
     params = {k: v for k, v in nl.params.items() if k in spec_fields}
     if max_length is not None and "max_length" in spec_fields:
         params["max_length"] = max_length
+    if "layer_index" in spec_fields:  # a spec that depends on its depth in the stack (PyramidKV's budgets)
+        params.update(layer_index=i, num_layers=depth)
     for level, (where, group) in enumerate(levels):
         if "type" in group and level < type_level:
             continue  # its parameters belong to a type that a more specific entry replaced

@@ -29,7 +29,8 @@ def masked_attention(
         k: [B, Hkv, S, D] keys; Hq must be a multiple of Hkv (query head h
             reads kv head h // (Hq // Hkv)).
         v: [B, Hkv, S, Dv] values.
-        mask: bool [B, T, S], True = key visible to the query (shared by heads).
+        mask: bool [B, T, S], True = key visible to the query (shared by heads), or [B, Hkv, T, S] per kv head
+            (patterns that keep different tokens per head).
         scale: multiplier applied to q @ k^T.
         softcap: if set, scores = softcap * tanh(scores / softcap).
 
@@ -48,8 +49,9 @@ def masked_attention(
         raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool, got {mask.dtype}")
-    if mask.dim() != 3 or mask.shape[-2:] != (t, s):
-        raise ValueError(f"mask {tuple(mask.shape)} does not match [B, {t}, {s}]")
+    if mask.dim() not in (3, 4) or mask.shape[-2:] != (t, s) or (mask.dim() == 4 and mask.shape[1] != hkv):
+        raise ValueError(f"mask {tuple(mask.shape)} does not match [B, {t}, {s}] or [B, {hkv}, {t}, {s}]")
+    heads = mask.dim() == 4
     if t == 1 and not return_weights and not torch.compiler.is_compiling():  # a decode step: one kernel call
         out = decode_attention(q, k, v, mask, scale, softcap)
         if out is not None:
@@ -69,11 +71,12 @@ def masked_attention(
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     # masked_fill (not an additive mask): a NaN/inf score in a hidden slot is replaced, never added to
-    probs = torch.softmax(scores.masked_fill(~mask[:, None, None], float("-inf")), dim=-1)
-    empty = ~mask.any(dim=-1)  # [B, T]: queries that see nothing get zeros, not softmax's NaN
-    probs = probs.masked_fill(empty[:, None, None, :, None], 0.0)
+    mask5 = mask[:, :, None] if heads else mask[:, None, None]  # [B, Hkv or 1, 1, T, S]
+    probs = torch.softmax(scores.masked_fill(~mask5, float("-inf")), dim=-1)
+    empty = ~mask5.any(dim=-1, keepdim=True)  # queries that see nothing get zeros, not softmax's NaN
+    probs = probs.masked_fill(empty, 0.0)
 
-    seen = mask.any(dim=-2)[:, None, :, None]  # [B, 1, S, 1] slot visible to some query
+    seen = mask.any(dim=-2)[..., None] if heads else mask.any(dim=-2)[:, None, :, None]  # [B, Hkv or 1, S, 1]
     v_clean = torch.where(seen, v.to(acc), torch.zeros((), dtype=acc, device=v.device))
     out = torch.matmul(probs.view(b, hkv, g * t, s), v_clean)  # [B, Hkv, G*T, Dv]
     out = out.view(b, hq, t, out.shape[-1]).to(q.dtype)
@@ -91,10 +94,12 @@ def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     None: not taken."""
     if not bool(torch.isfinite(k.sum() + v.sum())):  # NaN / inf anywhere (or sums past float range: also declined)
         return None
+    heads = mask.dim() == 4  # per kv head: one mask row per query head
+    attn_mask = mask.repeat_interleave(q.shape[1] // k.shape[1], dim=1) if heads else mask[:, None]
     try:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
     except TypeError:  # a torch without enable_gqa (< 2.5)
         return None
-    empty = ~mask.any(dim=-1)  # [B, T]
-    return out.masked_fill(empty[:, None, :, None], 0.0)
+    empty = ~attn_mask.any(dim=-1, keepdim=True)  # [B, Hq or 1, T, 1]
+    return out.masked_fill(empty, 0.0)
