@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 WORKER = Path(__file__).with_name("hf_quantized_worker.py")
@@ -58,4 +59,8 @@ def run_hf_quantized(keys: torch.Tensor, values: torch.Tensor, splits: list[int]
         if proc.returncode != 0:
             raise HFQuantizedWorkerError(f"hf_quantized worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
         out = load_file(dst)
+        with safe_open(dst, framework="pt") as f:
+            version = f.metadata().get("transformers", "?")
+    if not version.startswith("5.2."):
+        raise HFQuantizedUnavailable(f"{python} has transformers {version}; the reference is 5.2: {INSTALL}")
     return [(out[f"keys.{i}"], out[f"values.{i}"]) for i in range(len(splits))]
