@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not os.environ.get("HYBRIDCACHE_HFQ_PYTHON"),
 
 LIVE_SPLITS = {  # (B, H, N, D) and block lengths: prefill, decode steps, longer blocks
     "decode": ((2, 2, 40, 16), [9] + [1] * 31),
-    "mixed": ((1, 2, 40, 16), [16, 3, 1, 1, 5, 1, 1, 1, 4, 1, 1, 1, 1, 2, 1, 1]),
+    "mixed": ((1, 2, 40, 16), [15, 3, 1, 1, 5, 1, 1, 1, 4, 1, 1, 1, 1, 2, 1, 1]),
 }
 
 
