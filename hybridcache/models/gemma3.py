@@ -114,7 +114,10 @@ class Gemma3LM(HybridLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.config
         attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "dtype": self.dtype}
-        return [NativeLayer(NATIVE_TYPE[t], {**attn, "window": c["sliding_window"]}) for t in self.types]
+        # only the sliding layers have a window: a type that takes one (sink, a score-based method over a window)
+        # must not inherit it on a global layer
+        return [NativeLayer(NATIVE_TYPE[t], {**attn, "window": c["sliding_window"]} if NATIVE_TYPE[t] == "sliding"
+                            else dict(attn)) for t in self.types]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

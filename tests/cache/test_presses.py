@@ -1,0 +1,206 @@
+"""Score-based compression methods against independent transcriptions of kvpress's scoring (batch 1, unpadded, the
+prompt as one block: kvpress's setting), written here from the presses' equations with none of our code; then the
+same rows inside a left-padded batch, continuous mode, and the hybrid families."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridcache.cache import Cache, CacheConfigError, NativeLayer
+from hybridcache.cache.scored_eviction import QueryInputs
+
+HKV, GROUP, D = 2, 2, 8
+HQ = HKV * GROUP
+
+
+def feed(cache, q, k, v, mask=None, queries=None):
+    """One block through layer 0 with naive grouped attention; hands the weights (and queries) over."""
+    t = k.shape[2]
+    with cache.block(mask, t):
+        view = cache[0].update(k, v)
+        keys = view.keys.repeat_interleave(GROUP, 1)
+        vis = view.mask if view.mask.dim() == 4 else view.mask[:, None]
+        vis = vis.repeat_interleave(GROUP, 1) if vis.shape[1] > 1 else vis
+        scores = (q @ keys.transpose(-1, -2)) / math.sqrt(D)
+        probs = torch.softmax(scores.masked_fill(~vis, float("-inf")), -1).nan_to_num(0.0)
+        if getattr(cache[0], "wants_queries", False):
+            cache[0].observe_attention(probs, queries)
+        elif cache[0].wants_attention_weights:
+            cache[0].observe_attention(probs)
+    return cache
+
+
+def build(params, batch=1):
+    return Cache.build([NativeLayer("full", {"num_kv_heads": HKV, "head_dim": D, "dtype": torch.float64})], batch,
+                       {"attention": params})
+
+
+def data(t, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, HQ, t, D, generator=g, dtype=torch.float64)
+    k = torch.randn(1, HKV, t, D, generator=g, dtype=torch.float64) * (1 + torch.rand(1, HKV, t, 1, generator=g,
+                                                                                      dtype=torch.float64))
+    v = torch.randn(1, HKV, t, D, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def causal_weights(q, k):
+    """[1, Hq, T, T] softmax(q k^T / sqrt(d)) under the causal mask (GQA by repeating keys)."""
+    t = k.shape[2]
+    s = q @ k.repeat_interleave(GROUP, 1).transpose(-1, -2) / math.sqrt(D)
+    return torch.softmax(s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")), -1)
+
+
+def kept_by(scores, n_kept):
+    """kvpress ScorerPress.compress: topk per head -> sorted kept positions [Hkv, n_kept]."""
+    return scores.topk(n_kept, dim=-1).indices.sort(-1).values[0]
+
+
+def reference(name, q, k, v, ratio, **kw):
+    t = k.shape[2]
+    n_kept = max(1, int(t * (1 - ratio)))
+    w = causal_weights(q, k)
+    if name == "knorm":
+        scores = -k.norm(dim=-1)
+    elif name == "streaming_llm":
+        scores = torch.ones(1, HKV, t, dtype=torch.float64)
+        scores[:, :, kw["n_sink"]: kw["n_sink"] + t - n_kept] = 0
+    elif name in ("snapkv", "pyramidkv"):
+        win, ker = kw["window_size"], kw["kernel_size"]
+        s = w[..., -win:, :-win].mean(-2)
+        s = F.avg_pool1d(s, kernel_size=ker, padding=ker // 2, stride=1)
+        s = s.view(1, HKV, GROUP, t - win).mean(2)
+        scores = F.pad(s, (0, win), value=s.max().item() + 1)
+    elif name == "tova":
+        s = w[..., -1:, :-1].mean(1)
+        scores = F.pad(s.repeat(1, HKV, 1), (0, 1), value=s.max().item() + 1)
+    elif name == "observed_attention":
+        s = w.sum(2) / torch.arange(t, 0, -1, dtype=torch.float64)
+        scores = s.view(1, HKV, GROUP, t).mean(2)
+    elif name == "expected_attention":
+        sink = kw["n_sink"]
+        h = q[:, :, sink:]  # no rotary in this test: the queries are their own pre-rotary form
+        mu = h.mean(2, keepdim=True)
+        c = h - mu
+        cov = torch.einsum("bnsi,bnsj->bnij", c, c) / h.shape[2]
+        keys = k[:, :, sink:].repeat_interleave(GROUP, 1).transpose(2, 3)
+        s = torch.matmul(mu, keys).squeeze(2) / math.sqrt(D)
+        s = s + torch.einsum("bhin,bhij,bhjn->bhn", keys, cov, keys) / D / 2
+        s = F.softmax(s, dim=-1).view(1, HKV, GROUP, -1).mean(2) * v[:, :, sink:].norm(dim=-1)
+        scores = F.pad(s, (sink, 0), value=s.max().item() + 1)
+    else:
+        raise AssertionError(name)
+    return kept_by(scores, n_kept)
+
+
+CASES = [("knorm", {}), ("streaming_llm", {"n_sink": 3}), ("snapkv", {"window_size": 6, "kernel_size": 3}),
+         ("tova", {"mode": "prefill"}), ("observed_attention", {}), ("expected_attention", {"n_sink": 2})]
+
+
+@pytest.mark.parametrize("name,kw", CASES)
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.8])
+def test_prefill_keeps_what_kvpress_would(name, kw, ratio):
+    t = 40
+    q, k, v = data(t, seed=int(ratio * 10) + len(name))
+    cache = feed(build({"type": name, "compression_ratio": ratio, "mode": "prefill", **kw}), q, k, v,
+                 queries=QueryInputs(q, None, 1 / math.sqrt(D)))
+    want = reference(name, q, k, v, ratio, **{x: y for x, y in kw.items() if x != "mode"})
+    pos = cache[0].key_positions()
+    got = pos[0] if pos.dim() == 3 else pos[0][None].expand(HKV, -1)
+    assert torch.equal(got, want)
+
+
+def test_pyramidkv_budgets_per_layer_match_kvpress_formula():
+    """get_layer_budget, transcribed: layer 0 keeps the most, the last the fewest, their mean the uniform budget."""
+    from hybridcache.cache.presses import PyramidKVSpec
+
+    def budget(q_len, r, w, beta, idx, layers):
+        cap = w + q_len * (1 - r)
+        lo = (cap - w) / beta
+        hi = (cap - w) * 2 - lo
+        if hi >= q_len - w:
+            hi = q_len - w
+            lo = (cap - w) * 2 - hi
+        if not (q_len >= hi >= lo >= w):
+            return max(1, round(q_len * (1 - r)))
+        return round(hi - idx * (hi - lo) / (layers - 1))
+
+    for q_len, r in ((400, 0.5), (400, 0.8), (1000, 0.7), (100, 0.9)):
+        for idx in range(18):
+            spec = PyramidKVSpec(num_kv_heads=1, head_dim=8, compression_ratio=r, layer_index=idx, num_layers=18)
+            assert spec.layer_budget(q_len) == budget(q_len, r, 64, 20, idx, 18)
+    spec = PyramidKVSpec(num_kv_heads=1, head_dim=8, compression_ratio=0.5, layer_index=0, num_layers=18)
+    assert spec.layer_budget(400) > 200 > PyramidKVSpec(num_kv_heads=1, head_dim=8, compression_ratio=0.5,
+                                                        layer_index=17, num_layers=18).layer_budget(400)
+
+
+@pytest.mark.parametrize("name,kw", CASES)
+def test_a_padded_row_keeps_what_it_keeps_alone(name, kw):
+    t, pad = 30, 7
+    q, k, v = data(t, seed=5)
+    alone = feed(build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}), q, k, v,
+                 queries=QueryInputs(q, None, 1 / math.sqrt(D)))
+    other = data(t + pad, seed=6)
+    qb, kb, vb = (torch.cat([torch.cat([x.new_zeros(*x.shape[:2], pad, D), x], 2), y]) for x, y in zip((q, k, v), other))
+    mask = torch.ones(2, t + pad, dtype=torch.bool)
+    mask[0, :pad] = False
+    batch = feed(build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}, batch=2), qb, kb, vb, mask,
+                 queries=QueryInputs(qb, None, 1 / math.sqrt(D)))
+    mine, together = alone[0].key_positions()[0], batch[0].key_positions()[0]
+    together = together[..., (together >= 0).all(0) if together.dim() == 2 else together >= 0]
+    assert torch.equal(mine, together)
+
+
+def test_prefill_compresses_once_then_keeps_every_later_token():
+    q, k, v = data(20, seed=1)
+    cache = feed(build({"type": "knorm", "compression_ratio": 0.5}), q, k, v)
+    assert cache[0].key_positions().shape == (1, HKV, 10) and cache[0].compressed
+    for i in range(3):
+        q1, k1, v1 = data(1, seed=10 + i)
+        feed(cache, q1, k1, v1)
+    pos = cache[0].key_positions()[0]
+    assert pos.shape == (HKV, 13) and torch.equal(pos[:, -3:], torch.tensor([[20, 21, 22]] * HKV))
+
+
+def test_continuous_budget_and_h2o_accumulation_against_a_naive_run():
+    """H2O continuous: the kept set after each decode step is the top by attention accumulated over every query so
+    far (averaged over the group) among non-recent tokens, plus the recent window; recomputed naively here."""
+    budget, recent = 8, 3
+    g = torch.Generator().manual_seed(0)
+    t = 24
+    q = torch.randn(1, HQ, t, D, generator=g, dtype=torch.float64)
+    k = torch.randn(1, HKV, t, D, generator=g, dtype=torch.float64)
+    v = torch.randn(1, HKV, t, D, generator=g, dtype=torch.float64)
+    cache = build({"type": "h2o", "budget": budget, "recent": recent})
+    kept = [list(range(0)) for _ in range(HKV)]
+    acc = [dict() for _ in range(HKV)]
+    for step in range(t):
+        feed(cache, q[:, :, step:step + 1], k[:, :, step:step + 1], v[:, :, step:step + 1])
+        for h in range(HKV):
+            kept[h].append(step)
+            acc[h][step] = 0.0
+            for j in range(GROUP):
+                qh = q[0, h * GROUP + j, step]
+                s = torch.stack([qh @ k[0, h, p] for p in kept[h]]) / math.sqrt(D)
+                for p, w in zip(kept[h], torch.softmax(s, 0).tolist()):
+                    acc[h][p] += w / GROUP
+            if len(kept[h]) > budget:
+                recent_set = [p for p in kept[h] if p > step - recent]
+                heavy = sorted((p for p in kept[h] if p not in recent_set), key=lambda p: (-acc[h][p], -p))
+                kept[h] = sorted(heavy[: budget - len(recent_set)] + recent_set)
+        got = cache[0].key_positions()[0]
+        assert got.tolist() == kept, f"step {step}"
+
+
+def test_bad_parameters_are_named():
+    for params, words in (({"type": "snapkv"}, "exactly one of"),
+                          ({"type": "snapkv", "compression_ratio": 1.0}, "[0, 1)"),
+                          ({"type": "h2o", "compression_ratio": 0.5}, "continuous"),
+                          ({"type": "knorm", "compression_ratio": 0.5, "mode": "sometimes"}, "mode"),
+                          ({"type": "snapkv", "compression_ratio": 0.5, "kernel_size": 4}, "odd"),
+                          ({"type": "knorm", "compression_ratio": 0.5, "storage": "int8", "residual": 4}, "per kv head"),
+                          ({"type": "tova", "budget": 4, "max_length": 64}, "dynamic storage")):
+        with pytest.raises(CacheConfigError, match=words.replace("[", r"\[").replace(")", r"\)")):
+            build(params)

@@ -1,0 +1,36 @@
+"""The score-based methods on the attention layers of hybrid families: compression after the prompt leaves the
+recurrent states of the prompt as they were, and a method that keeps everything is exactly the native strategy."""
+
+import pytest
+import torch
+
+import hybridcache as hc
+from tests.models.conftest import prompts
+
+
+@pytest.mark.parametrize("family", ["jamba", "zamba2", "falcon_h1", "qwen3_next", "gemma3", "llama4"])
+def test_every_method_runs_on_the_attention_layers_of_hybrids(models, family):
+    """Recurrent layers untouched; a ratio-0 / huge-budget method is exactly the native strategy."""
+    model, _ = models(family, torch.float64)
+    ids = prompts(2, 24, seed=2)
+    states = {"recurrent": {"state_dtype": torch.float64}}
+    native = hc.generate(model, ids, max_new_tokens=4, cache_config=states)
+    prefilled = hc.generate(model, ids, max_new_tokens=1, cache_config=states)
+    for name in ("snapkv", "knorm", "streaming_llm", "observed_attention", "expected_attention", "pyramidkv"):
+        kw = {"window_size": 4} if name in ("snapkv", "pyramidkv") else {}
+        out = hc.generate(model, ids, max_new_tokens=4,
+                          cache_config={**states, "full": {"type": name, "compression_ratio": 0.0, **kw}})
+        assert torch.equal(out.sequences, native.sequences), name
+        assert (out.logits - native.logits).abs().max() < 1e-10, name
+        lossy = hc.generate(model, ids, max_new_tokens=4,
+                            cache_config={**states, "full": {"type": name, "compression_ratio": 0.5, **kw}})
+        assert torch.isfinite(lossy.logits).all()
+        prompt_only = hc.generate(model, ids, max_new_tokens=1,
+                                  cache_config={**states, "full": {"type": name, "compression_ratio": 0.5, **kw}})
+        for entry_n, entry_l in zip(prefilled.cache.layers, prompt_only.cache.layers):
+            if entry_n.kind == "recurrent":  # compression happens after the prompt: its states are the native ones
+                for s in entry_n.states:  # (up to float64 rounding: attention with weights takes the explicit path)
+                    assert (entry_n.states[s] - entry_l.states[s]).abs().max() < 1e-12, (name, s)
+    for name in ("tova", "h2o"):
+        out = hc.generate(model, ids, max_new_tokens=4, cache_config={**states, "full": {"type": name, "budget": 99}})
+        assert torch.equal(out.sequences, native.sequences), name
