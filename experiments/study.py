@@ -1,11 +1,17 @@
 """experiment=study: what a cache strategy costs. Memory held against quality, on the same text, per strategy.
 
 Bytes are the peak a batch-1 cache holds over the context (`CachePlan.held_nbytes`, equal to `cache.nbytes()` after
-the run, which study.json keeps as `bytes_after`). A strategy is a named cache-config mapping in configs/experiment/study.yaml (`strategies:`); a new one (a new cache
-type, a storage format, a per-layer mix) is one more YAML entry, no code. For each strategy and context length:
-cache bytes held (and vs native), teacher-forced perplexity on long documents, KL from native's next-token
-distribution, top-1 and greedy agreement with native, and passkey retrieval accuracy (see experiments/study_eval.py).
-Writes study.json and study_pareto.png to Hydra's output directory and logs both to W&B.
+the run, which study.json keeps as `bytes_after`). A strategy is a named cache-config mapping in
+configs/experiment/study.yaml (`strategies:`); a new one (a new cache type, a storage format, a per-layer mix) is one
+more YAML entry, no code. For each strategy and context length: cache bytes held (and vs native), teacher-forced
+perplexity on long documents read block by block, KL from native's next-token distribution, top-1 and greedy
+agreement with native; kvpress's protocol (an L-token prompt in one block, then N teacher-forced tokens), passkey
+retrieval and RULER's synthetic tasks (see experiments/study_eval.py, experiments/ruler.py).
+
+A strategy that compresses after the prefill (`mode: prefill`, kvpress's presses) would compress only the first block
+of the blockwise read, so it gets no blockwise numbers: kvpress's protocol, its greedy tokens after the prompt, and
+one-block prefills for passkey and RULER. Writes study.json and study_pareto.png to Hydra's output directory and
+logs both to W&B.
 """
 
 from __future__ import annotations
@@ -24,48 +30,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import hybridcache.real_checkpoints  # noqa: F401 - registers the ${real:NAME} resolver used by model configs
 from experiments.common import load_model, load_tokenizer
+from experiments.ruler import TASKS as RULER_TASKS
+from experiments.ruler import has_depth, ruler_sample
 from experiments.study_data import documents, passkey_prompt
-from experiments.study_eval import Strategy, agreement, block_edges, passkey, prefix_max, prefix_mean, teacher_forced
-from experiments.study_report import finite, pareto_plot, print_table, verdict
-from hybridcache.cache import resolve_plan
+from experiments.study_eval import (Continuation, Strategy, agreement, block_edges, continuation, passkey, prefix_max,
+                                    prefix_mean, ruler_trial, teacher_forced)
+from experiments.study_report import finite, pareto_plot, print_ruler_table, print_table, verdict
+from experiments.study_strategies import (compresses_after_prefill, plan_or_error, probed, references,
+                                          strategy_configs)
 from hybridcache.tracking import Tracker
 
-SMOKE = {"lengths": [64, 160], "block": 32, "greedy_tokens": 4, "documents": 1,
-         "passkey": {"lengths": [256, 320], "depths": [0.2, 0.8], "trials": 1}}  # bytes: the tiny models use ByT5
-
-
-def strategy_configs(e: DictConfig) -> dict[str, dict[str, Any]]:
-    """Name -> cache config, the reference strategy first (added as the native `{}` when not listed)."""
-    raw = OmegaConf.to_container(e.strategies, resolve=True) or {}
-    only = list(e.only) if e.get("only") else None
-    if only:
-        unknown = [n for n in only if n not in raw and n != e.reference]
-        if unknown:
-            raise ValueError(f"experiment.only names unknown strategies {unknown} (known: {', '.join(raw)})")
-    ref = e.reference
-    out = {ref: raw.get(ref) or {}}
-    for name, config in raw.items():
-        if name != ref and (only is None or name in only):
-            out[name] = config or {}
-    return out
-
-
-def passkey_strategies(e: DictConfig, compute: list[str]) -> list[str]:
-    """The strategies the passkey test runs for: `passkey.strategies` (null: all), the reference always."""
-    names = e.passkey.get("strategies")
-    if names is None:
-        return list(compute)
-    unknown = [n for n in names if n not in e.strategies]
-    if unknown:
-        raise ValueError(f"experiment.passkey.strategies names unknown strategies {unknown}")
-    return [n for n in compute if n in set(names) or n == e.reference]
-
-
-def plan_or_error(model, config: dict[str, Any]):
-    try:
-        return resolve_plan(model.native_layers(), config), None
-    except Exception as err:  # noqa: BLE001 - an unknown or inapplicable type: the row says why, the study goes on
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0]}"
+SMOKE = {"lengths": [64, 160], "block": 32, "greedy_tokens": 4, "documents": 1, "continuation": 16,
+         "passkey": {"lengths": [256, 320], "depths": [0.2, 0.8], "trials": 1},  # bytes: the tiny models use ByT5
+         "ruler": {"tasks": list(RULER_TASKS), "lengths": [1280], "depths": [0.5], "trials": 1, "max_new_tokens": 4,
+                   "strategies": ["native", "snapkv_50"]}}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -73,13 +51,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     e = OmegaConf.merge(cfg.experiment, SMOKE) if cfg.experiment.smoke else cfg.experiment
     lengths = sorted({int(L) for L in e.lengths})
+    n_cont = int(e.get("continuation") or 0)
     start_time = time.perf_counter()
     with console.status(f"[bold]loading {cfg.model.family}[/]"):
         checkpoint, model = load_model(cfg)
         tokenizer = load_tokenizer(checkpoint)
     random_weights = not cfg.model.checkpoint
-    what = (f"{cfg.model.family} with RANDOM weights (a tiny test model): perplexity, KL and passkey say nothing "
-            "about real models; only exactness (KL 0, same tokens) is meaningful" if random_weights
+    what = (f"{cfg.model.family} with RANDOM weights (a tiny test model): perplexity, KL, passkey and RULER say "
+            "nothing about real models; only exactness (KL 0, same tokens) is meaningful" if random_weights
             else f"{cfg.model.family} from {checkpoint}")
     console.print(f"[bold]study[/]: {what}")
 
@@ -95,72 +74,144 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     native_plan = plans[ref_name]
     same = {n for n, p in plans.items() if p is not None and n != ref_name and not p.changed(native_plan)}
     compute = [n for n in configs if n not in rows and n not in same]
+    after_prefill = {n for n in compute if n != ref_name and compresses_after_prefill(plans[n])}
+    blockwise = [n for n in compute if n not in after_prefill]
 
-    docs = documents(tokenizer, e.text, max(lengths), int(e.documents), model.vocab_size)
+    def chunk(name: str, tokens: int) -> int:  # a compress-after-prefill cache sees the whole prompt in one block
+        return tokens if name in after_prefill else int(e.block)
+
+    docs = documents(tokenizer, e.text, max(lengths) + (n_cont + 1 if n_cont else 0), int(e.documents),
+                     model.vocab_size)
     rng = random.Random(int(e.passkey.seed))
     prompts = [(int(L), passkey_prompt(tokenizer, int(L), float(d), rng, int(e.passkey.digits)))
                for L in e.passkey.lengths for d in e.passkey.depths for _ in range(int(e.passkey.trials))]
+    samples = ruler_samples(e.ruler, tokenizer, model.vocab_size)
     per_doc: dict[str, list[Strategy]] = {n: [] for n in compute}
+    cont: dict[str, list[Continuation]] = {n: [] for n in compute}
     trials: dict[str, list[dict]] = {n: [] for n in compute}
+    ruler_runs: dict[str, list[dict]] = {n: [] for n in compute}
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    phase_s: dict[str, float] = {}  # wall seconds per part: where a bigger setting's time goes
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        phase_s[name], clock = time.perf_counter() - clock, time.perf_counter()
+
     with Progress(*columns, console=console, transient=True) as progress:
         blocks = len(block_edges(max(lengths), int(e.block), lengths)) - 1
-        task = progress.add_task("perplexity, KL, greedy", total=len(docs) * blocks * len(compute))
+        task = progress.add_task("perplexity, KL, greedy", total=len(docs) * blocks * len(blockwise))
         for doc in docs:
-            strategies = [Strategy(n, configs[n]) for n in compute]
-            teacher_forced(model, doc, strategies, lengths, int(e.block), int(e.greedy_tokens),
+            strategies = [Strategy(n, configs[n]) for n in blockwise]
+            teacher_forced(model, doc[:max(lengths)], strategies, lengths, int(e.block), int(e.greedy_tokens),
                            lambda: progress.advance(task))
             for s in strategies:
                 per_doc[s.name].append(s)
-        probed = passkey_strategies(e, compute)
-        task = progress.add_task("passkey", total=len(prompts) * len(probed))
-        for name in probed:
+        lap("blockwise")
+        if n_cont:
+            task = progress.add_task(f"kvpress protocol: {n_cont} tokens after the prompt",
+                                     total=len(docs) * len(lengths) * len(compute))
+            for doc in docs:
+                runs = [Continuation(n, configs[n]) for n in compute]
+                continuation(model, doc, runs, lengths, n_cont, int(e.greedy_tokens), after_prefill | {ref_name},
+                             lambda: progress.advance(task))
+                for r in runs:
+                    cont[r.name].append(r)
+        lap("kvpress_protocol")
+        names = probed(e, "passkey", compute)
+        task = progress.add_task("passkey", total=len(prompts) * len(names))
+        for name in names:
             for requested, prompt in prompts:
-                trials[name].append({"requested": requested,
-                                     **passkey(model, tokenizer, prompt, configs[name], int(e.block))})
+                trials[name].append({"requested": requested, **passkey(model, tokenizer, prompt, configs[name],
+                                                                       chunk(name, len(prompt.ids)))})
                 progress.advance(task)
+        lap("passkey")
+        names = probed(e, "ruler", compute) if samples else []
+        task = progress.add_task("RULER", total=len(samples) * len(names))
+        for name in names:
+            for sample in samples:
+                ruler_runs[name].append(ruler_trial(model, tokenizer, sample, configs[name],
+                                                    chunk(name, len(sample.ids)), e.ruler.get("max_new_tokens")))
+                progress.advance(task)
+        lap("ruler")
 
     native_bytes = peak_bytes(native_plan, max(lengths))
     for name in compute:
-        rows[name] = summarize(name, configs[name], plans[name], native_plan, per_doc[name], per_doc[ref_name], trials[name],
-                               trials[ref_name], lengths, native_bytes)
+        rows[name] = summarize(name, configs[name], plans[name], native_plan, per_doc[name], per_doc[ref_name],
+                               cont[name], cont[ref_name], trials[name], trials[ref_name], lengths, native_bytes)
+        rows[name].update(ruler_summary(ruler_runs[name]))
+        rows[name]["protocol"] = "prefill" if name in after_prefill else "blockwise"
     for name in same:
         rows[name] = {**rows[ref_name], "name": name, "config": configs[name], "same_plan": True}
     ordered = [rows[n] for n in configs]
     for r in ordered:
+        r.update(references(e, r["name"]))
         r["verdict"] = verdict(r, rows[ref_name], random_weights)
 
     title = (f"study: {cfg.model.family}{' (random weights)' if random_weights else ''}, text '{e.text}', "
              f"{len(docs)} doc(s), passkey at {list(e.passkey.lengths)} tokens")
-    plot = pareto_plot(ordered, lengths, out_dir / "study_pareto.png", title)
+    plot = pareto_plot(ordered, lengths, out_dir / "study_pareto.png", title, n_cont)
     result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint,
-              "random_weights": random_weights, "text": e.text, "lengths": lengths, "strategies": ordered,
-              "wall_s": time.perf_counter() - start_time, "plot": str(plot)}
+              "random_weights": random_weights, "text": e.text, "lengths": lengths, "continuation": n_cont,
+              "ruler_tasks": sorted({s.task for s in samples}, key=list(RULER_TASKS).index),
+              "ruler_lengths": sorted({s.length for s in samples}), "strategies": ordered,
+              "wall_s": time.perf_counter() - start_time, "phase_s": phase_s, "plot": str(plot)}
     tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], group=cfg.logger.group,
                       name=f"study-{cfg.model.family}", tags=["study", cfg.model.family])
-    log_to_tracker(tracker, ordered, lengths, plot)
+    log_to_tracker(tracker, ordered, lengths, n_cont, plot)
     run_dir = tracker.run_dir
     tracker.finish()
     result["wandb_dir"] = str(run_dir) if run_dir else None
     json_path = out_dir / "study.json"
     json_path.write_text(json.dumps(result, indent=2, default=str))
-    print_table(console, ordered, lengths, title)
-    console.print(f"plot: {plot}\nW&B run: {run_dir}\nresults: {json_path}\nwall time: {result['wall_s']:.0f} s")
+    print_table(console, ordered, lengths, n_cont, title)
+    print_ruler_table(console, ordered)
+    console.print(f"plot: {plot}\nW&B run: {run_dir}\nresults: {json_path}\nwall time: {result['wall_s']:.0f} s ("
+                  + ", ".join(f"{k} {v:.0f} s" for k, v in phase_s.items()) + ")")
     return result
 
 
-def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs: list[Strategy], trials, native_trials,
-              lengths: list[int], native_bytes: int) -> dict[str, Any]:
-    """One strategy's row: per context length, means over documents."""
+def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> list:
+    """Every RULER prompt of the run: task x length x depth (needle tasks only) x trial, seeded."""
+    out = [ruler_sample(tokenizer, task, int(L), float(d) if d is not None else None, seed=f"{r.seed}-{t}")
+           for task in r.tasks for L in r.lengths
+           for d in (r.depths if has_depth(task) else [None]) for t in range(int(r.trials))]
+    if out and max(max(s.ids) for s in out) >= vocab_size:
+        raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
+    return out
+
+
+def ruler_summary(runs: list[dict]) -> dict[str, Any]:
+    """Mean RULER score (0-100) per task and prompt length, and over everything."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    for t in runs:
+        cells.setdefault(t["task"], {}).setdefault(str(t["length"]), []).append(t["score"])
+    return {"ruler": {task: {L: sum(v) / len(v) for L, v in by.items()} for task, by in cells.items()},
+            "ruler_mean": sum(t["score"] for t in runs) / len(runs) if runs else None, "ruler_trials": runs}
+
+
+def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs: list[Strategy],
+              cont: list[Continuation], native_cont: list[Continuation], trials, native_trials, lengths: list[int],
+              native_bytes: int) -> dict[str, Any]:
+    """One strategy's row: per context length, means over documents (no blockwise numbers for a strategy that
+    compresses after the prefill: `docs` is empty)."""
     ppl, kl, kl_max, top1, greedy, diverges = {}, {}, {}, {}, {}, {}
+    c_ppl, c_kl, c_top1 = {}, {}, {}
     for L in lengths:
         n = L - 1
-        ppl[str(L)] = math.exp(sum(prefix_mean(d.nll, n) for d in docs) / len(docs))
-        kl[str(L)] = sum(prefix_mean(d.kl, n) for d in docs) / len(docs)
-        kl_max[str(L)] = max(prefix_max(d.kl, n) for d in docs)
-        top1[str(L)] = sum(prefix_mean([t.float() for t in d.top1], n) for d in docs) / len(docs)
-        if docs[0].greedy:
-            pairs = [agreement(d.greedy[L], nd.greedy[L]) for d, nd in zip(docs, native_docs)]
+        if docs:
+            ppl[str(L)] = math.exp(sum(prefix_mean(d.nll, n) for d in docs) / len(docs))
+            kl[str(L)] = sum(prefix_mean(d.kl, n) for d in docs) / len(docs)
+            kl_max[str(L)] = max(prefix_max(d.kl, n) for d in docs)
+            top1[str(L)] = sum(prefix_mean([t.float() for t in d.top1], n) for d in docs) / len(docs)
+        if cont:
+            c_ppl[str(L)] = math.exp(sum(float(c.nll[L].double().mean()) for c in cont) / len(cont))
+            c_kl[str(L)] = sum(float(c.kl[L].double().mean()) for c in cont) / len(cont)
+            c_top1[str(L)] = sum(float(c.top1[L].double().mean()) for c in cont) / len(cont)
+        ours, theirs = ([d.greedy.get(L) for d in docs], [d.greedy.get(L) for d in native_docs]) if docs else \
+            ([c.greedy.get(L) for c in cont], [c.greedy.get(L) for c in native_cont])
+        if ours and ours[0]:
+            pairs = [agreement(a, b) for a, b in zip(ours, theirs)]
             greedy[str(L)] = sum(a for a, _ in pairs) / len(pairs)
             steps = [s for _, s in pairs if s is not None]
             diverges[str(L)] = min(steps) if steps else None
@@ -173,14 +224,17 @@ def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs
         cell[0] += int(t["correct"])
         cell[1] += 1
     peak = peak_bytes(plan, max(lengths))
+    after = docs[0].nbytes_after if docs else cont[0].nbytes_after_prompt[max(lengths)] if cont else None
     return {"name": name, "config": config, "exact_cache": plan.exact, "changed_layers": plan.changed(native_plan),
             "bytes": peak, "bytes_ratio": peak / native_bytes if native_bytes else float("nan"),
-            "bytes_after": docs[0].nbytes_after,
+            "bytes_after": after,
             "planned_bytes": {str(L): plan.held_nbytes(1, L) for L in lengths},
             "peak_bytes": {str(L): peak_bytes(plan, L) for L in lengths},
             "ppl": ppl, "kl": kl, "kl_max": {k: finite(v) for k, v in kl_max.items()}, "top1": top1,
+            "continuation_ppl": c_ppl, "continuation_kl": c_kl, "continuation_top1": c_top1,
             "greedy_agreement": greedy, "greedy_diverges_at": diverges,
-            "greedy_tokens": {str(L): docs[0].greedy.get(L) for L in lengths},
+            "greedy_tokens": {str(L): (docs[0].greedy if docs else cont[0].greedy).get(L) for L in lengths}
+            if docs or cont else {},
             "passkey": trials, "passkey_correct": correct, "passkey_trials": len(trials),
             "passkey_by_length": by_length,
             "passkey_acc": correct / len(trials) if trials else None}
@@ -192,22 +246,28 @@ def peak_bytes(plan, tokens: int) -> int:
     return max(plan.held_nbytes(1, t) for t in range(1, tokens + 1))
 
 
-def log_to_tracker(tracker: Tracker, rows: list[dict], lengths: list[int], plot: Path) -> None:
+def log_to_tracker(tracker: Tracker, rows: list[dict], lengths: list[int], n_cont: int, plot: Path) -> None:
     longest = str(max(lengths))
-    columns = ["strategy", "config", "bytes", "bytes_vs_native", *[f"ppl@{L}" for L in lengths], f"kl@{longest}",
-               f"top1@{longest}", "passkey_acc", "verdict"]
+    columns = ["strategy", "config", "protocol", "bytes", "bytes_vs_native", *[f"ppl@{L}" for L in lengths],
+               f"kl@{longest}", f"top1@{longest}", f"cont{n_cont}_ppl@{longest}", f"cont{n_cont}_kl@{longest}",
+               "passkey_acc", "ruler_mean", "reference", "agreement", "verdict"]
     table = []
     for r in rows:
         if r.get("error"):
-            table.append([r["name"], json.dumps(r["config"]), None, None, *[None] * len(lengths), None, None, None,
-                          r["verdict"]])
+            table.append([r["name"], json.dumps(r["config"]), None, None, None, *[None] * len(lengths), None, None,
+                          None, None, None, None, r.get("reference"), r.get("agreement"), r["verdict"]])
             continue
-        table.append([r["name"], json.dumps(r["config"]), r["bytes"], r["bytes_ratio"],
-                      *[r["ppl"][str(L)] for L in lengths], r["kl"][longest], r["top1"][longest], r["passkey_acc"],
-                      r["verdict"]])
+        table.append([r["name"], json.dumps(r["config"]), r.get("protocol"), r["bytes"], r["bytes_ratio"],
+                      *[r["ppl"].get(str(L)) for L in lengths], r["kl"].get(longest), r["top1"].get(longest),
+                      r["continuation_ppl"].get(longest), r["continuation_kl"].get(longest), r["passkey_acc"],
+                      r.get("ruler_mean"), r.get("reference"), None if r.get("agreement") is None
+                      else str(r["agreement"]), r["verdict"]])
         tracker.summary({f"{r['name']}/bytes_vs_native": r["bytes_ratio"], f"{r['name']}/ppl@{longest}":
-                         r["ppl"][longest], f"{r['name']}/kl@{longest}": r["kl"][longest],
-                         f"{r['name']}/passkey_acc": r["passkey_acc"]})
+                         r["ppl"].get(longest), f"{r['name']}/kl@{longest}": r["kl"].get(longest),
+                         f"{r['name']}/cont_ppl@{longest}": r["continuation_ppl"].get(longest),
+                         f"{r['name']}/passkey_acc": r["passkey_acc"], f"{r['name']}/ruler_mean": r.get("ruler_mean"),
+                         **{f"{r['name']}/ruler/{task}@{L}": v for task, by in (r.get("ruler") or {}).items()
+                            for L, v in by.items()}})
     tracker.table("study", columns, table)
     if tracker.mode != "disabled":
         tracker.log({"study_pareto": tracker.wandb.Image(str(plot))})

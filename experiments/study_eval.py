@@ -6,7 +6,11 @@
   strategy) of the next-token distributions, and whether both argmaxes agree. At each context length L the cache is
   snapshotted and the strategy continues the document greedily for N tokens (`hc.generate(cache=...)`), which is
   compared with native's continuation, then restored.
-- `passkey`: greedy `hc.generate` on synthetic passkey prompts; correct when the key appears in the answer.
+- `continuation` (kvpress's protocol, the one a compress-after-prefill strategy can be measured with): the first L
+  tokens as ONE block (a prefill-mode cache compresses at its end), then the next N tokens teacher-forced in one block;
+  NLL, KL from native and top-1 agreement on those N predictions, for every strategy alike.
+- `passkey` and `ruler_trial`: greedy `hc.generate` on a synthetic prompt (experiments/ruler.py for RULER's tasks),
+  scored by the key appearing in the answer / RULER's metric.
 
 Only one block of native log-probabilities is alive at a time, so memory stays at a few blocks of [T, V] logits
 however long the document is (Gemma's vocabulary is 262k).
@@ -20,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 import hybridcache as hc
+from experiments import ruler
 from hybridcache.cache import Cache
 
 
@@ -92,11 +97,66 @@ def continue_greedily(model, prefix: torch.Tensor, last_logp: torch.Tensor, cach
         cache.restore(snap)
 
 
+@dataclass
+class Continuation:
+    """One strategy under kvpress's protocol, per context length L: N teacher-forced predictions after an L-token
+    prompt fed as one block."""
+
+    name: str
+    config: dict[str, Any]
+    nll: dict[int, torch.Tensor] = field(default_factory=dict)      # L -> [N]
+    kl: dict[int, torch.Tensor] = field(default_factory=dict)       # L -> [N]
+    top1: dict[int, torch.Tensor] = field(default_factory=dict)     # L -> [N] bool
+    greedy: dict[int, list[int]] = field(default_factory=dict)      # L -> greedy tokens after the prompt
+    nbytes_after_prompt: dict[int, int] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def continuation(model, doc: list[int], strategies: list[Continuation], lengths: list[int], n: int,
+                 greedy_tokens: int, greedy_for: set[str], advance: Callable[[], None]) -> None:
+    """kvpress's protocol for every strategy (strategies[0]: native, the KL reference): prompt doc[:L] in one block,
+    then doc[L:L+n] in one block, scored on predicting doc[L+1:L+n+1]. Greedy tokens after the prompt for the
+    strategies in `greedy_for` (the compress-after-prefill ones, whose blockwise greedy would mean nothing)."""
+    ids = torch.tensor([doc], device=model.device)
+    for L in lengths:
+        if L + n + 1 > len(doc):
+            raise ValueError(f"continuation needs {L + n + 1} tokens, the document has {len(doc)}")
+        target = ids[0, L + 1:L + n + 1]
+        native_logp = None
+        for s in strategies:
+            cache = model.make_cache(1, s.config)
+            last = model.run_block(ids[:, :L], cache, last_only=True)[0, -1].float()  # [V]; compressed after
+            s.nbytes_after_prompt[L] = cache.nbytes()
+            if s.name in greedy_for and greedy_tokens > 0:
+                s.greedy[L] = continue_greedily(model, ids[:, :L], last, cache, greedy_tokens)
+            logp = torch.log_softmax(model(ids[:, L:L + n], cache=cache)[0].float(), dim=-1)  # [n, V]
+            s.nll[L] = -logp.gather(1, target[:, None])[:, 0]
+            if native_logp is None:
+                native_logp = logp
+            s.kl[L] = (native_logp.exp() * (native_logp - logp)).sum(-1).clamp_min(0)
+            s.top1[L] = native_logp.argmax(-1) == logp.argmax(-1)
+            advance()
+        del native_logp
+
+
+def ruler_trial(model, tokenizer, sample: ruler.RulerSample, config: dict[str, Any], chunk: int,
+                max_new_tokens: int | None) -> dict[str, Any]:
+    """One RULER prompt under a cache config: the greedy answer and its score under the task's RULER metric."""
+    ids = torch.tensor([sample.ids], device=model.device)
+    new = min(sample.max_new_tokens, max_new_tokens or sample.max_new_tokens)
+    out = hc.generate(model, ids, max_new_tokens=new, cache_config=config, prefill_chunk_size=chunk,
+                      output_logits=False)
+    answer = tokenizer.decode(out.sequences[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    return {"task": sample.task, "length": sample.length, "depth": sample.depth, "answers": sample.answers,
+            "prediction": answer, "score": ruler.score(sample.task, answer, sample.answers)}
+
+
 def passkey(model, tokenizer, prompt, config: dict[str, Any], block: int) -> dict[str, Any]:
-    """One passkey trial under a cache config: the greedy answer and whether it holds the key."""
+    """One passkey trial under a cache config: the greedy answer and whether it holds the key (`block`: the prefill
+    chunk; the whole prompt for a compress-after-prefill strategy)."""
     ids = torch.tensor([prompt.ids], device=model.device)
     out = hc.generate(model, ids, max_new_tokens=prompt.answer_tokens, cache_config=config,
-                      prefill_chunk_size=block)
+                      prefill_chunk_size=block, output_logits=False)
     answer = tokenizer.decode(out.sequences[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
     return {"length": len(prompt.ids), "depth": prompt.depth, "distance": prompt.distance, "key": prompt.key,
             "answer": answer, "correct": prompt.key in answer}

@@ -16,6 +16,16 @@ EXACT_KL = 1e-5          # mean KL (nats) below which a strategy counts as the s
 NEAR_PPL = 0.01          # relative perplexity increase that still counts as "near native"
 
 
+def headline(row: dict[str, Any]) -> tuple[str, float, float, str]:
+    """(length, KL, perplexity, which) a verdict reads: the blockwise read, or kvpress's protocol for a strategy
+    that compresses after the prefill (it has no blockwise numbers)."""
+    if row["ppl"]:
+        longest = str(max(int(k) for k in row["ppl"]))
+        return longest, row["kl"][longest], row["ppl"][longest], f"at {longest} tokens"
+    longest = str(max(int(k) for k in row["continuation_ppl"]))
+    return longest, row["continuation_kl"][longest], row["continuation_ppl"][longest], f"after a {longest}-token prompt"
+
+
 def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -> str:
     """A one-line, conservative reading of a strategy's numbers against native's."""
     if row.get("error"):
@@ -24,17 +34,18 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
         return "reference" + (" (random weights: quality numbers are meaningless)" if random_weights else "")
     if row.get("same_plan"):
         return "exact: same plan as native on this model (nothing changes)"
-    longest = str(max(int(k) for k in row["ppl"]))
-    kl, d_ppl = row["kl"][longest], row["ppl"][longest] / native["ppl"][longest] - 1
+    if not row["ppl"] and not row["continuation_ppl"]:
+        return "compresses after the prefill: measured by kvpress's protocol, which is off (experiment.continuation=0)"
+    longest, kl, ppl, where = headline(row)
+    d_ppl = ppl / (native["ppl"] if row["ppl"] else native["continuation_ppl"])[longest] - 1
     pk, pk_native = row["passkey_acc"], native["passkey_acc"]
     diverged = [int(L) for L, step in row["greedy_diverges_at"].items() if step is not None]
-    parts = []
+    parts = ["compresses after the prefill (kvpress's protocol)"] if row.get("protocol") == "prefill" else []
     if kl < EXACT_KL and not diverged and (pk is None or pk >= pk_native):
         parts.append("exact: same as native (up to float rounding)" if row["exact_cache"]
                      else "same as native here (a lossy cache, no measurable effect)")
     else:
-        parts.append(f"{'near native' if abs(d_ppl) < NEAR_PPL else 'lossy'}: ppl {d_ppl:+.1%} at {longest} tokens, "
-                     f"KL {kl:.3g}")
+        parts.append(f"{'near native' if abs(d_ppl) < NEAR_PPL else 'lossy'}: ppl {d_ppl:+.1%} {where}, KL {kl:.3g}")
         if diverged:
             parts.append(f"greedy drifts from native ({min(diverged)}-token context)")
     if pk is not None and pk_native is not None and not random_weights:
@@ -45,6 +56,8 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
             parts.append(f"loses the passkey{where}")
         elif pk_native > 0:
             parts.append("keeps the passkey" if pk >= pk_native else f"passkey {pk:.0%} vs {pk_native:.0%}")
+    if row.get("ruler_mean") is not None and native.get("ruler_mean") is not None and not random_weights:
+        parts.append(f"RULER {row['ruler_mean']:.0f} vs native {native['ruler_mean']:.0f}")
     if row["bytes_ratio"] < 0.999:
         parts.append(f"holds {row['bytes_ratio']:.0%} of native's bytes")
     elif row["bytes_ratio"] > 1.001:
@@ -54,7 +67,12 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
     return "; ".join(parts)
 
 
-def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int], title: str) -> None:
+def _cell(values: dict[str, float], key: str, fmt: str) -> str:
+    return format(values[key], fmt) if key in values else "-"
+
+
+def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int], n_cont: int, title: str) -> None:
+    """Two tables: bytes against the blockwise read and the probes; kvpress's protocol and the references."""
     t = Table(title=title, show_lines=False)
     longest = str(max(lengths))
     t.add_column("strategy", style="bold")
@@ -67,20 +85,67 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
     t.add_column("greedy agree @" + "/".join(map(str, lengths)), justify="right")
     pk_lengths = next((list(r["passkey_by_length"]) for r in rows if r.get("passkey_by_length")), [])
     t.add_column("passkey" + (" @" + "/".join(pk_lengths) if pk_lengths else ""), justify="right")
+    t.add_column("RULER", justify="right")
     for r in rows:
         if r.get("error"):
-            t.add_row(r["name"], *["-"] * (6 + len(lengths)))
+            t.add_row(r["name"], *["-"] * (7 + len(lengths)))
             continue
         greedy = " ".join(f"{v:.0%}" for v in r["greedy_agreement"].values()) or "-"
         cells = r.get("passkey_by_length") or {}
         pk = " ".join(f"{c}/{n}" for c, n in cells.values()) if cells else "-"
-        t.add_row(r["name"], format_bytes(r["bytes"]), f"{r['bytes_ratio']:.0%}",
-                  *[f"{r['ppl'][str(L)]:.3f}" for L in lengths], f"{r['kl'][longest]:.2e}",
-                  f"{r['top1'][longest]:.1%}", greedy, pk)
+        prefill = r.get("protocol") == "prefill"
+        t.add_row(r["name"] + ("*" if prefill else ""), format_bytes(r["bytes"]), f"{r['bytes_ratio']:.0%}",
+                  *[_cell(r["ppl"], str(L), ".4g") for L in lengths], _cell(r["kl"], longest, ".2e"),
+                  _cell(r["top1"], longest, ".1%"), greedy, pk,
+                  "-" if r.get("ruler_mean") is None else f"{r['ruler_mean']:.1f}")
+    console.print(t)
+    if any(r.get("protocol") == "prefill" for r in rows):
+        console.print("* compresses once after the prompt (kvpress's presses): a blockwise read would compress only "
+                      "its first block, so it has no blockwise numbers; its greedy tokens follow a one-block prompt, "
+                      "its passkey/RULER prompts are prefilled in one block; see kvpress's protocol below")
+    t = Table(title=(f"kvpress's protocol: the {n_cont} tokens after an L-token prompt fed in one block" if n_cont
+                     else "references") + "; what each strategy was checked against")
+    t.add_column("strategy", style="bold")
+    if n_cont:
+        for L in lengths:
+            t.add_column(f"ppl after {L}", justify="right")
+        t.add_column(f"KL after {longest}", justify="right")
+        t.add_column(f"top-1 after {longest}", justify="right")
+    t.add_column("reference", overflow="fold")
+    t.add_column("agreement", overflow="fold")
+    for r in rows:
+        ref = [r.get("reference") or "", "" if r.get("agreement") is None else str(r["agreement"])]
+        ok = n_cont and not r.get("error")
+        cont = [*[_cell(r["continuation_ppl"], str(L), ".4g") for L in lengths],
+                _cell(r["continuation_kl"], longest, ".2e"), _cell(r["continuation_top1"], longest, ".1%")] if ok \
+            else ["-"] * (len(lengths) + 2 if n_cont else 0)
+        t.add_row(r["name"], *cont, *ref)
     console.print(t)
     console.print("[bold]verdicts[/]")
     for r in rows:
         console.print(f"  [bold]{r['name']}[/] {json.dumps(r['config'])}: {r['verdict']}", highlight=False)
+
+
+def print_ruler_table(console: Console, rows: list[dict[str, Any]]) -> None:
+    """RULER's scores (0-100, under each task's RULER metric): one row per task and prompt length, one column per
+    strategy it ran for."""
+    from experiments.ruler import metric_name
+
+    ran = [r for r in rows if r.get("ruler")]
+    if not ran:
+        return
+    cells = list(dict.fromkeys((task, L) for r in ran for task, by in r["ruler"].items() for L in by))
+    t = Table(title="RULER: mean score (0-100) per task and prompt length")
+    t.add_column("task")
+    t.add_column("tokens", justify="right")
+    t.add_column("metric")
+    for r in ran:
+        t.add_column(r["name"] + ("*" if r.get("protocol") == "prefill" else ""), justify="right")
+    for task, L in cells:
+        t.add_row(task, L, metric_name(task),
+                  *[f"{r['ruler'][task][L]:.0f}" if L in r["ruler"].get(task, {}) else "-" for r in ran])
+    t.add_row("[bold]mean[/]", "", "", *[f"[bold]{r['ruler_mean']:.1f}[/]" for r in ran])
+    console.print(t)
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -89,8 +154,9 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
             if not any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for x2, y2 in points)]
 
 
-def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, title: str) -> Path:
-    """Cache bytes (vs native) against perplexity and passkey accuracy, the Pareto front joined."""
+def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, title: str, n_cont: int = 0) -> Path:
+    """Cache bytes (vs native) against each quality measure (blockwise perplexity, kvpress's protocol, passkey,
+    RULER), one panel each, the Pareto front joined."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,31 +164,54 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
 
     ok = [r for r in rows if not r.get("error")]
     longest = str(max(lengths))
-    has_passkey = any(r["passkey_trials"] for r in ok)
-    fig, axes = plt.subplots(1, 2 if has_passkey else 1, figsize=(12 if has_passkey else 6.5, 4.8), squeeze=False)
-    panels = [("perplexity @" + longest, ok, [r["ppl"][longest] for r in ok], True)]
-    if has_passkey:  # only the strategies the passkey test ran for (experiment.passkey.strategies)
-        probed = [r for r in ok if r["passkey_trials"]]
+    panels = []  # (y label, rows shown, their values, lower is better)
+    blockwise = [r for r in ok if longest in r["ppl"]]
+    if blockwise:
+        panels.append((f"perplexity over the first {longest} tokens (read in blocks)", blockwise,
+                       [r["ppl"][longest] for r in blockwise], True))
+    kvpress = [r for r in ok if longest in r.get("continuation_ppl", {})]
+    if n_cont and kvpress:
+        panels.append((f"perplexity of the {n_cont} tokens after a {longest}-token prompt\n(kvpress protocol)",
+                       kvpress, [r["continuation_ppl"][longest] for r in kvpress], True))
+    probed = [r for r in ok if r["passkey_trials"]]  # only the strategies a probe ran for
+    if probed:
         panels.append(("passkey accuracy", probed, [r["passkey_acc"] for r in probed], False))
-    for ax, (label, shown, ys, lower_better) in zip(axes[0], panels):
+    scored = [r for r in ok if r.get("ruler_mean") is not None]
+    if scored:
+        panels.append(("RULER score (mean over tasks, 0-100)", scored, [r["ruler_mean"] for r in scored], False))
+    cols = min(len(panels), 2)
+    grid = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(grid, cols, figsize=(6.5 * cols, 4.6 * grid), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (label, shown, ys, lower_better) in zip(axes.flat, panels):
         xs = [100 * r["bytes_ratio"] for r in shown]
         ax.scatter(xs, ys, s=40, zorder=3)
-        labels: dict[tuple[float, float], list[str]] = {}
-        for x, y, r in zip(xs, ys, shown):  # strategies at the same point share one label
-            labels.setdefault((round(x, 3), round(y, 6)), []).append(r["name"])
-        for (x, y), names in labels.items():
-            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        span = (max(ys) - min(ys)) or abs(max(ys)) or 1.0
+        labels: list[tuple[float, float, list[str]]] = []
+        for x, y, r in zip(xs, ys, shown):  # strategies at (nearly) the same point share one label
+            near = next((lab for lab in labels if abs(lab[0] - x) < 2 and abs(lab[1] - y) < 0.03 * span), None)
+            if near:
+                near[2].append(r["name"])
+            else:
+                labels.append((x, y, [r["name"]]))
+        for x, y, names in labels:
+            right = x > 70  # labels of points near the right edge go to their left, inside the axes
+            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(-4 if right else 4, 4),
+                        ha="right" if right else "left", fontsize=8)
+        ax.set_xlim(0, max(105, max(xs) + 5))
         front = pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)])
         front = sorted(front, key=lambda i: xs[i])
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red", label="Pareto front")
         ax.set_xlabel(f"peak cache bytes over {longest} tokens (% of native)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
         if ys and all(y > 0 for y in ys) and lower_better and max(ys) / min(ys) > 20:
             ax.set_yscale("log")
         if not lower_better:
-            ax.set_ylim(-0.05, 1.05)
+            top = 100 if "RULER" in label else 1
+            ax.set_ylim(-0.05 * top, 1.05 * top)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

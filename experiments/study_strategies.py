@@ -1,0 +1,57 @@
+"""experiment=study's strategies: which named cache configs run, for which probes, under which protocol, and what
+each was checked against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hybridcache.cache import resolve_plan
+
+
+def strategy_configs(e: DictConfig) -> dict[str, dict[str, Any]]:
+    """Name -> cache config, the reference strategy first (added as the native `{}` when not listed)."""
+    raw = OmegaConf.to_container(e.strategies, resolve=True) or {}
+    only = list(e.only) if e.get("only") else None
+    if only:
+        unknown = [n for n in only if n not in raw and n != e.reference]
+        if unknown:
+            raise ValueError(f"experiment.only names unknown strategies {unknown} (known: {', '.join(raw)})")
+    ref = e.reference
+    out = {ref: raw.get(ref) or {}}
+    for name, config in raw.items():
+        if name != ref and (only is None or name in only):
+            out[name] = config or {}
+    return out
+
+
+def probed(e: DictConfig, section: str, compute: list[str]) -> list[str]:
+    """The strategies a costly probe (`passkey`, `ruler`) runs for: its `strategies:` (null: all), the reference
+    always."""
+    names = e[section].get("strategies")
+    if names is None:
+        return list(compute)
+    unknown = [n for n in names if n not in e.strategies]
+    if unknown:
+        raise ValueError(f"experiment.{section}.strategies names unknown strategies {unknown}")
+    return [n for n in compute if n in set(names) or n == e.reference]
+
+
+def plan_or_error(model, config: dict[str, Any]):
+    try:
+        return resolve_plan(model.native_layers(), config), None
+    except Exception as err:  # noqa: BLE001 - an unknown or inapplicable type: the row says why, the study goes on
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0]}"
+
+
+def compresses_after_prefill(plan) -> bool:
+    """Whether some cache layer compresses once, at the end of the first block it is fed (`mode: prefill`, as
+    kvpress's presses do). Read from the resolved specs, so a type's own default mode counts too."""
+    return any(getattr(p.spec, "mode", None) == "prefill" for p in plan.layers)
+
+
+def references(e: DictConfig, name: str) -> dict[str, Any]:
+    """What a strategy was checked against (`experiment.references`), empty when nobody has said."""
+    ref = (OmegaConf.to_container(e.references, resolve=True) if e.get("references") else {}).get(name) or {}
+    return {"reference": ref.get("reference"), "agreement": ref.get("agreement")}
