@@ -325,10 +325,18 @@ def common_words(tokenizer, task: str, length: int, rng: random.Random) -> Ruler
     example = CWE[0].format(context=_numbered(listing(ex_n, ex_cw, ex_ucw))) + CWE[1] + _numbered(common) + "\n"
 
     def items(n: int) -> tuple[list[list[int]], list[str]]:
-        texts = [f"{' ' if i else ''}{i + 1}. {w}" for i, w in enumerate(listing(n, cw, ucw))]
-        return tokenizer(texts, add_special_tokens=False)["input_ids"], texts
+        listed = listing(n, cw, ucw)
+        texts = [f"{' ' if i else ''}{i + 1}. {w}" for i, w in enumerate(listed)]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"], listed
 
-    ids, _ = _assemble(tokenizer, example + CWE[0] + CWE[1], length, lambda b: (sized(items, b, num_cw + 1)[0], []))
+    def build(budget: int) -> tuple[list[int], list[int]]:
+        ids, listed, whole = sized(items, budget, num_cw + 1)
+        kept = Counter(listed[:whole])
+        if min(kept[w] for w in common) <= ucw:  # the cut list must still say which words are common
+            raise ValueError(f"a cwe prompt of {length} tokens is too short: its list holds {whole} words")
+        return ids, []
+
+    ids, _ = _assemble(tokenizer, example + CWE[0] + CWE[1], length, build)
     return RulerSample(task, length, None, ids, list(common), TOKENS_TO_GENERATE["common_words_extraction"], [])
 
 

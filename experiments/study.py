@@ -42,7 +42,7 @@ from hybridcache.tracking import Tracker
 
 SMOKE = {"lengths": [64, 160], "block": 32, "greedy_tokens": 4, "documents": 1, "continuation": 16,
          "passkey": {"lengths": [256, 320], "depths": [0.2, 0.8], "trials": 1},  # bytes: the tiny models use ByT5
-         "ruler": {"tasks": list(RULER_TASKS), "lengths": [1280], "depths": [0.5], "trials": 1, "max_new_tokens": 4,
+         "ruler": {"tasks": list(RULER_TASKS), "lengths": [1800], "depths": [0.5], "trials": 1, "max_new_tokens": 4,
                    "strategies": ["native", "snapkv_50"]}}
 
 

@@ -3,7 +3,9 @@
 No quality assertions (random weights): only what must hold for any model — native is its own reference, a strategy
 that changes nothing within the context is exact (a window longer than the context, a TOVA budget above it, a
 residual window holding every token), storage codecs shrink the bytes (int4 below int8, a per-layer mix between int4
-and native), a lossy window differs, an unknown cache type is reported, not fatal; passkey runs at two lengths.
+and native), a lossy window differs, an unknown cache type is reported, not fatal; passkey runs at two lengths; every
+RULER task runs and is scored; kvpress's protocol scores every strategy, and a compress-after-prefill strategy
+(snapkv_50, when its type is registered) gets only that, no blockwise numbers.
 """
 
 import json
@@ -20,18 +22,21 @@ def test_study_smoke(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "run.py", "experiment=study", "model=gemma3", "experiment.smoke=true",
-         "experiment.only=[sliding_16,all_local_512,tova_256,int8,int4,kivi,kivi_512,int4_first2_dense,no_such_type]",
+         "experiment.only=[sliding_16,all_local_512,tova_256,int8,int4,int4_residual32,int4_residual512,"
+         "int4_first2_dense,snapkv_50,no_such_type]",
          "+experiment.strategies.sliding_16={attention:{type:sliding,window:16}}",
-         "+experiment.strategies.kivi_512={attention:{storage:int4,residual:512}}",
-         "+experiment.strategies.no_such_type={attention:{type:no_such_type}}", f"hydra.run.dir={out}"],
+         "+experiment.strategies.int4_residual512={attention:{storage:int4,residual:512}}",
+         "+experiment.strategies.no_such_type={attention:{type:no_such_type}}",
+         "+experiment.references.int8={reference:'HF QuantizedCache',agreement:0.98}", f"hydra.run.dir={out}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "RANDOM weights" in result.stdout and "verdicts" in result.stdout
     data = json.loads((out / "study.json").read_text())
     assert data["random_weights"] is True
     rows = {r["name"]: r for r in data["strategies"]}
-    assert list(rows)[0] == "native" and set(rows) == {"native", "sliding_16", "all_local_512", "tova_256", "int8",
-                                                       "int4", "kivi", "kivi_512", "int4_first2_dense", "no_such_type"}
+    assert list(rows)[0] == "native" and set(rows) == {
+        "native", "sliding_16", "all_local_512", "tova_256", "int8", "int4", "int4_residual32", "int4_residual512",
+        "int4_first2_dense", "snapkv_50", "no_such_type"}
     assert "unavailable" in rows["no_such_type"]["verdict"] and "no_such_type" in rows["no_such_type"]["error"]
     native, longest = rows["native"], str(max(data["lengths"]))
     assert native["kl"][longest] == 0 and native["bytes_ratio"] == 1 and native["passkey_trials"] == 4
@@ -48,11 +53,32 @@ def test_study_smoke(tmp_path):
     assert rows["int4"]["bytes_ratio"] < rows["int8"]["bytes_ratio"] and not rows["int4"]["exact_cache"]
     assert rows["int4"]["kl"][longest] > rows["int8"]["kl"][longest] > 0
     assert rows["int4"]["bytes"] < rows["int4_first2_dense"]["bytes"] < native["bytes"]  # two layers dense
-    assert rows["int4"]["bytes"] < rows["kivi"]["bytes"] < native["bytes"]  # int4 + 32 dense tokens per layer
+    assert rows["int4"]["bytes"] < rows["int4_residual32"]["bytes"] < native["bytes"]  # + 32 dense tokens per layer
     # lossy types that lose nothing here: every token inside the residual window, a TOVA budget above the context
-    for name in ("kivi_512", "tova_256"):
+    for name in ("int4_residual512", "tova_256"):
         assert rows[name]["kl"][longest] < 1e-6 and all(v == 1.0 for v in rows[name]["greedy_agreement"].values())
     assert all(r["bytes_after"] == r["planned_bytes"][longest] and r["bytes"] >= r["bytes_after"]
-               for r in rows.values() if not r.get("error"))
+               for r in rows.values() if not r.get("error") and r["protocol"] == "blockwise")
+    # kvpress's protocol: every strategy, 16 tokens after each prompt length; native is its own KL reference, and a
+    # strategy that is exact within the context stays exact there too
+    assert data["continuation"] == 16 and native["continuation_kl"][longest] == 0
+    for name in ("all_local_512", "int4_residual512"):
+        assert rows[name]["continuation_kl"][longest] < 1e-6
+    assert rows["sliding_16"]["continuation_kl"][longest] > 1e-3
+    # a compress-after-prefill strategy: no blockwise numbers, kvpress's protocol and its greedy tokens instead
+    snapkv = rows["snapkv_50"]
+    if not snapkv.get("error"):
+        assert snapkv["protocol"] == "prefill" and snapkv["ppl"] == {} and "prefill" in snapkv["verdict"]
+        assert set(snapkv["continuation_ppl"]) == set(native["continuation_ppl"]) and snapkv["greedy_agreement"]
+    # references are shown when given, empty otherwise
+    assert rows["int8"]["reference"] == "HF QuantizedCache" and rows["int8"]["agreement"] == 0.98
+    assert native["reference"] is None and native["agreement"] is None
+    # RULER (smoke: every task at 1800 bytes, for native and snapkv_50): scored with RULER's metric, 0..100
+    assert data["ruler_tasks"] == ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
+                                   "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt",
+                                   "cwe", "fwe"]
+    assert set(native["ruler"]) == set(data["ruler_tasks"]) and len(native["ruler_trials"]) == 11
+    assert all(0 <= t["score"] <= 100 and t["answers"] and t["length"] == 1800 for t in native["ruler_trials"])
+    assert rows["int4"].get("ruler_trials") == [] and "RULER: mean score" in result.stdout
     assert (out / "study_pareto.png").stat().st_size > 1000
     assert data["wandb_dir"] and Path(data["wandb_dir"]).is_dir()
