@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hybridcache.cache import Cache, CacheCropError, CacheError, NativeLayer, get_layer_class
-from hybridcache.cache.kv_codecs import get_codec
+from hybridcache.cache.kv_codecs import available_codecs, codec_class
 from hybridcache.cache.scored_eviction import QueryInputs
 
 ATTENTION_SHAPES = {"num_kv_heads": 2, "head_dim": 8}
@@ -69,6 +69,9 @@ def check_cache_type(
     """
     cls = get_layer_class(name)
     params = {**getattr(cls, "example_params", {}), **dict(params or {})}
+    storage = params.get("storage")
+    if cls.kind == "attention" and isinstance(storage, str) and storage in available_codecs():
+        params = {**getattr(codec_class(storage), "kit_params", {}), **params}  # options fitting head_dim 8
     native = dict(native or getattr(cls, "example_native", None) or (ATTENTION_SHAPES if cls.kind == "attention" else {}))
     if cls.kind == "attention":
         return _AttentionKit(name, cls, native, params, seed).run(cases)
@@ -125,7 +128,7 @@ class _AttentionKit(_Kit):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         probe = self.cache(1, None)[0]
-        self.spec, self.codec = probe.spec, get_codec(probe.spec.storage)
+        self.spec, self.codec = probe.spec, probe.spec.codec()
         self.bound = getattr(self.codec, "output_error_bound", None)
         self.lossless = probe.spec.lossless_tokens() if hasattr(probe.spec, "lossless_tokens") else None
 
@@ -172,14 +175,14 @@ class _AttentionKit(_Kit):
 
     def run(self, cases: int) -> dict[str, int]:
         layouts: tuple[int | None, ...] = (None, 40)
-        if not self.cls.supports_preallocation:  # it must say so clearly instead
+        if not self.cls.supports_preallocation or not getattr(self.codec, "preallocates", True):  # say so clearly
             try:
                 self.cache(1, 40)
             except CacheError:
                 layouts = (None,)
                 self.count("refuses preallocation clearly")
             else:
-                _fail(f"'{self.name}'", "declares supports_preallocation = False but accepted max_length")
+                _fail(f"'{self.name}'", "declares no preallocation (type or storage) but accepted max_length")
         for case in range(cases):
             for max_length in layouts:
                 where = f"'{self.name}' {self.params} {'preallocated' if max_length else 'dynamic'} case {case}"
@@ -201,9 +204,15 @@ class _AttentionKit(_Kit):
         if max_length is not None:
             if cache.nbytes() != cache.plan.held_nbytes(batch, seen):
                 _fail(where, f"holds {cache.nbytes()} bytes, the plan says {cache.plan.held_nbytes(batch, seen)}")
-        elif bool(mask.all()) and layer.nbytes() > layer.min_nbytes():
-            _fail(where, f"holds {layer.nbytes()} bytes, more than the {layer.min_nbytes()} its pattern needs")
+        elif bool(mask.all()) and layer.nbytes() > self.held_limit(layer, batch, seen):
+            _fail(where, f"holds {layer.nbytes()} bytes, more than the {self.held_limit(layer, batch, seen)} its "
+                         "pattern needs")
         self.count("held <= needed")
+
+    def held_limit(self, layer, batch: int, seen: int) -> int:
+        """What an unpadded layer may hold: its minimum, or for a layer-level storage whose bytes depend on the split
+        (hf_quantized's dense buffer) the spec's `max_nbytes`."""
+        return layer.spec.max_nbytes(batch, seen) if getattr(self.codec, "grouped", False) else layer.min_nbytes()
 
     def crop(self, where: str, max_length: int | None) -> None:
         batch, n, extra = 2, self.randint(2, 24), self.randint(1, 6)

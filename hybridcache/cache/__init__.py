@@ -34,7 +34,7 @@ from hybridcache.cache.registry import available_layers, get_layer_class, load_p
 from hybridcache.cache.sequence import BlockState, SequenceState
 
 # Built-in extensions, written exactly as a user's plugin module would be (one file each).
-from hybridcache.cache import delta_rule, int4_storage, int8_storage, offload_storage, presses, sink  # noqa: E402,F401  isort: skip
+from hybridcache.cache import delta_rule, grouped_codecs, int4_storage, int8_storage, offload_storage, presses, sink  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "AttentionCacheLayer", "AttentionSpec", "AttentionView", "BlockState", "Cache", "CacheConfigError",

@@ -12,7 +12,8 @@ W / C slots for `sliding` / `chunked`). A one-token decode block is written in p
 returned: no roll, no copy of the window. Longer blocks attend over a copy and are written at commit.
 
 Storage options on every pattern: the codec (`storage`, with `q_group_size` for quantized formats), a residual window
-of dense recent tokens next to a quantized storage (`residual`, residual_window.py), and a storage tier that keeps
+of dense recent tokens next to a quantized storage (`residual`, residual_window.py; layer-level storages such as
+`kivi` and `hf_quantized` own keys and values instead: grouped_layer.py), and a storage tier that keeps
 the parts off the compute device (`storage: offload`, offload_storage.py): the layer fetches them for its update
 (and drops that copy once the view is built: it stages only the block's new keys/values), again for its commit and
 for batch operations, and parks them after each, so about one layer's parts are on the compute device at a time.
@@ -25,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybridcache.cache import residual_window
+from hybridcache.cache import grouped_layer, residual_window
 from hybridcache.cache.append_buffer import AppendBuffers
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.base import CacheLayer
@@ -118,7 +119,8 @@ class AttentionCacheLayer(CacheLayer):
                 setattr(self, attr, torch.zeros(batch_size, s.num_kv_heads, slots, *shape, dtype=dtype, device=self.device))
         heads = (s.num_kv_heads,) if s.per_head else ()
         self.key_pos = torch.full((batch_size, *heads, slots), -1, dtype=torch.long, device=self.device)  # [B, (H,) S]
-        self._residual = residual_window.allocate(self, batch_size)  # dense recent tokens (residual: R)
+        self._grouped = grouped_layer.allocate(self, batch_size)  # kivi / hf_quantized: it owns keys and values
+        self._residual = () if self._grouped else residual_window.allocate(self, batch_size)  # dense recent tokens
         self._tier = self.codec.tier(self)  # None: the parts stay on self.device
         # dynamic dense storage appends in place into spare slots (append_buffer.py)
         plain = (isinstance(self.codec, DenseCodec) and not self._residual and self._tier is None and not slots
@@ -128,7 +130,7 @@ class AttentionCacheLayer(CacheLayer):
 
     @property
     def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (*self._parts, *self._residual, "key_pos")
+        return (*self._parts, *self._residual, "key_pos", *self._grouped_rows)
 
     def _fetch(self) -> None:
         """Bring offloaded parts to the compute device (before a block or a batch operation uses them)."""
@@ -146,6 +148,8 @@ class AttentionCacheLayer(CacheLayer):
             self._tier.release()
 
     def nbytes(self) -> int:
+        if self._grouped is not None:
+            return self._grouped.nbytes()
         storages = {}
         for name in (*self._parts, *self._residual[:-1]):
             t = getattr(self, name)
@@ -180,6 +184,8 @@ class AttentionCacheLayer(CacheLayer):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The held keys and values [B, H, S, D], decoded (the stored tensors themselves for dense storage), with
         the residual window's tokens unquantized."""
+        if self._grouped is not None:
+            return self._grouped.read()
         keys, values = (self.codec.decode(self._side(side), self.spec.dtype).to(self.device) for side in SIDES)
         return residual_window.overlay(self, keys, values)
 
@@ -248,6 +254,9 @@ class AttentionCacheLayer(CacheLayer):
         return view
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> AttentionView:
+        if self._grouped is not None:
+            keys, values, pos = grouped_layer.write(self, k, v, block)
+            return AttentionView(keys, values, block.positions, pos, self.spec)
         if self.static and block.all_real and block.tokens == 1:  # decode: write in place, attend over the buffer
             slots = self.spec.slot_of(block.positions)  # [B, 1]
             old = {attr: getattr(self, attr).gather(2, _slot_index(slots, getattr(self, attr))) for attr in self._parts}
@@ -282,6 +291,8 @@ class AttentionCacheLayer(CacheLayer):
         return residual_window.write_decode(self, k, v, positions)
 
     def _commit_staged(self, staged: Any) -> None:
+        if staged[0] == "grouped":
+            return grouped_layer.commit(self, staged)
         if staged[0] == "decode":  # written in place; an offloaded layer dropped that copy and writes again
             if self._tier is not None:
                 self._fetch()
@@ -381,12 +392,22 @@ class AttentionCacheLayer(CacheLayer):
             residual_window.commit_static(self, k, v, pos, block.seen_after)
 
     # -- batch operations on offloaded parts ---------------------------------------------------------------------
+    def _prepare_index(self, index: Any, same_size: bool) -> torch.Tensor:
+        index = super()._prepare_index(index, same_size)
+        if self._grouped is not None:
+            grouped_layer.check_select(self, index)
+        return index
+
     def _commit_index(self, index: torch.Tensor) -> None:
+        if self._grouped is not None:
+            return grouped_layer.select(self, index)
         self._fetch()
         super()._commit_index(index)
         self._park()
 
     def _commit_restore(self, snap: Any) -> None:
+        if self._grouped is not None:
+            return grouped_layer.restore(self, snap.tensors)
         super()._commit_restore(snap)
         self._park()
 
@@ -405,9 +426,13 @@ class AttentionCacheLayer(CacheLayer):
                 f"{self.type_name} pattern). Take cache.snapshot() before the tokens you may roll back, "
                 "and cache.restore() it instead."
             )
+        if self._grouped is not None:
+            return grouped_layer.prepare_crop(self, n)
         return kept, seen
 
-    def _commit_crop(self, plan: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _commit_crop(self, plan: Any) -> None:
+        if self._grouped is not None:
+            return grouped_layer.commit_crop(self, plan)
         kept, seen = plan
         self._fetch()
         residual_window.crop(self, seen)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridcache.cache.base import LayerSpec, check_positive_int, dtype_nbytes, tunable
-from hybridcache.cache.errors import CacheError
-from hybridcache.cache.kv_codecs import KVCodec, get_codec
+from hybridcache.cache.errors import CacheConfigError, CacheError
+from hybridcache.cache.kv_codecs import KVCodec, codec_class, get_codec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +28,9 @@ class AttentionSpec(LayerSpec):
     `max_length` preallocates static storage for that many tokens per row; `storage` names the codec that stores
     each kept token (`dense`, or e.g. `int8`, `int4`, `offload`; see kv_codecs.py), `q_group_size` its quantization
     group along head_dim (None: the format's default); `residual` keeps the most recent tokens of a quantized
-    storage unquantized as well (KIVI / HF QuantizedCache; see residual_window.py).
+    storage unquantized as well (see residual_window.py). Layer-level storages (`kivi`, `hf_quantized`: KIVI and HF's
+    QuantizedCache exactly, grouped_codecs.py) take `nbits`, `q_group_size`, `residual` (their own dense tail) and,
+    for hf_quantized, `axis_key` / `axis_value`.
     """
 
     num_kv_heads: int
@@ -37,6 +39,9 @@ class AttentionSpec(LayerSpec):
     storage: str = tunable("dense")
     q_group_size: int | None = tunable(None)
     residual: int | None = tunable(None)
+    nbits: int | None = tunable(None)
+    axis_key: int | None = tunable(None)
+    axis_value: int | None = tunable(None)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,6 +57,12 @@ class AttentionSpec(LayerSpec):
             raise CacheError(f"{owner}: residual must be a non-negative integer (recent tokens kept unquantized), "
                              f"got {r!r}")
         codec = self.codec()  # unknown names, options and group sizes fail here, with what is known
+        if getattr(codec, "grouped", False) and self.max_length is not None:
+            raise CacheConfigError(f"{owner}: storage '{self.storage}' keeps column-aligned dynamic storage for the "
+                                   "whole batch; it does not support max_length (preallocation)")
+        if getattr(codec, "grouped", False) and self.per_head:
+            raise CacheConfigError(f"{owner}: storage '{self.storage}' quantizes columns of the whole batch together: "
+                                   "it cannot follow an eviction that keeps different tokens per row or head")
         if r and self.per_head:
             raise CacheError(f"{owner}: residual={r} is not available for a pattern that keeps different tokens per "
                              "kv head (the residual window holds one position per row and slot)")
@@ -64,7 +75,11 @@ class AttentionSpec(LayerSpec):
 
     def codec(self) -> KVCodec:
         """A codec of this spec's storage format (validated against head_dim and dtype)."""
-        codec = get_codec(self.storage, q_group_size=self.q_group_size)
+        options = dict(q_group_size=self.q_group_size, nbits=self.nbits, axis_key=self.axis_key,
+                       axis_value=self.axis_value)
+        if getattr(codec_class(self.storage), "grouped", False):  # `residual` is the storage's own dense tail
+            options["residual"] = self.residual
+        codec = get_codec(self.storage, **options)
         codec.check(self.head_dim, self.dtype)
         return codec
 
@@ -126,8 +141,19 @@ class AttentionSpec(LayerSpec):
 
     def min_nbytes(self, batch: int, tokens: int) -> int:
         """Every needed token in `storage`; the last `residual` of them also unquantized."""
+        codec = self.codec()
+        if getattr(codec, "grouped", False):  # the storage's own flush and eviction rules (grouped_codecs.py)
+            return batch * codec.row_nbytes(self, tokens)
         needed = int(self.needed_tokens(tokens))
         return batch * (needed * self.token_nbytes + min(needed, self.residual or 0) * self.dense_token_nbytes)
+
+    def max_nbytes(self, batch: int, tokens: int) -> int:
+        """The most this layer may hold in that situation, whatever the split of the blocks (min_nbytes unless the
+        storage's bytes depend on the split: hf_quantized's dense buffer)."""
+        codec = self.codec()
+        if getattr(codec, "grouped", False):
+            return batch * codec.row_max_nbytes(self, tokens)
+        return self.min_nbytes(batch, tokens)
 
     def held_nbytes(self, batch: int, tokens: int) -> int:
         if self.slots is not None:

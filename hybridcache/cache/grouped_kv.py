@@ -87,6 +87,8 @@ class Staged:
 class GroupedKVStorage(ABC):
     """Keys and values of one attention cache layer as a quantized history and a dense tail (see module doc)."""
 
+    unbatched: tuple[str, ...] = ()  # state tensors whose dim 0 is not the batch (groups across rows)
+
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         self.batch, self.heads, self.head_dim = batch, num_kv_heads, head_dim
@@ -101,6 +103,10 @@ class GroupedKVStorage(ABC):
     @abstractmethod
     def prepare(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Staged:
         """A block k, v [B, H, T, D] at positions pos [B, T]: the view and the next state. Changes nothing."""
+
+    @abstractmethod
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values [B, H, S, D] a next block's view starts with (dequantized where quantized)."""
 
     @abstractmethod
     def _evict(self, state: dict[str, Any], keep: Keep) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from hybridcache.cache.grouped_kv import (GroupedKVStorage, Keep, Staged, check_
 class HFQuantizedStorage(GroupedKVStorage):
     """transformers 5.2 `QuantizedCache(backend="quanto")` for one layer."""
 
+    unbatched = ("k_scale", "k_min", "v_scale", "v_min")  # quanto's groups: [n_groups, 1] or [n_groups, D]
+
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: Any = "cpu", *,
                  nbits: int = 4, axis_key: int = 0, axis_value: int = 0, q_group_size: int = 64,
                  residual_length: int = 128) -> None:
@@ -53,13 +55,15 @@ class HFQuantizedStorage(GroupedKVStorage):
         state: dict[str, Any] = dict(columns=0, armed=False, pos=torch.zeros(b, 0, dtype=torch.long, device=dev))
         for side in "kv":
             state[f"{side}_dense"] = torch.zeros(b, h, 0, d, dtype=self.dtype, device=dev)
-            state.update(zip((f"{side}_codes", f"{side}_scale", f"{side}_min"), self._empty_quantized()))
+            axis = self.axes["kv".index(side)]
+            state.update(zip((f"{side}_codes", f"{side}_scale", f"{side}_min"), self._empty_quantized(axis)))
         return state
 
-    def _empty_quantized(self) -> tuple[torch.Tensor, ...]:
+    def _empty_quantized(self, axis: int) -> tuple[torch.Tensor, ...]:
         codes = torch.zeros(self.batch, self.heads, 0, self.head_dim * self.bits // 8, dtype=torch.uint8,
                             device=self.device)
-        none = torch.zeros(0, 1, dtype=self.dtype, device=self.device)
+        # the shape quantize gives along `axis` ([n, 1] / [n, D]), so snapshots of any state have one layout
+        none = torch.zeros(0, 1 if axis == 0 else self.head_dim, dtype=self.dtype, device=self.device)
         return codes, none, none
 
     # -- quanto's grouping -------------------------------------------------------------------------------------
@@ -89,6 +93,11 @@ class HFQuantizedStorage(GroupedKVStorage):
         return minmax_dequantize(grouped, scale.unsqueeze(1), lo.unsqueeze(1)).reshape(q.shape)
 
     # -- the interface -----------------------------------------------------------------------------------------
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self._state
+        return tuple(torch.cat([self.dequantize(s[f"{x}_codes"], s[f"{x}_scale"], s[f"{x}_min"], axis),
+                                s[f"{x}_dense"]], dim=2) for x, axis in zip("kv", self.axes))
+
     def prepare(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Staged:
         self.check_block(k, v, pos)
         s = self._state

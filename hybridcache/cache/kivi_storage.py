@@ -89,6 +89,11 @@ class KiviStorage(GroupedKVStorage):
         start = s[f"{side}_start"] if quant.shape[2] else s["columns"] - dense.shape[2]
         return start, torch.cat([quant, dense], dim=2)
 
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self._state
+        first = s["columns"] - s["pos"].shape[1]
+        return tuple(held[:, :, first - start:] for start, held in (self._side(s, "k"), self._side(s, "v")))
+
     def prepare(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Staged:
         self.check_block(k, v, pos)
         s, r = self._state, self.residual_length

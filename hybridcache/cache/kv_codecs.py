@@ -90,6 +90,12 @@ def available_codecs() -> list[str]:
     return sorted(_CODECS)
 
 
+def codec_class(name: str) -> type[KVCodec]:
+    if name not in _CODECS:
+        raise CacheConfigError(f"unknown attention storage {name!r}; known: {', '.join(available_codecs())}")
+    return _CODECS[name]
+
+
 def get_codec(name: str, **options: Any) -> KVCodec:
     """A codec of format `name`; `options` set to None are left at the format's defaults."""
     if name not in _CODECS:

@@ -64,3 +64,28 @@ def run_hf_quantized(keys: torch.Tensor, values: torch.Tensor, splits: list[int]
     if not version.startswith("5.2."):
         raise HFQuantizedUnavailable(f"{python} has transformers {version}; the reference is 5.2: {INSTALL}")
     return [(out[f"keys.{i}"], out[f"values.{i}"]) for i in range(len(splits))]
+
+
+def run_hf_quantized_model(checkpoint: str | os.PathLike, prompt_ids: torch.Tensor, cont_ids: torch.Tensor, *,
+                           nbits: int | None = 4, axis_key: int = 0, axis_value: int = 0, q_group_size: int = 64,
+                           residual_length: int = 128, timeout: float = 900.0) -> torch.Tensor:
+    """HF 5.2's model on a HF-format `checkpoint` (float32, CPU, eager): prefill `prompt_ids` [1, P] into a
+    QuantizedCache(quanto) (nbits None: a DynamicCache), then `cont_ids` [1, T] in one forward. Returns the logits
+    [T, V] predicting each continuation token (the prompt's last, then the continuation's but its last)."""
+    python = hfq_python()
+    request = dict(mode="model", checkpoint=str(checkpoint), nbits=nbits, axis_key=axis_key, axis_value=axis_value,
+                   q_group_size=q_group_size, residual_length=residual_length)
+    with tempfile.TemporaryDirectory(prefix="hfq-") as tmp:
+        src, dst = Path(tmp, "in.safetensors"), Path(tmp, "out.safetensors")
+        save_file({"prompt_ids": prompt_ids.long().contiguous(), "cont_ids": cont_ids.long().contiguous()}, src,
+                  metadata={"request": json.dumps(request)})
+        proc = subprocess.run([python, str(WORKER), str(src), str(dst)], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "PYTHONPATH": ""})
+        if proc.returncode != 0:
+            raise HFQuantizedWorkerError(f"hf_quantized worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        with safe_open(dst, framework="pt") as f:
+            version = f.metadata().get("transformers", "?")
+        logits = load_file(dst)["logits"]
+    if not version.startswith("5.2."):
+        raise HFQuantizedUnavailable(f"{python} has transformers {version}; the reference is 5.2: {INSTALL}")
+    return logits

@@ -17,19 +17,31 @@ from hybridcache.cache import (
     load_plugins,
     register_cache_layer,
 )
-from hybridcache.cache.kv_codecs import DenseCodec, register_kv_codec
+from hybridcache.cache.errors import CacheConfigError
+from hybridcache.cache.kv_codecs import DenseCodec, codec_class, register_kv_codec
 from hybridcache.testing import ConformanceError, check_cache_type
 
 CASES = [(name, codec) for name in available_layers() for codec in
          (available_codecs() if get_layer_class(name).kind == "attention" else [None])]
 
 
+def _row_eviction_with_grouped_storage(name, codec):
+    """Layer-level storages (kivi, hf_quantized) cannot follow per-row / per-head score-based eviction."""
+    return (codec is not None and getattr(codec_class(codec), "grouped", False)
+            and get_layer_class(name)._evict is not AttentionCacheLayer._evict)
+
+
 @pytest.mark.parametrize("name,codec", CASES, ids=[f"{n}-{c}" if c else n for n, c in CASES])
 def test_registered_type_passes_the_kit(name, codec):
+    if _row_eviction_with_grouped_storage(name, codec):
+        with pytest.raises(CacheConfigError, match="cannot follow an eviction"):
+            check_cache_type(name, params={"storage": codec}, cases=1)
+        return
     counts = check_cache_type(name, params={"storage": codec} if codec else None, cases=8)
     assert counts["atomic failures"] > 0 and counts["snapshot / restore"] > 0
     if get_layer_class(name).kind == "attention":
-        layouts = 2 if get_layer_class(name).supports_preallocation else 1
+        prealloc = get_layer_class(name).supports_preallocation and getattr(codec_class(codec), "preallocates", True)
+        layouts = 2 if prealloc else 1
         assert counts["split == one-shot"] == 8 * layouts
     else:  # every case crops a checkpointed recurrent layer back to at least one earlier column
         assert counts["crop to a checkpoint (exact)"] >= 8
