@@ -12,7 +12,8 @@ from omegaconf import DictConfig
 
 import hybridcache.real_checkpoints  # noqa: F401 - registers ${real:NAME} (model=gemma3_270m) for every experiment
 
-EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark", "study": "experiments.study"}
+EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark", "study": "experiments.study",
+               "press_check": "experiments.press_check"}
 
 
 @dataclass

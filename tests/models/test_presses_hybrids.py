@@ -34,3 +34,28 @@ def test_every_method_runs_on_the_attention_layers_of_hybrids(models, family):
     for name in ("tova", "h2o"):
         out = hc.generate(model, ids, max_new_tokens=4, cache_config={**states, "full": {"type": name, "budget": 99}})
         assert torch.equal(out.sequences, native.sequences), name
+
+
+@pytest.mark.parametrize("config", [{"attention": {"type": "snapkv", "compression_ratio": 0.5, "window_size": 4}},
+                                    {"attention": {"type": "h2o", "budget": 8}},
+                                    {"attention": {"type": "tova", "compression_ratio": 0.5, "mode": "prefill"}}])
+def test_save_load_continues_bit_exactly(models, tmp_path, config):
+    """Per-head positions, the prompt length and H2O's accumulated attention travel with a saved cache."""
+    from hybridcache.cache import Cache
+
+    model, _ = models("jamba")
+    ids = prompts(2, 30, seed=5)
+    out = hc.generate(model, ids, max_new_tokens=4, cache_config=config)
+    out.cache.save(tmp_path / "c.safetensors")
+    loaded = Cache.load(tmp_path / "c.safetensors", model, cache_config=config)
+    more = torch.cat([out.sequences, ids[:, :3]], 1)
+    a = hc.generate(model, more, max_new_tokens=3, cache=out.cache)
+    b = hc.generate(model, more, max_new_tokens=3, cache=loaded)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logits, b.logits)
+
+
+def test_prefill_mode_refuses_a_chunked_prefill(models):
+    model, _ = models("jamba")
+    with pytest.raises(ValueError, match="one block"):
+        hc.generate(model, prompts(1, 30, seed=1), max_new_tokens=2, prefill_chunk_size=8,
+                    cache_config={"attention": {"type": "knorm", "compression_ratio": 0.5}})

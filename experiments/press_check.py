@@ -1,0 +1,83 @@
+"""experiment=press_check: our score-based methods against kvpress, live, on the same model and prompt.
+
+For each method and compression ratio: the prompt (`context` tokens of English text) compressed once at its end on
+every attention layer, in our cache (`mode: prefill`) and in kvpress 0.5.5 in its own environment
+(HYBRIDCACHE_KVPRESS_PYTHON); then the teacher-forced NLL of the next `continuation` tokens. Reports the share of
+kvpress's kept positions we kept too (every layer and kv head) and both NLLs. Writes press_check.json and a W&B table.
+
+    python run.py experiment=press_check model=gemma3_270m
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from experiments.common import UserError, load_model, load_tokenizer
+from experiments.study_data import documents
+from hybridcache.reference.kvpress_runner import KvpressUnavailable, find_kvpress_python
+from hybridcache.reference.press_check import KVPRESS_CLASS, check_press
+from hybridcache.tracking import Tracker
+
+COLUMNS = ["method", "ratio", "reference", "ours NLL", "kvpress NLL", "max |ΔNLL| per token", "kept agreement",
+           "layers", "kvpress s"]
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    e, console = cfg.experiment, Console()
+    unknown = [m for m in e.methods if m not in KVPRESS_CLASS]
+    if unknown:
+        raise UserError(f"experiment.methods: {unknown} have no kvpress press (known: {', '.join(KVPRESS_CLASS)})")
+    try:
+        find_kvpress_python()
+    except KvpressUnavailable as err:
+        raise UserError(str(err)) from None
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    start = time.perf_counter()
+    with console.status(f"[bold]loading {cfg.model.family}[/]"):
+        checkpoint, model = load_model(cfg)
+        tokenizer = load_tokenizer(checkpoint)
+    context, continuation = int(e.context), int(e.continuation)
+    doc = documents(tokenizer, e.text, context + continuation, 1, model.vocab_size)[0]
+    rows = []
+    cases = [(m, float(r)) for m in e.methods for r in e.ratios]
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("ours and kvpress (each kvpress run starts its own process: ~20-60 s)",
+                                 total=len(cases))
+        for method, ratio in cases:
+            rows.append(check_press(model, checkpoint, doc[:context], doc[context:], method, ratio).as_dict())
+            progress.advance(task)
+    table = Table(title=f"press_check: {cfg.model.family}, {context}-token prompt, NLL of the next {continuation}")
+    for c in COLUMNS:
+        table.add_column(c, justify="left" if c in ("method", "reference") else "right")
+    records = [[r["method"], r["compression_ratio"], r["reference"], r["ours_nll"], r["reference_nll"],
+                r["max_token_nll_diff"], r["kept_agreement"], r["layers_compared"], r["reference_seconds"]]
+               for r in rows]
+    for rec, r in zip(records, rows):
+        table.add_row(*(f"{v:.5g}" if isinstance(v, float) else str(v) for v in rec),
+                      style="red" if r["reference_error"] or r["kept_agreement"] < 1 else None)
+    console.print(table)
+    for r in rows:
+        if r["reference_error"]:
+            console.print(f"[red]{r['method']}: kvpress failed: {r['reference_error']}[/]")
+    result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint, "rows": rows,
+              "wall_s": time.perf_counter() - start}
+    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], group=cfg.logger.group,
+                      name=f"press_check-{cfg.model.family}", tags=["press_check", cfg.model.family])
+    tracker.table("press_check", COLUMNS, records)
+    tracker.summary({"min_kept_agreement": min(r["kept_agreement"] for r in rows),
+                     "max_token_nll_diff": max((r["max_token_nll_diff"] or 0.0) for r in rows)})
+    tracker.finish()
+    path = out_dir / "press_check.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    console.print(f"results: {path}\nwall time: {result['wall_s']:.0f} s")
+    return result
