@@ -117,7 +117,8 @@ def kill_group(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
             pass
 
 
-def run_worker(command: list[str], timeout: float, log_dir: Path, grace: float = GRACE_SECONDS) -> tuple[int, str, str]:
+def run_worker(command: list[str], timeout: float, log_dir: Path, grace: float = GRACE_SECONDS,
+               label: str = "vLLM") -> tuple[int, str, str]:
     """Run `command` in its own session with stdout/stderr in files; on timeout, failure or interrupt (and after
     success, for stragglers) end its whole process group. Returns (exit status, stdout, stderr); raises
     TimeoutError (with the root cause so far) when it ran past `timeout`."""
@@ -137,7 +138,7 @@ def run_worker(command: list[str], timeout: float, log_dir: Path, grace: float =
         failed = _traceback_ends((err_text + "\n" + out_text).splitlines())
         state = (f"it had failed: {root_cause(err_text, out_text)}" if failed else
                  f"it had not failed; its last output: {last_output(err_text, out_text)}")
-        raise TimeoutError(f"the vLLM subprocess gave no answer within {timeout:g} s (reference.timeout); its "
+        raise TimeoutError(f"the {label} subprocess gave no answer within {timeout:g} s (reference.timeout); its "
                            f"process group was ended. Before that, {state}")
     return proc.returncode, stdout, stderr
 
