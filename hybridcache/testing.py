@@ -19,7 +19,8 @@ Checks (each on dynamic and preallocated storage, on left-padded batches, with s
 - atomic failures: bad calls raise CacheError and leave the whole cache unchanged;
 - memory accounting: `Cache.nbytes()` agrees with the plan's `held_nbytes` for preallocated storage.
 Recurrent types get the checks that apply to states (shapes and dtypes from the spec, staging, batch operations,
-snapshot, crop refusal or exactness, atomic failures, accounting).
+snapshot, crop refusal or exactness, atomic failures, accounting); a lossy `state_codec` must give back exactly its
+own round trip of what it was handed (`layer.round_trip`), checkpoints and batch operations included.
 """
 
 from __future__ import annotations
@@ -309,11 +310,17 @@ class _RecurrentKit(_Kit):
     def states(self, cache: Cache) -> dict[str, torch.Tensor]:
         return {n: torch.randn(t.shape, generator=self.g, dtype=torch.float64).to(t.dtype) for n, t in cache[0].states.items()}
 
+    @staticmethod
+    def held(layer, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a layer gives back after being handed `states` (its state codec's round trip; lossless: as is)."""
+        return layer.round_trip(states) if hasattr(layer, "round_trip") else states
+
     def feed(self, cache: Cache, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Feed a block of random states; returns the states the layer should hold after it."""
         new = self.states(cache)
         with cache.block(None if bool(mask.all()) else mask, mask.shape[1]):
             cache[0].update(**new)
-        return new
+        return self.held(cache[0], new)
 
     def run(self, cases: int) -> dict[str, int]:
         for case in range(cases):
@@ -390,9 +397,10 @@ class _RecurrentKit(_Kit):
             final = self.states(cache)
             with cache.block(None, tokens):
                 layer.update(trail=trail if m else None, **final)
+            held_trail = self.held(layer, trail) if m else {}
             for j in range(m):
-                after[start + tokens - m + j] = {n: t[:, j] for n, t in trail.items()}
-            after[start + tokens] = final
+                after[start + tokens - m + j] = {n: t[:, j] for n, t in held_trail.items()}
+            after[start + tokens] = self.held(layer, final)
         end = cache.columns
         reachable = [c for c in after if end - k <= c < end]  # every such column was a trail or block boundary
         snap = cache.snapshot()

@@ -76,7 +76,8 @@ class LayerPlan:
     def exact(self) -> bool:
         """Whether cached generation with this layer equals the full recompute with its pattern."""
         storage = getattr(self.spec, "storage", None)
-        return get_layer_class(self.type).exact and (storage is None or get_codec(storage).exact)
+        return (get_layer_class(self.type).exact and (storage is None or get_codec(storage).exact)
+                and getattr(self.spec, "exact_storage", True))  # recurrent: the state codec
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,30 @@ Rollback: by default a layer keeps only its latest state, so `crop` cannot rewin
 [B, k, ...], `trail_columns` [k]): the state before a block is kept by the layer itself, and a mixer hands over the
 states after the block's interior tokens (`update(..., trail={name: [B, m, ...]})`, m = `trail_length(T)`), so
 `crop(n)` is exact for any n within the last k columns, across blocks and decode steps (speculative decoding).
+
+Storage (state_codecs.py, state_layout.py, state_offload.py): `state_dtype` is the float dtype the mixer reads and
+hands back (its exchange and compute format); `state_codec` is how the layer holds the state between blocks (`dense`:
+as is; `bfloat16`, fp8, `int8`, `int4`, ... with `state_group` choosing the scale axis). The state is re-encoded
+after every block, so a lossy codec's error accumulates over a generation. The conv state is held dense unless
+`quantize_conv: true`: it is K-1 raw inputs per channel (a few % of a layer's state bytes next to an SSM state of N
+columns), it is not an accumulator whose error matters less, and a `conv`-only layer (LFM2) then keeps its exact
+default under a kind-wide `recurrent: {state_codec: ...}`. `offload: true` keeps the held parts off the compute
+device between blocks. Checkpoint trails, snapshots and saved files hold the encoded parts as they are.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridcache.cache.base import CacheLayer, LayerSpec, check_float_dtype, check_positive_int, dtype_nbytes, tunable
+from hybridcache.cache.base import CacheLayer, LayerSpec, check_float_dtype, check_positive_int, tunable
 from hybridcache.cache.errors import CacheCropError, CacheError
 from hybridcache.cache.registry import register_cache_layer
+from hybridcache.cache.state_codecs import get_state_codec
+from hybridcache.cache.state_layout import StateLayout
+from hybridcache.cache.state_offload import state_tier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,12 +41,31 @@ class RecurrentSpec(LayerSpec):
     """Base of recurrent specs: `state_shapes()` names every state tensor (shape without batch, dtype)."""
 
     checkpoints: int = tunable(0)  # keep the states after each of the last k columns, so crop(n) can rewind k
+    state_codec: str = tunable("dense")  # how states are held between blocks (state_codecs.py)
+    state_group: str = tunable("channel")  # scale axis of scaled codecs: "channel" (last axis) or "head" (first)
+    quantize_conv: bool = tunable(False)  # the codec also holds the conv state (else: dense)
+    offload: bool = tunable(False)  # held parts off the compute device between blocks (state_offload.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        k = self.checkpoints
+        owner, k = type(self).__name__, self.checkpoints
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise CacheError(f"{type(self).__name__}: checkpoints must be an integer >= 0, got {k!r}")
+            raise CacheError(f"{owner}: checkpoints must be an integer >= 0, got {k!r}")
+        get_state_codec(self.state_codec, self.state_group)  # unknown names fail here, with the known ones
+        for name in ("quantize_conv", "offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise CacheError(f"{owner}: {name} must be true or false, got {getattr(self, name)!r}")
+
+    def layout(self) -> StateLayout:
+        """Codecs and stored parts of the states (built once per spec)."""
+        if "_layout" not in self.__dict__:
+            object.__setattr__(self, "_layout", StateLayout(self))
+        return self.__dict__["_layout"]
+
+    @property
+    def exact_storage(self) -> bool:
+        """Whether the codec gives the states back bit for bit."""
+        return self.layout().exact
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise NotImplementedError
@@ -45,8 +75,8 @@ class RecurrentSpec(LayerSpec):
             check_positive_int(type(self).__name__, name, getattr(self, name))
 
     def min_nbytes(self, batch: int, tokens: int) -> int:
-        per_row = sum(math.prod(shape) * dtype_nbytes(dt) for shape, dt in self.state_shapes().values())
-        return batch * per_row * (1 + self.checkpoints)  # the state, plus the kept checkpoints
+        """Bytes held: every state's stored parts (codes + scales), plus the kept checkpoints."""
+        return batch * self.layout().row_nbytes() * (1 + self.checkpoints)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,26 +173,52 @@ class RecurrentCacheLayer(CacheLayer):
 
     @property
     def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
-        names = tuple(self.spec.state_shapes())
-        return names + tuple(f"{n}_trail" for n in names) if self.spec.checkpoints else names
+        return self._parts
 
     @property
     def _other_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("trail_columns",) if self.spec.checkpoints else ()
 
     def _allocate(self, batch_size: int) -> None:
-        k = self.spec.checkpoints
-        for name, (shape, dtype) in self.spec.state_shapes().items():
-            setattr(self, name, torch.zeros((batch_size, *shape), dtype=dtype, device=self.device))
-            if k:
-                setattr(self, f"{name}_trail", torch.zeros((batch_size, k, *shape), dtype=dtype, device=self.device))
+        k, self.layout = self.spec.checkpoints, self.spec.layout()
+        held = self.layout.allocate(batch_size, (), self.device)
         if k:
+            held.update({f"{a}_trail": t for a, t in self.layout.allocate(batch_size, (k,), self.device).items()})
             self.trail_columns = torch.full((k,), -1, dtype=torch.long, device=self.device)  # [k], -1: empty
+        for attr, t in held.items():
+            setattr(self, attr, t)
+        self._parts = tuple(held)  # every stored attribute, trails included
+        self._tier = state_tier(self)  # None: the parts stay on self.device
+        self._park()
+
+    def _fetch(self) -> None:
+        if self._tier is not None:
+            self._tier.fetch()
+
+    def _park(self) -> None:
+        if self._tier is not None:
+            self._tier.park()
+
+    def _held(self) -> dict[str, torch.Tensor]:
+        return {attr: getattr(self, attr) for attr in self.layout.attrs}
+
+    @property
+    def is_exact(self) -> bool:
+        return self.exact and self.layout.exact
 
     @property
     def states(self) -> dict[str, torch.Tensor]:
-        """The current states by name, e.g. {"conv": [B, C, K-1], "ssm": [B, D, N]}."""
-        return {name: getattr(self, name) for name in self.spec.state_shapes()}
+        """The current states by name, decoded to the spec's dtypes, e.g. {"conv": [B, C, K-1], "ssm": [B, D, N]}
+        (for dense storage, the held tensors themselves)."""
+        self._fetch()
+        held = self._held()
+        if self._tier is not None:
+            self._tier.release()  # nothing changed: the parked parts stay as they are
+        return {name: self.layout.decode(held, name) for name in self.layout.shapes}
+
+    def round_trip(self, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The states this layer gives back after `update(**states)` (the codec's encode then decode)."""
+        return self.layout.round_trip(states)
 
     def trail_length(self, tokens: int) -> int:
         """How many interior states of a block of `tokens` a mixer hands over: the states after each of its last
@@ -210,7 +266,9 @@ class RecurrentCacheLayer(CacheLayer):
     def _commit_staged(self, staged: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> None:
         new_states, trail = staged
         k = self.spec.checkpoints
+        new = self.layout.encode(new_states)
         if k:  # keep the states after the last k columns: older checkpoints, the state before the block, the trail
+            self._fetch()
             old, end = self.seq.columns, self.seq.columns + self.seq.block.tokens
             m = 0 if trail is None else next(iter(trail.values())).shape[1]
             columns = self.trail_columns.tolist() + [old] + list(range(end - m, end))
@@ -218,12 +276,17 @@ class RecurrentCacheLayer(CacheLayer):
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.trail_columns.fill_(-1)
             self.trail_columns[k - len(keep):] = torch.tensor([columns[i] for i in keep], dtype=torch.long)
-            for name, state in self.states.items():
-                parts = [getattr(self, f"{name}_trail"), state[:, None]] + ([trail[name]] if m else [])
+            trail_parts = self.layout.encode(trail) if m else {}  # [B, m, ...] each, encoded like any state
+            for attr, held in self._held().items():
+                parts = [getattr(self, f"{attr}_trail"), held[:, None]] + ([trail_parts[attr]] if m else [])
                 picked = torch.cat(parts, dim=1).index_select(1, index)
-                getattr(self, f"{name}_trail")[:, k - len(keep):] = picked
-        for name, t in new_states.items():
-            getattr(self, name).copy_(t)
+                getattr(self, f"{attr}_trail")[:, k - len(keep):] = picked
+        for attr, t in new.items():
+            if self._tier is None:
+                getattr(self, attr).copy_(t)
+            else:  # parking copies it onto the parked part in place
+                setattr(self, attr, t)
+        self._park()
 
     def _prepare_crop(self, n: int, seen: torch.Tensor) -> int | None:
         if n == self.columns:
@@ -244,9 +307,20 @@ class RecurrentCacheLayer(CacheLayer):
         if plan is None:
             return
         n = int(self.trail_columns[plan])
-        for name, state in self.states.items():
-            state.copy_(getattr(self, f"{name}_trail")[:, plan])
+        self._fetch()
+        for attr, held in self._held().items():  # the encoded checkpoint, bit for bit
+            held.copy_(getattr(self, f"{attr}_trail")[:, plan])
         self.trail_columns.masked_fill_(self.trail_columns >= n, -1)  # checkpoints past the new end are gone
+        self._park()
+
+    def _commit_index(self, index: torch.Tensor) -> None:
+        self._fetch()
+        super()._commit_index(index)
+        self._park()
+
+    def _commit_restore(self, snap: Any) -> None:
+        super()._commit_restore(snap)  # writes into the parked parts (or replaces them: then parking moves them)
+        self._park()
 
 
 @register_cache_layer("mamba")

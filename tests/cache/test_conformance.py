@@ -19,10 +19,21 @@ from hybridcache.cache import (
 )
 from hybridcache.cache.errors import CacheConfigError
 from hybridcache.cache.kv_codecs import DenseCodec, codec_class, register_kv_codec
+from hybridcache.cache.state_codecs import available_state_codecs
 from hybridcache.testing import ConformanceError, check_cache_type
 
+# recurrent types: every state codec (conv state included), per-head scales, and offload alone and with int8
+STATE_PARAMS = [None, *({"state_codec": c, "quantize_conv": True} for c in available_state_codecs() if c != "dense"),
+                {"state_codec": "int4", "state_group": "head", "quantize_conv": True}, {"offload": True},
+                {"state_codec": "int8", "offload": True, "quantize_conv": True}]
 CASES = [(name, codec) for name in available_layers() for codec in
-         (available_codecs() if get_layer_class(name).kind == "attention" else [None])]
+         (available_codecs() if get_layer_class(name).kind == "attention" else STATE_PARAMS)]
+
+
+def _case_id(name, codec):
+    if isinstance(codec, dict):
+        return "-".join([name, *(str(v) if not isinstance(v, bool) else k for k, v in codec.items())])
+    return f"{name}-{codec}" if codec else name
 
 
 def _row_eviction_with_grouped_storage(name, codec):
@@ -31,8 +42,12 @@ def _row_eviction_with_grouped_storage(name, codec):
             and get_layer_class(name)._evict is not AttentionCacheLayer._evict)
 
 
-@pytest.mark.parametrize("name,codec", CASES, ids=[f"{n}-{c}" if c else n for n, c in CASES])
+@pytest.mark.parametrize("name,codec", CASES, ids=[_case_id(n, c) for n, c in CASES])
 def test_registered_type_passes_the_kit(name, codec):
+    if isinstance(codec, dict):  # a recurrent type with state storage parameters
+        counts = check_cache_type(name, params=codec, cases=8)
+        assert counts["atomic failures"] > 0 and counts["crop to a checkpoint (exact)"] >= 8
+        return
     if _row_eviction_with_grouped_storage(name, codec):
         with pytest.raises(CacheConfigError, match="cannot follow an eviction"):
             check_cache_type(name, params={"storage": codec}, cases=1)
