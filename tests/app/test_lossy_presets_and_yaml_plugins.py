@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from experiments.cache_config import cache_config_from_hydra
+from hybridcache.cache.errors import CacheConfigError
 from hybridcache.cache.plan import flatten_native, resolve_plan
 from hybridcache.tiny_models import FAMILIES
 from tests.app.test_app import compose_cfg, native_layers
@@ -17,7 +18,7 @@ OTHER_PRESETS = sorted(p.stem for p in (ROOT / "configs" / "cache").glob("*.yaml
 
 
 def test_the_lossy_and_pattern_presets_are_all_covered():
-    assert {"sink", "int8", "tova"} <= set(OTHER_PRESETS)
+    assert {"sink", "int8", "tova", "snapkv", "h2o"} <= set(OTHER_PRESETS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -26,14 +27,21 @@ def test_every_other_preset_composes_into_a_plan_on_every_family(family, preset)
     cfg = compose_cfg(f"model={family}", f"cache={preset}")
     cache_config, preallocate = cache_config_from_hydra(cfg.cache)
     native = native_layers(family)
+    head_dims = {n.params["head_dim"] for _, _, n in flatten_native(native) if n.type in ("full", "sliding", "chunked")}
+    if preset == "kivi" and any(d % 32 for d in head_dims):  # real KIVI's groups of 32 along head_dim: a clear refusal
+        with pytest.raises(CacheConfigError, match="group_size must be a positive divisor of head_dim"):
+            resolve_plan(native, cache_config, None)
+        return
     plan = resolve_plan(native, cache_config, 128 if preallocate else None)
     assert [p.native_type for p in plan.layers] == [n.type for _, _, n in flatten_native(native)]
     native_plan = resolve_plan(native)
     for p, q in zip(plan.layers, native_plan.layers):
         if p.kind == "recurrent":  # recurrent states are never touched by an attention preset
             assert p.type == q.type
-        elif preset in ("sink", "tova") and p.native_type == "full":
+        elif preset in ("sink", "tova", "h2o") and p.native_type == "full":
             assert p.type == preset
+        elif preset == "snapkv":  # every attention layer, natively sliding ones inside their window
+            assert p.type == "snapkv" and p.spec.window == getattr(q.spec, "window", None)
         elif preset == "int8":
             assert p.type == q.type and p.spec.storage == "int8"
 
