@@ -3,8 +3,9 @@
 The `GroupedKVStorage` owns keys and values; the layer keeps `key_pos` = the storage's held positions [B, S] (what
 masks are built from) and publishes the storage's state as layer tensors `kv_<name>` so that the base snapshot,
 restore, shape checks and persistence handle it like any storage: plain ints / bools of the state (columns,
-k_start, v_start, armed) become 0-d tensors, tensors whose dim 0 is the batch are batch tensors, the others (HF's
-scales, grouped across rows) are not. The hooks in attention.py call these functions (validate, then mutate).
+k_start, v_start, armed) become one-element tensors [1] (persistence hashes bytes: a 0-d tensor has no byte view),
+tensors whose dim 0 is the batch are batch tensors, the others (HF's scales, grouped across rows) are not. The
+hooks in attention.py call these functions (validate, then mutate).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def publish(layer: Any, storage: GroupedKVStorage) -> None:
         if isinstance(value, torch.Tensor):
             (other if name in unbatched else rows).append(attr)
         else:
-            value, _ = torch.tensor(value, device=layer.device), other.append(attr)  # int -> long, bool -> bool
+            value, _ = torch.tensor([value], device=layer.device), other.append(attr)  # int -> long, bool -> bool
         setattr(layer, attr, value)
     layer._grouped_rows, layer._other_tensors = tuple(rows), tuple(other)
 
