@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 import hybridcache.real_checkpoints  # noqa: F401 - registers ${real:NAME} (model=gemma3_270m) for every experiment
 
 EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark", "study": "experiments.study",
-               "press_check": "experiments.press_check"}
+               "press_check": "experiments.press_check", "train": "experiments.train"}
 
 
 @dataclass

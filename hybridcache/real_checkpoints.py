@@ -49,18 +49,34 @@ REAL_CHECKPOINTS = {
 }
 
 
+#: Checkpoints shipped inside the package, trained here by experiment=train (README "A trained hybrid"):
+#: name -> (directory under hybridcache/, what it is). They need no conversion and no extra package.
+SHIPPED = {
+    "trained_hybrid": ("trained/bamba_bytes", "Bamba (Mamba2 + attention, 6 layers, 5.2M parameters, ByT5 bytes) "
+                                              "trained by experiment=train on Shakespeare and Python's docs"),
+}
+
+
+def shipped_path(name: str) -> Path:
+    return Path(__file__).resolve().parent / SHIPPED[name][0]
+
+
 class RealCheckpointMissing(ImportError):
     """The package that ships a real checkpoint (or a library needed to convert it) is not installed."""
 
 
 def missing_packages(name: str) -> list[str]:
     """Import names needed for `name` that are not installed (empty: `real_checkpoint(name)` can run)."""
+    if name in SHIPPED:
+        return []
     spec = _spec(name)
     return [m for m in (spec.module, *spec.requires) if importlib.util.find_spec(m) is None]
 
 
 def available(name: str) -> bool:
     """Whether `real_checkpoint(name)` can run here (already converted, or its packages are installed)."""
+    if name in SHIPPED:
+        return (shipped_path(name) / "config.json").is_file()
     return (_target(name) / "config.json").is_file() or not missing_packages(name)
 
 
@@ -70,7 +86,14 @@ def real_root() -> Path:
 
 
 def real_checkpoint(name: str, root: str | Path | None = None, quiet: bool = False) -> Path:
-    """The HF-format directory of real checkpoint `name`, converted on first use (atomically) under `root`."""
+    """The HF-format directory of real checkpoint `name`, converted on first use (atomically) under `root`
+    (a shipped checkpoint: its directory inside the package; `root` does not apply)."""
+    if name in SHIPPED:
+        path = shipped_path(name)
+        if not (path / "config.json").is_file():
+            raise RealCheckpointMissing(f"the shipped checkpoint '{name}' is missing from {path}; reinstall "
+                                        "hybridcache, or train it with: python run.py experiment=train")
+        return path
     spec = _spec(name)
     target = _target(name, root)
     if (target / "config.json").is_file():
@@ -97,7 +120,7 @@ def real_checkpoint(name: str, root: str | Path | None = None, quiet: bool = Fal
 
 def _spec(name: str) -> RealCheckpoint:
     if name not in REAL_CHECKPOINTS:
-        raise ValueError(f"unknown real checkpoint '{name}' (known: {', '.join(REAL_CHECKPOINTS)})")
+        raise ValueError(f"unknown real checkpoint '{name}' (known: {', '.join([*REAL_CHECKPOINTS, *SHIPPED])})")
     return REAL_CHECKPOINTS[name]
 
 

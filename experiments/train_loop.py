@@ -1,0 +1,194 @@
+"""The training loop of experiment=train, free of Hydra: settings, a resumable run, evaluation in bits per byte.
+
+Resuming is exact: the batch of step s is a pure function of (seed, s) (experiments/train_data.py), and a checkpoint
+holds the weights, the optimizer's moments, torch's RNG state, the step and the history, written atomically (a
+temporary file renamed into place), so an interrupted run continues with the same losses an uninterrupted one gets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from experiments.train_data import Corpus, batch, windows
+from experiments.train_model import hf_model, parameter_count
+
+LN2 = math.log(2.0)
+CHECKPOINT = "checkpoint.pt"
+
+
+class TrainError(RuntimeError):
+    """A run directory that belongs to other settings, or a checkpoint that cannot be resumed."""
+
+
+@dataclass
+class TrainSettings:
+    """Everything that decides the trained weights (the run directory is keyed by it)."""
+
+    arch: str = "hybrid"
+    size: dict[str, Any] = field(default_factory=dict)
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    mix: dict[str, float] = field(default_factory=lambda: {"shakespeare": 0.35, "docstrings": 0.45, "pydoc": 0.2})
+    eval_len: int = 512
+    eval_windows: int = 64        # per split, at the end
+    probe_windows: int = 8        # per split, every eval_every steps (the curve)
+    eval_every: int = 100
+    checkpoint_every: int = 50
+
+    def key(self) -> dict[str, Any]:
+        """What the weights depend on (not how often we look at them)."""
+        d = asdict(self)
+        for k in ("eval_windows", "probe_windows", "eval_every", "checkpoint_every", "eval_len"):
+            d.pop(k)
+        return d
+
+
+def learning_rate(s: TrainSettings, step: int) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    t = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not norms, biases, SSM decay / time-step / skip parameters)."""
+    params = {id(p): (n, p) for n, p in model.named_parameters()}.values()
+    decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def next_byte_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats) of a [B, T + 1] batch."""
+    logits = model(ids[:, :-1]).logits  # [B, T, V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def bits_per_byte(model: torch.nn.Module, tokens: np.ndarray, length: int, count: int, batch_size: int = 8) -> float:
+    """Mean next-byte NLL in bits over the first `count` windows of `length` bytes (one id = one byte)."""
+    was = model.training
+    model.eval()
+    rows = torch.from_numpy(windows(tokens, length, count))
+    total = 0.0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i: i + batch_size]
+        total += next_byte_loss(model, chunk).item() * len(chunk)
+    model.train(was)
+    return total / len(rows) / LN2
+
+
+def eval_splits(corpus: Corpus) -> dict[str, np.ndarray]:
+    """The held-out splits by name: in-domain per source, and the unseen prose."""
+    return {**{f"eval/{k}": v for k, v in corpus.eval.items()}, "unseen/pydoc": corpus.unseen}
+
+
+@dataclass
+class TrainState:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)   # one row per step
+    probes: list[dict[str, float]] = field(default_factory=list)    # held-out bits/byte every eval_every steps
+    seconds: float = 0.0  # training wall time so far, over every session
+
+
+def fresh_state(s: TrainSettings) -> TrainState:
+    model = hf_model(s.arch, s.size, s.seed)
+    return TrainState(model, make_optimizer(model, s))
+
+
+def save_checkpoint(state: TrainState, s: TrainSettings, run_dir: Path) -> Path:
+    """Atomically write everything needed to continue (weights, optimizer, RNG, step, history)."""
+    path = run_dir / CHECKPOINT
+    tmp = run_dir / f".{CHECKPOINT}.{os.getpid()}.tmp"
+    torch.save({"settings": s.key(), "step": state.step, "model": state.model.state_dict(),
+                "optimizer": state.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                "history": state.history, "probes": state.probes, "seconds": state.seconds}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(s: TrainSettings, run_dir: Path) -> TrainState:
+    """The checkpoint in `run_dir` if there is one (it must come from the same settings), else a fresh start."""
+    state = fresh_state(s)
+    path = run_dir / CHECKPOINT
+    if not path.is_file():
+        return state
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    if saved["settings"] != json.loads(json.dumps(s.key())):
+        raise TrainError(f"{path} was written with other settings; use another run directory or delete it")
+    state.model.load_state_dict(saved["model"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["torch_rng"])
+    state.step, state.history, state.probes = saved["step"], saved["history"], saved["probes"]
+    state.seconds = saved.get("seconds", 0.0)
+    return state
+
+
+def train(s: TrainSettings, corpus: Corpus, run_dir: Path, stop_at: int | None = None,
+          on_step: Callable[[TrainState, dict[str, float]], None] | None = None) -> TrainState:
+    """Train (resuming from `run_dir`) up to step `stop_at` (default: all steps), checkpointing every
+    `checkpoint_every` steps and at the end; held-out probes every `eval_every` steps."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = load_state(s, run_dir)
+    splits = eval_splits(corpus)
+    end = min(s.steps, stop_at if stop_at is not None else s.steps)
+    model, opt = state.model, state.optimizer
+    model.train()
+    while state.step < end:
+        start = time.perf_counter()
+        ids = torch.from_numpy(batch(corpus.train, s.mix, s.batch_size, s.seq_len, s.seed, state.step))
+        lr = learning_rate(s, state.step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = next_byte_loss(model, ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip).item()
+        opt.step()
+        seconds = time.perf_counter() - start
+        state.seconds += seconds
+        state.step += 1
+        row = {"step": state.step, "loss": loss.item(), "bits_per_byte": loss.item() / LN2, "lr": lr,
+               "grad_norm": grad_norm, "tokens": state.step * s.batch_size * s.seq_len,
+               "tokens_per_s": s.batch_size * s.seq_len / seconds}
+        state.history.append(row)
+        if state.step % s.eval_every == 0 or state.step == s.steps:
+            probe = {"step": state.step, "tokens": row["tokens"]}
+            probe.update({k: bits_per_byte(model, v, s.eval_len, s.probe_windows) for k, v in splits.items()})
+            state.probes.append(probe)
+            row = {**row, **{k: v for k, v in probe.items() if "/" in k}}
+        if state.step % s.checkpoint_every == 0 or state.step == end:
+            save_checkpoint(state, s, run_dir)
+        if on_step is not None:
+            on_step(state, row)
+    return state
+
+
+def final_eval(state: TrainState, s: TrainSettings, corpus: Corpus) -> dict[str, float]:
+    """Held-out bits per byte on `eval_windows` windows of every split."""
+    return {k: bits_per_byte(state.model, v, s.eval_len, s.eval_windows) for k, v in eval_splits(corpus).items()}
+
+
+def describe(state: TrainState) -> dict[str, Any]:
+    return {"parameters": parameter_count(state.model), "step": state.step, "train_seconds": state.seconds}

