@@ -32,7 +32,7 @@ COLUMNS = ["method", "ratio", "reference", "ours NLL", "kvpress NLL", "max |ΔNL
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    e, console = cfg.experiment, Console()
+    e, console = cfg.experiment, Console(width=max(Console().width, 160))
     unknown = [m for m in e.methods if m not in KVPRESS_CLASS]
     if unknown:
         raise UserError(f"experiment.methods: {unknown} have no kvpress press (known: {', '.join(KVPRESS_CLASS)})")
