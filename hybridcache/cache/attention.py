@@ -21,7 +21,6 @@ for batch operations, and parks them after each, so about one layer's parts are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from hybridcache.cache import grouped_layer, residual_window
 from hybridcache.cache.append_buffer import AppendBuffers
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
+from hybridcache.cache.attention_view import _BUILT_IN, AttentionView, _gather_slots, _per_row, _slot_index, check_kv
 from hybridcache.cache.base import CacheLayer
 from hybridcache.cache.errors import CacheCropError, CacheError
 from hybridcache.cache.kv_codecs import DenseCodec
@@ -36,59 +36,6 @@ from hybridcache.cache.registry import register_cache_layer
 from hybridcache.cache.sequence import BlockState
 
 SIDES = ("keys", "values")
-
-
-@dataclass
-class AttentionView:
-    """What one block attends to: keys/values [B, H, S, D], their positions ([B, S], or [B, H, S] per kv head),
-    the queries' [B, T]."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    query_positions: torch.Tensor  # [B, T], -1 for padding
-    key_positions: torch.Tensor  # [B, S] or [B, H, S], -1 for padding or empty slots
-    spec: AttentionSpec
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """Boolean visibility [B, T, S] (or [B, H, T, S] with per-head positions): True where query t may attend to
-        key s."""
-        if self.key_positions.dim() == 3:
-            q, k = self.query_positions[:, None, :, None], self.key_positions[:, :, None, :]
-        else:
-            q, k = self.query_positions[:, :, None], self.key_positions[:, None, :]
-        return (q >= 0) & (k >= 0) & self.spec.visible(q, k)
-
-    def pattern(self) -> tuple[torch.Tensor, torch.Tensor, str, int] | None:
-        """(query positions, key positions, pattern name, window or chunk size) for the built-in patterns, which a
-        decode kernel evaluates itself (no mask tensor); None for any other spec (use `mask`)."""
-        kind = _BUILT_IN.get(type(self.spec))
-        if kind is None:
-            return None
-        return self.query_positions, self.key_positions, kind, getattr(self.spec, _PARAM[kind], 0)
-
-
-def _slot_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A slot index per row [B, S'] (or per row and head [B, H, S']) broadcast to gather/scatter along dim 2 of a
-    [B, H, S', ...] tensor."""
-    if index.dim() == 3:
-        b, h, n = index.shape
-        return index.view(b, h, n, *([1] * (like.dim() - 3))).expand(b, h, n, *like.shape[3:])
-    b, n = index.shape
-    return index.view(b, 1, n, *([1] * (like.dim() - 3))).expand(b, like.shape[1], n, *like.shape[3:])
-
-
-def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t [B, H, S, ...] at slots `index` ([S'] shared by rows, [B, S'] per row or [B, H, S'] per row and head)
-    -> [B, H, S', ...]."""
-    if index.dim() == 1:
-        return t.index_select(2, index)
-    return t.gather(2, _slot_index(index, t))
-
-
-def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """x [B] shaped to broadcast against per-row positions [B, S] or per-head positions [B, H, S]."""
-    return x.view(-1, *([1] * (like.dim() - 1)))
 
 
 class AttentionCacheLayer(CacheLayer):
@@ -202,30 +149,6 @@ class AttentionCacheLayer(CacheLayer):
         return self.key_pos
 
     # -- update ------------------------------------------------------------------------------------------------
-    def _check_kv(self, k: Any, v: Any) -> int:
-        s, name = self.spec, self.name
-        for label, t in (("keys", k), ("values", v)):
-            if not isinstance(t, torch.Tensor):
-                raise CacheError(f"{name}: {label} must be a tensor [B, H, T, D], got {type(t).__name__}")
-            if t.dim() != 4:
-                raise CacheError(f"{name}: {label} must have 4 dims [B, H, T, D], got shape {tuple(t.shape)}")
-            b, h, n, d = t.shape
-            if b != self.batch_size:
-                raise CacheError(f"{name}: {label} have batch size {b}, the cache was built for {self.batch_size}")
-            if h != s.num_kv_heads:
-                raise CacheError(f"{name}: {label} have {h} heads, the layer holds {s.num_kv_heads} kv heads")
-            if d != s.head_dim:
-                raise CacheError(f"{name}: {label} have head_dim {d}, the layer holds head_dim {s.head_dim}")
-            if t.dtype != s.dtype:
-                raise CacheError(f"{name}: {label} have dtype {t.dtype}, the layer holds {s.dtype}")
-            if t.device != self.device:
-                raise CacheError(f"{name}: {label} are on {t.device}, the layer is on {self.device}")
-        if k.shape != v.shape:
-            raise CacheError(f"{name}: keys {tuple(k.shape)} and values {tuple(v.shape)} differ in shape")
-        if k.shape[2] == 0:
-            raise CacheError(f"{name}: empty block (0 tokens)")
-        return k.shape[2]
-
     def check_capacity(self, seen_after: torch.Tensor) -> None:
         limit = self.spec.max_length
         if limit is not None and bool((seen_after > limit).any()):
@@ -240,7 +163,7 @@ class AttentionCacheLayer(CacheLayer):
         Inside a Cache the block (its mask and positions) was opened by the Cache; a standalone layer takes the
         block's real-token mask here (`valid` [B, T]; None or T = all real).
         """
-        tokens = self._check_kv(k, v)
+        tokens = check_kv(self.name, self.spec, self.batch_size, self.device, k, v)
         block, opened = self._open(valid, tokens)
         try:
             self._fetch()
@@ -444,10 +367,6 @@ class AttentionCacheLayer(CacheLayer):
             if not bool(columns.all()):
                 self._take(columns.nonzero().squeeze(1))
         self._park()
-
-
-_BUILT_IN = {FullSpec: "full", SlidingSpec: "sliding", ChunkedSpec: "chunked"}
-_PARAM = {"full": "num_kv_heads", "sliding": "window", "chunked": "chunk_size"}  # full: unused
 
 
 @register_cache_layer("full")
