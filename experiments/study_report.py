@@ -195,9 +195,10 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
                 near[2].append(r["name"])
             else:
                 labels.append((x, y, [r["name"]]))
-        for x, y, names in labels:
+        for i, (x, y, names) in enumerate(labels):
             right = x > 70  # labels of points near the right edge go to their left, inside the axes
-            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(-4 if right else 4, 4),
+            crowd = sum(abs(x - x2) < 12 and abs(y - y2) < 0.05 * span for x2, y2, _ in labels[:i])
+            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(-4 if right else 4, 4 - 11 * crowd),
                         ha="right" if right else "left", fontsize=8)
         ax.set_xlim(0, max(105, max(xs) + 5))
         front = pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)])
