@@ -32,27 +32,27 @@ import re
 import string
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from experiments.study_data import encode, text_source, with_bos
 
 # -- RULER's templates (scripts/data/synthetic/constants.py), answer prefixes, tokens to generate ------------------------
-NIAH = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz "
-        "you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for "
-        "{query} mentioned in the provided text?",
+NIAH = (("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will "
+         "quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for "
+         "{query} mentioned in the provided text?"),
         " The special magic {type_needle_v} for {query} mentioned in the provided text are")
-VT = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: "
-      "Find all variables that are assigned the value {query} in the text above.",
+VT = (("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: "
+       "Find all variables that are assigned the value {query} in the text above."),
       # RULER's own spelling ("assgined"): models are compared on RULER's exact prompt
-      " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the "
-      "value {query}, they are: ")
-CWE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that "
-       "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
+      (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined "
+       "the value {query}, they are: "))
+CWE = (("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that "
+        "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"),
        " Answer: The top 10 words that appear most often in the list are:")
-FWE = ("Read the following coded text and track the frequency of each coded word. Find the three most frequently "
-       "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What "
-       "are the three most frequently appeared words in the above coded text?",
+FWE = (("Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+        "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
+        "What are the three most frequently appeared words in the above coded text?"),
        " Answer: According to the coded text above, the three most frequently appeared words are:")
 TOKENS_TO_GENERATE = {"niah": 128, "variable_tracking": 30, "common_words_extraction": 120, "freq_words_extraction": 50}
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."

@@ -26,18 +26,45 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 import hybridcache.real_checkpoints  # noqa: F401 - registers the ${real:NAME} resolver used by model configs
 from experiments.common import load_model, load_tokenizer
 from experiments.ruler import TASKS as RULER_TASKS
 from experiments.ruler import has_depth, ruler_sample
 from experiments.study_data import documents, passkey_prompt
-from experiments.study_eval import (Continuation, Strategy, agreement, block_edges, continuation, passkey, prefix_max,
-                                    prefix_mean, ruler_trial, teacher_forced)
-from experiments.study_report import finite, pareto_plot, print_ruler_table, print_table, verdict
-from experiments.study_strategies import (compresses_after_prefill, plan_or_error, probed, references,
-                                          strategy_configs)
+from experiments.study_eval import (
+    Continuation,
+    Strategy,
+    agreement,
+    block_edges,
+    continuation,
+    passkey,
+    prefix_max,
+    prefix_mean,
+    ruler_trial,
+    teacher_forced,
+)
+from experiments.study_report import (
+    finite,
+    pareto_plot,
+    print_ruler_table,
+    print_table,
+    verdict,
+)
+from experiments.study_strategies import (
+    compresses_after_prefill,
+    plan_or_error,
+    probed,
+    references,
+    strategy_configs,
+)
 from hybridcache.tracking import Tracker
 
 SMOKE = {"lengths": [64, 160], "block": 32, "greedy_tokens": 4, "documents": 1, "continuation": 16,

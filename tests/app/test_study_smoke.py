@@ -22,8 +22,8 @@ def test_study_smoke(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "run.py", "experiment=study", "model=gemma3", "experiment.smoke=true",
-         "experiment.only=[sliding_16,all_local_512,tova_256,int8,int4,int4_residual32,int4_residual512,"
-         "int4_first2_dense,snapkv_50,no_such_type]",
+         ("experiment.only=[sliding_16,all_local_512,tova_256,int8,int4,int4_residual32,int4_residual512,"
+          "int4_first2_dense,snapkv_50,no_such_type]"),
          "+experiment.strategies.sliding_16={attention:{type:sliding,window:16}}",
          "+experiment.strategies.int4_residual512={attention:{storage:int4,residual:512}}",
          "+experiment.strategies.no_such_type={attention:{type:no_such_type}}",
