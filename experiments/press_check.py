@@ -1,9 +1,11 @@
-"""experiment=press_check: our score-based methods against kvpress, live, on the same model and prompt.
+"""experiment=press_check: our lossy caches against their reference implementations, live, on the same model and prompt.
 
 For each method and compression ratio: the prompt (`context` tokens of English text) compressed once at its end on
 every attention layer, in our cache (`mode: prefill`) and in kvpress 0.5.5 in its own environment
 (HYBRIDCACHE_KVPRESS_PYTHON); then the teacher-forced NLL of the next `continuation` tokens. Reports the share of
-kvpress's kept positions we kept too (every layer and kv head) and both NLLs. Writes press_check.json and a W&B table.
+kvpress's kept positions we kept too (every layer and kv head) and both NLLs. Also `storage: hf_quantized` at each of
+`hf_quantized` bits against transformers 5.2's QuantizedCache (quanto) in its own environment (HYBRIDCACHE_HFQ_PYTHON):
+the same prompt in one block, then the continuation's NLL. Writes press_check.json and a W&B table.
 
     python run.py experiment=press_check model=gemma3_270m
 """
@@ -23,12 +25,13 @@ from rich.table import Table
 
 from experiments.common import UserError, load_model, load_tokenizer
 from experiments.study_data import documents
+from hybridcache.reference.hf_quantized_runner import HFQuantizedUnavailable, hfq_python, run_hf_quantized_model
 from hybridcache.reference.kvpress_runner import KvpressUnavailable, find_kvpress_python
-from hybridcache.reference.press_check import KVPRESS_CLASS, check_press
+from hybridcache.reference.press_check import KVPRESS_CLASS, check_press, continuation_nll
 from hybridcache.tracking import Tracker
 
-COLUMNS = ["method", "ratio", "reference", "ours NLL", "kvpress NLL", "max |ΔNLL| per token", "kept agreement",
-           "layers", "kvpress s"]
+COLUMNS = ["method", "ratio / bits", "reference", "ours NLL", "reference NLL", "max |ΔNLL| per token",
+           "kept agreement", "layers", "reference s"]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -36,9 +39,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     unknown = [m for m in e.methods if m not in KVPRESS_CLASS]
     if unknown:
         raise UserError(f"experiment.methods: {unknown} have no kvpress press (known: {', '.join(KVPRESS_CLASS)})")
-    try:
-        find_kvpress_python()
-    except KvpressUnavailable as err:
+    bits = [int(b) for b in (e.get("hf_quantized") or [])]
+    try:  # every reference environment asked for is there before any work
+        if e.methods:
+            find_kvpress_python()
+        if bits:
+            hfq_python()
+    except (KvpressUnavailable, HFQuantizedUnavailable) as err:
         raise UserError(str(err)) from None
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     start = time.perf_counter()
@@ -48,13 +55,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     context, continuation = int(e.context), int(e.continuation)
     doc = documents(tokenizer, e.text, context + continuation, 1, model.vocab_size)[0]
     rows = []
-    cases = [(m, float(r)) for m in e.methods for r in e.ratios]
+    cases = [(m, float(r)) for m in e.methods for r in e.ratios] + [("hf_quantized", b) for b in bits]
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("ours and kvpress (each kvpress run starts its own process: ~20-60 s)",
                                  total=len(cases))
         for method, ratio in cases:
-            rows.append(check_press(model, checkpoint, doc[:context], doc[context:], method, ratio).as_dict())
+            if method == "hf_quantized":
+                rows.append(check_hf_quantized(model, checkpoint, doc[:context], doc[context:], int(ratio)))
+            else:
+                rows.append(check_press(model, checkpoint, doc[:context], doc[context:], method, ratio).as_dict())
             progress.advance(task)
     table = Table(title=f"press_check: {cfg.model.family}, {context}-token prompt, NLL of the next {continuation}")
     for c in COLUMNS:
@@ -63,8 +73,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 r["max_token_nll_diff"], r["kept_agreement"], r["layers_compared"], r["reference_seconds"]]
                for r in rows]
     for rec, r in zip(records, rows):
-        table.add_row(*(f"{v:.5g}" if isinstance(v, float) else str(v) for v in rec),
-                      style="red" if r["reference_error"] or r["kept_agreement"] < 1 else None)
+        shown = [rec[0], f"{rec[1]:g}", rec[2], f"{rec[3]:.5f}", "failed" if rec[4] is None else f"{rec[4]:.5f}",
+                 "" if rec[5] is None else f"{rec[5]:.1e}", "n/a" if rec[6] is None else f"{100 * rec[6]:.2f}%",
+                 str(rec[7]), f"{rec[8]:.0f}"]
+        bad = r["reference_error"] or (r["kept_agreement"] is not None and r["kept_agreement"] < 1)
+        table.add_row(*shown, style="red" if bad else None)
     console.print(table)
     for r in rows:
         if r["reference_error"]:
@@ -74,10 +87,29 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], group=cfg.logger.group,
                       name=f"press_check-{cfg.model.family}", tags=["press_check", cfg.model.family])
     tracker.table("press_check", COLUMNS, records)
-    tracker.summary({"min_kept_agreement": min(r["kept_agreement"] for r in rows),
+    agreements = [r["kept_agreement"] for r in rows if r["kept_agreement"] is not None]
+    tracker.summary({"min_kept_agreement": min(agreements) if agreements else None,
                      "max_token_nll_diff": max((r["max_token_nll_diff"] or 0.0) for r in rows)})
     tracker.finish()
     path = out_dir / "press_check.json"
     path.write_text(json.dumps(result, indent=2, default=str))
     console.print(f"results: {path}\nwall time: {result['wall_s']:.0f} s")
     return result
+
+
+def check_hf_quantized(model, checkpoint: str, context: list[int], continuation: list[int], nbits: int) -> dict:
+    """`storage: hf_quantized` with HF's defaults (axis 0, q_group_size 64, residual 128) vs transformers 5.2."""
+    import torch
+
+    ctx, cont = torch.tensor([context]), torch.tensor([continuation])
+    config = {"attention": {"storage": "hf_quantized", "nbits": nbits, "axis_key": 0, "axis_value": 0,
+                            "q_group_size": 64, "residual": 128}}
+    ours, _ = continuation_nll(model, ctx, cont, config)
+    started = time.perf_counter()
+    logits = run_hf_quantized_model(checkpoint, ctx, cont, nbits=nbits, q_group_size=64, residual_length=128)
+    theirs = torch.nn.functional.cross_entropy(logits.double(), cont[0], reduction="none")
+    return {"method": "hf_quantized", "compression_ratio": nbits,
+            "reference": "transformers 5.2 QuantizedCache (quanto)", "ours_nll": float(ours.mean()),
+            "reference_nll": float(theirs.mean()), "max_token_nll_diff": float((ours.double() - theirs).abs().max()),
+            "kept_agreement": None, "layers_compared": len(model.native_layers()), "reference_error": None,
+            "reference_seconds": time.perf_counter() - started}
