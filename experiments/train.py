@@ -94,14 +94,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, config, group=cfg.logger.group,
                       name=f"train-{s.arch}", tags=["train", s.arch], job_type="train")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[bpb]:.3f} bits/byte · {task.fields[tps]:.0f} tok/s"),
+               TextColumn("loss {task.fields[bpb]} bits/byte · {task.fields[tps]} tok/s"),
                TimeElapsedColumn(), TimeRemainingColumn()]
     try:
         with Progress(*columns, console=console) as progress:
-            task = progress.add_task(f"training {s.arch}", total=s.steps, bpb=float("nan"), tps=0.0)
+            task = progress.add_task(f"training {s.arch}", total=s.steps, bpb="-", tps="-")
 
             def on_step(state, row):
-                progress.update(task, completed=state.step, bpb=row["bits_per_byte"], tps=row["tokens_per_s"])
+                progress.update(task, completed=state.step, bpb=f"{row['bits_per_byte']:.3f}",
+                                tps=f"{row['tokens_per_s']:.0f}")
                 tracker.log({k: v for k, v in row.items() if k != "step"} | {"step": row["step"]})
                 if any("/" in k for k in row):  # also the only trace in a log file (no live bar there)
                     progress.console.print(
@@ -130,8 +131,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                                "unseen/pydoc": corpus.unseen}.items()}
         result["export"] = str(export_hf(state.model, run_dir / "hf"))
         result["safetensors_bytes"] = (run_dir / "hf" / "model.safetensors").stat().st_size
-    tail = state.history[-50:]
-    result["tokens_per_s"] = sum(r["tokens_per_s"] for r in tail) / max(1, len(tail))
+    # over the whole run (every session): what a shared machine actually gave, not the last steps' rate
+    result["tokens_per_s"] = state.step * s.batch_size * s.seq_len / max(state.seconds, 1e-9)
     (run_dir / HISTORY).write_text(json.dumps({"arch": s.arch, "history": state.history, "probes": state.probes,
                                                "result": result}, default=str))
     sibling = settings_from(e, arch=next(a for a in ARCHS if a != s.arch))

@@ -1,6 +1,7 @@
 """Which implementation trains the hybrid faster on this CPU: HF transformers' BambaForCausalLM (its pure-torch
 Mamba2 path) or ours (hybridcache.models.bamba with autograd, a fresh cache per step). A 2-layer config (M A),
-a few AdamW steps each, 1 thread. experiment=train uses the faster one (HF, measured 2026-11-25).
+a few AdamW steps each, 1 thread. experiment=train uses the faster one: HF (2026-11-25, 2-core AMD EPYC shared
+with other jobs: 1,695 vs 1,395 tok/s at load average 8; 3,483 vs 3,396 at load average 3).
 
     python -m experiments.train_bench [--steps 4] [--batch 8] [--seq 256]
 """
@@ -44,7 +45,7 @@ def main() -> None:
     ids = torch.randint(3, 259, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     hf = hf_model("hybrid", SIZE, seed=0)
     ours = BambaLM(hf_config("hybrid", SIZE).to_dict()).float().train()
-    ours.load_state_dict(hf.state_dict(), strict=False)  # the same weights (names follow HF's)
+    ours.load_state_dict(hf.state_dict())  # the same weights (our names follow HF's)
     print(f"HF BambaForCausalLM: {tokens_per_s(lambda x: hf(x).logits, hf.parameters(), ids, args.steps):.0f} tok/s")
     print(f"ours (autograd):     {tokens_per_s(lambda x: ours(x), ours.parameters(), ids, args.steps):.0f} tok/s")
 
