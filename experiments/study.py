@@ -112,7 +112,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     rng = random.Random(int(e.passkey.seed))
     prompts = [(int(L), passkey_prompt(tokenizer, int(L), float(d), rng, int(e.passkey.digits)))
                for L in e.passkey.lengths for d in e.passkey.depths for _ in range(int(e.passkey.trials))]
-    samples = ruler_samples(e.ruler, tokenizer, model.vocab_size)
+    samples, skipped = ruler_samples(e.ruler, tokenizer, model.vocab_size)
+    for note in skipped:  # e.g. a byte-level model: RULER's template alone outgrows a short prompt
+        console.print(f"[yellow]RULER: skipped {note}[/]")
     per_doc: dict[str, list[Strategy]] = {n: [] for n in compute}
     cont: dict[str, list[Continuation]] = {n: [] for n in compute}
     trials: dict[str, list[dict]] = {n: [] for n in compute}
@@ -198,14 +200,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> list:
-    """Every RULER prompt of the run: task x length x depth (needle tasks only) x trial, seeded."""
-    out = [ruler_sample(tokenizer, task, int(L), float(d) if d is not None else None, seed=f"{r.seed}-{t}")
-           for task in r.tasks for L in r.lengths
-           for d in (r.depths if has_depth(task) else [None]) for t in range(int(r.trials))]
+def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> tuple[list, list[str]]:
+    """Every RULER prompt of the run: task x length x depth (needle tasks only) x trial, seeded; and the (task,
+    length) cells that cannot be built with this tokenizer (the template alone is longer), each with why."""
+    out, skipped = [], []
+    for task in r.tasks:
+        for L in r.lengths:
+            try:
+                out += [ruler_sample(tokenizer, task, int(L), float(d) if d is not None else None, seed=f"{r.seed}-{t}")
+                        for d in (r.depths if has_depth(task) else [None]) for t in range(int(r.trials))]
+            except ValueError as err:
+                skipped.append(f"{task} at {L} tokens: {err}")
     if out and max(max(s.ids) for s in out) >= vocab_size:
         raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
-    return out
+    return out, skipped
 
 
 def ruler_summary(runs: list[dict]) -> dict[str, Any]:
