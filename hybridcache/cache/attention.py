@@ -79,16 +79,6 @@ class AttentionCacheLayer(CacheLayer):
     def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
         return (*self._parts, *self._residual, "key_pos", *self._grouped_rows)
 
-    def _fetch(self) -> None:
-        """Bring offloaded parts to the compute device (before a block or a batch operation uses them)."""
-        if self._tier is not None:
-            self._tier.fetch()
-
-    def _park(self) -> None:
-        """Put offloaded parts back on their storage tier (after the commit or operation)."""
-        if self._tier is not None:
-            self._tier.park()
-
     def _release(self) -> None:
         """Drop the fetched copy of offloaded parts unwritten (after an update, or a block that failed)."""
         if self._tier is not None:

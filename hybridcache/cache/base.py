@@ -188,6 +188,19 @@ class CacheLayer(ABC):
     def _commit_crop(self, plan: Any) -> None:
         raise NotImplementedError
 
+    # -- a storage tier (offload): where a layer's parts live between blocks -----------------------------------
+    _tier: Any = None  # None: the parts stay on self.device; else an object with fetch() / park() / release()
+
+    def _fetch(self) -> None:
+        """Bring offloaded parts to the compute device (before a block or a batch operation uses them)."""
+        if self._tier is not None:
+            self._tier.fetch()
+
+    def _park(self) -> None:
+        """Put offloaded parts back on their storage tier (after the commit or operation)."""
+        if self._tier is not None:
+            self._tier.park()
+
     # -- description -------------------------------------------------------------------------------------------
     @property
     def seen(self) -> torch.Tensor:

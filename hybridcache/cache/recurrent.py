@@ -191,14 +191,6 @@ class RecurrentCacheLayer(CacheLayer):
         self._tier = state_tier(self)  # None: the parts stay on self.device
         self._park()
 
-    def _fetch(self) -> None:
-        if self._tier is not None:
-            self._tier.fetch()
-
-    def _park(self) -> None:
-        if self._tier is not None:
-            self._tier.park()
-
     def _held(self) -> dict[str, torch.Tensor]:
         return {attr: getattr(self, attr) for attr in self.layout.attrs}
 
