@@ -65,25 +65,39 @@ _CODECS: dict[str, type[KVCodec]] = {}
 C = TypeVar("C", bound=type[KVCodec])
 
 
+def registrar(table: dict[str, type], base: type, what: str, decorator: str, field: str) -> Callable[[str], Callable]:
+    """A class decorator factory for a table of named formats (storage formats here, state codecs in
+    state_codecs.py): identifier names, subclasses of `base` only, a name taken once, a class under one name
+    (`field`: the config field that names it)."""
+
+    def register(name: str) -> Callable:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise CacheConfigError(f"{what} names must be identifiers, got {name!r}")
+
+        def decorate(cls):
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                raise CacheConfigError(f"@{decorator}('{name}') needs a {base.__name__} subclass, got {cls!r}")
+            if name in table and table[name] is not cls:
+                raise CacheConfigError(f"{what} '{name}' is already registered ({table[name].__name__})")
+            own = cls.__dict__.get("name")  # set by an earlier registration of this very class
+            if own is not None and own != name and table.get(own) is cls:
+                raise CacheConfigError(f"{cls.__name__} is already registered as {field} '{own}'; it cannot also be "
+                                       f"'{name}'")
+            cls.name = name
+            table[name] = cls
+            return cls
+
+        return decorate
+
+    return register
+
+
+_register_kv_codec = registrar(_CODECS, KVCodec, "storage format", "register_kv_codec", "storage")
+
+
 def register_kv_codec(name: str) -> Callable[[C], C]:
     """Class decorator: make a `KVCodec` available as `storage: <name>` in cache configs."""
-    if not isinstance(name, str) or not name.isidentifier():
-        raise CacheConfigError(f"storage format names must be identifiers, got {name!r}")
-
-    def decorate(cls: C) -> C:
-        if not (isinstance(cls, type) and issubclass(cls, KVCodec)):
-            raise CacheConfigError(f"@register_kv_codec('{name}') needs a KVCodec subclass, got {cls!r}")
-        if name in _CODECS and _CODECS[name] is not cls:
-            raise CacheConfigError(f"storage format '{name}' is already registered ({_CODECS[name].__name__})")
-        own = cls.__dict__.get("name")  # set by an earlier registration of this very class
-        if own is not None and own != name and _CODECS.get(own) is cls:
-            raise CacheConfigError(f"{cls.__name__} is already registered as storage '{own}'; it cannot also be "
-                                   f"'{name}'")
-        cls.name = name
-        _CODECS[name] = cls
-        return cls
-
-    return decorate
+    return _register_kv_codec(name)
 
 
 def available_codecs() -> list[str]:

@@ -27,6 +27,7 @@ from typing import Callable, ClassVar, TypeVar
 import torch
 
 from hybridcache.cache.errors import CacheConfigError
+from hybridcache.cache.kv_codecs import registrar
 
 Shape = tuple[int, ...]
 Fields = dict[str, tuple[Shape, torch.dtype]]  # part name ("" for a single part) -> (shape per row, dtype)
@@ -61,24 +62,18 @@ class StateCodec(ABC):
         """Parts [B, *lead, ...] -> x [B, *lead, *shape] in `dtype`."""
 
     def row_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
-        return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in self.fields(shape, dtype).values())
+        fields = self.fields(shape, dtype).values()
+        return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in fields)
 
 
 _CODECS: dict[str, type[StateCodec]] = {}
 C = TypeVar("C", bound=type[StateCodec])
+_register = registrar(_CODECS, StateCodec, "state codec", "register_state_codec", "state_codec")
 
 
 def register_state_codec(name: str) -> Callable[[C], C]:
     """Class decorator: make a `StateCodec` available as `state_codec: <name>` in cache configs."""
-
-    def decorate(cls: C) -> C:
-        if name in _CODECS and _CODECS[name] is not cls:
-            raise CacheConfigError(f"state codec '{name}' is already registered ({_CODECS[name].__name__})")
-        cls.name = name
-        _CODECS[name] = cls
-        return cls
-
-    return decorate
+    return _register(name)
 
 
 def available_state_codecs() -> list[str]:
