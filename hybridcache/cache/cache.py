@@ -6,8 +6,9 @@ A block is a transaction: `begin_block` validates the mask and every layer's cap
 the model's mixers feed their layers (writes are staged); `end_block` commits every layer and the sequence, or
 `abort_block` drops the block. Every other operation validates every layer before it changes any.
 
-Threading: a Cache is not shared between threads. Using one from two threads at once raises instead of corrupting
-it (one operation at a time holds the cache's lock; a block holds it from begin to end).
+Threading: a Cache is not shared between threads. Using one from two threads at once raises `CacheThreadError`
+instead of corrupting it (one operation at a time holds the cache's lock; a block holds it from begin to end, and
+belongs to the thread that opened it: another thread can neither feed, commit nor abort it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from hybridcache.cache.base import CacheLayer, LayerSnapshot
-from hybridcache.cache.errors import CacheError
+from hybridcache.cache.errors import CacheError, CacheThreadError
 from hybridcache.cache.plan import CachePlan, Native, resolve_plan
 from hybridcache.cache.registry import get_layer_class
 from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, crop_seen
@@ -191,7 +192,7 @@ class Cache:
         if not self._lock.acquire(blocking=False):
             if self._holder == threading.get_ident():  # this thread is feeding a block
                 raise CacheError(f"Cache.{what}: a block is being fed; finish it (commit or abort) first")
-            raise CacheError(f"Cache.{what}: the cache is in use by another thread (a Cache belongs to one thread "
+            raise CacheThreadError(f"Cache.{what}: the cache is in use by another thread (a Cache belongs to one thread "
                              "at a time; give each thread its own cache, or hand it over when one is done)")
         self._holder = threading.get_ident()
 

@@ -4,16 +4,20 @@
 included, the same for every row). A block is fed in three steps: `begin` validates its mask and computes the
 positions of its tokens once; the cache layers read them (`seq.block`) and stage their writes; `commit` advances
 the sequence (or `abort` drops the block). Positions are absolute per row, so no caller ever passes them.
+
+A block belongs to the thread that opened it: `seq.block` read from any other thread raises `CacheThreadError`, so
+another thread can neither stage writes into it nor commit or abort it.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hybridcache.cache.errors import CacheError
+from hybridcache.cache.errors import CacheError, CacheThreadError
 
 
 def check_valid_mask(valid: Any, batch: int, tokens: int, seen: torch.Tensor, owner: str) -> torch.Tensor:
@@ -81,6 +85,7 @@ class BlockState:
     # Values derived from the block that every layer of a kind would recompute (rotary cos/sin per frequency
     # table): computed by the first layer that needs them, read by the others. Dropped with the block.
     memo: dict = field(default_factory=dict)
+    thread: int = field(default_factory=threading.get_ident)  # the thread that opened it (the only one it serves)
 
     @property
     def tokens(self) -> int:
@@ -114,7 +119,7 @@ class SequenceState:
     def __init__(self, batch_size: int, device: torch.device) -> None:
         self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.columns = 0
-        self.block: BlockState | None = None
+        self._block: BlockState | None = None
         self.fingerprint: torch.Tensor | None = torch.zeros_like(self.seen)  # [B]; None once unknown
         # The running fingerprint after each column ([B, capacity], the first `_history_columns` used): what
         # `crop(n)` keeps the fingerprint of the first n columns by, so a cropped cache still knows its tokens.
@@ -124,6 +129,22 @@ class SequenceState:
     @property
     def batch_size(self) -> int:
         return int(self.seen.shape[0])
+
+    @property
+    def block(self) -> BlockState | None:
+        """The open block (None: none open). Only the thread that opened it may use it: from any other thread this
+        raises `CacheThreadError` (so nothing is staged into, committed from or aborted from another's block)."""
+        block = self._block
+        if block is not None and not torch.compiler.is_compiling() and block.thread != threading.get_ident():
+            raise CacheThreadError(
+                f"a block of this cache is open in thread {_thread_name(block.thread)}; thread "
+                f"{_thread_name(threading.get_ident())} cannot feed, commit or abort it (a block belongs to the thread "
+                "that opened it: give each thread its own cache, or hand the cache over once the block is closed)")
+        return block
+
+    @block.setter
+    def block(self, block: BlockState | None) -> None:
+        self._block = block
 
     def make_block(self, valid: Any, tokens: int, owner: str, check: bool = True, ids: torch.Tensor | None = None) -> BlockState:
         """Validate a block (mask [B, T] or None = all real) and compute its positions; changes nothing."""
@@ -215,6 +236,13 @@ class SequenceState:
     def reset(self) -> None:
         self.seen, self.columns = torch.zeros_like(self.seen), 0
         self.set_tokens(torch.zeros_like(self.seen))
+
+
+def _thread_name(ident: int) -> str:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return f"{t.name!r} ({ident})"
+    return f"{ident} (no longer running)"
 
 
 def check_crop_length(n: Any, columns: int, owner: str) -> int:
