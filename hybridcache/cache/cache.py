@@ -13,6 +13,7 @@ belongs to the thread that opened it: another thread can neither feed, commit no
 
 from __future__ import annotations
 
+import operator
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from hybridcache.cache.base import CacheLayer, LayerSnapshot
-from hybridcache.cache.errors import CacheError, CacheThreadError
+from hybridcache.cache.base import CacheLayer, LayerSnapshot, check_positive_int
+from hybridcache.cache.errors import CacheError, CacheIndexError, CacheIndexTypeError, CacheThreadError
+from hybridcache.cache.limits import check_new_cache, check_rows_fit
 from hybridcache.cache.plan import CachePlan, Native, resolve_plan
 from hybridcache.cache.registry import get_layer_class
 from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, crop_seen
@@ -115,6 +117,7 @@ class Cache:
     def from_plan(cls, plan: CachePlan, batch_size: int, device: torch.device | str | None = None) -> "Cache":
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise CacheError(f"Cache: batch_size must be a positive integer, got {batch_size!r}")
+        check_new_cache(plan, batch_size, device if device is not None else "cpu")
         seq = SequenceState(batch_size, torch.device(device if device is not None else "cpu"))
         entries: list[Any] = []
         for p in plan.layers:
@@ -143,7 +146,21 @@ class Cache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __getitem__(self, i: int) -> Entry:
+    def __getitem__(self, key: int | slice) -> Entry | list[Entry]:
+        """Entry i (decoder layer i; negative counts from the end), or a list of entries for a slice."""
+        n = len(self.entries)
+        if isinstance(key, slice):
+            return self.entries[key]
+        try:
+            i = None if isinstance(key, bool) else operator.index(key)  # ints, numpy ints, one-element int tensors
+        except TypeError:
+            i = None
+        if i is None:
+            raise CacheIndexTypeError(f"a Cache is indexed by decoder layer: an int in [-{n}, {n}) or a slice; got "
+                                      f"{key!r} ({type(key).__name__}); this cache has {n} layers")
+        if not -n <= i < n:
+            raise CacheIndexError(f"cache layer index {i} is out of range: this cache has {n} layers (indices 0 to "
+                                  f"{n - 1}, or -{n} to -1 from the end)")
         return self.entries[i]
 
     def __iter__(self) -> Iterator[Entry]:
@@ -289,11 +306,15 @@ class Cache:
         """Keep rows `index` (the batch size may change)."""
         with self._operation("select"):
             plans = [layer._prepare_index(index, same_size=False) for layer in self.layers]
+            if len(plans[0]) > self.batch_size:
+                check_rows_fit(self, len(plans[0]), "select")
             self._index("select", plans, plans[0])
 
     def repeat(self, n: int) -> None:
         """Repeat each row n times ([a, b] -> [a, a, b, b]), e.g. for several samples per prompt."""
         with self._operation("repeat"):
+            check_positive_int("Cache", "repeat count", n)
+            check_rows_fit(self, self.batch_size * n, "repeat")
             index = self.layers[0]._prepare_repeat(n)
             self._index("repeat", None, index)
 
