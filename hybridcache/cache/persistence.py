@@ -1,27 +1,36 @@
 """Saving and loading a `Cache`: safetensors for the tensors, a small JSON header, a sha256 of the payload. No pickle.
 
 File layout: one safetensors file. Its tensors are every cache layer's storage (`layers.<i>.<name>`) plus the
-sequence state (`sequence.seen`, `sequence.fingerprint` and its per-column `sequence.fingerprint_history`); its metadata holds one JSON document under "hybridcache":
+sequence state (`sequence.seen`, `sequence.fingerprint` and its per-column `sequence.fingerprint_history`); its
+metadata holds one JSON document under "hybridcache":
 
     {"format": "hybridcache.cache", "version": 2,
      "model": {"family", "config_sha256", "weights_sha256"},      # who the cache belongs to
      "batch_size", "columns", "has_fingerprint",
-     "layers": [{"index", "member", "native_type", "type", "spec": {...}}, ...],
+     "layers": [{"index", "member", "native_type", "type", "spec": {...}, "tensors": [...]}, ...],
      "payload_sha256": sha256 over every tensor (name, dtype, shape, bytes, in name order),
+     "signature": {"alg": "hmac-sha256", "value"},                # only when saved with key=
      "header_sha256": sha256 of this document without this field (canonical JSON, sorted keys)}
 
-`load` checks, before building anything: the format and version, the header's and the payload's hashes (an edited
-header, a corrupted or truncated file
-fails here or in the safetensors parser), the model's identity, the batch size and cache config if the caller
-names them, and that each layer's spec fits the model. Every failure is a `CacheFileError` saying what differs.
+The two sha256 detect corruption, not tampering: anyone can recompute them. `key=` adds an HMAC-SHA256 of the header
+(which carries the payload's sha256) under the caller's key; a load with `key=` refuses unsigned or wrongly signed
+files. Signed or not, a file is treated as untrusted: `load` checks, before allocating anything, the format and
+version, the hashes (and signature), every header field's type, the tensors present against the header (names,
+dtypes, shapes, batch rows, columns, within sane limits), the model's identity, the batch size and cache config
+if the caller names them, and that each layer's spec fits the model; `restore` then checks the stored positions
+against the sequence state (snapshot_check.py). Every failure is a `CacheFileError` saying what differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import os
+import stat
+import tempfile
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -31,38 +40,97 @@ from safetensors.torch import load as st_load, save as st_save
 
 from hybridcache.cache.base import LayerSnapshot
 from hybridcache.cache.errors import CacheError
-from hybridcache.cache.plan import CachePlan, LayerPlan
+from hybridcache.cache.file_header import CacheFileError, header_field, layer_plans, no_json_constants, sequence_tensors
+from hybridcache.cache.plan import CachePlan
 from hybridcache.cache.registry import get_layer_class
+from hybridcache.cache.snapshot_check import check_snapshot_shapes
 
 if TYPE_CHECKING:
     from hybridcache.cache.cache import Cache
 
 FORMAT, VERSION = "hybridcache.cache", 2  # 2: the header carries its own sha256
-_SAMPLE = 4096  # elements per parameter that enter the weights digest (first and last ones)
+SIGNATURE_ALG = "hmac-sha256"
 
 
-class CacheFileError(CacheError):
-    """A saved cache that cannot be loaded here: corrupted, truncated, another format, or another model/batch/spec."""
+# -- the model's identity -------------------------------------------------------------------------------------
+# model -> (stamp, digest): hashing every byte of a 270M model takes ~0.5 s, so it is done once per model object
+# and again only when the stamp (each tensor's address, shape, dtype, version counter) changes.
+_WEIGHTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
+def _weights_stamp(state: Mapping[str, torch.Tensor]) -> tuple | None:
+    """What changes when a tensor is replaced or edited in place (None: not trackable, hash every time)."""
+    try:
+        return tuple((n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t._version)
+                     for n, t in state.items())
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return None
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 of every tensor of `model.state_dict()`: name, shape, dtype and every byte (a tensor that shares the
+    memory of an earlier one, e.g. a tied head, is recorded as that alias instead of being hashed twice)."""
+    state = model.state_dict(keep_vars=True)
+    stamp = _weights_stamp(state)
+    cached = _WEIGHTS.get(model)
+    if stamp is not None and cached is not None and cached[0] == stamp:
+        return cached[1]
+    h, first = hashlib.sha256(), {}
+    for name, t in sorted(state.items()):
+        t = t.detach()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        if t.is_meta:
+            raise CacheError(f"the model's tensor {name} is on the meta device (not loaded): it has no identity")
+        alias = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), tuple(t.shape), t.dtype,
+                 str(t.device))
+        if t.numel() and alias in first:
+            h.update(f"=alias of {first[alias]}|".encode())
+            continue
+        first[alias] = name
+        if t.numel():  # a byte view of the tensor itself: no copy for a contiguous CPU tensor (bf16 included)
+            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    digest = h.hexdigest()
+    if stamp is not None:
+        _WEIGHTS[model] = (stamp, digest)
+    return digest
+
+
+def forget_model_identity(model: torch.nn.Module) -> None:
+    """Drop the remembered weights digest: needed only after edits the version counters miss (`p.data[...] = x`,
+    writes through a numpy view)."""
+    _WEIGHTS.pop(model, None)
 
 
 def model_identity(model: torch.nn.Module) -> dict[str, str]:
-    """Who a cache belongs to: the family, a sha256 of its config, a sha256 of its weights (names, shapes, dtypes
-    and the first and last 4096 values of every parameter, so two checkpoints of one config differ)."""
+    """Who a cache belongs to: the family, a sha256 of its config, a sha256 of every byte of its weights."""
     config = json.dumps(getattr(model, "config", {}), sort_keys=True, default=str)
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        flat = p.detach().reshape(-1)
-        sample = flat if flat.numel() <= 2 * _SAMPLE else torch.cat([flat[:_SAMPLE], flat[-_SAMPLE:]])
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-        h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return {"family": str(getattr(model, "family", type(model).__name__)),
-            "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "weights_sha256": h.hexdigest()}
+            "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "weights_sha256": weights_sha256(model)}
+
+
+# -- hashes and the signature ---------------------------------------------------------------------------------
+def _canonical(header: Mapping[str, Any], leave_out: tuple[str, ...]) -> bytes:
+    return json.dumps({k: v for k, v in header.items() if k not in leave_out}, sort_keys=True).encode()
 
 
 def header_sha256(header: Mapping[str, Any]) -> str:
     """sha256 of the header's canonical JSON (sorted keys), without its own `header_sha256` field."""
-    body = {k: v for k, v in header.items() if k != "header_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(_canonical(header, ("header_sha256",))).hexdigest()
+
+
+def header_signature(header: Mapping[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 under `key` of the header's canonical JSON without `signature` and `header_sha256` (the header
+    carries `payload_sha256`, so the signature covers every tensor byte too)."""
+    return hmac.new(key, _canonical(header, ("signature", "header_sha256")), hashlib.sha256).hexdigest()
+
+
+def check_key(key: Any) -> bytes | None:
+    if key is None:
+        return None
+    if not isinstance(key, (bytes, bytearray, memoryview)) or not len(key):
+        raise CacheError(f"key must be non-empty bytes (e.g. os.urandom(32), shared with the loading side), "
+                         f"got {type(key).__name__}")
+    return bytes(key)
 
 
 def payload_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -70,10 +138,12 @@ def payload_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
+# -- specs as JSON ----------------------------------------------------------------------------------------------
 def _encode_value(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
@@ -84,26 +154,16 @@ def _encode_value(value: Any) -> Any:
     raise CacheError(f"cannot save a spec field of type {type(value).__name__} ({value!r}) as JSON")
 
 
-def _decode_value(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"dtype"}:
-        dtype = getattr(torch, str(value["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise CacheFileError(f"unknown dtype {value['dtype']!r} in the cache file")
-        return dtype
-    if isinstance(value, dict) and set(value) == {"tuple"}:
-        return tuple(_decode_value(v) for v in value["tuple"])
-    return value
-
-
 def _spec_record(spec: Any) -> dict[str, Any]:
     return {f.name: _encode_value(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
 
 
-def save_cache(cache: "Cache", path: str | os.PathLike, model: torch.nn.Module) -> Path:
-    """Write `cache` (no block open) to `path` atomically; `model` is the model it belongs to."""
+# -- save ---------------------------------------------------------------------------------------------------------
+def save_cache(cache: "Cache", path: str | os.PathLike, model: torch.nn.Module, key: bytes | None = None) -> Path:
+    """Write `cache` (no block open) to `path` atomically; `model` is the model it belongs to; `key` signs it."""
     if cache.plan is None:
         raise CacheError("Cache.save: this cache was assembled by hand (no plan); build it with model.make_cache")
-    path = Path(path)
+    key, path = check_key(key), Path(path)
     with cache._operation("save"):
         tensors: dict[str, torch.Tensor] = {"sequence.seen": cache.seq.seen}
         if cache.seq.fingerprint is not None:
@@ -125,17 +185,44 @@ def save_cache(cache: "Cache", path: str | os.PathLike, model: torch.nn.Module) 
                   "batch_size": cache.batch_size, "columns": cache.columns,
                   "has_fingerprint": cache.seq.fingerprint is not None, "layers": layers,
                   "payload_sha256": payload_sha256(tensors)}
+        if key is not None:
+            header["signature"] = {"alg": SIGNATURE_ALG, "value": header_signature(header, key)}
         header["header_sha256"] = header_sha256(header)
         data = st_save(tensors, metadata={"hybridcache": json.dumps(header)})
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    _write_atomically(path, data)
     return path
 
 
-def read_cache_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The verified header and tensors of a saved cache (format, version and payload hash checked)."""
-    path = Path(path)
+def _write_atomically(path: Path, data: bytes) -> None:
+    """A temp file created exclusively (random name, O_EXCL | O_NOFOLLOW, same directory: a symlink planted there
+    is never followed), synced, then renamed onto `path`; on any failure the temp file is removed and `path` is
+    unchanged. A new file gets mode 0600 (mkstemp), an existing regular file keeps its mode."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            try:
+                old = os.stat(path, follow_symlinks=False)
+                if stat.S_ISREG(old.st_mode):
+                    os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))
+            except FileNotFoundError:
+                pass
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# -- load ---------------------------------------------------------------------------------------------------------
+def read_cache_file(path: str | os.PathLike,
+                    key: bytes | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The verified header and tensors of a saved cache (format, version, hashes and, with `key`, the signature)."""
+    path, key = Path(path), check_key(key)
     if not path.is_file():
         raise FileNotFoundError(f"no saved cache at {path}")
     data = path.read_bytes()
@@ -143,21 +230,31 @@ def read_cache_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
         tensors = st_load(data)
         meta = _metadata(data)
     except (SafetensorError, ValueError, json.JSONDecodeError) as e:
-        raise CacheFileError(f"{path} is not a readable safetensors cache file (corrupted or truncated?): {e}") from None
-    raw = meta.get("hybridcache")
-    if raw is None:
+        raise CacheFileError(f"{path} is not a readable safetensors cache file (corrupted or truncated?): "
+                             f"{e}") from None
+    raw = meta.get("hybridcache") if isinstance(meta, dict) else None
+    if not isinstance(raw, str):
         raise CacheFileError(f"{path} is a safetensors file but not a saved hybridcache Cache (no header)")
     try:
-        header = json.loads(raw)
-    except json.JSONDecodeError as e:
+        header = json.loads(raw, parse_constant=no_json_constants)
+    except (ValueError, RecursionError) as e:
         raise CacheFileError(f"{path}: the cache header is not valid JSON ({e})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CacheFileError(f"{path}: not a hybridcache cache file (format {header.get('format')!r})")
+        got = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise CacheFileError(f"{path}: not a hybridcache cache file (format {got!r})")
     if header.get("version") != VERSION:
         raise CacheFileError(f"{path}: cache file format version {header.get('version')!r}; this hybridcache reads "
                              f"version {VERSION}")
     if header_sha256(header) != header.get("header_sha256"):
         raise CacheFileError(f"{path}: the cache header does not match its sha256 (the file was edited or corrupted)")
+    if key is not None:
+        sig = header.get("signature")
+        if sig is None:
+            raise CacheFileError(f"{path} is not signed, and a key was given: refusing an unsigned cache file")
+        if (not isinstance(sig, dict) or sig.get("alg") != SIGNATURE_ALG or not isinstance(sig.get("value"), str)
+                or not hmac.compare_digest(sig["value"], header_signature(header, key))):
+            raise CacheFileError(f"{path}: the signature does not match this key (another key, or the file was "
+                                 "altered)")
     if payload_sha256(tensors) != header.get("payload_sha256"):
         raise CacheFileError(f"{path}: the tensor payload does not match its sha256 (the file is corrupted)")
     return header, tensors
@@ -170,27 +267,44 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int | None = None,
-               cache_config: Mapping[str, Any] | None = None, device: torch.device | str | None = None) -> "Cache":
-    """Rebuild a saved cache for `model` (see the module docstring for what is checked)."""
+               cache_config: Mapping[str, Any] | None = None, device: torch.device | str | None = None,
+               key: bytes | None = None) -> "Cache":
+    """Rebuild a saved cache for `model` (see the module docstring for what is checked, and in which order)."""
     from hybridcache.cache.cache import Cache, CacheSnapshot
 
-    header, tensors = read_cache_file(path)
-    want, got = model_identity(model), header.get("model") or {}
+    path = Path(path)
+    header, tensors = read_cache_file(path, key)
+    got = header_field(header, "model", (dict,), "", path)
+    for name in ("family", "config_sha256", "weights_sha256"):
+        header_field(got, name, (str,), "model.", path)
+    want = model_identity(model)
     if want != got:
         what = [k for k in ("family", "config_sha256", "weights_sha256") if want.get(k) != got.get(k)]
         raise CacheFileError(
             f"{path} was saved from a {got.get('family')!r} model that differs from this {want['family']!r} model in "
             f"{', '.join(what)}; a cache only fits the model (config and weights) that filled it")
-    batch = int(header["batch_size"])
+    batch, columns, seen, fp, history = sequence_tensors(header, tensors, path)
     if batch_size is not None and batch_size != batch:
         raise CacheFileError(f"{path} holds a batch of {batch} rows, batch_size={batch_size} was asked for")
-    try:
-        plans = tuple(LayerPlan(int(r["index"]), r["native_type"], r["type"],
-                                get_layer_class(r["type"]).spec_cls(**{k: _decode_value(v) for k, v in r["spec"].items()}),
-                                r["member"]) for r in header["layers"])
-    except (KeyError, TypeError) as e:
-        raise CacheFileError(f"{path}: bad layer record in the cache header ({e})") from None
-    plan = CachePlan(plans)
+    records = layer_plans(header, path)
+    listed = {f"layers.{i}.{n}" for i, (_, names) in enumerate(records) for n in names}
+    extra = set(tensors) - listed - {"sequence.seen", "sequence.fingerprint", "sequence.fingerprint_history"}
+    if extra or not listed <= set(tensors):
+        odd = sorted(extra) or sorted(listed - set(tensors))
+        raise CacheFileError(f"{path}: the tensors present and the header's layer records disagree ({odd[:4]})")
+    plan = CachePlan(tuple(p for p, _ in records))
+    # every stored tensor is matched with the storage it will fill on layers built on the meta device first: nothing
+    # the header sizes is allocated before that, so the file's own size bounds what loading allocates
+    snaps = []
+    for i, (p, names) in enumerate(records):
+        snap = LayerSnapshot(p.type, p.spec, columns, seen, {n: tensors[f"layers.{i}.{n}"] for n in names})
+        try:
+            layer = get_layer_class(p.type)(p.spec, batch, "meta")
+            layer._prepare_restore(snap)
+            check_snapshot_shapes(i, layer, snap)
+        except CacheError as e:
+            raise CacheFileError(f"{path}: the stored tensors do not match the header's layer {i}: {e}") from None
+        snaps.append(snap)
     if cache_config is not None:
         asked = model.make_cache(batch, cache_config).plan
         changed = plan.changed(asked) if len(asked) == len(plan) else ["all"]
@@ -202,18 +316,12 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
         model.check_cache(cache, batch)
     except ValueError as e:
         raise CacheFileError(f"{path} does not fit this model: {e}") from None
-    seen = tensors["sequence.seen"].to(cache.device)
-    columns = int(header["columns"])
-    snaps = []
-    for i, layer in enumerate(cache.layers):
-        names = header["layers"][i].get("tensors", [])
-        layer_t = {n: tensors[f"layers.{i}.{n}"].to(cache.device) for n in names if f"layers.{i}.{n}" in tensors}
-        snaps.append(LayerSnapshot(layer.type_name, layer.spec, columns, seen, layer_t))
-    fp = tensors.get("sequence.fingerprint") if header.get("has_fingerprint") else None
-    history = tensors.get("sequence.fingerprint_history") if fp is not None else None
+    to = cache.device
+    snaps = [LayerSnapshot(s.type_name, s.spec, columns, seen.to(to), {n: t.to(to) for n, t in s.tensors.items()})
+             for s in snaps]
     try:
-        cache.restore(CacheSnapshot(tuple(snaps), seen, columns, None if fp is None else fp.to(cache.device),
-                                    None if history is None else history.to(cache.device)))
+        cache.restore(CacheSnapshot(tuple(snaps), seen.to(to), columns, None if fp is None else fp.to(to),
+                                    None if history is None else history.to(to)))
     except CacheError as e:
         raise CacheFileError(f"{path}: the saved tensors do not fit the cache layers ({e})") from None
     return cache

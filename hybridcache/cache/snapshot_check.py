@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from hybridcache.cache.base import CacheLayer
 from hybridcache.cache.errors import CacheError
 
@@ -18,8 +20,9 @@ def check_snapshot_shapes(i: int, layer: CacheLayer, snap: Any) -> None:
             continue  # a name or rank the layer's own check refuses
         if any(want not in (None, "B") and got != want for got, want in zip(t.shape, ref)):
             want = ", ".join("*" if d is None else str(d) for d in ref)
-            raise CacheError(f"snapshot layer {i} ({layer.type_name}): tensor '{name}' has shape {tuple(t.shape)}, this "
-                             f"layer stores [{want}]")
+            raise CacheError(f"snapshot layer {i} ({layer.type_name}): tensor '{name}' has shape "
+                             f"{tuple(t.shape)}, this layer stores [{want}]")
+    check_snapshot_positions(i, layer, snap)
 
 
 _SHAPES: dict[Any, dict[str, tuple]] = {}
@@ -41,3 +44,64 @@ def _stored_shapes(cls: type, spec: Any) -> dict[str, tuple]:
     except TypeError:  # an unhashable spec: not remembered
         pass
     return shapes
+
+
+def check_snapshot_positions(i: int, layer: CacheLayer, snap: Any) -> None:
+    """The positions a snapshot stores agree with its sequence state (`seen` [B], `columns`), by the conventions
+    the layers keep (attention.py, residual_window.py, recurrent.py):
+    - `key_pos` [B, (H,) S] / `res_pos` [B, R]: -1 (empty slot or padding) or a position in [0, seen of the row),
+      each held at most once per row (and head);
+    - preallocated attention (`max_length`): position p sits in slot `spec.slot_of(p)`;
+    - dynamic attention evicting by its pattern only (full, sliding, chunked, sink): a row's slots are -1 (left
+      padding) then strictly increasing positions, and they hold every token the row's next query sees;
+    - recurrent `trail_columns` [k]: -1 or a column in [columns - k, columns), increasing."""
+    seen, columns = snap.seen, snap.columns
+    where = f"snapshot layer {i} ({layer.type_name})"
+    for name in ("key_pos", "res_pos"):
+        t = snap.tensors.get(name)
+        if t is None or t.dtype != torch.long or t.dim() < 2 or t.shape[0] != seen.shape[0] or not t.numel():
+            continue  # absent, or a tensor the layer's own checks refuse
+        rows = seen.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+        bad = (t < -1) | (t >= rows)
+        if bool(bad.any()):
+            at = bad.nonzero()[0].tolist()
+            raise CacheError(f"{where}: '{name}' holds position {int(t[tuple(at)])} in row {at[0]}, which has seen "
+                             f"{int(seen[at[0]])} tokens (positions are -1 or in [0, seen))")
+        s = t.sort(-1).values
+        if bool(((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any()):
+            raise CacheError(f"{where}: '{name}' holds a position twice in one row")
+    pos = snap.tensors.get("key_pos")
+    if layer.kind == "attention" and isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.numel() \
+            and pos.dtype == torch.long and pos.shape[0] == seen.shape[0]:
+        _check_key_layout(where, layer, pos, seen.to(pos.device))
+    trail = snap.tensors.get("trail_columns")
+    if layer.kind == "recurrent" and isinstance(trail, torch.Tensor) and trail.dim() == 1 and trail.numel():
+        held = trail[trail >= 0]
+        k = trail.numel()
+        if bool((trail < -1).any()) or bool((held < max(0, columns - k)).any()) or bool((held >= columns).any()) \
+                or bool((held[1:] <= held[:-1]).any()):
+            raise CacheError(f"{where}: 'trail_columns' {trail.tolist()} are not -1 or increasing columns in "
+                             f"[{max(0, columns - k)}, {columns}) (the cache has {columns} columns)")
+
+
+def _check_key_layout(where: str, layer: Any, pos: torch.Tensor, seen: torch.Tensor) -> None:
+    from hybridcache.cache.attention import AttentionCacheLayer  # attention imports this module's users
+
+    spec, held = layer.spec, pos >= 0
+    if getattr(spec, "slots", None) is not None:  # preallocated: the spec's layout places every position
+        slots = torch.arange(pos.shape[1], device=pos.device).expand_as(pos)
+        if bool((held & (spec.slot_of(pos.clamp(min=0)) != slots)).any()):
+            raise CacheError(f"{where}: a stored position is not in the slot the preallocated layout puts it in")
+        ordered = True
+    else:
+        ordered = bool(((pos[:, 1:] > pos[:, :-1]) | ((pos[:, 1:] == -1) & (pos[:, :-1] == -1))).all())
+    if type(layer)._evict is not AttentionCacheLayer._evict:
+        return  # a score-based eviction keeps any subset, in its own order
+    if not ordered:
+        raise CacheError(f"{where}: stored positions must be -1 (left padding) then increasing along the slots")
+    have = (held & spec.visible(seen[:, None], pos)).sum(1)
+    need = spec.needed_tokens(seen)
+    if bool((have < need).any()):
+        row = int((have < need).nonzero()[0])
+        raise CacheError(f"{where}: row {row} has seen {int(seen[row])} tokens and holds {int(have[row])} of the "
+                         f"{int(need[row])} its next query sees")

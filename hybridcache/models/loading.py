@@ -105,7 +105,7 @@ class TensorInfo:
 
 
 def shard_path(directory: Path, shard: Any, index: Path) -> Path:
-    """`directory / shard`, refusing names that would leave the checkpoint directory (absolute, `..`)."""
+    """`directory / shard`, refusing names that leave the checkpoint directory (absolute, `..`) or links out."""
     if not isinstance(shard, str) or not shard:
         raise CheckpointError(f"{index}: weight_map values must be shard file names, got {shard!r}")
     inside = os.path.normpath(os.path.join(directory, shard))
@@ -117,6 +117,19 @@ def shard_path(directory: Path, shard: Any, index: Path) -> Path:
     path = Path(inside)
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: shard {shard} listed in {index.name} is missing")
+    return check_inside(directory, path, f"{index}: shard {shard!r}")
+
+
+def check_inside(directory: Path, path: Path, what: str) -> Path:
+    """`path`, once its real path (links resolved) is inside the directory's real path, or, for a hub snapshot
+    (`.../snapshots/<rev>/`, files linked to `../../blobs/`), in its blobs folder: a link elsewhere is refused."""
+    root = os.path.realpath(directory)
+    roots = [root] + ([os.path.join(os.path.dirname(os.path.dirname(root)), "blobs")]
+                      if os.path.basename(os.path.dirname(root)) == "snapshots" else [])
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise CheckpointError(f"{what} is a symbolic link to {real}, outside the checkpoint directory {root}; "
+                              "checkpoint files must be inside it")
     return path
 
 
@@ -124,7 +137,7 @@ def checkpoint_files(directory: Path) -> tuple[list[Path], dict[str, Path]]:
     """The safetensors files to read and, for a sharded checkpoint, the index's tensor -> shard map."""
     index = directory / INDEX_FILE
     if index.exists():
-        weight_map = read_json_object(index).get("weight_map")
+        weight_map = read_json_object(check_inside(directory, index, f"{directory}: {INDEX_FILE}")).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file")
         where = {name: shard_path(directory, shard, index) for name, shard in weight_map.items()}
@@ -132,7 +145,7 @@ def checkpoint_files(directory: Path) -> tuple[list[Path], dict[str, Path]]:
     single = directory / "model.safetensors"
     if not single.exists():
         raise FileNotFoundError(f"{directory} has no model.safetensors (or sharded index); only safetensors are read")
-    return [single], {}
+    return [check_inside(directory, single, f"{directory}: model.safetensors")], {}
 
 
 def read_header(files: list[Path], weight_map: Mapping[str, Path] | None = None) -> dict[str, TensorInfo]:
