@@ -364,7 +364,7 @@ class Cache:
             self.seq.set_tokens(fp, None if snap.history is None else snap.history.to(self.device))
 
     # -- persistence (hybridcache/cache/persistence.py) -----------------------------------------------------------
-    def save(self, path: Any, model: Any = None) -> Any:
+    def save(self, path: Any, model: Any = None, *, key: bytes | None = None) -> Any:
         """Write this cache to `path` (safetensors + JSON header + payload sha256; never pickle). `model` is the
         model that filled it (default: the one `generate` last ran with this cache); its identity is recorded so
         the file only loads into the same model."""
@@ -374,16 +374,16 @@ class Cache:
         model = model if model is not None else (owner() if owner is not None else None)
         if model is None:
             raise CacheError("Cache.save: pass model= (the model that filled this cache)")
-        return save_cache(self, path, model)
+        return save_cache(self, path, model, key=key)
 
     @classmethod
     def load(cls, path: Any, model: Any, batch_size: int | None = None,
-             cache_config: Mapping[str, Any] | None = None, device: Any = None) -> "Cache":
+             cache_config: Mapping[str, Any] | None = None, device: Any = None, *, key: bytes | None = None) -> "Cache":
         """Load a saved cache for `model`; a corrupted file, another model, batch size or cache config is a
         `CacheFileError` naming what differs. The round trip is bit-exact (token fingerprint included)."""
         from hybridcache.cache.persistence import load_cache
 
-        return load_cache(path, model, batch_size, cache_config, device)
+        return load_cache(path, model, batch_size, cache_config, device, key=key)
 
     # -- memory ------------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
