@@ -247,10 +247,6 @@ def test_a_keyed_signature_refuses_unsigned_tampered_or_wrongly_keyed_files(save
 
 
 def test_cache_save_and_load_take_the_key(saved, tmp_path):
-    import inspect
-
-    if "key" not in inspect.signature(Cache.save).parameters:
-        pytest.skip("Cache.save / Cache.load do not forward key= yet (cache.py)")
     model, cache, _ = saved
     path = cache.save(tmp_path / "s", model=model, key=b"secret")
     assert all(torch.equal(a, b) for a, b in zip(state(cache), state(Cache.load(path, model, key=b"secret"))))
