@@ -11,11 +11,14 @@ step: the oracle for the reorder path.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from hybridcache.cache import Cache
+from hybridcache.generation import _eos_ids, check_generation_memory
+from hybridcache.models.base import GenerationError, check_input_ids, check_mask, check_mask_tensor
 
 
 @dataclass
@@ -31,17 +34,30 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                 use_cache: bool = True, cache_config=None) -> BeamSearchOutput:
     """Beam search (see the module docstring); returns the best hypothesis per row."""
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}")
+        raise GenerationError(f"num_beams must be a positive integer, got {num_beams!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError("input_ids must be a LongTensor [B, T]")
+        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if (isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float))
+            or not math.isfinite(length_penalty)):
+        raise GenerationError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if not isinstance(use_cache, bool):
+        raise GenerationError(f"use_cache must be True or False, got {use_cache!r}")
+    check_input_ids(input_ids, model.vocab_size)
+    check_mask_tensor(attention_mask)
+    eos_ids = _eos_ids(eos_token_id, model.vocab_size)
     device, nb = model.device, num_beams
-    input_ids = input_ids.to(device)
     batch, width = input_ids.shape
+    # every beam is a row: its cache, its sequence and its scores, estimated before anything is repeated
+    check_generation_memory(model, None, cache_config, batch * nb, width + max_new_tokens, max_new_tokens, False,
+                            f"beam search with num_beams={nb}")
+    input_ids = input_ids.to(device)
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise GenerationError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {got}")
     mask = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-            else attention_mask.to(device).bool())
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+            else check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width))
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     pad_id = model.config.get("pad_token_id")
     pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
     seqs = input_ids.repeat_interleave(nb, 0)  # [B * nb, T]

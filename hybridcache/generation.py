@@ -18,7 +18,9 @@ import weakref
 
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
-from hybridcache.models.base import HybridLM, check_mask
+from hybridcache.cache.limits import check_fits
+from hybridcache.cache.plan import resolve_plan
+from hybridcache.models.base import GenerationError, HybridLM, check_input_ids, check_mask, check_mask_tensor
 from hybridcache.ops.cpu_kernels import argmax_rows
 
 # Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
@@ -34,14 +36,24 @@ class GenerateOutput:
     stats: dict[str, Any] | None = None  # speculative decoding / prefix reuse: acceptance, hits, tokens saved
 
 
+# The smallest temperature: the smallest normal float32. Logits are sampled in float32 and shifted by their row's
+# maximum before dividing by T (sample_next), so no T from here up overflows; below it T itself rounds to 0 in float32.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+SEED_RANGE = (-(2**63), 2**64)  # what torch's 64-bit generator seed takes (negative seeds wrap around)
+
+
 def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0
             or temperature == float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        raise GenerationError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if temperature < MIN_TEMPERATURE:
+        raise GenerationError(f"temperature must be >= {MIN_TEMPERATURE:.4g} (the smallest normal float32: logits "
+                              f"are sampled in float32), got {temperature!r}; for the most likely token use "
+                              "do_sample=False")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+        raise GenerationError(f"top_k must be a positive integer or None, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        raise GenerationError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
 def _eos_ids(eos_token_id: Any, vocab_size: int) -> list[int]:
@@ -51,8 +63,8 @@ def _eos_ids(eos_token_id: Any, vocab_size: int) -> list[int]:
         return []
     if (not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
             or not all(0 <= i < vocab_size for i in ids)):
-        raise ValueError(f"eos_token_id must be None, a token id or a list of token ids in [0, {vocab_size}), got "
-                         f"{eos_token_id!r}")
+        raise GenerationError(f"eos_token_id must be None, a token id or a list of token ids in [0, {vocab_size}), "
+                              f"got {eos_token_id!r}")
     return list(ids)
 
 
@@ -73,7 +85,10 @@ def sample_next(
     logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row [B] from logits [B, V] after temperature, top-k and top-p filtering."""
-    scores = logits.float() / temperature
+    scores = logits.float()
+    if temperature < 1:  # dividing amplifies: shift each row's maximum to 0 first, so no score overflows to +inf
+        scores = scores - scores.amax(-1, keepdim=True)
+    scores = scores / temperature
     if top_k is not None and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -89,26 +104,26 @@ def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> 
     """The tokens the cache has not seen, after checking that input_ids start with what it saw."""
     cached, width = cache.columns, input_ids.shape[1]
     if width <= cached:
-        raise ValueError(
+        raise GenerationError(
             f"with cache=, input_ids must be the whole sequence: the {cached} tokens the cache saw followed by new "
             f"ones, but input_ids have only {width} columns"
         )
     seen = mask[:, :cached].sum(1)
     if not torch.equal(seen, cache.seq.seen):
         row = int((seen != cache.seq.seen).nonzero()[0])
-        raise ValueError(
+        raise GenerationError(
             f"attention_mask row {row} marks {int(seen[row])} of the first {cached} columns as real, but the cache saw "
             f"{int(cache.seq.seen[row])} real tokens in that row"
         )
     if cache.seq.fingerprint is None:
-        raise ValueError(
+        raise GenerationError(
             "this cache does not know which tokens it saw (it was fed outside the model, without token ids), so "
             "a continuation cannot be checked against it; continue it with model(new_ids, cache) instead")
     prefix = mask[:, :cached].bool()
     positions = torch.where(prefix, prefix.long().cumsum(1) - 1, -1)
     differs = token_fingerprint(input_ids[:, :cached], positions) != cache.seq.fingerprint
     if bool(differs.any()):
-        raise ValueError(
+        raise GenerationError(
             f"input_ids[:, :{cached}] (row {int(differs.nonzero()[0])}) are not the tokens the cache saw. With "
             "cache=, pass the whole sequence (the cache's tokens followed by new ones), e.g. out.sequences plus "
             "new tokens, never only the new tokens"
@@ -118,19 +133,41 @@ def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> 
 
 def _check_speculative(model, draft, k, do_sample, cache, use_cache, compile, prefix_cache) -> None:
     if not all(hasattr(draft, a) for a in ("run_block", "make_cache", "vocab_size", "device")):
-        raise ValueError(f"draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft), got "
-                         f"{type(draft).__name__}")
+        raise GenerationError(f"draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft), got "
+                              f"{type(draft).__name__}")
     if draft.vocab_size != model.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
-                         f"({model.vocab_size}); speculative decoding needs the same tokenizer")
+        raise GenerationError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+                              f"({model.vocab_size}); speculative decoding needs the same tokenizer")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_draft_tokens must be a positive integer, got {k!r}")
+        raise GenerationError(f"num_draft_tokens must be a positive integer, got {k!r}")
     if do_sample:
-        raise ValueError("speculative decoding here is greedy: do_sample=True is not supported with draft_model")
+        raise GenerationError("speculative decoding here is greedy: do_sample=True is not supported with draft_model")
     for bad, what in ((cache is not None, "cache="), (not use_cache, "use_cache=False"), (compile, "compile=True"),
                       (prefix_cache is not None, "prefix_cache=")):
         if bad:
-            raise ValueError(f"draft_model= builds both caches itself and cannot be combined with {what}")
+            raise GenerationError(f"draft_model= builds both caches itself and cannot be combined with {what}")
+
+
+def cache_row_nbytes(model: HybridLM, cache: Cache | None, cache_config: Mapping[str, Any] | None,
+                     tokens: int) -> int:
+    """Bytes one row of the cache holds once it has seen `tokens` tokens (from its specs; the specs of the cache
+    `cache_config` would build when `cache` is None)."""
+    if cache is not None:
+        return sum(layer.spec.held_nbytes(1, tokens) for layer in cache.layers)
+    return resolve_plan(model.native_layers(), cache_config, None).held_nbytes(1, tokens)
+
+
+def check_generation_memory(model: HybridLM, cache: Cache | None, cache_config: Mapping[str, Any] | None, rows: int,
+                            tokens: int, new_tokens: int, output_logits: bool, what: str = "this generation") -> None:
+    """Refuse (CacheMemoryError, before the first allocation) a request whose memory cannot fit: per row, the
+    cache after `tokens` tokens, the sequence and new tokens (int64), and the kept float32 logits (twice: the
+    per-step list and the stacked result)."""
+    vocab = model.vocab_size
+    per_row = cache_row_nbytes(model, cache, cache_config, tokens) + 8 * (tokens + new_tokens) + 4 * vocab
+    if output_logits:
+        per_row += 2 * 4 * vocab * new_tokens
+    hint = "fewer rows or new tokens" + (", or output_logits=False" if output_logits else "")
+    check_fits(rows * per_row, model.device, f"{what} ({rows} rows, {tokens} tokens each)", hint)
 
 
 _COMPILE_LOCK = threading.Lock()
@@ -182,50 +219,51 @@ def generate(
     `output_logits=False` keeps only the tokens (`out.logits` is None): the logits are B x V floats per new token
     (1 MB per row and token on a 262k vocabulary), which a long or batched generation would otherwise keep.
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError("input_ids must be a LongTensor [B, T]")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids is empty: give every row at least one token")
+    check_input_ids(input_ids, model.vocab_size)
+    check_mask_tensor(attention_mask)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if prefill_chunk_size is not None and (
         isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
     ):
-        raise ValueError(f"prefill_chunk_size must be a positive integer or None, got {prefill_chunk_size!r}")
+        raise GenerationError(f"prefill_chunk_size must be a positive integer or None, got {prefill_chunk_size!r}")
     _check_sampling(temperature, top_k, top_p)  # also when greedy: a bad value is a bug in the caller either way
     for name, flag in (("do_sample", do_sample), ("use_cache", use_cache), ("compile", compile),
                        ("output_logits", output_logits)):
         if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+            raise GenerationError(f"{name} must be True or False, got {flag!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_RANGE[0] <= seed < SEED_RANGE[1]):
+        raise GenerationError(f"seed must be None or an integer that fits torch's 64-bit seed, in [-2**63, 2**64), "
+                              f"got {seed!r}")
     if cache is not None and cache_config is not None:
-        raise ValueError("pass either cache= (continue from it) or cache_config= (build a new cache), not both")
+        raise GenerationError("pass either cache= (continue from it) or cache_config= (build a new cache), not both")
     if cache is not None and not use_cache:
-        raise ValueError("use_cache=False recomputes from scratch and cannot continue from a cache")
+        raise GenerationError("use_cache=False recomputes from scratch and cannot continue from a cache")
     if compile and not use_cache:
-        raise ValueError("compile=True compiles the cached decode step; it cannot be combined with use_cache=False")
+        raise GenerationError("compile=True compiles the cached decode step; it cannot be combined with "
+                              "use_cache=False")
     if draft_model is not None:
         _check_speculative(model, draft_model, num_draft_tokens, do_sample, cache, use_cache, compile, prefix_cache)
     device = model.device
     input_ids = input_ids.to(device)
     batch, width = input_ids.shape
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= model.vocab_size:
-        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {model.vocab_size})")
     if attention_mask is None:
         full_mask = torch.ones(batch, width, dtype=torch.bool, device=device)
     else:
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[0] != batch:
-            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {batch}")
+            raise GenerationError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {batch}")
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-            raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)} (the whole sequence), got {got}")
+            raise GenerationError(f"attention_mask must match input_ids {tuple(input_ids.shape)} (the whole "
+                                  f"sequence), got {got}")
         full_mask = check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width)
     if not bool(full_mask.any(1).all()):
-        raise ValueError("every row needs at least one real token (a row of the attention_mask is all zeros)")
+        raise GenerationError("every row needs at least one real token (a row of the attention_mask is all zeros)")
     eos = torch.tensor(_eos_ids(eos_token_id, model.vocab_size), dtype=torch.long, device=device)
     pad_id = model.config.get("pad_token_id")
     pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
+    check_generation_memory(model, cache, cache_config, batch, width + max_new_tokens, max_new_tokens, output_logits)
     if draft_model is not None:
         from hybridcache.speculative import speculative_generate
 
@@ -236,8 +274,8 @@ def generate(
         return GenerateOutput(sequences, logits if output_logits else None, cache, stats)
     if prefix_cache is not None:
         if cache is not None or not use_cache or compile:
-            raise ValueError("prefix_cache= builds the cache itself: do not combine it with cache=, use_cache=False "
-                             "or compile=True")
+            raise GenerationError("prefix_cache= builds the cache itself: do not combine it with cache=, "
+                                  "use_cache=False or compile=True")
         cache, prefix_stats = prefix_cache.prepare(model, input_ids, full_mask, cache_config)
         out = generate(model, input_ids, attention_mask, max_new_tokens, do_sample=do_sample, temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, cache=cache,
@@ -259,8 +297,8 @@ def generate(
         try:
             cache.check_capacity(seen_after)
         except ValueError as e:
-            raise ValueError(f"{e} (this request needs {int(seen_after.max())} tokens per row: the prompt plus "
-                             f"max_new_tokens - 1)") from None
+            raise GenerationError(f"{e} (this request needs {int(seen_after.max())} tokens per row: the prompt "
+                                  "plus max_new_tokens - 1)") from None
     decode = compiled_decode_step(model) if compile else model.forward_block
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
@@ -271,9 +309,9 @@ def generate(
         chunk = prefill_chunk_size or min(tokens.shape[1], DEFAULT_PREFILL_CHUNK)
         if awaiting_prompt(cache):  # a prefill-mode method compresses at the end of the first block: the prompt
             if prefill_chunk_size is not None and prefill_chunk_size < tokens.shape[1]:
-                raise ValueError(f"prefill_chunk_size={prefill_chunk_size}: this cache compresses the prompt once, at "
-                                 "the end of its first block (mode: prefill), so the prompt is fed as one block; "
-                                 "leave prefill_chunk_size unset, or use mode: continuous")
+                raise GenerationError(f"prefill_chunk_size={prefill_chunk_size}: this cache compresses the prompt "
+                                      "once, at the end of its first block (mode: prefill), so the prompt is fed as "
+                                      "one block; leave prefill_chunk_size unset, or use mode: continuous")
             chunk = tokens.shape[1]
         start = cache.columns
         for i in range(0, tokens.shape[1], chunk):

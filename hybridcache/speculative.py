@@ -20,6 +20,7 @@ import torch
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.generation import greedy_next
+from hybridcache.models.base import GenerationError
 
 
 def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
@@ -160,7 +161,7 @@ class EarlyExitDraft(torch.nn.Module):
         super().__init__()
         total = len(target.decoder_layers)
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
-            raise ValueError(f"num_layers must be in [1, {total}], got {num_layers!r}")
+            raise GenerationError(f"num_layers must be in [1, {total}], got {num_layers!r}")
         self.target, self.num_layers = target, num_layers
         self.config, self.family = target.config, f"{target.family}[:{num_layers}]"
 

@@ -86,8 +86,18 @@ class RotaryEmbedding(nn.Module):
         return rotated.mean(0)[0].T
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Hq, T, D] and k [B, Hkv, T, D] rotated by cos/sin [B (or 1), 1, T, R] of `positions`; tables of any
+        other shape (positions that are not [B, T], say) are refused rather than broadcast into a wrong result."""
         cos, sin = self.tables(positions, q.dtype)
         r = self.rotary_dim
+        if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or r > q.shape[-1]:
+            raise ValueError(f"rotary: q and k must be [B, H, T, D] with the same B and T and D >= {r}, got "
+                             f"{tuple(q.shape)} and {tuple(k.shape)}")
+        want = (q.shape[0], 1, q.shape[2], r)
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table.dim() != 4 or table.shape[0] not in (1, want[0]) or tuple(table.shape[1:]) != want[1:]:
+                raise ValueError(f"rotary: {name} has shape {tuple(table.shape)}, q {tuple(q.shape)} needs {want} "
+                                 "(positions must be [B, T], one per query token)")
         if not torch.compiler.is_compiling():  # float32 on CPU: one kernel call per tensor, any layout
             rq, rk = rope(q, cos, sin, self.interleaved), rope(k, cos, sin, self.interleaved)
             if rq is not None and rk is not None:

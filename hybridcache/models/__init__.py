@@ -11,9 +11,11 @@ from hybridcache.blocks.linear import WEIGHT_FORMATS, pack_weights, use_decode_l
 from hybridcache.ops.huge_pages import collapse_module
 
 from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import ConfigError, FamilyConfig
+from hybridcache.cache.limits import device_problem
+from hybridcache.models.family_config import ArgumentError, ConfigError, FamilyConfig, flag_problems
 from hybridcache.models.loading import (
-    CheckpointError, check_checkpoint, empty_model, load_checkpoint, read_config, resolve_checkpoint,
+    CheckpointError, check_checkpoint, check_load_arguments, empty_model, load_checkpoint, read_config,
+    resolve_checkpoint,
 )
 
 # HF model_type -> "module:Class"
@@ -51,7 +53,8 @@ def from_pretrained(
     The config is validated (ConfigError names every bad field), the model is built without allocating its
     weights and checked against the checkpoint's tensor names and shapes (CheckpointError) before any tensor is
     read. Tensors with NaN/Inf values or of a non-float dtype where floats are expected are refused unless
-    `allow_nonfinite` / `allow_dtype_cast`.
+    `allow_nonfinite` / `allow_dtype_cast`. Arguments are checked first (flags must be bools, the device must be
+    usable here): an `ArgumentError` (a ConfigError) lists every bad one before anything is read.
 
     Speed (hybridcache/blocks/linear.py): q/k/v and gate/up projections run as one matmul each; with
     `decode_kernel` every projection of a few float32 rows on CPU (a decode step) runs on a weight-streaming kernel
@@ -60,6 +63,12 @@ def from_pretrained(
     model, so it is opt-in; None keeps them in `dtype`. `huge_pages` moves the weights onto 2 MiB pages where Linux
     allows (hybridcache/ops/huge_pages.py: same memory, faster streaming; 1-2 s per GB once, at load).
     """
+    check_load_arguments(dtype, device)
+    problems = flag_problems(allow_nonfinite=allow_nonfinite, allow_dtype_cast=allow_dtype_cast,
+                             decode_kernel=decode_kernel, huge_pages=huge_pages)
+    problem = device_problem(device)
+    if problems or problem:
+        raise ArgumentError("from_pretrained", problems + ([problem] if problem else []))
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be None or one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if weights is not None and dtype != torch.float32:
@@ -86,5 +95,6 @@ def from_pretrained(
 
 
 __all__ = [
-    "CheckpointError", "ConfigError", "FamilyConfig", "HybridLM", "MODEL_TYPES", "from_pretrained", "model_class",
+    "ArgumentError", "CheckpointError", "ConfigError", "FamilyConfig", "HybridLM", "MODEL_TYPES", "from_pretrained",
+    "model_class",
 ]

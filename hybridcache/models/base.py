@@ -19,6 +19,30 @@ from hybridcache.cache.plan import Native
 from hybridcache.cache.sequence import check_valid_mask
 
 
+class GenerationError(ValueError):
+    """A bad request to a model call, `generate`, `beam_search` or speculative decoding (arguments, token ids,
+    masks, limits), raised before any work: no cache changed."""
+
+
+def check_input_ids(input_ids: Any, vocab_size: int) -> None:
+    """input_ids: a LongTensor [B, T] with B, T >= 1, holding values (not on the meta device), ids in the vocabulary."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise GenerationError("input_ids must be a LongTensor [B, T]")
+    if input_ids.is_meta:
+        raise GenerationError("input_ids are on the meta device (shapes without values): pass real token ids")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise GenerationError(f"input_ids is empty (shape {tuple(input_ids.shape)}): give every row at least one "
+                              "token")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+        raise GenerationError(f"input_ids hold ids outside the vocabulary [0, {vocab_size})")
+
+
+def check_mask_tensor(attention_mask: Any) -> None:
+    """An attention mask must hold values: refuse one on the meta device (its .to() would fail inside torch)."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.is_meta:
+        raise GenerationError("attention_mask is on the meta device (shapes without values): pass a real 0/1 mask")
+
+
 class HybridLM(nn.Module):
     """Base class: `model(input_ids, cache=..., attention_mask=...) -> logits [B, T, V]` advances the cache."""
 
@@ -135,6 +159,7 @@ class HybridLM(nn.Module):
         sequence (the cache's columns plus this block; its cached part must match what the cache saw)."""
         if attention_mask is None:
             return None
+        check_mask_tensor(attention_mask)
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             raise ValueError("attention_mask must be a 2-d tensor [B, T] of 0/1 (or bool)")
         if attention_mask.shape[0] != batch:
@@ -173,13 +198,8 @@ class HybridLM(nn.Module):
         cache holds nothing for it gets meaningless logits, so it is refused unless `allow_padding_rows` (the
         first pieces of a long left-padded prompt prefilled in chunks).
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            raise ValueError("input_ids must be a LongTensor [B, T]")
+        check_input_ids(input_ids, self.vocab_size)
         batch, tokens = input_ids.shape
-        if tokens == 0 or batch == 0:
-            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)})")
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size:
-            raise ValueError(f"input_ids hold ids outside the vocabulary [0, {self.vocab_size})")
         if cache is None:
             cache = self.make_cache(batch)
         self.check_cache(cache, batch)

@@ -11,7 +11,8 @@ constraints through `param(...)`:
 `MambaConfig.from_hf(raw)` checks every field against its declared type (int, float, bool, str, list[...],
 dict, unions such as `int | None`) and constraints, then the family's cross-field `problems()`, and raises ONE
 `ConfigError` naming the family and every bad field with its value. Keys the dataclass does not declare (HF
-configs carry many: architectures, dtype, use_cache, ...) are kept in `extras`, unchecked. `to_dict()` gives the
+configs carry many: architectures, dtype, use_cache, ...) are kept in `extras`, unchecked but for the dtype
+(`torch_dtype` / `dtype` must name a torch dtype). `to_dict()` gives the
 plain dict that model code indexes (`model.config["hidden_size"]`): the extras overlaid with the typed fields.
 
 `None` for a field that is not Optional means "use the default" (as HF does); a required field that is absent or
@@ -27,6 +28,8 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, ClassVar, Mapping, Union
 
+import torch
+
 
 class ConfigError(ValueError):
     """A model config that cannot be used: `problems` lists every bad field of `family`."""
@@ -35,6 +38,20 @@ class ConfigError(ValueError):
         self.family, self.problems, self.source = family, list(problems), source
         where = f" ({source})" if source else ""
         super().__init__(f"{family} config{where} is invalid: " + "; ".join(self.problems))
+
+
+class ArgumentError(ConfigError):
+    """Bad arguments to a function that loads a model (from_pretrained): `problems` lists every bad one."""
+
+    def __init__(self, owner: str, problems: list[str]) -> None:
+        super().__init__(owner, problems)
+        self.args = (f"{owner}: " + "; ".join(self.problems),)
+
+
+def flag_problems(**flags: Any) -> list[str]:
+    """One problem per flag that is not True or False (a string such as "yes" is not a flag)."""
+    return [f"{name} must be True or False, got {value!r}" for name, value in flags.items()
+            if not isinstance(value, bool)]
 
 
 def param(
@@ -130,6 +147,23 @@ def _constraint_problem(name: str, value: Any, meta: Mapping[str, Any]) -> str |
     return None
 
 
+DTYPE_KEYS = ("torch_dtype", "dtype")  # the checkpoint's dtype, as HF config.json writes it (both spellings)
+
+
+def _dtype_problems(raw: Mapping[str, Any]) -> list[str]:
+    """Kept as extras, but checked: null or the name of a torch dtype ("float32", "bfloat16", "torch.float16")."""
+    out = []
+    for key in DTYPE_KEYS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        name = value.removeprefix("torch.") if isinstance(value, str) else None
+        if not name or not isinstance(getattr(torch, name, None), torch.dtype):
+            out.append(f"{key} must be null or the name of a torch dtype (float32, bfloat16, float16, ...), got "
+                       f"{value!r}")
+    return out
+
+
 @dataclass(kw_only=True)
 class FamilyConfig:
     """Fields every family has. Subclasses add theirs (with HF defaults) and override `problems()` for checks
@@ -191,6 +225,7 @@ class FamilyConfig:
                 problems.append(bad)
                 continue
             values[f.name] = _coerce(value, tp)
+        problems += _dtype_problems(raw)
         if problems:
             raise ConfigError(family, problems, source)
         try:
