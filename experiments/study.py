@@ -6,7 +6,8 @@ configs/experiment/study.yaml (`strategies:`); a new one (a new cache type, a st
 more YAML entry, no code. For each strategy and context length: cache bytes held (and vs native), teacher-forced
 perplexity on long documents read block by block, KL from native's next-token distribution, top-1 and greedy
 agreement with native; kvpress's protocol (an L-token prompt in one block, then N teacher-forced tokens), passkey
-retrieval and RULER's synthetic tasks (see experiments/study_eval.py, experiments/ruler.py).
+retrieval, multi-query associative recall (MQAR, experiments/mqar.py) and RULER's synthetic tasks (see
+experiments/study_eval.py, experiments/ruler.py).
 
 A strategy that compresses after the prefill (`mode: prefill`, kvpress's presses) would compress only the first block
 of the blockwise read, so it gets no blockwise numbers: kvpress's protocol, its greedy tokens after the prompt, and
@@ -35,6 +36,7 @@ from rich.progress import (
 )
 
 import hybridcache.real_checkpoints  # noqa: F401 - registers the ${real:NAME} resolver used by model configs
+from experiments import mqar
 from experiments.common import load_model, load_tokenizer
 from experiments.ruler import TASKS as RULER_TASKS
 from experiments.ruler import has_depth, ruler_sample
@@ -45,6 +47,7 @@ from experiments.study_eval import (
     agreement,
     block_edges,
     continuation,
+    mqar_trial,
     passkey,
     prefix_max,
     prefix_mean,
@@ -70,7 +73,8 @@ from hybridcache.tracking import Tracker
 SMOKE = {"lengths": [64, 160], "block": 32, "greedy_tokens": 4, "documents": 1, "continuation": 16,
          "passkey": {"lengths": [256, 320], "depths": [0.2, 0.8], "trials": 1},  # bytes: the tiny models use ByT5
          "ruler": {"tasks": list(RULER_TASKS), "lengths": [1800], "depths": [0.5], "trials": 1, "max_new_tokens": 4,
-                   "strategies": ["native", "snapkv_50"]}}
+                   "strategies": ["native", "snapkv_50"]},
+         "mqar": {"pairs": [4, 24], "queries": 4, "trials": 1}}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -112,6 +116,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     rng = random.Random(int(e.passkey.seed))
     prompts = [(int(L), passkey_prompt(tokenizer, int(L), float(d), rng, int(e.passkey.digits)))
                for L in e.passkey.lengths for d in e.passkey.depths for _ in range(int(e.passkey.trials))]
+    mqar_prompts = mqar_samples(e.mqar, tokenizer, model.vocab_size)
     samples, skipped = ruler_samples(e.ruler, tokenizer, model.vocab_size)
     for note in skipped:  # e.g. a byte-level model: RULER's template alone outgrows a short prompt
         console.print(f"[yellow]RULER: skipped {note}[/]")
@@ -119,6 +124,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     cont: dict[str, list[Continuation]] = {n: [] for n in compute}
     trials: dict[str, list[dict]] = {n: [] for n in compute}
     ruler_runs: dict[str, list[dict]] = {n: [] for n in compute}
+    mqar_runs: dict[str, list[dict]] = {n: [] for n in compute}
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     phase_s: dict[str, float] = {}  # wall seconds per part: where a bigger setting's time goes
     clock = time.perf_counter()
@@ -155,6 +161,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                                                        chunk(name, len(prompt.ids)))})
                 progress.advance(task)
         lap("passkey")
+        names = probed(e, "mqar", compute) if mqar_prompts else []
+        task = progress.add_task("MQAR", total=len(mqar_prompts) * len(names))
+        for name in names:
+            for p in mqar_prompts:
+                mqar_runs[name].append(mqar_trial(model, p, configs[name], int(e.block), name in after_prefill))
+                progress.advance(task)
+        lap("mqar")
         names = probed(e, "ruler", compute) if samples else []
         task = progress.add_task("RULER", total=len(samples) * len(names))
         for name in names:
@@ -169,6 +182,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         rows[name] = summarize(name, configs[name], plans[name], native_plan, per_doc[name], per_doc[ref_name],
                                cont[name], cont[ref_name], trials[name], trials[ref_name], lengths, native_bytes)
         rows[name].update(ruler_summary(ruler_runs[name]))
+        rows[name].update(mqar_summary(mqar_runs[name], mqar_runs[ref_name]))
         rows[name]["protocol"] = "prefill" if name in after_prefill else "blockwise"
     for name in same:
         rows[name] = {**rows[ref_name], "name": name, "config": configs[name], "same_plan": True}
@@ -214,6 +228,43 @@ def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> tuple[list, list
     if out and max(max(s.ids) for s in out) >= vocab_size:
         raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
     return out, skipped
+
+
+def mqar_samples(m: DictConfig, tokenizer, vocab_size: int) -> list[mqar.Prompt]:
+    """Every MQAR example of the run: pairs x trial, seeded (the same examples for every strategy)."""
+    rng = random.Random(int(m.seed))
+    out = [mqar.prompt(tokenizer, rng, int(n), min(int(m.queries), int(n))) for n in m.pairs
+           for _ in range(int(m.trials))]
+    if out and max(max(p.ids) for p in out) >= vocab_size:
+        raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
+    return out
+
+
+def mqar_summary(runs: list[dict], native_runs: list[dict]) -> dict[str, Any]:
+    """MQAR recall: the share of queries recalled, per pair count and per distance (tokens back to the pair: [0, 64),
+    [64, 128), ... doubling), each query marked with whether native recalled it."""
+    if not runs:
+        return {"mqar_acc": None}
+    for t, nt in zip(runs, native_runs):
+        for q, nq in zip(t["queries"], nt["queries"]):
+            q["native_correct"] = nq["correct"]
+    by_pairs: dict[str, list[int]] = {}
+    by_distance: dict[str, list[int]] = {}
+    for t in runs:
+        cell = by_pairs.setdefault(str(t["pairs"]), [0, 0])
+        for q in t["queries"]:
+            cell[0] += q["correct"]
+            cell[1] += 1
+            low = 64
+            while q["distance"] >= 2 * low:
+                low *= 2
+            d = by_distance.setdefault("0-63" if q["distance"] < 64 else f"{low}-{2 * low - 1}", [0, 0])
+            d[0] += q["correct"]
+            d[1] += 1
+    queries = [q for t in runs for q in t["queries"]]
+    return {"mqar_acc": sum(q["correct"] for q in queries) / len(queries), "mqar_by_pairs": by_pairs,
+            "mqar_by_distance": dict(sorted(by_distance.items(), key=lambda kv: int(kv[0].split("-")[0]))),
+            "mqar_trials": runs}
 
 
 def ruler_summary(runs: list[dict]) -> dict[str, Any]:
@@ -285,22 +336,23 @@ def log_to_tracker(tracker: Tracker, rows: list[dict], lengths: list[int], n_con
     longest = str(max(lengths))
     columns = ["strategy", "config", "protocol", "bytes", "bytes_vs_native", *[f"ppl@{L}" for L in lengths],
                f"kl@{longest}", f"top1@{longest}", f"cont{n_cont}_ppl@{longest}", f"cont{n_cont}_kl@{longest}",
-               "passkey_acc", "ruler_mean", "reference", "agreement", "verdict"]
+               "passkey_acc", "mqar_acc", "ruler_mean", "reference", "agreement", "verdict"]
     table = []
     for r in rows:
         if r.get("error"):
             table.append([r["name"], json.dumps(r["config"]), None, None, None, *[None] * len(lengths), None, None,
-                          None, None, None, None, r.get("reference"), r.get("agreement"), r["verdict"]])
+                          None, None, None, None, None, r.get("reference"), r.get("agreement"), r["verdict"]])
             continue
         table.append([r["name"], json.dumps(r["config"]), r.get("protocol"), r["bytes"], r["bytes_ratio"],
                       *[r["ppl"].get(str(L)) for L in lengths], r["kl"].get(longest), r["top1"].get(longest),
                       r["continuation_ppl"].get(longest), r["continuation_kl"].get(longest), r["passkey_acc"],
-                      r.get("ruler_mean"), r.get("reference"), None if r.get("agreement") is None
+                      r.get("mqar_acc"), r.get("ruler_mean"), r.get("reference"), None if r.get("agreement") is None
                       else str(r["agreement"]), r["verdict"]])
         tracker.summary({f"{r['name']}/bytes_vs_native": r["bytes_ratio"], f"{r['name']}/ppl@{longest}":
                          r["ppl"].get(longest), f"{r['name']}/kl@{longest}": r["kl"].get(longest),
                          f"{r['name']}/cont_ppl@{longest}": r["continuation_ppl"].get(longest),
-                         f"{r['name']}/passkey_acc": r["passkey_acc"], f"{r['name']}/ruler_mean": r.get("ruler_mean"),
+                         f"{r['name']}/passkey_acc": r["passkey_acc"],
+                         f"{r['name']}/mqar_acc": r.get("mqar_acc"), f"{r['name']}/ruler_mean": r.get("ruler_mean"),
                          **{f"{r['name']}/ruler/{task}@{L}": v for task, by in (r.get("ruler") or {}).items()
                             for L, v in by.items()}})
     tracker.table("study", columns, table)

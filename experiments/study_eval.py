@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 import hybridcache as hc
-from experiments import ruler
+from experiments import mqar, ruler
 from hybridcache.cache import Cache
 
 
@@ -160,6 +160,29 @@ def passkey(model, tokenizer, prompt, config: dict[str, Any], block: int) -> dic
     answer = tokenizer.decode(out.sequences[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
     return {"length": len(prompt.ids), "depth": prompt.depth, "distance": prompt.distance, "key": prompt.key,
             "answer": answer, "correct": prompt.key in answer}
+
+
+@torch.no_grad()
+def mqar_trial(model, prompt: mqar.Prompt, config: dict[str, Any], block: int, one_block_prompt: bool) -> dict[str, Any]:
+    """One MQAR example under a cache config, scored teacher-forced as Zoology does: the whole example is read in
+    blocks of `block` (the cache's pattern and storage apply between blocks), or, for a compress-after-prefill
+    strategy, the pairs as one block (its prompt) and the queries as a second. A query is recalled when every id of
+    its value is the argmax prediction."""
+    ids = torch.tensor([prompt.ids], device=model.device)
+    cache = model.make_cache(1, config)
+    if one_block_prompt:
+        model.run_block(ids[:, :prompt.context], cache, last_only=True)
+        edges = [prompt.context, len(prompt.ids)]
+    else:
+        edges = block_edges(len(prompt.ids), block, [])
+    preds = [torch.zeros(edges[0], dtype=torch.long, device=model.device)]  # the prompt block's: never scored
+    for start, end in zip(edges, edges[1:]):
+        preds.append(model(ids[:, start:end], cache=cache)[0].argmax(-1))  # [T]
+    pred = torch.cat(preds).tolist()  # pred[i] predicts ids[i + 1]
+    queries = [{"distance": distance, "correct": pred[at - 1: at - 1 + len(value)] == value}
+               for at, value, distance in prompt.answers]
+    return {"pairs": prompt.pairs, "length": len(prompt.ids), "queries": queries,
+            "accuracy": sum(q["correct"] for q in queries) / len(queries)}
 
 
 def prefix_mean(chunks: list[torch.Tensor], positions: int) -> float:

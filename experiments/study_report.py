@@ -56,6 +56,15 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
             parts.append(f"loses the passkey{where}")
         elif pk_native > 0:
             parts.append("keeps the passkey" if pk >= pk_native else f"passkey {pk:.0%} vs {pk_native:.0%}")
+    if row.get("mqar_acc") is not None and native.get("mqar_acc") and not random_weights:
+        queries = [q for t in row["mqar_trials"] for q in t["queries"]]
+        lost = sorted(q["distance"] for q in queries if q["native_correct"] and not q["correct"])
+        if len(lost) > 0.05 * sum(q["native_correct"] for q in queries):  # more than a stray query
+            kept = [q["distance"] for q in queries if q["correct"] and q["distance"] > lost[len(lost) // 2]]
+            parts.append(f"MQAR recall {row['mqar_acc']:.0%} vs native {native['mqar_acc']:.0%} (half the queries it "
+                         f"loses are {lost[len(lost) // 2]}+ tokens back" + (")" if kept else "; none recalled beyond)"))
+        else:
+            parts.append(f"keeps MQAR recall ({row['mqar_acc']:.0%} vs native {native['mqar_acc']:.0%})")
     if row.get("ruler_mean") is not None and native.get("ruler_mean") is not None and not random_weights:
         parts.append(f"RULER {row['ruler_mean']:.0f} vs native {native['ruler_mean']:.0f}")
     if row["bytes_ratio"] < 0.999:
@@ -85,10 +94,11 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
     t.add_column("greedy agree @" + "/".join(map(str, lengths)), justify="right")
     pk_lengths = next((list(r["passkey_by_length"]) for r in rows if r.get("passkey_by_length")), [])
     t.add_column("passkey" + (" @" + "/".join(pk_lengths) if pk_lengths else ""), justify="right")
+    t.add_column("MQAR", justify="right")
     t.add_column("RULER", justify="right")
     for r in rows:
         if r.get("error"):
-            t.add_row(r["name"], *["-"] * (7 + len(lengths)))
+            t.add_row(r["name"], *["-"] * (8 + len(lengths)))
             continue
         greedy = " ".join(f"{v:.0%}" for v in r["greedy_agreement"].values()) or "-"
         cells = r.get("passkey_by_length") or {}
@@ -97,6 +107,7 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
         t.add_row(r["name"] + ("*" if prefill else ""), format_bytes(r["bytes"]), f"{r['bytes_ratio']:.0%}",
                   *[_cell(r["ppl"], str(L), ".4g") for L in lengths], _cell(r["kl"], longest, ".2e"),
                   _cell(r["top1"], longest, ".1%"), greedy, pk,
+                  "-" if r.get("mqar_acc") is None else f"{r['mqar_acc']:.0%}",
                   "-" if r.get("ruler_mean") is None else f"{r['ruler_mean']:.1f}")
     console.print(t)
     if any(r.get("protocol") == "prefill" for r in rows):
@@ -176,6 +187,9 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
     probed = [r for r in ok if r["passkey_trials"]]  # only the strategies a probe ran for
     if probed:
         panels.append(("passkey accuracy", probed, [r["passkey_acc"] for r in probed], False))
+    recalled = [r for r in ok if r.get("mqar_acc") is not None]
+    if recalled:
+        panels.append(("MQAR recall (share of queries)", recalled, [r["mqar_acc"] for r in recalled], False))
     scored = [r for r in ok if r.get("ruler_mean") is not None]
     if scored:
         panels.append(("RULER score (mean over tasks, 0-100)", scored, [r["ruler_mean"] for r in scored], False))

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from experiments.common import UserError, output_dir, quiet_libraries
 from experiments.train_data import DataError, bigram_bits_per_byte, cached_corpus
-from experiments.train_loop import TrainError, TrainSettings, describe, final_eval, train
+from experiments.train_loop import TrainError, TrainSettings, describe, final_eval, mqar_accuracy, train
 from experiments.train_model import ARCHS, ArchError
 from experiments.train_plot import loss_curve
 from hybridcache.paths import home_dir
@@ -98,7 +98,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                TimeElapsedColumn(), TimeRemainingColumn()]
     try:
         with Progress(*columns, console=console) as progress:
-            task = progress.add_task(f"training {s.arch}", total=s.steps, bpb="-", tps="-")
+            task = progress.add_task(f"training {s.arch}", total=s.total_steps, bpb="-", tps="-")
 
             def on_step(state, row):
                 progress.update(task, completed=state.step, bpb=f"{row['bits_per_byte']:.3f}",
@@ -109,7 +109,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                         f"step {row['step']}: train {row['bits_per_byte']:.3f} bits/byte, {row['tokens_per_s']:.0f} "
                         "tok/s; held-out " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if "/" in k))
 
-            state = train(s, corpus, run_dir, stop_at=e.stop_at, on_step=on_step)
+            text_phase = default_run_dir(s.text_phase()) if s.recall_steps else None
+            state = train(s, corpus, run_dir, stop_at=e.stop_at, on_step=on_step, text_phase_dir=text_phase)
             progress.update(task, completed=state.step)
     except (TrainError, ArchError) as err:
         tracker.finish()
@@ -118,7 +119,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"status": "ok", "arch": s.arch, "settings": s.key(), "run_dir": str(run_dir),
                               "data_digest": corpus.digest, "documents": corpus.documents, "train_bytes": sizes,
                               "machine": machine(), "eval_len": int(e.eval_len), **info}
-    if state.step < s.steps:  # stopped early (experiment.stop_at): evaluated and exported as it is; resumable
+    if state.step < s.total_steps:  # stopped early (experiment.stop_at): evaluated and exported as it is; resumable
         result["status"] = "partial"
     if state.step > 0:
         with console.status("[bold]held-out bits per byte[/]"):
@@ -129,6 +130,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             result["bigram_bits_per_byte"] = {k: bigram_bits_per_byte(train_all, v) for k, v in
                                               {**{f"eval/{n}": t for n, t in corpus.eval.items()},
                                                "unseen/pydoc": corpus.unseen}.items()}
+            if s.recall_steps:  # held-out MQAR examples, every key queried, at and beyond the trained sizes
+                result["mqar_accuracy"] = {str(n): mqar_accuracy(state.model, n, 16) for n in (8, 16, 32, 64)}
         result["export"] = str(export_hf(state.model, run_dir / "hf"))
         result["safetensors_bytes"] = (run_dir / "hf" / "model.safetensors").stat().st_size
     # over the whole run (every session): what a shared machine actually gave, not the last steps' rate
@@ -169,6 +172,9 @@ def report(console: Console, result: dict[str, Any]) -> None:
         table.add_row(k, f"{v:.3f}", f"{result['bits_per_byte_at_seq_len'][k]:.3f}",
                       f"{result['bigram_bits_per_byte'][k]:.3f}")
     console.print(table)
+    if result.get("mqar_accuracy"):
+        console.print("MQAR recall (held-out examples, share of queries): " + ", ".join(
+            f"{n} pairs {v:.0%}" for n, v in result["mqar_accuracy"].items()))
     if "export" in result:
         console.print(f"HF-format checkpoint: {result['export']} ({result['safetensors_bytes'] / 1e6:.1f} MB)")
     if result["status"] == "partial":

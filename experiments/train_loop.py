@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from experiments.train_data import Corpus, batch, windows
+from experiments import mqar
+from experiments.train_data import BYTE_OFFSET, Corpus, batch, recall_batch, windows
 from experiments.train_model import hf_model, parameter_count
 
 LN2 = math.log(2.0)
@@ -51,17 +53,45 @@ class TrainSettings:
     probe_windows: int = 8        # per split, every eval_every steps (the curve)
     eval_every: int = 100
     checkpoint_every: int = 50
+    # The recall phase: `recall_steps` more steps after `steps`, each batch `recall_batch_size` windows of
+    # `recall_seq_len` bytes of which a `recall_share` are MQAR examples scored on their answers only (Zoology's
+    # training; experiments/mqar.py); its own warm-up and cosine from `recall_lr`. 0: text only.
+    recall_steps: int = 0
+    recall_share: float = 0.5
+    recall_lr: float = 1e-3
+    recall_warmup: int = 10
+    recall_seq_len: int = 512
+    recall_batch_size: int = 4
+    recall_max_pairs: int = 32
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + self.recall_steps
 
     def key(self) -> dict[str, Any]:
-        """What the weights depend on (not how often we look at them)."""
+        """What the weights depend on (not how often we look at them). Without a recall phase the recall settings
+        are left out, so the text-only phase of a run is keyed as a text-only run is (and can be continued)."""
         d = asdict(self)
         for k in ("eval_windows", "probe_windows", "eval_every", "checkpoint_every", "eval_len"):
             d.pop(k)
+        if not self.recall_steps:
+            d = {k: v for k, v in d.items() if not k.startswith("recall_")}
         return d
+
+    def text_phase(self) -> "TrainSettings":
+        """The same run without its recall phase: its checkpoint at `steps` is this run's state at `steps`."""
+        return replace(self, recall_steps=0)
 
 
 def learning_rate(s: TrainSettings, step: int) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step; the recall phase likewise, from
+    recall_lr over its own steps."""
+    if step >= s.steps:
+        r = step - s.steps
+        if r < s.recall_warmup:
+            return s.recall_lr * (r + 1) / s.recall_warmup
+        t = (r - s.recall_warmup) / max(1, s.recall_steps - s.recall_warmup)
+        return s.recall_lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     t = (step - s.warmup) / max(1, s.steps - s.warmup)
@@ -81,6 +111,34 @@ def next_byte_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-byte cross-entropy (nats) of a [B, T + 1] batch."""
     logits = model(ids[:, :-1]).logits  # [B, T, V]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def recall_losses(model: torch.nn.Module, ids: torch.Tensor, answers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean next-byte cross-entropy of the text rows, mean cross-entropy of the MQAR answers) of a recall-phase
+    batch: [B, T + 1] ids, [B, T] answer mask (rows with any answer are MQAR rows)."""
+    logits = model(ids[:, :-1]).logits.float()  # [B, T, V]
+    ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T]
+    recall_rows = answers.any(dim=1)
+    text = ce[~recall_rows].mean() if (~recall_rows).any() else ce.new_zeros(())
+    return text, ce[answers].mean()
+
+
+@torch.no_grad()
+def mqar_accuracy(model: torch.nn.Module, pairs: int, examples: int, seed: str = "held-out") -> float:
+    """Share of MQAR queries whose two value bytes are both argmax predictions (teacher-forced, Zoology's measure),
+    on `examples` examples of `pairs` pairs, every key queried; seeded apart from training's examples."""
+    was = model.training
+    model.eval()
+    rng, hit, total = random.Random(f"{seed}-{pairs}"), 0, 0
+    for _ in range(examples):
+        ex = mqar.example(rng, pairs, pairs)
+        ids = torch.tensor([list(ex.text)]) + BYTE_OFFSET
+        pred = model(ids).logits[0].argmax(-1)  # pred[i] predicts ids[i + 1]
+        for at, _ in ex.answers:
+            hit += bool(torch.equal(pred[at - 1:at + 1], ids[0, at:at + 2]))
+            total += 1
+    model.train(was)
+    return hit / total
 
 
 @torch.no_grad()
@@ -128,15 +186,21 @@ def save_checkpoint(state: TrainState, s: TrainSettings, run_dir: Path) -> Path:
     return path
 
 
-def load_state(s: TrainSettings, run_dir: Path) -> TrainState:
-    """The checkpoint in `run_dir` if there is one (it must come from the same settings), else a fresh start."""
+def load_state(s: TrainSettings, run_dir: Path, text_phase_dir: Path | None = None) -> TrainState:
+    """The checkpoint in `run_dir` if there is one (it must come from the same settings); else, for a run with a
+    recall phase, the finished text-only run in `text_phase_dir` (its state at `steps` is this run's); else a fresh
+    start."""
     state = fresh_state(s)
-    path = run_dir / CHECKPOINT
+    path, expected, continued = run_dir / CHECKPOINT, s.key(), False
     if not path.is_file():
-        return state
+        if not (s.recall_steps and text_phase_dir and (text_phase_dir / CHECKPOINT).is_file()):
+            return state
+        path, expected, continued = text_phase_dir / CHECKPOINT, s.text_phase().key(), True
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    if saved["settings"] != json.loads(json.dumps(s.key())):
+    if saved["settings"] != json.loads(json.dumps(expected)):
         raise TrainError(f"{path} was written with other settings; use another run directory or delete it")
+    if continued and saved["step"] != s.steps:
+        return state  # an unfinished text phase elsewhere: this run trains its own
     state.model.load_state_dict(saved["model"])
     state.optimizer.load_state_dict(saved["optimizer"])
     torch.set_rng_state(saved["torch_rng"])
@@ -146,36 +210,50 @@ def load_state(s: TrainSettings, run_dir: Path) -> TrainState:
 
 
 def train(s: TrainSettings, corpus: Corpus, run_dir: Path, stop_at: int | None = None,
-          on_step: Callable[[TrainState, dict[str, float]], None] | None = None) -> TrainState:
-    """Train (resuming from `run_dir`) up to step `stop_at` (default: all steps), checkpointing every
-    `checkpoint_every` steps and at the end; held-out probes every `eval_every` steps."""
+          on_step: Callable[[TrainState, dict[str, float]], None] | None = None,
+          text_phase_dir: Path | None = None) -> TrainState:
+    """Train (resuming from `run_dir`, or continuing a finished text phase in `text_phase_dir`) up to step `stop_at`
+    (default: all steps, the recall phase's included), checkpointing every `checkpoint_every` steps and at the end;
+    held-out probes every `eval_every` steps (MQAR accuracy too in the recall phase)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    state = load_state(s, run_dir)
+    state = load_state(s, run_dir, text_phase_dir)
     splits = eval_splits(corpus)
-    end = min(s.steps, stop_at if stop_at is not None else s.steps)
+    end = min(s.total_steps, stop_at if stop_at is not None else s.total_steps)
     model, opt = state.model, state.optimizer
     model.train()
     while state.step < end:
         start = time.perf_counter()
-        ids = torch.from_numpy(batch(corpus.train, s.mix, s.batch_size, s.seq_len, s.seed, state.step))
+        recall = state.step >= s.steps
+        size, length = (s.recall_batch_size, s.recall_seq_len) if recall else (s.batch_size, s.seq_len)
         lr = learning_rate(s, state.step)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss = next_byte_loss(model, ids)
+        if recall:
+            ids, answers = recall_batch(corpus.train, s.mix, size, length, s.seed, state.step, s.recall_share,
+                                        s.recall_max_pairs)
+            loss, recall_loss = recall_losses(model, torch.from_numpy(ids), torch.from_numpy(answers))
+            total = loss + recall_loss
+        else:
+            loss = total = next_byte_loss(model, torch.from_numpy(batch(corpus.train, s.mix, size, length, s.seed,
+                                                                        state.step)))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip).item()
         opt.step()
         seconds = time.perf_counter() - start
         state.seconds += seconds
         state.step += 1
+        tokens = (state.history[-1]["tokens"] if state.history else 0) + size * length
         row = {"step": state.step, "loss": loss.item(), "bits_per_byte": loss.item() / LN2, "lr": lr,
-               "grad_norm": grad_norm, "tokens": state.step * s.batch_size * s.seq_len,
-               "tokens_per_s": s.batch_size * s.seq_len / seconds}
+               "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": size * length / seconds}
+        if recall:
+            row["recall_loss"] = recall_loss.item()
         state.history.append(row)
-        if state.step % s.eval_every == 0 or state.step == s.steps:
+        if state.step % s.eval_every == 0 or state.step in (s.steps, s.total_steps):
             probe = {"step": state.step, "tokens": row["tokens"]}
             probe.update({k: bits_per_byte(model, v, s.eval_len, s.probe_windows) for k, v in splits.items()})
+            if s.recall_steps:
+                probe["mqar/16_pairs"] = mqar_accuracy(model, 16, 4)
             state.probes.append(probe)
             row = {**row, **{k: v for k, v in probe.items() if "/" in k}}
         if state.step % s.checkpoint_every == 0 or state.step == end:
