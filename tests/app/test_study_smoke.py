@@ -4,8 +4,8 @@ No quality assertions (random weights): only what must hold for any model — na
 that changes nothing within the context is exact (a window longer than the context, a TOVA budget above it, a
 residual window holding every token), storage codecs shrink the bytes (int4 below int8, a per-layer mix between int4
 and native), a lossy window differs, an unknown cache type is reported, not fatal; passkey runs at two lengths; every
-RULER task runs and is scored; kvpress's protocol scores every strategy, and a compress-after-prefill strategy
-(snapkv_50, when its type is registered) gets only that, no blockwise numbers.
+RULER task runs and is scored; MQAR scores every query with its distance; kvpress's protocol scores every strategy,
+and a compress-after-prefill strategy (snapkv_50, when its type is registered) gets only that, no blockwise numbers.
 """
 
 import json
@@ -80,5 +80,13 @@ def test_study_smoke(tmp_path):
     assert set(native["ruler"]) == set(data["ruler_tasks"]) and len(native["ruler_trials"]) == 11
     assert all(0 <= t["score"] <= 100 and t["answers"] and t["length"] == 1800 for t in native["ruler_trials"])
     assert rows["int4"].get("ruler_trials") == [] and "RULER: mean score" in result.stdout
+    # MQAR (smoke: 4 and 24 pairs, 4 queries each, every strategy): every query scored with its distance; a strategy
+    # exact within the context recalls exactly what native recalls, query by query
+    assert [t["pairs"] for t in native["mqar_trials"]] == [4, 24] and native["mqar_acc"] is not None
+    assert all(len(t["queries"]) == 4 and all(q["distance"] > 0 for q in t["queries"]) for t in native["mqar_trials"])
+    for name in ("all_local_512", "int4_residual512"):
+        assert [q["correct"] for t in rows[name]["mqar_trials"] for q in t["queries"]] == \
+            [q["correct"] for t in native["mqar_trials"] for q in t["queries"]]
+    assert sum(n for _, n in native["mqar_by_distance"].values()) == 8 and "MQAR" in result.stdout
     assert (out / "study_pareto.png").stat().st_size > 1000
     assert data["wandb_dir"] and Path(data["wandb_dir"]).is_dir()
