@@ -49,7 +49,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     batch, width = input_ids.shape
     # every beam is a row: its cache, its sequence and its scores, estimated before anything is repeated
     check_generation_memory(model, None, cache_config, batch * nb, width + max_new_tokens, max_new_tokens, False,
-                            f"beam search with num_beams={nb}")
+                            f"beam search with num_beams={nb}", vocab_rows=3)
     input_ids = input_ids.to(device)
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or attention_mask.shape != input_ids.shape):

@@ -158,12 +158,16 @@ def cache_row_nbytes(model: HybridLM, cache: Cache | None, cache_config: Mapping
 
 
 def check_generation_memory(model: HybridLM, cache: Cache | None, cache_config: Mapping[str, Any] | None, rows: int,
-                            tokens: int, new_tokens: int, output_logits: bool, what: str = "this generation") -> None:
-    """Refuse (CacheMemoryError, before the first allocation) a request whose memory cannot fit: per row, the
-    cache after `tokens` tokens, the sequence and new tokens (int64), and the kept float32 logits (twice: the
-    per-step list and the stacked result)."""
+                            tokens: int, new_tokens: int, output_logits: bool, what: str = "this generation",
+                            vocab_rows: int = 1) -> None:
+    """Refuse (CacheMemoryError, before the first allocation) a request whose memory cannot fit. Per row: the cache
+    after `tokens` tokens twice (dynamic storage grows into as many spare slots again; a reorder copies), the
+    sequence and new tokens (int64), `vocab_rows` float32 vectors of the vocabulary's size (the step's logits;
+    beam search also keeps log-probabilities and candidates) and the kept logits (the per-step list and the
+    stacked result). A lower bound: activations are not counted."""
     vocab = model.vocab_size
-    per_row = cache_row_nbytes(model, cache, cache_config, tokens) + 8 * (tokens + new_tokens) + 4 * vocab
+    per_row = (2 * cache_row_nbytes(model, cache, cache_config, tokens) + 8 * (tokens + new_tokens)
+               + 4 * vocab * vocab_rows)
     if output_logits:
         per_row += 2 * 4 * vocab * new_tokens
     hint = "fewer rows or new tokens" + (", or output_logits=False" if output_logits else "")
