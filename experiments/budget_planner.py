@@ -39,6 +39,18 @@ ATTENTION_OPTIONS: dict[str, dict[str, Any]] = {
 RECURRENT_OPTIONS: dict[str, dict[str, Any]] = {
     c: {"state_codec": c} for c in ("bfloat16", "float8_e4m3fn", "int8", "int4")}
 DEFAULT_OPTIONS = {"attention": ATTENTION_OPTIONS, "recurrent": RECURRENT_OPTIONS}
+
+
+def scaled_options(scale: int) -> dict[str, dict[str, dict[str, Any]]]:
+    """DEFAULT_OPTIONS with every window, chunk and snapkv observation window `scale` times longer (sliding and
+    chunked names follow their new sizes): the defaults are sized for a few dozen tokens."""
+    attention = {}
+    for name, spec in ATTENTION_OPTIONS.items():
+        spec = {k: v * scale if k in ("window", "chunk_size", "window_size") else v for k, v in spec.items()}
+        if spec.get("type") in ("sliding", "chunked"):
+            name = f"{spec['type']}{spec.get('window') or spec['chunk_size']}"
+        attention[name] = spec
+    return {"attention": attention, "recurrent": RECURRENT_OPTIONS}
 METRICS = ("kl", "nll_increase")
 
 
@@ -162,10 +174,17 @@ def budget_sweep(tables: Sequence[LayerTable], n: int) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     import hybridcache as hc
+    from experiments.common import load_tokenizer
+    from experiments.study_data import documents
+    from hybridcache.real_checkpoints import REAL_CHECKPOINTS, SHIPPED, real_checkpoint
     from hybridcache.tiny_models import tiny_checkpoint
 
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    a.add_argument("--model", default="zamba2", help="a tiny_models family or a checkpoint directory")
+    a.add_argument("--model", default="zamba2",
+                   help="a tiny_models family, a real checkpoint's name (trained_hybrid) or a checkpoint directory")
+    a.add_argument("--text", default="random", choices=("random", "pydoc", "stdlib"),
+                   help="random ids (random weights) or the study's English text (a trained model)")
+    a.add_argument("--scale", type=int, default=1, help="attention windows / chunks x this (defaults: 8-16 tokens)")
     a.add_argument("--tokens", type=int, default=48)
     a.add_argument("--prompt", type=int, default=32)
     a.add_argument("--budgets", type=int, default=8)
@@ -174,15 +193,25 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     a.add_argument("--out", default="outputs/budget_planner")
     args = a.parse_args(argv)
     console = make_console()
-    model = hc.from_pretrained(args.model if Path(args.model).is_dir() else tiny_checkpoint(args.model))
-    ids = torch.randint(3, model.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed))
-    tables = build_tables(model.native_layers(), DEFAULT_OPTIONS, Scenario(1, args.prompt, args.tokens - 1))
+    if Path(args.model).is_dir():
+        path = args.model
+    elif args.model in {*REAL_CHECKPOINTS, *SHIPPED}:
+        path = str(real_checkpoint(args.model))
+    else:
+        path = str(tiny_checkpoint(args.model))
+    model = hc.from_pretrained(path)
+    if args.text == "random":
+        ids = torch.randint(3, model.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed))
+    else:
+        ids = torch.tensor(documents(load_tokenizer(path), args.text, args.tokens, 1, model.vocab_size))
+    options = scaled_options(args.scale) if args.scale != 1 else DEFAULT_OPTIONS
+    tables = build_tables(model.native_layers(), options, Scenario(1, args.prompt, args.tokens - 1))
     for t in tables:
         for name, why in t.skipped.items():
             console.print(f"layer {t.address}: option {name} skipped: {why}")
     tables, sens = measure_costs(model, ids, args.prompt, tables, args.metric, console)
     rows = evaluate(model, ids, args.prompt, tables, budget_sweep(tables, args.budgets), console)
-    title = f"{Path(args.model).name}: {args.prompt}-token prompt + {args.tokens - args.prompt - 1} decode steps"
+    title = f"{Path(args.model).name} ({args.text} text): {args.prompt}-token prompt + {args.tokens - args.prompt - 1} decode steps"
     console.print(render_table(rows, title))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
