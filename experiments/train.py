@@ -131,7 +131,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                               {**{f"eval/{n}": t for n, t in corpus.eval.items()},
                                                "unseen/pydoc": corpus.unseen}.items()}
             if s.recall_steps:  # held-out MQAR examples, every key queried, at and beyond the trained sizes
-                result["mqar_accuracy"] = {str(n): mqar_accuracy(state.model, n, 16) for n in (8, 16, 32, 64)}
+                result["mqar_accuracy"] = {str(n): mqar_accuracy(state.model, n, 16) for n in (8, 16, 32, 48)}
         result["export"] = str(export_hf(state.model, run_dir / "hf"))
         result["safetensors_bytes"] = (run_dir / "hf" / "model.safetensors").stat().st_size
     # over the whole run (every session): what a shared machine actually gave, not the last steps' rate

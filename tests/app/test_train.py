@@ -125,3 +125,21 @@ def test_shipped_checkpoint_is_a_trained_hybrid(shipped):
     with torch.no_grad():
         nll = torch.nn.functional.cross_entropy(ours(x[:, :-1])[0], x[0, 1:]).item()
     assert nll / np.log(2) < 3.5
+
+
+def test_the_recall_phase_continues_a_finished_text_run_exactly(corpus, tmp_path):
+    """A run with a recall phase (MQAR windows after `steps`) continues the finished text-only run of the same
+    settings instead of retraining it, with the same losses as training both phases in one go; the text-only run's
+    key does not mention the recall settings (its run directory stays where it was)."""
+    s = settings(steps=4, recall_steps=4, recall_seq_len=64, recall_batch_size=4, recall_max_pairs=6)
+    assert s.text_phase().key() == settings(steps=4).key() and "recall_steps" in s.key()
+    whole = train(s, corpus, tmp_path / "whole").history
+    assert [("recall_loss" in r) for r in whole] == [False] * 4 + [True] * 4
+    train(s.text_phase(), corpus, tmp_path / "text")
+    continued = train(s, corpus, tmp_path / "continued", text_phase_dir=tmp_path / "text").history
+    assert [r["loss"] for r in continued] == [r["loss"] for r in whole]
+    assert [r["recall_loss"] for r in continued[4:]] == [r["recall_loss"] for r in whole[4:]]
+    # an unfinished text run is not a prefix this run can take: it trains from scratch
+    train(s.text_phase(), corpus, tmp_path / "half", stop_at=3)
+    fresh = train(s, corpus, tmp_path / "fresh", text_phase_dir=tmp_path / "half").history
+    assert [r["loss"] for r in fresh] == [r["loss"] for r in whole]
