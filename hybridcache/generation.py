@@ -267,6 +267,8 @@ def generate(
     eos = torch.tensor(_eos_ids(eos_token_id, model.vocab_size), dtype=torch.long, device=device)
     pad_id = model.config.get("pad_token_id")
     pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
+    if cache is not None:
+        model.check_cache(cache, batch)
     check_generation_memory(model, cache, cache_config, batch, width + max_new_tokens, max_new_tokens, output_logits)
     if draft_model is not None:
         from hybridcache.speculative import speculative_generate
@@ -287,7 +289,6 @@ def generate(
         out.stats = prefix_cache.finish(model, out, prefix_stats)
         return out
     if cache is not None:
-        model.check_cache(cache, batch)
         block = _continuation(input_ids, full_mask, cache)
     else:
         block = input_ids

@@ -183,3 +183,8 @@ def test_rotary_q_and_k_must_agree():
         rotary(torch.randn(2, 3, 1, 8), torch.randn(1, 1, 1, 8), torch.tensor([[5], [17]]))
     with pytest.raises(ValueError, match="D >= 8"):
         rotary(torch.randn(2, 3, 1, 4), torch.randn(2, 1, 1, 4), torch.tensor([[5], [17]]))
+
+
+def test_a_cache_that_is_no_cache_is_refused_before_the_memory_estimate(model):
+    with pytest.raises(TypeError, match="cache must be a hybridcache Cache"):
+        hc.generate(model, prompts(1, 4, seed=0), cache="x")
