@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--model", default="zamba2",
                    help="a tiny_models family, a real checkpoint's name (trained_hybrid) or a checkpoint directory")
-    a.add_argument("--text", default="random", choices=("random", "pydoc", "stdlib"),
+    a.add_argument("--text", default="random", choices=("random", "pydoc", "stdlib", "mqar"),
                    help="random ids (random weights) or the study's English text (a trained model)")
     a.add_argument("--scale", type=int, default=1, help="attention windows / chunks x this (defaults: 8-16 tokens)")
     a.add_argument("--tokens", type=int, default=48)

@@ -192,7 +192,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         r["verdict"] = verdict(r, rows[ref_name], random_weights)
 
     title = (f"study: {cfg.model.family}{' (random weights)' if random_weights else ''}, text '{e.text}', "
-             f"{len(docs)} doc(s), passkey at {list(e.passkey.lengths)} tokens")
+             f"{len(docs)} doc(s)" + (f", passkey at {list(e.passkey.lengths)} tokens" if prompts else "")
+             + (f", MQAR at {list(e.mqar.pairs)} pairs" if mqar_prompts else ""))
     plot = pareto_plot(ordered, lengths, out_dir / "study_pareto.png", title, n_cont)
     result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint,
               "random_weights": random_weights, "text": e.text, "lengths": lengths, "continuation": n_cont,

@@ -42,7 +42,13 @@ def text_source(name: str) -> str:
         if not files:
             raise FileNotFoundError(f"no standard-library sources under {lib}")
         return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
-    raise ValueError(f"unknown text source '{name}' (known: pydoc, stdlib)")
+    if name == "mqar":  # MQAR examples back to back (experiments/mqar.py): text a recall model reads
+        import random
+
+        from experiments import mqar
+
+        return mqar.fill(random.Random("study"), 200_000, 48)[0].decode()
+    raise ValueError(f"unknown text source '{name}' (known: pydoc, stdlib, mqar)")
 
 
 def encode(tokenizer, text: str) -> list[int]:

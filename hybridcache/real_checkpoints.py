@@ -54,6 +54,8 @@ REAL_CHECKPOINTS = {
 SHIPPED = {
     "trained_hybrid": ("trained/bamba_bytes", "Bamba (Mamba2 + attention, 6 layers, 5.2M parameters, ByT5 bytes) "
                                               "trained by experiment=train on Shakespeare and Python's docs"),
+    "mqar_hybrid": ("trained/mqar_hybrid", "Bamba (Mamba2 + attention, 2 layers, 0.40M parameters, ByT5 bytes) "
+                                           "trained by experiment=train_mqar on multi-query associative recall only"),
 }
 
 
