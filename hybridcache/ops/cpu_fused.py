@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.ops.cpu_kernels import ACT_MUL, MAX_ROWS, _eager, _library
+from hybridcache.ops.cpu_kernels import (
+    ACT_MUL,
+    INT_MAX,
+    MAX_ROWS,
+    _eager,
+    _elems,
+    _library,
+    _real,
+    _rotary_ok,
+)
+from hybridcache.ops.cpu_kernels import _vec as _vector
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
-def _vector(t: torch.Tensor | None, n: int) -> bool:
-    """None, or a contiguous float32 CPU vector of n."""
-    return t is None or (t.dtype == torch.float32 and t.shape == (n,) and t.is_contiguous() and t.is_cpu)
-
-
 def _matrix(w: torch.Tensor, rows: int, cols: int) -> int | None:
-    """The kernel's type code of a [rows, cols] contiguous CPU weight, or None."""
+    """The kernel's type code of a [rows, cols] contiguous strided CPU weight (each size a C int), or None."""
     code = WEIGHT_TYPES.get(w.dtype)
-    if code is None or w.shape != (rows, cols) or not w.is_contiguous() or not w.is_cpu:
+    if (code is None or w.shape != (rows, cols) or not w.is_cpu or w.layout != torch.strided or not w.is_contiguous()
+            or rows > INT_MAX or cols > INT_MAX):
         return None
     return code
 
@@ -35,17 +41,17 @@ def _ptr(t: torch.Tensor | None):
 def gated_mlp(x: torch.Tensor, gate_up: tuple, down: tuple, act: str) -> torch.Tensor | None:
     """down(act(gate(x)) * up(x)) for x [..., D] of at most MAX_ROWS rows; `gate_up` = (weight [2I, D], bias, scale)
     with the gate rows first, `down` = (weight [D, I], bias, scale)."""
-    code = ACT_MUL.get(act)
-    if code is None or not _eager(x):
+    code = ACT_MUL.get(act) if isinstance(act, str) else None
+    if code is None or not _eager(x) or x.dim() == 0:
         return None
     lib = _library()
     (w_gu, b_gu, s_gu), (w_dn, b_dn, s_dn) = gate_up, down
     d = x.shape[-1]
-    two_i = w_gu.shape[0]
+    two_i = w_gu.shape[0] if w_gu.dim() == 2 else -1
     rows = x.numel() // d if d else 0
     i = two_i // 2
     t_gu, t_dn = _matrix(w_gu, two_i, d), _matrix(w_dn, d, i)
-    if (lib is None or t_gu is None or t_dn is None or two_i % 2 or not 0 < rows <= MAX_ROWS
+    if (lib is None or t_gu is None or t_dn is None or two_i % 2 or not 0 < rows <= MAX_ROWS or not _elems(rows, 3, i)
             or not all(_vector(v, two_i) for v in (b_gu, s_gu)) or not all(_vector(v, d) for v in (b_dn, s_dn))):
         return None
     x = x.contiguous()
@@ -67,17 +73,17 @@ def qkv_norm_rope(x: torch.Tensor, qkv: tuple, heads: int, kv_heads: int, head_d
     lib = _library()
     w, bias, wscale = qkv
     b, t, dm = x.shape
+    if not all(isinstance(v, int) and v >= 1 for v in (heads, kv_heads, head_dim)):
+        return None
     width = (heads + 2 * kv_heads) * head_dim
     code = _matrix(w, width, dm)
+    if (lib is None or code is None or not 0 < b * t <= MAX_ROWS or not _elems(b, t, width)
+            or not _elems(b, t, heads + kv_heads, head_dim) or not _vector(bias, width) or not _vector(wscale, width)
+            or any(n is not None and (n[0] is None or not _vector(n[0], head_dim) or not _real(n[1]))
+                   for n in (q_norm, k_norm))
+            or not _rotary_ok(cos, sin, b, t, head_dim)):
+        return None
     r = 0 if cos is None else cos.shape[-1]
-    if (lib is None or code is None or not 0 < b * t <= MAX_ROWS or not _vector(bias, width)
-            or not _vector(wscale, width)
-            or any(n is not None and not _vector(n[0], head_dim) for n in (q_norm, k_norm))):
-        return None
-    if cos is not None and (cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != b * t * r
-                            or sin.numel() != b * t * r or r > head_dim or r % 2 or not cos.is_contiguous()
-                            or not sin.is_contiguous()):
-        return None
     x = x.contiguous()
     out = torch.empty(b, t, width, dtype=torch.float32)
     q = torch.empty(b, heads, t, head_dim, dtype=torch.float32)

@@ -16,104 +16,84 @@ and accumulates in float32 (activations are never rounded). The other kernels do
 call each where torch would dispatch 7 (RMSNorm) or ~20 (masked attention of one query) ops on a few hundred
 numbers: RMSNorm, the residual add between two norms, q/k norm + rotary, a gated MLP's activation x product,
 one-query attention, the Mamba1 scan. They are compiled once per machine with the C compiler
-(`$CC`, else `cc`; `-O3 -march=native -fopenmp`, about a second) into $HYBRIDCACHE_HOME/kernels, keyed by the
-source, the compiler and the CPU. Without a compiler, or with HYBRIDCACHE_DISABLE_KERNELS=1, every function here
-returns None and callers use their torch path (the same results up to float32 rounding order).
+(`$CC`, else `cc`; `-O3 -march=native -fopenmp`, about a second) into $HYBRIDCACHE_HOME/kernels, and loaded only
+after their manifest (the build's digest and the library's sha256) verifies: see _native.py. Without a compiler,
+on a machine other than x86-64, with a kernel directory other users can write, or with HYBRIDCACHE_DISABLE_KERNELS=1,
+every function here returns None and callers use their torch path (the same results up to float32 rounding order);
+`kernel_status()` names the path that runs.
+
+Every wrapper checks what reaches C first: devices, dtypes, layouts (strided), shapes, strides, and sizes (each a C
+int, every tensor below 2**31 elements); anything its kernel does not take returns None (the torch path), arguments
+no implementation takes raise KernelArgumentError (a ValueError).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from hybridcache.ops._dispatch import kernels_disabled
-from hybridcache.paths import home_dir
+from hybridcache.ops._native import SOURCE_DIR as _SOURCE_DIR
+from hybridcache.ops._native import KernelNotice, load_library  # noqa: F401 (KernelNotice: re-exported)
 
-SOURCE = Path(__file__).with_name("kernels") / "cpu_decode.c"
+SOURCE = _SOURCE_DIR / "cpu_decode.c"
 MAX_ROWS = 16  # more rows than this: a real GEMM, where the BLAS is better
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-LIBS = ["-lm"]
 MAX_NORM_ROWS = 1 << 20  # rows per norm call (a prefill block of 1M tokens); split over threads when big
+INT_MAX = 2**31 - 1  # every size a kernel takes is a C int; every tensor it reads or writes has fewer elements
 _WEIGHT_FN = {torch.float32: "hc_linear_f32", torch.bfloat16: "hc_linear_bf16", torch.int8: "hc_linear_i8"}
 
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+# The one declaration of the library's interface: name -> (return type, argument types). The loader refuses a
+# library that lacks any of these names (torch path, one warning).
+SIGNATURES: dict[str, tuple[object, list]] = {
+    "hc_isa": (ctypes.c_char_p, []),
+    "hc_openmp": (_I, []),
+    "hc_threads": (_I, []),
+    "hc_linear_f32": (None, [_P] * 5 + [_I] * 3),
+    "hc_linear_bf16": (None, [_P] * 5 + [_I] * 3),
+    "hc_linear_i8": (None, [_P] * 5 + [_I] * 3),
+    "hc_rms_norm": (None, [_P] * 3 + [_I] * 2 + [_F]),
+    "hc_residual_norm": (None, [_P] * 3 + [_F, _P, _F] + [_P] * 2 + [_I] * 2),
+    "hc_act_mul": (None, [_P] * 2 + [_I] * 3),
+    "hc_argmax_rows": (None, [_P] * 2 + [_I, _L]),
+    "hc_gated_mlp": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2),
+    "hc_qkv_norm_rope": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 2 + [_I] * 3 + [_P] * 2 + [_F, _P, _F] + [_P] * 2
+                         + [_I] * 2 + [_P] * 2),
+    "hc_decode_attention": (_I, [_P] * 6 + [_I, _L, _P] + [_I] * 5 + [_L] * 6 + [_F] * 2),
+    "hc_rope": (None, [_P] + [_L] * 3 + [_P] * 3 + [_I] * 6),
+    "hc_norm_rope": (None, [_P] + [_L] * 3 + [_P, _F] + [_P] * 3 + [_I] * 6),
+    "hc_selective_scan": (None, [_P, _L, _L] * 5 + [_P] * 3 + [_I] + [_P] * 3 + [_I] * 4),
+}
+
+_F32, _STRIDED = torch.float32, torch.strided
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the loaded library or None, "status": a line saying which
+_state: dict[str, object] = {}  # "lib": the loaded library or None, "status": a line saying which path runs
 _LINEAR: dict[torch.dtype, object] = {}  # weight dtype -> its kernel, once loaded
 
 
-def _cpu_signature() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.uname().machine
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _compile(cc: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # compile aside, then rename: no half-written .so
-        out = Path(tmp) / target.name
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], check=True, capture_output=True, text=True,
-                       timeout=120)
-        os.replace(out, target)
+class KernelArgumentError(ValueError):
+    """Arguments that no implementation takes (e.g. a chunk size of 0 or an unknown pattern), refused before any
+    kernel runs. Anything valid that a kernel does not take goes to the torch path instead (the wrapper's None)."""
 
 
 def _load() -> ctypes.CDLL | None:
-    if kernels_disabled():
-        _state["status"] = "off (HYBRIDCACHE_DISABLE_KERNELS is set): torch's F.linear"
+    _LINEAR.clear()
+    loaded, reason = load_library("cpu_decode", SOURCE, list(SIGNATURES), disabled=kernels_disabled())
+    if loaded is None:
+        _state["status"] = f"torch path: {reason}"
         return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        _state["status"] = "unavailable (no C compiler found: set CC): torch's F.linear"
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = "\n".join([SOURCE.read_text(), version, _cpu_signature(), *FLAGS, *LIBS])
-        target = home_dir("kernels", f"cpu_decode-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")
-        if not target.is_file():
-            _compile(cc, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        warnings.warn(f"hybridcache: the CPU decode kernel did not build ({detail.strip()[:300]}); using torch's "
-                      "F.linear instead", stacklevel=3)
-        _state["status"] = "unavailable (the build failed): torch's F.linear"
-        return None
-    pointer, integer, long, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    signatures = {
-        "hc_linear_f32": [pointer] * 5 + [integer] * 3, "hc_linear_bf16": [pointer] * 5 + [integer] * 3,
-        "hc_linear_i8": [pointer] * 5 + [integer] * 3,
-        "hc_rms_norm": [pointer] * 3 + [integer] * 2 + [real],
-        "hc_residual_norm": [pointer] * 3 + [real, pointer, real] + [pointer] * 2 + [integer] * 2,
-        "hc_act_mul": [pointer] * 2 + [integer] * 3,
-        "hc_argmax_rows": [pointer] * 2 + [integer, long],
-        "hc_gated_mlp": [pointer] + [integer] * 3 + [pointer, integer] + [pointer] * 3 + [integer] + [pointer] * 2
-                        + [integer] + [pointer] * 2,
-        "hc_qkv_norm_rope": [pointer] + [integer] * 3 + [pointer, integer] + [pointer] * 2 + [integer] * 3
-                            + [pointer] * 2 + [real, pointer, real] + [pointer] * 2 + [integer] * 2 + [pointer] * 2,
-        "hc_decode_attention": [pointer] * 6 + [integer, long, pointer] + [integer] * 5 + [long] * 6 + [real] * 2,
-        "hc_rope": [pointer] + [long] * 3 + [pointer] * 3 + [integer] * 6,
-        "hc_norm_rope": [pointer] + [long] * 3 + [pointer, real] + [pointer] * 3 + [integer] * 6,
-        "hc_selective_scan": ([pointer, long, long] * 5 + [pointer] * 3 + [integer] + [pointer] * 3
-                              + [integer] * 4),
-    }
-    for name, argtypes in signatures.items():
+    lib = loaded.lib
+    for name, (restype, argtypes) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    lib.hc_isa.restype = ctypes.c_char_p
+        fn.argtypes, fn.restype = argtypes, restype
     _LINEAR.update({dtype: getattr(lib, name) for dtype, name in _WEIGHT_FN.items()})
-    _state["status"] = f"{lib.hc_isa().decode()} kernel ({target.name})"
+    threads = f"OpenMP, {lib.hc_threads()} threads" if lib.hc_openmp() else "one thread (no OpenMP)"
+    note = f"; {loaded.note}" if loaded.note else ""
+    _state["status"] = (f"C kernels: {lib.hc_isa().decode()}, {threads}, {loaded.file} (sha256-verified, built by "
+                        f"{loaded.compiler}){note}")
     return lib
 
 
@@ -134,22 +114,60 @@ def kernel_available() -> bool:
 
 
 def kernel_status() -> str:
-    """One line: which CPU decode kernels this process uses (builds them if needed)."""
+    """One line naming the path that runs: "C kernels: <isa>, <threads>, <library> ..." or "torch path: <why>"
+    (builds and verifies the kernels if needed)."""
     _library()
     return str(_state["status"])
 
 
+def _reset() -> None:
+    """Forget the loaded library (tests): the next call loads again, by the rules above."""
+    with _lock:
+        _state.clear()
+        _LINEAR.clear()
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `decode_linear` takes these (CPU, float32 x of at most MAX_ROWS rows, a 2-d weight it reads)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.dim() == 2 and weight.dtype in _WEIGHT_FN and x.shape[-1] == weight.shape[1]
-            and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not torch.is_grad_enabled())
+    return (_eager(x) and x.dim() >= 1 and _cpu(weight, weight.dtype) and weight.dim() == 2
+            and weight.dtype in _WEIGHT_FN and x.shape[-1] == weight.shape[1] and _ints(*weight.shape)
+            and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
 
 
 def _eager(x: torch.Tensor) -> bool:
-    """Float32 on CPU, no autograd, not being traced by torch.compile (a kernel call writes through raw pointers,
-    which a trace would run on placeholder tensors): what every wrapper here needs first."""
-    return x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    """A strided float32 CPU tensor, no autograd, not being traced by torch.compile (a kernel call writes through raw
+    pointers, which a trace would run on placeholder tensors): what every wrapper here needs first."""
+    return (x.dtype == _F32 and x.is_cpu and x.layout == _STRIDED and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+def _cpu(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """A strided CPU tensor of `dtype`, small enough for C ints: what a kernel may read through its data pointer."""
+    return t.dtype == dtype and t.is_cpu and t.layout == torch.strided and t.numel() <= INT_MAX
+
+
+def _vec(t: torch.Tensor | None, n: int) -> bool:
+    """None, or a contiguous strided float32 CPU vector of n (n a C int: the caller's size)."""
+    return t is None or (t.dtype == _F32 and t.shape == (n,) and t.is_cpu and t.layout == _STRIDED
+                         and t.is_contiguous())
+
+
+def _ints(*sizes: int) -> bool:
+    """Whether every size fits a C int."""
+    return all(0 <= v <= INT_MAX for v in sizes)
+
+
+def _elems(*sizes: int) -> bool:
+    """Whether the product of the sizes (zeros counted as 1: a C loop bound may be any partial product) fits a C int."""
+    total = 1
+    for v in sizes:
+        total *= max(v, 1)
+    return total <= INT_MAX
+
+
+def _real(v) -> bool:
+    """A Python / numpy real number a C float takes (eps, scale, softcap)."""
+    return type(v) is float or isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _dense_last(x: torch.Tensor) -> bool:
@@ -164,18 +182,18 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ weight[N, K]^T (* scale [N]) (+ bias [N]) -> [..., N] float32, by the kernel; None when the
     kernel cannot take these tensors (see `supports`; contiguous float32 scale / bias of N) or is unavailable."""
-    if not _eager(x) or _library() is None:
+    if not _eager(x) or x.dim() == 0 or _library() is None:
         return None
     fn = _LINEAR.get(weight.dtype)
-    if fn is None or weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous():
+    if (fn is None or weight.dim() != 2 or not weight.is_cpu or weight.layout != torch.strided
+            or not weight.is_contiguous()):
         return None
     n, k = weight.shape
     rows = x.numel() // k if k else 0
-    if x.shape[-1] != k or not 0 < rows <= MAX_ROWS:
+    if x.shape[-1] != k or not 0 < rows <= MAX_ROWS or n > INT_MAX or k > INT_MAX:
         return None
-    for t in (scale, bias):
-        if t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous() or not t.is_cpu):
-            return None
+    if not (_vec(scale, n) and _vec(bias, n)):
+        return None
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
@@ -187,12 +205,11 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D] in float32 (a norm's effective scale, e.g. 1 + weight); None
     when the kernel does not take these (not float32 CPU, autograd on, more than MAX_NORM_ROWS rows)."""
-    if not _eager(x):
+    if not _eager(x) or x.dim() == 0 or not _real(eps):
         return None
     lib = _library()
     d = x.shape[-1]
-    if (lib is None or scale.dtype != torch.float32 or scale.shape != (d,) or not scale.is_contiguous()
-            or not 0 < x.numel() <= MAX_NORM_ROWS * d):
+    if lib is None or scale is None or not _vec(scale, d) or not 0 < x.numel() <= min(MAX_NORM_ROWS * d, INT_MAX):
         return None
     if not x.is_contiguous():
         x = x.contiguous()
@@ -206,15 +223,14 @@ def residual_norm(h: torch.Tensor, x: torch.Tensor, post: tuple[torch.Tensor, fl
     """h + rms_norm(x) * post scale (x itself when `post` is None), and the RMSNorm of that sum by `nxt` (None: not
     computed): a residual add between two norms in one call. `post` / `nxt`: (effective scale [D], eps). None when
     the kernel does not take these (h and x [..., D] float32 of one shape)."""
-    if not _eager(x) or h.dtype != torch.float32 or h.shape != x.shape:
+    if not _eager(x) or not _eager(h) or h.shape != x.shape or x.dim() == 0:
         return None
     lib = _library()
     d = x.shape[-1]
     for norm in (post, nxt):
-        if norm is not None and (norm[0].dtype != torch.float32 or norm[0].shape != (d,)
-                                 or not norm[0].is_contiguous()):
+        if norm is not None and (norm[0] is None or not _vec(norm[0], d) or not _real(norm[1])):
             return None
-    if lib is None or not 0 < x.numel() <= MAX_NORM_ROWS * d:
+    if lib is None or not 0 < x.numel() <= min(MAX_NORM_ROWS * d, INT_MAX):
         return None
     h, x = h.contiguous(), x.contiguous()
     h_out = torch.empty_like(h)
@@ -232,12 +248,12 @@ ACT_MUL = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # activations hc_a
 def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
     """act(gate) * up from a fused gate / up projection [..., 2I] (gate first) -> [..., I], for the activations in
     ACT_MUL; None when the kernel does not take these."""
-    code = ACT_MUL.get(act)
-    if code is None or not _eager(gate_up) or gate_up.shape[-1] % 2:
+    code = ACT_MUL.get(act) if isinstance(act, str) else None
+    if code is None or not _eager(gate_up) or gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         return None
     lib = _library()
     two_i = gate_up.shape[-1]
-    if lib is None or not 0 < gate_up.numel() <= MAX_NORM_ROWS * two_i:
+    if lib is None or not 0 < gate_up.numel() <= min(MAX_NORM_ROWS * two_i, INT_MAX):
         return None
     gate_up = gate_up.contiguous()
     out = torch.empty(*gate_up.shape[:-1], two_i // 2, dtype=torch.float32)
@@ -248,7 +264,7 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     """x [B, V].argmax(-1) as torch computes it (the first largest; the first NaN if any) by the kernel: ~20x faster
     than torch on a 262k-token vocabulary (0.44 ms per row there). None when the kernel does not take x."""
-    if not _eager(x) or x.dim() != 2 or not 0 < x.shape[1] < 2**31 or x.shape[0] == 0:
+    if not _eager(x) or x.dim() != 2 or not 0 < x.shape[1] or x.shape[0] == 0 or x.numel() > INT_MAX:
         return None
     lib = _library()
     if lib is None:
@@ -260,6 +276,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 PATTERNS = {"full": 0, "sliding": 1, "chunked": 2}  # what hc_decode_attention evaluates itself from positions
+_MAX_PARAM = 1 << 62  # a window / chunk beyond this cannot differ from full attention on int64 positions
+
+
+def _pattern(name, param) -> tuple[int, int]:
+    """(code, parameter) of a positional pattern; KernelArgumentError for one no implementation takes."""
+    if name not in PATTERNS:
+        raise KernelArgumentError(f"unknown attention pattern {name!r}; known: {', '.join(PATTERNS)}")
+    if name == "full":
+        return 0, 0
+    what = "window" if name == "sliding" else "chunk size"
+    if isinstance(param, bool) or not isinstance(param, int) or param < 1:
+        raise KernelArgumentError(f"a {name} pattern needs a {what} >= 1, got {param!r}")
+    return PATTERNS[name], min(param, _MAX_PARAM)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -269,53 +298,66 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     contiguous last dim) -> [B, Hq, 1, D] in float32. Visibility: `mask` bool [B, 1, S], or `positions` =
     (query positions [B, 1], key positions [B, S], pattern name in PATTERNS, its window / chunk size) so the kernel
     needs no mask. Hidden slots are never read; a row that sees nothing gets zeros. None when the kernel does not
-    take these."""
+    take these; KernelArgumentError for an unknown pattern or a window / chunk size below 1."""
+    pattern, param = _pattern(*positions[2:]) if positions is not None else (0, 0)
     if not _eager(q) or q.dim() != 4 or q.shape[2] != 1:
         return None
     lib = _library()
-    if (lib is None or k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape != v.shape
-            or q.shape[-1] != k.shape[-1] or not _dense_last(k) or not _dense_last(v) or q.shape[1] % k.shape[1]):
+    if (lib is None or not _cpu(k) or not _cpu(v) or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0]
+            or q.shape[-1] != k.shape[-1] or not _dense_last(k) or not _dense_last(v) or k.shape[1] == 0
+            or q.shape[1] % k.shape[1] or not _real(scale) or not (softcap is None or _real(softcap) and softcap > 0)):
         return None
     b, hq, _, d = q.shape
     s = k.shape[2]
+    if not _elems(b, hq, d) or not _elems(b, k.shape[1], s, d):
+        return None
     if not q.is_contiguous():
         q = q.contiguous()
     qpos = kpos = m = None
-    pattern, param = 0, 0
     if positions is not None:
-        qpos, kpos, name, param = positions
-        pattern = PATTERNS[name]
-        if qpos.dtype != torch.int64 or kpos.dtype != torch.int64 or kpos.shape != (b, s):
+        qpos, kpos = positions[:2]
+        if (not _cpu(qpos, torch.int64) or not _cpu(kpos, torch.int64) or qpos.numel() != b
+                or kpos.shape != (b, s)):
             return None
         qpos, kpos = qpos.reshape(b).contiguous(), kpos.contiguous()
-    elif mask is not None and mask.dtype == torch.bool and mask.numel() == b * s:
+    elif mask is not None and _cpu(mask, torch.bool) and mask.numel() == b * s:
         m = mask.reshape(b, s).contiguous()
     else:
         return None
     out = torch.empty_like(q)
-    lib.hc_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if m is None else m.data_ptr(),
-                            None if qpos is None else qpos.data_ptr(), None if kpos is None else kpos.data_ptr(),
-                            pattern, int(param or 0), out.data_ptr(), b, hq, k.shape[1], s, d, *k.stride()[:3],
-                            *v.stride()[:3], scale, softcap or 0.0)
+    err = lib.hc_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if m is None else m.data_ptr(),
+                                  None if qpos is None else qpos.data_ptr(), None if kpos is None else kpos.data_ptr(),
+                                  pattern, param, out.data_ptr(), b, hq, k.shape[1], s, d, *k.stride()[:3],
+                                  *v.stride()[:3], scale, softcap or 0.0)
+    if err:
+        raise MemoryError(f"hc_decode_attention: no memory for its scratch ({s} slots x {hq // k.shape[1]} heads)")
     return out
+
+
+def _rotary_ok(cos: torch.Tensor | None, sin: torch.Tensor | None, b: int, t: int, d: int) -> bool:
+    """cos / sin: both None, or contiguous float32 CPU [B, 1, T, R] (any shape of B * T * R) with an even R <= d."""
+    if cos is None or sin is None:
+        return cos is None and sin is None
+    r = cos.shape[-1] if cos.dim() else -1
+    return (_cpu(cos) and _cpu(sin) and 0 <= r <= d and _elems(b, t, r) and r % 2 == 0 and cos.numel() == b * t * r
+            and sin.numel() == b * t * r and cos.is_contiguous() and sin.is_contiguous())
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
     """Rotary embedding of x [B, H, T, D] (any strides but a contiguous last dim) by cos / sin [B, 1, T, R]
     (R <= D: the first R features rotate, the rest are copied) -> a contiguous [B, H, T, D]; None when the kernel
     does not take these."""
-    if not _eager(x) or x.dim() != 4 or not _dense_last(x):
+    if not _eager(x) or x.dim() != 4 or not _dense_last(x) or not _elems(*x.shape) or cos is None:
         return None
     lib = _library()
     b, h, t, d = x.shape
-    r = cos.shape[-1]
-    if (lib is None or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != b * t * r
-            or sin.numel() != b * t * r or r > d or r % 2 or not cos.is_contiguous() or not sin.is_contiguous()):
+    if lib is None or not _rotary_ok(cos, sin, b, t, d):
         return None
+    r = cos.shape[-1]
     out = torch.empty(b, h, t, d, dtype=torch.float32)
     sb, sh, st, _ = x.stride()
     lib.hc_rope(x.data_ptr(), sb, sh, st, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b, h, t, d, r,
-                int(interleaved))
+                int(bool(interleaved)))
     return out
 
 
@@ -325,19 +367,19 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None,
     """Mamba1 selective scan (see hybridcache/ops/selective_scan.py) on [B, T, Dm] / [B, T, N] layouts (any batch and
     time strides; a strided last dim is copied first): y [B, T, Dm] and the final state [B, Dm, N], float32; None
     when the kernel does not take these."""
-    if not _eager(u) or u.dim() != 3:
+    if not _eager(u) or u.dim() != 3 or a.dim() != 2:
         return None
     lib = _library()
     bsz, t, dm = u.shape
     n = a.shape[-1]
-    u, delta, z, b, c = (x if x is None or _dense_last(x) else x.contiguous() for x in (u, delta, z, b, c))
-    three = [x for x in (u, delta, z) if x is not None]
-    if (lib is None or any(x.shape != u.shape or x.dtype != torch.float32 for x in three)
-            or any(x.shape != (bsz, t, n) or x.dtype != torch.float32 for x in (b, c))
-            or a.shape != (dm, n) or a.dtype != torch.float32
-            or any(x is not None and (x.shape != (dm,) or x.dtype != torch.float32) for x in (d, bias))
-            or (state is not None and (state.shape != (bsz, dm, n) or state.dtype != torch.float32))):
+    if (lib is None or not _elems(bsz, t, dm) or not _elems(bsz, dm, n) or not _elems(bsz, t, n) or not _cpu(a)
+            or a.shape != (dm, n) or any(x is not None and not _cpu(x) for x in (delta, z, b, c, d, bias, state))
+            or any(x is not None and x.shape != u.shape for x in (delta, z))
+            or b.shape != (bsz, t, n) or c.shape != (bsz, t, n)
+            or any(x is not None and x.shape != (dm,) for x in (d, bias))
+            or (state is not None and state.shape != (bsz, dm, n))):
         return None
+    u, delta, z, b, c = (x if x is None or _dense_last(x) else x.contiguous() for x in (u, delta, z, b, c))
     a, d = a.contiguous(), None if d is None else d.contiguous()
     state = None if state is None else state.contiguous()
     # dt and the gate by torch's vectorized ops (per channel, the kernel would call log1p/exp one at a time)
@@ -359,21 +401,16 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, eps: float, cos: torc
     """RMSNorm over the last dim with `scale` [D] (None: no norm), then rotary by cos / sin [B, 1, T, R] (None: no
     rotary) of x [B, H, T, D] (any strides but a contiguous last dim) -> a contiguous [B, H, T, D]: a layer's q or k in
     one call. None when the kernel does not take these."""
-    if not _eager(x) or x.dim() != 4 or not _dense_last(x):
+    if not _eager(x) or x.dim() != 4 or not _dense_last(x) or not _elems(*x.shape) or not _real(eps):
         return None
     lib = _library()
     b, h, t, d = x.shape
+    if lib is None or not _vec(scale, d) or not _rotary_ok(cos, sin, b, t, d):
+        return None
     r = 0 if cos is None else cos.shape[-1]
-    if lib is None or (scale is not None and (scale.dtype != torch.float32 or scale.shape != (d,)
-                                              or not scale.is_contiguous())):
-        return None
-    if cos is not None and (cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != b * t * r
-                            or sin.numel() != b * t * r or r > d or r % 2 or not cos.is_contiguous()
-                            or not sin.is_contiguous()):
-        return None
     out = torch.empty(b, h, t, d, dtype=torch.float32)
     sb, sh, st, _ = x.stride()
     lib.hc_norm_rope(x.data_ptr(), sb, sh, st, None if scale is None else scale.data_ptr(), eps,
                      None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), out.data_ptr(),
-                     b, h, t, d, r, int(interleaved))
+                     b, h, t, d, r, int(bool(interleaved)))
     return out

@@ -1,4 +1,6 @@
-"""The CPU decode-linear kernel (hybridcache/ops/kernels/decode_linear.c) against a float64 reference."""
+"""The CPU decode kernels (hybridcache/ops/kernels/cpu_decode.c) against float64 references and the torch paths.
+
+Building and loading: test_native_build.py, test_kernel_tamper.py; odd inputs: test_kernel_fuzz.py."""
 
 import pytest
 import torch
@@ -83,42 +85,6 @@ def test_reference_path_equals_the_kernel_for_packed_weights():
         with torch.no_grad():
             torch.testing.assert_close(dl.decode_linear(x, w, b, scale), reference_linear(x, w, b, scale),
                                        rtol=1e-5, atol=1e-5)
-
-
-def _fresh_state(monkeypatch, tmp_path):
-    monkeypatch.setattr(dl, "_state", {})
-    monkeypatch.setenv("HYBRIDCACHE_HOME", str(tmp_path))
-
-
-def test_disabled_by_the_environment(monkeypatch, tmp_path):
-    _fresh_state(monkeypatch, tmp_path)
-    monkeypatch.setenv("HYBRIDCACHE_DISABLE_KERNELS", "1")
-    assert "off" in dl.kernel_status()
-    with torch.no_grad():
-        assert dl.decode_linear(torch.randn(1, 8), torch.randn(4, 8)) is None
-
-
-def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
-    _fresh_state(monkeypatch, tmp_path)
-    monkeypatch.setattr(dl, "FLAGS", [*dl.FLAGS, "-DHC_BROKEN", "-include", "/nonexistent/header.h"])
-    with pytest.warns(UserWarning, match="did not build"):
-        status = dl.kernel_status()
-    assert "failed" in status
-    x, w = torch.randn(2, 8), torch.randn(4, 8)
-    with torch.no_grad():
-        assert dl.decode_linear(x, w) is None
-        torch.testing.assert_close(linear(x, w), x @ w.T)
-
-
-def test_built_once_into_the_home_directory(monkeypatch, tmp_path):
-    _fresh_state(monkeypatch, tmp_path)
-    assert "kernel" in dl.kernel_status()
-    built = list((tmp_path / "kernels").glob("cpu_decode-*.so"))
-    assert len(built) == 1
-    mtime = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(dl, "_state", {})
-    dl.kernel_status()  # a second process finds it
-    assert built[0].stat().st_mtime_ns == mtime
 
 
 @settings(max_examples=30, deadline=None)
@@ -223,7 +189,7 @@ def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, soft
     from hybridcache.ops.selective_scan import _selective_scan_torch
 
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     u, delta, z = r(b, t, 2 * dm)[..., ::2], r(b, t, dm) * 0.5, r(b, t, dm)  # u strided over channels' batch rows
     u = u.contiguous() if u.stride(-1) != 1 else u
     bm, cm = r(b, t, n), r(b, t, n)
@@ -232,7 +198,7 @@ def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, soft
     with torch.no_grad():
         out = dl.selective_scan(u, delta, z if optional else None, bm, cm, a, d, bias, softplus, state)
     assert out is not None
-    tr = lambda v: None if v is None else v.transpose(1, 2).double()  # noqa: E731
+    tr = lambda v: None if v is None else v.transpose(1, 2).double()
     y, last = _selective_scan_torch(tr(u), tr(delta), a.double(), tr(bm), tr(cm), None if d is None else d.double(),
                                     tr(z) if optional else None, None if bias is None else bias.double(), softplus,
                                     None if state is None else state.double())

@@ -4,12 +4,27 @@
    which the weights stream from memory. BLAS gemv/gemm kernels for M = 1..16 reach only part of that (and need the
    weights in float32); this kernel reads each weight row once for all M rows of x, converts int8 / bfloat16
    weights to float32 in registers, and accumulates in float32. Rows of w are split over OpenMP threads (the
-   runtime torch itself uses). Compiled on first use by hybridcache/ops/decode_linear.py with -march=native. */
+   runtime torch itself uses). Compiled on first use by hybridcache/ops/_native.py (-march=native, -fopenmp where
+   the compiler takes it: without it every kernel runs on one thread).
+
+   Safety: no array here is sized or indexed by a caller's size (fixed-size arrays only, indexed below their constant
+   bounds); scratch memory comes from malloc and a failed allocation is reported (hc_decode_attention returns
+   nonzero), never written through. The Python wrappers (cpu_kernels.py) check every size, dtype, device and
+   stride before a call; the kernels still tolerate zero sizes and a chunk / window <= 0 (nothing visible). */
 #include <math.h>
-#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define HC_OPENMP 1
+#else /* a compiler without OpenMP (e.g. Apple clang): the pragmas are ignored, every kernel runs on one thread */
+static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#define HC_OPENMP 0
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -62,11 +77,20 @@ static inline float vsum(vf a) { return a; }
 #endif
 
 const char *hc_isa(void) { return ISA; }
+/* Whether this build runs on OpenMP threads, and how many a parallel region gets. */
+int hc_openmp(void) { return HC_OPENMP; }
+int hc_threads(void) { return omp_get_max_threads(); }
 
-/* exp of each lane (Cephes' expf polynomial after x = n ln2 + r; within ~2 ulp of expf, 0 below -87.3). */
+/* exp of each lane (Cephes' expf polynomial after x = n ln2 + r; within ~2 ulp of expf for results of at least
+   2^-125). Special values as expf: NaN stays NaN (each clamp takes x as its second operand, which min / max return
+   when it is NaN), above ln(FLT_MAX) +inf (+inf included), -inf 0 (AVX2 flushes results below 2^-125 to 0; expf
+   would give denormals there). */
+#define EXP_LO -87.3365478515625f   /* n = -126 */
+#define EXP_OVER 88.72283935546875f /* just above ln(FLT_MAX): n = 128 */
 #if VW == 16
-static inline vf vexp(vf x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+static inline vf vexp(vf x0) {
+  /* scalef scales by 2^n without overflow in between: the clamps only keep n finite (0 and +inf come out right) */
+  vf x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x0));
   vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
   vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -83,8 +107,8 @@ static inline vf vset1(float a) { return _mm512_set1_ps(a); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
 #elif VW == 8
-static inline vf vexp(vf x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+static inline vf vexp(vf x0) {
+  vf x = _mm256_max_ps(_mm256_set1_ps(EXP_LO), _mm256_min_ps(_mm256_set1_ps(EXP_OVER), x0));
   vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
   vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
@@ -95,10 +119,11 @@ static inline vf vexp(vf x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  /* n >= -126 here except at the clamp floor, where the scale underflows like expf would */
-  vf scale = _mm256_and_ps(_mm256_castsi256_ps(e), _mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_GE_OQ));
-  return _mm256_mul_ps(p, scale);
+  /* (2p) * 2^(n-1), exactly p * 2^n: for n = 128 (x above ln(FLT_MAX)) the product overflows to +inf as expf does,
+     where 2^n itself would not be a float; for n = -126 (the clamp floor, -inf included) 2^(n-1) has the exponent
+     bits 0: the result is 0. NaN: p is NaN. */
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+  return _mm256_mul_ps(_mm256_add_ps(p, p), _mm256_castsi256_ps(e));
 }
 static inline vf vset1(float a) { return _mm256_set1_ps(a); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -394,11 +419,12 @@ static inline float dot_f32(const float *a, const float *b, int D) {
 }
 
 /* Visibility of a key at position kp to a query at position qp (both real: >= 0), by pattern:
-   0 full (kp <= qp), 1 sliding window W (qp - W < kp <= qp), 2 chunked C (same chunk, kp <= qp). */
+   0 full (kp <= qp), 1 sliding window W (qp - W < kp <= qp), 2 chunked C (same chunk, kp <= qp). A window or chunk
+   <= 0 shows nothing (the wrapper refuses it first; no division by zero here either way). */
 static inline int visible(long qp, long kp, int pattern, long param) {
   if (kp < 0 || kp > qp) return 0;
-  if (pattern == 1) return kp > qp - param;
-  if (pattern == 2) return kp / param == qp / param;
+  if (pattern == 1) return param > 0 && kp > qp - param;
+  if (pattern == 2) return param > 0 && kp / param == qp / param;
   return 1;
 }
 
@@ -415,13 +441,17 @@ static float *scratch(size_t n) {
 }
 
 /* Attention of the G query heads q [G, D] sharing one kv head over slots [s0, s1): unnormalized output acc [G, D],
-   per head the max score mx [G] and the sum of exp(score - mx) total [G] (mx = -inf: nothing visible). The visible
-   slots are listed first, so the exponentials run vectorized over them and hidden slots are never read. */
-static void attend_range(const float *qh, const float *kb, const float *vb, long kss, long vss, int s0, int s1, int D,
-                         int G, const uint8_t *mrow, const int64_t *kprow, long qp, int pattern, long param,
-                         float scale, float softcap, float *acc, float *mx, float *total) {
+   per head the max score mx [G] (NaN scores ignored) and the sum of exp(score - mx) total [G]. Returns the number
+   of visible slots (0: acc, total 0 and mx -inf), or -1 when scratch memory could not be allocated. When every
+   visible score of a head is -inf, the exponentials are taken against 0 (total 0: a weight of 0 next to other
+   ranges' finite scores); a NaN or +inf score makes total NaN, as softmax would. The visible slots are listed first,
+   so the exponentials run vectorized over them and hidden slots are never read. */
+static int attend_range(const float *qh, const float *kb, const float *vb, long kss, long vss, int s0, int s1, int D,
+                        int G, const uint8_t *mrow, const int64_t *kprow, long qp, int pattern, long param,
+                        float scale, float softcap, float *acc, float *mx, float *total) {
   int n = s1 > s0 ? s1 - s0 : 0;
   float *buf = scratch((size_t)n * (G + 1) + 1);
+  if (!buf) return -1;
   int *idx = (int *)buf; /* [n] visible slots, then scores [G, n] */
   float *sc = buf + n;
   int nv = 0;
@@ -431,7 +461,7 @@ static void attend_range(const float *qh, const float *kb, const float *vb, long
     mx[g] = -INFINITY, total[g] = 0.0f;
     for (int d = 0; d < D; d++) acc[(size_t)g * D + d] = 0.0f;
   }
-  if (nv == 0) return;
+  if (nv == 0) return 0;
   int i0 = 0;
 #if VW == 16
   /* 4 keys x up to 4 heads at a time: 16 dot products in registers, summed by one transpose-add tree */
@@ -499,10 +529,10 @@ static void attend_range(const float *qh, const float *kb, const float *vb, long
     }
   }
   for (int g = 0; g < G; g++) {
-    float *row = sc + (size_t)g * n, t = 0.0f;
+    float *row = sc + (size_t)g * n, t = 0.0f, mg = mx[g] == -INFINITY ? 0.0f : mx[g];
     int i = 0;
 #if VW > 1
-    vf m = vset1(mx[g]), tv = vzero();
+    vf m = vset1(mg), tv = vzero();
     for (; i + VW <= nv; i += VW) {
       vf p = vexp(vload_f32(row + i) - m);
       vstore(row + i, p);
@@ -511,7 +541,7 @@ static void attend_range(const float *qh, const float *kb, const float *vb, long
     t = vsum(tv);
 #endif
     for (; i < nv; i++) {
-      row[i] = expf(row[i] - mx[g]);
+      row[i] = expf(row[i] - mg);
       t += row[i];
     }
     total[g] = t;
@@ -552,6 +582,39 @@ static void attend_range(const float *qh, const float *kb, const float *vb, long
       for (int i = 0; i < nv; i++) a += sc[(size_t)g * n + i] * vb[idx[i] * vss + d];
       acc[(size_t)g * D + d] = a;
     }
+  return nv;
+}
+
+/* The softmax-weighted sums of one (row, kv head) from `parts` ranges' attend_range results (range t: acc [G, D],
+   mx [G], total [G] at part + t * stride, and its count of visible slots) into o [G, D]: each range rescaled to the
+   common max. No visible slot anywhere: zeros. A NaN / +inf score anywhere, or only -inf scores: NaN, as softmax
+   gives. For one range this is acc / total (w = 1). */
+static void combine_ranges(const float *part, const int *count, int parts, size_t stride, int G, int D, float *o) {
+  for (int g = 0; g < G; g++) {
+    float m = -INFINITY, l = 0.0f, *og = o + (size_t)g * D;
+    int seen = 0, nan = 0;
+    for (int t = 0; t < parts; t++) {
+      if (count[t] <= 0) continue;
+      float mt = part[t * stride + (size_t)G * D + g], tot = part[t * stride + (size_t)G * D + G + g];
+      seen = 1;
+      if (tot != tot) nan = 1;
+      else if (mt > m) m = mt;
+    }
+    for (int d = 0; d < D; d++) og[d] = 0.0f;
+    if (!seen) continue;
+    if (nan || m == -INFINITY) {
+      for (int d = 0; d < D; d++) og[d] = NAN;
+      continue;
+    }
+    for (int t = 0; t < parts; t++) {
+      if (count[t] <= 0) continue;
+      const float *p = part + t * stride;
+      float mt = p[(size_t)G * D + g], w = mt == -INFINITY ? 0.0f : expf(mt - m);
+      l += w * p[(size_t)G * D + G + g];
+      for (int d = 0; d < D; d++) og[d] += w * p[(size_t)g * D + d];
+    }
+    for (int d = 0; d < D; d++) og[d] /= l;
+  }
 }
 
 /* One query per row (a decode step), grouped-query attention over the visible slots only:
@@ -561,70 +624,63 @@ static void attend_range(const float *qh, const float *kb, const float *vb, long
    out [B, Hq, D]. Hidden slots are never read (garbage in them cannot reach the output); a row that sees nothing
    gets zeros. softcap <= 0: none. Each key and value is read once for the G query heads that share it. Work is
    split over threads by (row, kv head) when there are enough of those, else by ranges of slots, whose partial
-   softmax sums are then combined (as flash-decoding does). */
-void hc_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const int64_t *qpos,
-                         const int64_t *kpos, int pattern, long param, float *out, int B, int Hq, int Hkv, int S,
-                         int D, long ksb, long ksh, long kss, long vsb, long vsh, long vss, float scale,
-                         float softcap) {
-  int G = Hq / Hkv, pairs = B * Hkv;
+   softmax sums are then combined (as flash-decoding does). Returns 0, or -1 when scratch memory could not be
+   allocated (out is then incomplete). Hkv < 1 or Hq not a multiple of it: -2, nothing done. */
+int hc_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const int64_t *qpos,
+                        const int64_t *kpos, int pattern, long param, float *out, int B, int Hq, int Hkv, int S,
+                        int D, long ksb, long ksh, long kss, long vsb, long vsh, long vss, float scale,
+                        float softcap) {
+  if (Hkv < 1 || Hq < 0 || Hq % Hkv || B < 0 || S < 0 || D < 0) return -2;
+  int G = Hq / Hkv, pairs = B * Hkv, failed = 0;
   int threads = omp_get_max_threads();
   /* threads pay off above ~64k multiply-adds (scores and weighted sums); below that, waking one costs more */
   int wide = (size_t)pairs * S * G * D >= (1 << 16);
   int split = wide && pairs < threads && (size_t)S * G * D >= (1 << 16) ? threads : 1; /* slot ranges */
-  float *part = (float *)malloc(sizeof(float) * (size_t)(split > 1 ? split : 1) * G * (D + 2));
+  size_t stride = (size_t)G * (D + 2);
+  float *part = (float *)malloc(sizeof(float) * (size_t)split * stride + 1);
+  int *count = (int *)malloc(sizeof(int) * (size_t)split);
+  if (!part || !count) {
+    free(part), free(count);
+    return -1;
+  }
   for (int bk0 = 0; bk0 < pairs; bk0 += (split > 1 ? 1 : pairs)) {
     int bk1 = split > 1 ? bk0 + 1 : pairs;
     _Pragma("omp parallel num_threads(split > 1 ? split : threads) if(wide)") {
-      int t = omp_get_thread_num();
-      if (split > 1) { /* this thread: one range of slots of (row, kv head) bk0 */
+      if (split > 1) { /* range t of the slots of (row, kv head) bk0; every range done even with fewer threads */
         int b = bk0 / Hkv, kvh = bk0 % Hkv, chunk = (S + split - 1) / split;
-        int s0 = t * chunk < S ? t * chunk : S, s1 = s0 + chunk < S ? s0 + chunk : S;
-        float *p = part + (size_t)t * G * (D + 2);
-        attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh, v + b * vsb + kvh * vsh,
-                     kss, vss, s0, s1, D, G, mask ? mask + (size_t)b * S : NULL, kpos ? kpos + (size_t)b * S : NULL,
-                     qpos ? qpos[b] : 0, pattern, param, scale, softcap, p, p + (size_t)G * D,
-                     p + (size_t)G * D + G);
+        for (int t = omp_get_thread_num(); t < split; t += omp_get_num_threads()) {
+          int s0 = (long)t * chunk < S ? t * chunk : S, s1 = (long)s0 + chunk < S ? s0 + chunk : S;
+          float *p = part + (size_t)t * stride;
+          count[t] = attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
+                                  v + b * vsb + kvh * vsh, kss, vss, s0, s1, D, G, mask ? mask + (size_t)b * S : NULL,
+                                  kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale,
+                                  softcap, p, p + (size_t)G * D, p + (size_t)G * D + G);
+          if (count[t] < 0) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        }
       } else {
-        float *a = (float *)malloc(sizeof(float) * (size_t)G * (D + 2));
+        float *a = (float *)malloc(sizeof(float) * stride + 1);
+        if (!a) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         _Pragma("omp for schedule(static)") for (int bk = bk0; bk < bk1; bk++) {
+          if (!a) continue;
           int b = bk / Hkv, kvh = bk % Hkv;
-          float *st = a + (size_t)G * D;
-          attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
-                       v + b * vsb + kvh * vsh, kss, vss, 0, S, D, G, mask ? mask + (size_t)b * S : NULL,
-                       kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale, softcap, a,
-                       st, st + G);
-          float *o = out + ((size_t)b * Hq + (size_t)kvh * G) * D;
-          for (int g = 0; g < G; g++)
-            for (int d = 0; d < D; d++)
-              o[(size_t)g * D + d] = st[g] == -INFINITY ? 0.0f : a[(size_t)g * D + d] / st[G + g];
+          int nv = attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
+                                v + b * vsb + kvh * vsh, kss, vss, 0, S, D, G, mask ? mask + (size_t)b * S : NULL,
+                                kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale,
+                                softcap, a, a + (size_t)G * D, a + (size_t)G * D + G);
+          if (nv < 0) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+          else combine_ranges(a, &nv, 1, stride, G, D, out + ((size_t)b * Hq + (size_t)kvh * G) * D);
         }
         free(a);
       }
     }
-    if (split > 1) { /* combine the ranges: rescale each to the common max */
+    if (split > 1 && !failed) {
       int b = bk0 / Hkv, kvh = bk0 % Hkv;
-      float *o = out + ((size_t)b * Hq + (size_t)kvh * G) * D;
-      for (int g = 0; g < G; g++) {
-        float m = -INFINITY, l = 0.0f;
-        for (int t = 0; t < split; t++) {
-          float mt = part[(size_t)t * G * (D + 2) + (size_t)G * D + g];
-          m = mt > m ? mt : m;
-        }
-        for (int d = 0; d < D; d++) o[(size_t)g * D + d] = 0.0f;
-        if (m == -INFINITY) continue;
-        for (int t = 0; t < split; t++) {
-          const float *p = part + (size_t)t * G * (D + 2);
-          float mt = p[(size_t)G * D + g];
-          if (mt == -INFINITY) continue;
-          float w = expf(mt - m);
-          l += w * p[(size_t)G * D + G + g];
-          for (int d = 0; d < D; d++) o[(size_t)g * D + d] += w * p[(size_t)g * D + d];
-        }
-        for (int d = 0; d < D; d++) o[(size_t)g * D + d] /= l;
-      }
+      combine_ranges(part, count, split, stride, G, D, out + ((size_t)b * Hq + (size_t)kvh * G) * D);
     }
+    if (failed) break;
   }
-  free(part);
+  free(part), free(count);
+  return failed ? -1 : 0;
 }
 
 /* Rotary rotation of the first 2 * h2 features of x into o (o may be x): half-split pairs (i, i + h2) or
@@ -667,7 +723,7 @@ static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x));
    (z: the gate silu(z), computed by the caller; the caller may also pass dt itself with bias NULL, softplus 0).
    u, delta, z: [B, T, Dm] (element strides ub/ut, db/dt_, zb/zt; contiguous over Dm); Bm, Cm: [B, T, N] (strides bb/bt,
    cb/ct; contiguous over N); A [Dm, N], D, bias [Dm] (D, bias, z may be NULL); state [B, Dm, N] (NULL: zeros);
-   y out [B, T, Dm], state_out [B, Dm, N]. Work is split over (row, channel). */
+   y out [B, T, Dm], state_out [B, Dm, N] (not overlapping state). Work is split over (row, channel). */
 void hc_selective_scan(const float *u, long ub, long ut, const float *delta, long db, long dt_, const float *z, long zb,
                        long zt, const float *Bm, long bb, long bt, const float *Cm, long cb, long ct, const float *A,
                        const float *D, const float *bias, int softplus, const float *state, float *y,
@@ -675,7 +731,7 @@ void hc_selective_scan(const float *u, long ub, long ut, const float *delta, lon
   int wide = (size_t)B * T * Dm * N >= PARALLEL_BYTES / 4;
   _Pragma("omp parallel for schedule(static) if(wide)") for (long bd = 0; bd < (long)B * Dm; bd++) {
     long b = bd / Dm, d = bd % Dm;
-    float h[N > 0 ? N : 1];
+    float *h = state_out + (size_t)bd * N; /* the state is carried in the output itself: no scratch of N floats */
     for (int n = 0; n < N; n++) h[n] = state ? state[(size_t)bd * N + n] : 0.0f;
     const float *Ad = A + (size_t)d * N;
     for (int t = 0; t < T; t++) {
@@ -703,7 +759,6 @@ void hc_selective_scan(const float *u, long ub, long ut, const float *delta, lon
       if (z) out *= z[b * zb + t * zt + d]; /* the gate, silu(z), computed by the caller (vectorized) */
       y[((size_t)b * T + t) * Dm + d] = out;
     }
-    for (int n = 0; n < N; n++) state_out[(size_t)bd * N + n] = h[n];
   }
 }
 
