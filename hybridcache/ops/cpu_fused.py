@@ -15,7 +15,6 @@ from hybridcache.ops.cpu_kernels import (
     INT_MAX,
     MAX_ROWS,
     _eager,
-    _elems,
     _library,
     _real,
     _rotary_ok,
@@ -51,7 +50,7 @@ def gated_mlp(x: torch.Tensor, gate_up: tuple, down: tuple, act: str) -> torch.T
     rows = x.numel() // d if d else 0
     i = two_i // 2
     t_gu, t_dn = _matrix(w_gu, two_i, d), _matrix(w_dn, d, i)
-    if (lib is None or t_gu is None or t_dn is None or two_i % 2 or not 0 < rows <= MAX_ROWS or not _elems(rows, 3, i)
+    if (lib is None or t_gu is None or t_dn is None or two_i % 2 or not 0 < rows <= MAX_ROWS or rows * 3 * i > INT_MAX
             or not all(_vector(v, two_i) for v in (b_gu, s_gu)) or not all(_vector(v, d) for v in (b_dn, s_dn))):
         return None
     x = x.contiguous()
@@ -77,8 +76,7 @@ def qkv_norm_rope(x: torch.Tensor, qkv: tuple, heads: int, kv_heads: int, head_d
         return None
     width = (heads + 2 * kv_heads) * head_dim
     code = _matrix(w, width, dm)
-    if (lib is None or code is None or not 0 < b * t <= MAX_ROWS or not _elems(b, t, width)
-            or not _elems(b, t, heads + kv_heads, head_dim) or not _vector(bias, width) or not _vector(wscale, width)
+    if (lib is None or code is None or not 0 < b * t <= MAX_ROWS or b * t * width > INT_MAX or not _vector(bias, width) or not _vector(wscale, width)
             or any(n is not None and (n[0] is None or not _vector(n[0], head_dim) or not _real(n[1]))
                    for n in (q_norm, k_norm))
             or not _rotary_ok(cos, sin, b, t, head_dim)):

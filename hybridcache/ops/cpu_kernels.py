@@ -30,6 +30,7 @@ no implementation takes raise KernelArgumentError (a ValueError).
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 
 import torch
@@ -45,6 +46,7 @@ MAX_NORM_ROWS = 1 << 20  # rows per norm call (a prefill block of 1M tokens); sp
 INT_MAX = 2**31 - 1  # every size a kernel takes is a C int; every tensor it reads or writes has fewer elements
 _WEIGHT_FN = {torch.float32: "hc_linear_f32", torch.bfloat16: "hc_linear_bf16", torch.int8: "hc_linear_i8"}
 
+_F32, _STRIDED = torch.float32, torch.strided
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 # The one declaration of the library's interface: name -> (return type, argument types). The loader refuses a
 # library that lacks any of these names (torch path, one warning).
@@ -68,7 +70,6 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_selective_scan": (None, [_P, _L, _L] * 5 + [_P] * 3 + [_I] + [_P] * 3 + [_I] * 4),
 }
 
-_F32, _STRIDED = torch.float32, torch.strided
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library or None, "status": a line saying which path runs
 _LINEAR: dict[torch.dtype, object] = {}  # weight dtype -> its kernel, once loaded
@@ -141,9 +142,10 @@ def _eager(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _cpu(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """A strided CPU tensor of `dtype`, small enough for C ints: what a kernel may read through its data pointer."""
-    return t.dtype == dtype and t.is_cpu and t.layout == torch.strided and t.numel() <= INT_MAX
+def _cpu(t: torch.Tensor, dtype: torch.dtype = _F32) -> bool:
+    """A strided CPU tensor of `dtype`: what a kernel may read through its data pointer (its sizes: checked by the
+    caller against the sizes it passes)."""
+    return t.dtype == dtype and t.is_cpu and t.layout == _STRIDED
 
 
 def _vec(t: torch.Tensor | None, n: int) -> bool:
@@ -155,14 +157,6 @@ def _vec(t: torch.Tensor | None, n: int) -> bool:
 def _ints(*sizes: int) -> bool:
     """Whether every size fits a C int."""
     return all(0 <= v <= INT_MAX for v in sizes)
-
-
-def _elems(*sizes: int) -> bool:
-    """Whether the product of the sizes (zeros counted as 1: a C loop bound may be any partial product) fits a C int."""
-    total = 1
-    for v in sizes:
-        total *= max(v, 1)
-    return total <= INT_MAX
 
 
 def _real(v) -> bool:
@@ -286,9 +280,13 @@ def _pattern(name, param) -> tuple[int, int]:
     if name == "full":
         return 0, 0
     what = "window" if name == "sliding" else "chunk size"
-    if isinstance(param, bool) or not isinstance(param, int) or param < 1:
+    try:
+        value = operator.index(param)  # any integer type (numpy's too), not a float or a bool
+    except TypeError:
+        value = None
+    if value is None or isinstance(param, bool) or value < 1:
         raise KernelArgumentError(f"a {name} pattern needs a {what} >= 1, got {param!r}")
-    return PATTERNS[name], min(param, _MAX_PARAM)
+    return PATTERNS[name], min(value, _MAX_PARAM)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -305,12 +303,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     lib = _library()
     if (lib is None or not _cpu(k) or not _cpu(v) or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0]
             or q.shape[-1] != k.shape[-1] or not _dense_last(k) or not _dense_last(v) or k.shape[1] == 0
-            or q.shape[1] % k.shape[1] or not _real(scale) or not (softcap is None or _real(softcap) and softcap > 0)):
-        return None
+            or q.shape[1] % k.shape[1] or not 0 < q.numel() <= INT_MAX or not 0 < k.numel() <= INT_MAX
+            or not _real(scale) or not (softcap is None or _real(softcap) and softcap > 0)):
+        return None  # (no size is 0 past here: each is at most its tensor's element count, a C int)
     b, hq, _, d = q.shape
     s = k.shape[2]
-    if not _elems(b, hq, d) or not _elems(b, k.shape[1], s, d):
-        return None
     if not q.is_contiguous():
         q = q.contiguous()
     qpos = kpos = m = None
@@ -339,15 +336,16 @@ def _rotary_ok(cos: torch.Tensor | None, sin: torch.Tensor | None, b: int, t: in
     if cos is None or sin is None:
         return cos is None and sin is None
     r = cos.shape[-1] if cos.dim() else -1
-    return (_cpu(cos) and _cpu(sin) and 0 <= r <= d and _elems(b, t, r) and r % 2 == 0 and cos.numel() == b * t * r
-            and sin.numel() == b * t * r and cos.is_contiguous() and sin.is_contiguous())
+    n = b * t * r
+    return (_cpu(cos) and _cpu(sin) and 0 <= r <= d and r % 2 == 0 and n <= INT_MAX and cos.numel() == n
+            and sin.numel() == n and cos.is_contiguous() and sin.is_contiguous())
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
     """Rotary embedding of x [B, H, T, D] (any strides but a contiguous last dim) by cos / sin [B, 1, T, R]
     (R <= D: the first R features rotate, the rest are copied) -> a contiguous [B, H, T, D]; None when the kernel
     does not take these."""
-    if not _eager(x) or x.dim() != 4 or not _dense_last(x) or not _elems(*x.shape) or cos is None:
+    if not _eager(x) or x.dim() != 4 or not 0 < x.numel() <= INT_MAX or not _dense_last(x) or cos is None:
         return None
     lib = _library()
     b, h, t, d = x.shape
@@ -372,7 +370,8 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None,
     lib = _library()
     bsz, t, dm = u.shape
     n = a.shape[-1]
-    if (lib is None or not _elems(bsz, t, dm) or not _elems(bsz, dm, n) or not _elems(bsz, t, n) or not _cpu(a)
+    if (lib is None or not 0 < u.numel() <= INT_MAX or not 0 < n <= INT_MAX or bsz * dm * n > INT_MAX
+            or bsz * t * n > INT_MAX or not _cpu(a)
             or a.shape != (dm, n) or any(x is not None and not _cpu(x) for x in (delta, z, b, c, d, bias, state))
             or any(x is not None and x.shape != u.shape for x in (delta, z))
             or b.shape != (bsz, t, n) or c.shape != (bsz, t, n)
@@ -401,7 +400,7 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, eps: float, cos: torc
     """RMSNorm over the last dim with `scale` [D] (None: no norm), then rotary by cos / sin [B, 1, T, R] (None: no
     rotary) of x [B, H, T, D] (any strides but a contiguous last dim) -> a contiguous [B, H, T, D]: a layer's q or k in
     one call. None when the kernel does not take these."""
-    if not _eager(x) or x.dim() != 4 or not _dense_last(x) or not _elems(*x.shape) or not _real(eps):
+    if not _eager(x) or x.dim() != 4 or not 0 < x.numel() <= INT_MAX or not _dense_last(x) or not _real(eps):
         return None
     lib = _library()
     b, h, t, d = x.shape

@@ -76,7 +76,7 @@ class Fuzz:
 
     def spoil(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Sometimes a wrong dtype or device for this argument."""
-        if t is None or not self.chance(0.06):
+        if t is None or not self.chance(0.025):
             return t
         kind = self.pick(torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.bool, "meta")
         if kind == "meta":
@@ -193,8 +193,8 @@ def case_argmax(f: Fuzz):
 
 
 def case_attention(f: Fuzz):
-    b, hkv, group = f.pick(0, 1, 2, 3), f.pick(0, 1, 2), f.pick(1, 2, 3)
-    s, d = f.pick(0, 1, 5, 40, 700), f.pick(0, 1, 7, 16, 64)
+    b, hkv, group = f.pick(0, 1, 1, 2, 3), f.pick(0, 1, 1, 2, 2), f.pick(1, 2, 3)
+    s, d = f.pick(0, 1, 5, 40, 40, 700), f.pick(0, 1, 7, 16, 64, 64)
     hq = hkv * group if hkv else group
     q = f.spoil(f.layout(f.values((b, hq, 1, d))))
     if f.chance(0.5):  # keys and values as strided views of one tensor, as a cache holds them
@@ -202,14 +202,14 @@ def case_attention(f: Fuzz):
         k, v = kv[..., :d], kv[..., d:]
     else:
         k, v = f.layout(f.values((b, hkv, s, d))), f.layout(f.values((b, hkv, s, d)))
-    scale, softcap = f.pick(d**-0.5 if d else 1.0, 0.3), f.pick(None, None, 5.0, 0.0, -1.0)
+    scale, softcap = f.pick(d**-0.5 if d else 1.0, 0.3), f.pick(None, None, None, 5.0, 5.0, 0.0, -1.0)
     kpos = torch.arange(s).repeat(b, 1) - torch.randint(0, 3, (b, 1), generator=f.gen)  # left padding: -1, -2
     qpos = kpos[:, -1:].clone() if s else torch.zeros(b, 1, dtype=torch.long)
     if b and f.chance(0.2):
         qpos[0] = -1  # a padding query sees nothing
     if f.chance(0.5):
-        name = f.pick("full", "sliding", "chunked", "chunked", "ring")
-        param = f.pick(-1, 0, 1, 3, 7, 2**40)
+        name = f.pick("full", "sliding", "sliding", "chunked", "chunked", "chunked", "ring")
+        param = f.pick(-1, 0, 1, 3, 3, 7, 7, 2**40)
         positions, mask = (f.spoil(qpos), f.spoil(kpos), name, param), None
         desc = f"positions {name} {param}"
 
@@ -233,14 +233,14 @@ def case_attention(f: Fuzz):
 
 
 def _cos_sin(f: Fuzz, b, t, d):
-    r = f.pick(0, 2, d - d % 2, d - d % 2, d + 2, 3)
+    r = f.pick(0, 2, d - d % 2, d - d % 2, d - d % 2, d + 2, 3)
     ang = f.values((b, 1, t, max(r, 0)))
     cos, sin = f.spoil(ang.cos()), f.spoil(ang.sin())
     return cos, sin, r
 
 
 def case_rope(f: Fuzz):
-    b, h, t, d = f.pick(0, 1, 2), f.pick(1, 3), f.pick(0, 1, 5), f.pick(0, 2, 8, 9, 64)
+    b, h, t, d = f.pick(0, 1, 2, 2), f.pick(1, 3), f.pick(0, 1, 5, 5), f.pick(0, 2, 8, 9, 64, 64)
     x = f.spoil(f.layout(f.values((b, h, t, d))))
     if f.chance(0.05):
         x = torch.zeros(1, 1, 1, 4096).expand(1 << 20, 1, 1, 4096)  # 2**32 elements, expanded: declined
@@ -252,7 +252,7 @@ def case_rope(f: Fuzz):
 
 
 def case_norm_rope(f: Fuzz):
-    b, h, t, d = f.pick(0, 1, 2), f.pick(1, 3), f.pick(0, 1, 5), f.pick(1, 2, 8, 9, 64)
+    b, h, t, d = f.pick(0, 1, 2, 2), f.pick(1, 3), f.pick(0, 1, 5, 5), f.pick(1, 2, 8, 9, 64)
     x = f.spoil(f.layout(f.values((b, h, t, d))))
     scale = f.spoil(f.values((d,))) if f.chance(0.7) else None
     cos, sin, r = _cos_sin(f, b, t, d) if f.chance(0.7) else (None, None, 0)
@@ -267,7 +267,7 @@ def case_norm_rope(f: Fuzz):
 
 
 def case_scan(f: Fuzz):
-    b, t, dm, n = f.pick(0, 1, 2), f.pick(0, 1, 3, 9), f.pick(0, 1, 5, 16), f.pick(0, 1, 5, 16, 21)
+    b, t, dm, n = f.pick(0, 1, 2, 2), f.pick(0, 1, 3, 9), f.pick(0, 1, 5, 16, 16), f.pick(0, 1, 5, 16, 21)
     if f.chance(0.08):  # a large state: 16 MiB of state per channel (was a stack array: SIGSEGV)
         b, t, dm, n = 1, f.pick(1, 2), 1, 1 << 22
     u = f.spoil(f.layout(f.values((b, t, dm))))
@@ -301,7 +301,7 @@ def _weight(f: Fuzz, n, k):
 
 
 def case_gated_mlp(f: Fuzz):
-    rows, d, i = f.pick(0, 1, 3, 16, 17), f.pick(0, 1, 8, 24), f.pick(0, 1, 5, 32)
+    rows, d, i = f.pick(0, 1, 3, 3, 16, 17), f.pick(0, 1, 8, 24, 24), f.pick(0, 1, 5, 32, 32)
     x = f.spoil(f.layout(f.values((rows, d))))
     gu, dn = _weight(f, 2 * i, d), _weight(f, d, i)
     act = f.pick(*cpu_fused.ACT_MUL, "relu")
@@ -315,7 +315,7 @@ def case_gated_mlp(f: Fuzz):
 
 
 def case_qkv(f: Fuzz):
-    b, t, dm = f.pick(0, 1, 2), f.pick(1, 3, 9), f.pick(0, 1, 16)
+    b, t, dm = f.pick(0, 1, 1, 2), f.pick(1, 3, 3, 9), f.pick(0, 1, 16, 16)
     hq, hkv, hd = f.pick(1, 2, 4), f.pick(1, 2), f.pick(1, 2, 8, 9)
     width = (hq + 2 * hkv) * hd
     x = f.spoil(f.layout(f.values((b, t, dm))))
