@@ -20,7 +20,8 @@ from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.cache.limits import check_fits
 from hybridcache.cache.plan import resolve_plan
-from hybridcache.models.base import GenerationError, HybridLM, check_input_ids, check_mask, check_mask_tensor
+from hybridcache.models.base import (GenerationError, GenerationTypeError, HybridLM, check_input_ids, check_mask,
+                                     check_mask_tensor)
 from hybridcache.ops.cpu_kernels import argmax_rows
 
 # Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
@@ -247,6 +248,9 @@ def generate(
     if compile and not use_cache:
         raise GenerationError("compile=True compiles the cached decode step; it cannot be combined with "
                               "use_cache=False")
+    if prefix_cache is not None and not all(callable(getattr(prefix_cache, f, None)) for f in ("prepare", "finish")):
+        raise GenerationTypeError(f"prefix_cache must be a PrefixStore (hybridcache.prefix_cache), got "
+                                  f"{type(prefix_cache).__name__}")
     if draft_model is not None:
         _check_speculative(model, draft_model, num_draft_tokens, do_sample, cache, use_cache, compile, prefix_cache)
     device = model.device

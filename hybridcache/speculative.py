@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hybridcache.cache import Cache
+from hybridcache.cache import Cache, CacheConfigError
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.generation import greedy_next
 from hybridcache.models.base import GenerationError
@@ -25,9 +25,16 @@ from hybridcache.models.base import GenerationError
 
 def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
     """`cache_config` with recurrent layers keeping at least k checkpoints (so they can rewind a rejected draft)."""
+    if cache_config is not None and not isinstance(cache_config, Mapping):
+        raise CacheConfigError(f"a cache config must be a mapping (or None), got {type(cache_config).__name__}")
     config = dict(cache_config or {})
-    recurrent = dict(config.get("recurrent") or {})
-    recurrent["checkpoints"] = max(int(recurrent.get("checkpoints", 0) or 0), k)
+    recurrent = config.get("recurrent") or {}
+    have = recurrent.get("checkpoints", 0) if isinstance(recurrent, Mapping) else "?"
+    if isinstance(have, bool) or not isinstance(have, (int, type(None))):
+        raise CacheConfigError(f"cache config: recurrent must be a mapping with an integer 'checkpoints', got "
+                               f"{recurrent!r}")
+    recurrent = dict(recurrent)
+    recurrent["checkpoints"] = max(have or 0, k)
     config["recurrent"] = recurrent
     return config
 

@@ -110,9 +110,13 @@ def check_row_index(index: Any, batch: int, what: str, owner: str, same_size: bo
         items = index if isinstance(index, (list, tuple)) else None
         if items is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
             raise CacheError(f"{owner}: {what} index must be a 1-d integer tensor or a list of ints, got {index!r}")
+        if any(not 0 <= i < batch for i in items):  # before torch.tensor: a value past int64 would overflow there
+            raise CacheError(f"{owner}: {what} index {list(items)} out of range for a batch of {batch}")
         index = torch.tensor(items, dtype=torch.long)
     if index.dim() != 1 or not _index_dtype_ok(index):
         raise CacheError(f"{owner}: {what} index must be a 1-d integer tensor, got {index.dtype} {tuple(index.shape)}")
+    if index.is_meta:
+        raise CacheError(f"{owner}: {what} index is on the meta device (a shape without values)")
     if index.numel() == 0:
         raise CacheError(f"{owner}: {what} index is empty")
     if same_size and index.numel() != batch:
@@ -382,6 +386,8 @@ class CacheLayer(ABC):
         for name, t in snap.tensors.items():
             if not isinstance(t, torch.Tensor) or t.dtype != current[name].dtype or t.dim() != current[name].dim():
                 raise CacheError(f"{self.name}: snapshot tensor '{name}' does not match this layer's storage")
+            if t.is_meta:
+                raise CacheError(f"{self.name}: snapshot tensor '{name}' is on the meta device (no values to restore)")
             if name in self._batch_tensors and t.shape[0] != rows:
                 raise CacheError(
                     f"{self.name}: snapshot tensor '{name}' has {t.shape[0]} rows, its sequence state has {rows}"

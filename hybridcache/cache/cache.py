@@ -152,7 +152,8 @@ class Cache:
         if isinstance(key, slice):
             return self.entries[key]
         try:
-            i = None if isinstance(key, bool) else operator.index(key)  # ints, numpy ints, one-element int tensors
+            bool_tensor = isinstance(key, torch.Tensor) and key.dtype == torch.bool  # a mask, not a position
+            i = None if isinstance(key, bool) or bool_tensor else operator.index(key)  # ints, numpy ints, int tensors
         except TypeError:
             i = None
         if i is None:
@@ -338,13 +339,15 @@ class Cache:
         """Put back a snapshot of this cache (or of one with the same layers; the batch size may differ). Checks
         every layer's tensors (rows, shapes, dtypes) against the snapshot's sequence state first."""
         with self._operation("restore"):
-            if not isinstance(snap, CacheSnapshot) or len(snap.layers) != len(self.layers):
+            if (not isinstance(snap, CacheSnapshot) or not isinstance(snap.layers, (tuple, list))
+                    or len(snap.layers) != len(self.layers)
+                    or not all(isinstance(s, LayerSnapshot) for s in snap.layers)):
                 raise CacheError("restore needs a CacheSnapshot taken from a cache with the same layers")
             columns, seen = snap.columns, snap.seen
             if isinstance(columns, bool) or not isinstance(columns, int) or columns < 0:
                 raise CacheError(f"restore: the snapshot's column count must be an int >= 0, got {columns!r}")
             if (not isinstance(seen, torch.Tensor) or seen.dim() != 1 or seen.dtype != torch.long or not len(seen)
-                    or bool(((seen < 0) | (seen > columns)).any())):
+                    or seen.is_meta or bool(((seen < 0) | (seen > columns)).any())):
                 raise CacheError(f"restore: the snapshot's real-token counts must be a LongTensor [B] in [0, "
                                  f"{columns}], got {seen!r}")
             for name, t in (("fingerprint", snap.fingerprint), ("history", snap.history)):

@@ -272,6 +272,9 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
     """Rebuild a saved cache for `model` (see the module docstring for what is checked, and in which order)."""
     from hybridcache.cache.cache import Cache, CacheSnapshot
 
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "native_layers", None)):
+        raise CacheError(f"load_cache: model must be the hybridcache model the cache was saved from, got "
+                         f"{type(model).__name__}")
     path = Path(path)
     header, tensors = read_cache_file(path, key)
     got = header_field(header, "model", (dict,), "", path)
@@ -287,6 +290,14 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
     if batch_size is not None and batch_size != batch:
         raise CacheFileError(f"{path} holds a batch of {batch} rows, batch_size={batch_size} was asked for")
     records = layer_plans(header, path)
+    natives = model.native_layers()
+    for i, (p, _) in enumerate(records):  # the native type each record claims is the model's own at that layer
+        native = natives[p.index] if 0 <= p.index < len(natives) else None
+        if p.member is not None and isinstance(native, Mapping):
+            native = native.get(p.member)
+        if getattr(native, "type", None) != p.native_type:
+            raise CacheFileError(f"{path}: 'layers[{i}].native_type' is {p.native_type!r}, this model's layer "
+                                 f"{p.index} is {getattr(native, 'type', None)!r}")
     listed = {f"layers.{i}.{n}" for i, (_, names) in enumerate(records) for n in names}
     extra = set(tensors) - listed - {"sequence.seen", "sequence.fingerprint", "sequence.fingerprint_history"}
     if extra or not listed <= set(tensors):
@@ -302,7 +313,7 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
             layer = get_layer_class(p.type)(p.spec, batch, "meta")
             layer._prepare_restore(snap)
             check_snapshot_shapes(i, layer, snap)
-        except CacheError as e:
+        except (CacheError, TypeError, OverflowError, RuntimeError) as e:  # a spec no layer can be built from, too
             raise CacheFileError(f"{path}: the stored tensors do not match the header's layer {i}: {e}") from None
         snaps.append(snap)
     if cache_config is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hybridcache.cache.errors import CacheError, CacheThreadError
+from hybridcache.cache.limits import check_fits
 
 
 def check_valid_mask(valid: Any, batch: int, tokens: int, seen: torch.Tensor, owner: str) -> torch.Tensor:
@@ -30,6 +31,8 @@ def check_valid_mask(valid: Any, batch: int, tokens: int, seen: torch.Tensor, ow
         return torch.ones(batch, tokens, dtype=torch.bool, device=seen.device)
     if not isinstance(valid, torch.Tensor):
         raise CacheError(f"{owner}: the attention mask must be a tensor [B, T], got {type(valid).__name__}")
+    if valid.is_meta:
+        raise CacheError(f"{owner}: the attention mask is on the meta device (a shape without values)")
     if valid.shape != (batch, tokens):
         raise CacheError(f"{owner}: the attention mask has shape {tuple(valid.shape)}, expected {(batch, tokens)}")
     if valid.dtype != torch.bool:
@@ -54,6 +57,7 @@ def check_valid_mask(valid: Any, batch: int, tokens: int, seen: torch.Tensor, ow
     return valid
 
 
+MAX_POSITION = 2**62  # positions are int64; a block never takes a row past this
 _FP_MOD = 2_147_483_647  # 2^31 - 1: products of two residues fit in int64
 
 
@@ -152,6 +156,10 @@ class SequenceState:
             raise CacheError(f"{owner}: a block is already being fed; finish it (commit or abort) first")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             raise CacheError(f"{owner}: a block needs at least one token, got {tokens!r}")
+        if tokens >= MAX_POSITION - self.columns:  # seen <= columns: no device sync
+            raise CacheError(f"{owner}: a block of {tokens} tokens would take positions past {MAX_POSITION} (int64)")
+        # its mask, positions and running sums ([B, T] bool + 2 x int64) before anything is allocated
+        check_fits(self.batch_size * tokens * 17, self.seen.device, f"{owner}: a block of {tokens} tokens")
         all_real = valid is None
         if check or not all_real:
             valid = check_valid_mask(valid, self.batch_size, tokens, self.seen, owner)

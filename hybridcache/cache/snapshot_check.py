@@ -22,9 +22,18 @@ def check_snapshot_shapes(i: int, layer: CacheLayer, snap: Any) -> None:
             want = ", ".join("*" if d is None else str(d) for d in ref)
             raise CacheError(f"snapshot layer {i} ({layer.type_name}): tensor '{name}' has shape "
                              f"{tuple(t.shape)}, this layer stores [{want}]")
+    pos = snap.tensors.get("key_pos")
+    if layer.kind == "attention" and isinstance(pos, torch.Tensor) and pos.dim() >= 2:
+        for name in _PER_SLOT:  # one stored token per slot: as many slots as key_pos holds positions
+            t = snap.tensors.get(name)
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] != pos.shape[-1]:
+                raise CacheError(f"snapshot layer {i} ({layer.type_name}): tensor '{name}' holds {t.shape[2]} slots, "
+                                 f"'key_pos' {pos.shape[-1]}")
     check_snapshot_positions(i, layer, snap)
 
 
+#: Attention storage tensors [B, H, S, *] with one token per slot of `key_pos` (dense, int8 and int4 storage).
+_PER_SLOT = ("keys_data", "values_data", "keys_q", "keys_scale", "values_q", "values_scale")
 _SHAPES: dict[Any, dict[str, tuple]] = {}
 
 

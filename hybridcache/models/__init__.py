@@ -38,7 +38,8 @@ MODEL_TYPES = {
 
 def model_class(model_type: str | None) -> type[HybridLM]:
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))}")
+        raise ConfigError("model", [f"unsupported model_type {model_type!r}; supported: "
+                                    f"{', '.join(sorted(MODEL_TYPES))}"])
     module, _, cls = MODEL_TYPES[model_type].partition(":")
     return getattr(importlib.import_module(module), cls)
 

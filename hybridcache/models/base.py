@@ -24,6 +24,11 @@ class GenerationError(ValueError):
     masks, limits), raised before any work: no cache changed."""
 
 
+class GenerationTypeError(GenerationError, TypeError):
+    """An argument of the wrong kind (a `cache=` that is no Cache, a `prefix_cache=` that is no PrefixStore): still a
+    TypeError for code that catches those."""
+
+
 def check_input_ids(input_ids: Any, vocab_size: int) -> None:
     """input_ids: a LongTensor [B, T] with B, T >= 1, holding values (not on the meta device), ids in the vocabulary."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -128,28 +133,29 @@ class HybridLM(nn.Module):
     def check_cache(self, cache: Any, batch_size: int) -> None:
         """Raise (before anything changes) if `cache` was not built for this model and batch."""
         if not isinstance(cache, Cache):
-            raise TypeError(f"cache must be a hybridcache Cache (from model.make_cache), got {type(cache).__name__}")
+            raise GenerationTypeError(f"cache must be a hybridcache Cache (from model.make_cache), got "
+                                      f"{type(cache).__name__}")
         native = self.native_layers()
         if len(cache) != len(native):
-            raise ValueError(f"the cache has {len(cache)} entries, this {self.family} model has {len(native)} layers")
+            raise GenerationError(f"the cache has {len(cache)} entries, this {self.family} model has {len(native)} layers")
         if cache.batch_size != batch_size:
-            raise ValueError(f"the cache was built for batch size {cache.batch_size}, input_ids have {batch_size} rows")
+            raise GenerationError(f"the cache was built for batch size {cache.batch_size}, input_ids have {batch_size} rows")
         for i, (entry, nl) in enumerate(zip(cache, native, strict=True)):
             if isinstance(nl, NativeGroup) != isinstance(entry, CacheGroup) or (
                 isinstance(nl, NativeGroup) and list(nl.members) != list(entry)
             ):
                 want = f"a group of {', '.join(nl.members)}" if isinstance(nl, NativeGroup) else "a single cache layer"
-                raise ValueError(f"cache entry {i} is {entry!r}, model layer {i} needs {want}")
+                raise GenerationError(f"cache entry {i} is {entry!r}, model layer {i} needs {want}")
             pairs = [(f"{i}.{m}", entry[m], nl.members[m]) for m in nl.members] if isinstance(nl, NativeGroup) else [
                 (str(i), entry, nl)]
             for where, layer, member in pairs:
                 kind = get_layer_class(member.type).kind
                 if layer.kind != kind:
-                    raise ValueError(f"cache layer {where} is a {layer.kind} cache, model layer {where} needs a {kind} cache")
+                    raise GenerationError(f"cache layer {where} is a {layer.kind} cache, model layer {where} needs a {kind} cache")
                 tunables = layer.spec.tunable_names()
                 for key, value in member.params.items():
                     if key not in tunables and hasattr(layer.spec, key) and getattr(layer.spec, key) != value:
-                        raise ValueError(
+                        raise GenerationError(
                             f"cache layer {where} has {key}={getattr(layer.spec, key)}, model layer {where} needs "
                             f"{key}={value}"
                         )
@@ -161,12 +167,12 @@ class HybridLM(nn.Module):
             return None
         check_mask_tensor(attention_mask)
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-            raise ValueError("attention_mask must be a 2-d tensor [B, T] of 0/1 (or bool)")
+            raise GenerationError("attention_mask must be a 2-d tensor [B, T] of 0/1 (or bool)")
         if attention_mask.shape[0] != batch:
-            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {batch}")
+            raise GenerationError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {batch}")
         cached, width = cache.columns, attention_mask.shape[1]
         if width not in (tokens, cached + tokens):
-            raise ValueError(
+            raise GenerationError(
                 f"attention_mask has {width} columns; expected {tokens} (this block) or {cached + tokens} "
                 f"(the {cached} cached columns plus this block)"
             )
@@ -176,7 +182,7 @@ class HybridLM(nn.Module):
             seen = mask[:, :cached].sum(1)
             if not torch.equal(seen, cache.seq.seen):
                 row = int((seen != cache.seq.seen).nonzero()[0])
-                raise ValueError(
+                raise GenerationError(
                     f"attention_mask row {row} marks {int(seen[row])} of the {cached} cached columns as real, but the "
                     f"cache saw {int(cache.seq.seen[row])} real tokens in that row"
                 )
@@ -207,7 +213,7 @@ class HybridLM(nn.Module):
         if valid is not None and not allow_padding_rows:
             empty = ~valid.any(1) & (cache.seq.seen == 0)
             if bool(empty.any()):
-                raise ValueError(
+                raise GenerationError(
                     f"row {int(empty.nonzero()[0])} of this block is all padding and the cache holds no real token "
                     "for it, so its logits would be meaningless (pass allow_padding_rows=True when prefilling a "
                     "left-padded prompt in pieces)"
@@ -247,4 +253,4 @@ def check_mask(mask: torch.Tensor, seen: torch.Tensor, width: int) -> torch.Tens
     try:
         return check_valid_mask(mask, mask.shape[0], width, seen, "attention_mask")
     except CacheError as e:
-        raise ValueError(str(e)) from None
+        raise GenerationError(str(e)) from None

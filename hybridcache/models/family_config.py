@@ -144,6 +144,8 @@ def _constraint_problem(name: str, value: Any, meta: Mapping[str, Any]) -> str |
         return f"{name} must be >= 0, got {value!r}"
     if any(isinstance(v, float) and math.isnan(v) for v in numbers):
         return f"{name} is NaN"
+    if any(isinstance(v, int) and not -(2**63) <= v < 2**63 for v in numbers):  # torch sizes and ids are int64
+        return f"{name} is out of the int64 range, got {value!r}"
     return None
 
 

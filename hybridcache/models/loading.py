@@ -84,6 +84,8 @@ def read_json_object(file: Path) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: JSON nested too deeply to read") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{file} must hold a JSON object, it holds a JSON {type(value).__name__}")
     return value
@@ -93,7 +95,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     file = directory / "config.json"
     if not file.exists():
         raise FileNotFoundError(f"{directory} has no config.json")
-    return read_json_object(file)
+    return read_json_object(check_inside(directory, file, "config.json"))
 
 
 # -- what the checkpoint holds ------------------------------------------------------------------------------------
