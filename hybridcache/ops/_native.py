@@ -276,6 +276,10 @@ def load_library(name: str, source: Path, symbols: list[str], disabled: bool = F
     the caller calls once per process."""
     try:
         return _load(name, source, symbols, disabled), ""
+    except OSError as e:  # e.g. a read-only kernel directory without a valid build, an I/O error while hashing
+        reason = f"the kernel directory is unusable ({e})"
+        warnings.warn(f"hybridcache: {reason}; using the torch path", KernelNotice, stacklevel=4)
+        return None, reason
     except _Refused as e:
         if e.warn:
             warnings.warn(f"hybridcache: {e.reason}; using the torch path", KernelNotice, stacklevel=4)

@@ -156,3 +156,12 @@ def test_concurrent_first_loads_build_once(fresh, tmp_path):
     assert lines[0] == lines[1] and lines[0].startswith("C kernels") and "rebuilt" not in lines[0]
     assert len(list(fresh.glob("cpu_decode-*.so"))) == 1 and not list(fresh.glob(".build-*"))
     assert not any("KernelNotice" in err for _, err in outs)
+
+
+def test_an_io_error_in_the_kernel_directory_falls_back(fresh, monkeypatch):
+    def unreadable(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_native, "_verify", unreadable)
+    status, notices = status_and_notices()
+    assert status.startswith("torch path: the kernel directory is unusable") and len(notices) == 1
