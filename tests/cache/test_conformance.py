@@ -66,7 +66,7 @@ def test_kit_catches_a_pattern_that_evicts_a_visible_token():
     @dataclass(frozen=True, kw_only=True)
     class ShortSpec(SlidingSpec):  # claims window W, but keeps only W-2 earlier tokens
         def needed_tokens(self, seen):
-            return seen.clamp(max=self.window - 2)
+            return torch.as_tensor(seen).clamp(max=self.window - 2)
 
     @register_cache_layer("broken_sliding_test")
     class Broken(AttentionCacheLayer):
