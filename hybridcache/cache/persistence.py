@@ -293,8 +293,9 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
     natives = model.native_layers()
     for i, (p, _) in enumerate(records):  # the native type each record claims is the model's own at that layer
         native = natives[p.index] if 0 <= p.index < len(natives) else None
-        if p.member is not None and isinstance(native, Mapping):
-            native = native.get(p.member)
+        if p.member is not None:  # a group's member (FalconH1's attention and mamba of one decoder layer)
+            members = getattr(native, "members", None)
+            native = members.get(p.member) if isinstance(members, Mapping) else None
         if getattr(native, "type", None) != p.native_type:
             raise CacheFileError(f"{path}: 'layers[{i}].native_type' is {p.native_type!r}, this model's layer "
                                  f"{p.index} is {getattr(native, 'type', None)!r}")
