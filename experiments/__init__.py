@@ -11,8 +11,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-EXPERIMENTS = {"correctness": "experiments.correctness", "benchmark": "experiments.benchmark", "study": "experiments.study",
-               "press_check": "experiments.press_check", "train": "experiments.train"}
+EXPERIMENTS = {
+    "correctness": "experiments.correctness",
+    "benchmark": "experiments.benchmark",
+    "study": "experiments.study",
+    "press_check": "experiments.press_check",
+    "train": "experiments.train",
+}
 
 
 @dataclass

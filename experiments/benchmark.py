@@ -13,8 +13,9 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -25,26 +26,34 @@ from rich.table import Table
 
 import hybridcache as hc
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
-from hybridcache.ops.cpu_kernels import kernel_status
 from experiments.plots import scaling_lines, throughput_bars
 from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
 from hybridcache.cache.plan import format_bytes
+from hybridcache.ops.cpu_kernels import kernel_status
 from hybridcache.tiny_models import tiny_checkpoint
 from hybridcache.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = {"batch_sizes": [1], "prompt_tokens": 8, "new_tokens": 8, "warmup": 1, "repeats": 1, "compile": False,
-         "weights": ["int8"],
-         "bandwidth_probe_mib": 64,
-         "long_context": {"tokens": [64, 128], "decode_tokens": 4, "prefill_chunk_size": 32}}
+SMOKE = {
+    "batch_sizes": [1],
+    "prompt_tokens": 8,
+    "new_tokens": 8,
+    "warmup": 1,
+    "repeats": 1,
+    "compile": False,
+    "weights": ["int8"],
+    "bandwidth_probe_mib": 64,
+    "long_context": {"tokens": [64, 128], "decode_tokens": 4, "prefill_chunk_size": 32},
+}
 
 
 def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def rates(systems: dict[str, Callable[[int], Any]], batch: int, prompt: int, new: int, b: DictConfig,
-          progress=None, task=None) -> dict[str, dict]:
+def rates(
+    systems: dict[str, Callable[[int], Any]], batch: int, prompt: int, new: int, b: DictConfig, progress=None, task=None
+) -> dict[str, dict]:
     """Prefill = a 1-token generation; decode = a `new`-token generation minus the 1-token one, measured as pairs
     back to back (so a slow moment hits both). Every system gets `warmup` short (2-token) generations, then the
     systems take turns, one pair each per repeat, so a slow stretch of the machine hits them all alike; medians
@@ -71,9 +80,14 @@ def rates(systems: dict[str, Callable[[int], Any]], batch: int, prompt: int, new
         prefill, total = median([p for p, _ in pairs]), median([t for _, t in pairs])
         decode = median([t - p for p, t in pairs])
         # a decode shorter than timer noise (tiny smoke sizes) has no meaningful rate
-        out[label] = {"system": label, "batch": batch, "prefill_tok_s": batch * prompt / prefill,
-                      "decode_tok_s": batch * (new - 1) / decode if decode > 0 else float("nan"),
-                      "prefill_s": prefill, "total_s": total}
+        out[label] = {
+            "system": label,
+            "batch": batch,
+            "prefill_tok_s": batch * prompt / prefill,
+            "decode_tok_s": batch * (new - 1) / decode if decode > 0 else float("nan"),
+            "prefill_s": prefill,
+            "total_s": total,
+        }
     return out
 
 
@@ -87,29 +101,38 @@ def variant_label(weights: str | None, compiled: bool) -> str:
     return f"ours ({'compiled' if compiled else 'eager'}{f', {weights} weights' if weights else ''})"
 
 
-def throughput(cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress) -> tuple[list, dict]:
+def throughput(
+    cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress
+) -> tuple[list, dict]:
     """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size, the
     systems taking turns within each repeat (`rates`)."""
     import transformers
 
     formats = list(dict.fromkeys([cfg.model.get("weights"), *b.get("weights", [])]))  # the model's own first
     task = progress.add_task("loading the HF reference", total=len(b.batch_sizes) * b.repeats)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.dtype,
-                                                            attn_implementation="eager").to(model.device).eval()
+    ref = (
+        transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.dtype, attn_implementation="eager")
+        .to(model.device)
+        .eval()
+    )
     models = {}
     for fmt in formats:  # all in memory at once, so they can take turns
         progress.update(task, description=f"loading ours with {fmt or cfg.model.dtype} weights")
         models[fmt] = model if fmt == cfg.model.get("weights") else load_model(cfg, checkpoint, weights=fmt)[1]
     rows, memory = [], {}
     for batch in b.batch_sizes:
-        ids = torch.randint(3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch))
+        ids = torch.randint(
+            3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)
+        )
         systems, extra = {}, {}
         for fmt, m in models.items():
-            def ours(n: int, compile: bool, m=m):
+
+            def ours(n: int, compile: bool, m=m, ids=ids):
                 # tokens only, as HF's generate without output_scores (keeping every step's [B, V] logits costs
                 # page faults and copies: 7% of a float32 batch-8 step on a 262k vocabulary)
-                return hc.generate(m, ids, max_new_tokens=n, cache_config=cache_config, compile=compile,
-                                   output_logits=False)
+                return hc.generate(
+                    m, ids, max_new_tokens=n, cache_config=cache_config, compile=compile, output_logits=False
+                )
 
             # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
             first, last = ours(1, False).cache, ours(b.new_tokens, False).cache
@@ -120,8 +143,11 @@ def throughput(cfg: DictConfig, model, checkpoint: str, cache_config, b: DictCon
                     progress.update(task, description=f"batch {batch}: compiling our decode step ({label})")
                     ours(2, True)  # compile outside the timed region
                 systems[label] = lambda n, c=compiled, run=ours: run(n, c)
-                extra[label] = {"weights_bytes": weight_read_bytes(m)["weights"], "weights_format": fmt,
-                                "cache_bytes_read": (first.nbytes() + last.nbytes()) // 2}
+                extra[label] = {
+                    "weights_bytes": weight_read_bytes(m)["weights"],
+                    "weights_format": fmt,
+                    "cache_bytes_read": (first.nbytes() + last.nbytes()) // 2,
+                }
 
         def hf(n: int, ids=ids):
             with torch.no_grad():
@@ -130,8 +156,11 @@ def throughput(cfg: DictConfig, model, checkpoint: str, cache_config, b: DictCon
         systems["hf"] = hf
         same = next((e for e in extra.values() if e["weights_format"] is None), None)
         # HF reads the unpacked weights and (about) the cache our unpacked model holds
-        extra["hf"] = {"weights_bytes": weight_read_bytes(ref)["weights"], "weights_format": None,
-                       "cache_bytes_read": same["cache_bytes_read"] if same else None}
+        extra["hf"] = {
+            "weights_bytes": weight_read_bytes(ref)["weights"],
+            "weights_format": None,
+            "cache_bytes_read": same["cache_bytes_read"] if same else None,
+        }
         measured = rates(systems, batch, b.prompt_tokens, b.new_tokens, b, progress, task)
         rows += [{**measured[label], **extra[label]} for label in systems]
     ref = models = None  # free the HF copy and the variants before a vLLM engine starts
@@ -145,21 +174,38 @@ def vllm_runner(checkpoint: str, cfg: DictConfig):
     """The vLLM runner, built before any work: its preflight refuses what vLLM cannot run here in one line."""
     from hybridcache.reference import VLLMRunner
 
-    return VLLMRunner(cfg.reference.python, checkpoint, cfg.model.dtype, int(cfg.reference.max_model_len),
-                      None, float(cfg.reference.timeout), OmegaConf.to_container(cfg.reference.engine_args))
+    return VLLMRunner(
+        cfg.reference.python,
+        checkpoint,
+        cfg.model.dtype,
+        int(cfg.reference.max_model_len),
+        None,
+        float(cfg.reference.timeout),
+        OmegaConf.to_container(cfg.reference.engine_args),
+    )
 
 
 def vllm_rates(runner, b: DictConfig, vocab: int) -> list[dict]:
     """vLLM prefill and decode tokens/s per batch size, measured like ours (a 1-token generation, then a full one,
     back to back; decode = the difference), all in one engine whose start is reported apart."""
-    batches = [torch.randint(3, vocab, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)).tolist()
-               for batch in b.batch_sizes]
+    batches = [
+        torch.randint(3, vocab, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)).tolist()
+        for batch in b.batch_sizes
+    ]
     rows = []
     for t in runner.time_batches(batches, int(b.new_tokens), int(b.repeats)):
         decode = t["total_s"] - t["prefill_s"]
-        rows.append({"system": "vllm", "batch": t["batch"], "prefill_tok_s": t["batch"] * b.prompt_tokens / t["prefill_s"],
-                     "decode_tok_s": t["batch"] * (b.new_tokens - 1) / decode if decode > 0 else float("nan"),
-                     "prefill_s": t["prefill_s"], "total_s": t["total_s"], "engine_start_s": runner.engine_seconds})
+        rows.append(
+            {
+                "system": "vllm",
+                "batch": t["batch"],
+                "prefill_tok_s": t["batch"] * b.prompt_tokens / t["prefill_s"],
+                "decode_tok_s": t["batch"] * (b.new_tokens - 1) / decode if decode > 0 else float("nan"),
+                "prefill_s": t["prefill_s"],
+                "total_s": t["total_s"],
+                "engine_start_s": runner.engine_seconds,
+            }
+        )
     return rows
 
 
@@ -173,12 +219,21 @@ def roofline(model, rows: list[dict], b: DictConfig, progress) -> dict:
     for r in rows:
         if r.get("cache_bytes_read") is None or r.get("weights_bytes") is None:
             continue
-        row = roofline_row(r["system"], r["batch"], r["decode_tok_s"], r["weights_bytes"], r["cache_bytes_read"],
-                           bandwidth)
-        r.update(bytes_per_token=row["bytes_per_token"], roofline_tok_s=row["roofline_tok_s"],
-                 roofline_fraction=row["fraction"])
-    return {"read_bandwidth_gb_s": bandwidth / 1e9, "probe_mib": probe, **weight_read_bytes(model),
-            "dtype": str(model.dtype).removeprefix("torch."), "cpu_kernels": kernel_status()}
+        row = roofline_row(
+            r["system"], r["batch"], r["decode_tok_s"], r["weights_bytes"], r["cache_bytes_read"], bandwidth
+        )
+        r.update(
+            bytes_per_token=row["bytes_per_token"],
+            roofline_tok_s=row["roofline_tok_s"],
+            roofline_fraction=row["fraction"],
+        )
+    return {
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "probe_mib": probe,
+        **weight_read_bytes(model),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "cpu_kernels": kernel_status(),
+    }
 
 
 def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: DictConfig, progress) -> list[dict]:
@@ -198,8 +253,16 @@ def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: Dic
     for name, (ckpt, config) in strategies.items():
         for tokens in lc.tokens:
             progress.update(task, description=f"long context: {name}, {tokens} tokens (own process)")
-            cmd = [sys.executable, "-m", "experiments.long_context_probe", ckpt, json.dumps(config), str(tokens),
-                   str(lc.decode_tokens), str(lc.prefill_chunk_size)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "experiments.long_context_probe",
+                ckpt,
+                json.dumps(config),
+                str(tokens),
+                str(lc.decode_tokens),
+                str(lc.prefill_chunk_size),
+            ]
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
             if out.returncode != 0:
                 raise RuntimeError(f"long-context probe {name} at {tokens} tokens failed:\n{out.stderr[-2000:]}")
@@ -233,6 +296,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         seconds = time.perf_counter() - compile_start
         if ops_cfg.pop("enabled", True):  # speculative decoding, prefix reuse (experiments/benchmark_cache_ops.py)
             from experiments.benchmark_cache_ops import print_cache_ops, run_cache_ops
+
             progress.add_task("cache operations: speculative decoding, then prefix reuse", total=None)
             ops = run_cache_ops(model, cache_config, ops_cfg, smoke=bool(b.smoke))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -244,14 +308,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     plots = [throughput_bars(rows, out_dir / "throughput.png")]
     if scaling:
         plots.append(scaling_lines(scaling, out_dir / "long_context.png"))
-    result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint, "throughput": rows,
-              "memory": {str(k): v for k, v in memory.items()}, "long_context": scaling, "summary": summary,
-              "plots": [str(p) for p in plots], "cache_ops": ops}
+    result = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "checkpoint": checkpoint,
+        "throughput": rows,
+        "memory": {str(k): v for k, v in memory.items()},
+        "long_context": scaling,
+        "summary": summary,
+        "plots": [str(p) for p in plots],
+        "cache_ops": ops,
+    }
     json_path = out_dir / "benchmark.json"
     json_path.write_text(json.dumps(result, indent=2, default=str))  # first: W&B must never cost the results
-    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"],
-                      name=f"benchmark-{cfg.get('model_name') or cfg.model.family}",
-                      tags=["benchmark", cfg.model.family])
+    tracker = Tracker(
+        cfg.logger.mode,
+        cfg.logger.project,
+        out_dir,
+        result["config"],
+        name=f"benchmark-{cfg.get('model_name') or cfg.model.family}",
+        tags=["benchmark", cfg.model.family],
+    )
     tracker.table("throughput", list(rows[0]), [[r.get(c) for c in rows[0]] for r in rows])
     if scaling:
         tracker.table("long_context", list(scaling[0]), [list(r.values()) for r in scaling])
@@ -266,9 +342,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print_tables(console, rows, memory, scaling, summary)
     if ops:
         print_cache_ops(console, ops)
-    console.print(f"benchmark time: {summary['wall_s']:.0f} s after loading (throughput, roofline and long context "
-                  f"{summary['throughput_wall_s']:.0f} s)")
-    wandb_line = f"W&B run (offline): {run_dir}   upload: {sync}" if sync else f"W&B: {run_dir or tracker.error or 'disabled'}"
+    console.print(
+        f"benchmark time: {summary['wall_s']:.0f} s after loading (throughput, roofline and long context "
+        f"{summary['throughput_wall_s']:.0f} s)"
+    )
+    wandb_line = (
+        f"W&B run (offline): {run_dir}   upload: {sync}" if sync else f"W&B: {run_dir or tracker.error or 'disabled'}"
+    )
     console.print(f"plots: {', '.join(str(p) for p in plots)}\n{wandb_line}\nresults: {json_path}", soft_wrap=True)
     return result
 
@@ -297,8 +377,16 @@ def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
 
 def print_tables(console: Console, rows, memory, scaling, summary) -> None:
     t = Table(title="throughput (tokens/s, medians; prefill = a 1-token generation, decode = the other steps)")
-    for col in ("system", "batch", "prefill tok/s", "prefill vs HF", "decode tok/s", "decode vs HF", "roofline tok/s",
-                "of roofline"):
+    for col in (
+        "system",
+        "batch",
+        "prefill tok/s",
+        "prefill vs HF",
+        "decode tok/s",
+        "decode vs HF",
+        "roofline tok/s",
+        "of roofline",
+    ):
         t.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
         key = row_key(r["system"])
@@ -306,17 +394,27 @@ def print_tables(console: Console, rows, memory, scaling, summary) -> None:
         pre = summary.get(f"prefill_speedup_vs_hf/{key}/b{r['batch']}")
         limit = r.get("roofline_tok_s")
         label = r["system"] + (f" (engine start {r['engine_start_s']:.0f} s, apart)" if r.get("engine_start_s") else "")
-        t.add_row(label, str(r["batch"]), f"{r['prefill_tok_s']:.0f}" if r.get("prefill_tok_s") else "-",
-                  f"{pre:.2f}x" if pre else "", f"{r['decode_tok_s']:.1f}", f"{speed:.2f}x" if speed else "",
-                  f"{limit:.1f}" if limit else "", f"{r['roofline_fraction']:.0%}" if limit else "")
+        t.add_row(
+            label,
+            str(r["batch"]),
+            f"{r['prefill_tok_s']:.0f}" if r.get("prefill_tok_s") else "-",
+            f"{pre:.2f}x" if pre else "",
+            f"{r['decode_tok_s']:.1f}",
+            f"{speed:.2f}x" if speed else "",
+            f"{limit:.1f}" if limit else "",
+            f"{r['roofline_fraction']:.0%}" if limit else "",
+        )
     console.print(t)
     roof = summary.get("roofline")
     if roof:
-        console.print(f"roofline: read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s (a streaming read-only sum "
-                      f"over {roof['probe_mib']} MiB, this run); a decode step reads {format_bytes(roof['weights'])} "
-                      f"of {roof['dtype']} weights (tied head included, untied input embeddings excluded; packed "
-                      "formats: their own bytes) + the cache; roofline tok/s = batch x bandwidth / (weights + cache "
-                      f"bytes). CPU decode kernels: {roof['cpu_kernels']}", soft_wrap=True)
+        console.print(
+            f"roofline: read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s (a streaming read-only sum "
+            f"over {roof['probe_mib']} MiB, this run); a decode step reads {format_bytes(roof['weights'])} "
+            f"of {roof['dtype']} weights (tied head included, untied input embeddings excluded; packed "
+            "formats: their own bytes) + the cache; roofline tok/s = batch x bandwidth / (weights + cache "
+            f"bytes). CPU decode kernels: {roof['cpu_kernels']}",
+            soft_wrap=True,
+        )
     m = Table(title="cache memory after the throughput run (held vs theoretical minimum)")
     for col in ("batch", "type", "held", "minimum", "ratio"):
         m.add_column(col, justify="right")
@@ -328,7 +426,13 @@ def print_tables(console: Console, rows, memory, scaling, summary) -> None:
     for col in ("strategy", "prompt tokens", "prefill s", "decode ms/token", "peak RSS MiB", "cache held"):
         s.add_column(col, justify="left" if col == "strategy" else "right")
     for r in scaling:
-        s.add_row(r["strategy"], str(r["tokens"]), f"{r['prefill_s']:.2f}", f"{r['decode_ms_per_token']:.2f}",
-                  f"{r['peak_rss_mib']:.0f}", format_bytes(r["cache_bytes"]))
+        s.add_row(
+            r["strategy"],
+            str(r["tokens"]),
+            f"{r['prefill_s']:.2f}",
+            f"{r['decode_ms_per_token']:.2f}",
+            f"{r['peak_rss_mib']:.0f}",
+            format_bytes(r["cache_bytes"]),
+        )
     if scaling:
         console.print(s)

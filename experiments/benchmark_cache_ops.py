@@ -23,11 +23,28 @@ from hybridcache.cache.plan import format_bytes
 from hybridcache.prefix_cache import PrefixStore
 from hybridcache.speculative import EarlyExitDraft
 
-DEFAULTS = {"prompt_tokens": 64, "new_tokens": 64, "num_draft_tokens": [2, 4], "draft_layers": 0.5,
-            "requests": 6, "system_tokens": 96, "suffix_tokens": 16, "turn_new_tokens": 16, "block_size": 16,
-            "max_bytes": 64 << 20}
-SMOKE = {"prompt_tokens": 8, "new_tokens": 8, "num_draft_tokens": [2], "requests": 3, "system_tokens": 16,
-         "suffix_tokens": 4, "turn_new_tokens": 4, "block_size": 8}
+DEFAULTS = {
+    "prompt_tokens": 64,
+    "new_tokens": 64,
+    "num_draft_tokens": [2, 4],
+    "draft_layers": 0.5,
+    "requests": 6,
+    "system_tokens": 96,
+    "suffix_tokens": 16,
+    "turn_new_tokens": 16,
+    "block_size": 16,
+    "max_bytes": 64 << 20,
+}
+SMOKE = {
+    "prompt_tokens": 8,
+    "new_tokens": 8,
+    "num_draft_tokens": [2],
+    "requests": 3,
+    "system_tokens": 16,
+    "suffix_tokens": 4,
+    "turn_new_tokens": 4,
+    "block_size": 8,
+}
 
 
 def _ids(n: int, seed: int, vocab: int) -> torch.Tensor:
@@ -49,15 +66,31 @@ def speculative_rows(model, cache_config, s: dict[str, Any]) -> list[dict[str, A
     hc.generate(model, ids, max_new_tokens=2, cache_config=cache_config)  # warm-up
     plain, t_plain = _timed(lambda: hc.generate(model, ids, max_new_tokens=new, cache_config=cache_config))
     for k in s["num_draft_tokens"]:
-        spec, t_spec = _timed(lambda: hc.generate(model, ids, max_new_tokens=new, cache_config=cache_config,
-                                                  draft_model=draft, draft_cache_config=cache_config,
-                                                  num_draft_tokens=int(k)))
+        spec, t_spec = _timed(
+            lambda k=k: hc.generate(
+                model,
+                ids,
+                max_new_tokens=new,
+                cache_config=cache_config,
+                draft_model=draft,
+                draft_cache_config=cache_config,
+                num_draft_tokens=int(k),
+            )
+        )
         st = spec.stats
-        rows.append({"draft": f"first {layers}/{len(model.decoder_layers)} layers", "k": int(k),
-                     "acceptance_rate": st["acceptance_rate"], "tokens_per_target_call": st["tokens_per_target_call"],
-                     "plain_s": t_plain, "speculative_s": t_spec, "speedup": t_plain / t_spec,
-                     "identical": bool(torch.equal(spec.sequences, plain.sequences)),
-                     "rollback": f"{st['rollback']['target']}/{st['rollback']['draft']}"})
+        rows.append(
+            {
+                "draft": f"first {layers}/{len(model.decoder_layers)} layers",
+                "k": int(k),
+                "acceptance_rate": st["acceptance_rate"],
+                "tokens_per_target_call": st["tokens_per_target_call"],
+                "plain_s": t_plain,
+                "speculative_s": t_spec,
+                "speedup": t_plain / t_spec,
+                "identical": bool(torch.equal(spec.sequences, plain.sequences)),
+                "rollback": f"{st['rollback']['target']}/{st['rollback']['draft']}",
+            }
+        )
     return rows
 
 
@@ -80,13 +113,24 @@ def prefix_rows(model, cache_config, s: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for policy in ("marconi", "all"):
         store = PrefixStore(block_size=int(s["block_size"]), max_bytes=int(s["max_bytes"]), policy=policy)
-        outs, t = _timed(lambda: workload(store))
+        outs, t = _timed(lambda store=store: workload(store))
         st = store.stats()
-        rows.append({"policy": policy, "requests": st["requests"], "hit_rate": st["hit_rate"],
-                     "tokens_saved": st["tokens_saved"], "saved_fraction": st["saved_fraction"],
-                     "bytes_held": st["bytes_held"], "entries": st["entries"], "evicted": st["evicted"],
-                     "no_reuse_s": t_base, "reuse_s": t, "speedup": t_base / t,
-                     "identical": all(torch.equal(a.sequences, b.sequences) for a, b in zip(outs, base))})
+        rows.append(
+            {
+                "policy": policy,
+                "requests": st["requests"],
+                "hit_rate": st["hit_rate"],
+                "tokens_saved": st["tokens_saved"],
+                "saved_fraction": st["saved_fraction"],
+                "bytes_held": st["bytes_held"],
+                "entries": st["entries"],
+                "evicted": st["evicted"],
+                "no_reuse_s": t_base,
+                "reuse_s": t,
+                "speedup": t_base / t,
+                "identical": all(torch.equal(a.sequences, b.sequences) for a, b in zip(outs, base)),
+            }
+        )
     return rows
 
 
@@ -110,13 +154,28 @@ def print_cache_ops(console: Console, ops: dict[str, Any]) -> None:
     for col in ("draft", "k", "acceptance", "tokens/target call", "speed-up", "identical", "rollback"):
         t.add_column(col, justify="right")
     for r in ops["speculative"]:
-        t.add_row(r["draft"], str(r["k"]), f"{r['acceptance_rate']:.2f}", f"{r['tokens_per_target_call']:.2f}",
-                  f"{r['speedup']:.2f}x", str(r["identical"]), r["rollback"])
+        t.add_row(
+            r["draft"],
+            str(r["k"]),
+            f"{r['acceptance_rate']:.2f}",
+            f"{r['tokens_per_target_call']:.2f}",
+            f"{r['speedup']:.2f}x",
+            str(r["identical"]),
+            r["rollback"],
+        )
     console.print(t)
     p = Table(title="prefix reuse (shared system prompt, then second turns) vs no reuse")
     for col in ("policy", "requests", "hit rate", "tokens saved", "bytes held", "evicted", "speed-up", "identical"):
         p.add_column(col, justify="right")
     for r in ops["prefix_reuse"]:
-        p.add_row(r["policy"], str(r["requests"]), f"{r['hit_rate']:.2f}", f"{r['tokens_saved']}",
-                  format_bytes(r["bytes_held"]), str(r["evicted"]), f"{r['speedup']:.2f}x", str(r["identical"]))
+        p.add_row(
+            r["policy"],
+            str(r["requests"]),
+            f"{r['hit_rate']:.2f}",
+            f"{r['tokens_saved']}",
+            format_bytes(r["bytes_held"]),
+            str(r["evicted"]),
+            f"{r['speedup']:.2f}x",
+            str(r["identical"]),
+        )
     console.print(p)

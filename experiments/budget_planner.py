@@ -37,7 +37,8 @@ ATTENTION_OPTIONS: dict[str, dict[str, Any]] = {
     "kivi2": {"storage": "kivi", "nbits": 2, "q_group_size": 8, "residual": 8},  # sized for short tests
 }
 RECURRENT_OPTIONS: dict[str, dict[str, Any]] = {
-    c: {"state_codec": c} for c in ("bfloat16", "float8_e4m3fn", "int8", "int4")}
+    c: {"state_codec": c} for c in ("bfloat16", "float8_e4m3fn", "int8", "int4")
+}
 DEFAULT_OPTIONS = {"attention": ATTENTION_OPTIONS, "recurrent": RECURRENT_OPTIONS}
 
 
@@ -51,6 +52,8 @@ def scaled_options(scale: int) -> dict[str, dict[str, dict[str, Any]]]:
             name = f"{spec['type']}{spec.get('window') or spec['chunk_size']}"
         attention[name] = spec
     return {"attention": attention, "recurrent": RECURRENT_OPTIONS}
+
+
 METRICS = ("kl", "nll_increase")
 
 
@@ -70,8 +73,14 @@ def run_config(model: Any, ids: torch.Tensor, prompt_len: int, config: Mapping[s
     return torch.cat(out, dim=1).float(), cache
 
 
-def measure_costs(model: Any, ids: torch.Tensor, prompt_len: int, tables: Sequence[LayerTable],
-                  metric: str = "kl", console: Console | None = None) -> tuple[list[LayerTable], list[dict]]:
+def measure_costs(
+    model: Any,
+    ids: torch.Tensor,
+    prompt_len: int,
+    tables: Sequence[LayerTable],
+    metric: str = "kl",
+    console: Console | None = None,
+) -> tuple[list[LayerTable], list[dict]]:
     """The tables with measured costs (`metric`: kl or nll_increase), and one row per (layer, option)."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
@@ -97,8 +106,14 @@ def measure_costs(model: Any, ids: torch.Tensor, prompt_len: int, tables: Sequen
     return out, rows
 
 
-def evaluate(model: Any, ids: torch.Tensor, prompt_len: int, tables: Sequence[LayerTable], budgets: Sequence[int],
-             console: Console | None = None) -> list[dict]:
+def evaluate(
+    model: Any,
+    ids: torch.Tensor,
+    prompt_len: int,
+    tables: Sequence[LayerTable],
+    budgets: Sequence[int],
+    console: Console | None = None,
+) -> list[dict]:
     """Each budget's plan and every uniform plan, run with all layers changed at once: predicted vs measured cost."""
     front = pareto_front(tables)
     cases: dict[str, tuple[str, int | None, Choice]] = {}
@@ -115,9 +130,18 @@ def evaluate(model: Any, ids: torch.Tensor, prompt_len: int, tables: Sequence[La
         task = progress.add_task("planned and uniform configs (all layers at once)", total=len(cases))
         for label, (kind, budget, choice) in cases.items():
             logits, cache = run_config(model, ids, prompt_len, choice.config)
-            rows.append({"config": label, "kind": kind, "budget": budget, "bytes": choice.nbytes,
-                         "held_after_run": cache.nbytes(), "predicted_cost": choice.cost,
-                         **compare_logits(ref, logits, targets), "choice": choice.names})
+            rows.append(
+                {
+                    "config": label,
+                    "kind": kind,
+                    "budget": budget,
+                    "bytes": choice.nbytes,
+                    "held_after_run": cache.nbytes(),
+                    "predicted_cost": choice.cost,
+                    **compare_logits(ref, logits, targets),
+                    "choice": choice.names,
+                }
+            )
             progress.advance(task)
     mark_front(rows)
     return rows
@@ -134,13 +158,21 @@ def render_table(rows: Sequence[dict], title: str) -> Table:
     for c in ("config", "bytes", "held after run", "predicted KL", "measured KL", "ΔNLL", "front"):
         table.add_column(c, justify="left" if c == "config" else "right")
     for r in sorted(rows, key=lambda r: (r["bytes"], r["kl"])):
-        table.add_row(r["config"], str(r["bytes"]), str(r["held_after_run"]), f"{r['predicted_cost']:.2e}",
-                      f"{r['kl']:.2e}", f"{r['nll_increase']:+.2e}", "*" if r["on_front"] else "")
+        table.add_row(
+            r["config"],
+            str(r["bytes"]),
+            str(r["held_after_run"]),
+            f"{r['predicted_cost']:.2e}",
+            f"{r['kl']:.2e}",
+            f"{r['nll_increase']:+.2e}",
+            "*" if r["on_front"] else "",
+        )
     return table
 
 
 def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -148,12 +180,28 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     uni = [r for r in rows if r["kind"] == "uniform"]
     planned = sorted((r for r in rows if r["kind"] == "planned"), key=lambda r: r["bytes"])
     floor = min([r["kl"] for r in rows if r["kl"] > 0] or [1e-9]) / 3  # native (KL 0) drawn at the floor
-    ax.scatter([r["bytes"] / 1024 for r in uni], [max(r["kl"], floor) for r in uni], marker="x", color="grey",
-               label="uniform (same option per kind)")
-    ax.plot([r["bytes"] / 1024 for r in planned], [max(r["kl"], floor) for r in planned], "o-", color="C0",
-            label="planned, measured")
-    ax.plot([r["bytes"] / 1024 for r in planned], [max(r["predicted_cost"], floor) for r in planned], "s--",
-            color="C1", alpha=0.7, label="planned, predicted (sum of per-layer KL)")
+    ax.scatter(
+        [r["bytes"] / 1024 for r in uni],
+        [max(r["kl"], floor) for r in uni],
+        marker="x",
+        color="grey",
+        label="uniform (same option per kind)",
+    )
+    ax.plot(
+        [r["bytes"] / 1024 for r in planned],
+        [max(r["kl"], floor) for r in planned],
+        "o-",
+        color="C0",
+        label="planned, measured",
+    )
+    ax.plot(
+        [r["bytes"] / 1024 for r in planned],
+        [max(r["predicted_cost"], floor) for r in planned],
+        "s--",
+        color="C1",
+        alpha=0.7,
+        label="planned, predicted (sum of per-layer KL)",
+    )
     ax.set_yscale("log")
     ax.set_xlabel("cache bytes held (KiB, peak between blocks)")
     ax.set_ylabel(f"KL(native || config), nats per token (native drawn at {floor:.0e})")
@@ -180,10 +228,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     from hybridcache.tiny_models import tiny_checkpoint
 
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    a.add_argument("--model", default="zamba2",
-                   help="a tiny_models family, a real checkpoint's name (trained_hybrid) or a checkpoint directory")
-    a.add_argument("--text", default="random", choices=("random", "pydoc", "stdlib", "mqar"),
-                   help="random ids (random weights) or the study's English text (a trained model)")
+    a.add_argument(
+        "--model",
+        default="zamba2",
+        help="a tiny_models family, a real checkpoint's name (trained_hybrid) or a checkpoint directory",
+    )
+    a.add_argument(
+        "--text",
+        default="random",
+        choices=("random", "pydoc", "stdlib", "mqar"),
+        help="random ids (random weights) or the study's English text (a trained model)",
+    )
     a.add_argument("--scale", type=int, default=1, help="attention windows / chunks x this (defaults: 8-16 tokens)")
     a.add_argument("--tokens", type=int, default=48)
     a.add_argument("--prompt", type=int, default=32)
@@ -211,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             console.print(f"layer {t.address}: option {name} skipped: {why}")
     tables, sens = measure_costs(model, ids, args.prompt, tables, args.metric, console)
     rows = evaluate(model, ids, args.prompt, tables, budget_sweep(tables, args.budgets), console)
-    title = f"{Path(args.model).name} ({args.text} text): {args.prompt}-token prompt + {args.tokens - args.prompt - 1} decode steps"
+    steps = args.tokens - args.prompt - 1
+    title = f"{Path(args.model).name} ({args.text} text): {args.prompt}-token prompt + {steps} decode steps"
     console.print(render_table(rows, title))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

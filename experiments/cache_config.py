@@ -30,8 +30,16 @@ def _why_ignored(key: str, entry: dict, name: str) -> str:
 
 
 DTYPE_FIELDS = ("state_dtype",)  # names of float dtypes on the command line -> torch dtypes
-SIZE_FIELDS = {"window": 1, "chunk_size": 1, "sinks": 1, "budget": 1, "q_group_size": 1, "residual": 0,
-               "checkpoints": 0, "max_length": 1}  # field -> smallest valid value
+SIZE_FIELDS = {
+    "window": 1,
+    "chunk_size": 1,
+    "sinks": 1,
+    "budget": 1,
+    "q_group_size": 1,
+    "residual": 0,
+    "checkpoints": 0,
+    "max_length": 1,
+}  # field -> smallest valid value
 
 
 def size_field_problem(where: str, key: str, value: Any) -> str | None:
@@ -54,8 +62,9 @@ def _typed(where: str, entry: dict) -> dict:
         if k in DTYPE_FIELDS and isinstance(v, str):
             dtype = getattr(torch, v.removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise CacheConfigError(f"cache.{where}.{k}={v} is not a floating-point dtype (float32, float64, "
-                                       "bfloat16, float16)")
+                raise CacheConfigError(
+                    f"cache.{where}.{k}={v} is not a floating-point dtype (float32, float64, bfloat16, float16)"
+                )
             out[k] = dtype
         elif k in SIZE_FIELDS and size_field_problem(f"{where}.{k}", k, v):
             raise CacheConfigError(size_field_problem(f"{where}.{k}", k, v))
@@ -116,5 +125,3 @@ def cache_config_from_hydra(cache_cfg: DictConfig | dict) -> tuple[dict[str, Any
     """The cache-config mapping and whether to preallocate (see `cache_config_with_notes`)."""
     config, preallocate, _ = cache_config_with_notes(cache_cfg)
     return config, preallocate
-
-

@@ -107,12 +107,18 @@ def use_vllm_variant(cfg: DictConfig) -> bool:
     a multiple of vLLM-CPU's block size; lfm2: tied head, as vLLM always ties it) uses that variant, and says so."""
     from hybridcache.tiny_models import SIZES
 
-    if (cfg.reference.get("name") != "vllm" or cfg.model.checkpoint or cfg.model.get("size", "tiny") != "tiny"
-            or cfg.model.family not in SIZES["vllm"]):
+    if (
+        cfg.reference.get("name") != "vllm"
+        or cfg.model.checkpoint
+        or cfg.model.get("size", "tiny") != "tiny"
+        or cfg.model.family not in SIZES["vllm"]
+    ):
         return False
     cfg.model.size = "vllm"
-    print(f"reference=vllm: using the vLLM-compatible tiny {cfg.model.family} (model.size=vllm: "
-          f"{', '.join(f'{k}={v}' for k, v in SIZES['vllm'][cfg.model.family].items())})")
+    print(
+        f"reference=vllm: using the vLLM-compatible tiny {cfg.model.family} (model.size=vllm: "
+        f"{', '.join(f'{k}={v}' for k, v in SIZES['vllm'][cfg.model.family].items())})"
+    )
     return True
 
 
@@ -268,9 +274,19 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
         resolve_plan(native, cache_config)  # cache mistakes first, before the tokenizer
     except CacheError as e:
         raise UserError(str(e)) from None
-    prepared = Prepared(checkpoint, describe_checkpoint(cfg.model, checkpoint), str(hf_config.get("model_type")),
-                        weights_fingerprint(checkpoint), dtype, None, [], cache_config, preallocate, notes,
-                        tolerance=oracle_tolerance(cfg, dtype))
+    prepared = Prepared(
+        checkpoint,
+        describe_checkpoint(cfg.model, checkpoint),
+        str(hf_config.get("model_type")),
+        weights_fingerprint(checkpoint),
+        dtype,
+        None,
+        [],
+        cache_config,
+        preallocate,
+        notes,
+        tolerance=oracle_tolerance(cfg, dtype),
+    )
     eos = hf_config.get("eos_token_id")
     prepared.eos = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)
     longest = None
@@ -293,9 +309,15 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
 
 def identity(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
     """What a recording must share with a run that replays it."""
-    return {"model_type": prepared.model_type, "weights": prepared.fingerprint, "dtype": str(cfg.model.dtype),
-            "packed_weights": cfg.model.get("weights"),
-            "max_new_tokens": int(cfg.max_new_tokens), "top_k": int(cfg.top_k), "eos_token_id": prepared.eos}
+    return {
+        "model_type": prepared.model_type,
+        "weights": prepared.fingerprint,
+        "dtype": str(cfg.model.dtype),
+        "packed_weights": cfg.model.get("weights"),
+        "max_new_tokens": int(cfg.max_new_tokens),
+        "top_k": int(cfg.top_k),
+        "eos_token_id": prepared.eos,
+    }
 
 
 def check_reference(cfg: DictConfig, prepared: Prepared) -> None:
@@ -324,8 +346,15 @@ def check_reference(cfg: DictConfig, prepared: Prepared) -> None:
         raise UserError(f"unknown reference '{ref.name}' (known: hf, vllm, file, none)")
 
 
-def make_reference(ref_cfg: DictConfig, checkpoint: str, dtype: torch.dtype, device: str, eos: int | None,
-                   expect: dict | None = None, prompts: list[list[int]] | None = None):
+def make_reference(
+    ref_cfg: DictConfig,
+    checkpoint: str,
+    dtype: torch.dtype,
+    device: str,
+    eos: int | None,
+    expect: dict | None = None,
+    prompts: list[list[int]] | None = None,
+):
     from hybridcache.reference import FileRunner, HFRunner, VLLMRunner
 
     name = ref_cfg.name
@@ -336,9 +365,16 @@ def make_reference(ref_cfg: DictConfig, checkpoint: str, dtype: torch.dtype, dev
     if name == "file":
         return FileRunner(ref_cfg.path, expect=expect, prompts=prompts)
     if name == "vllm":
-        return VLLMRunner(ref_cfg.python, checkpoint, str(dtype).replace("torch.", ""), int(ref_cfg.max_model_len),
-                          eos, float(ref_cfg.timeout), OmegaConf.to_container(ref_cfg.engine_args),
-                          str(ref_cfg.get("platform", "auto")))
+        return VLLMRunner(
+            ref_cfg.python,
+            checkpoint,
+            str(dtype).replace("torch.", ""),
+            int(ref_cfg.max_model_len),
+            eos,
+            float(ref_cfg.timeout),
+            OmegaConf.to_container(ref_cfg.engine_args),
+            str(ref_cfg.get("platform", "auto")),
+        )
     raise UserError(f"unknown reference '{name}' (known: hf, vllm, file, none)")
 
 
@@ -349,8 +385,10 @@ def check_weights(weights: Any, dtype: torch.dtype) -> None:
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise UserError(f"model.weights={weights} is not one of null, {', '.join(WEIGHT_FORMATS)}")
     if weights is not None and dtype != torch.float32:
-        raise UserError(f"model.weights={weights} packs the projections of a float32 model (its kernel sums in "
-                        f"float32); model.dtype is {str(dtype).removeprefix('torch.')}")
+        raise UserError(
+            f"model.weights={weights} packs the projections of a float32 model (its kernel sums in "
+            f"float32); model.dtype is {str(dtype).removeprefix('torch.')}"
+        )
 
 
 def load_model(cfg: DictConfig, checkpoint: str | None = None, weights: Any = "model"):
@@ -363,7 +401,7 @@ def load_model(cfg: DictConfig, checkpoint: str | None = None, weights: Any = "m
     return checkpoint, model
 
 
-# -- output directory and titles -----------------------------------------------------------------------------------------
+# -- output directory and titles ---------------------------------------------------------------------------------
 def output_dir() -> Path:
     from hydra.core.hydra_config import HydraConfig
 
@@ -412,8 +450,14 @@ def write_error_result(cfg: DictConfig, message: str, exit_code: int = 2) -> Non
     except ValueError:  # not under Hydra
         return
     out.mkdir(parents=True, exist_ok=True)
-    result = {"status": "error", "error": message, "exit_code": exit_code, "title": run_title(cfg),
-              "overrides": task_overrides(), "config": OmegaConf.to_container(cfg, resolve=False)}
+    result = {
+        "status": "error",
+        "error": message,
+        "exit_code": exit_code,
+        "title": run_title(cfg),
+        "overrides": task_overrides(),
+        "config": OmegaConf.to_container(cfg, resolve=False),
+    }
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
 
 

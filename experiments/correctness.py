@@ -16,8 +16,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import (
-    Prepared, ReferenceFailed, UserError, identity, load_model, make_console, make_reference, output_dir, preflight, run_title,
-    sweep_group, task_overrides,
+    Prepared,
+    ReferenceFailed,
+    UserError,
+    identity,
+    load_model,
+    make_console,
+    make_reference,
+    output_dir,
+    preflight,
+    run_title,
+    sweep_group,
+    task_overrides,
 )
 from experiments.report import print_summary, type_bytes, verdict
 from hybridcache.tracking import Tracker
@@ -31,8 +41,15 @@ def _generate_ours(model, prompt, cfg, prep: Prepared, max_new_tokens: int | Non
     max_length = len(prompt) + n if prep.preallocate or cfg.generation.compile else None
     cache = model.make_cache(1, prep.cache_config, max_length)
     start = time.perf_counter()
-    out = hc.generate(model, ids, max_new_tokens=n, eos_token_id=prep.eos, cache=cache,
-                      prefill_chunk_size=cfg.prefill_chunk_size, compile=cfg.generation.compile)
+    out = hc.generate(
+        model,
+        ids,
+        max_new_tokens=n,
+        eos_token_id=prep.eos,
+        cache=cache,
+        prefill_chunk_size=cfg.prefill_chunk_size,
+        compile=cfg.generation.compile,
+    )
     if out.sequences.device.type == "cuda":
         torch.cuda.synchronize()
     return out, time.perf_counter() - start
@@ -43,7 +60,7 @@ def _oracle_logits(model, sequence: torch.Tensor, prompt_len: int, cache_config)
     """The recompute: the whole generated sequence (minus its last token) in one forward with a fresh cache under the
     same strategy, as use_cache=False does at every step; the logits that chose each new token [1, N, V]."""
     logits = model(sequence[:, :-1], model.make_cache(1, cache_config))
-    return logits[:, prompt_len - 1:]
+    return logits[:, prompt_len - 1 :]
 
 
 def _run_prompts(model, cfg, prep: Prepared, console) -> tuple[list, list, list, float]:
@@ -60,13 +77,18 @@ def _run_prompts(model, cfg, prep: Prepared, console) -> tuple[list, list, list,
         task = progress.add_task("ours + oracle", total=len(prep.prompts))
         for prompt in prep.prompts:
             out, seconds = _generate_ours(model, prompt, cfg, prep)
-            tokens = out.sequences[0, len(prompt):].tolist()
+            tokens = out.sequences[0, len(prompt) :].tolist()
             oracle = _oracle_logits(model, out.sequences, len(prompt), prep.cache_config)
-            checks.append(teacher_forced_check(out.sequences[:, len(prompt):], out.logits, oracle, prep.tolerance))
+            checks.append(teacher_forced_check(out.sequences[:, len(prompt) :], out.logits, oracle, prep.tolerance))
             ours.append(generation_from_logits(prompt, tokens, out.logits[0], cfg.top_k, seconds))
             seen = int(out.cache.seen.max())
-            memory.append({"seen": seen, "held": out.cache.nbytes(),
-                           "by_type": {r["type"]: r["held"] for r in out.cache.memory_report()}})
+            memory.append(
+                {
+                    "seen": seen,
+                    "held": out.cache.nbytes(),
+                    "by_type": {r["type"]: r["held"] for r in out.cache.memory_report()},
+                }
+            )
             progress.advance(task)
     return ours, checks, memory, warmup_s
 
@@ -81,8 +103,9 @@ def _run_reference(reference, prep: Prepared, cfg, console):
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"reference ({reference.name})", total=len(prep.prompts))
         try:
-            return reference.generate(prep.prompts, cfg.max_new_tokens, cfg.top_k,
-                                      progress=lambda: progress.advance(task))
+            return reference.generate(
+                prep.prompts, cfg.max_new_tokens, cfg.top_k, progress=lambda: progress.advance(task)
+            )
         except (RuntimeError, TimeoutError) as e:  # the reference's own failure, its root cause first
             raise ReferenceFailed(f"the {reference.name} reference failed: {e}") from None
 
@@ -94,15 +117,24 @@ def _reference_info(reference, cfg) -> dict[str, Any]:
     if reference.name == "file":
         meta = reference.meta
         source = reference.source
-        info = {"name": "file", "source": source, "native": source in ("hf", "vllm"), "path": str(reference.path),
-                "timing": None}
+        info = {
+            "name": "file",
+            "source": source,
+            "native": source in ("hf", "vllm"),
+            "path": str(reference.path),
+            "timing": None,
+        }
         if source == "hybridcache":
             info["cache"] = meta.get("cache")
             info["plan"] = meta.get("plan")
         return info
     batched = reference.name == "vllm"
-    return {"name": reference.name, "source": reference.name, "native": True,
-            "timing": "all prompts in one batch" if batched else "batch 1, per prompt, after a warm-up"}
+    return {
+        "name": reference.name,
+        "source": reference.name,
+        "native": True,
+        "timing": "all prompts in one batch" if batched else "batch 1, per prompt, after a warm-up",
+    }
 
 
 def _plan_keys(records: list[dict] | None) -> list[dict] | None:
@@ -125,27 +157,59 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - an interpolation that fails is preflight's to report
         config = OmegaConf.to_container(cfg, resolve=False)
     # results.json exists from the first moment: a run that stops anywhere (even in a bug) leaves its status
-    json_path.write_text(json.dumps({"status": "starting", "title": title, "overrides": task_overrides(),
-                                     "config": config}, indent=2, default=str))
+    json_path.write_text(
+        json.dumps(
+            {"status": "starting", "title": title, "overrides": task_overrides(), "config": config},
+            indent=2,
+            default=str,
+        )
+    )
     try:
         prep = preflight(cfg)  # UserError: one line, before any model is loaded (run_experiment records it)
     except UserError:
         raise
     except BaseException as e:
-        json_path.write_text(json.dumps({"status": "crashed", "error": f"{type(e).__name__}: {e}", "exit_code": 1,
-                                         "title": title, "overrides": task_overrides(), "config": config},
-                                        indent=2, default=str))
+        json_path.write_text(
+            json.dumps(
+                {
+                    "status": "crashed",
+                    "error": f"{type(e).__name__}: {e}",
+                    "exit_code": 1,
+                    "title": title,
+                    "overrides": task_overrides(),
+                    "config": config,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         raise
-    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, config, group=sweep_group(cfg), name=title,
-                      tags=[cfg.get("model_name") or cfg.model.family, cfg.cache_name, cfg.reference.name])
+    tracker = Tracker(
+        cfg.logger.mode,
+        cfg.logger.project,
+        out_dir,
+        config,
+        group=sweep_group(cfg),
+        name=title,
+        tags=[cfg.get("model_name") or cfg.model.family, cfg.cache_name, cfg.reference.name],
+    )
     console.rule(f"[bold]{title}")
     console.print(f"model: {prep.checkpoint_note}, {cfg.model.dtype} on {cfg.model.device}")
     if tracker.error:
         console.print(f"[yellow]W&B: {tracker.error}; continuing without W&B (everything goes to {json_path})[/]")
-    result: dict[str, Any] = {"status": "running", "title": title, "overrides": task_overrides(), "config": config,
-                              "checkpoint": prep.checkpoint, "checkpoint_note": prep.checkpoint_note,
-                              "random_weights": not cfg.model.checkpoint, "weights_fingerprint": prep.fingerprint,
-                              "cache_config": prep.cache_config, "preallocate": prep.preallocate, "notes": prep.notes}
+    result: dict[str, Any] = {
+        "status": "running",
+        "title": title,
+        "overrides": task_overrides(),
+        "config": config,
+        "checkpoint": prep.checkpoint,
+        "checkpoint_note": prep.checkpoint_note,
+        "random_weights": not cfg.model.checkpoint,
+        "weights_fingerprint": prep.fingerprint,
+        "cache_config": prep.cache_config,
+        "preallocate": prep.preallocate,
+        "notes": prep.notes,
+    }
     json_path.write_text(json.dumps(result, indent=2, default=str))
     torch.manual_seed(cfg.seed)
     try:
@@ -165,8 +229,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             console.print(f"[yellow]note: {note}[/]")
 
         ours, checks, memory, warmup_s = _run_prompts(model, cfg, prep, console)
-        reference = make_reference(cfg.reference, checkpoint, model.dtype, cfg.model.device, prep.eos,
-                                   expect=identity(cfg, prep), prompts=prompts)
+        reference = make_reference(
+            cfg.reference,
+            checkpoint,
+            model.dtype,
+            cfg.model.device,
+            prep.eos,
+            expect=identity(cfg, prep),
+            prompts=prompts,
+        )
         refs = _run_reference(reference, prep, cfg, console)
         ref_info = _reference_info(reference, cfg)
         plan_records = plan.to_records(1, memory[longest_i]["seen"])  # what the summary's bytes are for (eos too)
@@ -175,8 +246,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         record = cfg.get("record")
         if record:
-            meta = {**identity(cfg, prep), "checkpoint": checkpoint,
-                    "source": reference.name if reference and reference.name != "file" else "hybridcache"}
+            meta = {
+                **identity(cfg, prep),
+                "checkpoint": checkpoint,
+                "source": reference.name if reference and reference.name != "file" else "hybridcache",
+            }
             if meta["source"] == "hybridcache":
                 meta.update(cache=cfg.cache_name, plan=plan_records)
             recorded = write_jsonl(record, refs if refs is not None and reference.name != "file" else ours, meta)
@@ -185,9 +259,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         comparisons = [compare_generations(o, r) for o, r in zip(ours, refs)] if refs is not None else []
         rows = []
         for i, (text, gen, check) in enumerate(zip(cfg.prompts.texts, ours, checks)):
-            row = {"prompt": text, "prompt_tokens": len(gen.prompt), "ours_text": prep.tokenizer.decode(gen.tokens),
-                   "new_tokens": len(gen.tokens), "oracle_pass": check.passed,
-                   "oracle_max_dlogit": check.max_abs_dlogit, "oracle_tokens_equal": check.tokens_equal}
+            row = {
+                "prompt": text,
+                "prompt_tokens": len(gen.prompt),
+                "ours_text": prep.tokenizer.decode(gen.tokens),
+                "new_tokens": len(gen.tokens),
+                "oracle_pass": check.passed,
+                "oracle_max_dlogit": check.max_abs_dlogit,
+                "oracle_tokens_equal": check.tokens_equal,
+            }
             if comparisons:
                 row.update(reference_text=prep.tokenizer.decode(refs[i].tokens), **comparisons[i].to_json())
             rows.append(row)
@@ -213,11 +293,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         }
         if comparisons:
             deltas = [c.max_abs_dlogprob for c in comparisons if c.max_abs_dlogprob is not None]
-            summary.update({
-                "agreement": sum(c.agreement for c in comparisons) / len(comparisons),
-                "pass_rate": sum(c.topk_pass for c in comparisons) / len(comparisons),
-                "max_abs_dlogprob": max(deltas) if deltas else None,
-            })
+            summary.update(
+                {
+                    "agreement": sum(c.agreement for c in comparisons) / len(comparisons),
+                    "pass_rate": sum(c.topk_pass for c in comparisons) / len(comparisons),
+                    "max_abs_dlogprob": max(deltas) if deltas else None,
+                }
+            )
             if ref_info.get("timing"):
                 key = "tokens_per_s/reference_batched" if reference.name == "vllm" else "tokens_per_s/reference"
                 summary[key] = sum(len(r.tokens) for r in refs) / max(sum(r.seconds for r in refs), 1e-9)
@@ -225,10 +307,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 summary["reference/engine_start_s"] = reference.engine_seconds  # excluded from tokens/s
         lines, exit_code = verdict(cfg, plan, summary, ref_info)
         summary["verdict"] = lines
-        result.update(status="oracle_failed" if exit_code else "ok", exit_code=exit_code, plan=plan_records,
-                      plan_note=plan_note, reference=ref_info, prompts=rows, summary=summary,
-                      generations={"ours": [g.to_json() for g in ours], "reference": [r.to_json() for r in refs or []]},
-                      wandb={"dir": str(tracker.run_dir) if tracker.run_dir else None, "sync": tracker.sync_command})
+        result.update(
+            status="oracle_failed" if exit_code else "ok",
+            exit_code=exit_code,
+            plan=plan_records,
+            plan_note=plan_note,
+            reference=ref_info,
+            prompts=rows,
+            summary=summary,
+            generations={"ours": [g.to_json() for g in ours], "reference": [r.to_json() for r in refs or []]},
+            wandb={"dir": str(tracker.run_dir) if tracker.run_dir else None, "sync": tracker.sync_command},
+        )
         json_path.write_text(json.dumps(result, indent=2, default=str))  # before any W&B logging
 
         print_summary(console, title, rows, summary, ref_info, lines, tracker, json_path)
@@ -258,12 +347,21 @@ def _plan_note(cfg, plan, native_plan, changed: list[str]) -> str:
     """Which layers the preset changed, or that it changed none (said plainly: such a run is the native one)."""
     name = cfg.cache_name
     if changed:
-        what = ", ".join(f"{p.address} ({q.type}→{p.type})" if q.type != p.type else f"{p.address} ({p.type}, new parameters)"
-                         for p, q in zip(plan.layers, native_plan.layers) if p.address in changed)
+        what = ", ".join(
+            f"{p.address} ({q.type}→{p.type})" if q.type != p.type else f"{p.address} ({p.type}, new parameters)"
+            for p, q in zip(plan.layers, native_plan.layers)
+            if p.address in changed
+        )
         return f"cache={name} changes {len(changed)} of {len(plan.layers)} cache layers: {what}"
     model = cfg.get("model_name") or cfg.model.family
     natives = sorted({p.native_type for p in native_plan.layers})
-    return (f"cache={name} changes no layer of {model} (native types: {', '.join(natives)}): this run is the native "
-            "strategy" + ("" if name in ("native", "hybrid") else
-                          "; hybrid_* presets change only natively full attention layers "
-                          "(cache.attention.type=... changes every attention layer)"))
+    return (
+        f"cache={name} changes no layer of {model} (native types: {', '.join(natives)}): this run is the native "
+        "strategy"
+        + (
+            ""
+            if name in ("native", "hybrid")
+            else "; hybrid_* presets change only natively full attention layers "
+            "(cache.attention.type=... changes every attention layer)"
+        )
+    )

@@ -47,8 +47,14 @@ def main(checkpoint: str, cache_config: str, tokens: int, decode: int, chunk: in
             token = greedy_next(model.run_block(token, cache)[:, -1])[:, None]  # one decode step, no input checks
     per_token = (time.perf_counter() - start) / decode
     rss = peak_rss_kib()
-    return {"tokens": tokens, "prefill_s": prefill, "decode_ms_per_token": per_token * 1e3,
-            "peak_rss_mib": rss / 1024, "loaded_rss_mib": rss_loaded / 1024, "cache_bytes": cache.nbytes()}
+    return {
+        "tokens": tokens,
+        "prefill_s": prefill,
+        "decode_ms_per_token": per_token * 1e3,
+        "peak_rss_mib": rss / 1024,
+        "loaded_rss_mib": rss_loaded / 1024,
+        "cache_bytes": cache.nbytes(),
+    }
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from experiments.study_data import encode, with_bos
 
 KEYS = list(string.ascii_letters)  # 52 one-byte keys
-VALUES = string.digits             # 10 one-byte values
+VALUES = string.digits  # 10 one-byte values
 PAIR_BYTES = 3  # "a7 "
 
 
@@ -47,8 +47,8 @@ def example(rng: random.Random, pairs: int, queries: int) -> Example:
     values = [rng.choice(VALUES) for _ in keys]
     text, answers = " ".join(k + v for k, v in zip(keys, values)) + "\n", []
     for q in rng.sample(range(pairs), queries):
-        at = len(text) + 1                                   # after the key
-        answers.append((at, at - (q * PAIR_BYTES + 1)))      # the value in the context sits at q * 3 + 1
+        at = len(text) + 1  # after the key
+        answers.append((at, at - (q * PAIR_BYTES + 1)))  # the value in the context sits at q * 3 + 1
         text += keys[q] + values[q] + " "
     return Example((text.rstrip(" ") + "\n\n").encode(), answers)
 
@@ -90,7 +90,7 @@ def prompt(tokenizer, rng: random.Random, pairs: int, queries: int) -> Prompt:
     keys = rng.sample(KEYS, pairs)
     values = [rng.choice(VALUES) for _ in keys]
     ids = with_bos(tokenizer, [])
-    where: list[int] = []                                       # start of each context value
+    where: list[int] = []  # start of each context value
     for i, (k, v) in enumerate(zip(keys, values)):
         ids += encode(tokenizer, (" " if i else "") + k)
         where.append(len(ids))

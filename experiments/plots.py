@@ -18,10 +18,14 @@ def throughput_bars(rows: list[dict], path: Path) -> Path:
         systems = [s for s in ("ours (compiled)", "ours (eager)", "hf", "vllm") if any(r["system"] == s for r in rows)]
         width = 0.8 / max(len(systems), 1)
         for i, system in enumerate(systems):
-            values = [next((r[metric] for r in rows if r["system"] == system and r["batch"] == b and r.get(metric)), 0)
-                      for b in batches]
+            values = [
+                next((r[metric] for r in rows if r["system"] == system and r["batch"] == b and r.get(metric)), 0)
+                for b in batches
+            ]
             ax.bar([b + i * width for b in range(len(batches))], values, width, label=system)
-        ax.set_xticks([b + width * (len(systems) - 1) / 2 for b in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_xticks(
+            [b + width * (len(systems) - 1) / 2 for b in range(len(batches))], [f"batch {b}" for b in batches]
+        )
         ax.set_title(metric.replace("_tok_s", " tokens/s"))
         ax.legend()
     fig.tight_layout()

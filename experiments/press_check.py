@@ -30,8 +30,17 @@ from hybridcache.reference.kvpress_runner import KvpressUnavailable, find_kvpres
 from hybridcache.reference.press_check import KVPRESS_CLASS, check_press, continuation_nll
 from hybridcache.tracking import Tracker
 
-COLUMNS = ["method", "ratio / bits", "reference", "ours NLL", "reference NLL", "max |ΔNLL| per token",
-           "kept agreement", "layers", "reference s"]
+COLUMNS = [
+    "method",
+    "ratio / bits",
+    "reference",
+    "ours NLL",
+    "reference NLL",
+    "max |ΔNLL| per token",
+    "kept agreement",
+    "layers",
+    "reference s",
+]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -58,8 +67,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     cases = [(m, float(r)) for m in e.methods for r in e.ratios] + [("hf_quantized", b) for b in bits]
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("ours and kvpress (each kvpress run starts its own process: ~20-60 s)",
-                                 total=len(cases))
+        task = progress.add_task(
+            "ours and kvpress (each kvpress run starts its own process: ~20-60 s)", total=len(cases)
+        )
         for method, ratio in cases:
             if method == "hf_quantized":
                 rows.append(check_hf_quantized(model, checkpoint, doc[:context], doc[context:], int(ratio)))
@@ -69,27 +79,61 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     table = Table(title=f"press_check: {cfg.model.family}, {context}-token prompt, NLL of the next {continuation}")
     for c in COLUMNS:
         table.add_column(c, justify="left" if c in ("method", "reference") else "right")
-    records = [[r["method"], r["compression_ratio"], r["reference"], r["ours_nll"], r["reference_nll"],
-                r["max_token_nll_diff"], r["kept_agreement"], r["layers_compared"], r["reference_seconds"]]
-               for r in rows]
+    records = [
+        [
+            r["method"],
+            r["compression_ratio"],
+            r["reference"],
+            r["ours_nll"],
+            r["reference_nll"],
+            r["max_token_nll_diff"],
+            r["kept_agreement"],
+            r["layers_compared"],
+            r["reference_seconds"],
+        ]
+        for r in rows
+    ]
     for rec, r in zip(records, rows):
-        shown = [rec[0], f"{rec[1]:g}", rec[2], f"{rec[3]:.5f}", "failed" if rec[4] is None else f"{rec[4]:.5f}",
-                 "" if rec[5] is None else f"{rec[5]:.1e}", "n/a" if rec[6] is None else f"{100 * rec[6]:.2f}%",
-                 str(rec[7]), f"{rec[8]:.0f}"]
+        shown = [
+            rec[0],
+            f"{rec[1]:g}",
+            rec[2],
+            f"{rec[3]:.5f}",
+            "failed" if rec[4] is None else f"{rec[4]:.5f}",
+            "" if rec[5] is None else f"{rec[5]:.1e}",
+            "n/a" if rec[6] is None else f"{100 * rec[6]:.2f}%",
+            str(rec[7]),
+            f"{rec[8]:.0f}",
+        ]
         bad = r["reference_error"] or (r["kept_agreement"] is not None and r["kept_agreement"] < 1)
         table.add_row(*shown, style="red" if bad else None)
     console.print(table)
     for r in rows:
         if r["reference_error"]:
             console.print(f"[red]{r['method']}: kvpress failed: {r['reference_error']}[/]")
-    result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint, "rows": rows,
-              "wall_s": time.perf_counter() - start}
-    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], group=cfg.logger.group,
-                      name=f"press_check-{cfg.model.family}", tags=["press_check", cfg.model.family])
+    result = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "checkpoint": checkpoint,
+        "rows": rows,
+        "wall_s": time.perf_counter() - start,
+    }
+    tracker = Tracker(
+        cfg.logger.mode,
+        cfg.logger.project,
+        out_dir,
+        result["config"],
+        group=cfg.logger.group,
+        name=f"press_check-{cfg.model.family}",
+        tags=["press_check", cfg.model.family],
+    )
     tracker.table("press_check", COLUMNS, records)
     agreements = [r["kept_agreement"] for r in rows if r["kept_agreement"] is not None]
-    tracker.summary({"min_kept_agreement": min(agreements) if agreements else None,
-                     "max_token_nll_diff": max((r["max_token_nll_diff"] or 0.0) for r in rows)})
+    tracker.summary(
+        {
+            "min_kept_agreement": min(agreements) if agreements else None,
+            "max_token_nll_diff": max((r["max_token_nll_diff"] or 0.0) for r in rows),
+        }
+    )
     tracker.finish()
     path = out_dir / "press_check.json"
     path.write_text(json.dumps(result, indent=2, default=str))
@@ -102,14 +146,29 @@ def check_hf_quantized(model, checkpoint: str, context: list[int], continuation:
     import torch
 
     ctx, cont = torch.tensor([context]), torch.tensor([continuation])
-    config = {"attention": {"storage": "hf_quantized", "nbits": nbits, "axis_key": 0, "axis_value": 0,
-                            "q_group_size": 64, "residual": 128}}
+    config = {
+        "attention": {
+            "storage": "hf_quantized",
+            "nbits": nbits,
+            "axis_key": 0,
+            "axis_value": 0,
+            "q_group_size": 64,
+            "residual": 128,
+        }
+    }
     ours, _ = continuation_nll(model, ctx, cont, config)
     started = time.perf_counter()
     logits = run_hf_quantized_model(checkpoint, ctx, cont, nbits=nbits, q_group_size=64, residual_length=128)
     theirs = torch.nn.functional.cross_entropy(logits.double(), cont[0], reduction="none")
-    return {"method": "hf_quantized", "compression_ratio": nbits,
-            "reference": "transformers 5.2 QuantizedCache (quanto)", "ours_nll": float(ours.mean()),
-            "reference_nll": float(theirs.mean()), "max_token_nll_diff": float((ours.double() - theirs).abs().max()),
-            "kept_agreement": None, "layers_compared": len(model.native_layers()), "reference_error": None,
-            "reference_seconds": time.perf_counter() - started}
+    return {
+        "method": "hf_quantized",
+        "compression_ratio": nbits,
+        "reference": "transformers 5.2 QuantizedCache (quanto)",
+        "ours_nll": float(ours.mean()),
+        "reference_nll": float(theirs.mean()),
+        "max_token_nll_diff": float((ours.double() - theirs).abs().max()),
+        "kept_agreement": None,
+        "layers_compared": len(model.native_layers()),
+        "reference_error": None,
+        "reference_seconds": time.perf_counter() - started,
+    }

@@ -50,16 +50,21 @@ def verdict(cfg, plan, summary: dict[str, Any], ref: dict[str, Any]) -> tuple[li
     exit_code = 0
     lossy = [p.address for p in plan.layers if not p.exact]
     if plan.exact and summary["oracle_pass"]:
-        lines.append(f"oracle (cached == recompute, same strategy): passes, max |Δlogit| {dlogit:.1e} <= {tol:.2g} "
-                     f"({dtype})")
+        lines.append(
+            f"oracle (cached == recompute, same strategy): passes, max |Δlogit| {dlogit:.1e} <= {tol:.2g} ({dtype})"
+        )
     elif plan.exact:
         exit_code = 1
-        lines.append(f"oracle (cached == recompute, same strategy): FAILS, max |Δlogit| {dlogit:.1e} > {tol:.2g} "
-                     f"({dtype}): every layer of this plan is exact, so the cache is wrong (a bug)")
+        lines.append(
+            f"oracle (cached == recompute, same strategy): FAILS, max |Δlogit| {dlogit:.1e} > {tol:.2g} "
+            f"({dtype}): every layer of this plan is exact, so the cache is wrong (a bug)"
+        )
     else:
         effect = "no measurable effect" if dlogit <= tol else "the measured effect of the lossy layers, not a bug"
-        lines.append(f"oracle: the plan is lossy (layers {', '.join(lossy)}); cached generation differs from the exact "
-                     f"recompute by max |Δlogit| {dlogit:.1e}: {effect}")
+        lines.append(
+            f"oracle: the plan is lossy (layers {', '.join(lossy)}); cached generation differs from the exact "
+            f"recompute by max |Δlogit| {dlogit:.1e}: {effect}"
+        )
     if "agreement" not in summary:
         return lines, exit_code
     label = _ref_label(ref)
@@ -71,26 +76,38 @@ def verdict(cfg, plan, summary: dict[str, Any], ref: dict[str, Any]) -> tuple[li
         lines.append(f"the differences from {label} mean little until the cache bug is fixed")
     elif ref.get("source") == "hybridcache":
         if ref.get("same_plan"):
-            lines.append(f"{label} used the same plan, so the differences are a change in the code, weights or "
-                         "environment since it was recorded (a regression to check)")
+            lines.append(
+                f"{label} used the same plan, so the differences are a change in the code, weights or "
+                "environment since it was recorded (a regression to check)"
+            )
         else:
             lines.append(f"{label} used another plan, so the differences are the effect of switching to this plan")
     elif not changed:
-        lines.append(f"the plan is the model's native one, so the differences from {label} are not a cache "
-                     "strategy's effect: numerics of the two implementations"
-                     + (" (each side's token is in the other's top-k)" if summary["pass_rate"] == 1.0
-                        else ", or a model bug (top-k check fails)"))
+        lines.append(
+            f"the plan is the model's native one, so the differences from {label} are not a cache "
+            "strategy's effect: numerics of the two implementations"
+            + (
+                " (each side's token is in the other's top-k)"
+                if summary["pass_rate"] == 1.0
+                else ", or a model bug (top-k check fails)"
+            )
+        )
     elif lossy:
-        lines.append(f"the differences from {label} are the effect of this plan (layers {', '.join(changed)} changed, "
-                     f"lossy storage on {', '.join(lossy)}) on the model")
+        lines.append(
+            f"the differences from {label} are the effect of this plan (layers {', '.join(changed)} changed, "
+            f"lossy storage on {', '.join(lossy)}) on the model"
+        )
     else:
-        lines.append(f"the oracle passes, so the differences from {label} are the strategy's effect on the model "
-                     f"(layers {', '.join(changed)} changed), not a cache bug")
+        lines.append(
+            f"the oracle passes, so the differences from {label} are the strategy's effect on the model "
+            f"(layers {', '.join(changed)} changed), not a cache bug"
+        )
     return lines, exit_code
 
 
-def print_summary(console: Console, title: str, rows: list[dict], summary: dict, ref: dict, lines: list[str],
-                  tracker, json_path: Path) -> None:
+def print_summary(
+    console: Console, title: str, rows: list[dict], summary: dict, ref: dict, lines: list[str], tracker, json_path: Path
+) -> None:
     has_ref = "agreement" in summary
     t = Table(title=title)
     t.add_column("prompt", no_wrap=True, max_width=30)
@@ -106,8 +123,11 @@ def print_summary(console: Console, title: str, rows: list[dict], summary: dict,
             dlp = "n/a" if r["max_abs_dlogprob"] is None else f"{r['max_abs_dlogprob']:.1e}"
             cells += [f"{r['agreement']:.0%}", first, "pass" if r["topk_pass"] else "[red]FAIL[/]", dlp]
         if summary["plan_exact"]:
-            cells.append(f"pass ({r['oracle_max_dlogit']:.0e})" if r["oracle_pass"]
-                         else f"[red]FAIL[/] ({r['oracle_max_dlogit']:.1e})")
+            cells.append(
+                f"pass ({r['oracle_max_dlogit']:.0e})"
+                if r["oracle_pass"]
+                else f"[red]FAIL[/] ({r['oracle_max_dlogit']:.1e})"
+            )
         else:
             cells.append(f"{r['oracle_max_dlogit']:.1e}")
         t.add_row(*cells)
@@ -115,22 +135,30 @@ def print_summary(console: Console, title: str, rows: list[dict], summary: dict,
     out = []
     if has_ref:
         dlp = summary["max_abs_dlogprob"]
-        out.append(f"agreement with {_ref_label(ref)}: {summary['agreement']:.1%}   top-k pass rate: "
-                   f"{summary['pass_rate']:.0%}   max |Δlogprob| over agreed steps: "
-                   f"{'n/a (no step agreed)' if dlp is None else f'{dlp:.1e}'}")
+        out.append(
+            f"agreement with {_ref_label(ref)}: {summary['agreement']:.1%}   top-k pass rate: "
+            f"{summary['pass_rate']:.0%}   max |Δlogprob| over agreed steps: "
+            f"{'n/a (no step agreed)' if dlp is None else f'{dlp:.1e}'}"
+        )
     out.extend(lines)
-    speed = (f"new tokens/s (batch 1, each prompt's prefill included in the time, after a warm-up): ours "
-             f"{summary['tokens_per_s/ours']:.0f}")
+    speed = (
+        f"new tokens/s (batch 1, each prompt's prefill included in the time, after a warm-up): ours "
+        f"{summary['tokens_per_s/ours']:.0f}"
+    )
     if "tokens_per_s/reference" in summary:
         speed += f", {ref['name']} {summary['tokens_per_s/reference']:.0f} (measured the same way)"
     elif "tokens_per_s/reference_batched" in summary:
-        speed += (f"; {ref['name']} {summary['tokens_per_s/reference_batched']:.0f} with all prompts in one batch "
-                  "(not comparable)")
+        speed += (
+            f"; {ref['name']} {summary['tokens_per_s/reference_batched']:.0f} with all prompts in one batch "
+            "(not comparable)"
+        )
     out.append(speed)
     longest = f"prompt {summary['cache_bytes/prompt'] + 1} of {len(rows)}"
-    out.append(f"cache bytes held for the longest prompt ({longest}, "
-               f"{summary['cache_bytes/tokens']} tokens): {format_bytes(summary['cache_bytes/held'])} vs "
-               f"{format_bytes(summary['cache_bytes/native'])} with the native strategy")
+    out.append(
+        f"cache bytes held for the longest prompt ({longest}, "
+        f"{summary['cache_bytes/tokens']} tokens): {format_bytes(summary['cache_bytes/held'])} vs "
+        f"{format_bytes(summary['cache_bytes/native'])} with the native strategy"
+    )
     if tracker.sync_command:
         out.append(f"W&B run (offline): {tracker.run_dir}   upload: {tracker.sync_command}")
     elif tracker.run_dir:
@@ -142,7 +170,7 @@ def print_summary(console: Console, title: str, rows: list[dict], summary: dict,
         console.print(line, soft_wrap=True)
 
 
-# -- sweeps ----------------------------------------------------------------------------------------------------------------
+# -- sweeps -------------------------------------------------------------------------------------------------------
 def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per run of a sweep, from each run's results.json."""
     rows = []
@@ -157,21 +185,40 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         s = r.get("summary", {})
         plan_key = json.dumps([{k: v for k, v in p.items() if k != "bytes"} for p in r.get("plan", [])], sort_keys=True)
         config = r.get("config", {})
-        plan_key += json.dumps([config.get("model_name"), config.get("model"), config.get("reference"),
-                                config.get("max_new_tokens"), config.get("prompts")], sort_keys=True, default=str)
+        plan_key += json.dumps(
+            [
+                config.get("model_name"),
+                config.get("model"),
+                config.get("reference"),
+                config.get("max_new_tokens"),
+                config.get("prompts"),
+            ],
+            sort_keys=True,
+            default=str,
+        )
         same = plans.setdefault(plan_key, file.parent.name) if r.get("plan") else file.parent.name
-        rows.append({
-            "run": file.parent.name, "overrides": " ".join(r.get("overrides", [])),
-            "override_list": list(r.get("overrides", [])), "status": r.get("status", "?"),
-            "error": r.get("error"), "exit_code": r.get("exit_code", 0), "plan_exact": s.get("plan_exact"),
-            "changed_layers": len(s.get("plan_changed_layers", [])) if "plan_changed_layers" in s else None,
-            "oracle_pass": s.get("oracle_pass"), "oracle_max_dlogit": s.get("oracle_max_dlogit"),
-            "agreement": s.get("agreement"), "pass_rate": s.get("pass_rate"),
-            "cache_bytes_held": s.get("cache_bytes/held"), "cache_bytes_native": s.get("cache_bytes/native"),
-            "tokens_per_s": s.get("tokens_per_s/ours"), "same_as": None if same == file.parent.name else same,
-            "changes_nothing": s.get("plan_changes_nothing"),
-            "results": str(file),
-        })
+        rows.append(
+            {
+                "run": file.parent.name,
+                "overrides": " ".join(r.get("overrides", [])),
+                "override_list": list(r.get("overrides", [])),
+                "status": r.get("status", "?"),
+                "error": r.get("error"),
+                "exit_code": r.get("exit_code", 0),
+                "plan_exact": s.get("plan_exact"),
+                "changed_layers": len(s.get("plan_changed_layers", [])) if "plan_changed_layers" in s else None,
+                "oracle_pass": s.get("oracle_pass"),
+                "oracle_max_dlogit": s.get("oracle_max_dlogit"),
+                "agreement": s.get("agreement"),
+                "pass_rate": s.get("pass_rate"),
+                "cache_bytes_held": s.get("cache_bytes/held"),
+                "cache_bytes_native": s.get("cache_bytes/native"),
+                "tokens_per_s": s.get("tokens_per_s/ours"),
+                "same_as": None if same == file.parent.name else same,
+                "changes_nothing": s.get("plan_changes_nothing"),
+                "results": str(file),
+            }
+        )
     return rows
 
 
@@ -186,8 +233,19 @@ def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
 def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
     shared = common_overrides(rows)
     t = Table(title=title + (f"\nevery run: {' '.join(shared)}" if shared else ""))
-    for col in ("run", "overrides", "status", "changed", "oracle", "agree", "top-k", "cache held", "native",
-                "tok/s", "note"):
+    for col in (
+        "run",
+        "overrides",
+        "status",
+        "changed",
+        "oracle",
+        "agree",
+        "top-k",
+        "cache held",
+        "native",
+        "tok/s",
+        "note",
+    ):
         t.add_column(col, justify="left" if col in ("overrides", "status", "note", "oracle") else "right")
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
     for r in rows:
@@ -200,11 +258,19 @@ def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
             note = "; ".join(filter(None, ["the native plan (the preset changes no layer)", note]))
         status = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/]"
         own = " ".join(o for o in r.get("override_list", []) if o not in shared)
-        t.add_row(r["run"], own, status,
-                  "-" if r.get("changed_layers") is None else str(r["changed_layers"]), oracle, pct(r.get("agreement")),
-                  pct(r.get("pass_rate")), format_bytes(r.get("cache_bytes_held")),
-                  format_bytes(r.get("cache_bytes_native")),
-                  "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}", note)
+        t.add_row(
+            r["run"],
+            own,
+            status,
+            "-" if r.get("changed_layers") is None else str(r["changed_layers"]),
+            oracle,
+            pct(r.get("agreement")),
+            pct(r.get("pass_rate")),
+            format_bytes(r.get("cache_bytes_held")),
+            format_bytes(r.get("cache_bytes_native")),
+            "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}",
+            note,
+        )
     return t
 
 
@@ -228,16 +294,31 @@ class SweepSummary(Callback):
         path.write_text(json.dumps(rows, indent=2, default=str))
         failed = [r for r in rows if r["status"] != "ok"]
         if any(r.get("same_as") for r in rows):
-            console.print("[yellow]some runs have the same plan and settings as an earlier one (an override their "
-                          "preset does not use): see the note column[/]")
+            console.print(
+                "[yellow]some runs have the same plan and settings as an earlier one (an override their "
+                "preset does not use): see the note column[/]"
+            )
         try:
             from hybridcache.tracking import Tracker
 
-            tracker = Tracker(config.logger.mode, config.logger.project, sweep_dir, {"sweep_dir": str(sweep_dir)},
-                              group=group, name="sweep summary", job_type="sweep-summary")
+            tracker = Tracker(
+                config.logger.mode,
+                config.logger.project,
+                sweep_dir,
+                {"sweep_dir": str(sweep_dir)},
+                group=group,
+                name="sweep summary",
+                job_type="sweep-summary",
+            )
             columns = [c for c in rows[0] if c not in ("error", "override_list")]
-            tracker.table("sweep", columns, [[json.dumps(r.get(c)) if isinstance(r.get(c), (list, dict)) else r.get(c)
-                                              for c in columns] for r in rows])
+            tracker.table(
+                "sweep",
+                columns,
+                [
+                    [json.dumps(r.get(c)) if isinstance(r.get(c), (list, dict)) else r.get(c) for c in columns]
+                    for r in rows
+                ],
+            )
             tracker.summary({"runs": len(rows), "failed": len(failed)})
             sync = tracker.sync_command
             tracker.finish()

@@ -38,17 +38,27 @@ def weight_read_bytes(model: nn.Module) -> dict[str, int]:
     # packed (int8) projections read a per-row scale too
     params.update({s.data_ptr(): s for m in model.modules() if (s := m._buffers.get("scale")) is not None})
     linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Linear)}
-    skipped = {m.weight.data_ptr() for m in model.modules()
-               if isinstance(m, nn.Embedding) and m.weight.data_ptr() not in linear}
+    skipped = {
+        m.weight.data_ptr()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and m.weight.data_ptr() not in linear
+    }
     total = sum(p.numel() * p.element_size() for k, p in params.items() if k not in skipped)
     embed = sum(params[k].numel() * params[k].element_size() for k in skipped)
     return {"weights": total, "untied_embeddings_not_read": embed}
 
 
-def roofline_row(system: str, batch: int, decode_tok_s: float, weights: int, cache_bytes: int,
-                 bandwidth: float) -> dict:
+def roofline_row(
+    system: str, batch: int, decode_tok_s: float, weights: int, cache_bytes: int, bandwidth: float
+) -> dict:
     """Bytes per generated token, the roofline tokens/s for this batch and the fraction reached."""
     per_step = weights + cache_bytes
     limit = batch * bandwidth / per_step
-    return {"system": system, "batch": batch, "bytes_per_token": per_step / batch, "roofline_tok_s": limit,
-            "decode_tok_s": decode_tok_s, "fraction": decode_tok_s / limit}
+    return {
+        "system": system,
+        "batch": batch,
+        "bytes_per_token": per_step / batch,
+        "roofline_tok_s": limit,
+        "decode_tok_s": decode_tok_s,
+        "fraction": decode_tok_s / limit,
+    }

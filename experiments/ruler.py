@@ -37,31 +37,56 @@ from dataclasses import dataclass
 
 from experiments.study_data import encode, text_source, with_bos
 
-# -- RULER's templates (scripts/data/synthetic/constants.py), answer prefixes, tokens to generate ------------------------
-NIAH = (("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will "
-         "quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for "
-         "{query} mentioned in the provided text?"),
-        " The special magic {type_needle_v} for {query} mentioned in the provided text are")
-VT = (("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: "
-       "Find all variables that are assigned the value {query} in the text above."),
-      # RULER's own spelling ("assgined"): models are compared on RULER's exact prompt
-      (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined "
-       "the value {query}, they are: "))
-CWE = (("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that "
-        "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"),
-       " Answer: The top 10 words that appear most often in the list are:")
-FWE = (("Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+# -- RULER's templates (scripts/data/synthetic/constants.py), answer prefixes, tokens to generate ----------------
+NIAH = (
+    (
+        "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will "
+        "quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for "
+        "{query} mentioned in the provided text?"
+    ),
+    " The special magic {type_needle_v} for {query} mentioned in the provided text are",
+)
+VT = (
+    (
+        "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: "
+        "Find all variables that are assigned the value {query} in the text above."
+    ),
+    # RULER's own spelling ("assgined"): models are compared on RULER's exact prompt
+    (
+        " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined "
+        "the value {query}, they are: "
+    ),
+)
+CWE = (
+    (
+        "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that "
+        "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
+    ),
+    " Answer: The top 10 words that appear most often in the list are:",
+)
+FWE = (
+    (
+        "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
         "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
-        "What are the three most frequently appeared words in the above coded text?"),
-       " Answer: According to the coded text above, the three most frequently appeared words are:")
+        "What are the three most frequently appeared words in the above coded text?"
+    ),
+    " Answer: According to the coded text above, the three most frequently appeared words are:",
+)
 TOKENS_TO_GENERATE = {"niah": 128, "variable_tracking": 30, "common_words_extraction": 120, "freq_words_extraction": 50}
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 REPEAT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
 def _niah(haystack: str, k: str, v: str, nk: int = 1, nv: int = 1, nq: int = 1) -> dict:
-    return {"task": "niah", "type_haystack": haystack, "type_needle_k": k, "type_needle_v": v,
-            "num_needle_k": nk, "num_needle_v": nv, "num_needle_q": nq}
+    return {
+        "task": "niah",
+        "type_haystack": haystack,
+        "type_needle_k": k,
+        "type_needle_v": v,
+        "num_needle_k": nk,
+        "num_needle_v": nv,
+        "num_needle_q": nq,
+    }
 
 
 # RULER's scripts/synthetic.yaml
@@ -99,8 +124,12 @@ def string_match_part(preds: list[str], refs: list[list[str]]) -> float:
 
 
 METRICS: dict[str, Callable[[list[str], list[list[str]]], float]] = {
-    "niah": string_match_all, "variable_tracking": string_match_all, "common_words_extraction": string_match_all,
-    "freq_words_extraction": string_match_all, "qa": string_match_part}
+    "niah": string_match_all,
+    "variable_tracking": string_match_all,
+    "common_words_extraction": string_match_all,
+    "freq_words_extraction": string_match_all,
+    "qa": string_match_part,
+}
 
 
 def metric_name(task: str) -> str:
@@ -138,8 +167,8 @@ def distinct_words(rng: random.Random, n: int) -> list[str]:
 
 def _random(kind: str, rng: random.Random) -> str:
     if kind == "numbers":  # RULER: 7 digits
-        return str(rng.randint(10 ** 6, 10 ** 7 - 1))
-    if kind == "words":    # RULER: adjective-noun
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "words":  # RULER: adjective-noun
         return "-".join(rng.sample(vocabulary(), 2))
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
@@ -147,8 +176,9 @@ def _random(kind: str, rng: random.Random) -> str:
 
 
 # -- exact-length filling --------------------------------------------------------------------------------------------
-def fill(tokenizer, units: Iterator[str], sep: str, budget: int, inserts: list[tuple[float, str]],
-         trim: str = "start") -> tuple[list[int], list[int]]:
+def fill(
+    tokenizer, units: Iterator[str], sep: str, budget: int, inserts: list[tuple[float, str]], trim: str = "start"
+) -> tuple[list[int], list[int]]:
     """Exactly `budget` context ids: haystack units (each tokenized with `sep` before it) cut at the token level
     (`trim`: 'start' cuts into the first unit, 'end' into the last), with each insert (depth, text) at the unit
     boundary nearest its depth of the haystack (in list order where two share one). Also each insert's offset."""
@@ -198,11 +228,11 @@ def _cycle(items, start: int) -> Iterator[str]:
 @dataclass(frozen=True)
 class RulerSample:
     task: str
-    length: int                # requested prompt tokens (bos included) == len(ids)
-    depth: float | None        # of the queried needle (niah); None for vt, cwe, fwe
+    length: int  # requested prompt tokens (bos included) == len(ids)
+    depth: float | None  # of the queried needle (niah); None for vt, cwe, fwe
     ids: list[int]
-    answers: list[str]         # what RULER's metric looks for in the generated text
-    max_new_tokens: int        # RULER's tokens_to_generate for the task
+    answers: list[str]  # what RULER's metric looks for in the generated text
+    max_new_tokens: int  # RULER's tokens_to_generate for the task
     needle_offsets: list[int]  # where each inserted needle (or vt's chain link) starts in ids
 
 
@@ -224,8 +254,9 @@ def niah(tokenizer, task: str, length: int, depth: float, rng: random.Random) ->
     keys = [_random(a["type_needle_k"], rng) for _ in range(nk)]
     values = [[_random(kind_v, rng) for _ in range(a["num_needle_v"])] for _ in keys]
     queried = sorted(rng.sample(range(nk), a["num_needle_q"]))
-    needles = [(NEEDLE.format(type_needle_v=kind_v, key=k, value=v), ki) for ki, k in enumerate(keys)
-               for v in values[ki]]
+    needles = [
+        (NEEDLE.format(type_needle_v=kind_v, key=k, value=v), ki) for ki, k in enumerate(keys) for v in values[ki]
+    ]
     first = next(i for i, (_, ki) in enumerate(needles) if ki == queried[0])
     inserts = [(depth if i == first else rng.random(), text) for i, (text, _) in enumerate(needles)]
     queries = [keys[i] for i in queried]
@@ -241,12 +272,19 @@ def niah(tokenizer, task: str, length: int, depth: float, rng: random.Random) ->
     elif a["type_haystack"] == "repeat":
         units, sep = _cycle([REPEAT], 0), "\n"
     else:  # "needle": distractor needles all the way
-        units, sep = (NEEDLE.format(type_needle_v=kind_v, key=_random(a["type_needle_k"], rng),
-                                    value=_random(kind_v, rng)) for _ in itertools.count()), "\n"
-    ids, offsets = _assemble(tokenizer, template, length, lambda b: fill(tokenizer, units, sep, b, inserts),
-                             type_needle_v=noun, query=query)
-    return RulerSample(task, length, depth, ids, [v for i in queried for v in values[i]],
-                       TOKENS_TO_GENERATE["niah"], offsets)
+        units, sep = (
+            (
+                NEEDLE.format(type_needle_v=kind_v, key=_random(a["type_needle_k"], rng), value=_random(kind_v, rng))
+                for _ in itertools.count()
+            ),
+            "\n",
+        )
+    ids, offsets = _assemble(
+        tokenizer, template, length, lambda b: fill(tokenizer, units, sep, b, inserts), type_needle_v=noun, query=query
+    )
+    return RulerSample(
+        task, length, depth, ids, [v for i in queried for v in values[i]], TOKENS_TO_GENERATE["niah"], offsets
+    )
 
 
 def _vt_prompt(tokenizer, length: int, rng: random.Random, hops: int, letters: int, prefix: list[int]):
@@ -258,9 +296,14 @@ def _vt_prompt(tokenizer, length: int, rng: random.Random, hops: int, letters: i
     value = str(rng.randint(10000, 99998))  # numpy's randint(10000, 99999): the high end excluded
     chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(hops)]
     inserts = list(zip(sorted(rng.random() for _ in chain), chain))  # RULER: sorted random positions
-    ids, offsets = _assemble(tokenizer, VT[0] + VT[1], length - len(prefix),
-                             lambda b: fill(tokenizer, _cycle([REPEAT + "\n"], 0), " ", b, inserts),
-                             query=value, num_v=hops + 1)
+    ids, offsets = _assemble(
+        tokenizer,
+        VT[0] + VT[1],
+        length - len(prefix),
+        lambda b: fill(tokenizer, _cycle([REPEAT + "\n"], 0), " ", b, inserts),
+        query=value,
+        num_v=hops + 1,
+    )
     nb = len(with_bos(tokenizer, []))
     return ids[:nb] + prefix + ids[nb:], [o + len(prefix) for o in offsets], names
 
@@ -279,7 +322,7 @@ def variable_tracking(tokenizer, task: str, length: int, rng: random.Random) -> 
     shot_hops = min(10, hops)
     shot_length = max(min(500, length // 4), _vt_min_length(tokenizer, shot_hops, 3))
     shot, _, shot_names = _vt_prompt(tokenizer, shot_length, rng, shot_hops, 3, [])
-    shot = shot[len(with_bos(tokenizer, [])):]
+    shot = shot[len(with_bos(tokenizer, [])) :]
     prefix = encode(tokenizer, " ") + shot + encode(tokenizer, " " + " ".join(shot_names) + "\n\n\n\n")
     ids, offsets, names = _vt_prompt(tokenizer, length, rng, hops, 5, prefix)
     return RulerSample(task, length, None, ids, names, TOKENS_TO_GENERATE["variable_tracking"], offsets)
@@ -297,7 +340,7 @@ def sized(items: Callable[[int], tuple[list[list[int]], list]], budget: int, n: 
     ids, whole = [], 0
     for e in enc:
         if len(ids) + len(e) > budget:
-            return ids + e[:budget - len(ids)], listed, whole
+            return ids + e[: budget - len(ids)], listed, whole
         ids += e
         whole += 1
     return ids, listed, whole
@@ -311,8 +354,9 @@ def common_words(tokenizer, task: str, length: int, rng: random.Random) -> Ruler
     a = TASKS[task]
     num_cw = a["num_cw"]
     # RULER: below 4096 tokens, fewer repeats (6 and 1; the example 3 and 1), else freq_cw/freq_ucw (example 10, 3)
-    (ex_n, ex_cw, ex_ucw), (cw, ucw) = ((20, 3, 1), (6, 1)) if length < 4096 else ((40, 10, 3),
-                                                                                    (a["freq_cw"], a["freq_ucw"]))
+    (ex_n, ex_cw, ex_ucw), (cw, ucw) = (
+        ((20, 3, 1), (6, 1)) if length < 4096 else ((40, 10, 3), (a["freq_cw"], a["freq_ucw"]))
+    )
     common: list[str] = []
 
     def listing(n: int, common_repeats: int, uncommon_repeats: int) -> list[str]:
@@ -342,7 +386,7 @@ def common_words(tokenizer, task: str, length: int, rng: random.Random) -> Ruler
 
 def _zeta(alpha: float, terms: int = 100_000) -> float:
     """Riemann zeta for alpha > 1 (scipy.special.zeta's value): a partial sum plus Euler-Maclaurin's tail."""
-    return sum(k ** -alpha for k in range(1, terms)) + terms ** (1 - alpha) / (alpha - 1) + 0.5 * terms ** -alpha
+    return sum(k**-alpha for k in range(1, terms)) + terms ** (1 - alpha) / (alpha - 1) + 0.5 * terms**-alpha
 
 
 def frequent_words(tokenizer, task: str, length: int, rng: random.Random) -> RulerSample:
@@ -358,7 +402,7 @@ def frequent_words(tokenizer, task: str, length: int, rng: random.Random) -> Rul
     answers: list[str] = []
 
     def items(n: int) -> tuple[list[list[int]], list[str]]:  # RULER: word k appears int(n k^-alpha / zeta(alpha)) times
-        words = [w for k, w in enumerate(coded, 1) for _ in range(int(n * k ** -alpha / z))]
+        words = [w for k, w in enumerate(coded, 1) for _ in range(int(n * k**-alpha / z))]
         rng.shuffle(words)
         return tokenizer([" " + w for w in words], add_special_tokens=False)["input_ids"], words
 
@@ -381,11 +425,13 @@ def ruler_sample(tokenizer, task: str, length: int, depth: float | None = None, 
     kind = TASKS[task]["task"]
     if kind == "niah":
         return niah(tokenizer, task, length, 0.5 if depth is None else float(depth), rng)
-    builder = {"variable_tracking": variable_tracking, "common_words_extraction": common_words,
-               "freq_words_extraction": frequent_words}[kind]
+    builder = {
+        "variable_tracking": variable_tracking,
+        "common_words_extraction": common_words,
+        "freq_words_extraction": frequent_words,
+    }[kind]
     return builder(tokenizer, task, length, rng)
 
 
 def has_depth(task: str) -> bool:
     return TASKS[task]["task"] == "niah"
-

@@ -70,11 +70,23 @@ from experiments.study_strategies import (
 )
 from hybridcache.tracking import Tracker
 
-SMOKE = {"lengths": [64, 160], "block": 32, "greedy_tokens": 4, "documents": 1, "continuation": 16,
-         "passkey": {"lengths": [256, 320], "depths": [0.2, 0.8], "trials": 1},  # bytes: the tiny models use ByT5
-         "ruler": {"tasks": list(RULER_TASKS), "lengths": [1800], "depths": [0.5], "trials": 1, "max_new_tokens": 4,
-                   "strategies": ["native", "snapkv_50"]},
-         "mqar": {"pairs": [4, 24], "queries": 4, "trials": 1}}
+SMOKE = {
+    "lengths": [64, 160],
+    "block": 32,
+    "greedy_tokens": 4,
+    "documents": 1,
+    "continuation": 16,
+    "passkey": {"lengths": [256, 320], "depths": [0.2, 0.8], "trials": 1},  # bytes: the tiny models use ByT5
+    "ruler": {
+        "tasks": list(RULER_TASKS),
+        "lengths": [1800],
+        "depths": [0.5],
+        "trials": 1,
+        "max_new_tokens": 4,
+        "strategies": ["native", "snapkv_50"],
+    },
+    "mqar": {"pairs": [4, 24], "queries": 4, "trials": 1},
+}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -88,9 +100,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         checkpoint, model = load_model(cfg)
         tokenizer = load_tokenizer(checkpoint)
     random_weights = not cfg.model.checkpoint
-    what = (f"{cfg.model.family} with RANDOM weights (a tiny test model): perplexity, KL, passkey and RULER say "
-            "nothing about real models; only exactness (KL 0, same tokens) is meaningful" if random_weights
-            else f"{cfg.model.family} from {checkpoint}")
+    what = (
+        f"{cfg.model.family} with RANDOM weights (a tiny test model): perplexity, KL, passkey and RULER say "
+        "nothing about real models; only exactness (KL 0, same tokens) is meaningful"
+        if random_weights
+        else f"{cfg.model.family} from {checkpoint}"
+    )
     console.print(f"[bold]study[/]: {what}")
 
     configs = strategy_configs(e)
@@ -111,11 +126,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     def chunk(name: str, tokens: int) -> int:  # a compress-after-prefill cache sees the whole prompt in one block
         return tokens if name in after_prefill else int(e.block)
 
-    docs = documents(tokenizer, e.text, max(lengths) + (n_cont + 1 if n_cont else 0), int(e.documents),
-                     model.vocab_size)
+    docs = documents(
+        tokenizer, e.text, max(lengths) + (n_cont + 1 if n_cont else 0), int(e.documents), model.vocab_size
+    )
     rng = random.Random(int(e.passkey.seed))
-    prompts = [(int(L), passkey_prompt(tokenizer, int(L), float(d), rng, int(e.passkey.digits)))
-               for L in e.passkey.lengths for d in e.passkey.depths for _ in range(int(e.passkey.trials))]
+    prompts = [
+        (int(L), passkey_prompt(tokenizer, int(L), float(d), rng, int(e.passkey.digits)))
+        for L in e.passkey.lengths
+        for d in e.passkey.depths
+        for _ in range(int(e.passkey.trials))
+    ]
     mqar_prompts = mqar_samples(e.mqar, tokenizer, model.vocab_size)
     samples, skipped = ruler_samples(e.ruler, tokenizer, model.vocab_size)
     for note in skipped:  # e.g. a byte-level model: RULER's template alone outgrows a short prompt
@@ -138,18 +158,34 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         task = progress.add_task("perplexity, KL, greedy", total=len(docs) * blocks * len(blockwise))
         for doc in docs:
             strategies = [Strategy(n, configs[n]) for n in blockwise]
-            teacher_forced(model, doc[:max(lengths)], strategies, lengths, int(e.block), int(e.greedy_tokens),
-                           lambda: progress.advance(task))
+            teacher_forced(
+                model,
+                doc[: max(lengths)],
+                strategies,
+                lengths,
+                int(e.block),
+                int(e.greedy_tokens),
+                lambda: progress.advance(task),
+            )
             for s in strategies:
                 per_doc[s.name].append(s)
         lap("blockwise")
         if n_cont:
-            task = progress.add_task(f"kvpress protocol: {n_cont} tokens after the prompt",
-                                     total=len(docs) * len(lengths) * len(compute))
+            task = progress.add_task(
+                f"kvpress protocol: {n_cont} tokens after the prompt", total=len(docs) * len(lengths) * len(compute)
+            )
             for doc in docs:
                 runs = [Continuation(n, configs[n]) for n in compute]
-                continuation(model, doc, runs, lengths, n_cont, int(e.greedy_tokens), after_prefill | {ref_name},
-                             lambda: progress.advance(task))
+                continuation(
+                    model,
+                    doc,
+                    runs,
+                    lengths,
+                    n_cont,
+                    int(e.greedy_tokens),
+                    after_prefill | {ref_name},
+                    lambda: progress.advance(task),
+                )
                 for r in runs:
                     cont[r.name].append(r)
         lap("kvpress_protocol")
@@ -157,8 +193,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         task = progress.add_task("passkey", total=len(prompts) * len(names))
         for name in names:
             for requested, prompt in prompts:
-                trials[name].append({"requested": requested, **passkey(model, tokenizer, prompt, configs[name],
-                                                                       chunk(name, len(prompt.ids)))})
+                trials[name].append(
+                    {
+                        "requested": requested,
+                        **passkey(model, tokenizer, prompt, configs[name], chunk(name, len(prompt.ids))),
+                    }
+                )
                 progress.advance(task)
         lap("passkey")
         names = probed(e, "mqar", compute) if mqar_prompts else []
@@ -172,15 +212,35 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         task = progress.add_task("RULER", total=len(samples) * len(names))
         for name in names:
             for sample in samples:
-                ruler_runs[name].append(ruler_trial(model, tokenizer, sample, configs[name],
-                                                    chunk(name, len(sample.ids)), e.ruler.get("max_new_tokens")))
+                ruler_runs[name].append(
+                    ruler_trial(
+                        model,
+                        tokenizer,
+                        sample,
+                        configs[name],
+                        chunk(name, len(sample.ids)),
+                        e.ruler.get("max_new_tokens"),
+                    )
+                )
                 progress.advance(task)
         lap("ruler")
 
     native_bytes = peak_bytes(native_plan, max(lengths))
     for name in compute:
-        rows[name] = summarize(name, configs[name], plans[name], native_plan, per_doc[name], per_doc[ref_name],
-                               cont[name], cont[ref_name], trials[name], trials[ref_name], lengths, native_bytes)
+        rows[name] = summarize(
+            name,
+            configs[name],
+            plans[name],
+            native_plan,
+            per_doc[name],
+            per_doc[ref_name],
+            cont[name],
+            cont[ref_name],
+            trials[name],
+            trials[ref_name],
+            lengths,
+            native_bytes,
+        )
         rows[name].update(ruler_summary(ruler_runs[name]))
         rows[name].update(mqar_summary(mqar_runs[name], mqar_runs[ref_name]))
         rows[name]["protocol"] = "prefill" if name in after_prefill else "blockwise"
@@ -191,17 +251,36 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         r.update(references(e, r["name"]))
         r["verdict"] = verdict(r, rows[ref_name], random_weights)
 
-    title = (f"study: {cfg.model.family}{' (random weights)' if random_weights else ''}, text '{e.text}', "
-             f"{len(docs)} doc(s)" + (f", passkey at {list(e.passkey.lengths)} tokens" if prompts else "")
-             + (f", MQAR at {list(e.mqar.pairs)} pairs" if mqar_prompts else ""))
+    title = (
+        f"study: {cfg.model.family}{' (random weights)' if random_weights else ''}, text '{e.text}', "
+        f"{len(docs)} doc(s)"
+        + (f", passkey at {list(e.passkey.lengths)} tokens" if prompts else "")
+        + (f", MQAR at {list(e.mqar.pairs)} pairs" if mqar_prompts else "")
+    )
     plot = pareto_plot(ordered, lengths, out_dir / "study_pareto.png", title, n_cont)
-    result = {"config": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint,
-              "random_weights": random_weights, "text": e.text, "lengths": lengths, "continuation": n_cont,
-              "ruler_tasks": sorted({s.task for s in samples}, key=list(RULER_TASKS).index),
-              "ruler_lengths": sorted({s.length for s in samples}), "strategies": ordered,
-              "wall_s": time.perf_counter() - start_time, "phase_s": phase_s, "plot": str(plot)}
-    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, result["config"], group=cfg.logger.group,
-                      name=f"study-{cfg.model.family}", tags=["study", cfg.model.family])
+    result = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "checkpoint": checkpoint,
+        "random_weights": random_weights,
+        "text": e.text,
+        "lengths": lengths,
+        "continuation": n_cont,
+        "ruler_tasks": sorted({s.task for s in samples}, key=list(RULER_TASKS).index),
+        "ruler_lengths": sorted({s.length for s in samples}),
+        "strategies": ordered,
+        "wall_s": time.perf_counter() - start_time,
+        "phase_s": phase_s,
+        "plot": str(plot),
+    }
+    tracker = Tracker(
+        cfg.logger.mode,
+        cfg.logger.project,
+        out_dir,
+        result["config"],
+        group=cfg.logger.group,
+        name=f"study-{cfg.model.family}",
+        tags=["study", cfg.model.family],
+    )
     log_to_tracker(tracker, ordered, lengths, n_cont, plot)
     run_dir = tracker.run_dir
     tracker.finish()
@@ -210,8 +289,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     json_path.write_text(json.dumps(result, indent=2, default=str))
     print_table(console, ordered, lengths, n_cont, title)
     print_ruler_table(console, ordered)
-    console.print(f"plot: {plot}\nW&B run: {run_dir}\nresults: {json_path}\nwall time: {result['wall_s']:.0f} s ("
-                  + ", ".join(f"{k} {v:.0f} s" for k, v in phase_s.items()) + ")")
+    console.print(
+        f"plot: {plot}\nW&B run: {run_dir}\nresults: {json_path}\nwall time: {result['wall_s']:.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in phase_s.items())
+        + ")"
+    )
     return result
 
 
@@ -222,8 +304,11 @@ def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> tuple[list, list
     for task in r.tasks:
         for L in r.lengths:
             try:
-                out += [ruler_sample(tokenizer, task, int(L), float(d) if d is not None else None, seed=f"{r.seed}-{t}")
-                        for d in (r.depths if has_depth(task) else [None]) for t in range(int(r.trials))]
+                out += [
+                    ruler_sample(tokenizer, task, int(L), float(d) if d is not None else None, seed=f"{r.seed}-{t}")
+                    for d in (r.depths if has_depth(task) else [None])
+                    for t in range(int(r.trials))
+                ]
             except ValueError as err:
                 skipped.append(f"{task} at {L} tokens: {err}")
     if out and max(max(s.ids) for s in out) >= vocab_size:
@@ -234,8 +319,9 @@ def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> tuple[list, list
 def mqar_samples(m: DictConfig, tokenizer, vocab_size: int) -> list[mqar.Prompt]:
     """Every MQAR example of the run: pairs x trial, seeded (the same examples for every strategy)."""
     rng = random.Random(int(m.seed))
-    out = [mqar.prompt(tokenizer, rng, int(n), min(int(m.queries), int(n))) for n in m.pairs
-           for _ in range(int(m.trials))]
+    out = [
+        mqar.prompt(tokenizer, rng, int(n), min(int(m.queries), int(n))) for n in m.pairs for _ in range(int(m.trials))
+    ]
     if out and max(max(p.ids) for p in out) >= vocab_size:
         raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
     return out
@@ -263,9 +349,12 @@ def mqar_summary(runs: list[dict], native_runs: list[dict]) -> dict[str, Any]:
             d[0] += q["correct"]
             d[1] += 1
     queries = [q for t in runs for q in t["queries"]]
-    return {"mqar_acc": sum(q["correct"] for q in queries) / len(queries), "mqar_by_pairs": by_pairs,
-            "mqar_by_distance": dict(sorted(by_distance.items(), key=lambda kv: int(kv[0].split("-")[0]))),
-            "mqar_trials": runs}
+    return {
+        "mqar_acc": sum(q["correct"] for q in queries) / len(queries),
+        "mqar_by_pairs": by_pairs,
+        "mqar_by_distance": dict(sorted(by_distance.items(), key=lambda kv: int(kv[0].split("-")[0]))),
+        "mqar_trials": runs,
+    }
 
 
 def ruler_summary(runs: list[dict]) -> dict[str, Any]:
@@ -273,13 +362,27 @@ def ruler_summary(runs: list[dict]) -> dict[str, Any]:
     cells: dict[str, dict[str, list[float]]] = {}
     for t in runs:
         cells.setdefault(t["task"], {}).setdefault(str(t["length"]), []).append(t["score"])
-    return {"ruler": {task: {L: sum(v) / len(v) for L, v in by.items()} for task, by in cells.items()},
-            "ruler_mean": sum(t["score"] for t in runs) / len(runs) if runs else None, "ruler_trials": runs}
+    return {
+        "ruler": {task: {L: sum(v) / len(v) for L, v in by.items()} for task, by in cells.items()},
+        "ruler_mean": sum(t["score"] for t in runs) / len(runs) if runs else None,
+        "ruler_trials": runs,
+    }
 
 
-def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs: list[Strategy],
-              cont: list[Continuation], native_cont: list[Continuation], trials, native_trials, lengths: list[int],
-              native_bytes: int) -> dict[str, Any]:
+def summarize(
+    name,
+    config,
+    plan,
+    native_plan,
+    docs: list[Strategy],
+    native_docs: list[Strategy],
+    cont: list[Continuation],
+    native_cont: list[Continuation],
+    trials,
+    native_trials,
+    lengths: list[int],
+    native_bytes: int,
+) -> dict[str, Any]:
     """One strategy's row: per context length, means over documents (no blockwise numbers for a strategy that
     compresses after the prefill: `docs` is empty)."""
     ppl, kl, kl_max, top1, greedy, diverges = {}, {}, {}, {}, {}, {}
@@ -295,8 +398,11 @@ def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs
             c_ppl[str(L)] = math.exp(sum(float(c.nll[L].double().mean()) for c in cont) / len(cont))
             c_kl[str(L)] = sum(float(c.kl[L].double().mean()) for c in cont) / len(cont)
             c_top1[str(L)] = sum(float(c.top1[L].double().mean()) for c in cont) / len(cont)
-        ours, theirs = ([d.greedy.get(L) for d in docs], [d.greedy.get(L) for d in native_docs]) if docs else \
-            ([c.greedy.get(L) for c in cont], [c.greedy.get(L) for c in native_cont])
+        ours, theirs = (
+            ([d.greedy.get(L) for d in docs], [d.greedy.get(L) for d in native_docs])
+            if docs
+            else ([c.greedy.get(L) for c in cont], [c.greedy.get(L) for c in native_cont])
+        )
         if ours and ours[0]:
             pairs = [agreement(a, b) for a, b in zip(ours, theirs)]
             greedy[str(L)] = sum(a for a, _ in pairs) / len(pairs)
@@ -312,19 +418,34 @@ def summarize(name, config, plan, native_plan, docs: list[Strategy], native_docs
         cell[1] += 1
     peak = peak_bytes(plan, max(lengths))
     after = docs[0].nbytes_after if docs else cont[0].nbytes_after_prompt[max(lengths)] if cont else None
-    return {"name": name, "config": config, "exact_cache": plan.exact, "changed_layers": plan.changed(native_plan),
-            "bytes": peak, "bytes_ratio": peak / native_bytes if native_bytes else float("nan"),
-            "bytes_after": after,
-            "planned_bytes": {str(L): plan.held_nbytes(1, L) for L in lengths},
-            "peak_bytes": {str(L): peak_bytes(plan, L) for L in lengths},
-            "ppl": ppl, "kl": kl, "kl_max": {k: finite(v) for k, v in kl_max.items()}, "top1": top1,
-            "continuation_ppl": c_ppl, "continuation_kl": c_kl, "continuation_top1": c_top1,
-            "greedy_agreement": greedy, "greedy_diverges_at": diverges,
-            "greedy_tokens": {str(L): (docs[0].greedy if docs else cont[0].greedy).get(L) for L in lengths}
-            if docs or cont else {},
-            "passkey": trials, "passkey_correct": correct, "passkey_trials": len(trials),
-            "passkey_by_length": by_length,
-            "passkey_acc": correct / len(trials) if trials else None}
+    return {
+        "name": name,
+        "config": config,
+        "exact_cache": plan.exact,
+        "changed_layers": plan.changed(native_plan),
+        "bytes": peak,
+        "bytes_ratio": peak / native_bytes if native_bytes else float("nan"),
+        "bytes_after": after,
+        "planned_bytes": {str(L): plan.held_nbytes(1, L) for L in lengths},
+        "peak_bytes": {str(L): peak_bytes(plan, L) for L in lengths},
+        "ppl": ppl,
+        "kl": kl,
+        "kl_max": {k: finite(v) for k, v in kl_max.items()},
+        "top1": top1,
+        "continuation_ppl": c_ppl,
+        "continuation_kl": c_kl,
+        "continuation_top1": c_top1,
+        "greedy_agreement": greedy,
+        "greedy_diverges_at": diverges,
+        "greedy_tokens": {str(L): (docs[0].greedy if docs else cont[0].greedy).get(L) for L in lengths}
+        if docs or cont
+        else {},
+        "passkey": trials,
+        "passkey_correct": correct,
+        "passkey_trials": len(trials),
+        "passkey_by_length": by_length,
+        "passkey_acc": correct / len(trials) if trials else None,
+    }
 
 
 def peak_bytes(plan, tokens: int) -> int:
@@ -335,27 +456,84 @@ def peak_bytes(plan, tokens: int) -> int:
 
 def log_to_tracker(tracker: Tracker, rows: list[dict], lengths: list[int], n_cont: int, plot: Path) -> None:
     longest = str(max(lengths))
-    columns = ["strategy", "config", "protocol", "bytes", "bytes_vs_native", *[f"ppl@{L}" for L in lengths],
-               f"kl@{longest}", f"top1@{longest}", f"cont{n_cont}_ppl@{longest}", f"cont{n_cont}_kl@{longest}",
-               "passkey_acc", "mqar_acc", "ruler_mean", "reference", "agreement", "verdict"]
+    columns = [
+        "strategy",
+        "config",
+        "protocol",
+        "bytes",
+        "bytes_vs_native",
+        *[f"ppl@{L}" for L in lengths],
+        f"kl@{longest}",
+        f"top1@{longest}",
+        f"cont{n_cont}_ppl@{longest}",
+        f"cont{n_cont}_kl@{longest}",
+        "passkey_acc",
+        "mqar_acc",
+        "ruler_mean",
+        "reference",
+        "agreement",
+        "verdict",
+    ]
     table = []
     for r in rows:
         if r.get("error"):
-            table.append([r["name"], json.dumps(r["config"]), None, None, None, *[None] * len(lengths), None, None,
-                          None, None, None, None, None, r.get("reference"), r.get("agreement"), r["verdict"]])
+            table.append(
+                [
+                    r["name"],
+                    json.dumps(r["config"]),
+                    None,
+                    None,
+                    None,
+                    *[None] * len(lengths),
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    r.get("reference"),
+                    r.get("agreement"),
+                    r["verdict"],
+                ]
+            )
             continue
-        table.append([r["name"], json.dumps(r["config"]), r.get("protocol"), r["bytes"], r["bytes_ratio"],
-                      *[r["ppl"].get(str(L)) for L in lengths], r["kl"].get(longest), r["top1"].get(longest),
-                      r["continuation_ppl"].get(longest), r["continuation_kl"].get(longest), r["passkey_acc"],
-                      r.get("mqar_acc"), r.get("ruler_mean"), r.get("reference"), None if r.get("agreement") is None
-                      else str(r["agreement"]), r["verdict"]])
-        tracker.summary({f"{r['name']}/bytes_vs_native": r["bytes_ratio"], f"{r['name']}/ppl@{longest}":
-                         r["ppl"].get(longest), f"{r['name']}/kl@{longest}": r["kl"].get(longest),
-                         f"{r['name']}/cont_ppl@{longest}": r["continuation_ppl"].get(longest),
-                         f"{r['name']}/passkey_acc": r["passkey_acc"],
-                         f"{r['name']}/mqar_acc": r.get("mqar_acc"), f"{r['name']}/ruler_mean": r.get("ruler_mean"),
-                         **{f"{r['name']}/ruler/{task}@{L}": v for task, by in (r.get("ruler") or {}).items()
-                            for L, v in by.items()}})
+        table.append(
+            [
+                r["name"],
+                json.dumps(r["config"]),
+                r.get("protocol"),
+                r["bytes"],
+                r["bytes_ratio"],
+                *[r["ppl"].get(str(L)) for L in lengths],
+                r["kl"].get(longest),
+                r["top1"].get(longest),
+                r["continuation_ppl"].get(longest),
+                r["continuation_kl"].get(longest),
+                r["passkey_acc"],
+                r.get("mqar_acc"),
+                r.get("ruler_mean"),
+                r.get("reference"),
+                None if r.get("agreement") is None else str(r["agreement"]),
+                r["verdict"],
+            ]
+        )
+        tracker.summary(
+            {
+                f"{r['name']}/bytes_vs_native": r["bytes_ratio"],
+                f"{r['name']}/ppl@{longest}": r["ppl"].get(longest),
+                f"{r['name']}/kl@{longest}": r["kl"].get(longest),
+                f"{r['name']}/cont_ppl@{longest}": r["continuation_ppl"].get(longest),
+                f"{r['name']}/passkey_acc": r["passkey_acc"],
+                f"{r['name']}/mqar_acc": r.get("mqar_acc"),
+                f"{r['name']}/ruler_mean": r.get("ruler_mean"),
+                **{
+                    f"{r['name']}/ruler/{task}@{L}": v
+                    for task, by in (r.get("ruler") or {}).items()
+                    for L, v in by.items()
+                },
+            }
+        )
     tracker.table("study", columns, table)
     if tracker.mode != "disabled":
         tracker.log({"study_pareto": tracker.wandb.Image(str(plot))})

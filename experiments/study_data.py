@@ -13,17 +13,39 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-STDLIB_MODULES = ("argparse", "textwrap", "inspect", "typing", "dataclasses", "functools", "collections/__init__",
-                  "pathlib/__init__", "logging/__init__", "json/decoder", "subprocess", "tarfile")
+STDLIB_MODULES = (
+    "argparse",
+    "textwrap",
+    "inspect",
+    "typing",
+    "dataclasses",
+    "functools",
+    "collections/__init__",
+    "pathlib/__init__",
+    "logging/__init__",
+    "json/decoder",
+    "subprocess",
+    "tarfile",
+)
 
 FILLER = (
-    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
-    "The river flows to the sea.", "A bird sings in the morning.", "The road winds through the hills.",
-    "Snow falls quietly at night.", "The market opens at dawn.", "Clouds drift over the valley.",
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+    "The river flows to the sea.",
+    "A bird sings in the morning.",
+    "The road winds through the hills.",
+    "Snow falls quietly at night.",
+    "The market opens at dawn.",
+    "Clouds drift over the valley.",
     "An old clock ticks on the wall.",
 )
-INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize "
-         "it. I will quiz you about it.")
+INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize "
+    "it. I will quiz you about it."
+)
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 
@@ -66,9 +88,11 @@ def documents(tokenizer, source: str, tokens: int, count: int, vocab_size: int) 
     ids = encode(tokenizer, text_source(source))
     body = tokens - (getattr(tokenizer, "bos_token_id", None) is not None)
     if len(ids) < body * count:
-        raise ValueError(f"text source '{source}' has {len(ids)} tokens, fewer than {count} x {body}; "
-                         "lower experiment.lengths or experiment.documents")
-    docs = [with_bos(tokenizer, ids[i * body:(i + 1) * body]) for i in range(count)]
+        raise ValueError(
+            f"text source '{source}' has {len(ids)} tokens, fewer than {count} x {body}; "
+            "lower experiment.lengths or experiment.documents"
+        )
+    docs = [with_bos(tokenizer, ids[i * body : (i + 1) * body]) for i in range(count)]
     if max(max(d) for d in docs) >= vocab_size:
         raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
     return docs
@@ -78,16 +102,16 @@ def documents(tokenizer, source: str, tokens: int, count: int, vocab_size: int) 
 class PasskeyPrompt:
     ids: list[int]
     key: str
-    depth: float          # requested share of the filler before the needle
-    distance: int         # tokens from the needle's start to the end of the prompt
-    answer_tokens: int    # tokens to generate: the key's length plus slack
+    depth: float  # requested share of the filler before the needle
+    distance: int  # tokens from the needle's start to the end of the prompt
+    answer_tokens: int  # tokens to generate: the key's length plus slack
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random, digits: int = 5) -> PasskeyPrompt:
     """A prompt of about `length` tokens (never more) with a random `digits`-digit key at `depth` of the filler."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
-    key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+    key = str(rng.randrange(10 ** (digits - 1), 10**digits))
     head = with_bos(tokenizer, encode(tokenizer, INTRO))
     needle = encode(tokenizer, NEEDLE.format(key=key))
     question = encode(tokenizer, QUESTION)

@@ -18,8 +18,9 @@ however long the document is (Gemma's vocabulary is 262k).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,10 +36,10 @@ class Strategy:
     name: str
     config: dict[str, Any]
     cache: Cache | None = None
-    nll: list[torch.Tensor] = field(default_factory=list)        # per block [T]
-    kl: list[torch.Tensor] = field(default_factory=list)         # per block [T]
-    top1: list[torch.Tensor] = field(default_factory=list)       # per block [T] bool
-    greedy: dict[int, list[int]] = field(default_factory=dict)   # context length -> N greedy tokens
+    nll: list[torch.Tensor] = field(default_factory=list)  # per block [T]
+    kl: list[torch.Tensor] = field(default_factory=list)  # per block [T]
+    top1: list[torch.Tensor] = field(default_factory=list)  # per block [T] bool
+    greedy: dict[int, list[int]] = field(default_factory=dict)  # context length -> N greedy tokens
     passkey: list[dict[str, Any]] = field(default_factory=list)
     nbytes_after: int = 0
 
@@ -49,8 +50,15 @@ def block_edges(total: int, block: int, lengths: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def teacher_forced(model, doc: list[int], strategies: list[Strategy], lengths: list[int], block: int,
-                   greedy_tokens: int, advance: Callable[[], None]) -> None:
+def teacher_forced(
+    model,
+    doc: list[int],
+    strategies: list[Strategy],
+    lengths: list[int],
+    block: int,
+    greedy_tokens: int,
+    advance: Callable[[], None],
+) -> None:
     """Feed `doc` through every strategy's cache in lockstep; strategies[0] is the native one (KL reference)."""
     ids = torch.tensor([doc], device=model.device)
     target = ids[0, 1:]
@@ -60,11 +68,11 @@ def teacher_forced(model, doc: list[int], strategies: list[Strategy], lengths: l
     for start, end in zip(edges, edges[1:]):
         native_logp = None
         for s in strategies:
-            logits = model(ids[:, start:end], cache=s.cache)[0].float()       # [T, V]
+            logits = model(ids[:, start:end], cache=s.cache)[0].float()  # [T, V]
             logp = torch.log_softmax(logits, dim=-1)
             del logits
-            n = min(end, len(doc) - 1) - start                                  # positions that have a next token
-            s.nll.append(-logp[:n].gather(1, target[start:start + n, None])[:, 0])
+            n = min(end, len(doc) - 1) - start  # positions that have a next token
+            s.nll.append(-logp[:n].gather(1, target[start : start + n, None])[:, 0])
             if native_logp is None:
                 native_logp = logp
                 s.kl.append(torch.zeros(n))
@@ -92,7 +100,7 @@ def continue_greedily(model, prefix: torch.Tensor, last_logp: torch.Tensor, cach
     try:
         seq = torch.cat([prefix, torch.tensor([[first]], device=prefix.device)], dim=1)
         out = hc.generate(model, seq, max_new_tokens=n - 1, cache=cache)
-        return [first, *out.sequences[0, prefix.shape[1] + 1:].tolist()]
+        return [first, *out.sequences[0, prefix.shape[1] + 1 :].tolist()]
     finally:
         cache.restore(snap)
 
@@ -104,16 +112,24 @@ class Continuation:
 
     name: str
     config: dict[str, Any]
-    nll: dict[int, torch.Tensor] = field(default_factory=dict)      # L -> [N]
-    kl: dict[int, torch.Tensor] = field(default_factory=dict)       # L -> [N]
-    top1: dict[int, torch.Tensor] = field(default_factory=dict)     # L -> [N] bool
-    greedy: dict[int, list[int]] = field(default_factory=dict)      # L -> greedy tokens after the prompt
+    nll: dict[int, torch.Tensor] = field(default_factory=dict)  # L -> [N]
+    kl: dict[int, torch.Tensor] = field(default_factory=dict)  # L -> [N]
+    top1: dict[int, torch.Tensor] = field(default_factory=dict)  # L -> [N] bool
+    greedy: dict[int, list[int]] = field(default_factory=dict)  # L -> greedy tokens after the prompt
     nbytes_after_prompt: dict[int, int] = field(default_factory=dict)
 
 
 @torch.no_grad()
-def continuation(model, doc: list[int], strategies: list[Continuation], lengths: list[int], n: int,
-                 greedy_tokens: int, greedy_for: set[str], advance: Callable[[], None]) -> None:
+def continuation(
+    model,
+    doc: list[int],
+    strategies: list[Continuation],
+    lengths: list[int],
+    n: int,
+    greedy_tokens: int,
+    greedy_for: set[str],
+    advance: Callable[[], None],
+) -> None:
     """kvpress's protocol for every strategy (strategies[0]: native, the KL reference): prompt doc[:L] in one block,
     then doc[L:L+n] in one block, scored on predicting doc[L+1:L+n+1]. Greedy tokens after the prompt for the
     strategies in `greedy_for` (the compress-after-prefill ones, whose blockwise greedy would mean nothing)."""
@@ -121,7 +137,7 @@ def continuation(model, doc: list[int], strategies: list[Continuation], lengths:
     for L in lengths:
         if L + n + 1 > len(doc):
             raise ValueError(f"continuation needs {L + n + 1} tokens, the document has {len(doc)}")
-        target = ids[0, L + 1:L + n + 1]
+        target = ids[0, L + 1 : L + n + 1]
         native_logp = None
         for s in strategies:
             cache = model.make_cache(1, s.config)
@@ -129,7 +145,7 @@ def continuation(model, doc: list[int], strategies: list[Continuation], lengths:
             s.nbytes_after_prompt[L] = cache.nbytes()
             if s.name in greedy_for and greedy_tokens > 0:
                 s.greedy[L] = continue_greedily(model, ids[:, :L], last, cache, greedy_tokens)
-            logp = torch.log_softmax(model(ids[:, L:L + n], cache=cache)[0].float(), dim=-1)  # [n, V]
+            logp = torch.log_softmax(model(ids[:, L : L + n], cache=cache)[0].float(), dim=-1)  # [n, V]
             s.nll[L] = -logp.gather(1, target[:, None])[:, 0]
             if native_logp is None:
                 native_logp = logp
@@ -139,31 +155,53 @@ def continuation(model, doc: list[int], strategies: list[Continuation], lengths:
         del native_logp
 
 
-def ruler_trial(model, tokenizer, sample: ruler.RulerSample, config: dict[str, Any], chunk: int,
-                max_new_tokens: int | None) -> dict[str, Any]:
+def ruler_trial(
+    model, tokenizer, sample: ruler.RulerSample, config: dict[str, Any], chunk: int, max_new_tokens: int | None
+) -> dict[str, Any]:
     """One RULER prompt under a cache config: the greedy answer and its score under the task's RULER metric."""
     ids = torch.tensor([sample.ids], device=model.device)
     new = min(sample.max_new_tokens, max_new_tokens or sample.max_new_tokens)
-    out = hc.generate(model, ids, max_new_tokens=new, cache_config=config, prefill_chunk_size=chunk,
-                      output_logits=False)
-    answer = tokenizer.decode(out.sequences[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-    return {"task": sample.task, "length": sample.length, "depth": sample.depth, "answers": sample.answers,
-            "prediction": answer, "score": ruler.score(sample.task, answer, sample.answers)}
+    out = hc.generate(
+        model, ids, max_new_tokens=new, cache_config=config, prefill_chunk_size=chunk, output_logits=False
+    )
+    answer = tokenizer.decode(out.sequences[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+    return {
+        "task": sample.task,
+        "length": sample.length,
+        "depth": sample.depth,
+        "answers": sample.answers,
+        "prediction": answer,
+        "score": ruler.score(sample.task, answer, sample.answers),
+    }
 
 
 def passkey(model, tokenizer, prompt, config: dict[str, Any], block: int) -> dict[str, Any]:
     """One passkey trial under a cache config: the greedy answer and whether it holds the key (`block`: the prefill
     chunk; the whole prompt for a compress-after-prefill strategy)."""
     ids = torch.tensor([prompt.ids], device=model.device)
-    out = hc.generate(model, ids, max_new_tokens=prompt.answer_tokens, cache_config=config,
-                      prefill_chunk_size=block, output_logits=False)
-    answer = tokenizer.decode(out.sequences[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-    return {"length": len(prompt.ids), "depth": prompt.depth, "distance": prompt.distance, "key": prompt.key,
-            "answer": answer, "correct": prompt.key in answer}
+    out = hc.generate(
+        model,
+        ids,
+        max_new_tokens=prompt.answer_tokens,
+        cache_config=config,
+        prefill_chunk_size=block,
+        output_logits=False,
+    )
+    answer = tokenizer.decode(out.sequences[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+    return {
+        "length": len(prompt.ids),
+        "depth": prompt.depth,
+        "distance": prompt.distance,
+        "key": prompt.key,
+        "answer": answer,
+        "correct": prompt.key in answer,
+    }
 
 
 @torch.no_grad()
-def mqar_trial(model, prompt: mqar.Prompt, config: dict[str, Any], block: int, one_block_prompt: bool) -> dict[str, Any]:
+def mqar_trial(
+    model, prompt: mqar.Prompt, config: dict[str, Any], block: int, one_block_prompt: bool
+) -> dict[str, Any]:
     """One MQAR example under a cache config, scored teacher-forced as Zoology does: the whole example is read in
     blocks of `block` (the cache's pattern and storage apply between blocks), or, for a compress-after-prefill
     strategy, the pairs as one block (its prompt) and the queries as a second. A query is recalled when every id of
@@ -171,7 +209,7 @@ def mqar_trial(model, prompt: mqar.Prompt, config: dict[str, Any], block: int, o
     ids = torch.tensor([prompt.ids], device=model.device)
     cache = model.make_cache(1, config)
     if one_block_prompt:
-        model.run_block(ids[:, :prompt.context], cache, last_only=True)
+        model.run_block(ids[:, : prompt.context], cache, last_only=True)
         edges = [prompt.context, len(prompt.ids)]
     else:
         edges = block_edges(len(prompt.ids), block, [])
@@ -179,10 +217,16 @@ def mqar_trial(model, prompt: mqar.Prompt, config: dict[str, Any], block: int, o
     for start, end in zip(edges, edges[1:]):
         preds.append(model(ids[:, start:end], cache=cache)[0].argmax(-1))  # [T]
     pred = torch.cat(preds).tolist()  # pred[i] predicts ids[i + 1]
-    queries = [{"distance": distance, "correct": pred[at - 1: at - 1 + len(value)] == value}
-               for at, value, distance in prompt.answers]
-    return {"pairs": prompt.pairs, "length": len(prompt.ids), "queries": queries,
-            "accuracy": sum(q["correct"] for q in queries) / len(queries)}
+    queries = [
+        {"distance": distance, "correct": pred[at - 1 : at - 1 + len(value)] == value}
+        for at, value, distance in prompt.answers
+    ]
+    return {
+        "pairs": prompt.pairs,
+        "length": len(prompt.ids),
+        "queries": queries,
+        "accuracy": sum(q["correct"] for q in queries) / len(queries),
+    }
 
 
 def prefix_mean(chunks: list[torch.Tensor], positions: int) -> float:

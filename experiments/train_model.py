@@ -25,10 +25,18 @@ def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
     """The HF config of `arch` at `size` (hidden, layers, heads, kv_heads, head_dim, intermediate, attention_every,
     mamba_heads, state, chunk, max_positions)."""
     d, n = int(size["hidden"]), int(size["layers"])
-    common = dict(VOCAB, hidden_size=d, num_hidden_layers=n, intermediate_size=int(size["intermediate"]),
-                  num_attention_heads=int(size["heads"]), num_key_value_heads=int(size["kv_heads"]),
-                  head_dim=int(size["head_dim"]), max_position_embeddings=int(size["max_positions"]),
-                  tie_word_embeddings=True, attn_implementation="sdpa")
+    common = dict(
+        VOCAB,
+        hidden_size=d,
+        num_hidden_layers=n,
+        intermediate_size=int(size["intermediate"]),
+        num_attention_heads=int(size["heads"]),
+        num_key_value_heads=int(size["kv_heads"]),
+        head_dim=int(size["head_dim"]),
+        max_position_embeddings=int(size["max_positions"]),
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     if arch == "hybrid":
         every = int(size["attention_every"])
         mamba_heads = int(size["mamba_heads"])
@@ -37,15 +45,28 @@ def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
         # attention in the middle of each group of `every` layers, e.g. every=4, n=8: M M A M M M A M
         attn = [i for i in range(n) if i % every == every // 2]
         return transformers.BambaConfig(
-            **common, attn_layer_indices=attn, mamba_n_heads=mamba_heads, mamba_d_head=2 * d // mamba_heads,
-            mamba_n_groups=1, mamba_d_state=int(size["state"]), mamba_d_conv=4, mamba_expand=2,
-            mamba_chunk_size=int(size["chunk"]), rope_theta=10000.0)
+            **common,
+            attn_layer_indices=attn,
+            mamba_n_heads=mamba_heads,
+            mamba_d_head=2 * d // mamba_heads,
+            mamba_n_groups=1,
+            mamba_d_state=int(size["state"]),
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=int(size["chunk"]),
+            rope_theta=10000.0,
+        )
     if arch == "attention":
         # Gemma 3 with every layer global: no sliding windows, so it sees as far back as the hybrid's attention
         return transformers.Gemma3TextConfig(
-            **common, layer_types=["full_attention"] * n, sliding_window=int(size["max_positions"]),
-            query_pre_attn_scalar=int(size["head_dim"]), final_logit_softcapping=None,
-            attn_logit_softcapping=None, rope_theta=10000.0)
+            **common,
+            layer_types=["full_attention"] * n,
+            sliding_window=int(size["max_positions"]),
+            query_pre_attn_scalar=int(size["head_dim"]),
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            rope_theta=10000.0,
+        )
     raise ArchError(f"experiment.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 

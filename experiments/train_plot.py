@@ -34,7 +34,9 @@ def loss_curve(histories: dict[str, Path], path: Path, title: str) -> Path:
         if not rows:
             continue
         x = [r["tokens"] / 1e6 for r in rows]
-        ax.plot(x, smooth([r["bits_per_byte"] for r in rows]), color=color, lw=1.6, label=f"{arch}: train (25-step mean)")
+        ax.plot(
+            x, smooth([r["bits_per_byte"] for r in rows]), color=color, lw=1.6, label=f"{arch}: train (25-step mean)"
+        )
         for split, style in PROBE_STYLE.items():
             pts = [(p["tokens"] / 1e6, p[split]) for p in data["probes"] if split in p]
             if pts:

@@ -65,9 +65,9 @@ def usage_error(argv: list[str], config_dir: str | Path) -> str | None:
 def _check(argv: list[str], config_dir: Path) -> None:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path, get_args_parser
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.object_type import ObjectType
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.config_search_path import SearchPathQuery
     from hydra.errors import OverrideParseException
     from hydra.types import RunMode
 
@@ -90,8 +90,10 @@ def _check(argv: list[str], config_dir: Path) -> None:
         overrides = OverridesParser.create(config_loader=loader).parse_overrides(args.overrides)
     except OverrideParseException as e:
         reason = " ".join(" ".join(line for line in e.message.splitlines() if not line.startswith("See")).split())
-        raise UsageError(f"cannot parse '{e.override}': {reason} (override grammar: "
-                         "https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+        raise UsageError(
+            f"cannot parse '{e.override}': {reason} (override grammar: "
+            "https://hydra.cc/docs/advanced/override_grammar/basic)"
+        ) from None
     searchpath = [o.input_line for o in overrides if o.key_or_group == "hydra.searchpath"]
 
     def options(group: str, kind=ObjectType.CONFIG) -> list[str]:
@@ -107,8 +109,10 @@ def _check(argv: list[str], config_dir: Path) -> None:
     expanded: list[list[Any]] = []
     for o in overrides:
         if o.is_sweep_override() and not args.multirun:
-            raise UsageError(f"'{o.input_line}' gives several values: add -m (--multirun) to run each, or write "
-                             f"a list as {o.get_key_element()}=[...]")
+            raise UsageError(
+                f"'{o.input_line}' gives several values: add -m (--multirun) to run each, or write "
+                f"a list as {o.get_key_element()}=[...]"
+            )
         if not o.is_sweep_override():
             expanded.append([o])
         elif o.is_discrete_sweep():
@@ -116,8 +120,10 @@ def _check(argv: list[str], config_dir: Path) -> None:
         elif any(x.key_or_group == "hydra/sweeper" for x in overrides):
             expanded.append([])  # an interval, for the chosen sweeper plugin
         else:
-            raise UsageError(f"'{o.input_line}': Hydra's basic sweeper runs lists and range(); interval() needs a "
-                             "sweeper plugin (hydra/sweeper=...)")
+            raise UsageError(
+                f"'{o.input_line}': Hydra's basic sweeper runs lists and range(); interval() needs a "
+                "sweeper plugin (hydra/sweeper=...)"
+            )
         if is_group(o) and not o.is_delete():
             known = options(o.key_or_group)
             for x in expanded[-1]:
@@ -128,8 +134,9 @@ def _check(argv: list[str], config_dir: Path) -> None:
     # compose once per distinct choice of the config groups: the first value of every override, then each other
     # value of a group override in turn; every value of a value sweep is checked against the first composition
     first = [x[0] if x else None for x in expanded]
-    jobs = [first] + [first[:i] + [x] + first[i + 1:] for i, o in enumerate(overrides) if is_group(o)
-                      for x in expanded[i][1:]]
+    jobs = [first] + [
+        first[:i] + [x] + first[i + 1 :] for i, o in enumerate(overrides) if is_group(o) for x in expanded[i][1:]
+    ]
     for n, job in enumerate(jobs):
         job = [x for x in job if x is not None]
         setup = [x.input_line for x in job if is_group(x) or x.is_hydra_override()]
@@ -146,13 +153,22 @@ def _check_setting(o, tree: dict, groups: set[str]) -> None:
     """One `key=value` against the composed config: the key exists (or is added with +), the value has its type."""
     key, value = o.key_or_group, o.value()
     parts = key.split(".")
-    if parts[0] == "cache" and parts[-1] in SIZE_FIELDS and value is not None and (
-            isinstance(value, bool) or not isinstance(value, int)):  # null by default: typed by the cache schema
+    if (
+        parts[0] == "cache"
+        and parts[-1] in SIZE_FIELDS
+        and value is not None
+        and (isinstance(value, bool) or not isinstance(value, int))
+    ):  # null by default: typed by the cache schema
         raise UsageError(size_field_problem(key.removeprefix("cache."), parts[-1], value))
     node: Any = tree
     for depth, part in enumerate(parts):
-        children = (node if isinstance(node, dict) else
-                    {str(j): x for j, x in enumerate(node)} if isinstance(node, list) else None)
+        children = (
+            node
+            if isinstance(node, dict)
+            else {str(j): x for j, x in enumerate(node)}
+            if isinstance(node, list)
+            else None
+        )
         if children is None or part not in children:
             if o.is_add() or o.is_force_add():
                 return  # a new key (Hydra checks that its parent can hold it)
@@ -240,9 +256,19 @@ def _show(value: Any) -> str:
 
 def _one_line(e: BaseException) -> str:
     """Hydra's or OmegaConf's message without its indented details and pointers to docs."""
-    noise = ("full_key:", "object_type=", "reference_type=", "See https", "Set the environment variable",
-             "Config search path", "provider=")
+    noise = (
+        "full_key:",
+        "object_type=",
+        "reference_type=",
+        "See https",
+        "Set the environment variable",
+        "Config search path",
+        "provider=",
+    )
     text = str(e).strip() or str(e.__cause__ or "")
-    lines = [line.strip() for line in text.splitlines()
-             if line.strip() and not line.startswith(("\t", "  ")) and not line.strip().startswith(noise)]
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.startswith(("\t", "  ")) and not line.strip().startswith(noise)
+    ]
     return " ".join(" ".join(lines).split()) or type(e).__name__

@@ -1,8 +1,8 @@
 """hybridcache: caches for hybrid language models (attention patterns and recurrent states).
 
-    import hybridcache as hc
-    model = hc.from_pretrained(path)
-    out = hc.generate(model, input_ids, cache_config={"attention": {"type": "chunked", "chunk_size": 64}})
+import hybridcache as hc
+model = hc.from_pretrained(path)
+out = hc.generate(model, input_ids, cache_config={"attention": {"type": "chunked", "chunk_size": 64}})
 """
 
 from hybridcache.beam_search import BeamSearchOutput, beam_search
@@ -10,5 +10,14 @@ from hybridcache.cache import Cache, available_layers, register_cache_layer
 from hybridcache.generation import GenerateOutput, generate
 from hybridcache.models import from_pretrained
 
-__all__ = ["BeamSearchOutput", "beam_search", "Cache", "GenerateOutput", "available_layers", "from_pretrained", "generate", "register_cache_layer"]
+__all__ = [
+    "BeamSearchOutput",
+    "beam_search",
+    "Cache",
+    "GenerateOutput",
+    "available_layers",
+    "from_pretrained",
+    "generate",
+    "register_cache_layer",
+]
 __version__ = "0.1.0"

@@ -29,16 +29,27 @@ class BeamSearchOutput:
 
 
 @torch.no_grad()
-def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, num_beams: int = 4,
-                max_new_tokens: int = 16, eos_token_id: int | list[int] | None = None, length_penalty: float = 1.0,
-                use_cache: bool = True, cache_config=None) -> BeamSearchOutput:
+def beam_search(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    num_beams: int = 4,
+    max_new_tokens: int = 16,
+    eos_token_id: int | list[int] | None = None,
+    length_penalty: float = 1.0,
+    use_cache: bool = True,
+    cache_config=None,
+) -> BeamSearchOutput:
     """Beam search (see the module docstring); returns the best hypothesis per row."""
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise GenerationError(f"num_beams must be a positive integer, got {num_beams!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if (isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float))
-            or not math.isfinite(length_penalty)):
+    if (
+        isinstance(length_penalty, bool)
+        or not isinstance(length_penalty, (int, float))
+        or not math.isfinite(length_penalty)
+    ):
         raise GenerationError(f"length_penalty must be a finite number, got {length_penalty!r}")
     if not isinstance(use_cache, bool):
         raise GenerationError(f"use_cache must be True or False, got {use_cache!r}")
@@ -48,15 +59,28 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     device, nb = model.device, num_beams
     batch, width = input_ids.shape
     # every beam is a row: its cache, its sequence and its scores, estimated before anything is repeated
-    check_generation_memory(model, None, cache_config, batch * nb, width + max_new_tokens, max_new_tokens, False,
-                            f"beam search with num_beams={nb}", vocab_rows=3)
+    check_generation_memory(
+        model,
+        None,
+        cache_config,
+        batch * nb,
+        width + max_new_tokens,
+        max_new_tokens,
+        False,
+        f"beam search with num_beams={nb}",
+        vocab_rows=3,
+    )
     input_ids = input_ids.to(device)
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or attention_mask.shape != input_ids.shape):
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
+    ):
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise GenerationError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {got}")
-    mask = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-            else check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width))
+    mask = (
+        torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask is None
+        else check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width)
+    )
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     pad_id = model.config.get("pad_token_id")
     pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
@@ -118,7 +142,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         hyps = list(finished[b])
         if not done[b]:
             for j in range(nb):
-                _add(hyps, seqs[b * nb + j], float(scores[b, j]) / (generated ** length_penalty), nb)
+                _add(hyps, seqs[b * nb + j], float(scores[b, j]) / (generated**length_penalty), nb)
         score, hyp = max(hyps, key=lambda h: h[0])
         out.append(hyp)
         best_scores.append(score)

@@ -63,8 +63,13 @@ class OracleCheck:
         return self.max_abs_dlogit <= self.tolerance and (self.tokens_equal or self.teacher_forced)
 
 
-def oracle_check(cached_tokens: torch.Tensor, cached_logits: torch.Tensor, oracle_tokens: torch.Tensor,
-                 oracle_logits: torch.Tensor, tolerance: float) -> OracleCheck:
+def oracle_check(
+    cached_tokens: torch.Tensor,
+    cached_logits: torch.Tensor,
+    oracle_tokens: torch.Tensor,
+    oracle_logits: torch.Tensor,
+    tolerance: float,
+) -> OracleCheck:
     """Cached generation vs the use_cache=False generation under the same cache strategy."""
     equal = torch.equal(cached_tokens, oracle_tokens)
     n = min(cached_logits.shape[-2], oracle_logits.shape[-2])
@@ -72,8 +77,9 @@ def oracle_check(cached_tokens: torch.Tensor, cached_logits: torch.Tensor, oracl
     return OracleCheck(equal, diff, tolerance)
 
 
-def teacher_forced_check(tokens: torch.Tensor, cached_logits: torch.Tensor, oracle_logits: torch.Tensor,
-                         tolerance: float) -> OracleCheck:
+def teacher_forced_check(
+    tokens: torch.Tensor, cached_logits: torch.Tensor, oracle_logits: torch.Tensor, tolerance: float
+) -> OracleCheck:
     """Cached generation's logits [T, V] vs the recompute's logits for the same tokens [T, V] (one forward over the
     whole generated sequence with a fresh cache under the same strategy): no divergence can compound."""
     n = min(cached_logits.shape[-2], oracle_logits.shape[-2])

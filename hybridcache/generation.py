@@ -8,20 +8,26 @@ first part, so passing only the new tokens is an error, never a silent guess.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-import threading
-import weakref
-
 from hybridcache.cache import Cache
-from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.cache.limits import check_fits
 from hybridcache.cache.plan import resolve_plan
-from hybridcache.models.base import (GenerationError, GenerationTypeError, HybridLM, check_input_ids, check_mask,
-                                     check_mask_tensor)
+from hybridcache.cache.sequence import token_fingerprint
+from hybridcache.models.base import (
+    GenerationError,
+    GenerationTypeError,
+    HybridLM,
+    check_input_ids,
+    check_mask,
+    check_mask_tensor,
+)
 from hybridcache.ops.cpu_kernels import argmax_rows
 
 # Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
@@ -44,13 +50,19 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch's 64-bit generator seed takes (nega
 
 
 def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0
-            or temperature == float("inf")):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not temperature > 0
+        or temperature == float("inf")
+    ):
         raise GenerationError(f"temperature must be a finite number > 0, got {temperature!r}")
     if temperature < MIN_TEMPERATURE:
-        raise GenerationError(f"temperature must be >= {MIN_TEMPERATURE:.4g} (the smallest normal float32: logits "
-                              f"are sampled in float32), got {temperature!r}; for the most likely token use "
-                              "do_sample=False")
+        raise GenerationError(
+            f"temperature must be >= {MIN_TEMPERATURE:.4g} (the smallest normal float32: logits "
+            f"are sampled in float32), got {temperature!r}; for the most likely token use "
+            "do_sample=False"
+        )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise GenerationError(f"top_k must be a positive integer or None, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
@@ -62,17 +74,25 @@ def _eos_ids(eos_token_id: Any, vocab_size: int) -> list[int]:
     ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
     if ids is None:
         return []
-    if (not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-            or not all(0 <= i < vocab_size for i in ids)):
-        raise GenerationError(f"eos_token_id must be None, a token id or a list of token ids in [0, {vocab_size}), "
-                              f"got {eos_token_id!r}")
+    if (
+        not isinstance(ids, (list, tuple))
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        or not all(0 <= i < vocab_size for i in ids)
+    ):
+        raise GenerationError(
+            f"eos_token_id must be None, a token id or a list of token ids in [0, {vocab_size}), got {eos_token_id!r}"
+        )
     return list(ids)
 
 
 def awaiting_prompt(cache: Cache) -> bool:
     """Whether a layer of `cache` compresses the next block it sees as the prompt (score-based, mode: prefill)."""
-    return any(getattr(layer, "spec", None) is not None and getattr(layer.spec, "mode", None) == "prefill"
-               and not getattr(layer, "compressed", True) for layer in cache.layers)
+    return any(
+        getattr(layer, "spec", None) is not None
+        and getattr(layer.spec, "mode", None) == "prefill"
+        and not getattr(layer, "compressed", True)
+        for layer in cache.layers
+    )
 
 
 def greedy_next(logits: torch.Tensor) -> torch.Tensor:
@@ -119,7 +139,8 @@ def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> 
     if cache.seq.fingerprint is None:
         raise GenerationError(
             "this cache does not know which tokens it saw (it was fed outside the model, without token ids), so "
-            "a continuation cannot be checked against it; continue it with model(new_ids, cache) instead")
+            "a continuation cannot be checked against it; continue it with model(new_ids, cache) instead"
+        )
     prefix = mask[:, :cached].bool()
     positions = torch.where(prefix, prefix.long().cumsum(1) - 1, -1)
     differs = token_fingerprint(input_ids[:, :cached], positions) != cache.seq.fingerprint
@@ -134,23 +155,29 @@ def _continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> 
 
 def _check_speculative(model, draft, k, do_sample, cache, use_cache, compile, prefix_cache) -> None:
     if not all(hasattr(draft, a) for a in ("run_block", "make_cache", "vocab_size", "device")):
-        raise GenerationError(f"draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft), got "
-                              f"{type(draft).__name__}")
+        raise GenerationError(
+            f"draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft), got {type(draft).__name__}"
+        )
     if draft.vocab_size != model.vocab_size:
-        raise GenerationError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
-                              f"({model.vocab_size}); speculative decoding needs the same tokenizer")
+        raise GenerationError(
+            f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+            f"({model.vocab_size}); speculative decoding needs the same tokenizer"
+        )
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise GenerationError(f"num_draft_tokens must be a positive integer, got {k!r}")
     if do_sample:
         raise GenerationError("speculative decoding here is greedy: do_sample=True is not supported with draft_model")
-    for bad, what in ((cache is not None, "cache="), (not use_cache, "use_cache=False"), (compile, "compile=True"),
-                      (prefix_cache is not None, "prefix_cache=")):
+    for bad, what in (
+        (cache is not None, "cache="),
+        (not use_cache, "use_cache=False"),
+        (compile, "compile=True"),
+        (prefix_cache is not None, "prefix_cache="),
+    ):
         if bad:
             raise GenerationError(f"draft_model= builds both caches itself and cannot be combined with {what}")
 
 
-def cache_row_nbytes(model: HybridLM, cache: Cache | None, cache_config: Mapping[str, Any] | None,
-                     tokens: int) -> int:
+def cache_row_nbytes(model: HybridLM, cache: Cache | None, cache_config: Mapping[str, Any] | None, tokens: int) -> int:
     """Bytes one row of the cache holds once it has seen `tokens` tokens (from its specs; the specs of the cache
     `cache_config` would build when `cache` is None)."""
     if cache is not None:
@@ -158,17 +185,26 @@ def cache_row_nbytes(model: HybridLM, cache: Cache | None, cache_config: Mapping
     return resolve_plan(model.native_layers(), cache_config, None).held_nbytes(1, tokens)
 
 
-def check_generation_memory(model: HybridLM, cache: Cache | None, cache_config: Mapping[str, Any] | None, rows: int,
-                            tokens: int, new_tokens: int, output_logits: bool, what: str = "this generation",
-                            vocab_rows: int = 1) -> None:
+def check_generation_memory(
+    model: HybridLM,
+    cache: Cache | None,
+    cache_config: Mapping[str, Any] | None,
+    rows: int,
+    tokens: int,
+    new_tokens: int,
+    output_logits: bool,
+    what: str = "this generation",
+    vocab_rows: int = 1,
+) -> None:
     """Refuse (CacheMemoryError, before the first allocation) a request whose memory cannot fit. Per row: the cache
     after `tokens` tokens twice (dynamic storage grows into as many spare slots again; a reorder copies), the
     sequence and new tokens (int64), `vocab_rows` float32 vectors of the vocabulary's size (the step's logits;
     beam search also keeps log-probabilities and candidates) and the kept logits (the per-step list and the
     stacked result). A lower bound: activations are not counted."""
     vocab = model.vocab_size
-    per_row = (2 * cache_row_nbytes(model, cache, cache_config, tokens) + 8 * (tokens + new_tokens)
-               + 4 * vocab * vocab_rows)
+    per_row = (
+        2 * cache_row_nbytes(model, cache, cache_config, tokens) + 8 * (tokens + new_tokens) + 4 * vocab * vocab_rows
+    )
     if output_logits:
         per_row += 2 * 4 * vocab * new_tokens
     hint = "fewer rows or new tokens" + (", or output_logits=False" if output_logits else "")
@@ -233,24 +269,32 @@ def generate(
     ):
         raise GenerationError(f"prefill_chunk_size must be a positive integer or None, got {prefill_chunk_size!r}")
     _check_sampling(temperature, top_k, top_p)  # also when greedy: a bad value is a bug in the caller either way
-    for name, flag in (("do_sample", do_sample), ("use_cache", use_cache), ("compile", compile),
-                       ("output_logits", output_logits)):
+    for name, flag in (
+        ("do_sample", do_sample),
+        ("use_cache", use_cache),
+        ("compile", compile),
+        ("output_logits", output_logits),
+    ):
         if not isinstance(flag, bool):
             raise GenerationError(f"{name} must be True or False, got {flag!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not SEED_RANGE[0] <= seed < SEED_RANGE[1]):
-        raise GenerationError(f"seed must be None or an integer that fits torch's 64-bit seed, in [-2**63, 2**64), "
-                              f"got {seed!r}")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]
+    ):
+        raise GenerationError(
+            f"seed must be None or an integer that fits torch's 64-bit seed, in [-2**63, 2**64), got {seed!r}"
+        )
     if cache is not None and cache_config is not None:
         raise GenerationError("pass either cache= (continue from it) or cache_config= (build a new cache), not both")
     if cache is not None and not use_cache:
         raise GenerationError("use_cache=False recomputes from scratch and cannot continue from a cache")
     if compile and not use_cache:
-        raise GenerationError("compile=True compiles the cached decode step; it cannot be combined with "
-                              "use_cache=False")
+        raise GenerationError(
+            "compile=True compiles the cached decode step; it cannot be combined with use_cache=False"
+        )
     if prefix_cache is not None and not all(callable(getattr(prefix_cache, f, None)) for f in ("prepare", "finish")):
-        raise GenerationTypeError(f"prefix_cache must be a PrefixStore (hybridcache.prefix_cache), got "
-                                  f"{type(prefix_cache).__name__}")
+        raise GenerationTypeError(
+            f"prefix_cache must be a PrefixStore (hybridcache.prefix_cache), got {type(prefix_cache).__name__}"
+        )
     if draft_model is not None:
         _check_speculative(model, draft_model, num_draft_tokens, do_sample, cache, use_cache, compile, prefix_cache)
     device = model.device
@@ -262,9 +306,14 @@ def generate(
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[0] != batch:
             raise GenerationError(f"attention_mask has {attention_mask.shape[0]} rows, input_ids have {batch}")
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-            raise GenerationError(f"attention_mask must match input_ids {tuple(input_ids.shape)} (the whole "
-                                  f"sequence), got {got}")
+            got = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
+            raise GenerationError(
+                f"attention_mask must match input_ids {tuple(input_ids.shape)} (the whole sequence), got {got}"
+            )
         full_mask = check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width)
     if not bool(full_mask.any(1).all()):
         raise GenerationError("every row needs at least one real token (a row of the attention_mask is all zeros)")
@@ -278,18 +327,41 @@ def generate(
         from hybridcache.speculative import speculative_generate
 
         sequences, logits, cache, _, stats = speculative_generate(
-            model, draft_model, input_ids, full_mask, max_new_tokens, num_draft_tokens, eos, pad_id, cache_config,
-            draft_cache_config, prefill_chunk_size)
+            model,
+            draft_model,
+            input_ids,
+            full_mask,
+            max_new_tokens,
+            num_draft_tokens,
+            eos,
+            pad_id,
+            cache_config,
+            draft_cache_config,
+            prefill_chunk_size,
+        )
         cache.owner = weakref.ref(model)
         return GenerateOutput(sequences, logits if output_logits else None, cache, stats)
     if prefix_cache is not None:
         if cache is not None or not use_cache or compile:
-            raise GenerationError("prefix_cache= builds the cache itself: do not combine it with cache=, "
-                                  "use_cache=False or compile=True")
+            raise GenerationError(
+                "prefix_cache= builds the cache itself: do not combine it with cache=, use_cache=False or compile=True"
+            )
         cache, prefix_stats = prefix_cache.prepare(model, input_ids, full_mask, cache_config)
-        out = generate(model, input_ids, attention_mask, max_new_tokens, do_sample=do_sample, temperature=temperature,
-                       top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, cache=cache,
-                       prefill_chunk_size=prefill_chunk_size, output_logits=output_logits)
+        out = generate(
+            model,
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+            cache=cache,
+            prefill_chunk_size=prefill_chunk_size,
+            output_logits=output_logits,
+        )
         out.stats = prefix_cache.finish(model, out, prefix_stats)
         return out
     if cache is not None:
@@ -302,12 +374,13 @@ def generate(
     if cache is not None:
         cache.owner = weakref.ref(model)  # what `cache.save(path)` records the identity of
     if cache is not None:  # every prefill piece and decode step must fit: check before the first write
-        seen_after = cache.seq.seen + full_mask[:, cache.columns:].sum(1) + max_new_tokens - 1
+        seen_after = cache.seq.seen + full_mask[:, cache.columns :].sum(1) + max_new_tokens - 1
         try:
             cache.check_capacity(seen_after)
         except ValueError as e:
-            raise GenerationError(f"{e} (this request needs {int(seen_after.max())} tokens per row: the prompt "
-                                  "plus max_new_tokens - 1)") from None
+            raise GenerationError(
+                f"{e} (this request needs {int(seen_after.max())} tokens per row: the prompt plus max_new_tokens - 1)"
+            ) from None
     decode = compiled_decode_step(model) if compile else model.forward_block
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
@@ -318,9 +391,11 @@ def generate(
         chunk = prefill_chunk_size or min(tokens.shape[1], DEFAULT_PREFILL_CHUNK)
         if awaiting_prompt(cache):  # a prefill-mode method compresses at the end of the first block: the prompt
             if prefill_chunk_size is not None and prefill_chunk_size < tokens.shape[1]:
-                raise GenerationError(f"prefill_chunk_size={prefill_chunk_size}: this cache compresses the prompt "
-                                      "once, at the end of its first block (mode: prefill), so the prompt is fed as "
-                                      "one block; leave prefill_chunk_size unset, or use mode: continuous")
+                raise GenerationError(
+                    f"prefill_chunk_size={prefill_chunk_size}: this cache compresses the prompt "
+                    "once, at the end of its first block (mode: prefill), so the prompt is fed as "
+                    "one block; leave prefill_chunk_size unset, or use mode: continuous"
+                )
             chunk = tokens.shape[1]
         start = cache.columns
         for i in range(0, tokens.shape[1], chunk):

@@ -36,8 +36,10 @@ class BudgetTooSmall(ValueError):
     """The budget is below the smallest configuration the options allow; `minimum` says what that takes."""
 
     def __init__(self, budget: int, minimum: int) -> None:
-        super().__init__(f"byte budget {budget} ({format_bytes(budget)}) is below the smallest configuration the "
-                         f"options allow: {minimum} bytes ({format_bytes(minimum)})")
+        super().__init__(
+            f"byte budget {budget} ({format_bytes(budget)}) is below the smallest configuration the "
+            f"options allow: {minimum} bytes ({format_bytes(minimum)})"
+        )
         self.budget, self.minimum = budget, minimum
 
 
@@ -103,8 +105,9 @@ def _nbytes_at(spec: LayerSpec, s: Scenario, tokens: int) -> int:
     return max(held, spec.max_nbytes(s.batch, tokens)) if hasattr(spec, "max_nbytes") else held  # hf_quantized
 
 
-def build_tables(native: Sequence[Any], options: Mapping[str, Mapping[str, Mapping[str, Any]]],
-                 scenario: Scenario) -> list[LayerTable]:
+def build_tables(
+    native: Sequence[Any], options: Mapping[str, Mapping[str, Mapping[str, Any]]], scenario: Scenario
+) -> list[LayerTable]:
     """Per cache layer, every option of its kind (`options[kind][name] = entry`) that the layer accepts, with its
     bytes; the native option ({}, named "native") is always there. Options a layer refuses are listed in `skipped`."""
     tables = []
@@ -188,8 +191,9 @@ def pareto_front(tables: Sequence[LayerTable], max_front: int = 100_000) -> Fron
     front: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
     exact = True
     for t in tables:
-        merged = sorted((b + o.nbytes, c + o.cost, picks + (j,)) for b, c, picks in front
-                        for j, o in enumerate(t.options))
+        merged = sorted(
+            (b + o.nbytes, c + o.cost, picks + (j,)) for b, c, picks in front for j, o in enumerate(t.options)
+        )
         front = []
         for point in merged:  # by bytes, then cost: keep a point only if it is cheaper than every smaller one
             if not front or point[1] < front[-1][1]:
@@ -223,8 +227,9 @@ def uniform_choices(tables: Sequence[LayerTable]) -> dict[str, Choice]:
     names = {k: [o.name for o in next(t for t in tables if t.kind == k).options] for k in kinds}
     combos: list[dict[str, str]] = [{}]
     for k in kinds:
-        combos = [{**c, k: n} for c in combos for n in names[k]
-                  if all(t.option(n) is not None for t in tables if t.kind == k)]
+        combos = [
+            {**c, k: n} for c in combos for n in names[k] if all(t.option(n) is not None for t in tables if t.kind == k)
+        ]
     out = {}
     for combo in combos:
         picks = tuple(next(i for i, o in enumerate(t.options) if o.name == combo[t.kind]) for t in tables)

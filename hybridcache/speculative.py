@@ -13,7 +13,8 @@ The output is the target's plain greedy decoding (the same tokens), only with fe
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -31,8 +32,9 @@ def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str
     recurrent = config.get("recurrent") or {}
     have = recurrent.get("checkpoints", 0) if isinstance(recurrent, Mapping) else "?"
     if isinstance(have, bool) or not isinstance(have, (int, type(None))):
-        raise CacheConfigError(f"cache config: recurrent must be a mapping with an integer 'checkpoints', got "
-                               f"{recurrent!r}")
+        raise CacheConfigError(
+            f"cache config: recurrent must be a mapping with an integer 'checkpoints', got {recurrent!r}"
+        )
     recurrent = dict(recurrent)
     recurrent["checkpoints"] = max(have or 0, k)
     config["recurrent"] = recurrent
@@ -40,7 +42,7 @@ def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str
 
 
 def rollback_mode(cache: Cache, r: int) -> str:
-    """"crop" when every layer can rewind the last r columns exactly, else "recompute"."""
+    """ "crop" when every layer can rewind the last r columns exactly, else "recompute"."""
     for layer in cache.layers:
         if layer.kind == "recurrent" and layer.spec.checkpoints < r:
             return "recompute"
@@ -87,11 +89,19 @@ def _prefill(model, cache: Cache, ids: torch.Tensor, mask: torch.Tensor, chunk: 
 
 
 @torch.no_grad()
-def speculative_generate(model, draft_model, input_ids: torch.Tensor, full_mask: torch.Tensor, max_new_tokens: int,
-                         num_draft_tokens: int, eos: torch.Tensor, pad_id: int,
-                         cache_config: Mapping[str, Any] | None = None,
-                         draft_cache_config: Mapping[str, Any] | None = None,
-                         prefill_chunk_size: int | None = None):
+def speculative_generate(
+    model,
+    draft_model,
+    input_ids: torch.Tensor,
+    full_mask: torch.Tensor,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    eos: torch.Tensor,
+    pad_id: int,
+    cache_config: Mapping[str, Any] | None = None,
+    draft_cache_config: Mapping[str, Any] | None = None,
+    prefill_chunk_size: int | None = None,
+):
     """Greedy speculative decoding; returns (sequences, logits [B, T_new, V], target cache, draft cache, stats)."""
     k, batch = num_draft_tokens, input_ids.shape[0]
     started = time.perf_counter()
@@ -103,8 +113,14 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, full_mask:
     t_roll, d_roll = _Rollback(model, target, k), _Rollback(draft_model, draft, k)
     out_tokens, out_logits = [], []
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-    stats = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 1, "draft_calls": 1,
-             "rollback": {"target": t_roll.mode, "draft": d_roll.mode}}
+    stats = {
+        "rounds": 0,
+        "drafted": 0,
+        "accepted": 0,
+        "target_calls": 1,
+        "draft_calls": 1,
+        "rollback": {"target": t_roll.mode, "draft": d_roll.mode},
+    }
 
     def emit(token: torch.Tensor, step_logits: torch.Tensor) -> None:
         nonlocal done
@@ -150,7 +166,9 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, full_mask:
     held = torch.cat([full_mask, torch.ones_like(new[:, :-1], dtype=torch.bool)], dim=1)  # all but the last token
     replaced = bool(eos.numel()) and bool(done.any())  # rows past eos show padding the caches never saw
     for cache, device in ((target, model.device), (draft, draft_model.device)):
-        if cache.seq.fingerprint is None and not replaced:  # a crop forgets the ids; the caller's continuation check needs them
+        if (
+            cache.seq.fingerprint is None and not replaced
+        ):  # a crop forgets the ids; the caller's continuation check needs them
             pos = torch.where(held, held.long().cumsum(1) - 1, -1)
             cache.seq.fingerprint = token_fingerprint(sequences[:, :-1], pos).to(device)
     stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0

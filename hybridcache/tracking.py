@@ -9,16 +9,25 @@ the directory it is given.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class Tracker:
     """A thin, failure-proof wrapper over one wandb run (mode offline | online | disabled)."""
 
-    def __init__(self, mode: str, project: str, directory: str | Path, config: dict[str, Any],
-                 group: str | None = None, name: str | None = None, tags: list[str] | None = None,
-                 job_type: str | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        project: str,
+        directory: str | Path,
+        config: dict[str, Any],
+        group: str | None = None,
+        name: str | None = None,
+        tags: list[str] | None = None,
+        job_type: str | None = None,
+    ) -> None:
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logger.mode must be offline, online or disabled, got {mode!r}")
         self.mode, self.run, self.wandb, self.error = mode, None, None, None
@@ -31,8 +40,17 @@ class Tracker:
             import wandb
 
             self.wandb = wandb
-            self.run = wandb.init(project=project, mode=mode, dir=str(self.directory), config=config, group=group,
-                                  name=name, tags=tags, job_type=job_type, reinit="finish_previous")
+            self.run = wandb.init(
+                project=project,
+                mode=mode,
+                dir=str(self.directory),
+                config=config,
+                group=group,
+                name=name,
+                tags=tags,
+                job_type=job_type,
+                reinit="finish_previous",
+            )
         except BaseException as e:  # noqa: BLE001 - W&B must never cost the results (it may even sys.exit)
             if isinstance(e, KeyboardInterrupt):
                 raise

@@ -43,7 +43,8 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
 
 
 def test_demo_runs():
-    result = subprocess.run([sys.executable, "examples/cache_demo.py"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "examples/cache_demo.py"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert "hybrid_chunked" in result.stdout

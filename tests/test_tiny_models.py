@@ -67,7 +67,7 @@ def test_build_reload_generate(family, tmp_path):
         logits = model(ids).logits
         out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.isfinite(logits).all()
-    new = out[0, ids.shape[1]:].tolist()
+    new = out[0, ids.shape[1] :].tolist()
     assert len(new) == 16
     assert len(set(new)) > 1, f"degenerate greedy output {new}"
 
@@ -126,8 +126,9 @@ def test_unknown_family(tmp_path):
 
 
 def test_overrides():
-    cfg = tm.tiny_config("gemma3", sliding_window=4, num_hidden_layers=2,
-                         layer_types=["sliding_attention", "full_attention"])
+    cfg = tm.tiny_config(
+        "gemma3", sliding_window=4, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]
+    )
     assert cfg.sliding_window == 4 and cfg.num_hidden_layers == 2
 
 

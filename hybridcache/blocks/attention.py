@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
 from hybridcache.blocks.linear_group import LinearGroup
+from hybridcache.blocks.norms import RMSNorm
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
 from hybridcache.ops import masked_attention
-from hybridcache.blocks.norms import RMSNorm
 from hybridcache.ops.cpu_fused import qkv_norm_rope
 from hybridcache.ops.cpu_kernels import decode_attention, norm_rope
 
@@ -68,16 +68,28 @@ class AttentionMixer(nn.Module):
         another kind (Llama4's L2 norm after its rotary, say), or when the kernel does not take these tensors."""
         plain_norms = self.q_norm is None or (type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm)
         plain_rotary = self.rotary is None or type(self.rotary) is RotaryEmbedding
-        if (not plain_norms or not plain_rotary or (self.q_norm is None and self.rotary is None)
-                or q.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()):
+        if (
+            not plain_norms
+            or not plain_rotary
+            or (self.q_norm is None and self.rotary is None)
+            or q.dtype != torch.float32
+            or torch.compiler.is_compiling()
+            or torch.is_grad_enabled()
+        ):
             return None
         cos = sin = None
         if self.rotary is not None:
             cos, sin = self.rotary.tables(step, q.dtype)
         out = []
         for x, norm in ((q, self.q_norm), (k, self.k_norm)):
-            y = norm_rope(x, None if norm is None else norm.kernel_scale(), norm.eps if norm is not None else 0.0,
-                          cos, sin, self.rotary is not None and self.rotary.interleaved)
+            y = norm_rope(
+                x,
+                None if norm is None else norm.kernel_scale(),
+                norm.eps if norm is not None else 0.0,
+                cos,
+                sin,
+                self.rotary is not None and self.rotary.interleaved,
+            )
             if y is None:
                 return None
             out.append(y)
@@ -114,22 +126,44 @@ class AttentionMixer(nn.Module):
     def _fused_input(self, h: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
         """q, k, v [B, H, T, D] by one kernel call (projection, plain RMSNorm q/k norms, plain rotary) for a decode
         step on CPU; None when this mixer or these tensors need the separate path."""
-        if (h.dtype != torch.float32 or not h.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or self.output_gate or self.query_hook is not None):
+        if (
+            h.dtype != torch.float32
+            or not h.is_cpu
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or self.output_gate
+            or self.query_hook is not None
+        ):
             return None
         parts = self.qkv.parts()
         qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
-        if (parts is None or not all(n is None or type(n) is RMSNorm for n in (qn, kn))
-                or not (rotary is None or type(rotary) is RotaryEmbedding)):
+        if (
+            parts is None
+            or not all(n is None or type(n) is RMSNorm for n in (qn, kn))
+            or not (rotary is None or type(rotary) is RotaryEmbedding)
+        ):
             return None
         cos, sin = rotary.tables(step, torch.float32) if rotary is not None else (None, None)
-        return qkv_norm_rope(h, parts, self.num_heads, self.num_kv_heads, self.head_dim,
-                             None if qn is None else (qn.kernel_scale(), qn.eps),
-                             None if kn is None else (kn.kernel_scale(), kn.eps), cos, sin,
-                             rotary is not None and rotary.interleaved)
+        return qkv_norm_rope(
+            h,
+            parts,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            None if qn is None else (qn.kernel_scale(), qn.eps),
+            None if kn is None else (kn.kernel_scale(), kn.eps),
+            cos,
+            sin,
+            rotary is not None and rotary.interleaved,
+        )
 
-    def forward(self, h: torch.Tensor, layer: AttentionCacheLayer, step: StepInput,
-                extra: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        layer: AttentionCacheLayer,
+        step: StepInput,
+        extra: tuple[torch.Tensor | None, ...] | None = None,
+    ) -> torch.Tensor:
         b, t, _ = h.shape
         d = self.head_dim
         gate = q_pre = None

@@ -38,12 +38,23 @@ class GatedHeadNorm(nn.Module):
 class GatedDeltaNetMixer(nn.Module):
     """forward(h [B, T, D], layer, step) -> [B, T, D]. Hk key heads of Dk, Hv value heads of Dv (Hv = r * Hk)."""
 
-    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int = 4, eps: float = 1e-6, activation: str = "silu", chunk_size: int = 64) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int = 4,
+        eps: float = 1e-6,
+        activation: str = "silu",
+        chunk_size: int = 64,
+    ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads "
-                             f"({num_k_heads})")
+            raise ValueError(
+                f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads ({num_k_heads})"
+            )
         if activation not in ("silu", "swish"):
             raise ValueError(f"unsupported Gated DeltaNet activation '{activation}' (supported: silu)")
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
@@ -52,8 +63,9 @@ class GatedDeltaNetMixer(nn.Module):
         self.conv_dim = 2 * key_dim + value_dim
         self.in_proj_qkvz = nn.Linear(hidden, 2 * key_dim + 2 * value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden, 2 * num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
-                                padding=conv_kernel - 1, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, padding=conv_kernel - 1, bias=False
+        )
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, num_v_heads + 1, dtype=torch.float32)))
         self.norm = GatedHeadNorm(head_v_dim, eps)
@@ -97,15 +109,25 @@ class GatedDeltaNetMixer(nn.Module):
             from hybridcache.blocks.trail import conv_trail, stack_trail
 
             head, outs, trail = tokens - m, [], []
-            o, s = gated_delta_rule(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
-                                    self.chunk_size, state=state, qk_l2norm=True)
+            o, s = gated_delta_rule(
+                q[:, :head],
+                k[:, :head],
+                v[:, :head],
+                g[:, :head],
+                beta[:, :head],
+                self.chunk_size,
+                state=state,
+                qk_l2norm=True,
+            )
             outs.append(o)
             for i in range(head, tokens):
                 trail.append(s)
                 o, s = gated_delta_step(s, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], qk_l2norm=True)
                 outs.append(o[:, None])
-            trail = {"conv": conv_trail(states["conv"], mixed_in.transpose(1, 2), m).to(states["conv"].dtype),
-                     "recurrent": stack_trail(trail, state.dtype)}
+            trail = {
+                "conv": conv_trail(states["conv"], mixed_in.transpose(1, 2), m).to(states["conv"].dtype),
+                "recurrent": stack_trail(trail, state.dtype),
+            }
             layer.update(conv=conv_state.to(states["conv"].dtype), recurrent=s.to(state.dtype), trail=trail)
             o = self.norm(torch.cat(outs, dim=1).to(dtype), z)
             return self.out_proj(rearrange(o, "b t h d -> b t (h d)"))

@@ -24,8 +24,9 @@ from hybridcache.ops.cpu_kernels import decode_linear, kernel_available
 WEIGHT_FORMATS = ("bfloat16", "int8")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (* scale [N], for int8 weights) (+ bias [N]) -> [..., N] in x's dtype."""
     if torch.compiler.is_compiling():
         if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() and kernel_available():
@@ -38,8 +39,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return reference_linear(x, weight, bias, scale)
 
 
-def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """The torch path: weights widened to x's dtype, F.linear, then the per-row scale and the bias."""
     w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
     if scale is None:
@@ -56,8 +58,9 @@ _LIBRARY = torch.library.Library("hybridcache", "DEF")
 _LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? scale) -> Tensor")
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  scale: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None
+) -> torch.Tensor:
     out = decode_linear(x, weight, bias, scale)
     return out if out is not None else reference_linear(x, weight, bias, scale)
 
@@ -116,12 +119,14 @@ def pack_weights(model: nn.Module, fmt: str) -> int:
     Fused groups (q/k/v, gate/up) are packed as one matrix, their members' weights staying row blocks of it;
     embeddings that share a packed matrix (tied heads) share the packed one."""
     if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)} (or None: the model's dtype), got "
-                         f"{fmt!r}")
+        raise ValueError(
+            f"weights must be one of {', '.join(WEIGHT_FORMATS)} (or None: the model's dtype), got {fmt!r}"
+        )
     compute = next(p.dtype for p in model.parameters() if p.is_floating_point())
     if compute != torch.float32:
-        raise ValueError(f"packed weights need a float32 model (the decode kernel computes in float32), this one "
-                         f"is {compute}")
+        raise ValueError(
+            f"packed weights need a float32 model (the decode kernel computes in float32), this one is {compute}"
+        )
     use_decode_linear(model)  # every projection must read its scale
     packed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor | None]] = {}  # id(old) -> (old, new, scale)
     count = 0

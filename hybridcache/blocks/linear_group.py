@@ -48,8 +48,12 @@ class LinearGroup:
             return True
         ws = [lin.weight for lin in self.linears]
         biases = [lin.bias for lin in self.linears]
-        if (len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in biases}) != 1
-                or ws[0].device.type == "meta" or any(lin._buffers.get("scale") is not None for lin in self.linears)):
+        if (
+            len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1
+            or len({b is None for b in biases}) != 1
+            or ws[0].device.type == "meta"
+            or any(lin._buffers.get("scale") is not None for lin in self.linears)
+        ):
             self._fused = None
             return False
         with torch.no_grad():

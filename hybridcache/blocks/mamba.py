@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
@@ -47,8 +46,9 @@ class MambaMixer(nn.Module):
             raise ValueError(f"unsupported Mamba activation '{activation}' (supported: silu)")
         self.intermediate, self.state_size, self.dt_rank = intermediate, state_size, dt_rank
         self.in_proj = nn.Linear(hidden, 2 * intermediate, bias=proj_bias)
-        self.conv1d = nn.Conv1d(intermediate, intermediate, conv_kernel, groups=intermediate,
-                                padding=conv_kernel - 1, bias=conv_bias)
+        self.conv1d = nn.Conv1d(
+            intermediate, intermediate, conv_kernel, groups=intermediate, padding=conv_kernel - 1, bias=conv_bias
+        )
         self.x_proj = nn.Linear(intermediate, dt_rank + 2 * state_size, bias=False)
         self.dt_proj = nn.Linear(dt_rank, intermediate, bias=True)
         a = torch.arange(1, state_size + 1, dtype=torch.float32).repeat(intermediate, 1)  # [Di, N]
@@ -87,12 +87,23 @@ class MambaMixer(nn.Module):
         if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
             return self._forward_with_trail(h, layer, states, x, u, delta, a, b, c, z, conv, m)
         if tokens == 1 and not (u.dtype == torch.float32 and u.is_cpu and not torch.compiler.is_compiling()):
-            y, ssm = selective_state_update(states["ssm"], u[:, 0], delta[:, 0], a, b[:, 0], c[:, 0], self.D,
-                                            z[:, 0], self.dt_proj.bias, delta_softplus=True)
+            y, ssm = selective_state_update(
+                states["ssm"],
+                u[:, 0],
+                delta[:, 0],
+                a,
+                b[:, 0],
+                c[:, 0],
+                self.D,
+                z[:, 0],
+                self.dt_proj.bias,
+                delta_softplus=True,
+            )
             y = y[:, None]  # [B, 1, Di]
         else:
-            y, ssm = selective_scan_btd(u, delta, a, b, c, self.D, z, self.dt_proj.bias, delta_softplus=True,
-                                        state=states["ssm"])  # y [B, T, Di]
+            y, ssm = selective_scan_btd(
+                u, delta, a, b, c, self.D, z, self.dt_proj.bias, delta_softplus=True, state=states["ssm"]
+            )  # y [B, T, Di]
         layer.update(conv=conv.to(layer.spec.dtype), ssm=ssm.to(layer.spec.state_dtype))
         return self.out_proj(y.to(h.dtype))
 
@@ -105,16 +116,32 @@ class MambaMixer(nn.Module):
         def t(v: torch.Tensor) -> torch.Tensor:
             return v.transpose(1, 2).contiguous()  # [B, C, T]
 
-        y, ssm = selective_scan(t(u[:, :head]), t(delta[:, :head]), a, t(b[:, :head]), t(c[:, :head]), self.D,
-                                t(z[:, :head]), self.dt_proj.bias, delta_softplus=True, state=states["ssm"])
+        y, ssm = selective_scan(
+            t(u[:, :head]),
+            t(delta[:, :head]),
+            a,
+            t(b[:, :head]),
+            t(c[:, :head]),
+            self.D,
+            t(z[:, :head]),
+            self.dt_proj.bias,
+            delta_softplus=True,
+            state=states["ssm"],
+        )
         ys, trail = [y.transpose(1, 2)], []
         for i in range(head, u.shape[1]):
             trail.append(ssm)
-            yi, ssm = selective_state_update(ssm, u[:, i], delta[:, i], a, b[:, i], c[:, i], self.D, z[:, i],
-                                             self.dt_proj.bias, delta_softplus=True)
+            yi, ssm = selective_state_update(
+                ssm, u[:, i], delta[:, i], a, b[:, i], c[:, i], self.D, z[:, i], self.dt_proj.bias, delta_softplus=True
+            )
             ys.append(yi[:, None])
         spec = layer.spec
-        layer.update(conv=conv.to(spec.dtype), ssm=ssm.to(spec.state_dtype),
-                     trail={"conv": conv_trail(states["conv"], x.transpose(1, 2), m).to(spec.dtype),
-                            "ssm": stack_trail(trail, spec.state_dtype)})
+        layer.update(
+            conv=conv.to(spec.dtype),
+            ssm=ssm.to(spec.state_dtype),
+            trail={
+                "conv": conv_trail(states["conv"], x.transpose(1, 2), m).to(spec.dtype),
+                "ssm": stack_trail(trail, spec.state_dtype),
+            },
+        )
         return self.out_proj(torch.cat(ys, dim=1).to(h.dtype))

@@ -15,7 +15,8 @@ families) and cost 10-30% of prefill speed, so it is off by default.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,8 +100,9 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = self.intermediate + 2 * n_groups * state_size
         self.time_step_limit = (_float(time_step_limit[0]), _float(time_step_limit[1]))
         self.in_proj = nn.Linear(hidden, 2 * self.intermediate + 2 * n_groups * state_size + num_heads, bias=use_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
-                                padding=conv_kernel - 1, bias=use_conv_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, padding=conv_kernel - 1, bias=use_conv_bias
+        )
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
@@ -109,7 +111,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.intermediate, hidden, bias=use_bias if out_bias is None else out_bias)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "Mamba2Mixer":
+    def from_config(cls, config: Mapping[str, Any]) -> Mamba2Mixer:
         """Build from a HF Mamba2 config dict (HF defaults for missing fields)."""
         hidden = config["hidden_size"]
         num_heads, head_dim = config.get("num_heads", 128), config.get("head_dim", 64)
@@ -117,11 +119,19 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"mamba2: expand * hidden_size must equal num_heads * head_dim ({num_heads * head_dim})")
         limit = config.get("time_step_limit") or (0.0, math.inf)
         return cls(
-            hidden, num_heads, head_dim, config.get("state_size", 128), config.get("n_groups", 8),
-            config.get("conv_kernel", 4), config.get("chunk_size", 256),
-            use_conv_bias=config.get("use_conv_bias", True), use_bias=config.get("use_bias", False),
-            time_step_limit=tuple(limit), rms_norm=config.get("rms_norm", True),
-            norm_before_gate=config.get("norm_before_gate", False), eps=config.get("layer_norm_epsilon", 1e-5),
+            hidden,
+            num_heads,
+            head_dim,
+            config.get("state_size", 128),
+            config.get("n_groups", 8),
+            config.get("conv_kernel", 4),
+            config.get("chunk_size", 256),
+            use_conv_bias=config.get("use_conv_bias", True),
+            use_bias=config.get("use_bias", False),
+            time_step_limit=tuple(limit),
+            rms_norm=config.get("rms_norm", True),
+            norm_before_gate=config.get("norm_before_gate", False),
+            eps=config.get("layer_norm_epsilon", 1e-5),
             activation=config.get("hidden_act", "silu"),
         )
 
@@ -161,20 +171,37 @@ class Mamba2Mixer(nn.Module):
         m = layer.trail_length(tokens)
         if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
             y, ssm_state, trail = self._scan_with_trail(x, dt, A, b, c, D, states["ssm"], m)
-            trail = {"conv": conv_trail(states["conv"], xbc_in.transpose(1, 2), m).to(states["conv"].dtype),
-                     "ssm": stack_trail(trail, states["ssm"].dtype)}
+            trail = {
+                "conv": conv_trail(states["conv"], xbc_in.transpose(1, 2), m).to(states["conv"].dtype),
+                "ssm": stack_trail(trail, states["ssm"].dtype),
+            }
         elif tokens == 1:
             y, ssm_state = ssd_step(
-                states["ssm"], rearrange(x[:, 0], "b (h p) -> b h p", p=self.head_dim), dt[:, 0], A,
-                rearrange(b[:, 0], "b (g n) -> b g n", g=g), rearrange(c[:, 0], "b (g n) -> b g n", g=g), D)
+                states["ssm"],
+                rearrange(x[:, 0], "b (h p) -> b h p", p=self.head_dim),
+                dt[:, 0],
+                A,
+                rearrange(b[:, 0], "b (g n) -> b g n", g=g),
+                rearrange(c[:, 0], "b (g n) -> b g n", g=g),
+                D,
+            )
             y = y[:, None]  # [B, 1, H, P]
         else:
             y, ssm_state = ssd_scan(
-                rearrange(x, "b t (h p) -> b t h p", p=self.head_dim), dt, A,
-                rearrange(b, "b t (g n) -> b t g n", g=g), rearrange(c, "b t (g n) -> b t g n", g=g),
-                self.chunk_size, D=D, state=states["ssm"])  # y [B, T, H, P]
-        layer.update(conv=conv_state.to(states["conv"].dtype), ssm=ssm_state.to(states["ssm"].dtype),
-                     **({"trail": trail} if m > 0 else {}))
+                rearrange(x, "b t (h p) -> b t h p", p=self.head_dim),
+                dt,
+                A,
+                rearrange(b, "b t (g n) -> b t g n", g=g),
+                rearrange(c, "b t (g n) -> b t g n", g=g),
+                self.chunk_size,
+                D=D,
+                state=states["ssm"],
+            )  # y [B, T, H, P]
+        layer.update(
+            conv=conv_state.to(states["conv"].dtype),
+            ssm=ssm_state.to(states["ssm"].dtype),
+            **({"trail": trail} if m > 0 else {}),
+        )
         y = rearrange(y, "b t h p -> b t (h p)")  # [B, T, I]
         y = self.norm(y, z.to(acc)) if self.norm is not None else y * F.silu(z.to(acc))
         return self.out_proj(y.to(dtype))  # [B, T, D]

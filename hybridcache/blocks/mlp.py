@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +44,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        if (x.dtype == torch.float32 and x.is_cpu and isinstance(down, DecodeLinear)
-                and not torch.compiler.is_compiling()):  # (parts() reads data pointers: a graph break)
+        if (
+            x.dtype == torch.float32
+            and x.is_cpu
+            and isinstance(down, DecodeLinear)
+            and not torch.compiler.is_compiling()
+        ):  # (parts() reads data pointers: a graph break)
             parts = self.gate_up.parts()
             if parts is not None:  # a decode step on CPU: the whole MLP in one kernel call
                 y = gated_mlp(x, parts, (down.weight, down.bias, down._buffers.get("scale")), self.act_name)

@@ -15,8 +15,9 @@ class SparseMoE(nn.Module):
     are (Jamba) or renormalised to sum to 1 (`normalize=True`, Mixtral), then cast to the hidden dtype.
     """
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str = "silu",
-                 normalize: bool = False) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str = "silu", normalize: bool = False
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")

@@ -47,22 +47,32 @@ class RMSNorm(nn.Module):
         x32 = x.float() if x.dtype in _LOW else x  # at least float32
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))
         if self.unit_offset:  # Gemma: scale in float32, then cast
-            out = normed * (self.scale(normed.dtype) if not torch.is_grad_enabled() else 1.0 + self.weight.to(normed.dtype))
+            out = normed * (
+                self.scale(normed.dtype) if not torch.is_grad_enabled() else 1.0 + self.weight.to(normed.dtype)
+            )
             return out if out.dtype == x.dtype else out.to(x.dtype)
         if self.scale_in_float32:
             return (self.weight.to(normed.dtype) * normed).to(x.dtype)
-        return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))  # Llama/Mamba: cast, then scale
+        return self.weight * (
+            normed if normed.dtype == x.dtype else normed.to(x.dtype)
+        )  # Llama/Mamba: cast, then scale
 
 
-def residual_norm(h: torch.Tensor, x: torch.Tensor, post: nn.Module | None,
-                  nxt: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def residual_norm(
+    h: torch.Tensor, x: torch.Tensor, post: nn.Module | None, nxt: nn.Module | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h + post(x), nxt(h + post(x))) with `post` / `nxt` None meaning none (h + x; no second output): where a
     decoder layer's branch joins the residual stream and the next branch's pre-norm reads it. One kernel call for
     float32 on CPU when both are plain RMSNorms (the same arithmetic as their own kernel path); the modules otherwise.
     """
     norms = (post, nxt)
-    if (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and all(n is None or type(n) is RMSNorm for n in norms)):
+    if (
+        x.dtype == torch.float32
+        and x.is_cpu
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and all(n is None or type(n) is RMSNorm for n in norms)
+    ):
         out = _residual_norm_kernel(h, x, *(None if n is None else (n.kernel_scale(), n.eps) for n in norms))
         if out is not None:
             return out

@@ -71,7 +71,9 @@ class RGLRU(nn.Module):
 class RecurrentBlock(nn.Module):
     """linear_out(rg_lru(conv_1d(linear_x(h))) * act(linear_y(h))) with HF parameter names."""
 
-    def __init__(self, hidden: int, lru_width: int, num_heads: int, conv_kernel: int, act: str = "gelu_pytorch_tanh") -> None:
+    def __init__(
+        self, hidden: int, lru_width: int, num_heads: int, conv_kernel: int, act: str = "gelu_pytorch_tanh"
+    ) -> None:
         super().__init__()
         self.linear_y = nn.Linear(hidden, lru_width)
         self.linear_x = nn.Linear(hidden, lru_width)

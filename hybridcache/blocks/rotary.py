@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,7 +11,9 @@ from torch import nn
 from hybridcache.ops.cpu_kernels import rope
 
 
-def rope_frequencies(hf_config: Mapping[str, Any], params: Mapping[str, Any], rotary_dim: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    hf_config: Mapping[str, Any], params: Mapping[str, Any], rotary_dim: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim/2] and the cos/sin scaling for one `rope_parameters` entry.
 
     The default type is computed here; scaled types (linear, llama3, yarn, ...) use transformers' own
@@ -20,7 +23,7 @@ def rope_frequencies(hf_config: Mapping[str, Any], params: Mapping[str, Any], ro
     base = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
     if rope_type == "default":
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        return 1.0 / (base ** exponents), 1.0
+        return 1.0 / (base**exponents), 1.0
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -91,13 +94,17 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.tables(positions, q.dtype)
         r = self.rotary_dim
         if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or r > q.shape[-1]:
-            raise ValueError(f"rotary: q and k must be [B, H, T, D] with the same B and T and D >= {r}, got "
-                             f"{tuple(q.shape)} and {tuple(k.shape)}")
+            raise ValueError(
+                f"rotary: q and k must be [B, H, T, D] with the same B and T and D >= {r}, got "
+                f"{tuple(q.shape)} and {tuple(k.shape)}"
+            )
         want = (q.shape[0], 1, q.shape[2], r)
         for name, table in (("cos", cos), ("sin", sin)):
             if table.dim() != 4 or table.shape[0] not in (1, want[0]) or tuple(table.shape[1:]) != want[1:]:
-                raise ValueError(f"rotary: {name} has shape {tuple(table.shape)}, q {tuple(q.shape)} needs {want} "
-                                 "(positions must be [B, T], one per query token)")
+                raise ValueError(
+                    f"rotary: {name} has shape {tuple(table.shape)}, q {tuple(q.shape)} needs {want} "
+                    "(positions must be [B, T], one per query token)"
+                )
         if not torch.compiler.is_compiling():  # float32 on CPU: one kernel call per tensor, any layout
             rq, rk = rope(q, cos, sin, self.interleaved), rope(k, cos, sin, self.interleaved)
             if rq is not None and rk is not None:

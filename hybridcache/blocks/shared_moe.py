@@ -13,8 +13,16 @@ class SharedExpertMoE(SparseMoE):
     """`SparseMoE` (softmax top-k router, experts.E.{gate,up,down}_proj) + sigmoid(shared_expert_gate(x)) *
     shared_expert(x). HF calls the router `gate`: a family maps that name in `hf_name`."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
-                 act: str = "silu", normalize: bool = True) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        shared_intermediate: int,
+        act: str = "silu",
+        normalize: bool = True,
+    ) -> None:
         super().__init__(hidden, intermediate, num_experts, top_k, act, normalize)
         self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)

@@ -1,8 +1,9 @@
 """The Cache: per decoder layer one cache layer (or a group of them) drawn from a registry of types.
 
-Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window), tova (score-based eviction to a budget); any of them stores tokens
-with a codec (`storage`: dense, int8, int4 (`q_group_size`), offload (dense on a slower tier), ...), optionally with a
-`residual` window of unquantized recent tokens. Recurrent types: mamba, mamba2, rglru, conv.
+Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window), tova (score-based eviction to
+a budget), the presses (presses.py); any of them stores tokens with a codec (`storage`: dense, int8, int4
+(`q_group_size`), offload (dense on a slower tier), ...), optionally with a `residual` window of unquantized recent
+tokens. Recurrent types: mamba, mamba2, rglru, conv, gated_delta.
 """
 
 from hybridcache.cache.attention import (
@@ -37,11 +38,49 @@ from hybridcache.cache.sequence import BlockState, SequenceState
 from hybridcache.cache import delta_rule, grouped_codecs, int4_storage, int8_storage, offload_storage, presses, sink  # noqa: E402,F401  isort: skip
 
 __all__ = [
-    "AttentionCacheLayer", "AttentionSpec", "AttentionView", "BlockState", "Cache", "CacheConfigError",
-    "CacheCropError", "CacheError", "CacheGroup", "CacheLayer", "CachePlan", "CacheSnapshot", "ChunkedAttentionLayer",
-    "ChunkedSpec", "ConvSpec", "ConvStateLayer", "DenseCodec", "FullAttentionLayer", "FullSpec", "KVCodec",
-    "LayerPlan", "LayerSnapshot", "LayerSpec", "Mamba2Spec", "Mamba2StateLayer", "MambaSpec", "MambaStateLayer",
-    "NativeGroup", "NativeLayer", "RGLRUSpec", "RGLRUStateLayer", "RecurrentCacheLayer", "RecurrentSpec",
-    "SequenceState", "SlidingSpec", "SlidingWindowLayer", "available_codecs", "available_layers", "get_codec",
-    "get_layer_class", "load_plugins", "register_cache_layer", "register_kv_codec", "resolve_plan", "tunable",
+    "AttentionCacheLayer",
+    "AttentionSpec",
+    "AttentionView",
+    "BlockState",
+    "Cache",
+    "CacheConfigError",
+    "CacheCropError",
+    "CacheError",
+    "CacheGroup",
+    "CacheLayer",
+    "CachePlan",
+    "CacheSnapshot",
+    "ChunkedAttentionLayer",
+    "ChunkedSpec",
+    "ConvSpec",
+    "ConvStateLayer",
+    "DenseCodec",
+    "FullAttentionLayer",
+    "FullSpec",
+    "KVCodec",
+    "LayerPlan",
+    "LayerSnapshot",
+    "LayerSpec",
+    "Mamba2Spec",
+    "Mamba2StateLayer",
+    "MambaSpec",
+    "MambaStateLayer",
+    "NativeGroup",
+    "NativeLayer",
+    "RGLRUSpec",
+    "RGLRUStateLayer",
+    "RecurrentCacheLayer",
+    "RecurrentSpec",
+    "SequenceState",
+    "SlidingSpec",
+    "SlidingWindowLayer",
+    "available_codecs",
+    "available_layers",
+    "get_codec",
+    "get_layer_class",
+    "load_plugins",
+    "register_cache_layer",
+    "register_kv_codec",
+    "resolve_plan",
+    "tunable",
 ]

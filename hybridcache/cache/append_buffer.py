@@ -9,10 +9,10 @@ slots. So a decode step copies O(1) tokens amortized instead of the whole cache 
 evict): on Gemma 3 270M those copies re-read every layer's keys and values from memory each step.
 
 The layer still holds only what its pattern needs (`nbytes()` counts the held slots); the spare slots are reported
-apart (`spare_nbytes()`; the buffers have at most max(16, n / 4) slots beyond the most n the layer held in them;
-a chunked layer whose chunk ended starts over at the front of its buffers). Anything that replaces the layer's tensors (crop, row
-operations that change the batch, restore with other shapes, a gather) simply ends the buffers' use: the next
-append copies into new ones.
+apart (`spare_nbytes()`; the buffers have at most max(16, n / 4) slots beyond the most n the layer held in them; a
+chunked layer whose chunk ended starts over at the front of its buffers). Anything that replaces the layer's tensors
+(crop, row operations that change the batch, restore with other shapes, a gather) simply ends the buffers' use: the
+next append copies into new ones.
 """
 
 from __future__ import annotations
@@ -38,8 +38,13 @@ class AppendBuffers:
     def _window(self, name: str, t: torch.Tensor) -> tuple[int, int] | None:
         """(start, end) of `t` in its buffer, or None if `t` is not a plain slot range of it."""
         buf, dim = self.buffers.get(name), self.dims[name]
-        if (buf is None or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
-                or t.stride() != buf.stride() or t.shape[:dim] != buf.shape[:dim] or t.shape[dim + 1:] != buf.shape[dim + 1:]):
+        if (
+            buf is None
+            or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+            or t.stride() != buf.stride()
+            or t.shape[:dim] != buf.shape[:dim]
+            or t.shape[dim + 1 :] != buf.shape[dim + 1 :]
+        ):
             return None
         offset = t.storage_offset() - buf.storage_offset()
         if offset % buf.stride(dim):
@@ -62,8 +67,10 @@ class AppendBuffers:
         """Bytes of the buffers beyond the current views (0 when they no longer back them)."""
         if self.window(current) is None:
             return 0
-        return sum(self.buffers[n].numel() * self.buffers[n].element_size() - t.numel() * t.element_size()
-                   for n, t in current.items())
+        return sum(
+            self.buffers[n].numel() * self.buffers[n].element_size() - t.numel() * t.element_size()
+            for n, t in current.items()
+        )
 
     def append(self, current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Views of current + new along the slot dims (nothing the layer holds changes)."""
@@ -77,7 +84,7 @@ class AppendBuffers:
             capacity = held + tokens + spare_slots(held + tokens)
             for name in names:  # new buffers: the held slots first
                 t, dim = current[name], self.dims[name]
-                shape = (*t.shape[:dim], capacity, *t.shape[dim + 1:])
+                shape = (*t.shape[:dim], capacity, *t.shape[dim + 1 :])
                 buf = torch.empty(shape, dtype=t.dtype, device=t.device)
                 buf.narrow(dim, 0, held).copy_(t)
                 self.buffers[name] = buf

@@ -63,15 +63,22 @@ class AttentionCacheLayer(CacheLayer):
             for part, (shape, dtype) in self.codec.fields(s.head_dim, s.dtype).items():
                 attr = f"{side}_{part or 'data'}"
                 self._parts[attr] = (side, part)
-                setattr(self, attr, torch.zeros(batch_size, s.num_kv_heads, slots, *shape, dtype=dtype, device=self.device))
+                setattr(
+                    self, attr, torch.zeros(batch_size, s.num_kv_heads, slots, *shape, dtype=dtype, device=self.device)
+                )
         heads = (s.num_kv_heads,) if s.per_head else ()
         self.key_pos = torch.full((batch_size, *heads, slots), -1, dtype=torch.long, device=self.device)  # [B, (H,) S]
         self._grouped = grouped_layer.allocate(self, batch_size)  # kivi / hf_quantized: it owns keys and values
         self._residual = () if self._grouped else residual_window.allocate(self, batch_size)  # dense recent tokens
         self._tier = self.codec.tier(self)  # None: the parts stay on self.device
         # dynamic dense storage appends in place into spare slots (append_buffer.py)
-        plain = (isinstance(self.codec, DenseCodec) and not self._residual and self._tier is None and not slots
-                 and not s.per_head)
+        plain = (
+            isinstance(self.codec, DenseCodec)
+            and not self._residual
+            and self._tier is None
+            and not slots
+            and not s.per_head
+        )
         self._append = AppendBuffers({**{attr: 2 for attr in self._parts}, "key_pos": 1}) if plain else None
         self._park()
 
@@ -92,8 +99,9 @@ class AttentionCacheLayer(CacheLayer):
             t = getattr(self, name)
             if t.numel():
                 backed = self._append is not None and self._append.backs(name, t)  # a view of a buffer: its slots
-                storages[t.untyped_storage().data_ptr()] = (t.numel() * t.element_size() if backed
-                                                            else t.untyped_storage().nbytes())
+                storages[t.untyped_storage().data_ptr()] = (
+                    t.numel() * t.element_size() if backed else t.untyped_storage().nbytes()
+                )
         return sum(storages.values())
 
     def spare_nbytes(self) -> int:
@@ -227,13 +235,21 @@ class AttentionCacheLayer(CacheLayer):
                 parts = {p: torch.cat([old[p], enc[p]], dim=2) for p in old}
             self._set_side(side, parts)
         self.key_pos = pos
-        if (self.evicts and type(self.spec) is SlidingSpec and type(self)._evict is AttentionCacheLayer._evict
-                and pos.shape[1] <= block.most_seen_after < self.spec.window):
+        if (
+            self.evicts
+            and type(self.spec) is SlidingSpec
+            and type(self)._evict is AttentionCacheLayer._evict
+            and pos.shape[1] <= block.most_seen_after < self.spec.window
+        ):
             # the row that saw the most holds a real token in every one of the S held columns (its last S), all
             # still inside its window: nothing can be evicted yet (no per-step eviction ops before the window fills)
             pass
-        elif self.evicts and self._append is not None and type(self.spec) in _BUILT_IN and type(self)._evict is \
-                AttentionCacheLayer._evict:
+        elif (
+            self.evicts
+            and self._append is not None
+            and type(self.spec) in _BUILT_IN
+            and type(self)._evict is AttentionCacheLayer._evict
+        ):
             # built-in patterns keep a suffix of the slots (positions grow along the slots in every row, and what a
             # query sees of them is a suffix): count it, drop the rest as a view
             keep = int(((pos >= 0) & self.spec.visible(block.seen_after[:, None], pos)).any(0).sum())
@@ -268,8 +284,12 @@ class AttentionCacheLayer(CacheLayer):
 
     def _take(self, index: torch.Tensor) -> None:
         slots, n = self.key_pos.shape[1], index.numel()
-        if (self._append is not None and index.dim() == 1 and n < slots
-                and torch.equal(index, torch.arange(slots - n, slots, device=index.device))):
+        if (
+            self._append is not None
+            and index.dim() == 1
+            and n < slots
+            and torch.equal(index, torch.arange(slots - n, slots, device=index.device))
+        ):
             # exactly the newest slots, in order: views, no copy
             views = self._append.drop_oldest({attr: getattr(self, attr) for attr in self._append.dims}, slots - n)
             for attr, t in views.items():

@@ -54,29 +54,40 @@ class AttentionSpec(LayerSpec):
         check_positive_int(owner, "q_group_size", self.q_group_size, allow_none=True)
         r = self.residual
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
-            raise CacheError(f"{owner}: residual must be a non-negative integer (recent tokens kept unquantized), "
-                             f"got {r!r}")
+            raise CacheError(
+                f"{owner}: residual must be a non-negative integer (recent tokens kept unquantized), got {r!r}"
+            )
         codec = self.codec()  # unknown names, options and group sizes fail here, with what is known
         if getattr(codec, "grouped", False) and self.max_length is not None:
-            raise CacheConfigError(f"{owner}: storage '{self.storage}' keeps column-aligned dynamic storage for the "
-                                   "whole batch; it does not support max_length (preallocation)")
+            raise CacheConfigError(
+                f"{owner}: storage '{self.storage}' keeps column-aligned dynamic storage for the "
+                "whole batch; it does not support max_length (preallocation)"
+            )
         if getattr(codec, "grouped", False) and self.per_head:
-            raise CacheConfigError(f"{owner}: storage '{self.storage}' quantizes columns of the whole batch together: "
-                                   "it cannot follow an eviction that keeps different tokens per row or head")
+            raise CacheConfigError(
+                f"{owner}: storage '{self.storage}' quantizes columns of the whole batch together: "
+                "it cannot follow an eviction that keeps different tokens per row or head"
+            )
         if r and self.per_head:
-            raise CacheError(f"{owner}: residual={r} is not available for a pattern that keeps different tokens per "
-                             "kv head (the residual window holds one position per row and slot)")
+            raise CacheError(
+                f"{owner}: residual={r} is not available for a pattern that keeps different tokens per "
+                "kv head (the residual window holds one position per row and slot)"
+            )
         if r and codec.exact:
-            raise CacheError(f"{owner}: residual={r} keeps the most recent tokens unquantized, but storage "
-                             f"'{self.storage}' is exact already; use it with a quantized storage (int8, int4)")
+            raise CacheError(
+                f"{owner}: residual={r} keeps the most recent tokens unquantized, but storage "
+                f"'{self.storage}' is exact already; use it with a quantized storage (int8, int4)"
+            )
         dense = self.num_kv_heads * self.head_dim * dtype_nbytes(self.dtype)
-        object.__setattr__(self, "_nbytes", (2 * self.num_kv_heads * codec.token_nbytes(self.head_dim, self.dtype),
-                                             2 * dense))
+        object.__setattr__(
+            self, "_nbytes", (2 * self.num_kv_heads * codec.token_nbytes(self.head_dim, self.dtype), 2 * dense)
+        )
 
     def codec(self) -> KVCodec:
         """A codec of this spec's storage format (validated against head_dim and dtype)."""
-        options = dict(q_group_size=self.q_group_size, nbits=self.nbits, axis_key=self.axis_key,
-                       axis_value=self.axis_value)
+        options = dict(
+            q_group_size=self.q_group_size, nbits=self.nbits, axis_key=self.axis_key, axis_value=self.axis_value
+        )
         if getattr(codec_class(self.storage), "grouped", False):  # `residual` is the storage's own dense tail
             options["residual"] = self.residual
         codec = get_codec(self.storage, **options)

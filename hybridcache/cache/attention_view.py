@@ -95,4 +95,3 @@ def check_kv(name: str, s: AttentionSpec, batch: int, device: torch.device, k: A
     if k.shape[2] == 0:
         raise CacheError(f"{name}: empty block (0 tokens)")
     return k.shape[2]
-

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ class Cache:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_plan(cls, plan: CachePlan, batch_size: int, device: torch.device | str | None = None) -> "Cache":
+    def from_plan(cls, plan: CachePlan, batch_size: int, device: torch.device | str | None = None) -> Cache:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise CacheError(f"Cache: batch_size must be a positive integer, got {batch_size!r}")
         check_new_cache(plan, batch_size, device if device is not None else "cpu")
@@ -138,7 +139,7 @@ class Cache:
         cache_config: Mapping[str, Any] | None = None,
         max_length: int | None = None,
         device: torch.device | str | None = None,
-    ) -> "Cache":
+    ) -> Cache:
         """Resolve `cache_config` against the model's native layers and allocate the cache."""
         return cls.from_plan(resolve_plan(native, cache_config, max_length), batch_size, device)
 
@@ -157,11 +158,15 @@ class Cache:
         except TypeError:
             i = None
         if i is None:
-            raise CacheIndexTypeError(f"a Cache is indexed by decoder layer: an int in [-{n}, {n}) or a slice; got "
-                                      f"{key!r} ({type(key).__name__}); this cache has {n} layers")
+            raise CacheIndexTypeError(
+                f"a Cache is indexed by decoder layer: an int in [-{n}, {n}) or a slice; got "
+                f"{key!r} ({type(key).__name__}); this cache has {n} layers"
+            )
         if not -n <= i < n:
-            raise CacheIndexError(f"cache layer index {i} is out of range: this cache has {n} layers (indices 0 to "
-                                  f"{n - 1}, or -{n} to -1 from the end)")
+            raise CacheIndexError(
+                f"cache layer index {i} is out of range: this cache has {n} layers (indices 0 to "
+                f"{n - 1}, or -{n} to -1 from the end)"
+            )
         return self.entries[i]
 
     def __iter__(self) -> Iterator[Entry]:
@@ -173,7 +178,9 @@ class Cache:
                 return "{" + ", ".join(f"{k}: {v.type_name}" for k, v in e.items()) + "}"
             return e.type_name
 
-        return f"Cache([{', '.join(describe(e) for e in self.entries)}]; batch={self.batch_size}, columns={self.columns})"
+        return (
+            f"Cache([{', '.join(describe(e) for e in self.entries)}]; batch={self.batch_size}, columns={self.columns})"
+        )
 
     @property
     def batch_size(self) -> int:
@@ -210,22 +217,31 @@ class Cache:
         if not self._lock.acquire(blocking=False):
             if self._holder == threading.get_ident():  # this thread is feeding a block
                 raise CacheError(f"Cache.{what}: a block is being fed; finish it (commit or abort) first")
-            raise CacheThreadError(f"Cache.{what}: the cache is in use by another thread (a Cache belongs to one thread "
-                             "at a time; give each thread its own cache, or hand it over when one is done)")
+            raise CacheThreadError(
+                f"Cache.{what}: the cache is in use by another thread (a Cache belongs to one thread "
+                "at a time; give each thread its own cache, or hand it over when one is done)"
+            )
         self._holder = threading.get_ident()
 
     def _release(self) -> None:
         self._holder = None
         self._lock.release()
 
-    def begin_block(self, valid: torch.Tensor | None = None, tokens: int | None = None, check: bool = True,
-                    ids: torch.Tensor | None = None) -> BlockState:
+    def begin_block(
+        self,
+        valid: torch.Tensor | None = None,
+        tokens: int | None = None,
+        check: bool = True,
+        ids: torch.Tensor | None = None,
+    ) -> BlockState:
         """Open a block of `tokens` columns (`valid` [B, T]: real tokens; None = all real). Validates the mask and
         every layer's capacity before anything changes; `check=False` skips the mask work (all-real decode).
         `ids` [B, T], when known, keep the cache's token fingerprint (what generation checks continuations by)."""
         if isinstance(valid, torch.Tensor) and valid.dim() == 2:
             if tokens is not None and tokens != valid.shape[1]:
-                raise CacheError(f"Cache: the attention mask has shape {tuple(valid.shape)}, expected ({self.batch_size}, {tokens})")
+                raise CacheError(
+                    f"Cache: the attention mask has shape {tuple(valid.shape)}, expected ({self.batch_size}, {tokens})"
+                )
             tokens = valid.shape[1]
         self._acquire("begin_block")
         try:
@@ -332,24 +348,40 @@ class Cache:
     def snapshot(self) -> CacheSnapshot:
         with self._operation("snapshot"):
             fp = None if self.seq.fingerprint is None else self.seq.fingerprint.clone()
-            return CacheSnapshot(tuple(layer.snapshot() for layer in self.layers), self.seq.seen.clone(), self.columns,
-                                 fp, self.seq.history())
+            return CacheSnapshot(
+                tuple(layer.snapshot() for layer in self.layers),
+                self.seq.seen.clone(),
+                self.columns,
+                fp,
+                self.seq.history(),
+            )
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Put back a snapshot of this cache (or of one with the same layers; the batch size may differ). Checks
         every layer's tensors (rows, shapes, dtypes) against the snapshot's sequence state first."""
         with self._operation("restore"):
-            if (not isinstance(snap, CacheSnapshot) or not isinstance(snap.layers, (tuple, list))
-                    or len(snap.layers) != len(self.layers)
-                    or not all(isinstance(s, LayerSnapshot) for s in snap.layers)):
+            if (
+                not isinstance(snap, CacheSnapshot)
+                or not isinstance(snap.layers, (tuple, list))
+                or len(snap.layers) != len(self.layers)
+                or not all(isinstance(s, LayerSnapshot) for s in snap.layers)
+            ):
                 raise CacheError("restore needs a CacheSnapshot taken from a cache with the same layers")
             columns, seen = snap.columns, snap.seen
             if isinstance(columns, bool) or not isinstance(columns, int) or columns < 0:
                 raise CacheError(f"restore: the snapshot's column count must be an int >= 0, got {columns!r}")
-            if (not isinstance(seen, torch.Tensor) or seen.dim() != 1 or seen.dtype != torch.long or not len(seen)
-                    or seen.is_meta or bool(((seen < 0) | (seen > columns)).any())):
-                raise CacheError(f"restore: the snapshot's real-token counts must be a LongTensor [B] in [0, "
-                                 f"{columns}], got {seen!r}")
+            if (
+                not isinstance(seen, torch.Tensor)
+                or seen.dim() != 1
+                or seen.dtype != torch.long
+                or not len(seen)
+                or seen.is_meta
+                or bool(((seen < 0) | (seen > columns)).any())
+            ):
+                raise CacheError(
+                    f"restore: the snapshot's real-token counts must be a LongTensor [B] in [0, "
+                    f"{columns}], got {seen!r}"
+                )
             for name, t in (("fingerprint", snap.fingerprint), ("history", snap.history)):
                 want = (len(seen),) if name == "fingerprint" else (len(seen), columns)
                 if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != want):
@@ -380,8 +412,16 @@ class Cache:
         return save_cache(self, path, model, key=key)
 
     @classmethod
-    def load(cls, path: Any, model: Any, batch_size: int | None = None,
-             cache_config: Mapping[str, Any] | None = None, device: Any = None, *, key: bytes | None = None) -> "Cache":
+    def load(
+        cls,
+        path: Any,
+        model: Any,
+        batch_size: int | None = None,
+        cache_config: Mapping[str, Any] | None = None,
+        device: Any = None,
+        *,
+        key: bytes | None = None,
+    ) -> Cache:
         """Load a saved cache for `model`; a corrupted file, another model, batch size or cache config is a
         `CacheFileError` naming what differs. The round trip is bit-exact (token fingerprint included)."""
         from hybridcache.cache.persistence import load_cache
@@ -409,6 +449,7 @@ class Cache:
             row["spare"] += layer.spare_nbytes()
             row["minimum"] += layer.min_nbytes()
         for row in rows.values():
-            row["ratio"] = row["held"] / row["minimum"] if row["minimum"] else (1.0 if not row["held"] else float("inf"))
+            row["ratio"] = (
+                row["held"] / row["minimum"] if row["minimum"] else (1.0 if not row["held"] else float("inf"))
+            )
         return list(rows.values())
-

@@ -34,8 +34,10 @@ class GatedDeltaSpec(RecurrentSpec):
         super().__post_init__()
         self._check("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel")
         if self.num_v_heads % self.num_k_heads:
-            raise CacheError(f"GatedDeltaSpec: num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "
-                             f"({self.num_k_heads})")
+            raise CacheError(
+                f"GatedDeltaSpec: num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "
+                f"({self.num_k_heads})"
+            )
         check_float_dtype(type(self).__name__, "state_dtype", self.state_dtype)
 
     @property

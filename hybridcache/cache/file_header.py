@@ -4,8 +4,9 @@ field (`layers[2].spec.window`, `batch_size`, ...)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -71,11 +72,18 @@ def layer_plans(header: Mapping[str, Any], path: Path) -> list[tuple[LayerPlan, 
         spec, names = header_field(r, "spec", (dict,), where, path), header_field(r, "tensors", (list,), where, path)
         last = out[-1][0] if out else None
         new_entry = index == (0 if last is None else last.index + 1)
-        same_group = (last is not None and index == last.index and member is not None and last.member is not None
-                      and member not in {p.member for p, _ in out if p.index == index})
+        same_group = (
+            last is not None
+            and index == last.index
+            and member is not None
+            and last.member is not None
+            and member not in {p.member for p, _ in out if p.index == index}
+        )
         if not (new_entry or same_group):
-            raise CacheFileError(f"{path}: the cache header's '{where}index' {index} (member {member!r}) does not "
-                                 "follow the layers before it")
+            raise CacheFileError(
+                f"{path}: the cache header's '{where}index' {index} (member {member!r}) does not "
+                "follow the layers before it"
+            )
         if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
             raise CacheFileError(f"{path}: the cache header's '{where}tensors' must be distinct names")
         try:
@@ -84,8 +92,9 @@ def layer_plans(header: Mapping[str, Any], path: Path) -> list[tuple[LayerPlan, 
         except CacheFileError:
             raise
         except (CacheError, TypeError, ValueError, KeyError) as e:
-            raise CacheFileError(f"{path}: the cache header's '{where}spec' / '{where}type' is not a valid "
-                                 f"'{kind}' layer: {e}"[:500]) from None
+            raise CacheFileError(
+                f"{path}: the cache header's '{where}spec' / '{where}type' is not a valid '{kind}' layer: {e}"[:500]
+            ) from None
         out.append((LayerPlan(index, native, kind, spec, member), names))
     if not out:
         raise CacheFileError(f"{path}: the cache header's 'layers' is empty")
@@ -104,8 +113,10 @@ def sequence_tensors(header: Mapping[str, Any], tensors: Mapping[str, torch.Tens
             why = "the header's 'has_fingerprint' is true" if name == "sequence.fingerprint" else "always there"
             raise CacheFileError(f"{path}: the cache file has no tensor '{name}' ({why})")
         if t.dtype != torch.long or tuple(t.shape) != shape:
-            raise CacheFileError(f"{path}: tensor '{name}' is {t.dtype} {tuple(t.shape)}, the header's batch_size "
-                                 f"{batch} and columns {columns} make it int64 {shape}")
+            raise CacheFileError(
+                f"{path}: tensor '{name}' is {t.dtype} {tuple(t.shape)}, the header's batch_size "
+                f"{batch} and columns {columns} make it int64 {shape}"
+            )
         if t.numel() and bool(((t < low) | (t > high)).any()):
             raise CacheFileError(f"{path}: tensor '{name}' holds values outside [{low}, {high}]{bound}")
         return t

@@ -87,8 +87,16 @@ class KiviCodec(GroupedCodec):
 
     def storage(self, batch, heads, head_dim, dtype, device):
         c = self.config
-        return KiviStorage(batch, heads, head_dim, dtype, device, bits=c["nbits"], group_size=c["q_group_size"],
-                           residual_length=c["residual"])
+        return KiviStorage(
+            batch,
+            heads,
+            head_dim,
+            dtype,
+            device,
+            bits=c["nbits"],
+            group_size=c["q_group_size"],
+            residual_length=c["residual"],
+        )
 
     def row_nbytes(self, spec, tokens):
         b, g, r = self.config["nbits"], self.config["q_group_size"], self.config["residual"]
@@ -113,17 +121,28 @@ class HFQuantizedCodec(GroupedCodec):
     # holds at each flush, so errors compound with the number of flushes
     bounds = {2: 1.6, 4: 0.3}
 
-    def __init__(self, nbits: int = 4, axis_key: int = 0, axis_value: int = 0, q_group_size: int = 64,
-                 residual: int = 128) -> None:
-        super().__init__(nbits=nbits, axis_key=axis_key, axis_value=axis_value, q_group_size=q_group_size,
-                         residual=residual)
+    def __init__(
+        self, nbits: int = 4, axis_key: int = 0, axis_value: int = 0, q_group_size: int = 64, residual: int = 128
+    ) -> None:
+        super().__init__(
+            nbits=nbits, axis_key=axis_key, axis_value=axis_value, q_group_size=q_group_size, residual=residual
+        )
         self.output_error_bound = self.bounds.get(nbits)
 
     def storage(self, batch, heads, head_dim, dtype, device):
         c = self.config
-        return HFQuantizedStorage(batch, heads, head_dim, dtype, device, nbits=c["nbits"], axis_key=c["axis_key"],
-                                  axis_value=c["axis_value"], q_group_size=c["q_group_size"],
-                                  residual_length=c["residual"])
+        return HFQuantizedStorage(
+            batch,
+            heads,
+            head_dim,
+            dtype,
+            device,
+            nbits=c["nbits"],
+            axis_key=c["axis_key"],
+            axis_value=c["axis_value"],
+            q_group_size=c["q_group_size"],
+            residual_length=c["residual"],
+        )
 
     def _token_nbytes(self, spec) -> tuple[int, int]:
         """(quantized, dense) bytes of one token's key and value over the row's heads: codes + a scale and a minimum

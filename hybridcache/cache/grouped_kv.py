@@ -18,8 +18,9 @@ built-in patterns); each format decides at which granularity it lets them go.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,8 +36,8 @@ def minmax_quantize(x: torch.Tensor, bits: int, dim: int | tuple[int, ...]) -> t
     group (scale 0) gets code 0, which decodes to its minimum, i.e. exactly. The arithmetic is the references'.
     """
     lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    scale = (hi - lo) / (2 ** bits - 1)
-    codes = torch.round((x - lo) / scale).clamp(0, 2 ** bits - 1)
+    scale = (hi - lo) / (2**bits - 1)
+    codes = torch.round((x - lo) / scale).clamp(0, 2**bits - 1)
     codes = torch.where(scale == 0, 0.0, codes).to(torch.uint8)  # 0 / 0 would be NaN
     return codes, scale, lo
 
@@ -58,7 +59,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack`: [.., D * bits / 8] bytes -> uint8 codes [.., D]."""
-    mask = 2 ** bits - 1
+    mask = 2**bits - 1
     return torch.stack([(packed >> (bits * j)) & mask for j in range(8 // bits)], dim=-1).flatten(-2)
 
 
@@ -66,8 +67,10 @@ def check_bits(owner: str, bits: Any, head_dim: int) -> None:
     if bits not in (2, 4):
         raise CacheConfigError(f"{owner}: nbits must be 2 or 4, got {bits!r}")
     if head_dim % (8 // bits):
-        raise CacheConfigError(f"{owner}: {bits}-bit codes are packed {8 // bits} per byte along head_dim, which "
-                               f"must be a multiple of {8 // bits}; got {head_dim}")
+        raise CacheConfigError(
+            f"{owner}: {bits}-bit codes are packed {8 // bits} per byte along head_dim, which "
+            f"must be a multiple of {8 // bits}; got {head_dim}"
+        )
 
 
 def tensor_nbytes(*tensors: torch.Tensor) -> int:
@@ -89,8 +92,9 @@ class GroupedKVStorage(ABC):
 
     unbatched: tuple[str, ...] = ()  # state tensors whose dim 0 is not the batch (groups across rows)
 
-    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         self.batch, self.heads, self.head_dim = batch, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self._state = self.empty_state()
@@ -159,8 +163,12 @@ class GroupedKVStorage(ABC):
         want = (self.batch, self.heads, k.shape[2] if k.dim() == 4 else -1, self.head_dim)
         for label, t in (("keys", k), ("values", v)):
             if t.dim() != 4 or tuple(t.shape) != want or t.dtype != self.dtype:
-                raise CacheError(f"{type(self).__name__}: {label} must be [B, H, T, D] = {want} in {self.dtype}, "
-                                 f"got {tuple(t.shape)} in {t.dtype}")
+                raise CacheError(
+                    f"{type(self).__name__}: {label} must be [B, H, T, D] = {want} in {self.dtype}, "
+                    f"got {tuple(t.shape)} in {t.dtype}"
+                )
         if k.shape[2] == 0 or tuple(pos.shape) != (self.batch, k.shape[2]):
-            raise CacheError(f"{type(self).__name__}: a block needs >= 1 token and positions [B, T] = "
-                             f"{(self.batch, k.shape[2])}, got {tuple(pos.shape)}")
+            raise CacheError(
+                f"{type(self).__name__}: a block needs >= 1 token and positions [B, T] = "
+                f"{(self.batch, k.shape[2])}, got {tuple(pos.shape)}"
+            )

@@ -32,7 +32,8 @@ def allocate(layer: Any, batch: int) -> GroupedKVStorage | None:
         raise CacheConfigError(
             f"{layer.name}: storage '{codec.name}' quantizes the columns of the whole batch together, so it cannot "
             "follow an eviction that keeps different tokens per row or head (score-based methods); use it with "
-            "full, sliding, chunked or sink attention, or a per-token storage (int8, int4) here")
+            "full, sliding, chunked or sink attention, or a per-token storage (int8, int4) here"
+        )
     storage = codec.storage(batch, s.num_kv_heads, s.head_dim, s.dtype, layer.device)
     publish(layer, storage)
     return storage

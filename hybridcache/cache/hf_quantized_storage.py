@@ -26,8 +26,16 @@ from typing import Any
 import torch
 
 from hybridcache.cache.errors import CacheConfigError, CacheCropError, CacheError
-from hybridcache.cache.grouped_kv import (GroupedKVStorage, Keep, Staged, check_bits, minmax_dequantize,
-                                          minmax_quantize, pack, unpack)
+from hybridcache.cache.grouped_kv import (
+    GroupedKVStorage,
+    Keep,
+    Staged,
+    check_bits,
+    minmax_dequantize,
+    minmax_quantize,
+    pack,
+    unpack,
+)
 
 
 class HFQuantizedStorage(GroupedKVStorage):
@@ -35,19 +43,35 @@ class HFQuantizedStorage(GroupedKVStorage):
 
     unbatched = ("k_scale", "k_min", "v_scale", "v_min")  # quanto's groups: [n_groups, 1] or [n_groups, D]
 
-    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: Any = "cpu", *,
-                 nbits: int = 4, axis_key: int = 0, axis_value: int = 0, q_group_size: int = 64,
-                 residual_length: int = 128) -> None:
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: Any = "cpu",
+        *,
+        nbits: int = 4,
+        axis_key: int = 0,
+        axis_value: int = 0,
+        q_group_size: int = 64,
+        residual_length: int = 128,
+    ) -> None:
         check_bits("hf_quantized", nbits, head_dim)
         for name, axis in (("axis_key", axis_key), ("axis_value", axis_value)):
             if axis not in (0, -1) or isinstance(axis, bool):
                 raise CacheConfigError(f"hf_quantized: {name} must be 0 or -1 (quanto), got {axis!r}")
         for name, n in (("q_group_size", q_group_size), ("residual_length", residual_length)):
             if isinstance(n, bool) or not isinstance(n, int) or n < (1 if name == "q_group_size" else 0):
-                raise CacheConfigError(f"hf_quantized: {name} must be a {'positive' if n else 'non-negative'} "
-                                       f"integer, got {n!r}")
-        self.bits, self.axes, self.group_size, self.residual_length = nbits, (axis_key, axis_value), q_group_size, \
-            residual_length
+                raise CacheConfigError(
+                    f"hf_quantized: {name} must be a {'positive' if n else 'non-negative'} integer, got {n!r}"
+                )
+        self.bits, self.axes, self.group_size, self.residual_length = (
+            nbits,
+            (axis_key, axis_value),
+            q_group_size,
+            residual_length,
+        )
         super().__init__(batch, num_kv_heads, head_dim, dtype, device)
 
     def empty_state(self) -> dict[str, Any]:
@@ -60,8 +84,9 @@ class HFQuantizedStorage(GroupedKVStorage):
         return state
 
     def _empty_quantized(self, axis: int) -> tuple[torch.Tensor, ...]:
-        codes = torch.zeros(self.batch, self.heads, 0, self.head_dim * self.bits // 8, dtype=torch.uint8,
-                            device=self.device)
+        codes = torch.zeros(
+            self.batch, self.heads, 0, self.head_dim * self.bits // 8, dtype=torch.uint8, device=self.device
+        )
         # the shape quantize gives along `axis` ([n, 1] / [n, D]), so snapshots of any state have one layout
         none = torch.zeros(0, 1 if axis == 0 else self.head_dim, dtype=self.dtype, device=self.device)
         return codes, none, none
@@ -71,8 +96,10 @@ class HFQuantizedStorage(GroupedKVStorage):
         b, h, n, d = shape
         numel = h * n * d if axis == 0 else b * h * n  # what quanto splits into groups for each index along axis
         if self.group_size > numel or numel % self.group_size:
-            raise CacheError(f"hf_quantized: quanto cannot quantize {n} tokens [B, H, N, D] = {tuple(shape)} along "
-                             f"axis {axis}: q_group_size {self.group_size} must divide {numel} (HF raises here too)")
+            raise CacheError(
+                f"hf_quantized: quanto cannot quantize {n} tokens [B, H, N, D] = {tuple(shape)} along "
+                f"axis {axis}: q_group_size {self.group_size} must divide {numel} (HF raises here too)"
+            )
 
     def quantize(self, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, H, N, D] -> packed codes [B, H, N, D * bits / 8], scale and minimum (axis 0: [n_groups, 1]; axis
@@ -95,8 +122,10 @@ class HFQuantizedStorage(GroupedKVStorage):
     # -- the interface -----------------------------------------------------------------------------------------
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self._state
-        return tuple(torch.cat([self.dequantize(s[f"{x}_codes"], s[f"{x}_scale"], s[f"{x}_min"], axis),
-                                s[f"{x}_dense"]], dim=2) for x, axis in zip("kv", self.axes))
+        return tuple(
+            torch.cat([self.dequantize(s[f"{x}_codes"], s[f"{x}_scale"], s[f"{x}_min"], axis), s[f"{x}_dense"]], dim=2)
+            for x, axis in zip("kv", self.axes)
+        )
 
     def prepare(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Staged:
         self.check_block(k, v, pos)
@@ -129,11 +158,17 @@ class HFQuantizedStorage(GroupedKVStorage):
             return s
         # exact only when the dropped blocks all went to the dense buffer and the buffer stays armed
         if drop > s["k_dense"].shape[2] or (drop == s["k_dense"].shape[2] and s["armed"]):
-            raise CacheCropError(f"hf_quantized: cannot crop {s['columns']} -> {columns} tokens exactly: some of the "
-                                 f"dropped tokens were quantized with the kept ones (or the buffer would go back to "
-                                 f"its unarmed state); take a snapshot before the tokens you may roll back")
-        s.update(columns=columns, pos=s["pos"][:, :-drop], k_dense=s["k_dense"][:, :, :-drop],
-                 v_dense=s["v_dense"][:, :, :-drop])
+            raise CacheCropError(
+                f"hf_quantized: cannot crop {s['columns']} -> {columns} tokens exactly: some of the "
+                f"dropped tokens were quantized with the kept ones (or the buffer would go back to "
+                f"its unarmed state); take a snapshot before the tokens you may roll back"
+            )
+        s.update(
+            columns=columns,
+            pos=s["pos"][:, :-drop],
+            k_dense=s["k_dense"][:, :, :-drop],
+            v_dense=s["v_dense"][:, :, :-drop],
+        )
         return s
 
     def _select_rows(self, state: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
@@ -143,10 +178,14 @@ class HFQuantizedStorage(GroupedKVStorage):
                 continue
             if name.endswith(("_scale", "_min")) and t.shape[0]:
                 rows = t.reshape(self.batch, -1, *t.shape[1:]) if t.shape[0] % self.batch == 0 else None
-                if rows is None or (self.axes["kv".index(name[0])] == -1
-                                    and state[f"{name[0]}_codes"].shape[2] * self.heads % self.group_size):
-                    raise CacheError(f"hf_quantized: axis -1 groups of {self.group_size} tokens cross batch rows "
-                                     f"here (H * N not a multiple of them): rows cannot be selected apart")
+                if rows is None or (
+                    self.axes["kv".index(name[0])] == -1
+                    and state[f"{name[0]}_codes"].shape[2] * self.heads % self.group_size
+                ):
+                    raise CacheError(
+                        f"hf_quantized: axis -1 groups of {self.group_size} tokens cross batch rows "
+                        f"here (H * N not a multiple of them): rows cannot be selected apart"
+                    )
                 out[name] = rows.index_select(0, index).flatten(0, 1)
             elif not name.endswith(("_scale", "_min")):
                 out[name] = t.index_select(0, index)

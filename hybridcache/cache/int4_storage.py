@@ -28,8 +28,9 @@ class Int4Codec(GroupQuantCodec):
     def check(self, head_dim, dtype):
         super().check(head_dim, dtype)
         if head_dim % 2:
-            raise CacheConfigError(f"storage 'int4' packs two values per byte and needs an even head_dim, "
-                                   f"got {head_dim}")
+            raise CacheConfigError(
+                f"storage 'int4' packs two values per byte and needs an even head_dim, got {head_dim}"
+            )
 
     def fields(self, head_dim, dtype):
         return {"q": ((head_dim // 2,), torch.uint8), "scale": ((head_dim // self.group(head_dim),), dtype)}

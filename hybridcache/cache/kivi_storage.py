@@ -26,38 +26,65 @@ from typing import Any
 import torch
 
 from hybridcache.cache.errors import CacheConfigError, CacheCropError
-from hybridcache.cache.grouped_kv import (GroupedKVStorage, Keep, Staged, check_bits, minmax_dequantize,
-                                          minmax_quantize, pack, unpack)
+from hybridcache.cache.grouped_kv import (
+    GroupedKVStorage,
+    Keep,
+    Staged,
+    check_bits,
+    minmax_dequantize,
+    minmax_quantize,
+    pack,
+    unpack,
+)
 
 
 class KiviStorage(GroupedKVStorage):
     """KIVI-`bits` with group size `group_size` (G) and `residual_length` (R) full-precision recent tokens."""
 
-    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: Any = "cpu", *,
-                 bits: int = 2, group_size: int = 32, residual_length: int = 128) -> None:
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: Any = "cpu",
+        *,
+        bits: int = 2,
+        group_size: int = 32,
+        residual_length: int = 128,
+    ) -> None:
         check_bits("kivi", bits, head_dim)
         g, r = group_size, residual_length
         if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or head_dim % g:
-            raise CacheConfigError(f"kivi: group_size must be a positive divisor of head_dim {head_dim} (values are "
-                                   f"grouped along it), got {g!r}")
+            raise CacheConfigError(
+                f"kivi: group_size must be a positive divisor of head_dim {head_dim} (values are "
+                f"grouped along it), got {g!r}"
+            )
         if isinstance(r, bool) or not isinstance(r, int) or r <= 0 or r % g:
-            raise CacheConfigError(f"kivi: residual_length must be a positive multiple of group_size {g} (keys are "
-                                   f"flushed R at a time in groups of G), got {r!r}")
+            raise CacheConfigError(
+                f"kivi: residual_length must be a positive multiple of group_size {g} (keys are "
+                f"flushed R at a time in groups of G), got {r!r}"
+            )
         self.bits, self.group_size, self.residual_length = bits, g, r
         super().__init__(batch, num_kv_heads, head_dim, dtype, device)
 
     def empty_state(self) -> dict[str, Any]:
         b, h, d, dt, dev = self.batch, self.heads, self.head_dim, self.dtype, self.device
         packed = d * self.bits // 8
-        return dict(columns=0, pos=torch.zeros(b, 0, dtype=torch.long, device=dev),
-                    k_start=0, k_codes=torch.zeros(b, h, 0, packed, dtype=torch.uint8, device=dev),
-                    k_scale=torch.zeros(b, h, 0, d, dtype=dt, device=dev),
-                    k_min=torch.zeros(b, h, 0, d, dtype=dt, device=dev),
-                    k_dense=torch.zeros(b, h, 0, d, dtype=dt, device=dev),
-                    v_start=0, v_codes=torch.zeros(b, h, 0, packed, dtype=torch.uint8, device=dev),
-                    v_scale=torch.zeros(b, h, 0, d // self.group_size, dtype=dt, device=dev),
-                    v_min=torch.zeros(b, h, 0, d // self.group_size, dtype=dt, device=dev),
-                    v_dense=torch.zeros(b, h, 0, d, dtype=dt, device=dev))
+        return dict(
+            columns=0,
+            pos=torch.zeros(b, 0, dtype=torch.long, device=dev),
+            k_start=0,
+            k_codes=torch.zeros(b, h, 0, packed, dtype=torch.uint8, device=dev),
+            k_scale=torch.zeros(b, h, 0, d, dtype=dt, device=dev),
+            k_min=torch.zeros(b, h, 0, d, dtype=dt, device=dev),
+            k_dense=torch.zeros(b, h, 0, d, dtype=dt, device=dev),
+            v_start=0,
+            v_codes=torch.zeros(b, h, 0, packed, dtype=torch.uint8, device=dev),
+            v_scale=torch.zeros(b, h, 0, d // self.group_size, dtype=dt, device=dev),
+            v_min=torch.zeros(b, h, 0, d // self.group_size, dtype=dt, device=dev),
+            v_dense=torch.zeros(b, h, 0, d, dtype=dt, device=dev),
+        )
 
     # -- quantization ------------------------------------------------------------------------------------------
     def quantize_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,7 +119,7 @@ class KiviStorage(GroupedKVStorage):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self._state
         first = s["columns"] - s["pos"].shape[1]
-        return tuple(held[:, :, first - start:] for start, held in (self._side(s, "k"), self._side(s, "v")))
+        return tuple(held[:, :, first - start :] for start, held in (self._side(s, "k"), self._side(s, "v")))
 
     def prepare(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Staged:
         self.check_block(k, v, pos)
@@ -101,7 +128,7 @@ class KiviStorage(GroupedKVStorage):
         views = []
         for side, new in (("k", k), ("v", v)):
             start, held = self._side(s, side)
-            views.append(torch.cat([held[:, :, first - start:], new], dim=2))  # [B, H, S + T, D]
+            views.append(torch.cat([held[:, :, first - start :], new], dim=2))  # [B, H, S + T, D]
         columns = s["columns"] + k.shape[2]
         nxt = dict(s, columns=columns, pos=torch.cat([s["pos"], pos], dim=1))
         # keys: columns < floor(columns / R) * R quantized, per channel in groups of G tokens
@@ -111,9 +138,12 @@ class KiviStorage(GroupedKVStorage):
             codes, scale, lo = self.quantize_keys(dense[:, :, :flush])
             if s["k_codes"].shape[2] == 0:
                 nxt["k_start"] = columns - dense.shape[2]
-            nxt.update(k_codes=torch.cat([s["k_codes"], codes], 2), k_scale=torch.cat([s["k_scale"], scale], 2),
-                       k_min=torch.cat([s["k_min"], lo], 2))
-        nxt["k_dense"] = dense[:, :, max(flush, 0):]
+            nxt.update(
+                k_codes=torch.cat([s["k_codes"], codes], 2),
+                k_scale=torch.cat([s["k_scale"], scale], 2),
+                k_min=torch.cat([s["k_min"], lo], 2),
+            )
+        nxt["k_dense"] = dense[:, :, max(flush, 0) :]
         # values: columns < columns - R quantized, per token in groups of G elements
         dense = torch.cat([s["v_dense"], v], dim=2)
         flush = dense.shape[2] - r
@@ -121,9 +151,12 @@ class KiviStorage(GroupedKVStorage):
             codes, scale, lo = self.quantize_values(dense[:, :, :flush])
             if s["v_codes"].shape[2] == 0:
                 nxt["v_start"] = columns - dense.shape[2]
-            nxt.update(v_codes=torch.cat([s["v_codes"], codes], 2), v_scale=torch.cat([s["v_scale"], scale], 2),
-                       v_min=torch.cat([s["v_min"], lo], 2))
-        nxt["v_dense"] = dense[:, :, max(flush, 0):]
+            nxt.update(
+                v_codes=torch.cat([s["v_codes"], codes], 2),
+                v_scale=torch.cat([s["v_scale"], scale], 2),
+                v_min=torch.cat([s["v_min"], lo], 2),
+            )
+        nxt["v_dense"] = dense[:, :, max(flush, 0) :]
         return Staged(views[0], views[1], nxt["pos"], nxt)
 
     def _evict(self, state: dict[str, Any], keep: Keep) -> dict[str, Any]:
@@ -133,15 +166,24 @@ class KiviStorage(GroupedKVStorage):
         cut = first + (int(needed.to(torch.uint8).argmax()) if bool(needed.any()) else needed.numel())
         groups = max(0, (cut - s["k_start"]) // g) if s["k_codes"].shape[2] else 0  # key groups wholly before cut
         if groups:
-            s.update(k_start=s["k_start"] + groups * g, k_codes=s["k_codes"][:, :, groups * g:],
-                     k_scale=s["k_scale"][:, :, groups:], k_min=s["k_min"][:, :, groups:])
+            s.update(
+                k_start=s["k_start"] + groups * g,
+                k_codes=s["k_codes"][:, :, groups * g :],
+                k_scale=s["k_scale"][:, :, groups:],
+                k_min=s["k_min"][:, :, groups:],
+            )
         tokens = max(0, min(cut - s["v_start"], s["v_codes"].shape[2])) if s["v_codes"].shape[2] else 0
         if tokens:
-            s.update(v_start=s["v_start"] + tokens, v_codes=s["v_codes"][:, :, tokens:],
-                     v_scale=s["v_scale"][:, :, tokens:], v_min=s["v_min"][:, :, tokens:])
-        starts = [s[f"{x}_start"] if s[f"{x}_codes"].shape[2] else s["columns"] - s[f"{x}_dense"].shape[2]
-                  for x in "kv"]
-        s["pos"] = s["pos"][:, max(starts) - first:]
+            s.update(
+                v_start=s["v_start"] + tokens,
+                v_codes=s["v_codes"][:, :, tokens:],
+                v_scale=s["v_scale"][:, :, tokens:],
+                v_min=s["v_min"][:, :, tokens:],
+            )
+        starts = [
+            s[f"{x}_start"] if s[f"{x}_codes"].shape[2] else s["columns"] - s[f"{x}_dense"].shape[2] for x in "kv"
+        ]
+        s["pos"] = s["pos"][:, max(starts) - first :]
         return s
 
     def _crop(self, state: dict[str, Any], columns: int) -> dict[str, Any]:
@@ -151,9 +193,15 @@ class KiviStorage(GroupedKVStorage):
         k_end = s["columns"] - s["k_dense"].shape[2]
         v_end = s["columns"] - s["v_dense"].shape[2]
         if k_end != (columns // r) * r or v_end != max(0, columns - r) or drop > s["pos"].shape[1]:
-            raise CacheCropError(f"kivi: cannot crop {s['columns']} -> {columns} tokens exactly: tokens that would "
-                                 f"be full precision again are already quantized (keys up to {k_end}, values up to "
-                                 f"{v_end}, R={r}); take a snapshot before the tokens you may roll back")
-        s.update(columns=columns, pos=s["pos"][:, :-drop], k_dense=s["k_dense"][:, :, :-drop],
-                 v_dense=s["v_dense"][:, :, :-drop])
+            raise CacheCropError(
+                f"kivi: cannot crop {s['columns']} -> {columns} tokens exactly: tokens that would "
+                f"be full precision again are already quantized (keys up to {k_end}, values up to "
+                f"{v_end}, R={r}); take a snapshot before the tokens you may roll back"
+            )
+        s.update(
+            columns=columns,
+            pos=s["pos"][:, :-drop],
+            k_dense=s["k_dense"][:, :, :-drop],
+            v_dense=s["v_dense"][:, :, :-drop],
+        )
         return s

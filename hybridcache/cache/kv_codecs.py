@@ -14,7 +14,8 @@ refuse a head size or dtype (`check`), and keep its parts somewhere other than t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -81,8 +82,9 @@ def registrar(table: dict[str, type], base: type, what: str, decorator: str, fie
                 raise CacheConfigError(f"{what} '{name}' is already registered ({table[name].__name__})")
             own = cls.__dict__.get("name")  # set by an earlier registration of this very class
             if own is not None and own != name and table.get(own) is cls:
-                raise CacheConfigError(f"{cls.__name__} is already registered as {field} '{own}'; it cannot also be "
-                                       f"'{name}'")
+                raise CacheConfigError(
+                    f"{cls.__name__} is already registered as {field} '{own}'; it cannot also be '{name}'"
+                )
             cls.name = name
             table[name] = cls
             return cls

@@ -110,8 +110,10 @@ def check_fits(nbytes: int, device: Any, what: str, hint: str = "") -> None:
     available = available_bytes(device)
     if available is None or nbytes <= available:
         return
-    raise CacheMemoryError(f"{what} needs at least {format_nbytes(nbytes)} on {torch.device(device)}, but only "
-                           f"{format_nbytes(available)} is available; nothing was allocated" + (f" ({hint})" if hint else ""))
+    raise CacheMemoryError(
+        f"{what} needs at least {format_nbytes(nbytes)} on {torch.device(device)}, but only "
+        f"{format_nbytes(available)} is available; nothing was allocated" + (f" ({hint})" if hint else "")
+    )
 
 
 def check_new_cache(plan: Any, batch_size: int, device: Any) -> None:
@@ -128,5 +130,9 @@ def check_rows_fit(cache: Any, rows: int, what: str) -> None:
     as the cache holds them now, with its sequence state and fingerprint history, plus the row index itself)."""
     held = cache.nbytes() + cache.spare_nbytes()
     per_row = -(-held // cache.batch_size) + ROW_BOOKKEEPING + 8 * cache.columns + 8
-    check_fits(rows * per_row, cache.device, f"Cache.{what} to {rows} rows ({cache.batch_size} now)",
-               "fewer rows, or a smaller cache per row")
+    check_fits(
+        rows * per_row,
+        cache.device,
+        f"Cache.{what} to {rows} rows ({cache.batch_size} now)",
+        "fewer rows, or a smaller cache per row",
+    )

@@ -32,7 +32,7 @@ import torch
 
 from hybridcache.cache.kv_codecs import DenseCodec, register_kv_codec
 
-_LAST: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()  # sequence state -> last fetched
+_LAST: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()  # sequence state -> last fetched
 
 
 def offload_dir() -> str:

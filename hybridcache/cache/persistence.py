@@ -31,12 +31,14 @@ import os
 import stat
 import tempfile
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as st_load, save as st_save
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from hybridcache.cache.base import LayerSnapshot
 from hybridcache.cache.errors import CacheError
@@ -55,14 +57,16 @@ SIGNATURE_ALG = "hmac-sha256"
 # -- the model's identity -------------------------------------------------------------------------------------
 # model -> (stamp, digest): hashing every byte of a 270M model takes ~0.5 s, so it is done once per model object
 # and again only when the stamp (each tensor's address, shape, dtype, version counter) changes.
-_WEIGHTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()
 
 
 def _weights_stamp(state: Mapping[str, torch.Tensor]) -> tuple | None:
     """What changes when a tensor is replaced or edited in place (None: not trackable, hash every time)."""
     try:
-        return tuple((n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t._version)
-                     for n, t in state.items())
+        return tuple(
+            (n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t._version)
+            for n, t in state.items()
+        )
     except RuntimeError:  # inference-mode tensors have no version counter
         return None
 
@@ -81,8 +85,14 @@ def weights_sha256(model: torch.nn.Module) -> str:
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         if t.is_meta:
             raise CacheError(f"the model's tensor {name} is on the meta device (not loaded): it has no identity")
-        alias = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), tuple(t.shape), t.dtype,
-                 str(t.device))
+        alias = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.stride()),
+            tuple(t.shape),
+            t.dtype,
+            str(t.device),
+        )
         if t.numel() and alias in first:
             h.update(f"=alias of {first[alias]}|".encode())
             continue
@@ -104,8 +114,11 @@ def forget_model_identity(model: torch.nn.Module) -> None:
 def model_identity(model: torch.nn.Module) -> dict[str, str]:
     """Who a cache belongs to: the family, a sha256 of its config, a sha256 of every byte of its weights."""
     config = json.dumps(getattr(model, "config", {}), sort_keys=True, default=str)
-    return {"family": str(getattr(model, "family", type(model).__name__)),
-            "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "weights_sha256": weights_sha256(model)}
+    return {
+        "family": str(getattr(model, "family", type(model).__name__)),
+        "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+        "weights_sha256": weights_sha256(model),
+    }
 
 
 # -- hashes and the signature ---------------------------------------------------------------------------------
@@ -128,8 +141,9 @@ def check_key(key: Any) -> bytes | None:
     if key is None:
         return None
     if not isinstance(key, (bytes, bytearray, memoryview)) or not len(key):
-        raise CacheError(f"key must be non-empty bytes (e.g. os.urandom(32), shared with the loading side), "
-                         f"got {type(key).__name__}")
+        raise CacheError(
+            f"key must be non-empty bytes (e.g. os.urandom(32), shared with the loading side), got {type(key).__name__}"
+        )
     return bytes(key)
 
 
@@ -159,7 +173,7 @@ def _spec_record(spec: Any) -> dict[str, Any]:
 
 
 # -- save ---------------------------------------------------------------------------------------------------------
-def save_cache(cache: "Cache", path: str | os.PathLike, model: torch.nn.Module, key: bytes | None = None) -> Path:
+def save_cache(cache: Cache, path: str | os.PathLike, model: torch.nn.Module, key: bytes | None = None) -> Path:
     """Write `cache` (no block open) to `path` atomically; `model` is the model it belongs to; `key` signs it."""
     if cache.plan is None:
         raise CacheError("Cache.save: this cache was assembled by hand (no plan); build it with model.make_cache")
@@ -177,14 +191,27 @@ def save_cache(cache: "Cache", path: str | os.PathLike, model: torch.nn.Module, 
                 raise CacheError(f"Cache.save: layer {i} no longer matches the cache's plan")
             for name, t in layer._state_tensors().items():
                 tensors[f"layers.{i}.{name}"] = t
-            layers.append({"index": plan.index, "member": plan.member, "native_type": plan.native_type,
-                           "type": plan.type, "spec": _spec_record(layer.spec),
-                           "tensors": sorted(layer._state_tensors())})
+            layers.append(
+                {
+                    "index": plan.index,
+                    "member": plan.member,
+                    "native_type": plan.native_type,
+                    "type": plan.type,
+                    "spec": _spec_record(layer.spec),
+                    "tensors": sorted(layer._state_tensors()),
+                }
+            )
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        header = {"format": FORMAT, "version": VERSION, "model": model_identity(model),
-                  "batch_size": cache.batch_size, "columns": cache.columns,
-                  "has_fingerprint": cache.seq.fingerprint is not None, "layers": layers,
-                  "payload_sha256": payload_sha256(tensors)}
+        header = {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": model_identity(model),
+            "batch_size": cache.batch_size,
+            "columns": cache.columns,
+            "has_fingerprint": cache.seq.fingerprint is not None,
+            "layers": layers,
+            "payload_sha256": payload_sha256(tensors),
+        }
         if key is not None:
             header["signature"] = {"alg": SIGNATURE_ALG, "value": header_signature(header, key)}
         header["header_sha256"] = header_sha256(header)
@@ -219,8 +246,9 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 # -- load ---------------------------------------------------------------------------------------------------------
-def read_cache_file(path: str | os.PathLike,
-                    key: bytes | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_cache_file(
+    path: str | os.PathLike, key: bytes | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The verified header and tensors of a saved cache (format, version, hashes and, with `key`, the signature)."""
     path, key = Path(path), check_key(key)
     if not path.is_file():
@@ -230,8 +258,9 @@ def read_cache_file(path: str | os.PathLike,
         tensors = st_load(data)
         meta = _metadata(data)
     except (SafetensorError, ValueError, json.JSONDecodeError) as e:
-        raise CacheFileError(f"{path} is not a readable safetensors cache file (corrupted or truncated?): "
-                             f"{e}") from None
+        raise CacheFileError(
+            f"{path} is not a readable safetensors cache file (corrupted or truncated?): {e}"
+        ) from None
     raw = meta.get("hybridcache") if isinstance(meta, dict) else None
     if not isinstance(raw, str):
         raise CacheFileError(f"{path} is a safetensors file but not a saved hybridcache Cache (no header)")
@@ -243,18 +272,24 @@ def read_cache_file(path: str | os.PathLike,
         got = header.get("format") if isinstance(header, dict) else type(header).__name__
         raise CacheFileError(f"{path}: not a hybridcache cache file (format {got!r})")
     if header.get("version") != VERSION:
-        raise CacheFileError(f"{path}: cache file format version {header.get('version')!r}; this hybridcache reads "
-                             f"version {VERSION}")
+        raise CacheFileError(
+            f"{path}: cache file format version {header.get('version')!r}; this hybridcache reads version {VERSION}"
+        )
     if header_sha256(header) != header.get("header_sha256"):
         raise CacheFileError(f"{path}: the cache header does not match its sha256 (the file was edited or corrupted)")
     if key is not None:
         sig = header.get("signature")
         if sig is None:
             raise CacheFileError(f"{path} is not signed, and a key was given: refusing an unsigned cache file")
-        if (not isinstance(sig, dict) or sig.get("alg") != SIGNATURE_ALG or not isinstance(sig.get("value"), str)
-                or not hmac.compare_digest(sig["value"], header_signature(header, key))):
-            raise CacheFileError(f"{path}: the signature does not match this key (another key, or the file was "
-                                 "altered)")
+        if (
+            not isinstance(sig, dict)
+            or sig.get("alg") != SIGNATURE_ALG
+            or not isinstance(sig.get("value"), str)
+            or not hmac.compare_digest(sig["value"], header_signature(header, key))
+        ):
+            raise CacheFileError(
+                f"{path}: the signature does not match this key (another key, or the file was altered)"
+            )
     if payload_sha256(tensors) != header.get("payload_sha256"):
         raise CacheFileError(f"{path}: the tensor payload does not match its sha256 (the file is corrupted)")
     return header, tensors
@@ -266,15 +301,21 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
 
 
-def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int | None = None,
-               cache_config: Mapping[str, Any] | None = None, device: torch.device | str | None = None,
-               key: bytes | None = None) -> "Cache":
+def load_cache(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    batch_size: int | None = None,
+    cache_config: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+    key: bytes | None = None,
+) -> Cache:
     """Rebuild a saved cache for `model` (see the module docstring for what is checked, and in which order)."""
     from hybridcache.cache.cache import Cache, CacheSnapshot
 
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "native_layers", None)):
-        raise CacheError(f"load_cache: model must be the hybridcache model the cache was saved from, got "
-                         f"{type(model).__name__}")
+        raise CacheError(
+            f"load_cache: model must be the hybridcache model the cache was saved from, got {type(model).__name__}"
+        )
     path = Path(path)
     header, tensors = read_cache_file(path, key)
     got = header_field(header, "model", (dict,), "", path)
@@ -285,7 +326,8 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
         what = [k for k in ("family", "config_sha256", "weights_sha256") if want.get(k) != got.get(k)]
         raise CacheFileError(
             f"{path} was saved from a {got.get('family')!r} model that differs from this {want['family']!r} model in "
-            f"{', '.join(what)}; a cache only fits the model (config and weights) that filled it")
+            f"{', '.join(what)}; a cache only fits the model (config and weights) that filled it"
+        )
     batch, columns, seen, fp, history = sequence_tensors(header, tensors, path)
     if batch_size is not None and batch_size != batch:
         raise CacheFileError(f"{path} holds a batch of {batch} rows, batch_size={batch_size} was asked for")
@@ -297,8 +339,10 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
             members = getattr(native, "members", None)
             native = members.get(p.member) if isinstance(members, Mapping) else None
         if getattr(native, "type", None) != p.native_type:
-            raise CacheFileError(f"{path}: 'layers[{i}].native_type' is {p.native_type!r}, this model's layer "
-                                 f"{p.index} is {getattr(native, 'type', None)!r}")
+            raise CacheFileError(
+                f"{path}: 'layers[{i}].native_type' is {p.native_type!r}, this model's layer "
+                f"{p.index} is {getattr(native, 'type', None)!r}"
+            )
     listed = {f"layers.{i}.{n}" for i, (_, names) in enumerate(records) for n in names}
     extra = set(tensors) - listed - {"sequence.seen", "sequence.fingerprint", "sequence.fingerprint_history"}
     if extra or not listed <= set(tensors):
@@ -321,19 +365,30 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module, batch_size: int 
         asked = model.make_cache(batch, cache_config).plan
         changed = plan.changed(asked) if len(asked) == len(plan) else ["all"]
         if changed:
-            raise CacheFileError(f"{path}: the saved cache's layers {', '.join(changed)} differ from what "
-                                 "cache_config asks for (type or parameters)")
+            raise CacheFileError(
+                f"{path}: the saved cache's layers {', '.join(changed)} differ from what "
+                "cache_config asks for (type or parameters)"
+            )
     cache = Cache.from_plan(plan, batch, device if device is not None else getattr(model, "device", None))
     try:
         model.check_cache(cache, batch)
     except ValueError as e:
         raise CacheFileError(f"{path} does not fit this model: {e}") from None
     to = cache.device
-    snaps = [LayerSnapshot(s.type_name, s.spec, columns, seen.to(to), {n: t.to(to) for n, t in s.tensors.items()})
-             for s in snaps]
+    snaps = [
+        LayerSnapshot(s.type_name, s.spec, columns, seen.to(to), {n: t.to(to) for n, t in s.tensors.items()})
+        for s in snaps
+    ]
     try:
-        cache.restore(CacheSnapshot(tuple(snaps), seen.to(to), columns, None if fp is None else fp.to(to),
-                                    None if history is None else history.to(to)))
+        cache.restore(
+            CacheSnapshot(
+                tuple(snaps),
+                seen.to(to),
+                columns,
+                None if fp is None else fp.to(to),
+                None if history is None else history.to(to),
+            )
+        )
     except CacheError as e:
         raise CacheFileError(f"{path}: the saved tensors do not fit the cache layers ({e})") from None
     return cache

@@ -4,7 +4,7 @@ A model declares, per decoder layer, one `NativeLayer` or a `NativeGroup` of nam
 and attention side by side in one layer). A cache config is a mapping; the most specific entry wins:
     attention: / recurrent:   every cache layer of that kind
     full: / sliding: / ...    every cache layer whose native type is that name
-    layers: {3: ...}          one decoder layer by index; inside a group, a member: {3: {attention: ...}} or "3.attention"
+    layers: {3: ...}  one decoder layer by index; inside a group, a member: {3: {attention: ...}} or "3.attention"
 Each entry may set `type` and that type's tunable parameters (window, chunk_size, max_length, state_dtype, storage).
 An entry whose `type` is overridden by a more specific one does not pass its parameters on. A kind-wide entry without
 `type` applies each parameter to the layers whose type takes it (`recurrent: {state_dtype: float64}` skips `conv`).
@@ -13,9 +13,9 @@ An entry whose `type` is overridden by a more specific one does not pass its par
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any
 
 from hybridcache.cache.base import LayerSpec
 from hybridcache.cache.errors import CacheConfigError, CacheError
@@ -50,7 +50,7 @@ class NativeGroup:
                 raise CacheConfigError(f"group member '{name}' must be a NativeLayer, got {type(member).__name__}")
 
 
-Native = Union[NativeLayer, NativeGroup]
+Native = NativeLayer | NativeGroup
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,11 @@ class LayerPlan:
     def exact(self) -> bool:
         """Whether cached generation with this layer equals the full recompute with its pattern."""
         storage = getattr(self.spec, "storage", None)
-        return (get_layer_class(self.type).exact and (storage is None or get_codec(storage).exact)
-                and getattr(self.spec, "exact_storage", True))  # recurrent: the state codec
+        return (
+            get_layer_class(self.type).exact
+            and (storage is None or get_codec(storage).exact)
+            and getattr(self.spec, "exact_storage", True)
+        )  # recurrent: the state codec
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class CachePlan:
     def held_nbytes(self, batch: int, tokens: int) -> int:
         return sum(p.spec.held_nbytes(batch, tokens) for p in self.layers)
 
-    def changed(self, other: "CachePlan") -> list[str]:
+    def changed(self, other: CachePlan) -> list[str]:
         """Addresses whose type or parameters differ from `other` (e.g. the native plan)."""
         return [p.address for p, q in zip(self.layers, other.layers) if (p.type, p.spec) != (q.type, q.spec)]
 
@@ -118,9 +121,14 @@ class CachePlan:
         """One plain dict per cache layer (for logging and tables); every record has the same keys."""
         params = sorted({k for p in self.layers for k in p.spec.params()})
         return [
-            {"layer": p.address, "native": p.native_type, "type": p.type,
-             **{k: fmt_value(p.spec.params().get(k)) for k in params},
-             "exact": p.exact, "bytes": p.spec.held_nbytes(batch, tokens)}
+            {
+                "layer": p.address,
+                "native": p.native_type,
+                "type": p.type,
+                **{k: fmt_value(p.spec.params().get(k)) for k in params},
+                "exact": p.exact,
+                "bytes": p.spec.held_nbytes(batch, tokens),
+            }
             for p in self.layers
         ]
 
@@ -153,9 +161,13 @@ def _per_layer_entries(native: Sequence[Native], config: Mapping[str, Any]) -> d
         try:
             i = int(index_text)
         except ValueError:
-            raise CacheConfigError(f"cache config: layers.{key}: layer keys are indices like 3 or 3.attention") from None
+            raise CacheConfigError(
+                f"cache config: layers.{key}: layer keys are indices like 3 or 3.attention"
+            ) from None
         if not 0 <= i < len(native):
-            raise CacheConfigError(f"cache config: layers.{key}: layer index out of range (the model has {len(native)} layers)")
+            raise CacheConfigError(
+                f"cache config: layers.{key}: layer index out of range (the model has {len(native)} layers)"
+            )
         entry = _as_dict(entry, f"layers.{key}")
         nl = native[i]
         if isinstance(nl, NativeLayer):
@@ -235,10 +247,12 @@ def resolve_plan(
     per_layer = _per_layer_entries(native, config)
     for where, group in [*groups.items(), *((f"layers.{_addr(i, m)}", g) for (i, m), g in per_layer.items())]:
         _check_group(where, group)
-    plan = CachePlan(tuple(
-        _resolve_layer(i, m, nl, groups, per_layer.get((i, m), {}), max_length, len(native))
-        for i, m, nl in flatten_native(native)
-    ))
+    plan = CachePlan(
+        tuple(
+            _resolve_layer(i, m, nl, groups, per_layer.get((i, m), {}), max_length, len(native))
+            for i, m, nl in flatten_native(native)
+        )
+    )
     for kind in KINDS:  # a kind-wide parameter that none of the model's layers of that kind takes is a mistake
         group = groups.get(kind, {})
         layers = [p for p in plan.layers if p.kind == kind]
@@ -258,8 +272,9 @@ def _addr(i: int, member: str | None) -> str:
     return str(i) if member is None else f"{i}.{member}"
 
 
-def _resolve_layer(i: int, member: str | None, nl: NativeLayer, groups: dict, own: dict, max_length: int | None,
-                   depth: int) -> LayerPlan:
+def _resolve_layer(
+    i: int, member: str | None, nl: NativeLayer, groups: dict, own: dict, max_length: int | None, depth: int
+) -> LayerPlan:
     native_cls = get_layer_class(nl.type)
     kind, where_i = native_cls.kind, _addr(i, member)
     levels = [(kind, groups.get(kind, {})), (nl.type, groups.get(nl.type, {})), (f"layers.{where_i}", own)]

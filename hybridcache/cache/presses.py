@@ -95,8 +95,9 @@ class SnapKVSpec(ScoredSpec):
         check_positive_int(type(self).__name__, "window_size", self.window_size)
         check_positive_int(type(self).__name__, "kernel_size", self.kernel_size)
         if self.kernel_size % 2 == 0:
-            raise CacheError(f"{type(self).__name__}: kernel_size must be odd (pooling keeps the length), got "
-                             f"{self.kernel_size}")
+            raise CacheError(
+                f"{type(self).__name__}: kernel_size must be odd (pooling keeps the length), got {self.kernel_size}"
+            )
 
 
 def snapkv_scores(ctx: ScoreContext, window_size: int, kernel_size: int) -> torch.Tensor:
@@ -254,8 +255,12 @@ class ExpectedAttentionLayer(ScoredEvictionLayer):
         centered = (q - mu) * stats
         cov = centered.transpose(-1, -2) @ centered / n  # [B, Hq, D, D]
         if qi.mean_rotation is not None:  # the mean rotary matrix of each row's next n_future_positions
-            rot = torch.stack([qi.mean_rotation(torch.arange(int(seen), int(seen) + s.n_future_positions))
-                               for seen in ctx.seen.tolist()]).double()[:, None]  # [B, 1, D, D]
+            rot = torch.stack(
+                [
+                    qi.mean_rotation(torch.arange(int(seen), int(seen) + s.n_future_positions))
+                    for seen in ctx.seen.tolist()
+                ]
+            ).double()[:, None]  # [B, 1, D, D]
             mu, cov = mu @ rot.transpose(-1, -2), rot @ cov @ rot.transpose(-1, -2)
         heads = q.shape[1] // ctx.keys.shape[1]
         keys = ctx.keys.double().repeat_interleave(heads, 1)  # [B, Hq, S, D]
@@ -280,8 +285,9 @@ class H2OSpec(ScoredSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.recent is not None and (isinstance(self.recent, bool) or not isinstance(self.recent, int)
-                                        or self.recent < 0):
+        if self.recent is not None and (
+            isinstance(self.recent, bool) or not isinstance(self.recent, int) or self.recent < 0
+        ):
             raise CacheError(f"H2OSpec: recent must be a non-negative integer, got {self.recent!r}")
 
     def recent_tokens(self, kept: int) -> int:
@@ -316,8 +322,9 @@ class H2OLayer(ScoredEvictionLayer):
     def score(self, ctx):
         sums, _ = attention_sums(ctx)
         self.h2o_acc = self.h2o_acc + ctx.grouped(sums).double()  # [B, Hkv, S]
-        recent = torch.tensor([self.spec.recent_tokens(int(k)) for k in self.spec.kept_of(ctx.seen).tolist()],
-                              device=self.device)
+        recent = torch.tensor(
+            [self.spec.recent_tokens(int(k)) for k in self.spec.kept_of(ctx.seen).tolist()], device=self.device
+        )
         return _force(self.h2o_acc, ctx.slot_positions() >= (ctx.seen - recent)[:, None, None])
 
     def _take(self, index):

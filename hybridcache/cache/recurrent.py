@@ -1,8 +1,9 @@
 """Recurrent cache layers: `mamba`, `mamba2`, `rglru`, `conv`.
 
 Each holds named fixed-shape state tensors [B, ...] that its mixer reads (`layer.states`) and replaces with
-`layer.update(**new_states)` (staged until the block commits, so a failed forward leaves the old states). A convolution state keeps the last K-1 inputs of a width-K causal conv (the
-minimum); SSM / LRU states are float32 unless the config sets `state_dtype`.
+`layer.update(**new_states)` (staged until the block commits, so a failed forward leaves the old states). A
+convolution state keeps the last K-1 inputs of a width-K causal conv (the minimum); SSM / LRU states are float32
+unless the config sets `state_dtype`.
 
 Rollback: by default a layer keeps only its latest state, so `crop` cannot rewind it (roll back with
 `Cache.snapshot()` / `Cache.restore()`). With `checkpoints: k` (a tunable of every recurrent type,
@@ -221,7 +222,9 @@ class RecurrentCacheLayer(CacheLayer):
         expected = self.spec.state_shapes()
         what = "state" if extra is None else "trail state"
         if set(new_states) != set(expected):
-            raise CacheError(f"{self.name}: update needs exactly the states {sorted(expected)}, got {sorted(new_states)}")
+            raise CacheError(
+                f"{self.name}: update needs exactly the states {sorted(expected)}, got {sorted(new_states)}"
+            )
         for name, (shape, dtype) in expected.items():
             t = new_states[name]
             want = (self.batch_size, *shape) if extra is None else (self.batch_size, extra, *shape)
@@ -233,8 +236,12 @@ class RecurrentCacheLayer(CacheLayer):
             if t.device != self.device:
                 raise CacheError(f"{self.name}: {what} '{name}' is on {t.device}, the layer is on {self.device}")
 
-    def update(self, valid: torch.Tensor | int | None = None, trail: dict[str, torch.Tensor] | None = None,
-               **new_states: torch.Tensor) -> None:
+    def update(
+        self,
+        valid: torch.Tensor | int | None = None,
+        trail: dict[str, torch.Tensor] | None = None,
+        **new_states: torch.Tensor,
+    ) -> None:
         """Replace every state after a block. Inside a Cache the block was opened by the Cache; a standalone layer
         takes the block's real-token mask [B, T] or its length T as `valid`. With checkpoints on, `trail` holds the
         states after each of the block's last `trail_length(T)` tokens before the final one ([B, m, ...] each);
@@ -267,12 +274,12 @@ class RecurrentCacheLayer(CacheLayer):
             keep = [i for i, c in enumerate(columns) if c >= 0 and c >= end - k][-k:]
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.trail_columns.fill_(-1)
-            self.trail_columns[k - len(keep):] = torch.tensor([columns[i] for i in keep], dtype=torch.long)
+            self.trail_columns[k - len(keep) :] = torch.tensor([columns[i] for i in keep], dtype=torch.long)
             trail_parts = self.layout.encode(trail) if m else {}  # [B, m, ...] each, encoded like any state
             for attr, held in self._held().items():
                 parts = [getattr(self, f"{attr}_trail"), held[:, None]] + ([trail_parts[attr]] if m else [])
                 picked = torch.cat(parts, dim=1).index_select(1, index)
-                getattr(self, f"{attr}_trail")[:, k - len(keep):] = picked
+                getattr(self, f"{attr}_trail")[:, k - len(keep) :] = picked
         for attr, t in new.items():
             if self._tier is None:
                 getattr(self, attr).copy_(t)
@@ -287,8 +294,11 @@ class RecurrentCacheLayer(CacheLayer):
         held = self.trail_columns.tolist() if k else []
         if n in held:
             return held.index(n)
-        hint = (f"it keeps checkpoints for columns {sorted(c for c in held if c >= 0)} only (checkpoints={k})" if k
-                else "it keeps only its latest state")
+        hint = (
+            f"it keeps checkpoints for columns {sorted(c for c in held if c >= 0)} only (checkpoints={k})"
+            if k
+            else "it keeps only its latest state"
+        )
         raise CacheCropError(
             f"{self.name}: {hint}, so crop({n}) cannot rewind it from {self.columns} tokens. Set `checkpoints: k` "
             "on recurrent layers (cache config {'recurrent': {'checkpoints': k}}) to crop back up to k tokens, or "

@@ -8,8 +8,9 @@ package that declares the module under the entry-point group `hybridcache.cache_
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable
 from importlib import metadata
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 from hybridcache.cache.base import CacheLayer, LayerSpec
 from hybridcache.cache.errors import CacheConfigError

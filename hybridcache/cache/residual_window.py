@@ -54,8 +54,10 @@ def overlay(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch
         match = (key_pos[:, :, None] == res_pos[:, None, :]) & (key_pos[:, :, None] >= 0)  # [B, S, R']
         hit, index = match.any(-1), match.to(torch.uint8).argmax(-1)
     hit = hit[:, None, :, None]
-    return tuple(torch.where(hit, getattr(layer, n).gather(2, _slot_index(index, keys)), x)  # type: ignore[return-value]
-                 for n, x in zip(PARTS, (keys, values)))
+    return tuple(
+        torch.where(hit, getattr(layer, n).gather(2, _slot_index(index, keys)), x)  # type: ignore[return-value]
+        for n, x in zip(PARTS, (keys, values))
+    )
 
 
 def commit_dynamic(layer: Any, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seen: torch.Tensor) -> None:

@@ -20,8 +20,9 @@ Lossy once a row holds more than it keeps (`lossless_tokens`); dynamic storage o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -79,8 +80,9 @@ class ScoredSpec(AttentionSpec):
         super().__post_init__()
         owner = type(self).__name__
         if self.max_length is not None:
-            raise CacheError(f"{owner}: score-based eviction picks slots by score and needs dynamic storage (no "
-                             "max_length)")
+            raise CacheError(
+                f"{owner}: score-based eviction picks slots by score and needs dynamic storage (no max_length)"
+            )
         if self.mode not in MODES:
             raise CacheError(f"{owner}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         check_positive_int(owner, "budget", self.budget, allow_none=True)
@@ -90,11 +92,15 @@ class ScoredSpec(AttentionSpec):
         if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1):
             raise CacheError(f"{owner}: compression_ratio must be a number in [0, 1), got {r!r}")
         if (r is None) == (self.budget is None):
-            raise CacheError(f"{owner}: give exactly one of compression_ratio (the fraction of the prompt evicted) or "
-                             f"budget (tokens kept), got compression_ratio={r!r}, budget={self.budget!r}")
+            raise CacheError(
+                f"{owner}: give exactly one of compression_ratio (the fraction of the prompt evicted) or "
+                f"budget (tokens kept), got compression_ratio={r!r}, budget={self.budget!r}"
+            )
         if self.mode == "continuous" and self.budget is None:
-            raise CacheError(f"{owner}: mode 'continuous' evicts to a fixed budget after every block: give budget, "
-                             "not compression_ratio")
+            raise CacheError(
+                f"{owner}: mode 'continuous' evicts to a fixed budget after every block: give budget, "
+                "not compression_ratio"
+            )
 
     @property
     def per_head(self) -> bool:

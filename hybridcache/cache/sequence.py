@@ -143,14 +143,17 @@ class SequenceState:
             raise CacheThreadError(
                 f"a block of this cache is open in thread {_thread_name(block.thread)}; thread "
                 f"{_thread_name(threading.get_ident())} cannot feed, commit or abort it (a block belongs to the thread "
-                "that opened it: give each thread its own cache, or hand the cache over once the block is closed)")
+                "that opened it: give each thread its own cache, or hand the cache over once the block is closed)"
+            )
         return block
 
     @block.setter
     def block(self, block: BlockState | None) -> None:
         self._block = block
 
-    def make_block(self, valid: Any, tokens: int, owner: str, check: bool = True, ids: torch.Tensor | None = None) -> BlockState:
+    def make_block(
+        self, valid: Any, tokens: int, owner: str, check: bool = True, ids: torch.Tensor | None = None
+    ) -> BlockState:
         """Validate a block (mask [B, T] or None = all real) and compute its positions; changes nothing."""
         if self.block is not None:
             raise CacheError(f"{owner}: a block is already being fed; finish it (commit or abort) first")
@@ -187,8 +190,12 @@ class SequenceState:
     # -- the token fingerprint's history (crop keeps the fingerprint of the columns it keeps) ------------------
     def _history_valid(self) -> bool:
         h = self._history
-        return (self.fingerprint is not None and h is not None and self._history_columns == self.columns
-                and h.shape[0] == self.batch_size)
+        return (
+            self.fingerprint is not None
+            and h is not None
+            and self._history_columns == self.columns
+            and h.shape[0] == self.batch_size
+        )
 
     def _append_history(self, running: torch.Tensor) -> None:
         """Record the running fingerprint [B, T] of a block being committed (amortized: capacity doubles)."""

@@ -20,15 +20,19 @@ def check_snapshot_shapes(i: int, layer: CacheLayer, snap: Any) -> None:
             continue  # a name or rank the layer's own check refuses
         if any(want not in (None, "B") and got != want for got, want in zip(t.shape, ref)):
             want = ", ".join("*" if d is None else str(d) for d in ref)
-            raise CacheError(f"snapshot layer {i} ({layer.type_name}): tensor '{name}' has shape "
-                             f"{tuple(t.shape)}, this layer stores [{want}]")
+            raise CacheError(
+                f"snapshot layer {i} ({layer.type_name}): tensor '{name}' has shape "
+                f"{tuple(t.shape)}, this layer stores [{want}]"
+            )
     pos = snap.tensors.get("key_pos")
     if layer.kind == "attention" and isinstance(pos, torch.Tensor) and pos.dim() >= 2:
         for name in _PER_SLOT:  # one stored token per slot: as many slots as key_pos holds positions
             t = snap.tensors.get(name)
             if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] != pos.shape[-1]:
-                raise CacheError(f"snapshot layer {i} ({layer.type_name}): tensor '{name}' holds {t.shape[2]} slots, "
-                                 f"'key_pos' {pos.shape[-1]}")
+                raise CacheError(
+                    f"snapshot layer {i} ({layer.type_name}): tensor '{name}' holds {t.shape[2]} slots, "
+                    f"'key_pos' {pos.shape[-1]}"
+                )
     check_snapshot_positions(i, layer, snap)
 
 
@@ -46,8 +50,10 @@ def _stored_shapes(cls: type, spec: Any) -> dict[str, tuple]:
         pass
     layer = cls(spec, 1, "meta")
     batch = set(layer._batch_tensors)
-    shapes = {name: tuple("B" if d == 0 and name in batch else (n or None) for d, n in enumerate(t.shape))
-              for name, t in layer._state_tensors().items()}
+    shapes = {
+        name: tuple("B" if d == 0 and name in batch else (n or None) for d, n in enumerate(t.shape))
+        for name, t in layer._state_tensors().items()
+    }
     try:
         _SHAPES[cls, spec] = shapes
     except TypeError:  # an unhashable spec: not remembered
@@ -74,23 +80,37 @@ def check_snapshot_positions(i: int, layer: CacheLayer, snap: Any) -> None:
         bad = (t < -1) | (t >= rows)
         if bool(bad.any()):
             at = bad.nonzero()[0].tolist()
-            raise CacheError(f"{where}: '{name}' holds position {int(t[tuple(at)])} in row {at[0]}, which has seen "
-                             f"{int(seen[at[0]])} tokens (positions are -1 or in [0, seen))")
+            raise CacheError(
+                f"{where}: '{name}' holds position {int(t[tuple(at)])} in row {at[0]}, which has seen "
+                f"{int(seen[at[0]])} tokens (positions are -1 or in [0, seen))"
+            )
         s = t.sort(-1).values
         if bool(((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any()):
             raise CacheError(f"{where}: '{name}' holds a position twice in one row")
     pos = snap.tensors.get("key_pos")
-    if layer.kind == "attention" and isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.numel() \
-            and pos.dtype == torch.long and pos.shape[0] == seen.shape[0]:
+    if (
+        layer.kind == "attention"
+        and isinstance(pos, torch.Tensor)
+        and pos.dim() == 2
+        and pos.numel()
+        and pos.dtype == torch.long
+        and pos.shape[0] == seen.shape[0]
+    ):
         _check_key_layout(where, layer, pos, seen.to(pos.device))
     trail = snap.tensors.get("trail_columns")
     if layer.kind == "recurrent" and isinstance(trail, torch.Tensor) and trail.dim() == 1 and trail.numel():
         held = trail[trail >= 0]
         k = trail.numel()
-        if bool((trail < -1).any()) or bool((held < max(0, columns - k)).any()) or bool((held >= columns).any()) \
-                or bool((held[1:] <= held[:-1]).any()):
-            raise CacheError(f"{where}: 'trail_columns' {trail.tolist()} are not -1 or increasing columns in "
-                             f"[{max(0, columns - k)}, {columns}) (the cache has {columns} columns)")
+        if (
+            bool((trail < -1).any())
+            or bool((held < max(0, columns - k)).any())
+            or bool((held >= columns).any())
+            or bool((held[1:] <= held[:-1]).any())
+        ):
+            raise CacheError(
+                f"{where}: 'trail_columns' {trail.tolist()} are not -1 or increasing columns in "
+                f"[{max(0, columns - k)}, {columns}) (the cache has {columns} columns)"
+            )
 
 
 def _check_key_layout(where: str, layer: Any, pos: torch.Tensor, seen: torch.Tensor) -> None:
@@ -112,5 +132,7 @@ def _check_key_layout(where: str, layer: Any, pos: torch.Tensor, seen: torch.Ten
     need = spec.needed_tokens(seen)
     if bool((have < need).any()):
         row = int((have < need).nonzero()[0])
-        raise CacheError(f"{where}: row {row} has seen {int(seen[row])} tokens and holds {int(have[row])} of the "
-                         f"{int(need[row])} its next query sees")
+        raise CacheError(
+            f"{where}: row {row} has seen {int(seen[row])} tokens and holds {int(have[row])} of the "
+            f"{int(need[row])} its next query sees"
+        )

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -243,5 +244,10 @@ class Fp8StateCodec(ScaledStateCodec):
 
 for _name in ("float8_e4m3fn", "float8_e5m2"):  # where this torch has them
     if isinstance(getattr(torch, _name, None), torch.dtype):
-        register_state_codec(_name)(type(f"Fp8{_name[7:].upper()}StateCodec", (Fp8StateCodec,),
-                                         {"fp8": getattr(torch, _name), "__module__": __name__}))
+        register_state_codec(_name)(
+            type(
+                f"Fp8{_name[7:].upper()}StateCodec",
+                (Fp8StateCodec,),
+                {"fp8": getattr(torch, _name), "__module__": __name__},
+            )
+        )

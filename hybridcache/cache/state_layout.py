@@ -24,7 +24,8 @@ class StateLayout:
         codec = get_state_codec(spec.state_codec, spec.state_group)
         self.shapes: dict[str, tuple[Shape, torch.dtype]] = spec.state_shapes()
         self.codecs: dict[str, StateCodec] = {
-            name: DenseStateCodec() if name == "conv" and not spec.quantize_conv else codec for name in self.shapes}
+            name: DenseStateCodec() if name == "conv" and not spec.quantize_conv else codec for name in self.shapes
+        }
         self.parts: dict[str, dict[str, tuple[str, Shape, torch.dtype]]] = {}  # state -> part -> (attr, shape, dtype)
         for name, (shape, dtype) in self.shapes.items():
             fields = self.codecs[name].fields(shape, dtype)
@@ -45,8 +46,11 @@ class StateLayout:
 
     def allocate(self, batch: int, lead: Shape, device: torch.device) -> dict[str, torch.Tensor]:
         """Zeroed parts [batch, *lead, ...] by attribute (zero codes and scales decode to zero states)."""
-        return {attr: torch.zeros((batch, *lead, *shape), dtype=dt, device=device)
-                for parts in self.parts.values() for attr, shape, dt in parts.values()}
+        return {
+            attr: torch.zeros((batch, *lead, *shape), dtype=dt, device=device)
+            for parts in self.parts.values()
+            for attr, shape, dt in parts.values()
+        }
 
     def encode(self, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """States [B, *lead, *shape] by name -> parts [B, *lead, ...] by attribute."""

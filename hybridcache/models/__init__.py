@@ -8,15 +8,19 @@ from pathlib import Path
 import torch
 
 from hybridcache.blocks.linear import WEIGHT_FORMATS, pack_weights, use_decode_linear
-from hybridcache.ops.huge_pages import collapse_module
-
-from hybridcache.models.base import HybridLM
 from hybridcache.cache.limits import device_problem
+from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import ArgumentError, ConfigError, FamilyConfig, flag_problems
 from hybridcache.models.loading import (
-    CheckpointError, check_checkpoint, check_load_arguments, empty_model, load_checkpoint, read_config,
+    CheckpointError,
+    check_checkpoint,
+    check_load_arguments,
+    empty_model,
+    load_checkpoint,
+    read_config,
     resolve_checkpoint,
 )
+from hybridcache.ops.huge_pages import collapse_module
 
 # HF model_type -> "module:Class"
 MODEL_TYPES = {
@@ -38,16 +42,23 @@ MODEL_TYPES = {
 
 def model_class(model_type: str | None) -> type[HybridLM]:
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise ConfigError("model", [f"unsupported model_type {model_type!r}; supported: "
-                                    f"{', '.join(sorted(MODEL_TYPES))}"])
+        raise ConfigError(
+            "model", [f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))}"]
+        )
     module, _, cls = MODEL_TYPES[model_type].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def from_pretrained(
-    path_or_hub_id: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
-    allow_nonfinite: bool = False, allow_dtype_cast: bool = False, weights: str | None = None,
-    decode_kernel: bool = True, huge_pages: bool = True,
+    path_or_hub_id: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    allow_nonfinite: bool = False,
+    allow_dtype_cast: bool = False,
+    weights: str | None = None,
+    decode_kernel: bool = True,
+    huge_pages: bool = True,
 ) -> HybridLM:
     """Load a Hugging Face checkpoint (local directory, or hub id where reachable) into our implementation.
 
@@ -65,16 +76,21 @@ def from_pretrained(
     allows (hybridcache/ops/huge_pages.py: same memory, faster streaming; 1-2 s per GB once, at load).
     """
     check_load_arguments(dtype, device)
-    problems = flag_problems(allow_nonfinite=allow_nonfinite, allow_dtype_cast=allow_dtype_cast,
-                             decode_kernel=decode_kernel, huge_pages=huge_pages)
+    problems = flag_problems(
+        allow_nonfinite=allow_nonfinite,
+        allow_dtype_cast=allow_dtype_cast,
+        decode_kernel=decode_kernel,
+        huge_pages=huge_pages,
+    )
     problem = device_problem(device)
     if problems or problem:
         raise ArgumentError("from_pretrained", problems + ([problem] if problem else []))
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be None or one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if weights is not None and dtype != torch.float32:
-        raise ValueError(f"weights={weights!r} packs float32 models (the decode kernel sums in float32); got "
-                         f"dtype={dtype}")
+        raise ValueError(
+            f"weights={weights!r} packs float32 models (the decode kernel sums in float32); got dtype={dtype}"
+        )
     directory = resolve_checkpoint(path_or_hub_id)
     config = read_config(directory)
     cls = model_class(config.get("model_type"))
@@ -96,6 +112,12 @@ def from_pretrained(
 
 
 __all__ = [
-    "ArgumentError", "CheckpointError", "ConfigError", "FamilyConfig", "HybridLM", "MODEL_TYPES", "from_pretrained",
+    "ArgumentError",
+    "CheckpointError",
+    "ConfigError",
+    "FamilyConfig",
+    "HybridLM",
+    "MODEL_TYPES",
+    "from_pretrained",
     "model_class",
 ]

@@ -8,8 +8,9 @@ forced to 0.5 by HF's config unless `rope_parameters` sets it).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -66,11 +67,14 @@ class BambaConfig(FamilyConfig):
         if isinstance(self.mamba_d_head, str):
             out.append(f"mamba_d_head must be a positive int or 'auto', got {self.mamba_d_head!r}")
         elif self.mamba_d_head * self.mamba_n_heads != self.mamba_expand * self.hidden_size:
-            out.append(f"mamba_n_heads * mamba_d_head ({self.mamba_n_heads * self.mamba_d_head}) must equal "
-                       f"mamba_expand * hidden_size ({self.mamba_expand * self.hidden_size})")
+            out.append(
+                f"mamba_n_heads * mamba_d_head ({self.mamba_n_heads * self.mamba_d_head}) must equal "
+                f"mamba_expand * hidden_size ({self.mamba_expand * self.hidden_size})"
+            )
         if self.mamba_n_heads % self.mamba_n_groups:
-            out.append(f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups "
-                       f"({self.mamba_n_groups})")
+            out.append(
+                f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups ({self.mamba_n_groups})"
+            )
         if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
             out.append(f"time_step_limit must be [min, max] with min <= max, got {self.time_step_limit!r}")
         bad = [i for i in self.attn_layer_indices or [] if i >= self.num_hidden_layers]
@@ -93,9 +97,19 @@ class BambaConfig(FamilyConfig):
 
 def mamba2_mixer(cfg: BambaConfig) -> Mamba2Mixer:
     return Mamba2Mixer(
-        cfg.hidden_size, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups, cfg.mamba_d_conv,
-        cfg.mamba_chunk_size, use_conv_bias=cfg.mamba_conv_bias, use_bias=cfg.mamba_proj_bias,
-        time_step_limit=tuple(cfg.time_step_limit), rms_norm=True, norm_before_gate=False, eps=cfg.rms_norm_eps,
+        cfg.hidden_size,
+        cfg.mamba_n_heads,
+        cfg.mamba_d_head,
+        cfg.mamba_d_state,
+        cfg.mamba_n_groups,
+        cfg.mamba_d_conv,
+        cfg.mamba_chunk_size,
+        use_conv_bias=cfg.mamba_conv_bias,
+        use_bias=cfg.mamba_proj_bias,
+        time_step_limit=tuple(cfg.time_step_limit),
+        rms_norm=True,
+        norm_before_gate=False,
+        eps=cfg.rms_norm_eps,
         activation=cfg.hidden_act,
     )
 
@@ -105,8 +119,15 @@ class BambaDecoderLayer(nn.Module):
         super().__init__()
         d = cfg.hidden_size
         if kind == "attention":
-            self.self_attn = AttentionMixer(d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim,
-                                            qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary)
+            self.self_attn = AttentionMixer(
+                d,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.attention_head_dim,
+                qkv_bias=cfg.attention_bias,
+                o_bias=cfg.attention_bias,
+                rotary=rotary,
+            )
         else:
             self.mamba = mamba2_mixer(cfg)
         self.feed_forward = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
@@ -148,8 +169,14 @@ class BambaLM(HybridLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
-        mamba = {"num_heads": c.mamba_n_heads, "head_dim": c.mamba_d_head, "state_size": c.mamba_d_state,
-                 "n_groups": c.mamba_n_groups, "conv_kernel": c.mamba_d_conv, "dtype": self.dtype}
+        mamba = {
+            "num_heads": c.mamba_n_heads,
+            "head_dim": c.mamba_d_head,
+            "state_size": c.mamba_d_state,
+            "n_groups": c.mamba_n_groups,
+            "conv_kernel": c.mamba_d_conv,
+            "dtype": self.dtype,
+        }
         return [NativeLayer("full", attn) if k == "attention" else NativeLayer("mamba2", mamba) for k in self.kinds]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ never takes positions, and it validates everything before the first cache layer 
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -36,8 +37,7 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> None:
     if input_ids.is_meta:
         raise GenerationError("input_ids are on the meta device (shapes without values): pass real token ids")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise GenerationError(f"input_ids is empty (shape {tuple(input_ids.shape)}): give every row at least one "
-                              "token")
+        raise GenerationError(f"input_ids is empty (shape {tuple(input_ids.shape)}): give every row at least one token")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
         raise GenerationError(f"input_ids hold ids outside the vocabulary [0, {vocab_size})")
 
@@ -133,25 +133,35 @@ class HybridLM(nn.Module):
     def check_cache(self, cache: Any, batch_size: int) -> None:
         """Raise (before anything changes) if `cache` was not built for this model and batch."""
         if not isinstance(cache, Cache):
-            raise GenerationTypeError(f"cache must be a hybridcache Cache (from model.make_cache), got "
-                                      f"{type(cache).__name__}")
+            raise GenerationTypeError(
+                f"cache must be a hybridcache Cache (from model.make_cache), got {type(cache).__name__}"
+            )
         native = self.native_layers()
         if len(cache) != len(native):
-            raise GenerationError(f"the cache has {len(cache)} entries, this {self.family} model has {len(native)} layers")
+            raise GenerationError(
+                f"the cache has {len(cache)} entries, this {self.family} model has {len(native)} layers"
+            )
         if cache.batch_size != batch_size:
-            raise GenerationError(f"the cache was built for batch size {cache.batch_size}, input_ids have {batch_size} rows")
+            raise GenerationError(
+                f"the cache was built for batch size {cache.batch_size}, input_ids have {batch_size} rows"
+            )
         for i, (entry, nl) in enumerate(zip(cache, native, strict=True)):
             if isinstance(nl, NativeGroup) != isinstance(entry, CacheGroup) or (
                 isinstance(nl, NativeGroup) and list(nl.members) != list(entry)
             ):
                 want = f"a group of {', '.join(nl.members)}" if isinstance(nl, NativeGroup) else "a single cache layer"
                 raise GenerationError(f"cache entry {i} is {entry!r}, model layer {i} needs {want}")
-            pairs = [(f"{i}.{m}", entry[m], nl.members[m]) for m in nl.members] if isinstance(nl, NativeGroup) else [
-                (str(i), entry, nl)]
+            pairs = (
+                [(f"{i}.{m}", entry[m], nl.members[m]) for m in nl.members]
+                if isinstance(nl, NativeGroup)
+                else [(str(i), entry, nl)]
+            )
             for where, layer, member in pairs:
                 kind = get_layer_class(member.type).kind
                 if layer.kind != kind:
-                    raise GenerationError(f"cache layer {where} is a {layer.kind} cache, model layer {where} needs a {kind} cache")
+                    raise GenerationError(
+                        f"cache layer {where} is a {layer.kind} cache, model layer {where} needs a {kind} cache"
+                    )
                 tunables = layer.spec.tunable_names()
                 for key, value in member.params.items():
                     if key not in tunables and hasattr(layer.spec, key) and getattr(layer.spec, key) != value:
@@ -220,9 +230,15 @@ class HybridLM(nn.Module):
                 )
         return self.run_block(input_ids.to(self.device), cache, valid)
 
-    def run_block(self, input_ids: torch.Tensor, cache: Cache, valid: torch.Tensor | None = None,
-                  step: Callable[..., torch.Tensor] | None = None, check: bool = True,
-                  last_only: bool = False) -> torch.Tensor:
+    def run_block(
+        self,
+        input_ids: torch.Tensor,
+        cache: Cache,
+        valid: torch.Tensor | None = None,
+        step: Callable[..., torch.Tensor] | None = None,
+        check: bool = True,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Feed one block as a cache transaction: open it (validating the mask and every layer's capacity), run
         `step` (default `forward_block`; the compiled decode step in generation), commit, or drop it on failure.
         `last_only` computes the head for the block's last position only ([B, 1, V]): what prefill needs, and on a

@@ -22,8 +22,9 @@ factor. Folding is done in float64 and stored in (at least) float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -108,11 +109,14 @@ class FalconH1Config(FamilyConfig):
         if isinstance(self.mamba_d_head, str):
             out.append(f"mamba_d_head must be a positive int or 'auto', got {self.mamba_d_head!r}")
         elif self.mamba_d_head * self.mamba_n_heads != self.mamba_intermediate:
-            out.append(f"mamba_n_heads * mamba_d_head ({self.mamba_n_heads * self.mamba_d_head}) must equal the "
-                       f"mamba intermediate size ({self.mamba_intermediate})")
+            out.append(
+                f"mamba_n_heads * mamba_d_head ({self.mamba_n_heads * self.mamba_d_head}) must equal the "
+                f"mamba intermediate size ({self.mamba_intermediate})"
+            )
         if self.mamba_n_heads % self.mamba_n_groups:
-            out.append(f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups "
-                       f"({self.mamba_n_groups})")
+            out.append(
+                f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups ({self.mamba_n_groups})"
+            )
         if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
             out.append(f"time_step_limit must be [min, max] with min <= max, got {self.time_step_limit!r}")
         if self.mlp_multipliers is not None and len(self.mlp_multipliers) != 2:
@@ -135,13 +139,31 @@ class FalconH1DecoderLayer(nn.Module):
     def __init__(self, cfg: FalconH1Config, rotary: RotaryEmbedding) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = AttentionMixer(d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim,
-                                        qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary)
+        self.self_attn = AttentionMixer(
+            d,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.attention_head_dim,
+            qkv_bias=cfg.attention_bias,
+            o_bias=cfg.attention_bias,
+            rotary=rotary,
+        )
         self.mamba = Mamba2Mixer(
-            d, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups, cfg.mamba_d_conv,
-            cfg.mamba_chunk_size, use_conv_bias=cfg.mamba_conv_bias, use_bias=cfg.mamba_proj_bias,
-            out_bias=cfg.projectors_bias, time_step_limit=tuple(cfg.time_step_limit), rms_norm=cfg.mamba_rms_norm,
-            norm_before_gate=cfg.mamba_norm_before_gate, eps=cfg.rms_norm_eps, activation=cfg.hidden_act,
+            d,
+            cfg.mamba_n_heads,
+            cfg.mamba_d_head,
+            cfg.mamba_d_state,
+            cfg.mamba_n_groups,
+            cfg.mamba_d_conv,
+            cfg.mamba_chunk_size,
+            use_conv_bias=cfg.mamba_conv_bias,
+            use_bias=cfg.mamba_proj_bias,
+            out_bias=cfg.projectors_bias,
+            time_step_limit=tuple(cfg.time_step_limit),
+            rms_norm=cfg.mamba_rms_norm,
+            norm_before_gate=cfg.mamba_norm_before_gate,
+            eps=cfg.rms_norm_eps,
+            activation=cfg.hidden_act,
         )
         self.feed_forward = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
@@ -149,8 +171,12 @@ class FalconH1DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, group: CacheGroup, step: StepInput) -> torch.Tensor:  # [B, T, D]
         x = self.input_layernorm(h)
-        h, x = residual_norm(h, self.mamba(x, group["mamba"], step) + self.self_attn(x, group.attention, step), None,
-                             self.pre_ff_layernorm)
+        h, x = residual_norm(
+            h,
+            self.mamba(x, group["mamba"], step) + self.self_attn(x, group.attention, step),
+            None,
+            self.pre_ff_layernorm,
+        )
         return h + self.feed_forward(x)
 
 
@@ -223,11 +249,20 @@ class FalconH1LM(HybridLM):
 
     def native_layers(self) -> list[NativeGroup]:
         c = self.cfg
-        attn = NativeLayer("full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim,
-                                    "dtype": self.dtype})
-        mamba = NativeLayer("mamba2", {"num_heads": c.mamba_n_heads, "head_dim": c.mamba_d_head,
-                                       "state_size": c.mamba_d_state, "n_groups": c.mamba_n_groups,
-                                       "conv_kernel": c.mamba_d_conv, "dtype": self.dtype})
+        attn = NativeLayer(
+            "full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
+        )
+        mamba = NativeLayer(
+            "mamba2",
+            {
+                "num_heads": c.mamba_n_heads,
+                "head_dim": c.mamba_d_head,
+                "state_size": c.mamba_d_state,
+                "n_groups": c.mamba_n_groups,
+                "conv_kernel": c.mamba_d_conv,
+                "dtype": self.dtype,
+            },
+        )
         return [NativeGroup({"attention": attn, "mamba": mamba}) for _ in range(c.num_hidden_layers)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,9 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Union
 
 import torch
 
@@ -50,18 +51,27 @@ class ArgumentError(ConfigError):
 
 def flag_problems(**flags: Any) -> list[str]:
     """One problem per flag that is not True or False (a string such as "yes" is not a flag)."""
-    return [f"{name} must be True or False, got {value!r}" for name, value in flags.items()
-            if not isinstance(value, bool)]
+    return [
+        f"{name} must be True or False, got {value!r}" for name, value in flags.items() if not isinstance(value, bool)
+    ]
 
 
 def param(
-    default: Any = MISSING, *, positive: bool = False, nonnegative: bool = False, choices: Any = None,
+    default: Any = MISSING,
+    *,
+    positive: bool = False,
+    nonnegative: bool = False,
+    choices: Any = None,
     aliases: tuple[str, ...] = (),
 ) -> Any:
     """A config field: its HF default (none = required), `positive` / `nonnegative` for numbers (and for every
     entry of a list), `choices` allowed for a string (or every entry of a list), `aliases` other HF key names."""
-    meta = {"positive": positive, "nonnegative": nonnegative, "choices": tuple(choices) if choices else None,
-            "aliases": tuple(aliases)}
+    meta = {
+        "positive": positive,
+        "nonnegative": nonnegative,
+        "choices": tuple(choices) if choices else None,
+        "aliases": tuple(aliases),
+    }
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -123,8 +133,11 @@ def _optional(tp: Any) -> bool:
 
 def _coerce(value: Any, tp: Any) -> Any:
     """ints given for float fields become floats; lists stay lists (JSON has no tuples)."""
-    if tp is float or (typing.get_origin(tp) in (Union, types.UnionType) and float in typing.get_args(tp)
-                       and int not in typing.get_args(tp)):
+    if tp is float or (
+        typing.get_origin(tp) in (Union, types.UnionType)
+        and float in typing.get_args(tp)
+        and int not in typing.get_args(tp)
+    ):
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
     return list(value) if isinstance(value, tuple) else value
 
@@ -161,8 +174,9 @@ def _dtype_problems(raw: Mapping[str, Any]) -> list[str]:
             continue
         name = value.removeprefix("torch.") if isinstance(value, str) else None
         if not name or not isinstance(getattr(torch, name, None), torch.dtype):
-            out.append(f"{key} must be null or the name of a torch dtype (float32, bfloat16, float16, ...), got "
-                       f"{value!r}")
+            out.append(
+                f"{key} must be null or the name of a torch dtype (float32, bfloat16, float16, ...), got {value!r}"
+            )
     return out
 
 
@@ -191,8 +205,9 @@ class FamilyConfig:
 
     # -- generic -------------------------------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any] | "FamilyConfig", family: str | None = None,
-                source: str | None = None) -> "FamilyConfig":
+    def from_hf(
+        cls, config: Mapping[str, Any] | FamilyConfig, family: str | None = None, source: str | None = None
+    ) -> FamilyConfig:
         """The typed config of `config` (a HF config.json dict); ConfigError lists every problem found."""
         if isinstance(config, cls):
             return config
@@ -200,8 +215,9 @@ class FamilyConfig:
         if isinstance(config, FamilyConfig):
             config = config.to_dict()
         if not isinstance(config, Mapping):
-            raise ConfigError(family, [f"the config must be a JSON object (a dict), got {type(config).__name__}"],
-                              source)
+            raise ConfigError(
+                family, [f"the config must be a JSON object (a dict), got {type(config).__name__}"], source
+            )
         raw = {str(k): _decode(v) for k, v in config.items()}
         hints = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
@@ -253,8 +269,10 @@ def attention_problems(cfg: Any) -> list[str]:
     if kv is not None and heads % kv:
         out.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
     if getattr(cfg, "head_dim", None) is None and cfg.hidden_size % heads:
-        out.append(f"hidden_size ({cfg.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
-                   f"when head_dim is not given")
+        out.append(
+            f"hidden_size ({cfg.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
+            f"when head_dim is not given"
+        )
     return out
 
 

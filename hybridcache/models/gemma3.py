@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -59,7 +60,9 @@ def layer_types(config: dict) -> list[str]:
     if "layer_types" in config and config["layer_types"]:
         return list(config["layer_types"])
     pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])]
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])
+    ]
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -67,10 +70,17 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         d, eps, head_dim = config["hidden_size"], config.get("rms_norm_eps", 1e-6), config["head_dim"]
         self.self_attn = AttentionMixer(
-            d, config["num_attention_heads"], config["num_key_value_heads"], head_dim,
-            qkv_bias=config.get("attention_bias", False), o_bias=config.get("attention_bias", False),
-            scale=config["query_pre_attn_scalar"] ** -0.5, softcap=config.get("attn_logit_softcapping"),
-            rotary=rotary, q_norm=RMSNorm(head_dim, eps, unit_offset=True), k_norm=RMSNorm(head_dim, eps, unit_offset=True),
+            d,
+            config["num_attention_heads"],
+            config["num_key_value_heads"],
+            head_dim,
+            qkv_bias=config.get("attention_bias", False),
+            o_bias=config.get("attention_bias", False),
+            scale=config["query_pre_attn_scalar"] ** -0.5,
+            softcap=config.get("attn_logit_softcapping"),
+            rotary=rotary,
+            q_norm=RMSNorm(head_dim, eps, unit_offset=True),
+            k_norm=RMSNorm(head_dim, eps, unit_offset=True),
         )
         self.mlp = GatedMLP(d, config["intermediate_size"], config.get("hidden_activation", "gelu_pytorch_tanh"))
         self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
@@ -91,8 +101,12 @@ class Gemma3Inner(nn.Module):
         rope = config.get("rope_parameters") or {}
         rotary = {}
         for kind in set(types):
-            params = rope.get(kind) or {"rope_type": "default", "rope_theta": config.get(
-                "rope_local_base_freq" if kind == "sliding_attention" else "rope_theta", 10000.0)}
+            params = rope.get(kind) or {
+                "rope_type": "default",
+                "rope_theta": config.get(
+                    "rope_local_base_freq" if kind == "sliding_attention" else "rope_theta", 10000.0
+                ),
+            }
             rotary[kind] = RotaryEmbedding(*rope_frequencies(config, params, config["head_dim"]))
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, rotary[t]) for t in types)
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), unit_offset=True)
@@ -116,8 +130,12 @@ class Gemma3LM(HybridLM):
         attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "dtype": self.dtype}
         # only the sliding layers have a window: a type that takes one (sink, a score-based method over a window)
         # must not inherit it on a global layer
-        return [NativeLayer(NATIVE_TYPE[t], {**attn, "window": c["sliding_window"]} if NATIVE_TYPE[t] == "sliding"
-                            else dict(attn)) for t in self.types]
+        return [
+            NativeLayer(
+                NATIVE_TYPE[t], {**attn, "window": c["sliding_window"]} if NATIVE_TYPE[t] == "sliding" else dict(attn)
+            )
+            for t in self.types
+        ]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

@@ -13,8 +13,9 @@ Granite's multipliers, and where they go:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +59,9 @@ class GraniteMoeHybridConfig(FamilyConfig):
     num_experts_per_tok: int = param(2, positive=True)
     shared_intermediate_size: int = param(1024, positive=True)
     position_embedding_type: str | None = None
-    layer_types: list[str] | None = param(None, choices=("linear_attention", "full_attention", *LEGACY),
-                                          aliases=("layers_block_type",))
+    layer_types: list[str] | None = param(
+        None, choices=("linear_attention", "full_attention", *LEGACY), aliases=("layers_block_type",)
+    )
     mamba_n_heads: int = param(128, positive=True)
     mamba_n_groups: int = param(1, positive=True)
     mamba_d_state: int = param(256, positive=True)
@@ -88,16 +90,20 @@ class GraniteMoeHybridConfig(FamilyConfig):
         out += [bad] if bad else []
         inner = self.mamba_expand * self.hidden_size
         if not isinstance(self.mamba_d_head, int) or self.mamba_d_head * self.mamba_n_heads != inner:
-            out.append(f"mamba_d_head ({self.mamba_d_head!r}) * mamba_n_heads ({self.mamba_n_heads}) must equal "
-                       f"mamba_expand * hidden_size ({inner})")
+            out.append(
+                f"mamba_d_head ({self.mamba_d_head!r}) * mamba_n_heads ({self.mamba_n_heads}) must equal "
+                f"mamba_expand * hidden_size ({inner})"
+            )
         if self.mamba_n_heads % self.mamba_n_groups:
-            out.append(f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups "
-                       f"({self.mamba_n_groups})")
+            out.append(
+                f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups ({self.mamba_n_groups})"
+            )
         if "linear_attention" in self.layer_types and self.hidden_act not in ("silu", "swish"):
             out.append(f"hidden_act is also the Mamba conv activation, which must be silu, got {self.hidden_act!r}")
         if self.num_local_experts and self.num_experts_per_tok > self.num_local_experts:
-            out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts "
-                       f"({self.num_local_experts})")
+            out.append(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts ({self.num_local_experts})"
+            )
         if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
             out.append(f"time_step_limit must be [min, max] with min <= max, got {self.time_step_limit!r}")
         return out
@@ -172,15 +178,35 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         self.kind = kind
         if kind == "linear_attention":
             self.mamba = Mamba2Mixer(
-                d, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups, cfg.mamba_d_conv,
-                cfg.mamba_chunk_size, use_conv_bias=cfg.mamba_conv_bias, use_bias=cfg.mamba_proj_bias,
-                time_step_limit=tuple(cfg.time_step_limit), eps=eps, activation=cfg.hidden_act)
+                d,
+                cfg.mamba_n_heads,
+                cfg.mamba_d_head,
+                cfg.mamba_d_state,
+                cfg.mamba_n_groups,
+                cfg.mamba_d_conv,
+                cfg.mamba_chunk_size,
+                use_conv_bias=cfg.mamba_conv_bias,
+                use_bias=cfg.mamba_proj_bias,
+                time_step_limit=tuple(cfg.time_step_limit),
+                eps=eps,
+                activation=cfg.hidden_act,
+            )
         else:
             self.self_attn = AttentionMixer(
-                d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias, scale=cfg.attention_multiplier, rotary=rotary)
-        self.block_sparse_moe = (GraniteMoE(d, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok,
-                                            cfg.hidden_act) if cfg.num_local_experts > 0 else None)
+                d,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                qkv_bias=cfg.attention_bias,
+                o_bias=cfg.attention_bias,
+                scale=cfg.attention_multiplier,
+                rotary=rotary,
+            )
+        self.block_sparse_moe = (
+            GraniteMoE(d, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_act)
+            if cfg.num_local_experts > 0
+            else None
+        )
         self.shared_mlp = SwiGLU(d, cfg.shared_intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
@@ -207,8 +233,12 @@ class GraniteMoeHybridInner(nn.Module):
 
 
 # Checkpoint tensors that feed the residual stream: residual_multiplier is folded into them.
-_RESIDUAL_OUTPUTS = (".self_attn.o_proj.", ".mamba.out_proj.", ".shared_mlp.output_linear.",
-                     ".block_sparse_moe.output_linear.")
+_RESIDUAL_OUTPUTS = (
+    ".self_attn.o_proj.",
+    ".mamba.out_proj.",
+    ".shared_mlp.output_linear.",
+    ".block_sparse_moe.output_linear.",
+)
 
 
 class GraniteMoeHybridLM(HybridLM):
@@ -248,10 +278,18 @@ class GraniteMoeHybridLM(HybridLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
-        mamba = {"num_heads": c.mamba_n_heads, "head_dim": c.mamba_d_head, "state_size": c.mamba_d_state,
-                 "n_groups": c.mamba_n_groups, "conv_kernel": c.mamba_d_conv, "dtype": self.dtype}
-        return [NativeLayer("mamba2", dict(mamba)) if t == "linear_attention" else NativeLayer("full", dict(attn))
-                for t in self.types]
+        mamba = {
+            "num_heads": c.mamba_n_heads,
+            "head_dim": c.mamba_d_head,
+            "state_size": c.mamba_d_state,
+            "n_groups": c.mamba_n_groups,
+            "conv_kernel": c.mamba_d_conv,
+            "dtype": self.dtype,
+        }
+        return [
+            NativeLayer("mamba2", dict(mamba)) if t == "linear_attention" else NativeLayer("full", dict(attn))
+            for t in self.types
+        ]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [B, T, D]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -53,11 +54,14 @@ class JambaConfig(FamilyConfig):
     def problems(self) -> list[str]:
         out = attention_problems(self)
         if self.attn_layer_offset >= self.attn_layer_period:
-            out.append(f"attn_layer_offset ({self.attn_layer_offset}) must be < attn_layer_period "
-                       f"({self.attn_layer_period})")
+            out.append(
+                f"attn_layer_offset ({self.attn_layer_offset}) must be < attn_layer_period ({self.attn_layer_period})"
+            )
         if self.expert_layer_offset >= self.expert_layer_period:
-            out.append(f"expert_layer_offset ({self.expert_layer_offset}) must be < expert_layer_period "
-                       f"({self.expert_layer_period})")
+            out.append(
+                f"expert_layer_offset ({self.expert_layer_offset}) must be < expert_layer_period "
+                f"({self.expert_layer_period})"
+            )
         if self.num_experts_per_tok > self.num_experts:
             out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
         if isinstance(self.mamba_dt_rank, str) and self.mamba_dt_rank != "auto":
@@ -69,7 +73,7 @@ class JambaConfig(FamilyConfig):
 
 
 def block_types(config: dict) -> list[str]:
-    """"attention" or "mamba" per layer: `layers_block_type` if given, else from attn_layer_period/offset."""
+    """ "attention" or "mamba" per layer: `layers_block_type` if given, else from attn_layer_period/offset."""
     if config.get("layers_block_type"):
         types = list(config["layers_block_type"])
     else:
@@ -100,16 +104,26 @@ class JambaDecoderLayer(nn.Module):
         super().__init__()
         d, eps, act = config["hidden_size"], config["rms_norm_eps"], config["hidden_act"]
         if kind == "attention":
-            self.self_attn = AttentionMixer(d, config["num_attention_heads"], config["num_key_value_heads"],
-                                            head_dim(config))  # no rotary: Jamba has no positional embeddings
+            self.self_attn = AttentionMixer(
+                d, config["num_attention_heads"], config["num_key_value_heads"], head_dim(config)
+            )  # no rotary: Jamba has no positional embeddings
         else:
             self.mamba = MambaMixer(
-                d, config["mamba_expand"] * d, config["mamba_d_state"], config["mamba_d_conv"],
-                resolve_dt_rank(config["mamba_dt_rank"], d), conv_bias=config["mamba_conv_bias"],
-                proj_bias=config["mamba_proj_bias"], activation=act, inner_norms=True, norm_eps=eps,
+                d,
+                config["mamba_expand"] * d,
+                config["mamba_d_state"],
+                config["mamba_d_conv"],
+                resolve_dt_rank(config["mamba_dt_rank"], d),
+                conv_bias=config["mamba_conv_bias"],
+                proj_bias=config["mamba_proj_bias"],
+                activation=act,
+                inner_norms=True,
+                norm_eps=eps,
             )
         if num_experts > 1:
-            self.feed_forward = SparseMoE(d, config["intermediate_size"], num_experts, config["num_experts_per_tok"], act)
+            self.feed_forward = SparseMoE(
+                d, config["intermediate_size"], num_experts, config["num_experts_per_tok"], act
+            )
         else:
             self.feed_forward = GatedMLP(d, config["intermediate_size"], act)
         self.input_layernorm = RMSNorm(d, eps)
@@ -148,8 +162,12 @@ class JambaLM(HybridLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.config
         attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": head_dim(c), "dtype": self.dtype}
-        mamba = {"intermediate_size": c["mamba_expand"] * c["hidden_size"], "state_size": c["mamba_d_state"],
-                 "conv_kernel": c["mamba_d_conv"], "dtype": self.dtype}
+        mamba = {
+            "intermediate_size": c["mamba_expand"] * c["hidden_size"],
+            "state_size": c["mamba_d_state"],
+            "conv_kernel": c["mamba_d_conv"],
+            "dtype": self.dtype,
+        }
         return [NativeLayer("full", attn) if t == "attention" else NativeLayer("mamba", mamba) for t in self.types]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ cache is the `conv` type: the last K-1 inputs B * x, [C, K-1] per row (K = conv_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -117,8 +118,15 @@ class Lfm2DecoderLayer(nn.Module):
         if kind == "conv":
             self.conv = ShortConv(d, cfg.conv_L_cache, cfg.conv_bias)
         else:  # HF names q_layernorm / k_layernorm / out_proj (and w1 / w3 / w2 for the MLP): Lfm2LM.hf_name
-            self.self_attn = AttentionMixer(d, cfg.num_attention_heads, cfg.num_key_value_heads, hd, rotary=rotary,
-                                            q_norm=RMSNorm(hd, eps), k_norm=RMSNorm(hd, eps))
+            self.self_attn = AttentionMixer(
+                d,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                hd,
+                rotary=rotary,
+                q_norm=RMSNorm(hd, eps),
+                k_norm=RMSNorm(hd, eps),
+            )
         self.feed_forward = GatedMLP(d, cfg.mlp_size, "silu")
         self.operator_norm = RMSNorm(d, eps)
         self.ffn_norm = RMSNorm(d, eps)
@@ -140,9 +148,14 @@ class Lfm2Inner(nn.Module):
 
 
 # Our AttentionMixer's and GatedMLP's names -> LFM2's.
-_RENAMES = {".self_attn.q_norm.": ".self_attn.q_layernorm.", ".self_attn.k_norm.": ".self_attn.k_layernorm.",
-            ".self_attn.o_proj.": ".self_attn.out_proj.", ".feed_forward.gate_proj.": ".feed_forward.w1.",
-            ".feed_forward.up_proj.": ".feed_forward.w3.", ".feed_forward.down_proj.": ".feed_forward.w2."}
+_RENAMES = {
+    ".self_attn.q_norm.": ".self_attn.q_layernorm.",
+    ".self_attn.k_norm.": ".self_attn.k_layernorm.",
+    ".self_attn.o_proj.": ".self_attn.out_proj.",
+    ".feed_forward.gate_proj.": ".feed_forward.w1.",
+    ".feed_forward.up_proj.": ".feed_forward.w3.",
+    ".feed_forward.down_proj.": ".feed_forward.w2.",
+}
 
 
 class Lfm2LM(HybridLM):

@@ -3,8 +3,9 @@ temperature tuning, dense and mixture-of-experts feed-forwards."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -67,8 +68,9 @@ class Llama4Config(FamilyConfig):
         if any(i >= self.num_hidden_layers for i in self.moe_layers or []):
             out.append(f"moe_layers {self.moe_layers} has indices >= num_hidden_layers ({self.num_hidden_layers})")
         if self.num_experts_per_tok > self.num_local_experts:
-            out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts "
-                       f"({self.num_local_experts})")
+            out.append(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts ({self.num_local_experts})"
+            )
         return out
 
 
@@ -154,19 +156,29 @@ class Llama4DecoderLayer(nn.Module):
         if rotary is None and config.get("attn_temperature_tuning", True):
             hook = TemperatureTuning(config.get("floor_scale", 8192), config.get("attn_scale", 0.1))
         self.self_attn = AttentionMixer(
-            d, config["num_attention_heads"], config["num_key_value_heads"], head_dim,
-            qkv_bias=bias, o_bias=bias, scale=head_dim**-0.5, rotary=rotary, query_hook=hook,
+            d,
+            config["num_attention_heads"],
+            config["num_key_value_heads"],
+            head_dim,
+            qkv_bias=bias,
+            o_bias=bias,
+            scale=head_dim**-0.5,
+            rotary=rotary,
+            query_hook=hook,
         )
         if is_moe:
             self.feed_forward: nn.Module = Llama4MoE(
-                d, config["intermediate_size"], config["num_local_experts"], config.get("num_experts_per_tok", 1), act)
+                d, config["intermediate_size"], config["num_local_experts"], config.get("num_experts_per_tok", 1), act
+            )
         else:
             self.feed_forward = GatedMLP(d, config["intermediate_size_mlp"], act)
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        h, x = residual_norm(h, self.self_attn(self.input_layernorm(h), layer, step), None, self.post_attention_layernorm)
+        h, x = residual_norm(
+            h, self.self_attn(self.input_layernorm(h), layer, step), None, self.post_attention_layernorm
+        )
         return h + self.feed_forward(x)
 
 
@@ -203,7 +215,8 @@ class Llama4LM(HybridLM):
         attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "dtype": self.dtype}
         chunk = c.get("attention_chunk_size")
         return [
-            NativeLayer("chunked", {**attn, "chunk_size": chunk}) if t == "chunked_attention" and chunk
+            NativeLayer("chunked", {**attn, "chunk_size": chunk})
+            if t == "chunked_attention" and chunk
             else NativeLayer("full", attn)
             for t in self.types
         ]

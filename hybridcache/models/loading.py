@@ -16,9 +16,10 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,9 +31,18 @@ from hybridcache.models.base import HybridLM
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt"]
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 
@@ -111,11 +121,17 @@ def shard_path(directory: Path, shard: Any, index: Path) -> Path:
     if not isinstance(shard, str) or not shard:
         raise CheckpointError(f"{index}: weight_map values must be shard file names, got {shard!r}")
     inside = os.path.normpath(os.path.join(directory, shard))
-    if (os.path.isabs(shard) or shard.startswith(("/", "\\")) or "\\" in shard or ".." in Path(shard).parts
-            or os.path.commonpath([inside, os.path.normpath(directory)]) != os.path.normpath(directory)):
+    if (
+        os.path.isabs(shard)
+        or shard.startswith(("/", "\\"))
+        or "\\" in shard
+        or ".." in Path(shard).parts
+        or os.path.commonpath([inside, os.path.normpath(directory)]) != os.path.normpath(directory)
+    ):
         raise CheckpointError(
             f"{index}: shard path {shard!r} points outside the checkpoint directory {directory}; "
-            "shards must be relative file names inside it")
+            "shards must be relative file names inside it"
+        )
     path = Path(inside)
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: shard {shard} listed in {index.name} is missing")
@@ -126,12 +142,17 @@ def check_inside(directory: Path, path: Path, what: str) -> Path:
     """`path`, once its real path (links resolved) is inside the directory's real path, or, for a hub snapshot
     (`.../snapshots/<rev>/`, files linked to `../../blobs/`), in its blobs folder: a link elsewhere is refused."""
     root = os.path.realpath(directory)
-    roots = [root] + ([os.path.join(os.path.dirname(os.path.dirname(root)), "blobs")]
-                      if os.path.basename(os.path.dirname(root)) == "snapshots" else [])
+    roots = [root] + (
+        [os.path.join(os.path.dirname(os.path.dirname(root)), "blobs")]
+        if os.path.basename(os.path.dirname(root)) == "snapshots"
+        else []
+    )
     real = os.path.realpath(path)
     if not any(os.path.commonpath([real, r]) == r for r in roots):
-        raise CheckpointError(f"{what} is a symbolic link to {real}, outside the checkpoint directory {root}; "
-                              "checkpoint files must be inside it")
+        raise CheckpointError(
+            f"{what} is a symbolic link to {real}, outside the checkpoint directory {root}; "
+            "checkpoint files must be inside it"
+        )
     return path
 
 
@@ -160,7 +181,8 @@ def read_header(files: list[Path], weight_map: Mapping[str, Path] | None = None)
                     sl = handle.get_slice(name)
                     if name in infos:
                         raise CheckpointError(
-                            f"tensor {name} is stored twice: in {infos[name].file.name} and {file.name}")
+                            f"tensor {name} is stored twice: in {infos[name].file.name} and {file.name}"
+                        )
                     dtype = sl.get_dtype()
                     infos[name] = TensorInfo(file, tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype))
         except CheckpointError:
@@ -203,8 +225,10 @@ def read_tensors(infos: Mapping[str, TensorInfo], names: list[str] | None = None
                 tensor = torch.empty(info.shape, dtype=info.dtype)
                 raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.view(torch.uint8)
                 if end - begin != raw.numel() or start + end > length:
-                    raise CheckpointError(f"{file}: tensor {name} has {end - begin} bytes at [{begin}, {end}), "
-                                          f"expected {raw.numel()} within the file ({length} bytes)")
+                    raise CheckpointError(
+                        f"{file}: tensor {name} has {end - begin} bytes at [{begin}, {end}), "
+                        f"expected {raw.numel()} within the file ({length} bytes)"
+                    )
                 handle.seek(start + begin)
                 if raw.numel() and handle.readinto(memoryview(raw.numpy())) != raw.numel():
                     raise CheckpointError(f"{file}: tensor {name} is cut short (truncated file?)")
@@ -219,8 +243,17 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 
 
 # -- building without allocating ----------------------------------------------------------------------------------
-_META_FACTORIES = {torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
-                   torch.randint, torch.eye}
+_META_FACTORIES = {
+    torch.empty,
+    torch.empty_strided,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.eye,
+}
 
 
 class _FactoriesOnMeta(TorchFunctionMode):
@@ -274,23 +307,30 @@ def _dtype_problem(name: str, dtype: torch.dtype | str, expected: torch.dtype) -
 
 
 def match_names(
-    model: HybridLM, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, Any] | None = None,
+    model: HybridLM,
+    shapes: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, Any] | None = None,
     allow_dtype_cast: bool = False,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(checkpoint name -> our name, our tied name -> embedding name). Missing, unexpected, mis-shaped or
     (unless allowed) wrongly typed tensors are errors, found from names, shapes and dtypes alone."""
     ours = model.state_dict()
     by_hf = {model.hf_name(name): name for name in ours}
-    tied = {ours_name: emb for ours_name, emb in model.tied_weights.items()
-            if model.config.get("tie_word_embeddings") and model.hf_name(ours_name) not in shapes}
+    tied = {
+        ours_name: emb
+        for ours_name, emb in model.tied_weights.items()
+        if model.config.get("tie_word_embeddings") and model.hf_name(ours_name) not in shapes
+    }
     missing = [hf for hf, name in by_hf.items() if hf not in shapes and name not in tied]
     unexpected = [k for k in shapes if k not in by_hf]
     if missing:
         raise CheckpointError(
-            f"checkpoint is missing {len(missing)} tensors the {model.family} model needs: {_names(missing)}")
+            f"checkpoint is missing {len(missing)} tensors the {model.family} model needs: {_names(missing)}"
+        )
     if unexpected:
         raise CheckpointError(
-            f"checkpoint has {len(unexpected)} tensors the {model.family} model does not use: {_names(unexpected)}")
+            f"checkpoint has {len(unexpected)} tensors the {model.family} model does not use: {_names(unexpected)}"
+        )
     mapping = {}
     for hf, name in by_hf.items():
         if name in tied:
@@ -298,7 +338,8 @@ def match_names(
         if tuple(shapes[hf]) != tuple(ours[name].shape):
             raise CheckpointError(
                 f"tensor {hf} has shape {tuple(shapes[hf])} in the checkpoint, the model expects "
-                f"{tuple(ours[name].shape)} (as built from the config: does config.json match the weights?)")
+                f"{tuple(ours[name].shape)} (as built from the config: does config.json match the weights?)"
+            )
         if dtypes is not None and not allow_dtype_cast:
             problem = _dtype_problem(hf, dtypes[hf], ours[name].dtype)
             if problem:
@@ -313,19 +354,25 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     # in pieces: isfinite over a whole 671 MB matrix at once peaks at about twice its size in temporaries
     bad = sum(int((~torch.isfinite(piece)).sum()) for piece in tensor.reshape(-1).split(1 << 22))
     if bad:
-        raise CheckpointError(f"tensor {name} has {bad} NaN/Inf values of {tensor.numel()}; "
-                              "pass allow_nonfinite=True to load it anyway")
+        raise CheckpointError(
+            f"tensor {name} has {bad} NaN/Inf values of {tensor.numel()}; pass allow_nonfinite=True to load it anyway"
+        )
 
 
 def load_weights(
-    model: HybridLM, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None, allow_nonfinite: bool = False, allow_dtype_cast: bool = False,
+    model: HybridLM,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    allow_nonfinite: bool = False,
+    allow_dtype_cast: bool = False,
     checked: tuple[dict[str, str], dict[str, str]] | None = None,
 ) -> None:
     """Assign checkpoint tensors to `model` (which may live on the meta device) by name, cast to `dtype` (floating
     tensors) and moved to `device`; `state` is consumed. `checked`: a `match_names` result already computed."""
     mapping, tied = checked or match_names(
-        model, {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()}, allow_dtype_cast)
+        model, {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()}, allow_dtype_cast
+    )
     ours = model.state_dict()
     tensors = {}
     for hf, name in mapping.items():
@@ -345,7 +392,7 @@ def checkpoint_converter(model: HybridLM) -> Callable[[dict], dict] | None:
     own = getattr(type(model), "convert_checkpoint", None)
     if own is None or own is getattr(HybridLM, "convert_checkpoint", None):
         return None
-    return getattr(model, "convert_checkpoint")
+    return model.convert_checkpoint
 
 
 def check_checkpoint(model: HybridLM, directory: Path, allow_dtype_cast: bool = False) -> None:
@@ -355,14 +402,16 @@ def check_checkpoint(model: HybridLM, directory: Path, allow_dtype_cast: bool = 
     infos = read_header(*checkpoint_files(directory))
     convert = checkpoint_converter(model)
     if convert is None:
-        match_names(model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()},
-                    allow_dtype_cast)
+        match_names(
+            model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()}, allow_dtype_cast
+        )
         return
     state = convert(read_tensors(infos))
     if not isinstance(state, dict):
         raise TypeError(f"{type(model).__name__}.convert_checkpoint must return a dict, got {type(state).__name__}")
-    match_names(model, {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()},
-                allow_dtype_cast)
+    match_names(
+        model, {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()}, allow_dtype_cast
+    )
 
 
 def check_load_arguments(dtype: Any, device: Any) -> None:
@@ -377,8 +426,12 @@ def check_load_arguments(dtype: Any, device: Any) -> None:
 
 
 def load_checkpoint(
-    model: HybridLM, directory: Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-    allow_nonfinite: bool = False, allow_dtype_cast: bool = False,
+    model: HybridLM,
+    directory: Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    allow_nonfinite: bool = False,
+    allow_dtype_cast: bool = False,
 ) -> None:
     """Read `directory`'s safetensors into `model`: names, shapes and dtypes are checked from the headers before
     any tensor is read (unless the family converts checkpoints: then after `convert_checkpoint`)."""
@@ -387,8 +440,9 @@ def load_checkpoint(
     infos = read_header(files, weight_map)
     convert = checkpoint_converter(model)
     if convert is None:
-        checked = match_names(model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()},
-                              allow_dtype_cast)
+        checked = match_names(
+            model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()}, allow_dtype_cast
+        )
         state = read_tensors(infos, list(checked[0]))
     else:
         state = convert(read_tensors(infos))

@@ -49,13 +49,22 @@ class MambaLM(SSMLM):
     def make_mixer(config: dict) -> MambaMixer:
         d = config["hidden_size"]
         return MambaMixer(
-            d, intermediate_size(config), config["state_size"], config["conv_kernel"],
-            resolve_dt_rank(config["time_step_rank"], d), conv_bias=config["use_conv_bias"],
-            proj_bias=config["use_bias"], activation=config["hidden_act"],
+            d,
+            intermediate_size(config),
+            config["state_size"],
+            config["conv_kernel"],
+            resolve_dt_rank(config["time_step_rank"], d),
+            conv_bias=config["use_conv_bias"],
+            proj_bias=config["use_bias"],
+            activation=config["hidden_act"],
         )
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.config
-        params = {"intermediate_size": intermediate_size(c), "state_size": c["state_size"],
-                  "conv_kernel": c["conv_kernel"], "dtype": self.dtype}
+        params = {
+            "intermediate_size": intermediate_size(c),
+            "state_size": c["state_size"],
+            "conv_kernel": c["conv_kernel"],
+            "dtype": self.dtype,
+        }
         return [NativeLayer("mamba", params) for _ in range(c["num_hidden_layers"])]

@@ -40,8 +40,10 @@ class Mamba2Config(FamilyConfig):
     def problems(self) -> list[str]:
         out = []
         if self.expand * self.hidden_size != self.num_heads * self.head_dim:
-            out.append(f"expand * hidden_size ({self.expand * self.hidden_size}) must equal num_heads * head_dim "
-                       f"({self.num_heads * self.head_dim})")
+            out.append(
+                f"expand * hidden_size ({self.expand * self.hidden_size}) must equal num_heads * head_dim "
+                f"({self.num_heads * self.head_dim})"
+            )
         if self.num_heads % self.n_groups:
             out.append(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
         if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
@@ -58,6 +60,12 @@ class Mamba2LM(SSMLM):
 
     def native_layers(self) -> list[NativeLayer]:
         mixer: Mamba2Mixer = self.backbone.layers[0].mixer
-        params = {"num_heads": mixer.num_heads, "head_dim": mixer.head_dim, "state_size": mixer.state_size,
-                  "n_groups": mixer.n_groups, "conv_kernel": mixer.conv1d.kernel_size[0], "dtype": self.dtype}
+        params = {
+            "num_heads": mixer.num_heads,
+            "head_dim": mixer.head_dim,
+            "state_size": mixer.state_size,
+            "n_groups": mixer.n_groups,
+            "conv_kernel": mixer.conv1d.kernel_size[0],
+            "dtype": self.dtype,
+        }
         return [NativeLayer("mamba2", dict(params)) for _ in self.backbone.layers]

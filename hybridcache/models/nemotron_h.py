@@ -12,8 +12,9 @@ first such layer run with it too). `layers.<i>` in a cache config therefore coun
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -93,20 +94,26 @@ class NemotronHConfig(FamilyConfig):
         elif not any(t in STATEFUL for t in types):
             out.append("there must be at least one Mamba2 ('M') or attention ('*') layer")
         if self.num_attention_heads % self.num_key_value_heads:
-            out.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                       f"({self.num_key_value_heads})")
+            out.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
         if self.mamba_num_heads % self.n_groups:
             out.append(f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of n_groups ({self.n_groups})")
         if "moe" in types:
             experts, groups = self.n_routed_experts, self.n_group
             if experts % groups or experts // groups < 2:
-                out.append(f"n_routed_experts ({experts}) must be a multiple of n_group ({groups}) with at least "
-                           "2 experts per group (the router sums each group's top 2)")
+                out.append(
+                    f"n_routed_experts ({experts}) must be a multiple of n_group ({groups}) with at least "
+                    "2 experts per group (the router sums each group's top 2)"
+                )
             if self.topk_group > groups:
                 out.append(f"topk_group ({self.topk_group}) exceeds n_group ({groups})")
             if self.num_experts_per_tok > experts * min(self.topk_group, groups) // groups:
-                out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
-                           f"{self.topk_group} groups kept")
+                out.append(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
+                    f"{self.topk_group} groups kept"
+                )
         return out
 
 
@@ -131,8 +138,16 @@ class GroupLimitedRouter(nn.Module):
     scores of the chosen experts, renormalised (norm_topk_prob) and times routed_scaling_factor.
     """
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
-                 normalize: bool = True, scaling: float = 1.0) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int = 1,
+        topk_group: int = 1,
+        normalize: bool = True,
+        scaling: float = 1.0,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
@@ -165,10 +180,18 @@ class NemotronHMoE(nn.Module):
         super().__init__()
         d, act, bias = cfg.hidden_size, cfg.mlp_hidden_act, cfg.mlp_bias
         width = cfg.moe_latent_size or d
-        self.gate = GroupLimitedRouter(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
-                                       cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        self.experts = nn.ModuleList(ReluSquaredMLP(width, cfg.moe_intermediate_size, act)
-                                     for _ in range(cfg.n_routed_experts))
+        self.gate = GroupLimitedRouter(
+            d,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+        self.experts = nn.ModuleList(
+            ReluSquaredMLP(width, cfg.moe_intermediate_size, act) for _ in range(cfg.n_routed_experts)
+        )
         self.shared_experts = ReluSquaredMLP(d, cfg.moe_shared_expert_intermediate_size, act, bias)
         if cfg.moe_latent_size is not None:
             self.fc1_latent_proj = nn.Linear(d, width, bias=bias)
@@ -209,10 +232,19 @@ class NemotronHBlock(nn.Module):
             # HF clamps dt at time_step_min from below in the chunked scan (its decode step does not clamp; we
             # clamp both, so every split of a sequence agrees)
             self.mixer = Mamba2Mixer(
-                d, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups, cfg.conv_kernel,
-                cfg.chunk_size, use_conv_bias=cfg.use_conv_bias, use_bias=cfg.use_bias,
-                time_step_limit=(cfg.time_step_min, math.inf), eps=cfg.layer_norm_epsilon,
-                activation=cfg.mamba_hidden_act)
+                d,
+                cfg.mamba_num_heads,
+                cfg.mamba_head_dim,
+                cfg.ssm_state_size,
+                cfg.n_groups,
+                cfg.conv_kernel,
+                cfg.chunk_size,
+                use_conv_bias=cfg.use_conv_bias,
+                use_bias=cfg.use_bias,
+                time_step_limit=(cfg.time_step_min, math.inf),
+                eps=cfg.layer_norm_epsilon,
+                activation=cfg.mamba_hidden_act,
+            )
         elif kind == "full_attention":  # no rotary; HF's projections have no bias whatever attention_bias says
             self.mixer = AttentionMixer(d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         elif kind == "mlp":
@@ -279,20 +311,36 @@ class NemotronHLM(HybridLM):
     def convert_checkpoint(self, state: dict) -> dict:
         """Drop multi-token-prediction heads (`mtp.*`, unused here, as in HF); accept the `model.` prefix of
         transformers' in-memory names for `backbone.`."""
-        return {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
-                for k, v in state.items() if not k.startswith("mtp.")}
+        return {
+            ("backbone." + k[len("model.") :] if k.startswith("model.") else k): v
+            for k, v in state.items()
+            if not k.startswith("mtp.")
+        }
 
     def native_layers(self) -> list[NativeLayer]:
         c, out = self.cfg, []
         for run in self.runs:
             kind = next(self.types[i] for i in run if self.types[i] in STATEFUL)
             if kind == "full_attention":
-                out.append(NativeLayer("full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-                                                "dtype": self.dtype}))
+                out.append(
+                    NativeLayer(
+                        "full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
+                    )
+                )
             else:
-                out.append(NativeLayer("mamba2", {
-                    "num_heads": c.mamba_num_heads, "head_dim": c.mamba_head_dim, "state_size": c.ssm_state_size,
-                    "n_groups": c.n_groups, "conv_kernel": c.conv_kernel, "dtype": self.dtype}))
+                out.append(
+                    NativeLayer(
+                        "mamba2",
+                        {
+                            "num_heads": c.mamba_num_heads,
+                            "head_dim": c.mamba_head_dim,
+                            "state_size": c.ssm_state_size,
+                            "n_groups": c.n_groups,
+                            "conv_kernel": c.conv_kernel,
+                            "dtype": self.dtype,
+                        },
+                    )
+                )
         return out
 
     @property

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -58,24 +59,30 @@ class Qwen3NextConfig(FamilyConfig):
         super().__post_init__()
         if self.layer_types is None:
             n = self.full_attention_interval
-            self.layer_types = ["full_attention" if (i + 1) % n == 0 else "linear_attention"
-                                for i in range(self.num_hidden_layers)]
+            self.layer_types = [
+                "full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_hidden_layers)
+            ]
 
     def problems(self) -> list[str]:
         out = attention_problems(self)
         bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
         out += [bad] if bad else []
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            out.append(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
-                       f"linear_num_key_heads ({self.linear_num_key_heads})")
+            out.append(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
         if any(i >= self.num_hidden_layers for i in self.mlp_only_layers or []):
-            out.append(f"mlp_only_layers {self.mlp_only_layers} has indices >= num_hidden_layers "
-                       f"({self.num_hidden_layers})")
+            out.append(
+                f"mlp_only_layers {self.mlp_only_layers} has indices >= num_hidden_layers ({self.num_hidden_layers})"
+            )
         if self.rotary_dim() < 2 or self.rotary_dim() > self.head_dim:
-            out.append(f"partial_rotary_factor ({self.rope()['partial_rotary_factor']}) gives a rotary dim of "
-                       f"{self.rotary_dim()} for head_dim {self.head_dim}")
+            out.append(
+                f"partial_rotary_factor ({self.rope()['partial_rotary_factor']}) gives a rotary dim of "
+                f"{self.rotary_dim()} for head_dim {self.head_dim}"
+            )
         return out
 
     def rope(self) -> dict:
@@ -106,18 +113,39 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.kind = kind
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNetMixer(
-                d, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, eps, cfg.hidden_act)
+                d,
+                cfg.linear_num_key_heads,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                cfg.linear_conv_kernel_dim,
+                eps,
+                cfg.hidden_act,
+            )
         else:
             hd = cfg.head_dim
             self.self_attn = AttentionMixer(
-                d, cfg.num_attention_heads, cfg.num_key_value_heads, hd, qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias, rotary=rotary, q_norm=RMSNorm(hd, eps, unit_offset=True),
-                k_norm=RMSNorm(hd, eps, unit_offset=True), output_gate=True)
+                d,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                hd,
+                qkv_bias=cfg.attention_bias,
+                o_bias=cfg.attention_bias,
+                rotary=rotary,
+                q_norm=RMSNorm(hd, eps, unit_offset=True),
+                k_norm=RMSNorm(hd, eps, unit_offset=True),
+                output_gate=True,
+            )
         if moe:
-            self.mlp: nn.Module = SharedExpertMoE(d, cfg.moe_intermediate_size, cfg.num_experts,
-                                                  cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size,
-                                                  cfg.hidden_act, normalize=cfg.norm_topk_prob)
+            self.mlp: nn.Module = SharedExpertMoE(
+                d,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.shared_expert_intermediate_size,
+                cfg.hidden_act,
+                normalize=cfg.norm_topk_prob,
+            )
         else:
             self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
@@ -134,8 +162,9 @@ class Qwen3NextInner(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), cfg.rope(), cfg.rotary_dim()))
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(cfg, kind, rotary, cfg.is_moe(i))
-                                    for i, kind in enumerate(cfg.layer_types))
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(cfg, kind, rotary, cfg.is_moe(i)) for i, kind in enumerate(cfg.layer_types)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
 
 
@@ -154,11 +183,18 @@ class Qwen3NextLM(HybridLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
-        delta = {"num_k_heads": c.linear_num_key_heads, "num_v_heads": c.linear_num_value_heads,
-                 "head_k_dim": c.linear_key_head_dim, "head_v_dim": c.linear_value_head_dim,
-                 "conv_kernel": c.linear_conv_kernel_dim, "dtype": self.dtype}
-        return [NativeLayer("gated_delta", dict(delta)) if t == "linear_attention" else NativeLayer("full", dict(attn))
-                for t in c.layer_types]
+        delta = {
+            "num_k_heads": c.linear_num_key_heads,
+            "num_v_heads": c.linear_num_value_heads,
+            "head_k_dim": c.linear_key_head_dim,
+            "head_v_dim": c.linear_value_head_dim,
+            "conv_kernel": c.linear_conv_kernel_dim,
+            "dtype": self.dtype,
+        }
+        return [
+            NativeLayer("gated_delta", dict(delta)) if t == "linear_attention" else NativeLayer("full", dict(attn))
+            for t in c.layer_types
+        ]
 
     def hf_name(self, name: str) -> str:
         return name.replace(".mlp.router.", ".mlp.gate.")  # HF calls the MoE router `gate`

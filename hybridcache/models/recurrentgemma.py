@@ -11,9 +11,10 @@ Window: HF (transformers 5.x, masking_utils + DynamicSlidingWindowLayer) lets a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import cycle, islice
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -61,13 +62,14 @@ class RecurrentGemmaConfig(FamilyConfig):
         if not self.block_types:
             out.append("block_types is empty")
         if self.lru_width % self.num_attention_heads:
-            out.append(f"lru_width ({self.lru_width}) must be a multiple of num_attention_heads "
-                       f"({self.num_attention_heads})")
+            out.append(
+                f"lru_width ({self.lru_width}) must be a multiple of num_attention_heads ({self.num_attention_heads})"
+            )
         return out
 
 
 def block_types(config: dict) -> list[str]:
-    """"recurrent" / "attention" for every layer: `block_types` repeated over num_hidden_layers."""
+    """ "recurrent" / "attention" for every layer: `block_types` repeated over num_hidden_layers."""
     types = list(config.get("block_types") or ("recurrent", "recurrent", "attention"))
     out = list(islice(cycle(types), config["num_hidden_layers"]))
     unknown = set(out) - {"recurrent", "attention"}
@@ -94,8 +96,12 @@ class RecurrentGemmaMLP(GatedMLP):
     """Gated MLP with biases and half the configured intermediate size (HF's RecurrentGemmaMlp)."""
 
     def __init__(self, config: dict) -> None:
-        super().__init__(config["hidden_size"], config["intermediate_size"] // 2,
-                         config.get("hidden_activation", "gelu_pytorch_tanh"), bias=True)
+        super().__init__(
+            config["hidden_size"],
+            config["intermediate_size"] // 2,
+            config.get("hidden_activation", "gelu_pytorch_tanh"),
+            bias=True,
+        )
 
 
 class RecurrentGemmaDecoderLayer(nn.Module):
@@ -107,12 +113,21 @@ class RecurrentGemmaDecoderLayer(nn.Module):
         if kind == "attention":
             hd = head_dim(config)
             self.temporal_block = AttentionMixer(
-                d, heads, config.get("num_key_value_heads") or heads, hd,
-                qkv_bias=config.get("attention_bias", False), o_bias=True, scale=hd**-0.5, rotary=rope,
+                d,
+                heads,
+                config.get("num_key_value_heads") or heads,
+                hd,
+                qkv_bias=config.get("attention_bias", False),
+                o_bias=True,
+                scale=hd**-0.5,
+                rotary=rope,
             )
         else:
             self.temporal_block = RecurrentBlock(
-                d, config.get("lru_width") or d, heads, config.get("conv1d_width", 4),
+                d,
+                config.get("lru_width") or d,
+                heads,
+                config.get("conv1d_width", 4),
                 config.get("hidden_activation", "gelu_pytorch_tanh"),
             )
         self.channel_pre_norm = RMSNorm(d, eps, unit_offset=True)
@@ -147,14 +162,23 @@ class RecurrentGemmaLM(HybridLM):
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.config
-        attn = NativeLayer("sliding", {
-            "num_kv_heads": c.get("num_key_value_heads") or c["num_attention_heads"], "head_dim": head_dim(c),
-            "dtype": self.dtype, "window": c.get("attention_window_size", 2048),  # W visible incl. current (as HF)
-        })
-        lru = NativeLayer("rglru", {
-            "lru_width": c.get("lru_width") or c["hidden_size"], "conv_kernel": c.get("conv1d_width", 4),
-            "dtype": self.dtype,
-        })
+        attn = NativeLayer(
+            "sliding",
+            {
+                "num_kv_heads": c.get("num_key_value_heads") or c["num_attention_heads"],
+                "head_dim": head_dim(c),
+                "dtype": self.dtype,
+                "window": c.get("attention_window_size", 2048),  # W visible incl. current (as HF)
+            },
+        )
+        lru = NativeLayer(
+            "rglru",
+            {
+                "lru_width": c.get("lru_width") or c["hidden_size"],
+                "conv_kernel": c.get("conv1d_width", 4),
+                "dtype": self.dtype,
+            },
+        )
         return [attn if t == "attention" else lru for t in self.types]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""The shape Mamba and Mamba2 share: backbone.embeddings -> pre-norm residual mixer blocks -> backbone.norm_f -> lm_head."""
+"""The shape Mamba and Mamba2 share: embeddings -> pre-norm residual mixer blocks -> norm_f -> lm_head."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,8 +34,9 @@ class SSMBackbone(nn.Module):
         d, eps = config["hidden_size"], config.get("layer_norm_epsilon", 1e-5)
         residual_in_fp32 = bool(config.get("residual_in_fp32", True))
         self.embeddings = nn.Embedding(config["vocab_size"], d)
-        self.layers = nn.ModuleList(ResidualMixerBlock(d, eps, make_mixer(config), residual_in_fp32)
-                                    for _ in range(config["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            ResidualMixerBlock(d, eps, make_mixer(config), residual_in_fp32) for _ in range(config["num_hidden_layers"])
+        )
         self.norm_f = RMSNorm(d, eps)
 
 

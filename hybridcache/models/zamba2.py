@@ -19,8 +19,9 @@ tied weights hold only those names; checkpoints that repeat a block under every 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -77,7 +78,7 @@ class Zamba2Config(FamilyConfig):
 
     @property
     def block_types(self) -> list[str]:
-        """"linear_attention" (Mamba2) or "hybrid" (shared block + Mamba2) per layer; HF's 54-layer default."""
+        """ "linear_attention" (Mamba2) or "hybrid" (shared block + Mamba2) per layer; HF's 54-layer default."""
         if self.layers_block_type is None:
             m, h = "linear_attention", "hybrid"
             return [m] + ([m] * 5 + [h]) * 7 + [m] * 4 + [h] + [m] * 3 + [h] + [m] * 2
@@ -94,19 +95,25 @@ class Zamba2Config(FamilyConfig):
     def problems(self) -> list[str]:
         out = attention_problems(self)
         if len(self.block_types) != self.num_hidden_layers:
-            out.append(f"layers_block_type has {len(self.block_types)} entries, num_hidden_layers is "
-                       f"{self.num_hidden_layers}")
+            out.append(
+                f"layers_block_type has {len(self.block_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
         if (2 * self.hidden_size) % self.num_attention_heads:
-            out.append(f"2 * hidden_size ({2 * self.hidden_size}) must be a multiple of num_attention_heads "
-                       f"({self.num_attention_heads})")
+            out.append(
+                f"2 * hidden_size ({2 * self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
         if (self.mamba_expand * self.hidden_size) % self.n_mamba_heads:
             out.append(f"n_mamba_heads ({self.n_mamba_heads}) must divide mamba_expand * hidden_size")
         if self.n_mamba_heads % self.mamba_ngroups:
-            out.append(f"n_mamba_heads ({self.n_mamba_heads}) must be a multiple of mamba_ngroups "
-                       f"({self.mamba_ngroups})")
+            out.append(
+                f"n_mamba_heads ({self.n_mamba_heads}) must be a multiple of mamba_ngroups ({self.mamba_ngroups})"
+            )
         if self.use_shared_attention_adapter and self.num_key_value_heads != self.num_attention_heads:
-            out.append("use_shared_attention_adapter needs num_key_value_heads == num_attention_heads (the k/v "
-                       "adapters are 2 * hidden_size wide)")
+            out.append(
+                "use_shared_attention_adapter needs num_key_value_heads == num_attention_heads (the k/v "
+                "adapters are 2 * hidden_size wide)"
+            )
         return out
 
     def rope(self) -> dict[str, Any]:
@@ -148,8 +155,15 @@ class Zamba2SharedBlock(nn.Module):
         d2, hd = 2 * cfg.hidden_size, cfg.attention_head_dim
         mine = [k % cfg.num_mem_blocks == block_id for k in range(uses)]
         self.input_layernorm = RMSNorm(d2, cfg.rms_norm_eps)
-        self.self_attn = AttentionMixer(d2, cfg.num_attention_heads, cfg.num_key_value_heads, hd,
-                                        scale=(hd / 2) ** -0.5, rotary=rotary, out_hidden=cfg.hidden_size)
+        self.self_attn = AttentionMixer(
+            d2,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+            scale=(hd / 2) ** -0.5,
+            rotary=rotary,
+            out_hidden=cfg.hidden_size,
+        )
         self.adapted = cfg.use_shared_attention_adapter
         if self.adapted:  # HF names: self_attn.linear_{q,k,v}_adapter_list.{use}.{0,1}.weight
             for name in ("q", "k", "v"):
@@ -163,8 +177,9 @@ class Zamba2SharedBlock(nn.Module):
         extra = None
         if self.adapted:
             a = self.self_attn
-            extra = tuple(lists[use](x) for lists in (a.linear_q_adapter_list, a.linear_k_adapter_list,
-                                                      a.linear_v_adapter_list))
+            extra = tuple(
+                lists[use](x) for lists in (a.linear_q_adapter_list, a.linear_k_adapter_list, a.linear_v_adapter_list)
+            )
         y = self.self_attn(x, layer, step, extra=extra)  # [B, T, D]
         return self.feed_forward(self.pre_ff_layernorm(y), use)
 
@@ -177,13 +192,24 @@ class Zamba2MambaLayer(nn.Module):
         self.hidden = cfg.hidden_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mamba = Mamba2Mixer(
-            cfg.hidden_size, cfg.n_mamba_heads, cfg.mamba_headdim, cfg.mamba_d_state, cfg.mamba_ngroups,
-            cfg.mamba_d_conv, cfg.chunk_size, use_conv_bias=True, use_bias=cfg.add_bias_linear,
-            time_step_limit=(cfg.time_step_min, math.inf), rms_norm=True, norm_before_gate=False, eps=1e-5,
+            cfg.hidden_size,
+            cfg.n_mamba_heads,
+            cfg.mamba_headdim,
+            cfg.mamba_d_state,
+            cfg.mamba_ngroups,
+            cfg.mamba_d_conv,
+            cfg.chunk_size,
+            use_conv_bias=True,
+            use_bias=cfg.add_bias_linear,
+            time_step_limit=(cfg.time_step_min, math.inf),
+            rms_norm=True,
+            norm_before_gate=False,
+            eps=1e-5,
         )
 
-    def forward(self, he: torch.Tensor, layer: CacheLayer, step: StepInput,
-                t: torch.Tensor | None = None) -> torch.Tensor:  # [B, T, 2D]
+    def forward(
+        self, he: torch.Tensor, layer: CacheLayer, step: StepInput, t: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [B, T, 2D]
         h, e = he.split(self.hidden, dim=-1)
         x = self.input_layernorm(h if t is None else h + t)
         return torch.cat([h + self.mamba(x, layer, step), e], dim=-1)
@@ -252,23 +278,33 @@ class Zamba2LM(HybridLM):
                 continue
             prefix, target = f"model.layers.{i}.shared_transformer.", f"model.layers.{owner}.shared_transformer."
             for name in [k for k in state if k.startswith(prefix)]:
-                tensor, main = state.pop(name), target + name[len(prefix):]
+                tensor, main = state.pop(name), target + name[len(prefix) :]
                 if main not in state:
                     state[main] = tensor
                 elif not torch.equal(state[main], tensor):
                     raise CheckpointError(
                         f"{name} differs from {main}: zamba2 layers {owner} and {i} share one block, but this "
                         "checkpoint holds different weights for them (HF transformers 5 ties them only when "
-                        "tie_word_embeddings is true)")
+                        "tie_word_embeddings is true)"
+                    )
         return state
 
     def native_layers(self) -> list[NativeLayer | NativeGroup]:
         c = self.cfg
-        mamba = NativeLayer("mamba2", {"num_heads": c.n_mamba_heads, "head_dim": c.mamba_headdim,
-                                       "state_size": c.mamba_d_state, "n_groups": c.mamba_ngroups,
-                                       "conv_kernel": c.mamba_d_conv, "dtype": self.dtype})
-        attn = NativeLayer("full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim,
-                                    "dtype": self.dtype})
+        mamba = NativeLayer(
+            "mamba2",
+            {
+                "num_heads": c.n_mamba_heads,
+                "head_dim": c.mamba_headdim,
+                "state_size": c.mamba_d_state,
+                "n_groups": c.mamba_ngroups,
+                "conv_kernel": c.mamba_d_conv,
+                "dtype": self.dtype,
+            },
+        )
+        attn = NativeLayer(
+            "full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
+        )
         return [NativeGroup({"attention": attn, "mamba": mamba}) if t == "hybrid" else mamba for t in c.block_types]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +23,7 @@ def kernels_disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel(module: str, name: str) -> Callable | None:
     """``module.name`` if importable (and kernels not disabled), else None. Cached."""
     if kernels_disabled():

@@ -109,6 +109,7 @@ def cpu_identity() -> str:
 @dataclass(frozen=True)
 class _Build:
     """What one build is made of; `key` digests all of it."""
+
     name: str
     source: bytes
     compiler: tuple[str, ...]
@@ -123,8 +124,14 @@ class _Build:
     @property
     def key(self) -> str:
         h = hashlib.sha256()
-        for part in (self.name, hashlib.sha256(self.source).hexdigest(), self.compiler_id, self.cpu,
-                     json.dumps(self.flags), json.dumps(LIBS)):
+        for part in (
+            self.name,
+            hashlib.sha256(self.source).hexdigest(),
+            self.compiler_id,
+            self.cpu,
+            json.dumps(self.flags),
+            json.dumps(LIBS),
+        ):
             h.update(part.encode() + b"\0")
         return h.hexdigest()
 
@@ -153,8 +160,11 @@ def _private(st: os.stat_result, what: str) -> None:
 def _open_private(name: str, dir_fd: int, what: str) -> int | None:
     """A read descriptor of regular file `name` in the directory, checked with _private; None if it is absent."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0),
-                     dir_fd=dir_fd)
+        fd = os.open(
+            name,
+            os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0),
+            dir_fd=dir_fd,
+        )
     except FileNotFoundError:
         return None
     except OSError as e:  # ELOOP: a symbolic link
@@ -220,8 +230,13 @@ def _compile(build: _Build, dir_fd: int, kdir: Path) -> None:
         src = tmp / f"{build.name}.c"
         src.write_bytes(build.source)  # exactly the bytes digested, whatever happens to the checkout meanwhile
         out = tmp / "out.so"
-        proc = subprocess.run([*build.compiler, *build.flags, str(src), "-o", str(out), *LIBS], capture_output=True,
-                              text=True, timeout=600, check=False)
+        proc = subprocess.run(
+            [*build.compiler, *build.flags, str(src), "-o", str(out), *LIBS],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         if proc.returncode != 0:
             raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
         rel = f"{tmp.name}/out.so"
@@ -231,10 +246,19 @@ def _compile(build: _Build, dir_fd: int, kdir: Path) -> None:
             digest, size = _sha256_fd(fd)
         finally:
             os.close(fd)
-        record = {"format": MANIFEST_FORMAT, "build_key": build.key, "file": build.stem + ".so", "size": size,
-                  "sha256": digest, "source_sha256": hashlib.sha256(build.source).hexdigest(),
-                  "compiler": build.compiler_id.splitlines()[:2], "flags": list(build.flags), "libs": LIBS,
-                  "cpu_sha256": hashlib.sha256(build.cpu.encode()).hexdigest(), "openmp": build.openmp}
+        record = {
+            "format": MANIFEST_FORMAT,
+            "build_key": build.key,
+            "file": build.stem + ".so",
+            "size": size,
+            "sha256": digest,
+            "source_sha256": hashlib.sha256(build.source).hexdigest(),
+            "compiler": build.compiler_id.splitlines()[:2],
+            "flags": list(build.flags),
+            "libs": LIBS,
+            "cpu_sha256": hashlib.sha256(build.cpu.encode()).hexdigest(),
+            "openmp": build.openmp,
+        }
         mrel = f"{tmp.name}/manifest.json"
         mfd = os.open(mrel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
         with os.fdopen(mfd, "w") as f:
@@ -306,8 +330,10 @@ def _load(name: str, source: Path, symbols: list[str], disabled: bool) -> Loaded
     except (OSError, subprocess.SubprocessError) as e:
         raise _Refused(f"the C compiler {cc[0]} does not run ({e})") from None
     cpu = cpu_identity()
-    builds = [_Build(name, text, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS + OPENMP_FLAGS)),
-              _Build(name, text, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS))]
+    builds = [
+        _Build(name, text, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS + OPENMP_FLAGS)),
+        _Build(name, text, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS)),
+    ]
     kdir, dir_fd = _kernel_dir()
     try:
         fd, note, build = None, None, builds[0]

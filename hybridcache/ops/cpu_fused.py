@@ -27,8 +27,15 @@ WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 def _matrix(w: torch.Tensor, rows: int, cols: int) -> int | None:
     """The kernel's type code of a [rows, cols] contiguous strided CPU weight (each size a C int), or None."""
     code = WEIGHT_TYPES.get(w.dtype)
-    if (code is None or w.shape != (rows, cols) or not w.is_cpu or w.layout != torch.strided or not w.is_contiguous()
-            or rows > INT_MAX or cols > INT_MAX):
+    if (
+        code is None
+        or w.shape != (rows, cols)
+        or not w.is_cpu
+        or w.layout != torch.strided
+        or not w.is_contiguous()
+        or rows > INT_MAX
+        or cols > INT_MAX
+    ):
         return None
     return code
 
@@ -50,20 +57,52 @@ def gated_mlp(x: torch.Tensor, gate_up: tuple, down: tuple, act: str) -> torch.T
     rows = x.numel() // d if d else 0
     i = two_i // 2
     t_gu, t_dn = _matrix(w_gu, two_i, d), _matrix(w_dn, d, i)
-    if (lib is None or t_gu is None or t_dn is None or two_i % 2 or not 0 < rows <= MAX_ROWS or rows * 3 * i > INT_MAX
-            or not all(_vector(v, two_i) for v in (b_gu, s_gu)) or not all(_vector(v, d) for v in (b_dn, s_dn))):
+    if (
+        lib is None
+        or t_gu is None
+        or t_dn is None
+        or two_i % 2
+        or not 0 < rows <= MAX_ROWS
+        or rows * 3 * i > INT_MAX
+        or not all(_vector(v, two_i) for v in (b_gu, s_gu))
+        or not all(_vector(v, d) for v in (b_dn, s_dn))
+    ):
         return None
     x = x.contiguous()
     scratch = torch.empty(rows * 3 * i, dtype=torch.float32)
     y = torch.empty(x.shape, dtype=torch.float32)
-    lib.hc_gated_mlp(x.data_ptr(), rows, d, i, w_gu.data_ptr(), t_gu, _ptr(s_gu), _ptr(b_gu), w_dn.data_ptr(), t_dn,
-                     _ptr(s_dn), _ptr(b_dn), code, scratch.data_ptr(), y.data_ptr())
+    lib.hc_gated_mlp(
+        x.data_ptr(),
+        rows,
+        d,
+        i,
+        w_gu.data_ptr(),
+        t_gu,
+        _ptr(s_gu),
+        _ptr(b_gu),
+        w_dn.data_ptr(),
+        t_dn,
+        _ptr(s_dn),
+        _ptr(b_dn),
+        code,
+        scratch.data_ptr(),
+        y.data_ptr(),
+    )
     return y
 
 
-def qkv_norm_rope(x: torch.Tensor, qkv: tuple, heads: int, kv_heads: int, head_dim: int,
-                  q_norm: tuple | None, k_norm: tuple | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                  interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def qkv_norm_rope(
+    x: torch.Tensor,
+    qkv: tuple,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_norm: tuple | None,
+    k_norm: tuple | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q [B, Hq, T, D], k and v [B, Hkv, T, D] from x [B, T, Dm] (B * T at most MAX_ROWS): the fused projection
     `qkv` = (weight [(Hq + 2 Hkv) D, Dm], bias, scale), then each of q and k through its RMSNorm (`q_norm` /
     `k_norm` = (scale [D], eps), None: none) and rotary by cos / sin [B, 1, T, R] (None: none); v is a view."""
@@ -76,20 +115,47 @@ def qkv_norm_rope(x: torch.Tensor, qkv: tuple, heads: int, kv_heads: int, head_d
         return None
     width = (heads + 2 * kv_heads) * head_dim
     code = _matrix(w, width, dm)
-    if (lib is None or code is None or not 0 < b * t <= MAX_ROWS or b * t * width > INT_MAX or not _vector(bias, width) or not _vector(wscale, width)
-            or any(n is not None and (n[0] is None or not _vector(n[0], head_dim) or not _real(n[1]))
-                   for n in (q_norm, k_norm))
-            or not _rotary_ok(cos, sin, b, t, head_dim)):
+    if (
+        lib is None
+        or code is None
+        or not 0 < b * t <= MAX_ROWS
+        or b * t * width > INT_MAX
+        or not _vector(bias, width)
+        or not _vector(wscale, width)
+        or any(
+            n is not None and (n[0] is None or not _vector(n[0], head_dim) or not _real(n[1])) for n in (q_norm, k_norm)
+        )
+        or not _rotary_ok(cos, sin, b, t, head_dim)
+    ):
         return None
     r = 0 if cos is None else cos.shape[-1]
     x = x.contiguous()
     out = torch.empty(b, t, width, dtype=torch.float32)
     q = torch.empty(b, heads, t, head_dim, dtype=torch.float32)
     k = torch.empty(b, kv_heads, t, head_dim, dtype=torch.float32)
-    lib.hc_qkv_norm_rope(x.data_ptr(), b, t, dm, w.data_ptr(), code, _ptr(wscale), _ptr(bias), heads, kv_heads,
-                         head_dim, out.data_ptr(), None if q_norm is None else q_norm[0].data_ptr(),
-                         0.0 if q_norm is None else q_norm[1], None if k_norm is None else k_norm[0].data_ptr(),
-                         0.0 if k_norm is None else k_norm[1], _ptr(cos), _ptr(sin), r, int(interleaved),
-                         q.data_ptr(), k.data_ptr())
-    v = out[..., (heads + kv_heads) * head_dim:].view(b, t, kv_heads, head_dim).transpose(1, 2)
+    lib.hc_qkv_norm_rope(
+        x.data_ptr(),
+        b,
+        t,
+        dm,
+        w.data_ptr(),
+        code,
+        _ptr(wscale),
+        _ptr(bias),
+        heads,
+        kv_heads,
+        head_dim,
+        out.data_ptr(),
+        None if q_norm is None else q_norm[0].data_ptr(),
+        0.0 if q_norm is None else q_norm[1],
+        None if k_norm is None else k_norm[0].data_ptr(),
+        0.0 if k_norm is None else k_norm[1],
+        _ptr(cos),
+        _ptr(sin),
+        r,
+        int(interleaved),
+        q.data_ptr(),
+        k.data_ptr(),
+    )
+    v = out[..., (heads + kv_heads) * head_dim :].view(b, t, kv_heads, head_dim).transpose(1, 2)
     return q, k, v

@@ -62,8 +62,10 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_act_mul": (None, [_P] * 2 + [_I] * 3),
     "hc_argmax_rows": (None, [_P] * 2 + [_I, _L]),
     "hc_gated_mlp": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2),
-    "hc_qkv_norm_rope": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 2 + [_I] * 3 + [_P] * 2 + [_F, _P, _F] + [_P] * 2
-                         + [_I] * 2 + [_P] * 2),
+    "hc_qkv_norm_rope": (
+        None,
+        [_P] + [_I] * 3 + [_P, _I] + [_P] * 2 + [_I] * 3 + [_P] * 2 + [_F, _P, _F] + [_P] * 2 + [_I] * 2 + [_P] * 2,
+    ),
     "hc_decode_attention": (_I, [_P] * 6 + [_I, _L, _P] + [_I] * 5 + [_L] * 6 + [_F] * 2),
     "hc_rope": (None, [_P] + [_L] * 3 + [_P] * 3 + [_I] * 6),
     "hc_norm_rope": (None, [_P] + [_L] * 3 + [_P, _F] + [_P] * 3 + [_I] * 6),
@@ -93,8 +95,10 @@ def _load() -> ctypes.CDLL | None:
     _LINEAR.update({dtype: getattr(lib, name) for dtype, name in _WEIGHT_FN.items()})
     threads = f"OpenMP, {lib.hc_threads()} threads" if lib.hc_openmp() else "one thread (no OpenMP)"
     note = f"; {loaded.note}" if loaded.note else ""
-    _state["status"] = (f"C kernels: {lib.hc_isa().decode()}, {threads}, {loaded.file} (sha256-verified, built by "
-                        f"{loaded.compiler}){note}")
+    _state["status"] = (
+        f"C kernels: {lib.hc_isa().decode()}, {threads}, {loaded.file} (sha256-verified, built by "
+        f"{loaded.compiler}){note}"
+    )
     return lib
 
 
@@ -130,16 +134,28 @@ def _reset() -> None:
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `decode_linear` takes these (CPU, float32 x of at most MAX_ROWS rows, a 2-d weight it reads)."""
-    return (_eager(x) and x.dim() >= 1 and _cpu(weight, weight.dtype) and weight.dim() == 2
-            and weight.dtype in _WEIGHT_FN and x.shape[-1] == weight.shape[1] and _ints(*weight.shape)
-            and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+    return (
+        _eager(x)
+        and x.dim() >= 1
+        and _cpu(weight, weight.dtype)
+        and weight.dim() == 2
+        and weight.dtype in _WEIGHT_FN
+        and x.shape[-1] == weight.shape[1]
+        and _ints(*weight.shape)
+        and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+    )
 
 
 def _eager(x: torch.Tensor) -> bool:
     """A strided float32 CPU tensor, no autograd, not being traced by torch.compile (a kernel call writes through raw
     pointers, which a trace would run on placeholder tensors): what every wrapper here needs first."""
-    return (x.dtype == _F32 and x.is_cpu and x.layout == _STRIDED and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    return (
+        x.dtype == _F32
+        and x.is_cpu
+        and x.layout == _STRIDED
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _cpu(t: torch.Tensor, dtype: torch.dtype = _F32) -> bool:
@@ -150,8 +166,9 @@ def _cpu(t: torch.Tensor, dtype: torch.dtype = _F32) -> bool:
 
 def _vec(t: torch.Tensor | None, n: int) -> bool:
     """None, or a contiguous strided float32 CPU vector of n (n a C int: the caller's size)."""
-    return t is None or (t.dtype == _F32 and t.shape == (n,) and t.is_cpu and t.layout == _STRIDED
-                         and t.is_contiguous())
+    return t is None or (
+        t.dtype == _F32 and t.shape == (n,) and t.is_cpu and t.layout == _STRIDED and t.is_contiguous()
+    )
 
 
 def _ints(*sizes: int) -> bool:
@@ -172,15 +189,22 @@ def _dense_last(x: torch.Tensor) -> bool:
 # The wrappers below run once per projection / norm / layer of every decode step: checks are ordered cheapest first
 # and each returns None (the caller's torch path) for anything its kernel does not take.
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  scale: torch.Tensor | None = None) -> torch.Tensor | None:
+
+def decode_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """x [..., K] @ weight[N, K]^T (* scale [N]) (+ bias [N]) -> [..., N] float32, by the kernel; None when the
     kernel cannot take these tensors (see `supports`; contiguous float32 scale / bias of N) or is unavailable."""
     if not _eager(x) or x.dim() == 0 or _library() is None:
         return None
     fn = _LINEAR.get(weight.dtype)
-    if (fn is None or weight.dim() != 2 or not weight.is_cpu or weight.layout != torch.strided
-            or not weight.is_contiguous()):
+    if (
+        fn is None
+        or weight.dim() != 2
+        or not weight.is_cpu
+        or weight.layout != torch.strided
+        or not weight.is_contiguous()
+    ):
         return None
     n, k = weight.shape
     rows = x.numel() // k if k else 0
@@ -191,8 +215,16 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), None if scale is None else scale.data_ptr(),
-       None if bias is None else bias.data_ptr(), rows, n, k)
+    fn(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        None if scale is None else scale.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        rows,
+        n,
+        k,
+    )
     return out
 
 
@@ -212,8 +244,9 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor |
     return out
 
 
-def residual_norm(h: torch.Tensor, x: torch.Tensor, post: tuple[torch.Tensor, float] | None,
-                  nxt: tuple[torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def residual_norm(
+    h: torch.Tensor, x: torch.Tensor, post: tuple[torch.Tensor, float] | None, nxt: tuple[torch.Tensor, float] | None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """h + rms_norm(x) * post scale (x itself when `post` is None), and the RMSNorm of that sum by `nxt` (None: not
     computed): a residual add between two norms in one call. `post` / `nxt`: (effective scale [D], eps). None when
     the kernel does not take these (h and x [..., D] float32 of one shape)."""
@@ -229,10 +262,18 @@ def residual_norm(h: torch.Tensor, x: torch.Tensor, post: tuple[torch.Tensor, fl
     h, x = h.contiguous(), x.contiguous()
     h_out = torch.empty_like(h)
     n_out = None if nxt is None else torch.empty_like(h)
-    lib.hc_residual_norm(h.data_ptr(), x.data_ptr(), None if post is None else post[0].data_ptr(),
-                         0.0 if post is None else post[1], None if nxt is None else nxt[0].data_ptr(),
-                         0.0 if nxt is None else nxt[1], h_out.data_ptr(), None if n_out is None else n_out.data_ptr(),
-                         x.numel() // d, d)
+    lib.hc_residual_norm(
+        h.data_ptr(),
+        x.data_ptr(),
+        None if post is None else post[0].data_ptr(),
+        0.0 if post is None else post[1],
+        None if nxt is None else nxt[0].data_ptr(),
+        0.0 if nxt is None else nxt[1],
+        h_out.data_ptr(),
+        None if n_out is None else n_out.data_ptr(),
+        x.numel() // d,
+        d,
+    )
     return h_out, n_out
 
 
@@ -289,9 +330,15 @@ def _pattern(name, param) -> tuple[int, int]:
     return PATTERNS[name], min(value, _MAX_PARAM)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                     softcap: float | None, positions: tuple[torch.Tensor, torch.Tensor, str, int] | None = None,
-                     ) -> torch.Tensor | None:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    positions: tuple[torch.Tensor, torch.Tensor, str, int] | None = None,
+) -> torch.Tensor | None:
     """Grouped-query attention of one query per row: q [B, Hq, 1, D], k / v [B, Hkv, S, D] (any strides but a
     contiguous last dim) -> [B, Hq, 1, D] in float32. Visibility: `mask` bool [B, 1, S], or `positions` =
     (query positions [B, 1], key positions [B, S], pattern name in PATTERNS, its window / chunk size) so the kernel
@@ -301,10 +348,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if not _eager(q) or q.dim() != 4 or q.shape[2] != 1:
         return None
     lib = _library()
-    if (lib is None or not _cpu(k) or not _cpu(v) or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0]
-            or q.shape[-1] != k.shape[-1] or not _dense_last(k) or not _dense_last(v) or k.shape[1] == 0
-            or q.shape[1] % k.shape[1] or not 0 < q.numel() <= INT_MAX or not 0 < k.numel() <= INT_MAX
-            or not _real(scale) or not (softcap is None or _real(softcap) and softcap > 0)):
+    if (
+        lib is None
+        or not _cpu(k)
+        or not _cpu(v)
+        or k.dim() != 4
+        or k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[-1] != k.shape[-1]
+        or not _dense_last(k)
+        or not _dense_last(v)
+        or k.shape[1] == 0
+        or q.shape[1] % k.shape[1]
+        or not 0 < q.numel() <= INT_MAX
+        or not 0 < k.numel() <= INT_MAX
+        or not _real(scale)
+        or not (softcap is None or _real(softcap) and softcap > 0)
+    ):
         return None  # (no size is 0 past here: each is at most its tensor's element count, a C int)
     b, hq, _, d = q.shape
     s = k.shape[2]
@@ -313,8 +373,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     qpos = kpos = m = None
     if positions is not None:
         qpos, kpos = positions[:2]
-        if (not _cpu(qpos, torch.int64) or not _cpu(kpos, torch.int64) or qpos.numel() != b
-                or kpos.shape != (b, s)):
+        if not _cpu(qpos, torch.int64) or not _cpu(kpos, torch.int64) or qpos.numel() != b or kpos.shape != (b, s):
             return None
         qpos, kpos = qpos.reshape(b).contiguous(), kpos.contiguous()
     elif mask is not None and _cpu(mask, torch.bool) and mask.numel() == b * s:
@@ -322,10 +381,26 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     else:
         return None
     out = torch.empty_like(q)
-    err = lib.hc_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if m is None else m.data_ptr(),
-                                  None if qpos is None else qpos.data_ptr(), None if kpos is None else kpos.data_ptr(),
-                                  pattern, param, out.data_ptr(), b, hq, k.shape[1], s, d, *k.stride()[:3],
-                                  *v.stride()[:3], scale, softcap or 0.0)
+    err = lib.hc_decode_attention(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        None if m is None else m.data_ptr(),
+        None if qpos is None else qpos.data_ptr(),
+        None if kpos is None else kpos.data_ptr(),
+        pattern,
+        param,
+        out.data_ptr(),
+        b,
+        hq,
+        k.shape[1],
+        s,
+        d,
+        *k.stride()[:3],
+        *v.stride()[:3],
+        scale,
+        softcap or 0.0,
+    )
     if err:
         raise MemoryError(f"hc_decode_attention: no memory for its scratch ({s} slots x {hq // k.shape[1]} heads)")
     return out
@@ -337,8 +412,17 @@ def _rotary_ok(cos: torch.Tensor | None, sin: torch.Tensor | None, b: int, t: in
         return cos is None and sin is None
     r = cos.shape[-1] if cos.dim() else -1
     n = b * t * r
-    return (_cpu(cos) and _cpu(sin) and 0 <= r <= d and r % 2 == 0 and n <= INT_MAX and cos.numel() == n
-            and sin.numel() == n and cos.is_contiguous() and sin.is_contiguous())
+    return (
+        _cpu(cos)
+        and _cpu(sin)
+        and 0 <= r <= d
+        and r % 2 == 0
+        and n <= INT_MAX
+        and cos.numel() == n
+        and sin.numel() == n
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
@@ -354,14 +438,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     r = cos.shape[-1]
     out = torch.empty(b, h, t, d, dtype=torch.float32)
     sb, sh, st, _ = x.stride()
-    lib.hc_rope(x.data_ptr(), sb, sh, st, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b, h, t, d, r,
-                int(bool(interleaved)))
+    lib.hc_rope(
+        x.data_ptr(), sb, sh, st, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), b, h, t, d, r, int(bool(interleaved))
+    )
     return out
 
 
-def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None, b: torch.Tensor, c: torch.Tensor,
-                   a: torch.Tensor, d: torch.Tensor | None, bias: torch.Tensor | None, softplus: bool,
-                   state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def selective_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    z: torch.Tensor | None,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a: torch.Tensor,
+    d: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    softplus: bool,
+    state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Mamba1 selective scan (see hybridcache/ops/selective_scan.py) on [B, T, Dm] / [B, T, N] layouts (any batch and
     time strides; a strided last dim is copied first): y [B, T, Dm] and the final state [B, Dm, N], float32; None
     when the kernel does not take these."""
@@ -370,13 +464,21 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None,
     lib = _library()
     bsz, t, dm = u.shape
     n = a.shape[-1]
-    if (lib is None or not 0 < u.numel() <= INT_MAX or not 0 < n <= INT_MAX or bsz * dm * n > INT_MAX
-            or bsz * t * n > INT_MAX or not _cpu(a)
-            or a.shape != (dm, n) or any(x is not None and not _cpu(x) for x in (delta, z, b, c, d, bias, state))
-            or any(x is not None and x.shape != u.shape for x in (delta, z))
-            or b.shape != (bsz, t, n) or c.shape != (bsz, t, n)
-            or any(x is not None and x.shape != (dm,) for x in (d, bias))
-            or (state is not None and state.shape != (bsz, dm, n))):
+    if (
+        lib is None
+        or not 0 < u.numel() <= INT_MAX
+        or not 0 < n <= INT_MAX
+        or bsz * dm * n > INT_MAX
+        or bsz * t * n > INT_MAX
+        or not _cpu(a)
+        or a.shape != (dm, n)
+        or any(x is not None and not _cpu(x) for x in (delta, z, b, c, d, bias, state))
+        or any(x is not None and x.shape != u.shape for x in (delta, z))
+        or b.shape != (bsz, t, n)
+        or c.shape != (bsz, t, n)
+        or any(x is not None and x.shape != (dm,) for x in (d, bias))
+        or (state is not None and state.shape != (bsz, dm, n))
+    ):
         return None
     u, delta, z, b, c = (x if x is None or _dense_last(x) else x.contiguous() for x in (u, delta, z, b, c))
     a, d = a.contiguous(), None if d is None else d.contiguous()
@@ -390,13 +492,31 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, z: torch.Tensor | None,
     args = []
     for x in (u, delta, z, b, c):
         args += [None, 0, 0] if x is None else [x.data_ptr(), x.stride(0), x.stride(1)]
-    lib.hc_selective_scan(*args, a.data_ptr(), None if d is None else d.data_ptr(), None, 0,
-                          None if state is None else state.data_ptr(), y.data_ptr(), out.data_ptr(), bsz, t, dm, n)
+    lib.hc_selective_scan(
+        *args,
+        a.data_ptr(),
+        None if d is None else d.data_ptr(),
+        None,
+        0,
+        None if state is None else state.data_ptr(),
+        y.data_ptr(),
+        out.data_ptr(),
+        bsz,
+        t,
+        dm,
+        n,
+    )
     return y, out
 
 
-def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
-              sin: torch.Tensor | None, interleaved: bool) -> torch.Tensor | None:
+def norm_rope(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    interleaved: bool,
+) -> torch.Tensor | None:
     """RMSNorm over the last dim with `scale` [D] (None: no norm), then rotary by cos / sin [B, 1, T, R] (None: no
     rotary) of x [B, H, T, D] (any strides but a contiguous last dim) -> a contiguous [B, H, T, D]: a layer's q or k in
     one call. None when the kernel does not take these."""
@@ -409,7 +529,21 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, eps: float, cos: torc
     r = 0 if cos is None else cos.shape[-1]
     out = torch.empty(b, h, t, d, dtype=torch.float32)
     sb, sh, st, _ = x.stride()
-    lib.hc_norm_rope(x.data_ptr(), sb, sh, st, None if scale is None else scale.data_ptr(), eps,
-                     None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), out.data_ptr(),
-                     b, h, t, d, r, int(bool(interleaved)))
+    lib.hc_norm_rope(
+        x.data_ptr(),
+        sb,
+        sh,
+        st,
+        None if scale is None else scale.data_ptr(),
+        eps,
+        None if cos is None else cos.data_ptr(),
+        None if sin is None else sin.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        t,
+        d,
+        r,
+        int(bool(interleaved)),
+    )
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -11,7 +11,7 @@ kernels are used when importable.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,7 @@ def _time_chunk(b: int, dm: int, n: int) -> int:
     return max(1, _CHUNK_ELEMS // max(1, b * dm * n))
 
 
-def _selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                          delta_softplus=False, state=None):
+def _selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, state=None):
     """Reference scan: sequential over time, vectorised in time chunks."""
     bsz, dm, t = u.shape
     n = A.shape[-1]
@@ -65,16 +64,14 @@ def _selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     return y.to(u.dtype), (h if t > 0 else h.clone())
 
 
-def _with_initial_state(zero_start_scan: Callable, u, delta, A, B, C, D, z, delta_bias,
-                        delta_softplus, state):
+def _with_initial_state(zero_start_scan: Callable, u, delta, A, B, C, D, z, delta_bias, delta_softplus, state):
     """Run a zero-initial-state scan and add the (linear) contribution of ``state``.
 
     The state's effect on y_t is <exp(A * sum_{s<=t} delta_s) * h0, C_t>, and on
     the final state exp(A * sum_s delta_s) * h0; it is added before the z gate.
     ``zero_start_scan`` has the ``mamba_ssm.selective_scan_fn`` signature.
     """
-    y, last = zero_start_scan(u, delta, A, B, C, D, None, delta_bias, delta_softplus,
-                              return_last_state=True)
+    y, last = zero_start_scan(u, delta, A, B, C, D, None, delta_bias, delta_softplus, return_last_state=True)
     bsz, dm, t = u.shape
     acc = acc_dtype(u, state)
     h0 = state.to(acc)  # [B, Dm, N]
@@ -103,12 +100,12 @@ def _selective_scan_kernel(kernel, u, delta, A, B, C, D, z, delta_bias, delta_so
     delta_bias = delta_bias.float() if delta_bias is not None else None
     args = (u, delta.to(dt), A.float(), B.to(dt), C.to(dt), D)
     if state is None:
-        y, last = kernel(*args, z.to(dt) if z is not None else None, delta_bias,
-                         delta_softplus, return_last_state=True)
+        y, last = kernel(*args, z.to(dt) if z is not None else None, delta_bias, delta_softplus, return_last_state=True)
         return y, last.float()
     # selective_scan_fn has no initial-state argument: superpose its contribution.
-    return _with_initial_state(kernel, u, delta.to(dt), A.float(), B.to(dt), C.to(dt), D, z,
-                               delta_bias, delta_softplus, state)
+    return _with_initial_state(
+        kernel, u, delta.to(dt), A.float(), B.to(dt), C.to(dt), D, z, delta_bias, delta_softplus, state
+    )
 
 
 def selective_scan(
@@ -136,13 +133,11 @@ def selective_scan(
     if u.shape[-1] > 0:
         kernel = cuda_kernel("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn", u)
     if kernel is not None:
-        return _selective_scan_kernel(kernel, u, delta, A, B, C, D, z, delta_bias,
-                                      delta_softplus, state)
+        return _selective_scan_kernel(kernel, u, delta, A, B, C, D, z, delta_bias, delta_softplus, state)
     return _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, state)
 
 
-def _selective_state_update_torch(state, u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                                  delta_softplus=False):
+def _selective_state_update_torch(state, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     acc = acc_dtype(u, state)
     uf = u.to(acc)
     dt = _delta(delta, delta_bias, delta_softplus, acc, (-1,))  # [B, Dm]
@@ -174,17 +169,23 @@ def selective_state_update(
     Args: state [B, Dm, N]; u, delta, z [B, Dm]; A [Dm, N]; B, C [B, N]; D, delta_bias [Dm].
     Returns: y [B, Dm] in u.dtype and a *new* state [B, Dm, N] float32 (input not modified).
     """
-    kernel = cuda_kernel("mamba_ssm.ops.triton.selective_state_update",
-                         "selective_state_update", state, u)
+    kernel = cuda_kernel("mamba_ssm.ops.triton.selective_state_update", "selective_state_update", state, u)
     if kernel is not None:
         new_state = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        y = kernel(new_state, u, delta, A.float(), B, C,
-                   D=D.float() if D is not None else None, z=z,
-                   dt_bias=delta_bias.float() if delta_bias is not None else None,
-                   dt_softplus=delta_softplus)
+        y = kernel(
+            new_state,
+            u,
+            delta,
+            A.float(),
+            B,
+            C,
+            D=D.float() if D is not None else None,
+            z=z,
+            dt_bias=delta_bias.float() if delta_bias is not None else None,
+            dt_softplus=delta_softplus,
+        )
         return y.to(u.dtype), new_state
-    return _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias,
-                                         delta_softplus)
+    return _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
 
 
 def selective_scan_btd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, state=None):

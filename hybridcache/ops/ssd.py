@@ -75,8 +75,9 @@ def _ssd_chunks(xdt, dA, bc, cc, h):
     return y, states[:, :, :, -1]
 
 
-def _ssd_scan_torch(x, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, dt_softplus=False,
-                    dt_limit=_NO_LIMIT, state=None):
+def _ssd_scan_torch(
+    x, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, dt_softplus=False, dt_limit=_NO_LIMIT, state=None
+):
     """Pure-torch chunked SSD: whole groups of chunks per step (no Python loop per chunk), memory bounded."""
     bsz, t, nh, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -143,17 +144,24 @@ def ssd_scan(
         _check_heads(x.shape[2], B.shape[2])
         kchunk = max(16, 1 << (max(chunk_size, 1) - 1).bit_length())  # power of two >= 16
         y, final = kernel(
-            x, dt, A.float(), B.to(x.dtype), C.to(x.dtype), kchunk,
+            x,
+            dt,
+            A.float(),
+            B.to(x.dtype),
+            C.to(x.dtype),
+            kchunk,
             D=D.float() if D is not None else None,
             dt_bias=dt_bias.float() if dt_bias is not None else None,
             initial_states=state.float() if state is not None else None,
-            dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=True)
+            dt_softplus=dt_softplus,
+            dt_limit=tuple(dt_limit),
+            return_final_states=True,
+        )
         return y.to(x.dtype), final.float()
     return _ssd_scan_torch(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, state)
 
 
-def _ssd_step_torch(state, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False,
-                    dt_limit=_NO_LIMIT):
+def _ssd_step_torch(state, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_limit=_NO_LIMIT):
     g = B.shape[1]
     _check_heads(x.shape[1], g)
     acc = acc_dtype(x, state)
@@ -186,8 +194,7 @@ def ssd_step(
     Args: state [B, H, P, N]; x [B, H, P]; dt [B, H]; A, D, dt_bias [H]; B, C [B, G, N].
     Returns: y [B, H, P] in x.dtype and a *new* state [B, H, P, N] float32.
     """
-    kernel = cuda_kernel("mamba_ssm.ops.triton.selective_state_update",
-                         "selective_state_update", state, x)
+    kernel = cuda_kernel("mamba_ssm.ops.triton.selective_state_update", "selective_state_update", state, x)
     if kernel is not None:
         bsz, nh, p = x.shape
         n = B.shape[-1]
@@ -197,9 +204,17 @@ def ssd_step(
         # which dereferences dt_bias, so a zero bias is passed rather than None.
         dtp = _dt(dt, dt_bias, dt_softplus, dt_limit, torch.float32)
         new_state = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        y = kernel(new_state, x, dtp[..., None].expand(bsz, nh, p),
-                   A.float()[:, None, None].expand(nh, p, n), B, C,
-                   D=D.float()[:, None].expand(nh, p) if D is not None else None,
-                   z=None, dt_bias=dtp.new_zeros(nh, 1).expand(nh, p), dt_softplus=False)
+        y = kernel(
+            new_state,
+            x,
+            dtp[..., None].expand(bsz, nh, p),
+            A.float()[:, None, None].expand(nh, p, n),
+            B,
+            C,
+            D=D.float()[:, None].expand(nh, p) if D is not None else None,
+            z=None,
+            dt_bias=dtp.new_zeros(nh, 1).expand(nh, p),
+            dt_softplus=False,
+        )
         return y.to(x.dtype), new_state
     return _ssd_step_torch(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)

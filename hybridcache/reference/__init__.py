@@ -5,5 +5,13 @@ from hybridcache.reference.file import FileRunner, RecordingMismatch, write_json
 from hybridcache.reference.hf import HFRunner
 from hybridcache.reference.vllm_runner import VLLMRunner
 
-__all__ = ["FileRunner", "Generation", "RecordingMismatch", "HFRunner", "ReferenceRunner", "VLLMRunner", "generation_from_logits",
-           "write_jsonl"]
+__all__ = [
+    "FileRunner",
+    "Generation",
+    "RecordingMismatch",
+    "HFRunner",
+    "ReferenceRunner",
+    "VLLMRunner",
+    "generation_from_logits",
+    "write_jsonl",
+]

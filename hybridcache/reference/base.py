@@ -26,14 +26,21 @@ class Generation:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Generation":
+    def from_json(cls, data: dict[str, Any]) -> Generation:
         steps = [{int(k): float(v) for k, v in step.items()} for step in data["top_logprobs"]]
-        return cls(list(data["prompt"]), list(data["tokens"]), list(data["token_logprobs"]), steps,
-                   float(data.get("seconds", 0.0)), dict(data.get("meta", {})))
+        return cls(
+            list(data["prompt"]),
+            list(data["tokens"]),
+            list(data["token_logprobs"]),
+            steps,
+            float(data.get("seconds", 0.0)),
+            dict(data.get("meta", {})),
+        )
 
 
-def generation_from_logits(prompt: list[int], tokens: list[int], logits: torch.Tensor, top_k: int,
-                           seconds: float = 0.0) -> Generation:
+def generation_from_logits(
+    prompt: list[int], tokens: list[int], logits: torch.Tensor, top_k: int, seconds: float = 0.0
+) -> Generation:
     """Build a Generation from the raw logits [T_new, V] each token was chosen from."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)[: len(tokens)]
     chosen = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0]

@@ -34,22 +34,30 @@ def write_jsonl(path: str | Path, generations: list[Generation], meta: dict | No
 def check_identity(path: Path, recorded: dict[str, Any], expect: dict[str, Any]) -> None:
     """Refuse a recording whose identity differs from this run's (`expect`), naming what differs."""
     if "weights" not in recorded:
-        raise RecordingMismatch(f"{path} does not say which model and weights made it (recorded before identities "
-                                "were stored); record it again with +record=PATH.jsonl")
-    what = {"model_type": "model type", "weights": "weights fingerprint", "dtype": "dtype",
-            "packed_weights": "model.weights"}
+        raise RecordingMismatch(
+            f"{path} does not say which model and weights made it (recorded before identities "
+            "were stored); record it again with +record=PATH.jsonl"
+        )
+    what = {
+        "model_type": "model type",
+        "weights": "weights fingerprint",
+        "dtype": "dtype",
+        "packed_weights": "model.weights",
+    }
     for key in IDENTITY:
         if key in expect and recorded.get(key) != expect[key]:
             hint = " (another checkpoint or seed)" if key == "weights" else ""
             raise RecordingMismatch(
                 f"{path} was recorded with {what[key]} {recorded.get(key)!r}{hint}, this run has {expect[key]!r} "
                 f"(recorded from {recorded.get('checkpoint', '?')}); replay it with the same model and settings, or "
-                "record it again for this one")
+                "record it again for this one"
+            )
     for key in ("max_new_tokens", "top_k"):
         have, want = recorded.get(key), expect.get(key)
         if have is not None and want is not None and int(have) < int(want):
-            raise RecordingMismatch(f"{path} was recorded with {key}={have}, this run asks for {want}; set {key}<={have}"
-                                    " or record it again")
+            raise RecordingMismatch(
+                f"{path} was recorded with {key}={have}, this run asks for {want}; set {key}<={have} or record it again"
+            )
 
 
 class FileRunner(ReferenceRunner):
@@ -58,8 +66,9 @@ class FileRunner(ReferenceRunner):
 
     name = "file"
 
-    def __init__(self, path: str | Path, expect: dict[str, Any] | None = None,
-                 prompts: list[list[int]] | None = None) -> None:
+    def __init__(
+        self, path: str | Path, expect: dict[str, Any] | None = None, prompts: list[list[int]] | None = None
+    ) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise FileNotFoundError(f"reference file {self.path} does not exist (record one with +record=PATH.jsonl)")
@@ -91,7 +100,8 @@ class FileRunner(ReferenceRunner):
         if g is None:
             raise RecordingMismatch(
                 f"{self.path} has no recording for prompt {i} ({len(prompt)} tokens starting {prompt[:8]}); it was "
-                f"recorded for {len(self.records)} other prompt(s): record it again with the same prompts")
+                f"recorded for {len(self.records)} other prompt(s): record it again with the same prompts"
+            )
         return g
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, progress=None) -> list[Generation]:
@@ -100,10 +110,17 @@ class FileRunner(ReferenceRunner):
             g = self._find(prompt, i)
             recorded = g.meta.get("max_new_tokens")
             if recorded is not None and recorded < max_new_tokens:
-                raise RecordingMismatch(f"{self.path}: recorded with max_new_tokens={recorded}, this run asks for "
-                                        f"{max_new_tokens}")
-            trimmed = Generation(g.prompt, g.tokens[:max_new_tokens], g.token_logprobs[:max_new_tokens],
-                                 g.top_logprobs[:max_new_tokens], g.seconds, g.meta)
+                raise RecordingMismatch(
+                    f"{self.path}: recorded with max_new_tokens={recorded}, this run asks for {max_new_tokens}"
+                )
+            trimmed = Generation(
+                g.prompt,
+                g.tokens[:max_new_tokens],
+                g.token_logprobs[:max_new_tokens],
+                g.top_logprobs[:max_new_tokens],
+                g.seconds,
+                g.meta,
+            )
             out.append(trimmed)
             if progress is not None:
                 progress()

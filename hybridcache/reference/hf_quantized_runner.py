@@ -17,9 +17,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 WORKER = Path(__file__).with_name("hf_quantized_worker.py")
-INSTALL = ("python -m venv /work/hfq-env && /work/hfq-env/bin/pip install torch==2.13.0 && "
-           "/work/hfq-env/bin/pip install 'transformers==5.2.*' optimum-quanto safetensors ninja; "
-           "export HYBRIDCACHE_HFQ_PYTHON=/work/hfq-env/bin/python")
+INSTALL = (
+    "python -m venv /work/hfq-env && /work/hfq-env/bin/pip install torch==2.13.0 && "
+    "/work/hfq-env/bin/pip install 'transformers==5.2.*' optimum-quanto safetensors ninja; "
+    "export HYBRIDCACHE_HFQ_PYTHON=/work/hfq-env/bin/python"
+)
 
 
 class HFQuantizedUnavailable(RuntimeError):
@@ -33,29 +35,53 @@ class HFQuantizedWorkerError(RuntimeError):
 def hfq_python() -> str:
     path = os.environ.get("HYBRIDCACHE_HFQ_PYTHON")
     if not path:
-        raise HFQuantizedUnavailable(f"set HYBRIDCACHE_HFQ_PYTHON to a python with transformers 5.2 and "
-                                     f"optimum-quanto, e.g.: {INSTALL}")
+        raise HFQuantizedUnavailable(
+            f"set HYBRIDCACHE_HFQ_PYTHON to a python with transformers 5.2 and optimum-quanto, e.g.: {INSTALL}"
+        )
     if not Path(path).exists():
         raise HFQuantizedUnavailable(f"HYBRIDCACHE_HFQ_PYTHON={path} does not exist; build it with: {INSTALL}")
     return path
 
 
-def run_hf_quantized(keys: torch.Tensor, values: torch.Tensor, splits: list[int], *, nbits: int = 4,
-                     axis_key: int = 0, axis_value: int = 0, q_group_size: int = 64, residual_length: int = 128,
-                     timeout: float = 600.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run_hf_quantized(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    splits: list[int],
+    *,
+    nbits: int = 4,
+    axis_key: int = 0,
+    axis_value: int = 0,
+    q_group_size: int = 64,
+    residual_length: int = 128,
+    timeout: float = 600.0,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Feed keys, values [B, H, N, D] through HF 5.2's QuantoQuantizedLayer in blocks of `splits` tokens; returns
     (keys, values) the attention sees for each block."""
     if sum(splits) != keys.shape[2] or min(splits) <= 0:
         raise ValueError(f"splits {splits} must be positive and sum to {keys.shape[2]} tokens")
     python = hfq_python()
-    request = dict(splits=list(splits), nbits=nbits, axis_key=axis_key, axis_value=axis_value,
-                   q_group_size=q_group_size, residual_length=residual_length)
+    request = dict(
+        splits=list(splits),
+        nbits=nbits,
+        axis_key=axis_key,
+        axis_value=axis_value,
+        q_group_size=q_group_size,
+        residual_length=residual_length,
+    )
     with tempfile.TemporaryDirectory(prefix="hfq-") as tmp:
         src, dst = Path(tmp, "in.safetensors"), Path(tmp, "out.safetensors")
-        save_file({"keys": keys.detach().cpu().contiguous(), "values": values.detach().cpu().contiguous()}, src,
-                  metadata={"request": json.dumps(request)})
-        proc = subprocess.run([python, str(WORKER), str(src), str(dst)], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "PYTHONPATH": ""})
+        save_file(
+            {"keys": keys.detach().cpu().contiguous(), "values": values.detach().cpu().contiguous()},
+            src,
+            metadata={"request": json.dumps(request)},
+        )
+        proc = subprocess.run(
+            [python, str(WORKER), str(src), str(dst)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONPATH": ""},
+        )
         if proc.returncode != 0:
             raise HFQuantizedWorkerError(f"hf_quantized worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
         out = load_file(dst)
@@ -66,21 +92,45 @@ def run_hf_quantized(keys: torch.Tensor, values: torch.Tensor, splits: list[int]
     return [(out[f"keys.{i}"], out[f"values.{i}"]) for i in range(len(splits))]
 
 
-def run_hf_quantized_model(checkpoint: str | os.PathLike, prompt_ids: torch.Tensor, cont_ids: torch.Tensor, *,
-                           nbits: int | None = 4, axis_key: int = 0, axis_value: int = 0, q_group_size: int = 64,
-                           residual_length: int = 128, timeout: float = 900.0) -> torch.Tensor:
+def run_hf_quantized_model(
+    checkpoint: str | os.PathLike,
+    prompt_ids: torch.Tensor,
+    cont_ids: torch.Tensor,
+    *,
+    nbits: int | None = 4,
+    axis_key: int = 0,
+    axis_value: int = 0,
+    q_group_size: int = 64,
+    residual_length: int = 128,
+    timeout: float = 900.0,
+) -> torch.Tensor:
     """HF 5.2's model on a HF-format `checkpoint` (float32, CPU, eager): prefill `prompt_ids` [1, P] into a
     QuantizedCache(quanto) (nbits None: a DynamicCache), then `cont_ids` [1, T] in one forward. Returns the logits
     [T, V] predicting each continuation token (the prompt's last, then the continuation's but its last)."""
     python = hfq_python()
-    request = dict(mode="model", checkpoint=str(checkpoint), nbits=nbits, axis_key=axis_key, axis_value=axis_value,
-                   q_group_size=q_group_size, residual_length=residual_length)
+    request = dict(
+        mode="model",
+        checkpoint=str(checkpoint),
+        nbits=nbits,
+        axis_key=axis_key,
+        axis_value=axis_value,
+        q_group_size=q_group_size,
+        residual_length=residual_length,
+    )
     with tempfile.TemporaryDirectory(prefix="hfq-") as tmp:
         src, dst = Path(tmp, "in.safetensors"), Path(tmp, "out.safetensors")
-        save_file({"prompt_ids": prompt_ids.long().contiguous(), "cont_ids": cont_ids.long().contiguous()}, src,
-                  metadata={"request": json.dumps(request)})
-        proc = subprocess.run([python, str(WORKER), str(src), str(dst)], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "PYTHONPATH": ""})
+        save_file(
+            {"prompt_ids": prompt_ids.long().contiguous(), "cont_ids": cont_ids.long().contiguous()},
+            src,
+            metadata={"request": json.dumps(request)},
+        )
+        proc = subprocess.run(
+            [python, str(WORKER), str(src), str(dst)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONPATH": ""},
+        )
         if proc.returncode != 0:
             raise HFQuantizedWorkerError(f"hf_quantized worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
         with safe_open(dst, framework="pt") as f:

@@ -27,14 +27,21 @@ def run_model(request: dict, data: dict) -> dict:
     from transformers.cache_utils import DynamicCache, QuantizedCache  # noqa: PLC0415
 
     torch.set_grad_enabled(False)
-    model = AutoModelForCausalLM.from_pretrained(request["checkpoint"], dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        request["checkpoint"], dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     if request["nbits"] is None:
         cache = DynamicCache(config=model.config)
     else:
-        cache = QuantizedCache("quanto", model.config, nbits=request["nbits"], axis_key=request["axis_key"],
-                               axis_value=request["axis_value"], q_group_size=request["q_group_size"],
-                               residual_length=request["residual_length"])
+        cache = QuantizedCache(
+            "quanto",
+            model.config,
+            nbits=request["nbits"],
+            axis_key=request["axis_key"],
+            axis_value=request["axis_value"],
+            q_group_size=request["q_group_size"],
+            residual_length=request["residual_length"],
+        )
     first = model(input_ids=data["prompt_ids"], past_key_values=cache, use_cache=True).logits[0, -1:]
     rest = model(input_ids=data["cont_ids"], past_key_values=cache, use_cache=True).logits[0, :-1]
     return {"logits": torch.cat([first, rest]).contiguous()}
@@ -46,19 +53,26 @@ def main(src: str, dst: str) -> None:
     data = load_file(src)
     if request.get("mode") == "model":
         import transformers  # noqa: PLC0415
+
         save_file(run_model(request, data), dst, metadata={"transformers": transformers.__version__})
         return
     from transformers.cache_utils import QuantoQuantizedLayer  # noqa: PLC0415 (the other environment's)
+
     keys, values = data["keys"], data["values"]
-    layer = QuantoQuantizedLayer(nbits=request["nbits"], axis_key=request["axis_key"],
-                                 axis_value=request["axis_value"], q_group_size=request["q_group_size"],
-                                 residual_length=request["residual_length"])
+    layer = QuantoQuantizedLayer(
+        nbits=request["nbits"],
+        axis_key=request["axis_key"],
+        axis_value=request["axis_value"],
+        q_group_size=request["q_group_size"],
+        residual_length=request["residual_length"],
+    )
     out, start = {}, 0
     for i, n in enumerate(request["splits"]):
-        k, v = layer.update(keys[:, :, start:start + n], values[:, :, start:start + n])
+        k, v = layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
         out[f"keys.{i}"], out[f"values.{i}"] = k.contiguous(), v.contiguous()
         start += n
     import transformers  # noqa: PLC0415
+
     save_file(out, dst, metadata={"transformers": transformers.__version__, "torch": torch.__version__})
 
 

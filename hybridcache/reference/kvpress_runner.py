@@ -18,9 +18,10 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -30,8 +31,16 @@ WORKER = Path(__file__).with_name("kvpress_worker.py")
 ENV_VAR = "HYBRIDCACHE_KVPRESS_PYTHON"
 SUPPORTED_KVPRESS = ("0.5.5",)
 # Our cache type names (the worker maps them to kvpress classes; a test checks both lists agree).
-PRESS_NAMES = ("streaming_llm", "snapkv", "knorm", "tova", "observed_attention", "expected_attention", "pyramidkv",
-               "none")
+PRESS_NAMES = (
+    "streaming_llm",
+    "snapkv",
+    "knorm",
+    "tova",
+    "observed_attention",
+    "expected_attention",
+    "pyramidkv",
+    "none",
+)
 FEEDS = ("one_forward", "per_token")
 MAX_RESULT_BYTES = 256 * 2**20
 _TENSOR_NAME = re.compile(r"^(kept|slots)\.(\d+)$")
@@ -52,20 +61,25 @@ class KvpressTimeout(TimeoutError):
 def install_commands(env: str = "~/kvpress-env") -> str:
     """How to create the environment. Pin transformers: with a newer one pip silently picks kvpress 0.5.2, which
     fails on it."""
-    return (f"python -m venv {env} && {env}/bin/pip install torch==2.13.0 && "
-            f"{env}/bin/pip install kvpress==0.5.5 'transformers==5.2.*' && export {ENV_VAR}={env}/bin/python")
+    return (
+        f"python -m venv {env} && {env}/bin/pip install torch==2.13.0 && "
+        f"{env}/bin/pip install kvpress==0.5.5 'transformers==5.2.*' && export {ENV_VAR}={env}/bin/python"
+    )
 
 
 def find_kvpress_python(python: str | None = None) -> str:
     """The kvpress environment's interpreter: `python`, else $HYBRIDCACHE_KVPRESS_PYTHON."""
     python = python or os.environ.get(ENV_VAR)
     if not python:
-        raise KvpressUnavailable(f"the kvpress reference needs {ENV_VAR}=<python of a kvpress environment>; "
-                                 f"create one with: {install_commands()}")
+        raise KvpressUnavailable(
+            f"the kvpress reference needs {ENV_VAR}=<python of a kvpress environment>; "
+            f"create one with: {install_commands()}"
+        )
     path = Path(python).expanduser()
     if not (path.is_file() and os.access(path, os.X_OK)):
-        raise KvpressUnavailable(f"{ENV_VAR}={python} is not an executable interpreter; create one with: "
-                                 f"{install_commands()}")
+        raise KvpressUnavailable(
+            f"{ENV_VAR}={python} is not an executable interpreter; create one with: {install_commands()}"
+        )
     return str(path)
 
 
@@ -76,13 +90,13 @@ class KvpressResult:
     prefill kept, if it got that far."""
 
     press: str
-    kept: dict[int, torch.Tensor]   # layer -> [Hkv, n_kept] int64 original positions, ascending per head
+    kept: dict[int, torch.Tensor]  # layer -> [Hkv, n_kept] int64 original positions, ascending per head
     slots: dict[int, torch.Tensor]  # layer -> [Hkv, n_kept] the same positions in kvpress's cache-slot order
-    nll: torch.Tensor | None        # [T_cont] float32
+    nll: torch.Tensor | None  # [T_cont] float32
     meta: dict[str, Any] = field(default_factory=dict)
     context_len: int = 0
     error: str | None = None
-    wall_s: float = 0.0             # the whole subprocess: interpreter start, imports, model load, both forwards
+    wall_s: float = 0.0  # the whole subprocess: interpreter start, imports, model load, both forwards
 
     @property
     def ok(self) -> bool:
@@ -99,11 +113,21 @@ class KvpressResult:
         return sorted(i for i, k in self.kept.items() if k.shape[1] < self.context_len)
 
 
-def run_press(checkpoint_dir: str | Path, context_ids: Sequence[int] | torch.Tensor,
-              continuation_ids: Sequence[int] | torch.Tensor, press: str = "snapkv", compression_ratio: float = 0.5,
-              *, python: str | None = None, attn_implementation: str | None = None, dtype: str = "float32",
-              feed: str = "one_forward", timeout: float = 900, threads: int | None = None,
-              **press_kwargs: Any) -> KvpressResult:
+def run_press(
+    checkpoint_dir: str | Path,
+    context_ids: Sequence[int] | torch.Tensor,
+    continuation_ids: Sequence[int] | torch.Tensor,
+    press: str = "snapkv",
+    compression_ratio: float = 0.5,
+    *,
+    python: str | None = None,
+    attn_implementation: str | None = None,
+    dtype: str = "float32",
+    feed: str = "one_forward",
+    timeout: float = 900,
+    threads: int | None = None,
+    **press_kwargs: Any,
+) -> KvpressResult:
     """Prefill `context_ids` (batch 1) under kvpress's `press` (our cache type name; extra keyword arguments such as
     window_size, kernel_size or n_sink go to the press), then score `continuation_ids` with position_ids continuing
     from the context, in one forward (feed="one_forward", as kvpress's pipeline feeds a question) or one token per
@@ -121,28 +145,44 @@ def run_press(checkpoint_dir: str | Path, context_ids: Sequence[int] | torch.Ten
         press_kwargs = {"compression_ratio": float(compression_ratio), **press_kwargs}
     elif press_kwargs:
         raise ValueError(f"press 'none' takes no press arguments (got {sorted(press_kwargs)})")
-    request = {"checkpoint": str(Path(checkpoint_dir).resolve()), "context_ids": context,
-               "continuation_ids": continuation, "press": press, "press_kwargs": press_kwargs,
-               "attn_implementation": attn_implementation, "dtype": dtype, "feed": feed, "threads": threads}
+    request = {
+        "checkpoint": str(Path(checkpoint_dir).resolve()),
+        "context_ids": context,
+        "continuation_ids": continuation,
+        "press": press,
+        "press_kwargs": press_kwargs,
+        "attn_implementation": attn_implementation,
+        "dtype": dtype,
+        "feed": feed,
+        "threads": threads,
+    }
     with tempfile.TemporaryDirectory(prefix="kvpress-") as tmp:
         req, ans, res = Path(tmp) / "request.json", Path(tmp) / "answer.json", Path(tmp) / "result.safetensors"
         req.write_text(json.dumps(request))
         started = time.perf_counter()
         try:
-            code, stdout, stderr = run_worker([interpreter, str(WORKER), str(req), str(ans), str(res)], timeout,
-                                              Path(tmp), label="kvpress")
+            code, stdout, stderr = run_worker(
+                [interpreter, str(WORKER), str(req), str(ans), str(res)], timeout, Path(tmp), label="kvpress"
+            )
         except TimeoutError as e:
             raise KvpressTimeout(str(e)) from None
         except OSError as e:  # the interpreter could not even start
-            raise KvpressUnavailable(f"{interpreter} did not start ({e}); create one with: {install_commands()}")
+            raise KvpressUnavailable(f"{interpreter} did not start ({e}); create one with: {install_commands()}") from e
         wall_s = time.perf_counter() - started
         if not ans.exists():
             raise KvpressWorkerError(f"the kvpress worker failed (exit {code}): {root_cause(stderr, stdout)}")
         return read_answer(ans, res, press, len(context), len(continuation), config, wall_s)
 
 
-def read_answer(answer_path: Path, result_path: Path, press: str, context_len: int, continuation_len: int,
-                config: dict, wall_s: float = 0.0) -> KvpressResult:
+def read_answer(
+    answer_path: Path,
+    result_path: Path,
+    press: str,
+    context_len: int,
+    continuation_len: int,
+    config: dict,
+    wall_s: float = 0.0,
+) -> KvpressResult:
     """Parse and check the worker's files against what was asked (layer count and kv heads from our own read of
     config.json); anything off raises KvpressWorkerError."""
     try:
@@ -160,11 +200,15 @@ def read_answer(answer_path: Path, result_path: Path, press: str, context_len: i
             raise KvpressWorkerError(f"the kvpress worker refused the request: {error}")
     version = (meta.get("versions") or {}).get("kvpress")
     if meta.get("versions") is not None and version not in SUPPORTED_KVPRESS:
-        raise KvpressUnavailable(f"this environment has kvpress {version}, not {' or '.join(SUPPORTED_KVPRESS)}; "
-                                 f"create one with: {install_commands()}")
+        raise KvpressUnavailable(
+            f"this environment has kvpress {version}, not {' or '.join(SUPPORTED_KVPRESS)}; "
+            f"create one with: {install_commands()}"
+        )
     tensors = _load_tensors(result_path) if result_path.exists() else {}
-    layers, heads = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads",
-                                                                     config["num_attention_heads"]))
+    layers, heads = (
+        int(config["num_hidden_layers"]),
+        int(config.get("num_key_value_heads", config["num_attention_heads"])),
+    )
     kept, slots = {}, {}
     for name, value in tensors.items():
         match = _TENSOR_NAME.match(name)
@@ -188,8 +232,9 @@ def read_answer(answer_path: Path, result_path: Path, press: str, context_len: i
             raise KvpressWorkerError("the kvpress meta's mean_nll disagrees with its NLL tensor")
         if press != "none" and sorted(kept) != sorted(int(i) for i in meta.get("hooked_layers", [])):
             raise KvpressWorkerError("the kvpress result lacks the kept positions of some compressed layer")
-    return KvpressResult(press, dict(sorted(kept.items())), dict(sorted(slots.items())), nll, meta, context_len,
-                         error, wall_s)
+    return KvpressResult(
+        press, dict(sorted(kept.items())), dict(sorted(slots.items())), nll, meta, context_len, error, wall_s
+    )
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -204,12 +249,14 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise KvpressWorkerError(f"the kvpress result is not a valid safetensors file: {e}") from None
 
 
-def _check_positions(layer: int, kept: torch.Tensor, slots: torch.Tensor | None, heads: int, context_len: int,
-                     meta: dict) -> None:
+def _check_positions(
+    layer: int, kept: torch.Tensor, slots: torch.Tensor | None, heads: int, context_len: int, meta: dict
+) -> None:
     where = f"kvpress layer {layer}"
     if kept.dtype != torch.int64 or kept.dim() != 2 or kept.shape[0] != heads:
-        raise KvpressWorkerError(f"{where}: kept positions must be int64 [{heads}, n_kept], not "
-                                 f"{kept.dtype} {list(kept.shape)}")
+        raise KvpressWorkerError(
+            f"{where}: kept positions must be int64 [{heads}, n_kept], not {kept.dtype} {list(kept.shape)}"
+        )
     if kept.numel() and (kept.min() < 0 or kept.max() >= context_len or not (kept[:, 1:] > kept[:, :-1]).all()):
         raise KvpressWorkerError(f"{where}: kept positions must be distinct, ascending, in [0, {context_len})")
     if slots is None or slots.dtype != torch.int64 or not torch.equal(slots.sort(dim=-1).values, kept):

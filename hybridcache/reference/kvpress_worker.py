@@ -109,8 +109,11 @@ def kept_slots(before: tuple, after: tuple):
         for j, row in enumerate(_rows(k1, v1, head)):
             hits = where.get(row, [])
             if len(hits) != 1:
-                why = (f"{len(hits)} original positions hold this exact (key, value) pair" if hits else
-                       "the pair is not in the uncompressed cache (the press changed rows, not only chose them)")
+                why = (
+                    f"{len(hits)} original positions hold this exact (key, value) pair"
+                    if hits
+                    else "the pair is not in the uncompressed cache (the press changed rows, not only chose them)"
+                )
                 raise PositionsUnrecoverable(f"head {head} slot {j}: {why}; positions cannot be recovered")
             found.append(hits[0])
         slots.append(found)
@@ -149,8 +152,10 @@ def run(request: dict, result_path: str) -> dict:
     try:
         import kvpress
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
-        return {"error": f"kvpress is not importable in this interpreter: {type(e).__name__}: {e}",
-                "kind": "unavailable"}
+        return {
+            "error": f"kvpress is not importable in this interpreter: {type(e).__name__}: {e}",
+            "kind": "unavailable",
+        }
     transformers.logging.set_verbosity_error()
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # its 'model not tested' warning goes to meta instead
     name, kwargs = request["press"], dict(request.get("press_kwargs") or {})
@@ -170,18 +175,32 @@ def run(request: dict, result_path: str) -> dict:
 
     started = time.perf_counter()
     config = AutoConfig.from_pretrained(request["checkpoint"])
-    model = AutoModelForCausalLM.from_pretrained(request["checkpoint"], dtype=getattr(torch, request.get("dtype",
-                                                 "float32")), attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        request["checkpoint"], dtype=getattr(torch, request.get("dtype", "float32")), attn_implementation=attn
+    ).eval()
     load_s = time.perf_counter() - started
-    meta = {"press": name, "press_class": None, "press_kwargs": kwargs, "attn_implementation": attn,
-            "dtype": request.get("dtype", "float32"), "feed": feed, "model_class": type(model).__name__,
-            "kvpress_tested_model": isinstance(model, kvpress.presses.base_press.SUPPORTED_MODELS),
-            "kvpress_version": getattr(kvpress, "__version__", None) or _version("kvpress"),
-            "versions": {"kvpress": getattr(kvpress, "__version__", None) or _version("kvpress"),
-                         "transformers": transformers.__version__, "torch": torch.__version__},
-            "context_len": t_ctx, "continuation_len": t_cont, "num_layers": config.num_hidden_layers,
-            "num_kv_heads": config.num_key_value_heads,
-            "layer_types": list(getattr(config, "layer_types", None) or []), "timings": {"load_s": load_s}}
+    meta = {
+        "press": name,
+        "press_class": None,
+        "press_kwargs": kwargs,
+        "attn_implementation": attn,
+        "dtype": request.get("dtype", "float32"),
+        "feed": feed,
+        "model_class": type(model).__name__,
+        "kvpress_tested_model": isinstance(model, kvpress.presses.base_press.SUPPORTED_MODELS),
+        "kvpress_version": getattr(kvpress, "__version__", None) or _version("kvpress"),
+        "versions": {
+            "kvpress": getattr(kvpress, "__version__", None) or _version("kvpress"),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        "context_len": t_ctx,
+        "continuation_len": t_cont,
+        "num_layers": config.num_hidden_layers,
+        "num_kv_heads": config.num_key_value_heads,
+        "layer_types": list(getattr(config, "layer_types", None) or []),
+        "timings": {"load_s": load_s},
+    }
 
     tensors, records = {}, {}
     try:
@@ -195,7 +214,7 @@ def run(request: dict, result_path: str) -> dict:
     stage = "prefill"
     try:
         started = time.perf_counter()
-        with torch.no_grad(), (press(model) if press is not None else nullcontext()):
+        with torch.no_grad(), press(model) if press is not None else nullcontext():
             first = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits[:, -1]  # [1, V]
         meta["timings"]["prefill_s"] = time.perf_counter() - started
         meta["cache_layer_classes"] = sorted({type(layer).__name__ for layer in cache.layers})
@@ -208,8 +227,17 @@ def run(request: dict, result_path: str) -> dict:
             if feed == "one_forward":  # the pipeline's question forward
                 logits = model(input_ids=continuation, past_key_values=cache, position_ids=positions).logits
             else:  # the pipeline's decoding loop, teacher-forced: one token per forward
-                logits = torch.cat([model(input_ids=continuation[:, t:t + 1], past_key_values=cache,
-                                          position_ids=positions[:, t:t + 1]).logits for t in range(t_cont)], dim=1)
+                logits = torch.cat(
+                    [
+                        model(
+                            input_ids=continuation[:, t : t + 1],
+                            past_key_values=cache,
+                            position_ids=positions[:, t : t + 1],
+                        ).logits
+                        for t in range(t_cont)
+                    ],
+                    dim=1,
+                )
             # logits: [1, T_cont, V]
         meta["timings"]["continuation_s"] = time.perf_counter() - started
     except PositionsUnrecoverable:
@@ -228,8 +256,9 @@ def run(request: dict, result_path: str) -> dict:
 
 def _store_kept(records: dict, tensors: dict, meta: dict) -> None:
     meta["hooked_layers"] = sorted(records)
-    meta["compressed_layers"] = sorted(i for i, (_, slots) in records.items() if slots is not None
-                                       and slots.shape[1] < records[i][0])
+    meta["compressed_layers"] = sorted(
+        i for i, (_, slots) in records.items() if slots is not None and slots.shape[1] < records[i][0]
+    )
     meta["n_kept"] = {}
     for i, (_, slots) in sorted(records.items()):
         if slots is None:
@@ -244,8 +273,12 @@ def _failed(error, stage, meta, tensors, result_path, save_file) -> dict:
     if tensors:
         save_file(tensors, result_path)
     one_line = " ".join(str(error).split())[:500]
-    return {"error": f"reference failed in the {stage}: {type(error).__name__}: {one_line}", "kind": "reference",
-            "stage": stage, "meta": meta}
+    return {
+        "error": f"reference failed in the {stage}: {type(error).__name__}: {one_line}",
+        "kind": "reference",
+        "stage": stage,
+        "meta": meta,
+    }
 
 
 def _version(package: str):

@@ -9,16 +9,23 @@ prompt in one forward, compressed at its end; the continuation in one forward at
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from hybridcache.reference.kvpress_runner import KvpressResult, run_press
 
-KVPRESS_CLASS = {"streaming_llm": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress",
-                 "tova": "TOVAPress", "observed_attention": "ObservedAttentionPress",
-                 "expected_attention": "ExpectedAttentionPress", "pyramidkv": "PyramidKVPress"}
+KVPRESS_CLASS = {
+    "streaming_llm": "StreamingLLMPress",
+    "snapkv": "SnapKVPress",
+    "knorm": "KnormPress",
+    "tova": "TOVAPress",
+    "observed_attention": "ObservedAttentionPress",
+    "expected_attention": "ExpectedAttentionPress",
+    "pyramidkv": "PyramidKVPress",
+}
 # kvpress 0.5.5 on transformers 5.2 scores pyramidkv's continuation only token by token (its layers' cache lengths
 # differ and 5.2 sizes every layer's mask from layer 0); the NLL is the same quantity
 FEED = {"pyramidkv": "per_token"}
@@ -69,14 +76,24 @@ def agreement(ours: dict[int, torch.Tensor], theirs: dict[int, torch.Tensor]) ->
     per_layer = {}
     for layer, ref in theirs.items():
         mine = ours[layer]
-        shares = [len(set(mine[h][mine[h] >= 0].tolist()) & set(ref[h].tolist())) / max(1, ref.shape[1])
-                  for h in range(ref.shape[0])]
+        shares = [
+            len(set(mine[h][mine[h] >= 0].tolist()) & set(ref[h].tolist())) / max(1, ref.shape[1])
+            for h in range(ref.shape[0])
+        ]
         per_layer[layer] = sum(shares) / len(shares)
     return per_layer
 
 
-def check_press(model, checkpoint_dir, context_ids: Sequence[int], continuation_ids: Sequence[int], method: str,
-                compression_ratio: float, reference: KvpressResult | None = None, **press_kwargs: Any) -> PressCheck:
+def check_press(
+    model,
+    checkpoint_dir,
+    context_ids: Sequence[int],
+    continuation_ids: Sequence[int],
+    method: str,
+    compression_ratio: float,
+    reference: KvpressResult | None = None,
+    **press_kwargs: Any,
+) -> PressCheck:
     """Run `method` at `compression_ratio` on every attention layer (mode: prefill, kvpress's semantics) in our
     cache and in kvpress (unless `reference` is given), and compare."""
     context = torch.tensor([list(context_ids)])
@@ -84,17 +101,30 @@ def check_press(model, checkpoint_dir, context_ids: Sequence[int], continuation_
     config = {"attention": {"type": method, "compression_ratio": compression_ratio, "mode": "prefill", **press_kwargs}}
     nll, cache = continuation_nll(model, context, continuation, config)
     if reference is None:
-        reference = run_press(checkpoint_dir, context_ids, continuation_ids, press=method,
-                              compression_ratio=compression_ratio, feed=FEED.get(method, "one_forward"),
-                              **press_kwargs)
+        reference = run_press(
+            checkpoint_dir,
+            context_ids,
+            continuation_ids,
+            press=method,
+            compression_ratio=compression_ratio,
+            feed=FEED.get(method, "one_forward"),
+            **press_kwargs,
+        )
     version = reference.meta.get("kvpress_version", "0.5.5")
     theirs = {i: k for i, k in reference.kept.items() if k.shape[1] < len(context_ids)}
     per_layer = agreement(kept_positions(cache), theirs)
     ref_nll = reference.nll
     return PressCheck(
-        method=method, compression_ratio=compression_ratio, reference=f"kvpress {version} {KVPRESS_CLASS[method]}",
-        ours_nll=float(nll.mean()), reference_nll=None if ref_nll is None else float(ref_nll.mean()),
+        method=method,
+        compression_ratio=compression_ratio,
+        reference=f"kvpress {version} {KVPRESS_CLASS[method]}",
+        ours_nll=float(nll.mean()),
+        reference_nll=None if ref_nll is None else float(ref_nll.mean()),
         max_token_nll_diff=None if ref_nll is None else float((nll - ref_nll.to(nll.dtype)).abs().max()),
-        kept_agreement=sum(per_layer.values()) / max(1, len(per_layer)), layers_compared=len(per_layer),
-        kept_tokens=sum(int(k.shape[1]) for k in theirs.values()), reference_error=reference.error,
-        reference_seconds=reference.wall_s, per_layer=per_layer)
+        kept_agreement=sum(per_layer.values()) / max(1, len(per_layer)),
+        layers_compared=len(per_layer),
+        kept_tokens=sum(int(k.shape[1]) for k in theirs.values()),
+        reference_error=reference.error,
+        reference_seconds=reference.wall_s,
+        per_layer=per_layer,
+    )

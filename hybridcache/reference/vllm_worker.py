@@ -22,20 +22,38 @@ def main(request_path: str, answer_path: str) -> None:
         return
     arch = request.get("architectures") or []
     if current_platform.is_cpu() and MAMBA1 & set(arch):
-        json.dump({"error": f"vLLM on CPU has no Mamba1 kernel, so it cannot run {', '.join(arch)}; "
-                            "use a GPU vLLM environment or reference=hf"}, open(answer_path, "w"))
+        json.dump(
+            {
+                "error": f"vLLM on CPU has no Mamba1 kernel, so it cannot run {', '.join(arch)}; "
+                "use a GPU vLLM environment or reference=hf"
+            },
+            open(answer_path, "w"),
+        )
         return
     started = time.perf_counter()
-    llm = LLM(model=request["model"], dtype=request.get("dtype", "float32"), skip_tokenizer_init=True,
-              max_model_len=request["max_model_len"], enforce_eager=True, seed=0,
-              **request.get("engine_args", {}))
+    llm = LLM(
+        model=request["model"],
+        dtype=request.get("dtype", "float32"),
+        skip_tokenizer_init=True,
+        max_model_len=request["max_model_len"],
+        enforce_eager=True,
+        seed=0,
+        **request.get("engine_args", {}),
+    )
     engine_seconds = time.perf_counter() - started
     if request.get("timing"):  # the benchmark: prefill and decode times per batch, one engine for all of them
-        json.dump({"timings": timings(llm, request, SamplingParams, TokensPrompt), "engine_seconds": engine_seconds},
-                  open(answer_path, "w"))
+        json.dump(
+            {"timings": timings(llm, request, SamplingParams, TokensPrompt), "engine_seconds": engine_seconds},
+            open(answer_path, "w"),
+        )
         return
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], logprobs=request["top_k"],
-                            detokenize=False, stop_token_ids=request.get("stop_token_ids") or None)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=request["max_new_tokens"],
+        logprobs=request["top_k"],
+        detokenize=False,
+        stop_token_ids=request.get("stop_token_ids") or None,
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -47,15 +65,24 @@ def main(request_path: str, answer_path: str) -> None:
         steps = completion.logprobs or []
         top = [{str(t): lp.logprob for t, lp in step.items()} for step in steps]
         chosen = [step[t].logprob for t, step in zip(tokens, steps)]
-        results.append({"prompt": prompt, "tokens": tokens, "token_logprobs": chosen, "top_logprobs": top,
-                        "seconds": seconds / len(prompts)})
-    json.dump({"results": results, "engine_seconds": engine_seconds, "generate_seconds": seconds},
-              open(answer_path, "w"))
+        results.append(
+            {
+                "prompt": prompt,
+                "tokens": tokens,
+                "token_logprobs": chosen,
+                "top_logprobs": top,
+                "seconds": seconds / len(prompts),
+            }
+        )
+    json.dump(
+        {"results": results, "engine_seconds": engine_seconds, "generate_seconds": seconds}, open(answer_path, "w")
+    )
 
 
 def timings(llm, request, SamplingParams, TokensPrompt) -> list:
     """Per batch: a 1-token generation (prefill) and an N-token one back to back, medians over repeats after one
     warm-up pair; eos ignored so every run decodes exactly N tokens."""
+
     def params(n):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
 

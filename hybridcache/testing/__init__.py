@@ -25,7 +25,8 @@ own round trip of what it was handed (`layer.round_trip`), checkpoints and batch
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from hybridcache.cache import get_layer_class
 from hybridcache.cache.kv_codecs import available_codecs, codec_class
@@ -35,7 +36,10 @@ from hybridcache.testing.recurrent_kit import _RecurrentKit
 
 
 def check_cache_type(
-    name: str, params: Mapping[str, Any] | None = None, native: Mapping[str, Any] | None = None, seed: int = 0,
+    name: str,
+    params: Mapping[str, Any] | None = None,
+    native: Mapping[str, Any] | None = None,
+    seed: int = 0,
     cases: int = 6,
 ) -> dict[str, int]:
     """Run the contract checks on cache type `name`; raises ConformanceError naming the first broken property.
@@ -49,7 +53,9 @@ def check_cache_type(
     storage = params.get("storage")
     if cls.kind == "attention" and isinstance(storage, str) and storage in available_codecs():
         params = {**getattr(codec_class(storage), "kit_params", {}), **params}  # options fitting head_dim 8
-    native = dict(native or getattr(cls, "example_native", None) or (ATTENTION_SHAPES if cls.kind == "attention" else {}))
+    native = dict(
+        native or getattr(cls, "example_native", None) or (ATTENTION_SHAPES if cls.kind == "attention" else {})
+    )
     if cls.kind == "attention":
         return _AttentionKit(name, cls, native, params, seed).run(cases)
     return _RecurrentKit(name, cls, native, params, seed).run(cases)

@@ -94,8 +94,10 @@ class _AttentionKit(_Kit):
             if cache.nbytes() != cache.plan.held_nbytes(batch, seen):
                 _fail(where, f"holds {cache.nbytes()} bytes, the plan says {cache.plan.held_nbytes(batch, seen)}")
         elif bool(mask.all()) and layer.nbytes() > self.held_limit(layer, batch, seen):
-            _fail(where, f"holds {layer.nbytes()} bytes, more than the {self.held_limit(layer, batch, seen)} its "
-                         "pattern needs")
+            _fail(
+                where,
+                f"holds {layer.nbytes()} bytes, more than the {self.held_limit(layer, batch, seen)} its pattern needs",
+            )
         self.count("held <= needed")
 
     def held_limit(self, layer, batch: int, seen: int) -> int:
@@ -155,7 +157,9 @@ class _AttentionKit(_Kit):
         cache.restore(snap)
         cache.select(torch.tensor([1]))
         cache.repeat(2)
-        got = self.feed(cache, q[[1, 1]][:, :, n:], k[[1, 1]][:, :, n:], v[[1, 1]][:, :, n:], mask[[1, 1]][:, n:], [0, 1, 2])
+        got = self.feed(
+            cache, q[[1, 1]][:, :, n:], k[[1, 1]][:, :, n:], v[[1, 1]][:, :, n:], mask[[1, 1]][:, n:], [0, 1, 2]
+        )
         if (got - first[[1, 1]]).abs().max().item() > EXACT_TOL:
             _fail(where, "after select + repeat, rows did not continue with their own history")
         self.count("reorder / select / repeat")
@@ -179,8 +183,16 @@ class _AttentionKit(_Kit):
             with cache.block(None, 1):
                 pass
 
-        for call in (wrong_shape, wrong_dtype, unfed, lambda: layer.update(k[:, :, :1], v[:, :, :1]),
-                     lambda: cache.crop(99), lambda: cache.reorder([0, 5])):
+        for call in (
+            wrong_shape,
+            wrong_dtype,
+            unfed,
+            lambda: layer.update(k[:, :, :1], v[:, :, :1]),
+            lambda: cache.crop(99),
+            lambda: cache.reorder([0, 5]),
+        ):
             self.expect_refusal(where, cache, call)
         if max_length is not None:
-            self.expect_refusal(where, cache, lambda: self.feed(cache, *self.data(2, 50), torch.ones(2, 50, dtype=torch.bool), [0, 50]))
+            self.expect_refusal(
+                where, cache, lambda: self.feed(cache, *self.data(2, 50), torch.ones(2, 50, dtype=torch.bool), [0, 50])
+            )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,9 @@ class _Kit:
 
     def cache(self, batch: int, max_length: int | None, dtype=torch.float64) -> Cache:
         spec_params = {**self.native, "dtype": dtype}
-        config = {"layers": {0: {"type": self.name, **self.params, **({"max_length": max_length} if max_length else {})}}}
+        config = {
+            "layers": {0: {"type": self.name, **self.params, **({"max_length": max_length} if max_length else {})}}
+        }
         return Cache.build([NativeLayer(self.native_type, spec_params)], batch, config)
 
     def randint(self, lo: int, hi: int) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from hybridcache.cache import Cache, CacheCropError, NativeLayer
@@ -19,7 +18,10 @@ class _RecurrentKit(_Kit):
         return Cache.build([NativeLayer(self.name, {**self.native, "dtype": dtype})], batch, config)
 
     def states(self, cache: Cache) -> dict[str, torch.Tensor]:
-        return {n: torch.randn(t.shape, generator=self.g, dtype=torch.float64).to(t.dtype) for n, t in cache[0].states.items()}
+        return {
+            n: torch.randn(t.shape, generator=self.g, dtype=torch.float64).to(t.dtype)
+            for n, t in cache[0].states.items()
+        }
 
     @staticmethod
     def held(layer, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -42,7 +44,9 @@ class _RecurrentKit(_Kit):
             for name, (shape, dtype) in layer.spec.state_shapes().items():
                 t = layer.states[name]
                 if tuple(t.shape) != (batch, *shape) or t.dtype != dtype:
-                    _fail(where, f"state '{name}' is {tuple(t.shape)} {t.dtype}, the spec says {(batch, *shape)} {dtype}")
+                    _fail(
+                        where, f"state '{name}' is {tuple(t.shape)} {t.dtype}, the spec says {(batch, *shape)} {dtype}"
+                    )
             n = self.randint(1, 8)
             mask = self.pads_mask(batch, n)
             new = self.feed(cache, mask)
@@ -79,15 +83,20 @@ class _RecurrentKit(_Kit):
             wrong = {k: v[..., :1] if v.dim() > 1 else v[:0] for k, v in self.states(cache).items()}
             first = next(iter(after))
 
-            def bad(states):
-                def call():
+            def bad(states, cache=cache, layer=layer):
+                def attempt():
                     with cache.block(None, 1):
                         layer.update(**states)
-                return call
 
-            for call in (bad(wrong), bad({first: after[first]}) if len(after) > 1 else bad({}),
-                         bad({k: v.to(torch.float16) for k, v in after.items()}),
-                         lambda: layer.update(**after), lambda: cache.crop(n + 1)):
+                return attempt
+
+            for call in (
+                bad(wrong),
+                bad({first: after[first]}) if len(after) > 1 else bad({}),
+                bad({k: v.to(torch.float16) for k, v in after.items()}),
+                lambda layer=layer, after=after: layer.update(**after),
+                lambda cache=cache, n=n: cache.crop(n + 1),
+            ):
                 self.expect_refusal(where, cache, call)
             self.check_checkpoints(where, batch)
         return self.counts
@@ -103,8 +112,10 @@ class _RecurrentKit(_Kit):
         for _ in range(self.randint(1, 3)):
             tokens, start = self.randint(1, 4), cache.columns
             m = layer.trail_length(tokens)
-            trail = {n: torch.randn((batch, m, *t.shape[1:]), generator=self.g, dtype=torch.float64).to(t.dtype)
-                     for n, t in layer.states.items()}
+            trail = {
+                n: torch.randn((batch, m, *t.shape[1:]), generator=self.g, dtype=torch.float64).to(t.dtype)
+                for n, t in layer.states.items()
+            }
             final = self.states(cache)
             with cache.block(None, tokens):
                 layer.update(trail=trail if m else None, **final)
@@ -119,8 +130,10 @@ class _RecurrentKit(_Kit):
             cache.restore(snap)
             cache.crop(n)
             if cache.columns != n or any(not torch.equal(layer.states[s], after[n][s]) for s in after[n]):
-                _fail(where, f"crop({n}) with checkpoints={k} after {end} columns does not give the states after "
-                             f"column {n}")
+                _fail(
+                    where,
+                    f"crop({n}) with checkpoints={k} after {end} columns does not give the states after column {n}",
+                )
             self.count("crop to a checkpoint (exact)")
         cache.restore(snap)
         too_old = [c for c in after if c < end - k]

@@ -10,8 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.common import cache_config_from_hydra
-from hybridcache.cache.plan import flatten_native
 from hybridcache.cache import CacheConfigError, resolve_plan
+from hybridcache.cache.plan import flatten_native
 from hybridcache.models import model_class
 from hybridcache.tiny_models import FAMILIES, tiny_config
 
@@ -70,7 +70,9 @@ def test_hybrid_sliding_keeps_gemma3_native_sliding_windows():
     assert {plan[i].spec.window for i, n in enumerate(native) if n.type == "full"} == {64}
     assert plan.changed(native_plan) == [str(i) for i, n in enumerate(native) if n.type == "full"]
     # every attention layer, natively sliding ones included, on request
-    everything = compose_cfg("model=gemma3", "cache=native", "cache.attention.type=sliding", "cache.attention.window=32")
+    everything = compose_cfg(
+        "model=gemma3", "cache=native", "cache.attention.type=sliding", "cache.attention.window=32"
+    )
     plan = resolve_plan(native, cache_config_from_hydra(everything.cache)[0])
     assert {p.spec.window for p in plan.layers} == {32}
 
@@ -78,10 +80,21 @@ def test_hybrid_sliding_keeps_gemma3_native_sliding_windows():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_has_every_documented_field(preset):
     """One schema: any documented field can be overridden on any preset without `+`."""
-    fields = ["cache.attention.type=sink", "cache.attention.window=16", "cache.attention.chunk_size=8",
-              "cache.attention.sinks=4", "cache.attention.storage=int8", "cache.full.type=sliding",
-              "cache.full.window=16", "cache.full.storage=int8", "cache.sliding.window=4", "cache.chunked.chunk_size=8",
-              "cache.recurrent.state_dtype=float32", "cache.preallocate=true", "cache.plugins=[]"]
+    fields = [
+        "cache.attention.type=sink",
+        "cache.attention.window=16",
+        "cache.attention.chunk_size=8",
+        "cache.attention.sinks=4",
+        "cache.attention.storage=int8",
+        "cache.full.type=sliding",
+        "cache.full.window=16",
+        "cache.full.storage=int8",
+        "cache.sliding.window=4",
+        "cache.chunked.chunk_size=8",
+        "cache.recurrent.state_dtype=float32",
+        "cache.preallocate=true",
+        "cache.plugins=[]",
+    ]
     cfg = compose_cfg("model=gemma3", f"cache={preset}", *fields)
     assert cfg.cache.attention.sinks == 4 and cfg.cache.full.storage == "int8" and cfg.cache.layers == {}
     plan = resolve_plan(native_layers("gemma3"), cache_config_from_hydra(cfg.cache)[0], 256)
@@ -98,8 +111,10 @@ def test_ignored_fields_are_reported():
     cfg = compose_cfg("model=jamba", "cache=native", "cache.attention.window=16")
     config, _, notes = cache_config_with_notes(cfg.cache)
     assert "attention" not in config
-    assert notes == ["cache.attention.window=16 has no effect: cache.attention.type is not set (set it to apply "
-                     "window to every attention layer)"]
+    assert notes == [
+        "cache.attention.window=16 has no effect: cache.attention.type is not set (set it to apply "
+        "window to every attention layer)"
+    ]
 
 
 PLUGIN = """
@@ -115,8 +130,13 @@ class AppPluginWindow(SlidingWindowLayer):
 def test_cache_plugins_load_user_modules(tmp_path, monkeypatch):
     (tmp_path / "hc_app_plugin_a.py").write_text(PLUGIN.format(name="app_plugin_window_a"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = compose_cfg("model=jamba", "cache=native", "cache.plugins=[hc_app_plugin_a]",
-                      "+cache.layers.2.type=app_plugin_window_a", "+cache.layers.2.window=5")
+    cfg = compose_cfg(
+        "model=jamba",
+        "cache=native",
+        "cache.plugins=[hc_app_plugin_a]",
+        "+cache.layers.2.type=app_plugin_window_a",
+        "+cache.layers.2.window=5",
+    )
     config, _ = cache_config_from_hydra(cfg.cache)
     assert config["plugins"] == ["hc_app_plugin_a"]
     plan = resolve_plan(native_layers("jamba"), config)
@@ -129,13 +149,16 @@ def test_layer_override_from_the_command_line():
     assert plan[2].type == "sliding" and plan[2].spec.window == 5
 
 
-@pytest.mark.parametrize("override,message", [
-    ("cache.attention.type=slidng", "unknown cache type 'slidng'"),
-    ("cache.full.chunk_size=0", "chunk_size must be a positive integer, got 0"),
-    ("+cache.layers.0.type=full", "layer 0 is a recurrent layer"),
-    ("+cache.layers.99.type=full", "layers.99: layer index out of range"),
-    ("+cache.full.chunksize=3", "unknown parameter for cache type 'chunked'"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("cache.attention.type=slidng", "unknown cache type 'slidng'"),
+        ("cache.full.chunk_size=0", "chunk_size must be a positive integer, got 0"),
+        ("+cache.layers.0.type=full", "layer 0 is a recurrent layer"),
+        ("+cache.layers.99.type=full", "layers.99: layer index out of range"),
+        ("+cache.full.chunksize=3", "unknown parameter for cache type 'chunked'"),
+    ],
+)
 def test_invalid_overrides_fail_naming_the_field(override, message):
     cfg = compose_cfg("model=jamba", "cache=hybrid_chunked", override)
     with pytest.raises(CacheConfigError, match=message):
@@ -150,8 +173,14 @@ def test_unknown_group_option_fails_at_compose():
 def run_app(tmp_path, *overrides, timeout=600, code=0, env=None):
     env = {**os.environ, "WANDB_MODE": "offline", "HYBRIDCACHE_HOME": str(tmp_path / "home"), **(env or {})}
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "run.py", *overrides, f"hydra.run.dir={out}"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "run.py", *overrides, f"hydra.run.dir={out}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
     if code:
         return None, result
@@ -194,7 +223,9 @@ def test_record_then_replay_from_file(tmp_path):
     assert len(lines) == 2 and meta["source"] == "hf" and meta["model_type"] == "mamba2" and meta["weights"]
     again, _ = run_app(tmp_path / "b", "model=mamba2", *short, "reference=file", f"reference.path={record}")
     assert again["summary"]["agreement"] == 1.0
-    assert [g["tokens"] for g in again["generations"]["reference"]] == [g["tokens"] for g in first["generations"]["reference"]]
+    assert [g["tokens"] for g in again["generations"]["reference"]] == [
+        g["tokens"] for g in first["generations"]["reference"]
+    ]
     # a mamba2 recording replayed on jamba is refused before any model is loaded, in one line
     _, proc = run_app(tmp_path / "c", "model=jamba", *short, "reference=file", f"reference.path={record}", code=2)
     assert "was recorded with model type 'mamba2'" in proc.stderr and "Traceback" not in proc.stderr
@@ -213,6 +244,12 @@ def test_vllm_reference_on_mamba2(tmp_path):
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set HYBRIDCACHE_VLLM_PYTHON to a vLLM environment's python (README)")
 def test_vllm_refuses_mamba1_on_cpu_clearly(tmp_path):
     env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path / "home")}
-    result = subprocess.run([sys.executable, "run.py", "model=mamba", "reference=vllm", f"hydra.run.dir={tmp_path}"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        [sys.executable, "run.py", "model=mamba", "reference=vllm", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert result.returncode != 0 and "no Mamba1 kernel" in result.stderr + result.stdout

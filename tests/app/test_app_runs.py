@@ -10,8 +10,11 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["prompts.texts=[hi there,a much longer prompt that is clearly the longest of the three,mid prompt]",
-         "max_new_tokens=4", "reference=none"]
+SHORT = [
+    "prompts.texts=[hi there,a much longer prompt that is clearly the longest of the three,mid prompt]",
+    "max_new_tokens=4",
+    "reference=none",
+]
 
 
 @pytest.fixture
@@ -52,26 +55,35 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(experiments.correctness, "load_model", refuse)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["cache.attention.type=slidng"], "unknown cache type 'slidng'"),
-    (["cache.full.chunk_size=0", "cache=hybrid_chunked"], "chunk_size must be a positive integer"),
-    (["max_new_tokens=0"], "max_new_tokens must be a positive integer, got 0"),
-    (["top_k=-1"], "top_k must be a positive integer"),
-    (["reference=file"], "reference=file needs reference.path="),
-    (["reference=file", "reference.path=/nonexistent/refs.jsonl"], "reference file /nonexistent/refs.jsonl does not exist"),
-    (["reference=vllm", "reference.python=null"], "reference=vllm needs reference.python="),
-    (["reference=vllm", "reference.python=/no/such/python"], "is not an interpreter on this machine"),
-    (["model.device=nodevice"], "model.device=nodevice is not a device torch knows"),
-    (["model.device=cuda:0"] if not __import__("torch").cuda.is_available() else ["model.device=cuda:99"], "model.device=cuda"),
-    (["model.dtype=float8"], "model.dtype=float8 is not one of"),
-    (["model.checkpoint=/no/such/checkpoint"], "checkpoint directory '/no/such/checkpoint' does not exist"),
-    (["cache.plugins=[no_such_plugin_module]"], "cache plugin 'no_such_plugin_module' could not be imported"),
-    (["cache.attention.window=-3"], "cache.attention.window must be a positive integer, got -3"),  # even unused
-    (["cache.recurrent.state_dtype=int32"], "cache.recurrent.state_dtype=int32 is not a floating-point dtype"),
-    (["+cache.layers.2.chunk_size=0"], "cache.layers.2.chunk_size must be a positive integer, got 0"),
-    (["model.weights=int4"], "model.weights=int4 is not one of null, bfloat16, int8"),
-    (["model.weights=int8", "model.dtype=float64"], "model.weights=int8 packs the projections of a float32 model"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["cache.attention.type=slidng"], "unknown cache type 'slidng'"),
+        (["cache.full.chunk_size=0", "cache=hybrid_chunked"], "chunk_size must be a positive integer"),
+        (["max_new_tokens=0"], "max_new_tokens must be a positive integer, got 0"),
+        (["top_k=-1"], "top_k must be a positive integer"),
+        (["reference=file"], "reference=file needs reference.path="),
+        (
+            ["reference=file", "reference.path=/nonexistent/refs.jsonl"],
+            "reference file /nonexistent/refs.jsonl does not exist",
+        ),
+        (["reference=vllm", "reference.python=null"], "reference=vllm needs reference.python="),
+        (["reference=vllm", "reference.python=/no/such/python"], "is not an interpreter on this machine"),
+        (["model.device=nodevice"], "model.device=nodevice is not a device torch knows"),
+        (
+            ["model.device=cuda:0"] if not __import__("torch").cuda.is_available() else ["model.device=cuda:99"],
+            "model.device=cuda",
+        ),
+        (["model.dtype=float8"], "model.dtype=float8 is not one of"),
+        (["model.checkpoint=/no/such/checkpoint"], "checkpoint directory '/no/such/checkpoint' does not exist"),
+        (["cache.plugins=[no_such_plugin_module]"], "cache plugin 'no_such_plugin_module' could not be imported"),
+        (["cache.attention.window=-3"], "cache.attention.window must be a positive integer, got -3"),  # even unused
+        (["cache.recurrent.state_dtype=int32"], "cache.recurrent.state_dtype=int32 is not a floating-point dtype"),
+        (["+cache.layers.2.chunk_size=0"], "cache.layers.2.chunk_size must be a positive integer, got 0"),
+        (["model.weights=int4"], "model.weights=int4 is not one of null, bfloat16, int8"),
+        (["model.weights=int8", "model.dtype=float64"], "model.weights=int8 packs the projections of a float32 model"),
+    ],
+)
 def test_user_errors_are_one_line_before_the_model_loads(app, monkeypatch, args, message):
     no_model_load(monkeypatch)
     code, results, out, err = app("model=jamba", *args)
@@ -156,10 +168,16 @@ def test_preset_that_changes_nothing_says_so(app):
 def test_cache_plugin_module_from_the_command_line(app, tmp_path, monkeypatch):
     (tmp_path / "hc_app_plugin_b.py").write_text(
         "from hybridcache.cache import SlidingWindowLayer, register_cache_layer\n\n\n"
-        "@register_cache_layer('app_plugin_window_b')\nclass PluginWindow(SlidingWindowLayer):\n    pass\n")
+        "@register_cache_layer('app_plugin_window_b')\nclass PluginWindow(SlidingWindowLayer):\n    pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, results, out, _ = app("model=jamba", "cache.plugins=[hc_app_plugin_b]", "cache.full.type=app_plugin_window_b",
-                                "cache.full.window=8", *SHORT)
+    code, results, out, _ = app(
+        "model=jamba",
+        "cache.plugins=[hc_app_plugin_b]",
+        "cache.full.type=app_plugin_window_b",
+        "cache.full.window=8",
+        *SHORT,
+    )
     assert code == 0, out
     assert [r["type"] for r in results["plan"]][2] == "app_plugin_window_b"
     assert results["summary"]["oracle_pass"]
@@ -200,14 +218,16 @@ def test_own_recording_replayed_is_worded_as_such(app, tmp_path):
     code, _, _, _ = app("model=jamba", "cache=hybrid_chunked", *SHORT, f"+record={record}", out=tmp_path / "a")
     assert code == 0 and json.loads(record.read_text().splitlines()[0])["meta"]["source"] == "hybridcache"
     short = [a for a in SHORT if a != "reference=none"]
-    code, results, out, _ = app("model=jamba", "cache=native", *short, "reference=file", f"reference.path={record}",
-                                out=tmp_path / "b")
+    code, results, out, _ = app(
+        "model=jamba", "cache=native", *short, "reference=file", f"reference.path={record}", out=tmp_path / "b"
+    )
     assert code == 0 and results["reference"]["source"] == "hybridcache" and not results["reference"]["same_plan"]
     assert "our own recording (cache=hybrid_chunked)" in out
     assert "strategy's effect" not in out
     # another dtype is refused, naming it
-    code, _, _, err = app("model=jamba", "model.dtype=float64", *short, "reference=file", f"reference.path={record}",
-                          out=tmp_path / "c")
+    code, _, _, err = app(
+        "model=jamba", "model.dtype=float64", *short, "reference=file", f"reference.path={record}", out=tmp_path / "c"
+    )
     assert code == 2 and "dtype 'float32'" in err
 
 
@@ -229,23 +249,27 @@ def test_sweep_prints_a_summary_and_titles_differ(app, tmp_path):
 
 
 def test_sweep_with_a_failing_run_exits_non_zero(app, tmp_path):
-    code, _, out, _ = app("model=jamba", "max_new_tokens=0,2", *SHORT[:1], "reference=none", multirun=True,
-                          out=tmp_path / "sweep")
+    code, _, out, _ = app(
+        "model=jamba", "max_new_tokens=0,2", *SHORT[:1], "reference=none", multirun=True, out=tmp_path / "sweep"
+    )
     rows = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())
     assert [r["status"] for r in rows] == ["error", "ok"] and code == 2
     assert "1 of 2 runs failed" in out
 
 
 def test_duplicate_runs_of_a_sweep_are_flagged(app, tmp_path):
-    code, _, out, _ = app("model=jamba", "cache=native", "cache.attention.chunk_size=16,64", *SHORT, multirun=True,
-                          out=tmp_path / "sweep")
+    code, _, out, _ = app(
+        "model=jamba", "cache=native", "cache.attention.chunk_size=16,64", *SHORT, multirun=True, out=tmp_path / "sweep"
+    )
     rows = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())
     assert rows[1]["same_as"] == "0"
 
 
 def test_runs_started_together_get_different_directories():
     cmd = [sys.executable, "run.py", "--cfg", "hydra", "--resolve"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)
+    ]
     dirs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -274,7 +298,7 @@ def test_readme_sweep_example_has_no_duplicate_runs():
     from hybridcache.tiny_models import tiny_config
 
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("**Sweeps.**"):]
+    section = readme[readme.index("**Sweeps.**") :]
     command = re.search(r"`python run\.py -m ([^`]*)`", section).group(1).split()
     axes = [(a.split("=")[0], a.split("=")[1].split(",")) for a in command]
     import itertools

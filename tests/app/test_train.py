@@ -13,23 +13,52 @@ from experiments.train_loop import TrainError, TrainSettings, mqar_accuracy, tra
 from hybridcache.real_checkpoints import available, real_checkpoint
 from tests.models.conftest import hf_generate
 
-TINY = {"hidden": 32, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 16, "intermediate": 64,
-        "attention_every": 2, "mamba_heads": 4, "state": 16, "chunk": 16, "max_positions": 256}
-TEXT = [b"Assert statements are a convenient way to insert debugging assertions into a program. " * 20,
-        b"The simple form is equivalent to: if __debug__: if not expression: raise AssertionError. " * 20]
+TINY = {
+    "hidden": 32,
+    "layers": 2,
+    "heads": 2,
+    "kv_heads": 1,
+    "head_dim": 16,
+    "intermediate": 64,
+    "attention_every": 2,
+    "mamba_heads": 4,
+    "state": 16,
+    "chunk": 16,
+    "max_positions": 256,
+}
+TEXT = [
+    b"Assert statements are a convenient way to insert debugging assertions into a program. " * 20,
+    b"The simple form is equivalent to: if __debug__: if not expression: raise AssertionError. " * 20,
+]
 
 
 @pytest.fixture(scope="module")
 def corpus():
     """A small offline corpus (no sdist needed): two sources, one held-out text."""
-    return Corpus(train={"a": ids(TEXT[:1]), "b": ids(TEXT[1:])}, eval={"a": ids([TEXT[0][:300]])},
-                  unseen=ids([TEXT[1][:300]]), documents={})
+    return Corpus(
+        train={"a": ids(TEXT[:1]), "b": ids(TEXT[1:])},
+        eval={"a": ids([TEXT[0][:300]])},
+        unseen=ids([TEXT[1][:300]]),
+        documents={},
+    )
 
 
 def settings(arch="hybrid", **kw):
-    base = dict(arch=arch, size=TINY, steps=12, batch_size=4, seq_len=32, lr=1e-2, warmup=2,
-                mix={"a": 0.5, "b": 0.5}, eval_len=32, eval_windows=2, probe_windows=1, eval_every=6,
-                checkpoint_every=3)
+    base = dict(
+        arch=arch,
+        size=TINY,
+        steps=12,
+        batch_size=4,
+        seq_len=32,
+        lr=1e-2,
+        warmup=2,
+        mix={"a": 0.5, "b": 0.5},
+        eval_len=32,
+        eval_windows=2,
+        probe_windows=1,
+        eval_every=6,
+        checkpoint_every=3,
+    )
     return TrainSettings(**{**base, **kw})
 
 
@@ -86,9 +115,11 @@ def test_offline_data_step_names_the_command(tmp_path, monkeypatch):
         train_data.sdist_path(download=False)
 
 
-needs_checkpoint = pytest.mark.skipif(not available("trained_hybrid"),
-                                      reason="hybridcache/trained/bamba_bytes is not there yet "
-                                             "(python run.py experiment=train, then copy its hf/ export)")
+needs_checkpoint = pytest.mark.skipif(
+    not available("trained_hybrid"),
+    reason="hybridcache/trained/bamba_bytes is not there yet "
+    "(python run.py experiment=train, then copy its hf/ export)",
+)
 
 
 @pytest.fixture(scope="module", params=["trained_hybrid", "mqar_hybrid"])
@@ -103,7 +134,7 @@ def shipped(request):
 def test_shipped_checkpoint_matches_hf(shipped):
     path, ours, ref = shipped
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    prompt = "The \"with\" statement is used to wrap the execution of a block with methods"
+    prompt = 'The "with" statement is used to wrap the execution of a block with methods'
     ids_ = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         assert (ours(ids_) - ref(ids_).logits).abs().max().item() <= 1e-4
@@ -123,8 +154,12 @@ def test_shipped_checkpoint_is_a_trained_hybrid(shipped):
     if path.name == "mqar_hybrid":
         assert mqar_accuracy(ours_as_hf(ours), 8, 16) > 0.5
         return
-    text = ids([b"Return the number of items in a sequence or collection. If the argument is not a sequence, "
-                b"a TypeError exception is raised."])
+    text = ids(
+        [
+            b"Return the number of items in a sequence or collection. If the argument is not a sequence, "
+            b"a TypeError exception is raised."
+        ]
+    )
     x = torch.from_numpy(text.astype(np.int64))[None]
     with torch.no_grad():
         nll = torch.nn.functional.cross_entropy(ours(x[:, :-1])[0], x[0, 1:]).item()
@@ -133,6 +168,7 @@ def test_shipped_checkpoint_is_a_trained_hybrid(shipped):
 
 def ours_as_hf(model):
     """Our model behind the `.logits` attribute mqar_accuracy reads (it is written for HF models in training)."""
+
     class Wrapped(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -140,6 +176,7 @@ def ours_as_hf(model):
 
         def forward(self, ids):
             return type("Out", (), {"logits": self.inner(ids)})()
+
     return Wrapped()
 
 

@@ -1,18 +1,18 @@
 """Bad input raises a clear error naming the problem, and leaves the cache exactly as it was."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hybridcache.cache import CacheError
-from dataclasses import replace
-
 from tests.cache.helpers import feed, hybrid_cache, in_block, state_equal
 
 # layer indices in hybrid_cache(): 0 full, 1 sliding, 2 chunked, 3 mamba, 4 mamba2, 5 rglru, 6 conv
 kv = lambda *shape, **kw: torch.randn(*shape, **kw)  # noqa: E731
 STATE = lambda c, i: {n: torch.zeros_like(t) for n, t in c[i].states.items()}  # noqa: E731
+
 
 def _mixed_batch_snapshot(c):
     """A snapshot of `c` whose first layer's tensors come from a cache of batch 3."""
@@ -29,14 +29,23 @@ BAD = {
     "batch mismatch": (lambda c: B(c, 1, lambda: c[0].update(kv(3, 2, 1, 4), kv(3, 2, 1, 4))), "batch size 3"),
     "heads mismatch": (lambda c: B(c, 1, lambda: c[1].update(kv(2, 3, 1, 4), kv(2, 3, 1, 4))), "3 heads"),
     "head_dim mismatch": (lambda c: B(c, 1, lambda: c[2].update(kv(2, 2, 1, 8), kv(2, 2, 1, 8))), "head_dim 8"),
-    "dtype mismatch": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4).double(), kv(2, 2, 1, 4).double())),
-                       "dtype torch.float64"),
-    "device mismatch": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4, device="meta"), kv(2, 2, 1, 4, device="meta"))),
-                        "on meta"),
+    "dtype mismatch": (
+        lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4).double(), kv(2, 2, 1, 4).double())),
+        "dtype torch.float64",
+    ),
+    "device mismatch": (
+        lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4, device="meta"), kv(2, 2, 1, 4, device="meta"))),
+        "on meta",
+    ),
     "keys/values differ": (lambda c: B(c, 2, lambda: c[0].update(kv(2, 2, 2, 4), kv(2, 2, 1, 4))), "differ in shape"),
-    "block length differs": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 2, 4), kv(2, 2, 2, 4))), "open block has 1"),
-    "fed twice": (lambda c: B(c, 1, lambda: [c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4)) for _ in range(2)]),
-                  "already fed"),
+    "block length differs": (
+        lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 2, 4), kv(2, 2, 2, 4))),
+        "open block has 1",
+    ),
+    "fed twice": (
+        lambda c: B(c, 1, lambda: [c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4)) for _ in range(2)]),
+        "already fed",
+    ),
     "not every layer fed": (lambda c: B(c, 1, lambda: c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4))), "were not fed"),
     "fed outside a block": (lambda c: c[0].update(kv(2, 2, 1, 4), kv(2, 2, 1, 4)), "belongs to a Cache"),
     "layer op on a member": (lambda c: c[0].reorder([1, 0]), "call cache.reorder"),
@@ -57,19 +66,29 @@ BAD = {
     "select bool index": (lambda c: c.select([True, False]), "integer"),
     "select empty": (lambda c: c.select([]), "empty"),
     "repeat zero": (lambda c: c.repeat(0), "positive integer"),
-    "state shape": (lambda c: B(c, 1, lambda: c[3].update(conv=torch.zeros(2, 6, 4), ssm=torch.zeros(2, 6, 3))),
-                    "shape (2, 6, 3)"),
+    "state shape": (
+        lambda c: B(c, 1, lambda: c[3].update(conv=torch.zeros(2, 6, 4), ssm=torch.zeros(2, 6, 3))),
+        "shape (2, 6, 3)",
+    ),
     "state missing": (lambda c: B(c, 1, lambda: c[5].update(conv=torch.zeros(2, 5, 3))), "exactly the states"),
-    "state dtype": (lambda c: B(c, 1, lambda: c[6].update(conv=torch.zeros(2, 5, 2, dtype=torch.float64))),
-                    "dtype torch.float32"),
+    "state dtype": (
+        lambda c: B(c, 1, lambda: c[6].update(conv=torch.zeros(2, 5, 2, dtype=torch.float64))),
+        "dtype torch.float32",
+    ),
     "restore foreign snapshot": (lambda c: c.restore(hybrid_cache(batch=1, types=("full",)).snapshot()), "same layers"),
     "restore snapshot of another type": (
-        lambda c: c.restore(replace(c.snapshot(), layers=tuple(reversed(c.snapshot().layers)))), "snapshot was taken from"),
+        lambda c: c.restore(replace(c.snapshot(), layers=tuple(reversed(c.snapshot().layers)))),
+        "snapshot was taken from",
+    ),
     "restore snapshot whose layers disagree on the batch": (lambda c: c.restore(_mixed_batch_snapshot(c)), "3 rows"),
-    "restore snapshot with a state of another shape": (lambda c: c.restore(_reshaped_snapshot(c)),
-                                                       r"tensor 'ssm' has shape (2, 6, 4), this layer stores [B, 6, 3]"),
+    "restore snapshot with a state of another shape": (
+        lambda c: c.restore(_reshaped_snapshot(c)),
+        r"tensor 'ssm' has shape (2, 6, 4), this layer stores [B, 6, 3]",
+    ),
     "restore snapshot that saw more tokens than columns": (
-        lambda c: c.restore(replace(c.snapshot(), seen=torch.tensor([9, 9]))), "in [0, 5]"),
+        lambda c: c.restore(replace(c.snapshot(), seen=torch.tensor([9, 9]))),
+        "in [0, 5]",
+    ),
     "restore snapshot with a float column count": (lambda c: c.restore(replace(c.snapshot(), columns=5.0)), "int >= 0"),
     "cache operation while this thread feeds a block": (lambda c: B(c, 1, c.reset), "a block is being fed"),
 }

@@ -4,9 +4,8 @@ failed call changes nothing."""
 import pytest
 import torch
 
-from hybridcache.cache import Cache
+from hybridcache.cache import Cache, limits
 from hybridcache.cache.errors import CacheError, CacheIndexError, CacheIndexTypeError, CacheMemoryError
-from hybridcache.cache import limits
 from hybridcache.cache.limits import check_fits, device_problem
 from tests.cache.helpers import NATIVE, feed, hybrid_cache, state_equal
 
@@ -42,12 +41,16 @@ def one_gib(monkeypatch):
     monkeypatch.setattr(limits, "available_bytes", lambda device: None if str(device) == "meta" else 1 << 30)
 
 
-@pytest.mark.parametrize("grow", [
-    lambda c: c.repeat(10**12),
-    lambda c: c.repeat(10**30),
-    lambda c: c.repeat(10**6),
-    lambda c: c.select(torch.zeros(10**6, dtype=torch.long)),
-], ids=["repeat 1e12", "repeat 1e30", "repeat 1e6", "select 1e6 rows"])
+@pytest.mark.parametrize(
+    "grow",
+    [
+        lambda c: c.repeat(10**12),
+        lambda c: c.repeat(10**30),
+        lambda c: c.repeat(10**6),
+        lambda c: c.select(torch.zeros(10**6, dtype=torch.long)),
+    ],
+    ids=["repeat 1e12", "repeat 1e30", "repeat 1e6", "select 1e6 rows"],
+)
 def test_growing_the_batch_past_memory_is_refused_before_allocating(grow, one_gib):
     cache = hybrid_cache()
     feed(cache, 3)

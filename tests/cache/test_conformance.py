@@ -23,11 +23,18 @@ from hybridcache.cache.state_codecs import available_state_codecs
 from hybridcache.testing import ConformanceError, check_cache_type
 
 # recurrent types: every state codec (conv state included), per-head scales, and offload alone and with int8
-STATE_PARAMS = [None, *({"state_codec": c, "quantize_conv": True} for c in available_state_codecs() if c != "dense"),
-                {"state_codec": "int4", "state_group": "head", "quantize_conv": True}, {"offload": True},
-                {"state_codec": "int8", "offload": True, "quantize_conv": True}]
-CASES = [(name, codec) for name in available_layers() for codec in
-         (available_codecs() if get_layer_class(name).kind == "attention" else STATE_PARAMS)]
+STATE_PARAMS = [
+    None,
+    *({"state_codec": c, "quantize_conv": True} for c in available_state_codecs() if c != "dense"),
+    {"state_codec": "int4", "state_group": "head", "quantize_conv": True},
+    {"offload": True},
+    {"state_codec": "int8", "offload": True, "quantize_conv": True},
+]
+CASES = [
+    (name, codec)
+    for name in available_layers()
+    for codec in (available_codecs() if get_layer_class(name).kind == "attention" else STATE_PARAMS)
+]
 
 
 def _case_id(name, codec):
@@ -38,8 +45,11 @@ def _case_id(name, codec):
 
 def _row_eviction_with_grouped_storage(name, codec):
     """Layer-level storages (kivi, hf_quantized) cannot follow per-row / per-head score-based eviction."""
-    return (codec is not None and getattr(codec_class(codec), "grouped", False)
-            and get_layer_class(name)._evict is not AttentionCacheLayer._evict)
+    return (
+        codec is not None
+        and getattr(codec_class(codec), "grouped", False)
+        and get_layer_class(name)._evict is not AttentionCacheLayer._evict
+    )
 
 
 @pytest.mark.parametrize("name,codec", CASES, ids=[_case_id(n, c) for n, c in CASES])

@@ -24,30 +24,37 @@ def feed(cache, k, v, splits):
     out, start = [], 0
     for n in splits:
         with cache.block(None, n):
-            view = cache[0].update(k[:, :, start:start + n], v[:, :, start:start + n])
+            view = cache[0].update(k[:, :, start : start + n], v[:, :, start : start + n])
         out.append((view.keys, view.values))
         start += n
     return out
 
 
-@pytest.mark.parametrize("params,storage", [
-    (KIVI, lambda: KiviStorage(2, 2, 8, torch.float32, bits=2, group_size=4, residual_length=8)),
-    (HFQ, lambda: HFQuantizedStorage(2, 2, 8, torch.float32, nbits=4, q_group_size=8, residual_length=4)),
-])
+@pytest.mark.parametrize(
+    "params,storage",
+    [
+        (KIVI, lambda: KiviStorage(2, 2, 8, torch.float32, bits=2, group_size=4, residual_length=8)),
+        (HFQ, lambda: HFQuantizedStorage(2, 2, 8, torch.float32, nbits=4, q_group_size=8, residual_length=4)),
+    ],
+)
 def test_a_layer_attends_to_exactly_what_its_storage_computes(params, storage):
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(2, 2, 30, 8, generator=g) for _ in range(2))
     splits = [7, 1, 1, 5, 1, 1, 1, 9, 1, 1, 1, 1]
     ref, start = storage(), 0
     for (keys, values), n in zip(feed(build("full", params, 2), k, v, splits), splits):
-        staged = ref.prepare(k[:, :, start:start + n], v[:, :, start:start + n], torch.arange(start, start + n).expand(2, -1))
+        staged = ref.prepare(
+            k[:, :, start : start + n], v[:, :, start : start + n], torch.arange(start, start + n).expand(2, -1)
+        )
         ref.commit(staged)
         assert torch.equal(keys, staged.keys) and torch.equal(values, staged.values)
         start += n
 
 
-@pytest.mark.parametrize("type_,extra", [("full", {}), ("sliding", {"window": 6}), ("chunked", {"chunk_size": 8}),
-                                         ("sink", {"window": 4, "sinks": 2})])
+@pytest.mark.parametrize(
+    "type_,extra",
+    [("full", {}), ("sliding", {"window": 6}), ("chunked", {"chunk_size": 8}), ("sink", {"window": 4, "sinks": 2})],
+)
 def test_bytes_are_what_the_spec_says(type_, extra):
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(1, 2, 29, 8, generator=g) for _ in range(2))
@@ -87,7 +94,7 @@ def test_a_model_cache_saves_loads_and_continues_bit_exactly(params, tmp_path):
     cache = model.make_cache(2, {"attention": params})
     model(ids[:, :11], cache=cache)
     for t in range(11, 14):
-        model(ids[:, t:t + 1], cache=cache)
+        model(ids[:, t : t + 1], cache=cache)
     cache.save(tmp_path / "c.safetensors", model=model)
     loaded = Cache.load(tmp_path / "c.safetensors", model=model)
     snap = cache.snapshot()

@@ -30,8 +30,9 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def feed(storage, k, v, splits):
     views, start = [], 0
     for n in splits:
-        staged = storage.prepare(k[:, :, start:start + n], v[:, :, start:start + n],
-                                 torch.arange(start, start + n).expand(k.shape[0], n))
+        staged = storage.prepare(
+            k[:, :, start : start + n], v[:, :, start : start + n], torch.arange(start, start + n).expand(k.shape[0], n)
+        )
         storage.commit(staged)
         views.append((staged.keys, staged.values))
         start += n
@@ -68,8 +69,9 @@ def test_flush_rule_by_hand():
 
 def test_bytes_are_what_is_held():
     k, v = inputs()
-    s = HFQuantizedStorage(2, 1, 8, torch.float32, nbits=2, axis_key=-1, axis_value=0, q_group_size=4,
-                           residual_length=64)
+    s = HFQuantizedStorage(
+        2, 1, 8, torch.float32, nbits=2, axis_key=-1, axis_value=0, q_group_size=4, residual_length=64
+    )
     feed(s, k, v, [12, 1, 1])
     codes = 2 * 12 * 8 // 4  # 2-bit codes of the 12 prefill tokens, both rows
     keys = codes + 2 * (2 * 12 // 4) * 8 * 4  # axis -1: scale + min per channel and group of 4 rows of [B*H*N, D]
@@ -96,15 +98,19 @@ def test_crop_and_rows():
     other = HFQuantizedStorage(2, 1, 8, torch.float32, nbits=4, q_group_size=4, residual_length=8)
     feed(other, k, v, [6, 1, 1])
     s.crop(8)  # the last decode token only sat in the buffer: exact
-    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-               for a, b in zip(s.state().values(), other.state().values()))
+    assert all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(s.state().values(), other.state().values())
+    )
     with pytest.raises(CacheCropError, match="snapshot"):
         s.crop(5)  # into the quantized prefill
     s.select(torch.tensor([1]))
     alone = HFQuantizedStorage(1, 1, 8, torch.float32, nbits=4, q_group_size=4, residual_length=8)
     feed(alone, k[1:], v[1:], [6, 1, 1])
-    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-               for a, b in zip(s.state().values(), alone.state().values()))
+    assert all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(s.state().values(), alone.state().values())
+    )
     crossing = HFQuantizedStorage(2, 1, 8, torch.float32, axis_key=-1, q_group_size=4, residual_length=8)
     feed(crossing, k, v, [6])  # groups of 4 rows of [B*H*N = 12, D] cross the two batch rows
     with pytest.raises(CacheError, match="cross batch rows"):

@@ -12,10 +12,10 @@ from hybridcache.cache.kivi_storage import KiviStorage
 def fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:
     """The paper's asymmetric quantization of one group x (any shape, min / max over all of it), dequantized."""
     lo, hi = x.min(), x.max()
-    step = (hi - lo) / (2 ** bits - 1)
+    step = (hi - lo) / (2**bits - 1)
     if step == 0:
         return x.clone()
-    return torch.round((x - lo) / step).clamp(0, 2 ** bits - 1) * step + lo
+    return torch.round((x - lo) / step).clamp(0, 2**bits - 1) * step + lo
 
 
 def kivi_reference(k, v, prefill, bits, g, r):
@@ -36,8 +36,8 @@ def kivi_reference(k, v, prefill, bits, g, r):
             for j in range(h):
                 for t0 in range(0, x.shape[2], g):
                     for c in range(d):
-                        out[i, j, t0:t0 + g, c] = fake_quant(x[i, j, t0:t0 + g, c], bits)
-        return [out[:, :, t:t + 1] for t in range(x.shape[2])]
+                        out[i, j, t0 : t0 + g, c] = fake_quant(x[i, j, t0 : t0 + g, c], bits)
+        return [out[:, :, t : t + 1] for t in range(x.shape[2])]
 
     def quant_values(x):  # [B, H, m, D] -> each (b, h, token) over G channels
         out = x.clone()
@@ -45,18 +45,18 @@ def kivi_reference(k, v, prefill, bits, g, r):
             for j in range(h):
                 for t in range(x.shape[2]):
                     for c0 in range(0, d, g):
-                        out[i, j, t, c0:c0 + g] = fake_quant(x[i, j, t, c0:c0 + g], bits)
-        return [out[:, :, t:t + 1] for t in range(x.shape[2])]
+                        out[i, j, t, c0 : c0 + g] = fake_quant(x[i, j, t, c0 : c0 + g], bits)
+        return [out[:, :, t : t + 1] for t in range(x.shape[2])]
 
     keep_k = prefill % r
-    kq += quant_keys(k[:, :, :prefill - keep_k])
-    k_full = [k[:, :, t:t + 1] for t in range(prefill - keep_k, prefill)]
+    kq += quant_keys(k[:, :, : prefill - keep_k])
+    k_full = [k[:, :, t : t + 1] for t in range(prefill - keep_k, prefill)]
     keep_v = min(prefill, r)
-    vq += quant_values(v[:, :, :prefill - keep_v])
-    v_full = [v[:, :, t:t + 1] for t in range(prefill - keep_v, prefill)]
+    vq += quant_values(v[:, :, : prefill - keep_v])
+    v_full = [v[:, :, t : t + 1] for t in range(prefill - keep_v, prefill)]
     for t in range(prefill, n):
-        k_full.append(k[:, :, t:t + 1])
-        v_full.append(v[:, :, t:t + 1])
+        k_full.append(k[:, :, t : t + 1])
+        v_full.append(v[:, :, t : t + 1])
         steps.append((torch.cat(kq + k_full, dim=2), torch.cat(vq + v_full, dim=2)))
         if len(k_full) == r:
             kq += quant_keys(torch.cat(k_full, dim=2))
@@ -70,7 +70,7 @@ def feed(storage, k, v, splits, keep=None):
     views, start = [], 0
     for n in splits:
         pos = torch.arange(start, start + n).expand(k.shape[0], n)
-        staged = storage.prepare(k[:, :, start:start + n], v[:, :, start:start + n], pos)
+        staged = storage.prepare(k[:, :, start : start + n], v[:, :, start : start + n], pos)
         storage.commit(staged, keep)
         views.append(staged)
         start += n
@@ -91,13 +91,16 @@ def test_matches_the_papers_equations_exactly(bits, prefill, dtype):
     g, r, n = 4, 8, 30
     k, v = data(n=n, seed=prefill, dtype=dtype)
     want = kivi_reference(k, v, prefill, bits, g, r)
-    got = feed(KiviStorage(2, 2, 16, dtype, bits=bits, group_size=g, residual_length=r), k, v,
-               [prefill] + [1] * (n - prefill))
+    got = feed(
+        KiviStorage(2, 2, 16, dtype, bits=bits, group_size=g, residual_length=r), k, v, [prefill] + [1] * (n - prefill)
+    )
     assert len(got) == len(want)
     for step, (staged, (wk, wv)) in enumerate(zip(got, want)):
         assert torch.equal(staged.keys, wk), step
         assert torch.equal(staged.values, wv), step
-    assert not torch.equal(got[-1].keys, k) and torch.equal(got[-1].keys[:, :, -(n % r or r):], k[:, :, -(n % r or r):])
+    assert not torch.equal(got[-1].keys, k) and torch.equal(
+        got[-1].keys[:, :, -(n % r or r) :], k[:, :, -(n % r or r) :]
+    )
 
 
 @pytest.mark.parametrize("splits", [[40], [1] * 40, [5, 11, 1, 1, 8, 14], [17, 3, 20], [8, 8, 8, 16]])
@@ -112,7 +115,7 @@ def test_what_is_stored_depends_only_on_how_many_tokens_were_fed(splits):
     for name in a:
         assert torch.equal(a[name], b[name]) if isinstance(a[name], torch.Tensor) else a[name] == b[name], name
     last = views[-1]  # a block attends to the held history and to itself unquantized
-    assert torch.equal(last.keys[:, :, -splits[-1]:], k[:, :, -splits[-1]:])
+    assert torch.equal(last.keys[:, :, -splits[-1] :], k[:, :, -splits[-1] :])
 
 
 def test_bytes_are_what_is_held():
@@ -121,8 +124,10 @@ def test_bytes_are_what_is_held():
     s = KiviStorage(b, h, d, torch.float32, bits=2, group_size=g, residual_length=r)
     feed(s, k, v, [45])
     kq, vq = 32, 45 - 16  # keys: floor(45 / 16) * 16 quantized; values: all but the last 16
-    want = (b * h * (kq * d // 4 + 2 * (kq // g) * d * 4 + (45 - kq) * d * 4)  # codes, scale + min per group, tail
-            + b * h * (vq * d // 4 + 2 * vq * (d // g) * 4 + r * d * 4))
+    want = (
+        b * h * (kq * d // 4 + 2 * (kq // g) * d * 4 + (45 - kq) * d * 4)  # codes, scale + min per group, tail
+        + b * h * (vq * d // 4 + 2 * vq * (d // g) * 4 + r * d * 4)
+    )
     assert s.nbytes() == want
     assert s.nbytes() < 2 * b * h * 45 * d * 4 / 1.8  # vs dense float32 (the 16-token tails dominate at 45)
 
@@ -130,8 +135,10 @@ def test_bytes_are_what_is_held():
 def test_sliding_window_drops_whole_key_groups_only_once_they_left():
     g, r, w = 4, 8, 6
     k, v = data(n=40)
-    def keep(pos, seen=[0]):
+
+    def keep(pos):
         return (pos >= 0).any(0) & (pos.amax(0) > pos.amax() + 1 - w)  # the next query's window (no padding here)
+
     full = KiviStorage(2, 2, 16, torch.float32, bits=4, group_size=g, residual_length=r)
     windowed = KiviStorage(2, 2, 16, torch.float32, bits=4, group_size=g, residual_length=r)
     ref, got = feed(full, k, v, [9] + [1] * 31), feed(windowed, k, v, [9] + [1] * 31, keep)
@@ -151,8 +158,10 @@ def test_crop_is_exact_or_refused_and_rows_can_be_selected():
     s.crop(4)  # nothing quantized yet: exact
     fresh = KiviStorage(2, 2, 16, torch.float32, bits=2, group_size=4, residual_length=8)
     feed(fresh, k, v, [4])
-    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-               for a, b in zip(s.state().values(), fresh.state().values()))
+    assert all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(s.state().values(), fresh.state().values())
+    )
     feed(s, k[:, :, 4:], v[:, :, 4:], [16])
     before = s.state()
     with pytest.raises(CacheCropError, match="snapshot"):

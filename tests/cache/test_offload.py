@@ -24,8 +24,16 @@ def offload_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("pattern,params", [("full", {}), ("sliding", {"window": 5}), ("chunked", {"chunk_size": 4}),
-                                            ("sink", {"window": 4, "sinks": 2}), ("tova", {"budget": 6})])
+@pytest.mark.parametrize(
+    "pattern,params",
+    [
+        ("full", {}),
+        ("sliding", {"window": 5}),
+        ("chunked", {"chunk_size": 4}),
+        ("sink", {"window": 4, "sinks": 2}),
+        ("tova", {"budget": 6}),
+    ],
+)
 def test_every_pattern_passes_the_kit(pattern, params):
     counts = check_cache_type(pattern, params={**params, "storage": "offload"}, cases=6)
     assert counts["split == one-shot"] >= 6 and counts["snapshot / restore"] > 0
@@ -33,8 +41,12 @@ def test_every_pattern_passes_the_kit(pattern, params):
 
 @pytest.mark.parametrize("max_length", [None, 24])
 def test_parts_live_in_unlinked_memory_mapped_files(offload_dir, max_length):
-    cache = Cache.build([NativeLayer("full", {"num_kv_heads": H, "head_dim": D})], 2,
-                        {"attention": {"storage": "offload"}}, max_length=max_length)
+    cache = Cache.build(
+        [NativeLayer("full", {"num_kv_heads": H, "head_dim": D})],
+        2,
+        {"attention": {"storage": "offload"}},
+        max_length=max_length,
+    )
     with cache.block(None, 5):
         cache[0].update(torch.randn(2, H, 5, D), torch.randn(2, H, 5, D))
     layer = cache[0]
@@ -48,8 +60,12 @@ def test_parts_live_in_unlinked_memory_mapped_files(offload_dir, max_length):
 
 
 def test_preallocated_decode_writes_into_the_same_files():
-    cache = Cache.build([NativeLayer("sliding", {"num_kv_heads": H, "head_dim": D, "window": 4})], 1,
-                        {"attention": {"storage": "offload"}}, max_length=32)
+    cache = Cache.build(
+        [NativeLayer("sliding", {"num_kv_heads": H, "head_dim": D, "window": 4})],
+        1,
+        {"attention": {"storage": "offload"}},
+        max_length=32,
+    )
     with cache.block(None, 3):
         cache[0].update(torch.randn(1, H, 3, D), torch.randn(1, H, 3, D))
     before = cache[0].keys_data.untyped_storage().filename
@@ -68,8 +84,9 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "jamba"])
-@pytest.mark.parametrize("config", [{}, {"attention": {"type": "chunked", "chunk_size": 4}},
-                                    {"attention": {"type": "sliding", "window": 5}}])
+@pytest.mark.parametrize(
+    "config", [{}, {"attention": {"type": "chunked", "chunk_size": 4}}, {"attention": {"type": "sliding", "window": 5}}]
+)
 @pytest.mark.parametrize("max_length", [None, 40])
 def test_generation_is_bit_exact_with_dense_storage(models, family, config, max_length):
     model = models[family]
@@ -112,8 +129,9 @@ def test_next_layer_is_learned_and_prefetched(models):
 
 def test_between_blocks_no_layer_holds_a_resident_copy(models):
     model = models["gemma3"]
-    out = hc.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=3,
-                      cache_config={"attention": {"storage": "offload"}})
+    out = hc.generate(
+        model, torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=3, cache_config={"attention": {"storage": "offload"}}
+    )
     for layer in out.cache.layers:
         for attr in layer._parts:
             assert getattr(layer, attr) is layer._tier.parked[attr]
@@ -165,7 +183,9 @@ def test_a_failed_block_leaves_every_offloaded_layer_unchanged(max_length):
     from tests.cache.helpers import state_equal
 
     native = [NativeLayer("full", {"num_kv_heads": H, "head_dim": D})] * 2
-    caches = [Cache.build(native, 1, {"attention": {"storage": s}}, max_length=max_length) for s in ("offload", "dense")]
+    caches = [
+        Cache.build(native, 1, {"attention": {"storage": s}}, max_length=max_length) for s in ("offload", "dense")
+    ]
     g = torch.Generator().manual_seed(0)
     steps = [torch.randn(2, 1, H, n, D, generator=g) for n in (3, 1, 1)]
     for kv in steps[:2]:

@@ -1,12 +1,11 @@
 """Cache configs: precedence (kind < native type name < layer index), clear errors, the plan table."""
 
 import pytest
-
-from hybridcache.report import render_plan
 import torch
 from omegaconf import OmegaConf
 
 from hybridcache.cache import Cache, CacheConfigError, NativeLayer, resolve_plan
+from hybridcache.report import render_plan
 from tests.cache.helpers import NATIVE
 
 # a Gemma3/Jamba-like mix: 0 mamba, 1 sliding(4), 2 full, 3 sliding(4), 4 full
@@ -64,7 +63,10 @@ def test_recurrent_state_dtype_override():
 
 
 ERRORS = [
-    ({"attention": {"type": "slidng"}}, r"unknown cache type 'slidng'; known types: (\w+, )*chunked, conv, (\w+, )*full, (\w+, )*sliding"),
+    (
+        {"attention": {"type": "slidng"}},
+        r"unknown cache type 'slidng'; known types: (\w+, )*chunked, conv, (\w+, )*full, (\w+, )*sliding",
+    ),
     ({"layers": {0: {"type": "full"}}}, "layer 0 is a recurrent layer .* cannot use the attention cache type 'full'"),
     ({"attention": {"type": "mamba"}}, "layer 1 is a attention layer .* cannot use the recurrent cache type 'mamba'"),
     ({"layers": {1: {"type": "rglru"}}}, "cannot use the recurrent cache type 'rglru'"),
@@ -78,7 +80,10 @@ ERRORS = [
     ({"attention": {"storage": "int3"}}, r"unknown attention storage 'int3'; known: (\w+, )*dense, (\w+, )*int8"),
     ({"layers": {5: {"type": "full"}}}, "layers.5: layer index out of range .*5 layers"),
     ({"layers": {"x": {"type": "full"}}}, "layers.x: layer keys are indices"),
-    ({"attention": {"type": "chunked", "chunksize": 8}}, "attention.chunksize: unknown parameter for cache type 'chunked'"),
+    (
+        {"attention": {"type": "chunked", "chunksize": 8}},
+        "attention.chunksize: unknown parameter for cache type 'chunked'",
+    ),
     ({"attention": {"type": "full", "num_kv_heads": 8}}, "num_kv_heads: unknown parameter .*accepted: .*max_length"),
     ({"full": {"type": "sliding"}}, "layer 2 .* cannot use cache type 'sliding': missing parameter window"),
     ({"atention": {"type": "full"}}, "unknown key 'atention'"),

@@ -33,15 +33,19 @@ def feed(cache, q, k, v, mask=None, queries=None):
 
 
 def build(params, batch=1):
-    return Cache.build([NativeLayer("full", {"num_kv_heads": HKV, "head_dim": D, "dtype": torch.float64})], batch,
-                       {"attention": params})
+    return Cache.build(
+        [NativeLayer("full", {"num_kv_heads": HKV, "head_dim": D, "dtype": torch.float64})],
+        batch,
+        {"attention": params},
+    )
 
 
 def data(t, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, HQ, t, D, generator=g, dtype=torch.float64)
-    k = torch.randn(1, HKV, t, D, generator=g, dtype=torch.float64) * (1 + torch.rand(1, HKV, t, 1, generator=g,
-                                                                                      dtype=torch.float64))
+    k = torch.randn(1, HKV, t, D, generator=g, dtype=torch.float64) * (
+        1 + torch.rand(1, HKV, t, 1, generator=g, dtype=torch.float64)
+    )
     v = torch.randn(1, HKV, t, D, generator=g, dtype=torch.float64)
     return q, k, v
 
@@ -66,7 +70,7 @@ def reference(name, q, k, v, ratio, **kw):
         scores = -k.norm(dim=-1)
     elif name == "streaming_llm":
         scores = torch.ones(1, HKV, t, dtype=torch.float64)
-        scores[:, :, kw["n_sink"]: kw["n_sink"] + t - n_kept] = 0
+        scores[:, :, kw["n_sink"] : kw["n_sink"] + t - n_kept] = 0
     elif name in ("snapkv", "pyramidkv"):
         win, ker = kw["window_size"], kw["kernel_size"]
         s = w[..., -win:, :-win].mean(-2)
@@ -95,8 +99,14 @@ def reference(name, q, k, v, ratio, **kw):
     return kept_by(scores, n_kept)
 
 
-CASES = [("knorm", {}), ("streaming_llm", {"n_sink": 3}), ("snapkv", {"window_size": 6, "kernel_size": 3}),
-         ("tova", {"mode": "prefill"}), ("observed_attention", {}), ("expected_attention", {"n_sink": 2})]
+CASES = [
+    ("knorm", {}),
+    ("streaming_llm", {"n_sink": 3}),
+    ("snapkv", {"window_size": 6, "kernel_size": 3}),
+    ("tova", {"mode": "prefill"}),
+    ("observed_attention", {}),
+    ("expected_attention", {"n_sink": 2}),
+]
 
 
 @pytest.mark.parametrize("name,kw", CASES)
@@ -104,8 +114,13 @@ CASES = [("knorm", {}), ("streaming_llm", {"n_sink": 3}), ("snapkv", {"window_si
 def test_prefill_keeps_what_kvpress_would(name, kw, ratio):
     t = 40
     q, k, v = data(t, seed=int(ratio * 10) + len(name))
-    cache = feed(build({"type": name, "compression_ratio": ratio, "mode": "prefill", **kw}), q, k, v,
-                 queries=QueryInputs(q, None, 1 / math.sqrt(D)))
+    cache = feed(
+        build({"type": name, "compression_ratio": ratio, "mode": "prefill", **kw}),
+        q,
+        k,
+        v,
+        queries=QueryInputs(q, None, 1 / math.sqrt(D)),
+    )
     want = reference(name, q, k, v, ratio, **{x: y for x, y in kw.items() if x != "mode"})
     pos = cache[0].key_positions()
     got = pos[0] if pos.dim() == 3 else pos[0][None].expand(HKV, -1)
@@ -132,22 +147,40 @@ def test_pyramidkv_budgets_per_layer_match_kvpress_formula():
             spec = PyramidKVSpec(num_kv_heads=1, head_dim=8, compression_ratio=r, layer_index=idx, num_layers=18)
             assert spec.layer_budget(q_len) == budget(q_len, r, 64, 20, idx, 18)
     spec = PyramidKVSpec(num_kv_heads=1, head_dim=8, compression_ratio=0.5, layer_index=0, num_layers=18)
-    assert spec.layer_budget(400) > 200 > PyramidKVSpec(num_kv_heads=1, head_dim=8, compression_ratio=0.5,
-                                                        layer_index=17, num_layers=18).layer_budget(400)
+    assert (
+        spec.layer_budget(400)
+        > 200
+        > PyramidKVSpec(num_kv_heads=1, head_dim=8, compression_ratio=0.5, layer_index=17, num_layers=18).layer_budget(
+            400
+        )
+    )
 
 
 @pytest.mark.parametrize("name,kw", CASES)
 def test_a_padded_row_keeps_what_it_keeps_alone(name, kw):
     t, pad = 30, 7
     q, k, v = data(t, seed=5)
-    alone = feed(build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}), q, k, v,
-                 queries=QueryInputs(q, None, 1 / math.sqrt(D)))
+    alone = feed(
+        build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}),
+        q,
+        k,
+        v,
+        queries=QueryInputs(q, None, 1 / math.sqrt(D)),
+    )
     other = data(t + pad, seed=6)
-    qb, kb, vb = (torch.cat([torch.cat([x.new_zeros(*x.shape[:2], pad, D), x], 2), y]) for x, y in zip((q, k, v), other))
+    qb, kb, vb = (
+        torch.cat([torch.cat([x.new_zeros(*x.shape[:2], pad, D), x], 2), y]) for x, y in zip((q, k, v), other)
+    )
     mask = torch.ones(2, t + pad, dtype=torch.bool)
     mask[0, :pad] = False
-    batch = feed(build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}, batch=2), qb, kb, vb, mask,
-                 queries=QueryInputs(qb, None, 1 / math.sqrt(D)))
+    batch = feed(
+        build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}, batch=2),
+        qb,
+        kb,
+        vb,
+        mask,
+        queries=QueryInputs(qb, None, 1 / math.sqrt(D)),
+    )
     mine, together = alone[0].key_positions()[0], batch[0].key_positions()[0]
     together = together[..., (together >= 0).all(0) if together.dim() == 2 else together >= 0]
     assert torch.equal(mine, together)
@@ -177,7 +210,7 @@ def test_continuous_budget_and_h2o_accumulation_against_a_naive_run():
     kept = [list(range(0)) for _ in range(HKV)]
     acc = [dict() for _ in range(HKV)]
     for step in range(t):
-        feed(cache, q[:, :, step:step + 1], k[:, :, step:step + 1], v[:, :, step:step + 1])
+        feed(cache, q[:, :, step : step + 1], k[:, :, step : step + 1], v[:, :, step : step + 1])
         for h in range(HKV):
             kept[h].append(step)
             acc[h][step] = 0.0
@@ -195,12 +228,14 @@ def test_continuous_budget_and_h2o_accumulation_against_a_naive_run():
 
 
 def test_bad_parameters_are_named():
-    for params, words in (({"type": "snapkv"}, "exactly one of"),
-                          ({"type": "snapkv", "compression_ratio": 1.0}, "[0, 1)"),
-                          ({"type": "h2o", "compression_ratio": 0.5}, "continuous"),
-                          ({"type": "knorm", "compression_ratio": 0.5, "mode": "sometimes"}, "mode"),
-                          ({"type": "snapkv", "compression_ratio": 0.5, "kernel_size": 4}, "odd"),
-                          ({"type": "knorm", "compression_ratio": 0.5, "storage": "int8", "residual": 4}, "per kv head"),
-                          ({"type": "tova", "budget": 4, "max_length": 64}, "dynamic storage")):
+    for params, words in (
+        ({"type": "snapkv"}, "exactly one of"),
+        ({"type": "snapkv", "compression_ratio": 1.0}, "[0, 1)"),
+        ({"type": "h2o", "compression_ratio": 0.5}, "continuous"),
+        ({"type": "knorm", "compression_ratio": 0.5, "mode": "sometimes"}, "mode"),
+        ({"type": "snapkv", "compression_ratio": 0.5, "kernel_size": 4}, "odd"),
+        ({"type": "knorm", "compression_ratio": 0.5, "storage": "int8", "residual": 4}, "per kv head"),
+        ({"type": "tova", "budget": 4, "max_length": 64}, "dynamic storage"),
+    ):
         with pytest.raises(CacheConfigError, match=words.replace("[", r"\[").replace(")", r"\)")):
             build(params)

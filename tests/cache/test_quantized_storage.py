@@ -17,10 +17,10 @@ def grouped_reference(x: np.ndarray, group: int, levels: int) -> tuple[np.ndarra
     d = x.shape[-1]
     for row, dst, sc in zip(x.reshape(-1, d), out.reshape(-1, d), scales.reshape(-1, d)):
         for start in range(0, len(row), group):
-            g = row[start:start + group]
+            g = row[start : start + group]
             scale = max(abs(float(v)) for v in g) / levels
-            dst[start:start + group] = [round(float(v) / scale) * scale for v in g]  # round half to even, as torch
-            sc[start:start + group] = scale
+            dst[start : start + group] = [round(float(v) / scale) * scale for v in g]  # round half to even, as torch
+            sc[start : start + group] = scale
     return out, scales
 
 
@@ -33,8 +33,10 @@ def spiky(shape, seed):
     return x
 
 
-@pytest.mark.parametrize("storage,levels,group", [("int4", 7, 8), ("int4", 7, 16), ("int4", 7, 32), ("int4", 7, 64),
-                                                  ("int8", 127, 8), ("int8", 127, 64)])
+@pytest.mark.parametrize(
+    "storage,levels,group",
+    [("int4", 7, 8), ("int4", 7, 16), ("int4", 7, 32), ("int4", 7, 64), ("int8", 127, 8), ("int8", 127, 64)],
+)
 def test_error_is_at_most_half_a_step_of_its_group(storage, levels, group):
     x = spiky((2, 3, 5, 64), seed=group)
     codec = get_codec(storage, q_group_size=group)
@@ -68,8 +70,9 @@ def test_int4_packs_two_values_per_byte_by_hand():
     assert parts["q"].dtype == torch.uint8
     assert parts["q"].flatten().tolist() == [15 | 4 << 4, 10 | 8 << 4, 8 | 8 << 4, 8 | 15 << 4]
     torch.testing.assert_close(parts["scale"].flatten(), torch.tensor([1 / 7, 2 / 7]))
-    torch.testing.assert_close(codec.decode(parts, torch.float32).flatten(),
-                               torch.tensor([1.0, -4 / 7, 2 / 7, 0.0, 0.0, 0.0, 0.0, 2.0]))
+    torch.testing.assert_close(
+        codec.decode(parts, torch.float32).flatten(), torch.tensor([1.0, -4 / 7, 2 / 7, 0.0, 0.0, 0.0, 0.0, 2.0])
+    )
 
 
 def test_default_group_is_32_or_the_largest_divisor_below():
@@ -80,14 +83,17 @@ def test_default_group_is_32_or_the_largest_divisor_below():
 GEMMA = {"num_kv_heads": 1, "head_dim": 256}  # Gemma 3 270M's attention layers (float32)
 
 
-@pytest.mark.parametrize("params,token_bytes", [
-    ({}, 2 * 256 * 4),                                   # dense: key + value, 256 float32 each
-    ({"storage": "int8"}, 2 * (256 + 4)),                 # 256 int8 + one float32 scale
-    ({"storage": "int8", "q_group_size": 32}, 2 * (256 + 8 * 4)),
-    ({"storage": "int4"}, 2 * (128 + 8 * 4)),             # 128 bytes of nibbles + 8 scales (group 32)
-    ({"storage": "int4", "q_group_size": 64}, 2 * (128 + 4 * 4)),
-    ({"storage": "offload"}, 2 * 256 * 4),
-])
+@pytest.mark.parametrize(
+    "params,token_bytes",
+    [
+        ({}, 2 * 256 * 4),  # dense: key + value, 256 float32 each
+        ({"storage": "int8"}, 2 * (256 + 4)),  # 256 int8 + one float32 scale
+        ({"storage": "int8", "q_group_size": 32}, 2 * (256 + 8 * 4)),
+        ({"storage": "int4"}, 2 * (128 + 8 * 4)),  # 128 bytes of nibbles + 8 scales (group 32)
+        ({"storage": "int4", "q_group_size": 64}, 2 * (128 + 4 * 4)),
+        ({"storage": "offload"}, 2 * 256 * 4),
+    ],
+)
 def test_bytes_per_token_by_hand(params, token_bytes):
     plan = resolve_plan([NativeLayer("full", GEMMA)], {"attention": params})
     assert plan[0].spec.token_nbytes == token_bytes
@@ -101,10 +107,16 @@ def test_bytes_per_token_by_hand(params, token_bytes):
         assert cache.nbytes() == held == cache.plan.held_nbytes(2, 27)
 
 
-@pytest.mark.parametrize("pattern,params,storage,group", [
-    (p, q, s, g) for (p, q), (s, g) in itertools.product(
-        [("full", {}), ("sliding", {"window": 5}), ("chunked", {"chunk_size": 4})],
-        [("int4", 4), ("int4", 2), ("int8", 4)])])
+@pytest.mark.parametrize(
+    "pattern,params,storage,group",
+    [
+        (p, q, s, g)
+        for (p, q), (s, g) in itertools.product(
+            [("full", {}), ("sliding", {"window": 5}), ("chunked", {"chunk_size": 4})],
+            [("int4", 4), ("int4", 2), ("int8", 4)],
+        )
+    ],
+)
 def test_non_default_groups_pass_the_kit_on_every_pattern(pattern, params, storage, group):
     counts = check_cache_type(pattern, params={**params, "storage": storage, "q_group_size": group}, cases=4)
     assert counts["split == one-shot"] == 8
@@ -118,7 +130,10 @@ BAD = [
     ({"storage": "int4", "q_group_size": 2.0}, "q_group_size must be a positive integer, got 2.0"),
     ({"q_group_size": 4}, "storage 'dense' does not take q_group_size .it takes no options"),
     ({"storage": "offload", "q_group_size": 4}, "storage 'offload' does not take q_group_size"),
-    ({"storage": "int2"}, r"unknown attention storage 'int2'; known: (\w+, )*dense, (\w+, )*int4, int8, (\w+, )*offload"),
+    (
+        {"storage": "int2"},
+        r"unknown attention storage 'int2'; known: (\w+, )*dense, (\w+, )*int4, int8, (\w+, )*offload",
+    ),
 ]
 
 

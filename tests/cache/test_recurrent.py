@@ -20,11 +20,13 @@ def test_state_shapes_and_dtypes(kind):
     layer = cache[0]
     assert layer.kind == "recurrent"
     assert {n: tuple(t.shape[1:]) for n, t in layer.states.items()} == SHAPES[kind]
-    for name, t in layer.states.items():
+    for t in layer.states.values():
         assert t.shape[0] == 3
         assert t.dtype == torch.float32 and not t.any()
-    assert layer.nbytes() == layer.spec.min_nbytes(3, 100) == 3 * sum(
-        torch.Size(s).numel() * 4 for s in SHAPES[kind].values()
+    assert (
+        layer.nbytes()
+        == layer.spec.min_nbytes(3, 100)
+        == 3 * sum(torch.Size(s).numel() * 4 for s in SHAPES[kind].values())
     )
 
 

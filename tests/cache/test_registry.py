@@ -44,8 +44,11 @@ class SinkSpec(AttentionSpec):
         return (kv <= q) & ((kv < self.sinks) | (kv > q - self.window))
 
     def needed_tokens(self, seen):
-        return seen.clamp(max=self.sinks + self.window - 1) if isinstance(seen, torch.Tensor) else min(
-            seen, self.sinks + self.window - 1)
+        return (
+            seen.clamp(max=self.sinks + self.window - 1)
+            if isinstance(seen, torch.Tensor)
+            else min(seen, self.sinks + self.window - 1)
+        )
 
 
 def test_user_registered_type_works_in_configs_and_evicts():
@@ -65,8 +68,9 @@ def test_user_registered_type_works_in_configs_and_evicts():
     assert sorted(view.key_positions[0][view.mask[0, 0]].tolist()) == [0, 1, 9, 10, 11]
     assert sorted(p for p in layer.key_positions()[0].tolist() if p >= 0) == [0, 1, 10, 11]
     out = masked_attention(k[:, :, 11:], view.keys, view.values, view.mask)
-    ref = masked_attention(k[:, :, 11:], k[:, :, [0, 1, 9, 10, 11]], k[:, :, [0, 1, 9, 10, 11]],
-                           torch.ones(1, 1, 5, dtype=torch.bool))
+    ref = masked_attention(
+        k[:, :, 11:], k[:, :, [0, 1, 9, 10, 11]], k[:, :, [0, 1, 9, 10, 11]], torch.ones(1, 1, 5, dtype=torch.bool)
+    )
     assert torch.allclose(out, ref, atol=1e-6)
 
 

@@ -11,8 +11,12 @@ from hybridcache.testing import check_cache_type
 from hybridcache.tiny_models import tiny_checkpoint
 
 H, D = 2, 8
-PATTERNS = [("full", {}), ("sliding", {"window": 6}), ("chunked", {"chunk_size": 5}),
-            ("sink", {"window": 4, "sinks": 2})]
+PATTERNS = [
+    ("full", {}),
+    ("sliding", {"window": 6}),
+    ("chunked", {"chunk_size": 5}),
+    ("sink", {"window": 4, "sinks": 2}),
+]
 
 
 def build(pattern, params, storage="int4", residual=4, batch=2, max_length=None, dtype=torch.float64):
@@ -96,13 +100,16 @@ GEMMA = {"num_kv_heads": 1, "head_dim": 256}
 INT4, DENSE = 2 * (128 + 8 * 4), 2 * 256 * 4  # bytes per token: int4 (group 32) and float32
 
 
-@pytest.mark.parametrize("native,tokens,quantized,window", [
-    (NativeLayer("full", GEMMA), 100, 100, 32),                    # every token in int4, the last 32 dense too
-    (NativeLayer("full", GEMMA), 20, 20, 20),                      # everything inside the window
-    (NativeLayer("sliding", {**GEMMA, "window": 16}), 100, 15, 15),  # the pattern keeps W-1 = 15: all in the window
-    (NativeLayer("chunked", {**GEMMA, "chunk_size": 64}), 100, 36, 32),
-    (NativeLayer("chunked", {**GEMMA, "chunk_size": 64}), 128, 0, 0),  # at a chunk boundary nothing is held
-])
+@pytest.mark.parametrize(
+    "native,tokens,quantized,window",
+    [
+        (NativeLayer("full", GEMMA), 100, 100, 32),  # every token in int4, the last 32 dense too
+        (NativeLayer("full", GEMMA), 20, 20, 20),  # everything inside the window
+        (NativeLayer("sliding", {**GEMMA, "window": 16}), 100, 15, 15),  # the pattern keeps W-1 = 15: all in the window
+        (NativeLayer("chunked", {**GEMMA, "chunk_size": 64}), 100, 36, 32),
+        (NativeLayer("chunked", {**GEMMA, "chunk_size": 64}), 128, 0, 0),  # at a chunk boundary nothing is held
+    ],
+)
 def test_dynamic_bytes_by_hand(native, tokens, quantized, window):
     cache = Cache.build([native], 1, {"attention": {"storage": "int4", "residual": 32}})
     g = torch.Generator().manual_seed(0)
@@ -113,11 +120,14 @@ def test_dynamic_bytes_by_hand(native, tokens, quantized, window):
     assert cache[0].res_pos.shape[1] == window
 
 
-@pytest.mark.parametrize("native,slots,ring", [
-    (NativeLayer("full", GEMMA), 128, 32),
-    (NativeLayer("sliding", {**GEMMA, "window": 16}), 16, 16),      # ring of min(R, W) slots
-    (NativeLayer("chunked", {**GEMMA, "chunk_size": 64}), 64, 32),
-])
+@pytest.mark.parametrize(
+    "native,slots,ring",
+    [
+        (NativeLayer("full", GEMMA), 128, 32),
+        (NativeLayer("sliding", {**GEMMA, "window": 16}), 16, 16),  # ring of min(R, W) slots
+        (NativeLayer("chunked", {**GEMMA, "chunk_size": 64}), 64, 32),
+    ],
+)
 def test_preallocated_bytes_by_hand(native, slots, ring):
     cache = Cache.build([native], 2, {"attention": {"storage": "int4", "residual": 32}}, max_length=128)
     assert cache.nbytes() == 2 * (slots * INT4 + ring * DENSE) == cache.plan.held_nbytes(2, 50)
@@ -134,8 +144,11 @@ def test_every_pattern_passes_the_kit_with_a_window(pattern, params, storage):
 
 
 def test_tova_window_holds_only_what_the_pattern_kept():
-    cache = Cache.build([NativeLayer("full", {"num_kv_heads": H, "head_dim": D})], 1,
-                        {"attention": {"type": "tova", "budget": 4, "storage": "int4", "residual": 3}})
+    cache = Cache.build(
+        [NativeLayer("full", {"num_kv_heads": H, "head_dim": D})],
+        1,
+        {"attention": {"type": "tova", "budget": 4, "storage": "int4", "residual": 3}},
+    )
     g = torch.Generator().manual_seed(0)
     for _ in range(10):
         with cache.block(None, 1):
@@ -197,19 +210,33 @@ def test_model_generation_equals_dense_while_the_window_holds_everything(gemma):
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :2] = 0
     dense = hc.generate(gemma, ids, attention_mask=mask, max_new_tokens=6)
-    kivi = hc.generate(gemma, ids, attention_mask=mask, max_new_tokens=6,
-                       cache_config={"attention": {"storage": "int4", "residual": 16}})
+    kivi = hc.generate(
+        gemma,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        cache_config={"attention": {"storage": "int4", "residual": 16}},
+    )
     assert torch.equal(dense.sequences, kivi.sequences) and torch.equal(dense.logits, kivi.logits)
-    short = hc.generate(gemma, ids, attention_mask=mask, max_new_tokens=6,
-                        cache_config={"attention": {"storage": "int4", "residual": 2}})
+    short = hc.generate(
+        gemma,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        cache_config={"attention": {"storage": "int4", "residual": 2}},
+    )
     assert not torch.equal(dense.logits, short.logits)  # older tokens quantized: a (small) difference
 
 
 @pytest.mark.parametrize("max_length", [None, 32])
 def test_save_and_load_round_trip(gemma, tmp_path, max_length):
     config = {"attention": {"storage": "int4", "residual": 3}}
-    out = hc.generate(gemma, torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), max_new_tokens=4,
-                      cache=gemma.make_cache(1, config, max_length=max_length))
+    out = hc.generate(
+        gemma,
+        torch.tensor([[5, 6, 7, 8, 9, 10, 11]]),
+        max_new_tokens=4,
+        cache=gemma.make_cache(1, config, max_length=max_length),
+    )
     out.cache.save(tmp_path / "kivi", model=gemma)
     loaded = Cache.load(tmp_path / "kivi", gemma, cache_config=None if max_length else config)
     seq = torch.cat([out.sequences, torch.tensor([[3, 4]])], 1)

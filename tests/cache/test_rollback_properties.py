@@ -15,8 +15,9 @@ from hybridcache.cache import Cache, CacheCropError
 from tests.cache.helpers import NATIVE, state_equal
 
 RECURRENT = ["mamba", "mamba2", "rglru", "conv", "gated_delta"]
-NATIVE_EXTRA = {"gated_delta": ("gated_delta", dict(num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=3,
-                                                     conv_kernel=3))}
+NATIVE_EXTRA = {
+    "gated_delta": ("gated_delta", dict(num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=3, conv_kernel=3))
+}
 
 
 def native(name):
@@ -30,8 +31,10 @@ def native(name):
 
 def states_at(layer, column, batch):
     """The synthetic state after `column`: every value equals the column."""
-    return {n: torch.full((batch, *shape), float(column), dtype=dtype)
-            for n, (shape, dtype) in layer.spec.state_shapes().items()}
+    return {
+        n: torch.full((batch, *shape), float(column), dtype=dtype)
+        for n, (shape, dtype) in layer.spec.state_shapes().items()
+    }
 
 
 def feed(cache, tokens, valid, g):
@@ -48,8 +51,9 @@ def feed(cache, tokens, valid, g):
             trail = None
             if m:
                 cols = range(start + tokens - m, start + tokens)
-                trail = {n: torch.stack([states_at(layer, c, batch)[n] for c in cols], 1)
-                         for n in layer.spec.state_shapes()}
+                trail = {
+                    n: torch.stack([states_at(layer, c, batch)[n] for c in cols], 1) for n in layer.spec.state_shapes()
+                }
             layer.update(trail=trail, **states_at(layer, start + tokens, batch))
 
 

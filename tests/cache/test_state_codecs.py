@@ -35,7 +35,9 @@ def expand(scale, keep, shape):
 
 def data(shape, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(3, *shape, generator=g, dtype=torch.float64) * torch.logspace(-2, 2, 3, dtype=torch.float64)[:, None].reshape(3, *([1] * len(shape)))
+    x = torch.randn(3, *shape, generator=g, dtype=torch.float64) * torch.logspace(-2, 2, 3, dtype=torch.float64)[
+        :, None
+    ].reshape(3, *([1] * len(shape)))
     x[0].view(-1)[0] = 0.0
     return x.float()
 
@@ -79,8 +81,9 @@ def test_fp8_codecs_are_within_half_an_fp8_step(codec, group):
     assert bool(torch.isfinite(got).all())
 
 
-@pytest.mark.parametrize("codec,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
-                                         ("float16", torch.float16)])
+@pytest.mark.parametrize(
+    "codec,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+)
 def test_float_codecs_are_casts(codec, dtype):
     shape = SHAPES["mamba ssm"]
     x = data(shape).double()
@@ -143,8 +146,10 @@ def feed(cache, seed):
 @pytest.mark.parametrize("codec", ["dense", "int8"])
 def test_offloaded_states_equal_the_resident_ones(codec):
     """On the CPU, offload parks the held parts in memory-mapped files: the states stay bit-exact."""
-    resident, parked = layer({"state_codec": codec}, checkpoints=2), layer({"state_codec": codec, "offload": True},
-                                                                            checkpoints=2)
+    resident, parked = (
+        layer({"state_codec": codec}, checkpoints=2),
+        layer({"state_codec": codec, "offload": True}, checkpoints=2),
+    )
     assert parked[0]._tier is not None and resident[0]._tier is None
     for step in range(4):
         feed(resident, step), feed(parked, step)
@@ -203,8 +208,10 @@ def test_error_over_a_long_generation_is_measured(capsys):
     for codec in ("bfloat16", "int8"):
         err = (stepwise_logits(model, seq, 16, {"recurrent": {"state_codec": codec}}) - ref).abs().amax(-1)[0]
         with capsys.disabled():
-            print(f"\nmamba2 tiny, {codec} states: max |dlogit| after 32 steps {float(err[32]):.2e}, after 256 "
-                  f"{float(err[256]):.2e}, worst {float(err.max()):.2e} (logits up to {float(ref.abs().max()):.1f})")
+            print(
+                f"\nmamba2 tiny, {codec} states: max |dlogit| after 32 steps {float(err[32]):.2e}, after 256 "
+                f"{float(err[256]):.2e}, worst {float(err.max()):.2e} (logits up to {float(ref.abs().max()):.1f})"
+            )
         assert bool(torch.isfinite(err).all()) and float(err.max()) < 5.0
 
 

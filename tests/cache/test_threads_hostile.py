@@ -15,7 +15,9 @@ def _attempts(cache):
     k = torch.randn(2, 2, 1, 4)
     return {
         "update a layer": lambda: cache[0].update(k, k.clone()),
-        "update a recurrent layer": lambda: cache[3].update(**{n: torch.zeros_like(t) for n, t in cache[3].states.items()}),
+        "update a recurrent layer": lambda: cache[3].update(
+            **{n: torch.zeros_like(t) for n, t in cache[3].states.items()}
+        ),
         "abort the block": cache.abort_block,
         "commit the block": cache.end_block,
         "read the open block": lambda: cache.current_block,

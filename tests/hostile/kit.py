@@ -78,8 +78,13 @@ def tree_state(root, digest: bool = True) -> dict:
             if os.path.islink(p):
                 out[str(p)] = ("link", os.readlink(p))
             elif p.is_file():
-                out[str(p)] = ("file", st.st_size, st.st_mtime_ns, st.st_ino,
-                               hashlib.sha256(p.read_bytes()).hexdigest() if digest else None)
+                out[str(p)] = (
+                    "file",
+                    st.st_size,
+                    st.st_mtime_ns,
+                    st.st_ino,
+                    hashlib.sha256(p.read_bytes()).hexdigest() if digest else None,
+                )
             else:
                 out[str(p)] = ("dir",)
     return out

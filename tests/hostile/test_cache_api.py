@@ -26,19 +26,54 @@ CACHES = {
     "static": lambda: _fed(hybrid_cache(batch=2, max_length=16)),
     "dynamic": lambda: _fed(hybrid_cache(batch=2)),
     "attention only": lambda: _fed(hybrid_cache(batch=2, types=("full", "sliding", "chunked"))),
-    "int8": lambda: _fed(Cache.build(list(NATIVE.values()), 2, {"attention": {"storage": "int8"},
-                                                                "recurrent": {"state_codec": "int8"}})),
-    "sink+checkpoints": lambda: _fed(Cache.build(list(NATIVE.values()), 2, {
-        "full": {"type": "sink", "window": 4, "sinks": 1}, "recurrent": {"checkpoints": 2}})),
+    "int8": lambda: _fed(
+        Cache.build(list(NATIVE.values()), 2, {"attention": {"storage": "int8"}, "recurrent": {"state_codec": "int8"}})
+    ),
+    "sink+checkpoints": lambda: _fed(
+        Cache.build(
+            list(NATIVE.values()),
+            2,
+            {"full": {"type": "sink", "window": 4, "sinks": 1}, "recurrent": {"checkpoints": 2}},
+        )
+    ),
 }
 
 NAN, INF = float("nan"), float("inf")
-NOT_INTS = [1.5, NAN, INF, -INF, "3", "", None, True, False, [1], (2,), {1: 2}, b"1", 1 + 0j, object(),
-            torch.tensor(1.5), torch.tensor([1, 2]), torch.tensor(NAN), torch.zeros(2, 2), torch.ones(1, dtype=torch.bool)]
+NOT_INTS = [
+    1.5,
+    NAN,
+    INF,
+    -INF,
+    "3",
+    "",
+    None,
+    True,
+    False,
+    [1],
+    (2,),
+    {1: 2},
+    b"1",
+    1 + 0j,
+    object(),
+    torch.tensor(1.5),
+    torch.tensor([1, 2]),
+    torch.tensor(NAN),
+    torch.zeros(2, 2),
+    torch.ones(1, dtype=torch.bool),
+]
 HUGE = [10**12, 10**18, 2**63 - 1, 2**63, 2**64, 10**30, 10**100]
 NEGATIVE = [-1, -2, -7, -(2**31), -(2**63), -(2**64), -(10**30)]
-DTYPES = [torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool,
-          torch.complex64, torch.int8]
+DTYPES = [
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.int8,
+]
 
 
 def bad_size(r, columns=None):
@@ -73,7 +108,9 @@ def bad_row_index(r, batch, same_size):
     if kind == 4:
         return r.choice([[], (), torch.tensor([], dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)])
     if kind == 5:
-        return torch.tensor(ok, dtype=r.choice([torch.float32, torch.float64, torch.bool, torch.complex64, torch.float16]))
+        return torch.tensor(
+            ok, dtype=r.choice([torch.float32, torch.float64, torch.bool, torch.complex64, torch.float16])
+        )
     if kind == 6:
         return torch.tensor(ok).reshape(1, -1) if r.random() < 0.5 else torch.tensor(ok[0])
     if kind == 7:
@@ -130,17 +167,26 @@ def bad_tensor_like(r, t, dims_ok=True):
     if kind == 3:
         return torch.zeros(t.shape, dtype=t.dtype, device="meta")
     if kind == 4:
-        return r.choice([t.tolist(), None, 0.0, "tensor", t.numpy() if t.device.type == "cpu" and t.dtype not in
-                         (torch.bfloat16,) else None])
+        return r.choice(
+            [
+                t.tolist(),
+                None,
+                0.0,
+                "tensor",
+                t.numpy() if t.device.type == "cpu" and t.dtype not in (torch.bfloat16,) else None,
+            ]
+        )
     return torch.zeros(t.shape, dtype=t.dtype).unsqueeze(0).expand(3, *t.shape)  # an extra leading dimension
 
 
 def _block_then(cache, tokens, call):
     """Open a block of `tokens`, make the bad call; a call that returns is Accepted (the block is aborted)."""
+
     def run():
         with cache.block(None, tokens):
             call()
             raise Accepted
+
     return run
 
 
@@ -163,8 +209,9 @@ def attention_update(r, cache):
         args = (k2, k2.clone())
     else:
         args = r.choice([(None, None), (k.numpy(), k.numpy()), (1.0, 1.0), ("k", "v")])
-    return f"layer {i} update {[type(a).__name__ + str(tuple(getattr(a, 'shape', ()))) for a in args]}", \
-        _block_then(cache, t, lambda: cache[i].update(*args))
+    return f"layer {i} update {[type(a).__name__ + str(tuple(getattr(a, 'shape', ()))) for a in args]}", _block_then(
+        cache, t, lambda: cache[i].update(*args)
+    )
 
 
 def recurrent_update(r, cache):
@@ -181,18 +228,29 @@ def recurrent_update(r, cache):
         states[name] = bad_tensor_like(r, states[name])
     else:
         return f"layer {i} positional update", _block_then(cache, 1, lambda: cache[i].update(*states.values()))
-    return f"layer {i} update {sorted(states)} ({name}: {type(states.get(name)).__name__})", \
-        _block_then(cache, 1, lambda: cache[i].update(**states))
+    return f"layer {i} update {sorted(states)} ({name}: {type(states.get(name)).__name__})", _block_then(
+        cache, 1, lambda: cache[i].update(**states)
+    )
 
 
 def index(r, cache):
     n = len(cache)
-    key = r.choice([
-        r.choice([n, n + r.randint(1, 100), -n - 1, -n - r.randint(1, 10**6), *HUGE, *NEGATIVE[3:]]),
-        r.choice(["x", "0", "", None, 1.5, NAN, True, False, b"\x00", (0, 1), [0], {0: 0}, object(), 1j, Ellipsis]),
-        r.choice([torch.tensor([1, 2]), torch.tensor(1.5), torch.tensor(n + 3), torch.tensor(True),
-                  torch.tensor(NAN), torch.zeros(2, 2, dtype=torch.long)]),
-    ])
+    key = r.choice(
+        [
+            r.choice([n, n + r.randint(1, 100), -n - 1, -n - r.randint(1, 10**6), *HUGE, *NEGATIVE[3:]]),
+            r.choice(["x", "0", "", None, 1.5, NAN, True, False, b"\x00", (0, 1), [0], {0: 0}, object(), 1j, Ellipsis]),
+            r.choice(
+                [
+                    torch.tensor([1, 2]),
+                    torch.tensor(1.5),
+                    torch.tensor(n + 3),
+                    torch.tensor(True),
+                    torch.tensor(NAN),
+                    torch.zeros(2, 2, dtype=torch.long),
+                ]
+            ),
+        ]
+    )
     return f"cache[{key!r}]", lambda: cache[key]
 
 
@@ -231,6 +289,7 @@ def _open(cache, valid, tokens):
     def run():
         with cache.block(valid, tokens):
             raise Accepted
+
     return run
 
 
@@ -238,18 +297,48 @@ def restore(r, cache):
     snap = cache.snapshot()
     kind = r.randrange(9)
     if kind == 0:
-        seen = r.choice([snap.seen.float(), snap.seen.int(), snap.seen[:1], torch.cat([snap.seen, snap.seen]),
-                         snap.seen - r.randint(snap.columns + 1, 10**6), snap.seen + r.randint(snap.columns + 1, 10**9),
-                         snap.seen.reshape(1, -1), snap.seen.to("meta"), snap.seen.tolist(), None,
-                         torch.tensor([], dtype=torch.long)])
+        seen = r.choice(
+            [
+                snap.seen.float(),
+                snap.seen.int(),
+                snap.seen[:1],
+                torch.cat([snap.seen, snap.seen]),
+                snap.seen - r.randint(snap.columns + 1, 10**6),
+                snap.seen + r.randint(snap.columns + 1, 10**9),
+                snap.seen.reshape(1, -1),
+                snap.seen.to("meta"),
+                snap.seen.tolist(),
+                None,
+                torch.tensor([], dtype=torch.long),
+            ]
+        )
         return "restore(seen edited)", lambda: cache.restore(replace(snap, seen=seen))
     if kind == 1:
-        columns = r.choice([-1, float(snap.columns), True, str(snap.columns), None, NAN, *HUGE[:3],
-                            snap.columns + r.randint(1, 9), snap.columns - r.randint(1, 3)])
+        columns = r.choice(
+            [
+                -1,
+                float(snap.columns),
+                True,
+                str(snap.columns),
+                None,
+                NAN,
+                *HUGE[:3],
+                snap.columns + r.randint(1, 9),
+                snap.columns - r.randint(1, 3),
+            ]
+        )
         return f"restore(columns={columns!r})", lambda: cache.restore(replace(snap, columns=columns))
     if kind == 2:
-        layers = r.choice([snap.layers[:-1], snap.layers + snap.layers[:1], tuple(reversed(snap.layers)), (),
-                           (None,) * len(snap.layers), snap.layers[1:] + snap.layers[:1]])
+        layers = r.choice(
+            [
+                snap.layers[:-1],
+                snap.layers + snap.layers[:1],
+                tuple(reversed(snap.layers)),
+                (),
+                (None,) * len(snap.layers),
+                snap.layers[1:] + snap.layers[:1],
+            ]
+        )
         return "restore(layers shuffled)", lambda: cache.restore(replace(snap, layers=layers))
     if kind == 3:
         other = r.choice([None, {}, "snapshot", cache, snap.layers, object()])
@@ -273,9 +362,11 @@ def restore(r, cache):
         if isinstance(bad, torch.Tensor) and bad.shape == t.shape and bad.dtype == t.dtype and bad.device == t.device:
             bad = None
         tensors[name] = bad
-    desc = f"restore(layer {i} tensor {name!r} {type(tensors.get(name)).__name__} " \
-           f"{tuple(getattr(tensors.get(name), 'shape', ()))} {getattr(tensors.get(name), 'dtype', '')})"
-    edited = replace(snap, layers=(*snap.layers[:i], replace(layer, tensors=tensors), *snap.layers[i + 1:]))
+    desc = (
+        f"restore(layer {i} tensor {name!r} {type(tensors.get(name)).__name__} "
+        f"{tuple(getattr(tensors.get(name), 'shape', ()))} {getattr(tensors.get(name), 'dtype', '')})"
+    )
+    edited = replace(snap, layers=(*snap.layers[:i], replace(layer, tensors=tensors), *snap.layers[i + 1 :]))
     return desc, lambda: cache.restore(edited)
 
 
@@ -296,8 +387,10 @@ def positions(r, cache):
         pos[row, last] = pos[row, last - 1] if last else 10**9
     if torch.equal(pos, layer.tensors["key_pos"]):
         pos[row, last] = 10**9
-    edited = replace(snap, layers=(*snap.layers[:i], replace(layer, tensors={**layer.tensors, "key_pos": pos}),
-                                   *snap.layers[i + 1:]))
+    edited = replace(
+        snap,
+        layers=(*snap.layers[:i], replace(layer, tensors={**layer.tensors, "key_pos": pos}), *snap.layers[i + 1 :]),
+    )
     return f"restore(layer {i} key_pos row {row} = {pos[row].tolist()})", lambda: cache.restore(edited)
 
 
@@ -327,8 +420,11 @@ def bad_cache_config(r):
         wrong_kind = "full" if section in ("recurrent", "mamba", "layers.3") else "mamba"  # a type of the other kind
         body = {"type": r.choice(["nope", "ful", "slidng", wrong_kind, 5, ""])}
     elif kind == 1:
-        body = {r.choice(["window", "chunk_size", "max_length", "sinks", "checkpoints"]):
-                r.choice([0, -1, 1.5, "8", True, NAN, [4], 10**30])}
+        body = {
+            r.choice(["window", "chunk_size", "max_length", "sinks", "checkpoints"]): r.choice(
+                [0, -1, 1.5, "8", True, NAN, [4], 10**30]
+            )
+        }
     elif kind == 2:
         body = {"storage": r.choice(["int9", "kivi2", 8, "", None])}
     elif kind == 3:
@@ -336,8 +432,19 @@ def bad_cache_config(r):
     elif kind == 4:
         body = {r.choice(["windw", "typ", "bogus", "chunksize"]): 4}
     elif kind == 5:
-        return r.choice(["int8", 5, [1, 2], {"layers": {"99": {"type": "full"}}}, {"layers": {"-9": {"type": "full"}}},
-                         {"layers": {"x": {}}}, {"nonsense": {}}, {"attention": "sliding"}, {"layers": [1]}])
+        return r.choice(
+            [
+                "int8",
+                5,
+                [1, 2],
+                {"layers": {"99": {"type": "full"}}},
+                {"layers": {"-9": {"type": "full"}}},
+                {"layers": {"x": {}}},
+                {"nonsense": {}},
+                {"attention": "sliding"},
+                {"layers": [1]},
+            ]
+        )
     else:
         body = r.choice(["sliding", 4, [1], 1.5])
     if section.startswith("layers."):
@@ -346,9 +453,16 @@ def bad_cache_config(r):
 
 
 GENERATORS = {  # name -> (generator, inputs per cache)
-    "index": (index, 30), "crop": (crop, 30), "repeat": (repeat, 20), "select": (select, 30),
-    "reorder": (reorder, 30), "block": (block, 30), "attention update": (attention_update, 50),
-    "recurrent update": (recurrent_update, 40), "restore": (restore, 50), "restore positions": (positions, 15),
+    "index": (index, 30),
+    "crop": (crop, 30),
+    "repeat": (repeat, 20),
+    "select": (select, 30),
+    "reorder": (reorder, 30),
+    "block": (block, 30),
+    "attention update": (attention_update, 50),
+    "recurrent update": (recurrent_update, 40),
+    "restore": (restore, 50),
+    "restore positions": (positions, 15),
 }
 
 
@@ -363,6 +477,7 @@ def test_generated_bad_cache_calls_are_named_errors_that_change_nothing(name):
             return None
         cache.restore(before)  # so that the next input starts from the same cache
         return "the cache changed"
+
     for op, (generate, count) in GENERATORS.items():
         r = rng(f"cache api:{name}:{op}")
         if op == "recurrent update" and all(layer.kind == "attention" for layer in cache.layers):

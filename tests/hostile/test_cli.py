@@ -9,13 +9,37 @@ from experiments.usage import usage_error
 from tests.app.test_cli_usage import CONFIGS, run_cli
 from tests.hostile.kit import COUNTS, report, rng
 
-GROUPS = {g: sorted(p.stem for p in (CONFIGS / g).glob("*.yaml")) for g in ("model", "cache", "experiment", "reference")}
+GROUPS = {
+    g: sorted(p.stem for p in (CONFIGS / g).glob("*.yaml")) for g in ("model", "cache", "experiment", "reference")
+}
 #: top-level settings and their kinds (the defaults' types, see configs/config.yaml)
-INT_SETTINGS = ["seed", "max_new_tokens", "model.seed", "top_k", "prefill_chunk_size", "cache.attention.window",
-                "cache.attention.chunk_size"]
+INT_SETTINGS = [
+    "seed",
+    "max_new_tokens",
+    "model.seed",
+    "top_k",
+    "prefill_chunk_size",
+    "cache.attention.window",
+    "cache.attention.chunk_size",
+]
 BOOL_SETTINGS = ["generation.compile"]
-KNOWN = {"seed", "max_new_tokens", "top_k", "model", "cache", "experiment", "reference", "prompts", "generation",
-         "logger", "home", "oracle_tolerance", "prefill_chunk_size", "model_name", "cache_name"}
+KNOWN = {
+    "seed",
+    "max_new_tokens",
+    "top_k",
+    "model",
+    "cache",
+    "experiment",
+    "reference",
+    "prompts",
+    "generation",
+    "logger",
+    "home",
+    "oracle_tolerance",
+    "prefill_chunk_size",
+    "model_name",
+    "cache_name",
+}
 LETTERS = "abcdefghijklmnopqrstuvwxyz_"
 
 
@@ -55,16 +79,45 @@ def bad_argv(r):
     if kind == 4:
         return [f"model.{misspell(r, 'seed', {'seed', 'size'})}=1"]
     if kind == 5:
-        return [r.choice(["model=[", "model=jamba,gemma3", "=x", "model={", "seed=1)", "model=jamba]", "+=3",
-                          "cache.attention.window=${oops", "seed=", "~", "model==jamba"])]
+        return [
+            r.choice(
+                [
+                    "model=[",
+                    "model=jamba,gemma3",
+                    "=x",
+                    "model={",
+                    "seed=1)",
+                    "model=jamba]",
+                    "+=3",
+                    "cache.attention.window=${oops",
+                    "seed=",
+                    "~",
+                    "model==jamba",
+                ]
+            )
+        ]
     flag = misspell(r, r.choice(["multirun", "config-dir", "cfg", "info", "help"]), FLAGS)
     if any(f.startswith(flag) for f in FLAGS):
         flag += "zz"  # argparse takes an unambiguous prefix of a flag (--he: --help) as that flag
     return [f"--{flag}"]
 
 
-FLAGS = {"multirun", "cfg", "info", "help", "config-dir", "config-name", "resolve", "package", "run", "hydra-help",
-         "version", "config-path", "shell-completion", "experimental-rerun"}
+FLAGS = {
+    "multirun",
+    "cfg",
+    "info",
+    "help",
+    "config-dir",
+    "config-name",
+    "resolve",
+    "package",
+    "run",
+    "hydra-help",
+    "version",
+    "config-path",
+    "shell-completion",
+    "experimental-rerun",
+}
 
 
 def _cases(n):

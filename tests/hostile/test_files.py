@@ -41,11 +41,31 @@ def variant(original, root, i, files):
     return d
 
 
-SHAPE_FIELDS = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "num_hidden_layers", "vocab_size"]
-OTHER_FIELDS = ["sliding_window", "max_position_embeddings", "rms_norm_eps", "query_pre_attn_scalar",
-                "torch_dtype", "dtype", "model_type", "layer_types", "rope_parameters", "hidden_activation",
-                "tie_word_embeddings", "pad_token_id", "eos_token_id", "_sliding_window_pattern"]
+SHAPE_FIELDS = [
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "vocab_size",
+]
+OTHER_FIELDS = [
+    "sliding_window",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "query_pre_attn_scalar",
+    "torch_dtype",
+    "dtype",
+    "model_type",
+    "layer_types",
+    "rope_parameters",
+    "hidden_activation",
+    "tie_word_embeddings",
+    "pad_token_id",
+    "eos_token_id",
+    "_sliding_window_pattern",
+]
 WRONG_TYPES = ["64", 64.5, [64], {"n": 64}, True, NAN, "", None]
 
 
@@ -59,9 +79,21 @@ def forged_config(r, config):
     if kind == 1:
         name = r.choice([f for f in SHAPE_FIELDS + OTHER_FIELDS if f in c])
         del c[name]
-        if name in ("dtype", "torch_dtype", "_sliding_window_pattern", "pad_token_id", "eos_token_id",
-                    "tie_word_embeddings", "hidden_activation", "query_pre_attn_scalar", "rms_norm_eps",
-                    "rope_parameters", "max_position_embeddings", "head_dim", "layer_types"):
+        if name in (
+            "dtype",
+            "torch_dtype",
+            "_sliding_window_pattern",
+            "pad_token_id",
+            "eos_token_id",
+            "tie_word_embeddings",
+            "hidden_activation",
+            "query_pre_attn_scalar",
+            "rms_norm_eps",
+            "rope_parameters",
+            "max_position_embeddings",
+            "head_dim",
+            "layer_types",
+        ):
             c["model_type"] = r.choice(["gemma4_text", "", 3, None])  # a removal HF has a default for: break the type
         return f"config without {name} (model_type {c.get('model_type')!r})", c
     if kind == 2:
@@ -69,8 +101,9 @@ def forged_config(r, config):
         c[name] = r.choice(["float33", "Tensor", "", 5, ["float32"], "torch.nn", "float32 "])
         return f"config {name}={c[name]!r}", c
     if kind == 3:
-        c["layer_types"] = r.choice([["sliding_attention"] * 3, ["nope"] * 4, "full_attention", [1, 2, 3, 4],
-                                     ["full_attention"] * 5, []])
+        c["layer_types"] = r.choice(
+            [["sliding_attention"] * 3, ["nope"] * 4, "full_attention", [1, 2, 3, 4], ["full_attention"] * 5, []]
+        )
         return f"config layer_types={c['layer_types']!r}", c
     if kind == 4:
         name = r.choice(["sliding_window", "max_position_embeddings", "rms_norm_eps", "query_pre_attn_scalar"])
@@ -96,8 +129,8 @@ def broken_json(r, raw):
 def forged_safetensors(r, data):
     """model.safetensors truncated, its header length or its JSON header forged (data bytes unchanged)."""
     n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
-    body = data[8 + n:]
+    header = json.loads(data[8 : 8 + n])
+    body = data[8 + n :]
     kind = r.randrange(6)
     if kind == 0:
         cut = r.choice([0, 1, 7, 8, r.randrange(9, 8 + n), r.randrange(8 + n, len(data))])
@@ -110,7 +143,7 @@ def forged_safetensors(r, data):
         flipped = bytearray(data)
         flipped[at] ^= 1 << r.randrange(8)
         try:
-            json.loads(bytes(flipped[8:8 + n]))
+            json.loads(bytes(flipped[8 : 8 + n]))
             same = False
         except ValueError:
             same = True
@@ -165,9 +198,25 @@ def test_linked_and_misplaced_checkpoint_files(original, tmp_path):
     outside.mkdir()
     (outside / "secret.safetensors").write_bytes((original / "model.safetensors").read_bytes())
     cases = []
-    for i, how in enumerate(["shard out", "shard dangling", "shard loop", "index out", "config out", "dir link",
-                             "entry ../", "entry absolute", "entry int", "entry empty", "weight_map list",
-                             "shard /dev/null", "shard a directory", "single file out", "config /dev/null"]):
+    for i, how in enumerate(
+        [
+            "shard out",
+            "shard dangling",
+            "shard loop",
+            "index out",
+            "config out",
+            "dir link",
+            "entry ../",
+            "entry absolute",
+            "entry int",
+            "entry empty",
+            "weight_map list",
+            "shard /dev/null",
+            "shard a directory",
+            "single file out",
+            "config /dev/null",
+        ]
+    ):
         d = tmp_path / f"c{i}"
         shutil.copytree(original, d)
         index = d / "model.safetensors.index.json"
@@ -197,9 +246,12 @@ def test_linked_and_misplaced_checkpoint_files(original, tmp_path):
             os.symlink(outside, d / "w")
             index.write_text(index.read_text().replace('"b.safetensors"', f'"w/d{i}.safetensors"'))
         elif how.startswith("entry"):
-            target = {"entry ../": json.dumps("../outside/secret.safetensors"),
-                      "entry absolute": json.dumps(str(outside / "secret.safetensors")),
-                      "entry int": "5", "entry empty": '""'}[how]
+            target = {
+                "entry ../": json.dumps("../outside/secret.safetensors"),
+                "entry absolute": json.dumps(str(outside / "secret.safetensors")),
+                "entry int": "5",
+                "entry empty": '""',
+            }[how]
             index.write_text(index.read_text().replace('"b.safetensors"', target))
         elif how == "weight_map list":
             index.write_text(json.dumps({"metadata": {}, "weight_map": ["a.safetensors"]}))
@@ -250,8 +302,11 @@ def forged_header(r, header):
     h = json.loads(json.dumps(header))
     # not the layers' spec fields: a self-consistent spec (other parameters, a default left out) is a valid cache
     # of another configuration, which only a keyed signature (key=) tells from the saved one
-    paths = [p for p in _paths(h) if p and p[0] not in ("payload_sha256", "header_sha256", "signature")
-             and not (len(p) > 3 and p[2] == "spec")]
+    paths = [
+        p
+        for p in _paths(h)
+        if p and p[0] not in ("payload_sha256", "header_sha256", "signature") and not (len(p) > 3 and p[2] == "spec")
+    ]
     path = r.choice(paths)
     node = h
     for p in path[:-1]:
@@ -278,8 +333,11 @@ def forged_tensors(r, tensors):
     if kind == 0:
         del t[name]
     elif kind == 1:
-        t[name] = t[name].to(r.choice([torch.float64, torch.int32, torch.float16, torch.uint8]) if
-                              t[name].dtype != torch.float64 else torch.float32)
+        t[name] = t[name].to(
+            r.choice([torch.float64, torch.int32, torch.float16, torch.uint8])
+            if t[name].dtype != torch.float64
+            else torch.float32
+        )
     elif kind == 2:
         t[name] = torch.cat([t[name], t[name][:1]]) if t[name].dim() else t[name].reshape(1)
     elif kind == 3:
@@ -321,8 +379,12 @@ def test_generated_bad_cache_files(saved, tmp_path):
         cases.append((f"{desc} ({out.name})", lambda out=out: Cache.load(out, model)))
     # links and things that are no cache file
     (tmp_path / "dir.safetensors").mkdir()
-    for name, target in [("null", "/dev/null"), ("dangling", tmp_path / "none"), ("dir", tmp_path / "dir.safetensors"),
-                         ("source", __file__)]:
+    for name, target in [
+        ("null", "/dev/null"),
+        ("dangling", tmp_path / "none"),
+        ("dir", tmp_path / "dir.safetensors"),
+        ("source", __file__),
+    ]:
         link = tmp_path / f"link_{name}.safetensors"
         os.symlink(target, link)
         cases.append((f"a link to {target}", lambda link=link: Cache.load(link, model)))
@@ -331,9 +393,20 @@ def test_generated_bad_cache_files(saved, tmp_path):
     os.symlink(loop, tmp_path / "loop2.safetensors")
     cases.append(("a link loop", lambda: Cache.load(loop, model)))
     # bad arguments with a good file
-    for kwargs in [dict(batch_size=3), dict(batch_size=0), dict(batch_size="2"), dict(batch_size=1.5),
-                   dict(device="cuda:99"), dict(device="nope"), dict(cache_config={"attention": {"type": "nope"}}),
-                   dict(cache_config=5), dict(key="a str key"), dict(key=b""), dict(key=5), dict(key=b"k")]:
+    for kwargs in [
+        dict(batch_size=3),
+        dict(batch_size=0),
+        dict(batch_size="2"),
+        dict(batch_size=1.5),
+        dict(device="cuda:99"),
+        dict(device="nope"),
+        dict(cache_config={"attention": {"type": "nope"}}),
+        dict(cache_config=5),
+        dict(key="a str key"),
+        dict(key=b""),
+        dict(key=5),
+        dict(key=b"k"),
+    ]:
         cases.append((f"Cache.load({kwargs})", lambda kwargs=kwargs: Cache.load(path, model, **kwargs)))
     for other in ["x", None, 5, torch.nn.Linear(2, 2)]:
         cases.append((f"Cache.load(model={other!r})", lambda other=other: Cache.load(path, other)))

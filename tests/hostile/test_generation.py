@@ -13,9 +13,18 @@ NAN, INF = float("nan"), float("inf")
 META = lambda *s: torch.zeros(*s, dtype=torch.long, device="meta")  # noqa: E731
 NOT_INTS = [1.5, NAN, INF, "3", "", [1], (2,), {1: 2}, b"1", 1j, object(), torch.tensor(1.5), True]
 NOT_FLAGS = ["yes", "", 1, 0, None, 1.0, [True], torch.tensor(True), NAN]
-BAD_CONFIGS = [{"attention": {"type": "nope"}}, "int8", 5, [1], {"layers": {"99": {"type": "full"}}},
-               {"full": {"window": -1}}, {"attention": {"storage": "int9"}}, {"bogus": {}},
-               {"sliding": {"type": "mamba"}}, {"attention": {"window": "8"}}]
+BAD_CONFIGS = [
+    {"attention": {"type": "nope"}},
+    "int8",
+    5,
+    [1],
+    {"layers": {"99": {"type": "full"}}},
+    {"full": {"window": -1}},
+    {"attention": {"storage": "int9"}},
+    {"bogus": {}},
+    {"sliding": {"type": "mamba"}},
+    {"attention": {"window": "8"}},
+]
 
 
 def bad_ids(r, vocab, batch=2, width=6):
@@ -45,7 +54,9 @@ def bad_ids(r, vocab, batch=2, width=6):
 def bad_mask(r, batch=2, width=6):
     kind = r.randrange(7)
     if kind == 0:
-        return torch.ones(r.choice([(batch, width + 1), (batch + 1, width), (width,), (batch, width, 1)]), dtype=torch.long)
+        return torch.ones(
+            r.choice([(batch, width + 1), (batch + 1, width), (width,), (batch, width, 1)]), dtype=torch.long
+        )
     if kind == 1:
         m = torch.ones(batch, width, dtype=torch.long)
         m[r.randrange(batch), r.randrange(width)] = r.choice([2, -1, 9])
@@ -71,7 +82,9 @@ GENERATE_ARGS = {
     "top_k": lambda r: r.choice([0, -1, 1.5, "5", True, NAN, [5], -(10**30)]),  # above V: no filter
     "top_p": lambda r: r.choice([0, 0.0, -0.1, 1.5, 2, NAN, INF, "0.9", True, [0.5]]),
     "seed": lambda r: r.choice([2**64, 2**70, -(2**63) - 1, -(10**30), 1.5, "1", True, NAN, [1], torch.tensor(1)]),
-    "eos_token_id": lambda r: r.choice([10**9, 384, -1, 1.5, "2", [1, 10**9], True, NAN, [True], {1}, [[1]]]),  # [] is no eos
+    "eos_token_id": lambda r: r.choice(
+        [10**9, 384, -1, 1.5, "2", [1, 10**9], True, NAN, [True], {1}, [[1]]]
+    ),  # [] is no eos
     "prefill_chunk_size": lambda r: r.choice([0, -1, 1.5, "2", True, NAN, [2]]),
     "do_sample": lambda r: r.choice(NOT_FLAGS),
     "use_cache": lambda r: r.choice(NOT_FLAGS),
@@ -140,7 +153,8 @@ def _run(category, r, model, table, count, call, extra=None, with_cache=False):
             kwargs["cache"] = cache
         kwargs.setdefault("max_new_tokens", 2)
         args = {k: v for k, v in kwargs.items() if k != "input_ids"}
-        cases.append((desc, lambda args=args, i=kwargs.get("input_ids", ids): call(model, i, **args)))
+        i = kwargs.get("input_ids", ids)
+        cases.append((desc, lambda args=args, i=i: call(model, i, **args)))
 
     def unchanged():
         if cache is None or state_equal(cache.snapshot(), before):
@@ -167,6 +181,7 @@ def test_generated_bad_beam_search_calls(model):
 def test_generated_bad_speculative_calls(model, draft, with_cache):
     r = rng(f"speculative:{with_cache}")
     table = dict(SPECULATIVE_ARGS)
-    problems, n = _run("speculative", r, model, table, 100, hc.generate, extra={"draft_model": draft},
-                       with_cache=with_cache)
+    problems, n = _run(
+        "speculative", r, model, table, 100, hc.generate, extra={"draft_model": draft}, with_cache=with_cache
+    )
     assert not problems, report(problems, n)

@@ -20,22 +20,40 @@ from tests.models.conftest import prompts
 META = torch.zeros(2, dtype=torch.long, device="meta")
 
 
-@pytest.mark.parametrize("call", [
-    lambda c: c[torch.tensor(True)],  # was: layer 1
-    lambda c: c.select([10**30]),  # was: ValueError "Overflow when unpacking long long" from torch.tensor
-    lambda c: c.reorder([1, 2**63]),
-    lambda c: c.select(META),  # was: RuntimeError "Tensor.item() cannot be called on meta tensors"
-    lambda c: c.begin_block(torch.ones(2, 2, dtype=torch.long, device="meta"), 2),  # was: the same RuntimeError
-    lambda c: c.begin_block(None, 2**63 - 1),  # was: RuntimeError "Storage size calculation overflowed"
-    lambda c: c.begin_block(None, 10**40),  # was: TypeError from torch.ones
-    lambda c: c.begin_block(None, 10**13),  # would allocate 2 x 10^13 mask entries: refused before (memory)
-    lambda c: c.restore(replace(c.snapshot(), seen=c.snapshot().seen.to("meta"))),  # was: RuntimeError
-    lambda c: c.restore(replace(c.snapshot(), layers=(None,) * 7)),  # was: AttributeError
-    lambda c: c.restore(_edited(c, 0, "keys_data", lambda t: torch.zeros_like(t, device="meta"))),  # NotImplementedError
-    # was accepted: keys of 6 slots for key_pos of 5; the next update failed with a RuntimeError in append_buffer
-    lambda c: c.restore(_edited(c, 0, "keys_data", lambda t: torch.cat([t, t[:, :, :1]], 2))),
-], ids=["bool tensor key", "select 1e30", "reorder 2**63", "select on meta", "mask on meta", "block 2**63-1",
-        "block 1e40", "block 1e13", "seen on meta", "layers None", "tensor on meta", "slots disagree"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c[torch.tensor(True)],  # was: layer 1
+        lambda c: c.select([10**30]),  # was: ValueError "Overflow when unpacking long long" from torch.tensor
+        lambda c: c.reorder([1, 2**63]),
+        lambda c: c.select(META),  # was: RuntimeError "Tensor.item() cannot be called on meta tensors"
+        lambda c: c.begin_block(torch.ones(2, 2, dtype=torch.long, device="meta"), 2),  # was: the same RuntimeError
+        lambda c: c.begin_block(None, 2**63 - 1),  # was: RuntimeError "Storage size calculation overflowed"
+        lambda c: c.begin_block(None, 10**40),  # was: TypeError from torch.ones
+        lambda c: c.begin_block(None, 10**13),  # would allocate 2 x 10^13 mask entries: refused before (memory)
+        lambda c: c.restore(replace(c.snapshot(), seen=c.snapshot().seen.to("meta"))),  # was: RuntimeError
+        lambda c: c.restore(replace(c.snapshot(), layers=(None,) * 7)),  # was: AttributeError
+        lambda c: c.restore(
+            _edited(c, 0, "keys_data", lambda t: torch.zeros_like(t, device="meta"))
+        ),  # NotImplementedError
+        # was accepted: keys of 6 slots for key_pos of 5; the next update failed with a RuntimeError in append_buffer
+        lambda c: c.restore(_edited(c, 0, "keys_data", lambda t: torch.cat([t, t[:, :, :1]], 2))),
+    ],
+    ids=[
+        "bool tensor key",
+        "select 1e30",
+        "reorder 2**63",
+        "select on meta",
+        "mask on meta",
+        "block 2**63-1",
+        "block 1e40",
+        "block 1e13",
+        "seen on meta",
+        "layers None",
+        "tensor on meta",
+        "slots disagree",
+    ],
+)
 def test_cache_calls_that_got_through(call):
     cache = hybrid_cache()  # dynamic: attention storage grows with what it holds
     feed(cache, 5)

@@ -20,8 +20,16 @@ def hf_generate(ref, ids, mask, new_tokens):
     """HF greedy generation without eos stopping (like ours without eos_token_id): sequences, raw logits [B, T_new, V].
 
     Not min_new_tokens: it bans eos from the argmax, so a step where eos wins would differ by construction."""
-    out = ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None,
-                       do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    out = ref.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        eos_token_id=None,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     assert out.sequences.shape[1] == ids.shape[1] + new_tokens
     return out.sequences, torch.stack(out.logits, dim=1)
 
@@ -44,7 +52,8 @@ def models(checkpoints):
             ref = None
             if dtype == torch.float32:
                 ref = transformers.AutoModelForCausalLM.from_pretrained(
-                    path, attn_implementation="eager", dtype=torch.float32).eval()
+                    path, attn_implementation="eager", dtype=torch.float32
+                ).eval()
             loaded[family, dtype] = (hc.from_pretrained(path, dtype=dtype), ref)
         return loaded[family, dtype]
 

@@ -29,9 +29,19 @@ def test_matches_hf_beam_search_on_attention_models(models, family):
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, :3] = 0
     ours = hc.beam_search(model, ids, mask, num_beams=4, max_new_tokens=7)
-    hf = ref.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=7, eos_token_id=None, do_sample=False,
-                      pad_token_id=0, early_stopping=False, length_penalty=1.0, output_scores=True,
-                      return_dict_in_generate=True)
+    hf = ref.generate(
+        ids,
+        attention_mask=mask,
+        num_beams=4,
+        max_new_tokens=7,
+        eos_token_id=None,
+        do_sample=False,
+        pad_token_id=0,
+        early_stopping=False,
+        length_penalty=1.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(ours.sequences, hf.sequences)
     torch.testing.assert_close(ours.sequences_scores, hf.sequences_scores, atol=1e-4, rtol=1e-4)
 

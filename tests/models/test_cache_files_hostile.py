@@ -142,6 +142,7 @@ def test_a_header_claiming_a_huge_batch_and_columns_fails_fast_without_allocatin
 
 def _set(path, value):
     """A change to the header at a dotted path ("layers.2.spec.num_kv_heads"); value DELETE removes the field."""
+
     def change(header):
         *parents, last = path.split(".")
         node = header
@@ -153,26 +154,44 @@ def _set(path, value):
             del node[last]
         else:
             node[last] = value
+
     return change
 
 
 DELETE = object()
 FORGED_HEADERS = [  # (change, the field the error must name)
-    (_set("batch_size", DELETE), "batch_size"), (_set("batch_size", "2"), "batch_size"),
-    (_set("batch_size", True), "batch_size"), (_set("batch_size", 2.0), "batch_size"),
-    (_set("batch_size", 0), "batch_size"), (_set("batch_size", -1), "batch_size"),
+    (_set("batch_size", DELETE), "batch_size"),
+    (_set("batch_size", "2"), "batch_size"),
+    (_set("batch_size", True), "batch_size"),
+    (_set("batch_size", 2.0), "batch_size"),
+    (_set("batch_size", 0), "batch_size"),
+    (_set("batch_size", -1), "batch_size"),
     (_set("batch_size", 3), "batch_size"),
-    (_set("columns", DELETE), "columns"), (_set("columns", "12"), "columns"), (_set("columns", -1), "columns"),
-    (_set("columns", 1e10), "columns"), (_set("columns", 2), "columns"), (_set("columns", None), "columns"),
-    (_set("has_fingerprint", DELETE), "has_fingerprint"), (_set("has_fingerprint", "yes"), "has_fingerprint"),
-    (_set("has_fingerprint", 1), "has_fingerprint"), (_set("has_fingerprint", False), "has_fingerprint"),
-    (_set("model", DELETE), "model"), (_set("model", "jamba"), "model"), (_set("model.family", DELETE), "model.family"),
+    (_set("columns", DELETE), "columns"),
+    (_set("columns", "12"), "columns"),
+    (_set("columns", -1), "columns"),
+    (_set("columns", 1e10), "columns"),
+    (_set("columns", 2), "columns"),
+    (_set("columns", None), "columns"),
+    (_set("has_fingerprint", DELETE), "has_fingerprint"),
+    (_set("has_fingerprint", "yes"), "has_fingerprint"),
+    (_set("has_fingerprint", 1), "has_fingerprint"),
+    (_set("has_fingerprint", False), "has_fingerprint"),
+    (_set("model", DELETE), "model"),
+    (_set("model", "jamba"), "model"),
+    (_set("model.family", DELETE), "model.family"),
     (_set("model.weights_sha256", 7), "model.weights_sha256"),
-    (_set("layers", DELETE), "layers"), (_set("layers", {}), "layers"), (_set("layers", []), "layers"),
-    (_set("layers.0", "mamba"), r"layers\[0\]"), (_set("layers.0.index", DELETE), r"layers\[0\]\.index"),
-    (_set("layers.1.index", "1"), r"layers\[1\]\.index"), (_set("layers.1.index", 5), r"layers\[1\]\.index"),
-    (_set("layers.1.index", 0), r"layers\[1\]\.index"), (_set("layers.0.member", 3), r"layers\[0\]\.member"),
-    (_set("layers.2.type", DELETE), r"layers\[2\]\.type"), (_set("layers.2.type", "nope"), r"layers\[2\]\.(spec|type)"),
+    (_set("layers", DELETE), "layers"),
+    (_set("layers", {}), "layers"),
+    (_set("layers", []), "layers"),
+    (_set("layers.0", "mamba"), r"layers\[0\]"),
+    (_set("layers.0.index", DELETE), r"layers\[0\]\.index"),
+    (_set("layers.1.index", "1"), r"layers\[1\]\.index"),
+    (_set("layers.1.index", 5), r"layers\[1\]\.index"),
+    (_set("layers.1.index", 0), r"layers\[1\]\.index"),
+    (_set("layers.0.member", 3), r"layers\[0\]\.member"),
+    (_set("layers.2.type", DELETE), r"layers\[2\]\.type"),
+    (_set("layers.2.type", "nope"), r"layers\[2\]\.(spec|type)"),
     (_set("layers.2.type", "sliding"), r"layers\[2\]\.(spec|type)"),
     (_set("layers.2.spec", DELETE), r"layers\[2\]\.spec"),
     (_set("layers.2.spec", [1]), r"layers\[2\]\.spec"),
@@ -182,11 +201,13 @@ FORGED_HEADERS = [  # (change, the field the error must name)
     (_set("layers.2.spec.dtype", {"dtype": "float33"}), r"layers\[2\]\.spec\.dtype"),
     (_set("layers.2.spec.dtype", {"tuple": 5}), r"layers\[2\]\.spec\.dtype"),
     (_set("layers.2.spec.dtype", [1, 2]), r"layers\[2\]\.spec\.dtype"),
-    (_set("layers.2.spec.num_kv_heads", 4), "layer 2"), (_set("layers.0.spec.state_size", 9), "layer 0"),
+    (_set("layers.2.spec.num_kv_heads", 4), "layer 2"),
+    (_set("layers.0.spec.state_size", 9), "layer 0"),
     (_set("layers.2.tensors", DELETE), r"layers\[2\]\.tensors"),
     (_set("layers.2.tensors", "key_pos"), r"layers\[2\]\.tensors"),
     (_set("layers.2.tensors", ["key_pos", "key_pos"]), r"layers\[2\]\.tensors"),
-    (_set("layers.2.tensors", ["key_pos", "keys_data"]), "layer"), (_set("layers.2.tensors.0", "nope"), "layer"),
+    (_set("layers.2.tensors", ["key_pos", "keys_data"]), "layer"),
+    (_set("layers.2.tensors.0", "nope"), "layer"),
 ]
 
 
@@ -269,14 +290,17 @@ def _swap(t):
     t[0, [-1, -2]] = t[0, [-2, -1]]
 
 
-@pytest.mark.parametrize("edit, why", [
-    (lambda t: t.__setitem__((0, -1), 99), "position 99"),  # beyond what the row has seen
-    (lambda t: t.__setitem__((1, -1), t[1, -2]), "twice"),  # one position held twice
-    (lambda t: t.__setitem__((0, -1), -5), "position -5"),
-    (_swap, "increasing"),  # out of order for a pattern whose slots follow the columns
-    (lambda t: t.__setitem__((0, 4), -1), "increasing|holds"),  # a token the next query needs dropped
-    (lambda t: t.sub_(1).clamp_(min=-1), "holds"),  # every position shifted: the last token missing
-])
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda t: t.__setitem__((0, -1), 99), "position 99"),  # beyond what the row has seen
+        (lambda t: t.__setitem__((1, -1), t[1, -2]), "twice"),  # one position held twice
+        (lambda t: t.__setitem__((0, -1), -5), "position -5"),
+        (_swap, "increasing"),  # out of order for a pattern whose slots follow the columns
+        (lambda t: t.__setitem__((0, 4), -1), "increasing|holds"),  # a token the next query needs dropped
+        (lambda t: t.sub_(1).clamp_(min=-1), "holds"),  # every position shifted: the last token missing
+    ],
+)
 def test_restore_refuses_stored_positions_inconsistent_with_the_sequence(saved, edit, why):
     cache = Cache.load(saved[2], saved[0])
     snap, before = cache.snapshot(), state(cache)
@@ -288,8 +312,13 @@ def test_restore_refuses_stored_positions_inconsistent_with_the_sequence(saved, 
 
 def test_restore_checks_preallocated_slots_and_recurrent_checkpoint_columns(models):
     model = models("jamba")[0]
-    out = hc.generate(model, prompts(1, 9, seed=8), max_new_tokens=3, compile=False,
-                      cache=model.make_cache(1, {"recurrent": {"checkpoints": 3}}, max_length=16))
+    out = hc.generate(
+        model,
+        prompts(1, 9, seed=8),
+        max_new_tokens=3,
+        compile=False,
+        cache=model.make_cache(1, {"recurrent": {"checkpoints": 3}}, max_length=16),
+    )
     snap = out.cache.snapshot()
     with pytest.raises(CacheError, match="slot"):  # two positions in each other's slots
         out.cache.restore(_edited(snap, 2, "key_pos", lambda t: t.__setitem__((0, [0, 1]), t[0, [1, 0]])))

@@ -9,7 +9,10 @@ from tests.models.conftest import prompts
 from tests.models.test_parity import SPLIT_TOL  # families that amplify float32 rounding differences (documented there)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "jamba", "bamba", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "nemotron_h", "granitemoehybrid"])  # a sliding ring + full buffer; mamba states + full buffer
+@pytest.mark.parametrize(
+    "family",
+    ["gemma3", "jamba", "bamba", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "nemotron_h", "granitemoehybrid"],
+)  # a sliding ring + full buffer; mamba states + full buffer
 def test_compiled_decode_equals_eager(family, models):
     ours, _ = models(family)
     ids = prompts(2, 13, seed=9)

@@ -11,15 +11,22 @@ import hybridcache as hc
 from hybridcache.tiny_models import build_tiny_checkpoint
 from tests.models.conftest import hf_generate, prompts
 
-VARIANT = dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
-               projectors_bias=True, mamba_rms_norm=False)
+VARIANT = dict(
+    tie_word_embeddings=True,
+    attention_bias=True,
+    mlp_bias=True,
+    mamba_proj_bias=True,
+    projectors_bias=True,
+    mamba_rms_norm=False,
+)
 
 
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
     path = build_tiny_checkpoint("falcon_h1", tmp_path_factory.mktemp("falcon_h1_variant"), seed=3, **VARIANT)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                            dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
     return path, hc.from_pretrained(path), ref
 
 

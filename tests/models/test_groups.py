@@ -58,8 +58,9 @@ def attn_native(dtype):
 
 
 def mamba_native(dtype):
-    return NativeLayer("mamba2", {"num_heads": 4, "head_dim": 8, "state_size": 4, "n_groups": 1, "conv_kernel": 3,
-                                  "dtype": dtype})
+    return NativeLayer(
+        "mamba2", {"num_heads": 4, "head_dim": 8, "state_size": 4, "n_groups": 1, "conv_kernel": 3, "dtype": dtype}
+    )
 
 
 class ParallelLayer(nn.Module):
@@ -104,8 +105,20 @@ def falcon_like():
 
 def zamba_like():
     shared = attention()
-    return TinyLM(nn.ModuleList([SharedAttentionLayer(None), SharedAttentionLayer(shared),
-                                 SharedAttentionLayer(None), SharedAttentionLayer(shared)])).double().eval()
+    return (
+        TinyLM(
+            nn.ModuleList(
+                [
+                    SharedAttentionLayer(None),
+                    SharedAttentionLayer(shared),
+                    SharedAttentionLayer(None),
+                    SharedAttentionLayer(shared),
+                ]
+            )
+        )
+        .double()
+        .eval()
+    )
 
 
 MODELS = {"falcon_like": falcon_like, "zamba_like": zamba_like}
@@ -152,10 +165,18 @@ def test_shared_weights_have_separate_caches_per_use():
 
 def test_plan_addresses_groups_by_layer_and_member():
     model = falcon_like()
-    plan = resolve_plan(model.native_layers(), {"layers": {"1.attention": {"type": "sliding", "window": 4},
-                                                           2: {"mamba": {"state_dtype": torch.float64}}}})
-    assert [p.address for p in plan.layers] == ["0.attention", "0.mamba", "1.attention", "1.mamba", "2.attention",
-                                                "2.mamba"]
+    plan = resolve_plan(
+        model.native_layers(),
+        {"layers": {"1.attention": {"type": "sliding", "window": 4}, 2: {"mamba": {"state_dtype": torch.float64}}}},
+    )
+    assert [p.address for p in plan.layers] == [
+        "0.attention",
+        "0.mamba",
+        "1.attention",
+        "1.mamba",
+        "2.attention",
+        "2.mamba",
+    ]
     assert plan[2].type == "sliding" and plan[5].spec.state_dtype == torch.float64 and plan[0].type == "full"
     text = render_plan(plan)
     assert "member" in text and "attention" in text and "sliding" in text
@@ -170,5 +191,6 @@ def test_plan_addresses_groups_by_layer_and_member():
 def test_a_cache_with_another_structure_is_refused():
     falcon, zamba = falcon_like(), zamba_like()
     with pytest.raises(ValueError, match="needs a group of attention, mamba"):
-        falcon(torch.randint(0, VOCAB, (1, 3)), zamba.make_cache(1).__class__.build(
-            [mamba_native(torch.float64)] * 3, 1))
+        falcon(
+            torch.randint(0, VOCAB, (1, 3)), zamba.make_cache(1).__class__.build([mamba_native(torch.float64)] * 3, 1)
+        )

@@ -27,8 +27,13 @@ def _legacy_nemotron(path):
     pattern = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
     config["hybrid_override_pattern"] = "".join(pattern[t] for t in config.pop("layers_block_type"))
     config["num_hidden_layers"] = len(config["hybrid_override_pattern"])
-    for new, old in [("n_groups", "mamba_n_groups"), ("conv_kernel", "mamba_d_conv"), ("chunk_size", "mamba_chunk_size"),
-                     ("use_conv_bias", "mamba_conv_bias"), ("time_step_min", "mamba_dt_min")]:
+    for new, old in [
+        ("n_groups", "mamba_n_groups"),
+        ("conv_kernel", "mamba_d_conv"),
+        ("chunk_size", "mamba_chunk_size"),
+        ("use_conv_bias", "mamba_conv_bias"),
+        ("time_step_min", "mamba_dt_min"),
+    ]:
         config[old] = config.pop(new)
     (path / "config.json").write_text(json.dumps(config))
     state = load_file(path / "model.safetensors")
@@ -42,18 +47,39 @@ def _legacy_nemotron(path):
 
 def _legacy_granite(path):
     config = json.loads((path / "config.json").read_text())
-    config["layer_types"] = [{"linear_attention": "mamba", "full_attention": "attention"}[t] for t in config["layer_types"]]
+    config["layer_types"] = [
+        {"linear_attention": "mamba", "full_attention": "attention"}[t] for t in config["layer_types"]
+    ]
     (path / "config.json").write_text(json.dumps(config))
 
 
 VARIANTS = {
-    "lfm2": ("lfm2", dict(tie_word_embeddings=True, block_auto_adjust_ff_dim=False,
-                          layer_types=["full_attention", "conv", "conv", "full_attention"]), None),
-    "nemotron_h": ("nemotron_h", dict(
-        layers_block_type=["mlp", "linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
-        n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=3, moe_latent_size=32), _legacy_nemotron),
-    "granitemoehybrid": ("granitemoehybrid", dict(num_local_experts=0, position_embedding_type=None,
-                                                  tie_word_embeddings=True), _legacy_granite),
+    "lfm2": (
+        "lfm2",
+        dict(
+            tie_word_embeddings=True,
+            block_auto_adjust_ff_dim=False,
+            layer_types=["full_attention", "conv", "conv", "full_attention"],
+        ),
+        None,
+    ),
+    "nemotron_h": (
+        "nemotron_h",
+        dict(
+            layers_block_type=["mlp", "linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+            n_routed_experts=6,
+            n_group=3,
+            topk_group=2,
+            num_experts_per_tok=3,
+            moe_latent_size=32,
+        ),
+        _legacy_nemotron,
+    ),
+    "granitemoehybrid": (
+        "granitemoehybrid",
+        dict(num_local_experts=0, position_embedding_type=None, tie_word_embeddings=True),
+        _legacy_granite,
+    ),
 }
 
 

@@ -21,16 +21,23 @@ def test_layer_kinds(jamba):
     assert jamba.types == ["mamba", "mamba", "attention", "mamba"]
     assert [nl.type for nl in jamba.native_layers()] == ["mamba", "mamba", "full", "mamba"]
     assert [type(layer.feed_forward).__name__ for layer in jamba.model.layers] == [
-        "GatedMLP", "SparseMoE", "GatedMLP", "SparseMoE"]
+        "GatedMLP",
+        "SparseMoE",
+        "GatedMLP",
+        "SparseMoE",
+    ]
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"layers": {0: {"type": "full"}}}, "layer 0 is a recurrent layer"),
-    ({"layers": {ATTENTION_LAYER: {"type": "mamba"}}}, f"layer {ATTENTION_LAYER} is a attention layer"),
-    ({"recurrent": {"type": "sliding", "window": 4}}, "cannot use the attention cache type 'sliding'"),
-    ({"recurrent": {"type": "mamba2"}}, "missing model shapes"),
-    ({"mamba": {"window": 4}}, "does not take 'window'"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"layers": {0: {"type": "full"}}}, "layer 0 is a recurrent layer"),
+        ({"layers": {ATTENTION_LAYER: {"type": "mamba"}}}, f"layer {ATTENTION_LAYER} is a attention layer"),
+        ({"recurrent": {"type": "sliding", "window": 4}}, "cannot use the attention cache type 'sliding'"),
+        ({"recurrent": {"type": "mamba2"}}, "missing model shapes"),
+        ({"mamba": {"window": 4}}, "does not take 'window'"),
+    ],
+)
 def test_mismatched_cache_config_fails_clearly(jamba, config, message):
     with pytest.raises(CacheConfigError, match=message):
         jamba.make_cache(1, cache_config=config)
@@ -51,8 +58,13 @@ def test_chunked_attention_config_touches_only_attention_layers(jamba):
     mamba_spec = cache[0].spec
     assert (mamba_spec.intermediate_size, mamba_spec.state_size, mamba_spec.conv_kernel) == (128, 8, 4)
     out = hc.generate(jamba, prompts(2, 11, seed=7), max_new_tokens=4, cache=cache)
-    oracle = hc.generate(jamba, prompts(2, 11, seed=7), max_new_tokens=4,
-                         cache_config={"attention": {"type": "chunked", "chunk_size": 4}}, use_cache=False)
+    oracle = hc.generate(
+        jamba,
+        prompts(2, 11, seed=7),
+        max_new_tokens=4,
+        cache_config={"attention": {"type": "chunked", "chunk_size": 4}},
+        use_cache=False,
+    )
     assert torch.equal(out.sequences, oracle.sequences)
 
 

@@ -64,7 +64,9 @@ def test_unexpected_tensor_is_named(gemma_dir):
 
 def test_shape_mismatch_is_named(gemma_dir):
     rewrite(gemma_dir, lambda s: s.update({"model.norm.weight": torch.zeros(7)}))
-    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(7,\) in the checkpoint, the model expects \(64,\)"):
+    with pytest.raises(
+        ValueError, match=r"model.norm.weight has shape \(7,\) in the checkpoint, the model expects \(64,\)"
+    ):
         hc.from_pretrained(gemma_dir)
 
 
@@ -108,9 +110,11 @@ def test_config_disagreeing_with_weights_fails_before_reading_or_allocating(gemm
 
     write_config(gemma_dir, lambda c: c.update(vocab_size=10**9))
     monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the shape check"))
-    with pytest.raises(hc.models.CheckpointError,
-                       match=r"model.embed_tokens.weight has shape \(384, 64\) in the checkpoint, the model expects "
-                             r"\(1000000000, 64\)"):
+    with pytest.raises(
+        hc.models.CheckpointError,
+        match=r"model.embed_tokens.weight has shape \(384, 64\) in the checkpoint, the model expects "
+        r"\(1000000000, 64\)",
+    ):
         hc.from_pretrained(gemma_dir)
 
 
@@ -120,27 +124,41 @@ def test_loaded_model_has_no_meta_tensors(gemma_dir):
     assert all(t.device.type == "cpu" for t in model.state_dict().values())
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[1, 2]", r"config.json must hold a JSON object, it holds a JSON list"),
-    ('"gemma"', r"config.json must hold a JSON object, it holds a JSON str"),
-    ('{\n  "model_type": "gemma3_text",\n  "hidden_size": 64,\n}\n', r"config.json: invalid JSON at line 4, column 1"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1, 2]", r"config.json must hold a JSON object, it holds a JSON list"),
+        ('"gemma"', r"config.json must hold a JSON object, it holds a JSON str"),
+        (
+            '{\n  "model_type": "gemma3_text",\n  "hidden_size": 64,\n}\n',
+            r"config.json: invalid JSON at line 4, column 1",
+        ),
+    ],
+)
 def test_bad_config_json_is_named(gemma_dir, text, message):
     (gemma_dir / "config.json").write_text(text)
     with pytest.raises(hc.models.CheckpointError, match=message):
         hc.from_pretrained(gemma_dir)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: c.pop("hidden_size"), r"gemma3 config \(.*config.json\) is invalid: missing required field hidden_size"),
-    (lambda c: c.update(hidden_size="64"), r"hidden_size must be int, got '64' \(str\)"),
-    (lambda c: c.update(num_key_value_heads=True), r"num_key_value_heads must be int, got True"),
-    (lambda c: c.update(layer_types=["sliding_attention", "sliding_attention", "full", "sliding_attention"]),
-     r"layer_types has unknown entry 'full' \(known: sliding_attention, full_attention\)"),
-    (lambda c: c.update(sliding_window=0), r"sliding_window must be positive, got 0"),
-    (lambda c: c.update(sliding_window=-8), r"sliding_window must be positive, got -8"),
-    (lambda c: c.update(layer_types=["full_attention"]), r"layer_types has 1 entries, num_hidden_layers is 4"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda c: c.pop("hidden_size"),
+            r"gemma3 config \(.*config.json\) is invalid: missing required field hidden_size",
+        ),
+        (lambda c: c.update(hidden_size="64"), r"hidden_size must be int, got '64' \(str\)"),
+        (lambda c: c.update(num_key_value_heads=True), r"num_key_value_heads must be int, got True"),
+        (
+            lambda c: c.update(layer_types=["sliding_attention", "sliding_attention", "full", "sliding_attention"]),
+            r"layer_types has unknown entry 'full' \(known: sliding_attention, full_attention\)",
+        ),
+        (lambda c: c.update(sliding_window=0), r"sliding_window must be positive, got 0"),
+        (lambda c: c.update(sliding_window=-8), r"sliding_window must be positive, got -8"),
+        (lambda c: c.update(layer_types=["full_attention"]), r"layer_types has 1 entries, num_hidden_layers is 4"),
+    ],
+)
 def test_bad_config_values_fail_at_load(gemma_dir, change, message):
     write_config(gemma_dir, change)
     with pytest.raises(hc.models.ConfigError, match=message):
@@ -150,15 +168,18 @@ def test_bad_config_values_fail_at_load(gemma_dir, change, message):
 def test_llama4_zero_chunk_and_recurrentgemma_zero_window_fail_at_load(checkpoints, tmp_path):
     for family, change, message in [
         ("llama4", {"attention_chunk_size": 0}, "attention_chunk_size must be positive, got 0"),
-        ("llama4", {"layer_types": ["chunked_attention"] * 3 + ["sliding_attention"]},
-         "layer_types has unknown entry 'sliding_attention'"),
+        (
+            "llama4",
+            {"layer_types": ["chunked_attention"] * 3 + ["sliding_attention"]},
+            "layer_types has unknown entry 'sliding_attention'",
+        ),
         ("recurrentgemma", {"attention_window_size": 0}, "attention_window_size must be positive, got 0"),
         ("recurrentgemma", {"block_types": ["recurrent", "mlp"]}, "block_types has unknown entry 'mlp'"),
         ("jamba", {"layers_block_type": ["mamba", "mamba", "attn", "mamba"]}, "layers_block_type has unknown entry"),
     ]:
         target = tmp_path / f"{family}-{len(list(tmp_path.iterdir()))}"
         shutil.copytree(checkpoints(family), target)
-        write_config(target, lambda c: c.update(change))
+        write_config(target, lambda c, change=change: c.update(change))
         with pytest.raises(hc.models.ConfigError, match=message):
             hc.from_pretrained(target)
 
@@ -169,8 +190,10 @@ def test_nonfinite_weights_are_refused_unless_allowed(gemma_dir):
         state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
 
     rewrite(gemma_dir, poison)
-    with pytest.raises(hc.models.CheckpointError,
-                       match=r"tensor model.layers.1.mlp.up_proj.weight has 2 NaN/Inf values .*allow_nonfinite=True"):
+    with pytest.raises(
+        hc.models.CheckpointError,
+        match=r"tensor model.layers.1.mlp.up_proj.weight has 2 NaN/Inf values .*allow_nonfinite=True",
+    ):
         hc.from_pretrained(gemma_dir)
     model = hc.from_pretrained(gemma_dir, allow_nonfinite=True)
     assert torch.isnan(model.model.layers[1].mlp.up_proj.weight[3, 5])
@@ -178,9 +201,11 @@ def test_nonfinite_weights_are_refused_unless_allowed(gemma_dir):
 
 def test_integer_tensor_where_floats_are_expected_is_refused_unless_allowed(gemma_dir):
     rewrite(gemma_dir, lambda s: s.update({"model.norm.weight": torch.arange(64, dtype=torch.int64)}))
-    with pytest.raises(hc.models.CheckpointError,
-                       match=r"tensor model.norm.weight has dtype torch.int64 in the checkpoint, the model expects a "
-                             r"floating-point tensor .*allow_dtype_cast=True"):
+    with pytest.raises(
+        hc.models.CheckpointError,
+        match=r"tensor model.norm.weight has dtype torch.int64 in the checkpoint, the model expects a "
+        r"floating-point tensor .*allow_dtype_cast=True",
+    ):
         hc.from_pretrained(gemma_dir)
     model = hc.from_pretrained(gemma_dir, allow_dtype_cast=True)
     assert model.model.norm.weight.dtype == torch.float32 and model.model.norm.weight[5].item() == 5.0
@@ -243,8 +268,10 @@ def test_subfolder_shards_load_and_bad_indexes_are_named(gemma_dir, models):
         hc.from_pretrained(gemma_dir)
 
 
-@pytest.mark.parametrize("path", ["./no/such/dir", "/tmp/hybridcache-no-such-dir-x", "~/no-such-hybridcache-dir",
-                                  "no/such/dir", "..", "bad name"])
+@pytest.mark.parametrize(
+    "path",
+    ["./no/such/dir", "/tmp/hybridcache-no-such-dir-x", "~/no-such-hybridcache-dir", "no/such/dir", "..", "bad name"],
+)
 def test_missing_local_paths_never_reach_the_hub(path, monkeypatch):
     import huggingface_hub
 
@@ -340,10 +367,15 @@ def test_a_converting_family_that_must_be_built_for_real_is_checked_first(checkp
     assert built[-1] is True  # refused from the meta build, never built for real
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"dtype": torch.int8}, "dtype must be one of"), ({"dtype": "float32"}, "dtype must be one of"),
-    ({"dtype": torch.complex64}, "dtype must be one of"), ({"device": "nodevice"}, "device 'nodevice' is not a device"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"dtype": torch.int8}, "dtype must be one of"),
+        ({"dtype": "float32"}, "dtype must be one of"),
+        ({"dtype": torch.complex64}, "dtype must be one of"),
+        ({"device": "nodevice"}, "device 'nodevice' is not a device"),
+    ],
+)
 def test_dtype_and_device_are_checked_before_reading(gemma_dir, monkeypatch, kwargs, message):
     import hybridcache.models.loading as loading
 

@@ -147,8 +147,9 @@ def test_chunked_prefill_is_exact_in_float64(family, models, chunk):
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     one = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=4, cache_config=F64_STATES)
-    chunked = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=4, cache_config=F64_STATES,
-                          prefill_chunk_size=chunk)
+    chunked = hc.generate(
+        ours, ids, attention_mask=mask, max_new_tokens=4, cache_config=F64_STATES, prefill_chunk_size=chunk
+    )
     assert torch.equal(one.sequences, chunked.sequences)
     assert max_diff(one.logits, chunked.logits) <= EXACT_TOL
 

@@ -17,9 +17,12 @@ def _same(a: Cache, b: Cache) -> bool:
     sa, sb = a.snapshot(), b.snapshot()
     if sa.columns != sb.columns or not torch.equal(sa.seen, sb.seen) or not torch.equal(sa.fingerprint, sb.fingerprint):
         return False
-    return all(x.spec == y.spec and x.tensors.keys() == y.tensors.keys() and all(
-        x.tensors[n].dtype == y.tensors[n].dtype and torch.equal(x.tensors[n], y.tensors[n]) for n in x.tensors)
-        for x, y in zip(sa.layers, sb.layers))
+    return all(
+        x.spec == y.spec
+        and x.tensors.keys() == y.tensors.keys()
+        and all(x.tensors[n].dtype == y.tensors[n].dtype and torch.equal(x.tensors[n], y.tensors[n]) for n in x.tensors)
+        for x, y in zip(sa.layers, sb.layers)
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -49,8 +52,9 @@ def test_preallocated_and_configured_caches_round_trip(models, tmp_path):
     out = hc.generate(model, prompts(1, 9, seed=3), max_new_tokens=3, cache_config=config)
     out.cache.save(tmp_path / "a", model=model)
     assert _same(out.cache, Cache.load(tmp_path / "a", model, batch_size=1, cache_config=config))
-    static = hc.generate(model, prompts(1, 9, seed=3), max_new_tokens=3, compile=False,
-                         cache=model.make_cache(1, max_length=16))
+    static = hc.generate(
+        model, prompts(1, 9, seed=3), max_new_tokens=3, compile=False, cache=model.make_cache(1, max_length=16)
+    )
     static.cache.save(tmp_path / "b", model=model)
     assert _same(static.cache, Cache.load(tmp_path / "b", model))
     with pytest.raises(CacheFileError, match="differ from what cache_config asks"):
@@ -78,6 +82,7 @@ def test_wrong_model_batch_or_spec_is_a_clear_error(models, tmp_path):
 
 def _checkpoint_dir(model):
     from hybridcache.tiny_models import tiny_checkpoint
+
     return tiny_checkpoint(model.family)
 
 
@@ -99,6 +104,7 @@ def test_corrupted_truncated_or_foreign_files_are_clear_errors(models, tmp_path)
         Cache.load(bad, model)
     tensors = load_file(str(path))
     from safetensors import safe_open
+
     with safe_open(str(path), "pt") as f:
         header = json.loads(f.metadata()["hybridcache"])
     header["version"] = 99

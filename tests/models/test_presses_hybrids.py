@@ -18,15 +18,27 @@ def test_every_method_runs_on_the_attention_layers_of_hybrids(models, family):
     prefilled = hc.generate(model, ids, max_new_tokens=1, cache_config=states)
     for name in ("snapkv", "knorm", "streaming_llm", "observed_attention", "expected_attention", "pyramidkv"):
         kw = {"window_size": 4} if name in ("snapkv", "pyramidkv") else {}
-        out = hc.generate(model, ids, max_new_tokens=4,
-                          cache_config={**states, "full": {"type": name, "compression_ratio": 0.0, **kw}})
+        out = hc.generate(
+            model,
+            ids,
+            max_new_tokens=4,
+            cache_config={**states, "full": {"type": name, "compression_ratio": 0.0, **kw}},
+        )
         assert torch.equal(out.sequences, native.sequences), name
         assert (out.logits - native.logits).abs().max() < 1e-10, name
-        lossy = hc.generate(model, ids, max_new_tokens=4,
-                            cache_config={**states, "full": {"type": name, "compression_ratio": 0.5, **kw}})
+        lossy = hc.generate(
+            model,
+            ids,
+            max_new_tokens=4,
+            cache_config={**states, "full": {"type": name, "compression_ratio": 0.5, **kw}},
+        )
         assert torch.isfinite(lossy.logits).all()
-        prompt_only = hc.generate(model, ids, max_new_tokens=1,
-                                  cache_config={**states, "full": {"type": name, "compression_ratio": 0.5, **kw}})
+        prompt_only = hc.generate(
+            model,
+            ids,
+            max_new_tokens=1,
+            cache_config={**states, "full": {"type": name, "compression_ratio": 0.5, **kw}},
+        )
         for entry_n, entry_l in zip(prefilled.cache.layers, prompt_only.cache.layers):
             if entry_n.kind == "recurrent":  # compression happens after the prompt: its states are the native ones
                 for s in entry_n.states:  # (up to float64 rounding: attention with weights takes the explicit path)
@@ -36,9 +48,14 @@ def test_every_method_runs_on_the_attention_layers_of_hybrids(models, family):
         assert torch.equal(out.sequences, native.sequences), name
 
 
-@pytest.mark.parametrize("config", [{"attention": {"type": "snapkv", "compression_ratio": 0.5, "window_size": 4}},
-                                    {"attention": {"type": "h2o", "budget": 8}},
-                                    {"attention": {"type": "tova", "compression_ratio": 0.5, "mode": "prefill"}}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"attention": {"type": "snapkv", "compression_ratio": 0.5, "window_size": 4}},
+        {"attention": {"type": "h2o", "budget": 8}},
+        {"attention": {"type": "tova", "compression_ratio": 0.5, "mode": "prefill"}},
+    ],
+)
 def test_save_load_continues_bit_exactly(models, tmp_path, config):
     """Per-head positions, the prompt length and H2O's accumulated attention travel with a saved cache."""
     from hybridcache.cache import Cache
@@ -57,5 +74,10 @@ def test_save_load_continues_bit_exactly(models, tmp_path, config):
 def test_prefill_mode_refuses_a_chunked_prefill(models):
     model, _ = models("jamba")
     with pytest.raises(ValueError, match="one block"):
-        hc.generate(model, prompts(1, 30, seed=1), max_new_tokens=2, prefill_chunk_size=8,
-                    cache_config={"attention": {"type": "knorm", "compression_ratio": 0.5}})
+        hc.generate(
+            model,
+            prompts(1, 30, seed=1),
+            max_new_tokens=2,
+            prefill_chunk_size=8,
+            cache_config={"attention": {"type": "knorm", "compression_ratio": 0.5}},
+        )

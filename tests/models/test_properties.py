@@ -23,10 +23,16 @@ def scenarios(draw):
         "sink": {"attention": {"type": "sink", "window": draw(st.integers(1, 6)), "sinks": draw(st.integers(1, 3))}},
     }[strategy]
     return dict(
-        family=draw(st.sampled_from(FAMILIES)), seed=draw(st.integers(0, 2**16)), batch=batch, length=length,
-        pads=[draw(st.integers(0, length - 1)) for _ in range(batch)], config={**config, **F64},
-        chunk=draw(st.one_of(st.none(), st.integers(1, length))), first=draw(st.integers(1, 4)),
-        second=draw(st.integers(1, 4)), static=draw(st.booleans()),
+        family=draw(st.sampled_from(FAMILIES)),
+        seed=draw(st.integers(0, 2**16)),
+        batch=batch,
+        length=length,
+        pads=[draw(st.integers(0, length - 1)) for _ in range(batch)],
+        config={**config, **F64},
+        chunk=draw(st.one_of(st.none(), st.integers(1, length))),
+        first=draw(st.integers(1, 4)),
+        second=draw(st.integers(1, 4)),
+        static=draw(st.booleans()),
     )
 
 
@@ -40,10 +46,13 @@ def test_cached_and_continued_generation_equals_the_recompute(models, s):
     for row, pad in enumerate(s["pads"]):
         mask[row, :pad] = 0
     total = s["first"] + s["second"]
-    oracle = hc.generate(model, ids, attention_mask=mask, max_new_tokens=total, cache_config=s["config"], use_cache=False)
+    oracle = hc.generate(
+        model, ids, attention_mask=mask, max_new_tokens=total, cache_config=s["config"], use_cache=False
+    )
     cache = model.make_cache(s["batch"], s["config"], max_length=s["length"] + total if s["static"] else None)
-    first = hc.generate(model, ids, attention_mask=mask, max_new_tokens=s["first"], cache=cache,
-                        prefill_chunk_size=s["chunk"])
+    first = hc.generate(
+        model, ids, attention_mask=mask, max_new_tokens=s["first"], cache=cache, prefill_chunk_size=s["chunk"]
+    )
     whole_mask = torch.cat([mask, torch.ones(s["batch"], s["first"], dtype=mask.dtype)], 1)
     second = hc.generate(model, first.sequences, attention_mask=whole_mask, max_new_tokens=s["second"], cache=cache)
     assert torch.equal(second.sequences, oracle.sequences)
@@ -55,9 +64,16 @@ def test_cached_and_continued_generation_equals_the_recompute(models, s):
 def rollbacks(draw):
     batch, length, k = draw(st.integers(1, 2)), draw(st.integers(2, 12)), draw(st.integers(1, 4))
     return dict(
-        family=draw(st.sampled_from(FAMILIES)), seed=draw(st.integers(0, 2**16)), batch=batch, length=length,
-        pads=[draw(st.integers(0, length - 1)) for _ in range(batch)], k=k, fed=draw(st.integers(1, 5)),
-        steps=draw(st.booleans()), back=draw(st.integers(0, k)), new=draw(st.integers(1, 3)),
+        family=draw(st.sampled_from(FAMILIES)),
+        seed=draw(st.integers(0, 2**16)),
+        batch=batch,
+        length=length,
+        pads=[draw(st.integers(0, length - 1)) for _ in range(batch)],
+        k=k,
+        fed=draw(st.integers(1, 5)),
+        steps=draw(st.booleans()),
+        back=draw(st.integers(0, k)),
+        new=draw(st.integers(1, 3)),
     )
 
 
@@ -79,13 +95,14 @@ def test_crop_within_the_checkpoints_then_continue_equals_the_recompute(models, 
     cache = model.make_cache(s["batch"], config)
     model(ids[:, : s["length"]], cache, mask[:, : s["length"]])
     fed = range(s["length"], s["length"] + s["fed"])
-    for start, end in ([(t, t + 1) for t in fed] if s["steps"] else [(fed.start, fed.stop)]):
+    for start, end in [(t, t + 1) for t in fed] if s["steps"] else [(fed.start, fed.stop)]:
         model(ids[:, start:end], cache)
     n = max(cache.columns - s["back"], max(s["pads"]))  # keep a real token in every row
     cache.crop(n)
     keep = n + s["new"]
     out = hc.generate(model, ids[:, :keep], attention_mask=mask[:, :keep], max_new_tokens=2, cache=cache)
-    oracle = hc.generate(model, ids[:, :keep], attention_mask=mask[:, :keep], max_new_tokens=2, cache_config=config,
-                         use_cache=False)
+    oracle = hc.generate(
+        model, ids[:, :keep], attention_mask=mask[:, :keep], max_new_tokens=2, cache_config=config, use_cache=False
+    )
     assert torch.equal(out.sequences, oracle.sequences)
     assert (out.logits - oracle.logits).abs().max().item() < 1e-9

@@ -58,7 +58,9 @@ def test_crop_within_the_checkpoint_window_equals_recompute(models, family):
         with pytest.raises(CacheCropError, match="checkpoints"):
             cache.crop(20 - K - 1)
         after = cache.snapshot()
-        assert all(torch.equal(x.tensors[k], y.tensors[k]) for x, y in zip(before.layers, after.layers) for k in x.tensors)
+        assert all(
+            torch.equal(x.tensors[k], y.tensors[k]) for x, y in zip(before.layers, after.layers) for k in x.tensors
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -93,8 +95,14 @@ def test_trail_bookkeeping_against_states_written_by_hand():
         start = cache.columns
         with cache.block(None, size):
             m = layer.trail_length(size)
-            trail = {k: torch.stack([state(c)[k] for c in range(start + size - m, start + size)], 1)
-                     for k in ("conv", "lru")} if m else None
+            trail = (
+                {
+                    k: torch.stack([state(c)[k] for c in range(start + size - m, start + size)], 1)
+                    for k in ("conv", "lru")
+                }
+                if m
+                else None
+            )
             layer.update(trail=trail, **state(start + size))
         snap = cache.snapshot()
         for n in range(max(0, cache.columns - 4), cache.columns + 1):

@@ -54,8 +54,8 @@ def check_same_as_plain(model, draft, ids, mask=None, k=3, new=14, **kw):
     assert torch.equal(spec.sequences, plain.sequences)
     live = torch.ones(spec.logits.shape[:2], dtype=torch.bool)  # after its eos a row's logits mean nothing
     if kw.get("eos_token_id") is not None:
-        hit = (spec.sequences[:, ids.shape[1]:] == kw["eos_token_id"]).long().cumsum(1)
-        live = (hit - (hit > 0).long() * (spec.sequences[:, ids.shape[1]:] == kw["eos_token_id"]).long()) == 0
+        hit = (spec.sequences[:, ids.shape[1] :] == kw["eos_token_id"]).long().cumsum(1)
+        live = (hit - (hit > 0).long() * (spec.sequences[:, ids.shape[1] :] == kw["eos_token_id"]).long()) == 0
         assert not bool(live.all())  # the eos case really stops a row early
     torch.testing.assert_close(spec.logits[live], plain.logits[live], atol=1e-4, rtol=1e-4)
     return spec
@@ -82,8 +82,9 @@ def test_greedy_output_identical_to_plain_greedy(models, family):
 
 def test_rollback_modes_and_continuation(models):
     jamba, gemma = models("jamba")[0], models("gemma3")[0]
-    out = hc.generate(jamba, prompts(1, 6, seed=22), max_new_tokens=8, draft_model=perturbed(jamba, 1.5),
-                      num_draft_tokens=3)
+    out = hc.generate(
+        jamba, prompts(1, 6, seed=22), max_new_tokens=8, draft_model=perturbed(jamba, 1.5), num_draft_tokens=3
+    )
     assert out.stats["rollback"]["target"] == "crop"  # full attention + mamba with checkpoints
     more = torch.cat([out.sequences, prompts(1, 2, seed=23)], 1)
     cont = hc.generate(jamba, more, cache=out.cache, max_new_tokens=4)  # the returned cache continues
@@ -100,7 +101,11 @@ def test_eos_and_bad_requests(models):
     free = hc.generate(model, ids, max_new_tokens=10)
     eos = int(free.sequences[0, 7 + 3])
     check_same_as_plain(model, perturbed(model, 1.0), ids, k=3, new=10, eos_token_id=eos)
-    for kw, msg in [({"num_draft_tokens": 0}, "num_draft_tokens"), ({"do_sample": True}, "greedy"),
-                    ({"cache": model.make_cache(2)}, "cache="), ({"compile": True}, "compile")]:
+    for kw, msg in [
+        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+        ({"do_sample": True}, "greedy"),
+        ({"cache": model.make_cache(2)}, "cache="),
+        ({"compile": True}, "compile"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             hc.generate(model, ids, draft_model=model, **kw)

@@ -44,7 +44,7 @@ def test_a_block_repeated_under_every_name_is_aliased_and_must_be_identical(chec
     src = checkpoints("zamba2")
     state = load_file(str(src / "model.safetensors"))
     first, later = "model.layers.1.shared_transformer.", "model.layers.4.shared_transformer."
-    repeated = {**state, **{later + k[len(first):]: v.clone() for k, v in state.items() if k.startswith(first)}}
+    repeated = {**state, **{later + k[len(first) :]: v.clone() for k, v in state.items() if k.startswith(first)}}
     model = hc.from_pretrained(_copy_checkpoint(src, tmp_path / "repeated", repeated))
     ids = prompts(1, 12, seed=3)
     with torch.no_grad():
@@ -59,8 +59,9 @@ def clamped(tmp_path_factory):
     """The tiny zamba2 with HF's default time_step_min (0.001), where dt reaches the clamp."""
     path = build_tiny_checkpoint("zamba2", tmp_path_factory.mktemp("zamba2_clamp"), time_step_min=0.001)
     assert json.loads((path / "config.json").read_text())["time_step_min"] == 0.001
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                            dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
     return hc.from_pretrained(path), hc.from_pretrained(path, dtype=torch.float64), ref
 
 

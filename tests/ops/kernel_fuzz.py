@@ -86,6 +86,7 @@ class Fuzz:
 
 # ---- float64 references -------------------------------------------------------------------------------------------
 
+
 def d64(t):
     return None if t is None else t.double()
 
@@ -110,7 +111,7 @@ def ref_rope(x, cos, sin, interleaved):
     if interleaved:
         rot = torch.stack((-head[..., 1::2], head[..., ::2]), dim=-1).reshape(head.shape)
     else:
-        rot = torch.cat((-head[..., r // 2:], head[..., :r // 2]), dim=-1)
+        rot = torch.cat((-head[..., r // 2 :], head[..., : r // 2]), dim=-1)
     return torch.cat((head * c + rot * s, x[..., r:]), dim=-1)
 
 
@@ -133,6 +134,7 @@ def visible(qpos, kpos, name, param):
 
 # ---- one case per wrapper: (description, call, reference) ---------------------------------------------------------
 
+
 def case_linear(f: Fuzz):
     rows, k, n = f.pick(0, 1, 2, 5, 16, 17), f.pick(0, 1, 3, 8, 17, 64), f.pick(0, 1, 5, 33)
     lead = f.pick((rows,), (1, rows), (rows, 1))
@@ -145,10 +147,11 @@ def case_linear(f: Fuzz):
     w = f.spoil(f.layout(w) if f.chance(0.2) else w)
     bias = f.spoil(f.values((n,))) if f.chance(0.5) else None
     scale = f.spoil(f.values((n,), 0.01)) if f.chance(0.5) else None
-    desc = (f"decode_linear x{tuple(x.shape)} {x.dtype} w{tuple(w.shape)} {w.dtype} bias={bias is not None} "
-            f"scale={scale is not None}")
-    return (desc, lambda: ck.decode_linear(x, w, bias, scale),
-            lambda: ref_linear(x, w, bias, scale))
+    desc = (
+        f"decode_linear x{tuple(x.shape)} {x.dtype} w{tuple(w.shape)} {w.dtype} bias={bias is not None} "
+        f"scale={scale is not None}"
+    )
+    return (desc, lambda: ck.decode_linear(x, w, bias, scale), lambda: ref_linear(x, w, bias, scale))
 
 
 def case_rms_norm(f: Fuzz):
@@ -156,8 +159,11 @@ def case_rms_norm(f: Fuzz):
     x = f.spoil(f.layout(f.values((*f.pick((), (0,), (1,), (3,), (2, 5)), d), 3.0)))
     scale = f.spoil(f.values((d,))) if f.chance(0.95) else f.values((d + 1,))
     eps = f.pick(1e-6, 1e-2, 0.0)
-    return (f"rms_norm x{tuple(x.shape)} {x.dtype} eps={eps}", lambda: ck.rms_norm(x, scale, eps),
-            lambda: ref_norm(x, scale, eps))
+    return (
+        f"rms_norm x{tuple(x.shape)} {x.dtype} eps={eps}",
+        lambda: ck.rms_norm(x, scale, eps),
+        lambda: ref_norm(x, scale, eps),
+    )
 
 
 def case_residual_norm(f: Fuzz):
@@ -171,8 +177,11 @@ def case_residual_norm(f: Fuzz):
         s = h.double() + (ref_norm(x, *post) if post else x.double())
         return (s, ref_norm(s.float(), *nxt) if nxt else None)  # the second norm reads the float32 sum
 
-    return (f"residual_norm {tuple(shape)} post={post is not None} next={nxt is not None}",
-            lambda: ck.residual_norm(h, x, post, nxt), ref)
+    return (
+        f"residual_norm {tuple(shape)} post={post is not None} next={nxt is not None}",
+        lambda: ck.residual_norm(h, x, post, nxt),
+        ref,
+    )
 
 
 def case_act_mul(f: Fuzz):
@@ -214,8 +223,11 @@ def case_attention(f: Fuzz):
         desc = f"positions {name} {param}"
 
         def ref_mask():
-            return visible(qpos, kpos, name, param)[:, None] if name in ck.PATTERNS and param >= 1 or name == "full" \
+            return (
+                visible(qpos, kpos, name, param)[:, None]
+                if name in ck.PATTERNS and param >= 1 or name == "full"
                 else None
+            )
     else:
         mask = torch.rand(b, 1, s, generator=f.gen) < f.pick(0.0, 0.3, 1.0)
         positions, desc = None, f"mask p={mask.float().mean().item() if mask.numel() else 0:.2f}"
@@ -228,8 +240,11 @@ def case_attention(f: Fuzz):
         m = ref_mask()
         return masked_attention(q.double(), k.double(), v.double(), m.reshape(b, 1, s), scale, softcap)
 
-    return (f"decode_attention q{tuple(q.shape)} {q.dtype} k{tuple(k.shape)} {k.dtype} {desc} softcap={softcap}",
-            lambda: ck.decode_attention(q, k, v, mask, scale, softcap, positions=positions), ref)
+    return (
+        f"decode_attention q{tuple(q.shape)} {q.dtype} k{tuple(k.shape)} {k.dtype} {desc} softcap={softcap}",
+        lambda: ck.decode_attention(q, k, v, mask, scale, softcap, positions=positions),
+        ref,
+    )
 
 
 def _cos_sin(f: Fuzz, b, t, d):
@@ -247,8 +262,11 @@ def case_rope(f: Fuzz):
         b, t = x.shape[0], 1
     cos, sin, r = _cos_sin(f, b, t, d) if b * t < 4096 else (torch.ones(1), torch.ones(1), 1)
     interleaved = f.chance(0.5)
-    return (f"rope x{tuple(x.shape)} {x.dtype} r={r} interleaved={interleaved}",
-            lambda: ck.rope(x, cos, sin, interleaved), lambda: ref_rope(x, cos, sin, interleaved))
+    return (
+        f"rope x{tuple(x.shape)} {x.dtype} r={r} interleaved={interleaved}",
+        lambda: ck.rope(x, cos, sin, interleaved),
+        lambda: ref_rope(x, cos, sin, interleaved),
+    )
 
 
 def case_norm_rope(f: Fuzz):
@@ -262,8 +280,11 @@ def case_norm_rope(f: Fuzz):
         y = ref_norm(x, scale, eps) if scale is not None else x.double()
         return ref_rope(y, cos, sin, interleaved) if cos is not None else y
 
-    return (f"norm_rope x{tuple(x.shape)} {x.dtype} norm={scale is not None} r={r}",
-            lambda: ck.norm_rope(x, scale, eps, cos, sin, interleaved), ref)
+    return (
+        f"norm_rope x{tuple(x.shape)} {x.dtype} norm={scale is not None} r={r}",
+        lambda: ck.norm_rope(x, scale, eps, cos, sin, interleaved),
+        ref,
+    )
 
 
 def case_scan(f: Fuzz):
@@ -276,18 +297,26 @@ def case_scan(f: Fuzz):
     bm, cm = f.spoil(f.layout(f.values((b, t, n)))), f.spoil(f.layout(f.values((b, t, n))))
     a = f.spoil(-torch.exp(f.values((dm, n), 0.5)))
     optional = f.chance(0.5)
-    d, bias, state = (f.spoil(f.values((dm,))), f.spoil(f.values((dm,))), f.spoil(f.layout(f.values((b, dm, n)))))\
-        if optional else (None, None, None)
+    d, bias, state = (
+        (f.spoil(f.values((dm,))), f.spoil(f.values((dm,))), f.spoil(f.layout(f.values((b, dm, n)))))
+        if optional
+        else (None, None, None)
+    )
     softplus = f.chance(0.5)
 
     def ref():
         tr = lambda v: None if v is None else v.transpose(1, 2).double()
-        y, last = _selective_scan_torch(tr(u), tr(delta), a.double(), tr(bm), tr(cm), d64(d), tr(z), d64(bias),
-                                        softplus, d64(state))
+        y, last = _selective_scan_torch(
+            tr(u), tr(delta), a.double(), tr(bm), tr(cm), d64(d), tr(z), d64(bias), softplus, d64(state)
+        )
         return y.transpose(1, 2), last
 
-    return (f"selective_scan u{tuple(u.shape)} {u.dtype} n={n} optional={optional} z={z is not None}",
-            lambda: ck.selective_scan(u, delta, z, bm, cm, a, d, bias, softplus, state), ref, n)
+    return (
+        f"selective_scan u{tuple(u.shape)} {u.dtype} n={n} optional={optional} z={z is not None}",
+        lambda: ck.selective_scan(u, delta, z, bm, cm, a, d, bias, softplus, state),
+        ref,
+        n,
+    )
 
 
 def _weight(f: Fuzz, n, k):
@@ -310,8 +339,11 @@ def case_gated_mlp(f: Fuzz):
         g = ref_linear(x, gu[0], gu[1], gu[2])
         return ref_linear(ref_act(act, *g.chunk(2, dim=-1)), dn[0], dn[1], dn[2])
 
-    return (f"gated_mlp x{tuple(x.shape)} {x.dtype} d={d} i={i} {gu[0].dtype}/{dn[0].dtype} {act}",
-            lambda: cpu_fused.gated_mlp(x, gu, dn, act), ref)
+    return (
+        f"gated_mlp x{tuple(x.shape)} {x.dtype} d={d} i={i} {gu[0].dtype}/{dn[0].dtype} {act}",
+        lambda: cpu_fused.gated_mlp(x, gu, dn, act),
+        ref,
+    )
 
 
 def case_qkv(f: Fuzz):
@@ -330,24 +362,36 @@ def case_qkv(f: Fuzz):
         proj = ref_linear(x, w, bias, wscale)  # [B, T, W]
         out = []
         for h0, h1, norm in ((0, hq, q_norm), (hq, hq + hkv, k_norm)):
-            y = proj[..., h0 * hd:h1 * hd].reshape(b, t, h1 - h0, hd).transpose(1, 2)
+            y = proj[..., h0 * hd : h1 * hd].reshape(b, t, h1 - h0, hd).transpose(1, 2)
             y = ref_norm(y, *norm) if norm is not None else y
             out.append(ref_rope(y, cos, sin, interleaved) if cos is not None else y)
-        out.append(proj[..., (hq + hkv) * hd:].reshape(b, t, hkv, hd).transpose(1, 2))
+        out.append(proj[..., (hq + hkv) * hd :].reshape(b, t, hkv, hd).transpose(1, 2))
         return tuple(out)
 
-    return (f"qkv_norm_rope x{tuple(x.shape)} {x.dtype} heads={heads}/{hq},{hkv},{hd} {w.dtype} r={r}",
-            lambda: cpu_fused.qkv_norm_rope(x, (w, bias, wscale), heads, hkv, hd, q_norm, k_norm, cos, sin,
-                                            interleaved), ref)
+    return (
+        f"qkv_norm_rope x{tuple(x.shape)} {x.dtype} heads={heads}/{hq},{hkv},{hd} {w.dtype} r={r}",
+        lambda: cpu_fused.qkv_norm_rope(x, (w, bias, wscale), heads, hkv, hd, q_norm, k_norm, cos, sin, interleaved),
+        ref,
+    )
 
 
-CASES = {"decode_linear": case_linear, "rms_norm": case_rms_norm, "residual_norm": case_residual_norm,
-         "act_mul": case_act_mul, "argmax_rows": case_argmax, "decode_attention": case_attention, "rope": case_rope,
-         "norm_rope": case_norm_rope, "selective_scan": case_scan, "gated_mlp": case_gated_mlp,
-         "qkv_norm_rope": case_qkv}
+CASES = {
+    "decode_linear": case_linear,
+    "rms_norm": case_rms_norm,
+    "residual_norm": case_residual_norm,
+    "act_mul": case_act_mul,
+    "argmax_rows": case_argmax,
+    "decode_attention": case_attention,
+    "rope": case_rope,
+    "norm_rope": case_norm_rope,
+    "selective_scan": case_scan,
+    "gated_mlp": case_gated_mlp,
+    "qkv_norm_rope": case_qkv,
+}
 
 
 # ---- comparison ---------------------------------------------------------------------------------------------------
+
 
 def same(got, want, terms: int = 1) -> str | None:
     """None if got (float32 / int64) equals the float64 reference: same shape, non-finite values in the same places,

@@ -56,8 +56,9 @@ def evil_source(marker: Path) -> str:
 
 def generate(models, prompts) -> list[list[int]]:
     with torch.no_grad():
-        return [hc.generate(m, p, max_new_tokens=8, output_logits=False).sequences.tolist()
-                for m, p in zip(models, prompts)]
+        return [
+            hc.generate(m, p, max_new_tokens=8, output_logits=False).sequences.tolist() for m, p in zip(models, prompts)
+        ]
 
 
 def manifest_for(path: Path, template: dict) -> dict:
@@ -86,9 +87,13 @@ def main() -> None:
             tokens = generate(models, prompts)
             with torch.no_grad():  # the C path really runs (or really does not)
                 ran = ck.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6) is not None
-        return {"status": status, "path": "C" if status.startswith("C kernels") else "torch", "kernel_ran": ran,
-                "warnings": [str(w.message) for w in caught if issubclass(w.category, _native.KernelNotice)],
-                "tokens": tokens}
+        return {
+            "status": status,
+            "path": "C" if status.startswith("C kernels") else "torch",
+            "kernel_ran": ran,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, _native.KernelNotice)],
+            "tokens": tokens,
+        }
 
     os.environ[DISABLE_ENV] = "1"
     torch_path = load(work / "disabled")
@@ -122,6 +127,7 @@ def main() -> None:
             fn(home, home / "kernels")
             cases[name] = load(home)
             return fn
+
         return register
 
     @case("planted, no manifest")
@@ -168,6 +174,7 @@ def main() -> None:
         forge(home, evil)
 
     if os.geteuid() == 0:  # only root can give a directory to another user
+
         @case("planted + forged manifest, directory owned by another user")
         def _(home, k):
             shutil.copy(evil, k / so_name)
@@ -187,9 +194,18 @@ def main() -> None:
 
     for result in cases.values():
         result["tokens_equal_torch_path"] = result.pop("tokens") == torch_path["tokens"]
-    print(json.dumps({"torch_path": torch_path["status"], "pristine": pristine["status"],
-                      "pristine_equal_torch_path": pristine["tokens"] == torch_path["tokens"], "cases": cases,
-                      "marker_exists": marker.exists()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "torch_path": torch_path["status"],
+                "pristine": pristine["status"],
+                "pristine_equal_torch_path": pristine["tokens"] == torch_path["tokens"],
+                "cases": cases,
+                "marker_exists": marker.exists(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ def _norm64(x, w, eps):
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 9), d=st.integers(1, 70), post=st.booleans(), nxt=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    rows=st.integers(1, 9), d=st.integers(1, 70), post=st.booleans(), nxt=st.booleans(), seed=st.integers(0, 2**31 - 1)
+)
 def test_residual_norm_matches_float64(rows, d, post, nxt, seed):
     g = torch.Generator().manual_seed(seed)
     h, x = torch.randn(rows, d, generator=g) * 3, torch.randn(rows, d, generator=g) * 2
@@ -42,8 +43,12 @@ def test_residual_norm_matches_float64(rows, d, post, nxt, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 5), inner=st.integers(1, 70), act=st.sampled_from(sorted(ck.ACT_MUL)),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    rows=st.integers(1, 5),
+    inner=st.integers(1, 70),
+    act=st.sampled_from(sorted(ck.ACT_MUL)),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_act_mul_matches_float64(rows, inner, act, seed):
     g = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(rows, 2 * inner, generator=g) * 4
@@ -98,8 +103,13 @@ def test_gated_mlp_fused_equals_unfused(act):
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 9), n=st.sampled_from([1, 7, 16, 33, 100, 40_000]), ties=st.booleans(),
-       special=st.sampled_from([None, "nan", "-inf", "inf"]), seed=st.integers(0, 2**31 - 1))
+@given(
+    rows=st.integers(1, 9),
+    n=st.sampled_from([1, 7, 16, 33, 100, 40_000]),
+    ties=st.booleans(),
+    special=st.sampled_from([None, "nan", "-inf", "inf"]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_argmax_rows_is_torchs_argmax(rows, n, ties, special, seed):
     """The first largest value's index, the first NaN's if there is one (what torch.argmax answers), on rows long
     enough to be split over threads too."""
@@ -142,8 +152,9 @@ def test_gated_mlp_in_one_call_is_the_separate_calls(fmt, rows):
     x = torch.randn(rows, 1, d)
     with torch.no_grad():
         fused = cpu_fused.gated_mlp(x, (w_gu, None, s_gu), (w_dn, b_dn, s_dn), "gelu_pytorch_tanh")
-        separate = ck.decode_linear(ck.act_mul(ck.decode_linear(x, w_gu, None, s_gu), "gelu_pytorch_tanh"), w_dn,
-                                    b_dn, s_dn)
+        separate = ck.decode_linear(
+            ck.act_mul(ck.decode_linear(x, w_gu, None, s_gu), "gelu_pytorch_tanh"), w_dn, b_dn, s_dn
+        )
     assert fused is not None and torch.equal(fused, separate)
 
 
@@ -158,8 +169,9 @@ def test_qkv_norm_rope_in_one_call_is_the_separate_calls(fmt, norms, rotary):
     qs, ks = torch.randn(d), torch.randn(d)
     cos, sin = (torch.randn(b, 1, t, 8), torch.randn(b, 1, t, 8)) if rotary else (None, None)
     with torch.no_grad():
-        q, k, v = cpu_fused.qkv_norm_rope(x, (w, bias, s), hq, hkv, d, (qs, 1e-6) if norms else None,
-                                          (ks, 1e-5) if norms else None, cos, sin, False)
+        q, k, v = cpu_fused.qkv_norm_rope(
+            x, (w, bias, s), hq, hkv, d, (qs, 1e-6) if norms else None, (ks, 1e-5) if norms else None, cos, sin, False
+        )
         qkv = ck.decode_linear(x, w, bias, s)
         qp, kp, vp = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         heads = lambda p, h: p.view(b, t, h, d).transpose(1, 2)  # noqa: E731
@@ -174,7 +186,9 @@ def test_fused_paths_decline_what_they_do_not_take():
     with torch.no_grad():
         assert cpu_fused.gated_mlp(x, (w, None, None), (torch.randn(8, 6), None, None), "silu") is None
         assert cpu_fused.gated_mlp(x[:2], (w, None, None), (torch.randn(8, 6), None, None), "relu") is None
-        assert cpu_fused.qkv_norm_rope(torch.randn(1, 17, 8), (w, None, None), 1, 1, 4, None, None, None, None,
-                                       False) is None
+        assert (
+            cpu_fused.qkv_norm_rope(torch.randn(1, 17, 8), (w, None, None), 1, 1, 4, None, None, None, None, False)
+            is None
+        )
     with torch.enable_grad():
         assert cpu_fused.gated_mlp(x[:2], (w, None, None), (torch.randn(8, 6), None, None), "silu") is None

@@ -35,8 +35,14 @@ def _kernel():
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, dl.MAX_ROWS), n=st.integers(1, 37), k=st.integers(1, 70),
-       fmt=st.sampled_from(["float32", "bfloat16", "int8"]), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    rows=st.integers(1, dl.MAX_ROWS),
+    n=st.integers(1, 37),
+    k=st.integers(1, 70),
+    fmt=st.sampled_from(["float32", "bfloat16", "int8"]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_kernel_matches_float64(rows, n, k, fmt, bias, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)
@@ -83,8 +89,9 @@ def test_reference_path_equals_the_kernel_for_packed_weights():
         w, scale = pack_matrix(torch.randn(12, 40), fmt)
         b = torch.randn(12)
         with torch.no_grad():
-            torch.testing.assert_close(dl.decode_linear(x, w, b, scale), reference_linear(x, w, b, scale),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                dl.decode_linear(x, w, b, scale), reference_linear(x, w, b, scale), rtol=1e-5, atol=1e-5
+            )
 
 
 @settings(max_examples=30, deadline=None)
@@ -100,9 +107,16 @@ def test_rms_norm_matches_float64(rows, d, eps, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(b=st.integers(1, 3), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 6, 8]), s=st.integers(1, 40),
-       d=st.integers(1, 40), softcap=st.sampled_from([None, 5.0]), p_visible=st.sampled_from([0.0, 0.3, 1.0]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 4, 6, 8]),
+    s=st.integers(1, 40),
+    d=st.integers(1, 40),
+    softcap=st.sampled_from([None, 5.0]),
+    p_visible=st.sampled_from([0.0, 0.3, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_decode_attention_matches_the_torch_path(b, hkv, group, s, d, softcap, p_visible, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hkv * group, 1, d, generator=g)
@@ -134,7 +148,11 @@ def test_decode_attention_from_positions_equals_the_mask(kind, param):
     extra = {"window": param} if kind == "sliding" else {"chunk_size": param} if kind == "chunked" else {}
     spec = spec(num_kv_heads=2, head_dim=8, **extra)
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g)
+    q, k, v = (
+        torch.randn(3, 4, 1, 8, generator=g),
+        torch.randn(3, 2, 11, 8, generator=g),
+        torch.randn(3, 2, 11, 8, generator=g),
+    )
     kpos = torch.tensor([[-1, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8], list(range(11)), [-1] * 10 + [0]])
     qpos = torch.tensor([[8], [10], [-1]])  # row 2: a padding query sees nothing
     mask = (qpos[:, :, None] >= 0) & (kpos[:, None, :] >= 0) & spec.visible(qpos[:, :, None], kpos[:, None, :])
@@ -169,12 +187,16 @@ def test_decode_attention_split_over_slots_equals_the_reference(visible):
     """Long enough that one (row, kv head) is split over threads, whose partial softmaxes are combined."""
     g = torch.Generator().manual_seed(1)
     s = 700
-    q, k, v = torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 1, s, 64, generator=g), torch.randn(1, 1, s, 64, generator=g)
+    q, k, v = (
+        torch.randn(1, 2, 1, 64, generator=g),
+        torch.randn(1, 1, s, 64, generator=g),
+        torch.randn(1, 1, s, 64, generator=g),
+    )
     mask = torch.zeros(1, 1, s, dtype=torch.bool)
     if visible == "all":
         mask[:] = True
     elif visible == "second half":
-        mask[..., s // 2:] = True
+        mask[..., s // 2 :] = True
     elif visible == "a few":
         mask[..., [3, 350, 699]] = True
     with torch.no_grad():
@@ -183,8 +205,15 @@ def test_decode_attention_split_over_slots_equals_the_reference(visible):
 
 
 @settings(max_examples=30, deadline=None)
-@given(b=st.integers(1, 3), t=st.integers(1, 9), dm=st.integers(1, 20), n=st.sampled_from([1, 5, 16, 21]),
-       optional=st.booleans(), softplus=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    b=st.integers(1, 3),
+    t=st.integers(1, 9),
+    dm=st.integers(1, 20),
+    n=st.sampled_from([1, 5, 16, 21]),
+    optional=st.booleans(),
+    softplus=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, softplus, seed):
     from hybridcache.ops.selective_scan import _selective_scan_torch
 
@@ -199,14 +228,25 @@ def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, soft
         out = dl.selective_scan(u, delta, z if optional else None, bm, cm, a, d, bias, softplus, state)
     assert out is not None
     tr = lambda v: None if v is None else v.transpose(1, 2).double()
-    y, last = _selective_scan_torch(tr(u), tr(delta), a.double(), tr(bm), tr(cm), None if d is None else d.double(),
-                                    tr(z) if optional else None, None if bias is None else bias.double(), softplus,
-                                    None if state is None else state.double())
+    y, last = _selective_scan_torch(
+        tr(u),
+        tr(delta),
+        a.double(),
+        tr(bm),
+        tr(cm),
+        None if d is None else d.double(),
+        tr(z) if optional else None,
+        None if bias is None else bias.double(),
+        softplus,
+        None if state is None else state.double(),
+    )
     torch.testing.assert_close(out[0].double(), y.transpose(1, 2), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out[1].double(), last, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("norm, rot, interleaved", [(True, 8, False), (True, 4, True), (False, 8, False), (True, 0, False)])
+@pytest.mark.parametrize(
+    "norm, rot, interleaved", [(True, 8, False), (True, 4, True), (False, 8, False), (True, 0, False)]
+)
 def test_norm_rope_kernel_matches_the_modules(norm, rot, interleaved):
     from hybridcache.blocks.norms import RMSNorm
     from hybridcache.blocks.rotary import RotaryEmbedding
@@ -217,7 +257,11 @@ def test_norm_rope_kernel_matches_the_modules(norm, rot, interleaved):
     rms = RMSNorm(8, 1e-6, unit_offset=True)
     with torch.no_grad():
         rms.weight.copy_(torch.randn(8, generator=g) * 0.1)
-    rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot)), interleaved=interleaved) if rot else None
+    rotary = (
+        RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot)), interleaved=interleaved)
+        if rot
+        else None
+    )
     positions = torch.tensor([[0, 4, 9], [2, 3, 30]])
     cos, sin = rotary.cos_sin(positions, torch.float32) if rotary else (None, None)
     with torch.no_grad():

@@ -24,8 +24,9 @@ def _kernel():
 
 
 def run_python(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
     if proc.returncode < 0:
         last = [ln for ln in proc.stderr.splitlines() if ln.startswith("#")][-1:]
         pytest.fail(f"killed by signal {-proc.returncode} in {last}")

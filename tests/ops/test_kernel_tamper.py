@@ -13,16 +13,20 @@ import hybridcache.ops.cpu_kernels as ck
 from hybridcache.tiny_models import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-REBUILT = {"planted, no manifest": "it has no manifest",
-           "planted, genuine manifest (swapped library)": "truncated or resized",
-           "truncated, genuine manifest": "truncated or resized",
-           "truncated, no manifest": "it has no manifest",
-           "library without the expected symbols, no manifest": "it has no manifest"}
-REFUSED = {"planted + forged manifest, directory writable by others": "writable by group and others (mode 777)",
-           "planted + forged manifest, library writable by group": "writable by group (mode 775)",
-           "planted + forged manifest, library is a symbolic link": "cannot be opened safely",
-           "planted + forged manifest, directory owned by another user": "owned by uid 65534",
-           "genuine build lacking a symbol": "lacks hc_selective_scan"}
+REBUILT = {
+    "planted, no manifest": "it has no manifest",
+    "planted, genuine manifest (swapped library)": "truncated or resized",
+    "truncated, genuine manifest": "truncated or resized",
+    "truncated, no manifest": "it has no manifest",
+    "library without the expected symbols, no manifest": "it has no manifest",
+}
+REFUSED = {
+    "planted + forged manifest, directory writable by others": "writable by group and others (mode 777)",
+    "planted + forged manifest, library writable by group": "writable by group (mode 775)",
+    "planted + forged manifest, library is a symbolic link": "cannot be opened safely",
+    "planted + forged manifest, directory owned by another user": "owned by uid 65534",
+    "genuine build lacking a symbol": "lacks hc_selective_scan",
+}
 
 
 @pytest.fixture(scope="module")

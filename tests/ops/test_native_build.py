@@ -108,13 +108,15 @@ def test_other_machines_get_the_torch_path_with_one_notice(fresh, monkeypatch, m
 def test_a_compiler_without_openmp_builds_one_thread_kernels_and_says_so(fresh, monkeypatch, tmp_path):
     """What Apple clang does with -fopenmp, played by a wrapper around this machine's compiler."""
     cc = tmp_path / "clang-without-openmp"
-    cc.write_text(textwrap.dedent("""\
+    cc.write_text(
+        textwrap.dedent("""\
         #!/bin/sh
         for a in "$@"; do
           if [ "$a" = -fopenmp ]; then echo "clang: error: unsupported option '-fopenmp'" >&2; exit 1; fi
         done
         exec cc "$@"
-    """))
+    """)
+    )
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     status, notices = status_and_notices()
@@ -126,8 +128,11 @@ def test_a_compiler_without_openmp_builds_one_thread_kernels_and_says_so(fresh, 
     (record,) = [json.loads(p.read_text()) for p in fresh.glob("*.json")]
     assert record["openmp"] is False and "-fopenmp" not in record["flags"]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 1, 900, 64, generator=g),
-               torch.randn(1, 1, 900, 64, generator=g))
+    q, k, v = (
+        torch.randn(1, 2, 1, 64, generator=g),
+        torch.randn(1, 1, 900, 64, generator=g),
+        torch.randn(1, 1, 900, 64, generator=g),
+    )
     mask = torch.rand(1, 1, 900, generator=g) < 0.5
     with torch.no_grad():
         got = ck.decode_attention(q, k, v, mask, 0.125, None)
@@ -148,8 +153,12 @@ def test_concurrent_first_loads_build_once(fresh, tmp_path):
         print(ck.kernel_status())
     """)
     env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     lines = [out.strip() for out, _ in outs]

@@ -75,7 +75,8 @@ def test_float32_and_causal_mask():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     # agrees with torch's SDPA for the MHA case after repeating kv heads
     sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:, None], scale=0.35)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:, None], scale=0.35
+    )
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
 
 

@@ -23,7 +23,7 @@ def naive_conv(x, w, bias=None, state=None, activation=None):
         y += bias[:, None]
     if activation == "silu":
         y = y * torch.sigmoid(y)
-    return y, seq[:, :, seq.shape[-1] - (k - 1):]
+    return y, seq[:, :, seq.shape[-1] - (k - 1) :]
 
 
 def _inputs(seed, bsz, c, t, k, with_bias, with_state, dtype=torch.float64):
@@ -37,8 +37,13 @@ def _inputs(seed, bsz, c, t, k, with_bias, with_state, dtype=torch.float64):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    seed=st.integers(0, 2**31 - 1), bsz=st.integers(1, 2), c=st.integers(1, 5),
-    t=st.integers(0, 9), k=st.integers(1, 5), with_bias=st.booleans(), with_state=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    bsz=st.integers(1, 2),
+    c=st.integers(1, 5),
+    t=st.integers(0, 9),
+    k=st.integers(1, 5),
+    with_bias=st.booleans(),
+    with_state=st.booleans(),
     activation=st.sampled_from([None, "silu"]),
 )
 def test_matches_naive(seed, bsz, c, t, k, with_bias, with_state, activation):
@@ -51,8 +56,13 @@ def test_matches_naive(seed, bsz, c, t, k, with_bias, with_state, activation):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), t=st.integers(0, 12), k=st.integers(1, 5),
-       cuts=st.lists(st.integers(0, 12), max_size=4), with_state=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    t=st.integers(0, 12),
+    k=st.integers(1, 5),
+    cuts=st.lists(st.integers(0, 12), max_size=4),
+    with_state=st.booleans(),
+)
 def test_random_splits_equal_one_call(seed, t, k, cuts, with_state):
     x, w, b, s = _inputs(seed, 2, 3, t, k, True, with_state)
     y_full, s_full = causal_conv1d(x, w, b, state=s, activation="silu")

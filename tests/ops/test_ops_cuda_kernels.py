@@ -60,8 +60,17 @@ def test_causal_conv1d_step(k):
 
 def _mamba1(seed, t=50, dm=64, n=16, bsz=2):
     r = _rand(seed)
-    return dict(u=r(bsz, dm, t), delta=r(bsz, dm, t) * 0.5, A=-torch.rand(dm, n) * 2, B=r(bsz, n, t), C=r(bsz, n, t),
-                D=r(dm), z=r(bsz, dm, t), delta_bias=r(dm) * 0.3, state=r(bsz, dm, n))
+    return dict(
+        u=r(bsz, dm, t),
+        delta=r(bsz, dm, t) * 0.5,
+        A=-torch.rand(dm, n) * 2,
+        B=r(bsz, n, t),
+        C=r(bsz, n, t),
+        D=r(dm),
+        z=r(bsz, dm, t),
+        delta_bias=r(dm) * 0.3,
+        state=r(bsz, dm, n),
+    )
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -81,8 +90,17 @@ def test_selective_scan(with_state, with_z):
 def test_selective_state_update():
     _need("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
     kw = _mamba1(1, t=1)
-    args = [kw["state"], kw["u"][..., 0], kw["delta"][..., 0], kw["A"], kw["B"][..., 0], kw["C"][..., 0], kw["D"],
-            kw["z"][..., 0], kw["delta_bias"]]
+    args = [
+        kw["state"],
+        kw["u"][..., 0],
+        kw["delta"][..., 0],
+        kw["A"],
+        kw["B"][..., 0],
+        kw["C"][..., 0],
+        kw["D"],
+        kw["z"][..., 0],
+        kw["delta_bias"],
+    ]
     gargs = _cuda(*args)
     before = gargs[0].clone()
     out = ops.selective_state_update(*gargs, delta_softplus=True)
@@ -92,8 +110,16 @@ def test_selective_state_update():
 
 def _mamba2(seed, t=100, nh=8, p=16, g=2, n=16, bsz=2):
     r = _rand(seed)
-    return dict(x=r(bsz, t, nh, p), dt=r(bsz, t, nh) * 0.5, A=-torch.rand(nh) * 2 - 0.1, B=r(bsz, t, g, n),
-                C=r(bsz, t, g, n), D=r(nh), dt_bias=r(nh) * 0.3, state=r(bsz, nh, p, n))
+    return dict(
+        x=r(bsz, t, nh, p),
+        dt=r(bsz, t, nh) * 0.5,
+        A=-torch.rand(nh) * 2 - 0.1,
+        B=r(bsz, t, g, n),
+        C=r(bsz, t, g, n),
+        D=r(nh),
+        dt_bias=r(nh) * 0.3,
+        state=r(bsz, nh, p, n),
+    )
 
 
 @pytest.mark.parametrize("with_state", [False, True])

@@ -37,8 +37,11 @@ def make(seed, bsz=2, t=9, hk=2, ratio=2, dk=3, dv=4, dtype=torch.float64, with_
     r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
     hv = hk * ratio
     return dict(
-        q=r(bsz, t, hk, dk), k=r(bsz, t, hk, dk) * 0.6, v=r(bsz, t, hv, dv),
-        g=-torch.nn.functional.softplus(r(bsz, t, hv)) * 0.7, beta=torch.sigmoid(r(bsz, t, hv)),
+        q=r(bsz, t, hk, dk),
+        k=r(bsz, t, hk, dk) * 0.6,
+        v=r(bsz, t, hv, dv),
+        g=-torch.nn.functional.softplus(r(bsz, t, hv)) * 0.7,
+        beta=torch.sigmoid(r(bsz, t, hv)),
         state=r(bsz, hv, dk, dv) if with_state else None,
     )
 
@@ -51,9 +54,18 @@ def part(kw, lo, hi):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), bsz=st.integers(1, 2), t=st.integers(0, 12), hk=st.integers(1, 2),
-       ratio=st.integers(1, 3), dk=st.integers(1, 4), dv=st.integers(1, 3), chunk=st.sampled_from([1, 3, 5, 64]),
-       with_state=st.booleans(), l2=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bsz=st.integers(1, 2),
+    t=st.integers(0, 12),
+    hk=st.integers(1, 2),
+    ratio=st.integers(1, 3),
+    dk=st.integers(1, 4),
+    dv=st.integers(1, 3),
+    chunk=st.sampled_from([1, 3, 5, 64]),
+    with_state=st.booleans(),
+    l2=st.booleans(),
+)
 def test_chunked_matches_naive(seed, bsz, t, hk, ratio, dk, dv, chunk, with_state, l2):
     kw = make(seed, bsz, t, hk, ratio, dk, dv, with_state=with_state)
     o, s = gated_delta_rule(**kw, chunk_size=chunk, qk_l2norm=l2)
@@ -64,8 +76,13 @@ def test_chunked_matches_naive(seed, bsz, t, hk, ratio, dk, dv, chunk, with_stat
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), t=st.integers(1, 13), cuts=st.lists(st.integers(0, 13), max_size=4),
-       chunk=st.sampled_from([1, 2, 4, 64]), l2=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    t=st.integers(1, 13),
+    cuts=st.lists(st.integers(0, 13), max_size=4),
+    chunk=st.sampled_from([1, 2, 4, 64]),
+    l2=st.booleans(),
+)
 def test_random_splits_and_steps_equal_one_call(seed, t, cuts, chunk, l2):
     """Blocks of random lengths, each from the state the previous one returned; length-1 blocks use the step."""
     kw = make(seed, t=t)
@@ -130,16 +147,29 @@ def test_matches_hf_torch_paths():
 
     kw = make(6, t=19, hk=2, ratio=2, dk=8, dv=4, dtype=torch.float32)
     args = (kw["q"], kw["k"], kw["v"])
-    ref_o, ref_s = hf.torch_chunk_gated_delta_rule(*args, g=kw["g"], beta=kw["beta"], chunk_size=8,
-                                                   initial_state=kw["state"], output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True)
+    ref_o, ref_s = hf.torch_chunk_gated_delta_rule(
+        *args,
+        g=kw["g"],
+        beta=kw["beta"],
+        chunk_size=8,
+        initial_state=kw["state"],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     o, s = gated_delta_rule(**kw, chunk_size=5, qk_l2norm=True)
     torch.testing.assert_close(o, ref_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, ref_s, rtol=1e-5, atol=1e-5)
     step = {n: kw[n][:, :1] for n in TIME}
     ref_o1, ref_s1 = hf.torch_recurrent_gated_delta_rule(
-        step["q"], step["k"], step["v"], g=step["g"], beta=step["beta"], initial_state=s,
-        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        step["q"],
+        step["k"],
+        step["v"],
+        g=step["g"],
+        beta=step["beta"],
+        initial_state=s,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     o1, s1 = gated_delta_step(s, *(step[n][:, 0] for n in TIME), qk_l2norm=True)
     torch.testing.assert_close(o1, ref_o1[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s1, ref_s1, rtol=1e-5, atol=1e-5)
@@ -148,8 +178,13 @@ def test_matches_hf_torch_paths():
 def test_bad_shapes_are_named():
     kw = make(7, hk=2, ratio=1)
     with pytest.raises(ValueError, match="multiple of key heads"):
-        gated_delta_rule(kw["q"], kw["k"], kw["v"][:, :, :1].expand(-1, -1, 3, -1), kw["g"][..., :1].expand(-1, -1, 3),
-                         kw["beta"][..., :1].expand(-1, -1, 3))
+        gated_delta_rule(
+            kw["q"],
+            kw["k"],
+            kw["v"][:, :, :1].expand(-1, -1, 3, -1),
+            kw["g"][..., :1].expand(-1, -1, 3),
+            kw["beta"][..., :1].expand(-1, -1, 3),
+        )
     with pytest.raises(ValueError, match="state must be"):
         gated_delta_rule(**{**kw, "state": kw["state"][:, :1]})
     with pytest.raises(ValueError, match="chunk_size"):

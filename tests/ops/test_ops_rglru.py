@@ -29,8 +29,13 @@ def make(seed, bsz, t, w, dtype=torch.float64, with_state=True):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), bsz=st.integers(1, 3), t=st.integers(0, 9), w=st.integers(1, 5),
-       with_state=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bsz=st.integers(1, 3),
+    t=st.integers(0, 9),
+    w=st.integers(1, 5),
+    with_state=st.booleans(),
+)
 def test_matches_naive(seed, bsz, t, w, with_state):
     a, x, s = make(seed, bsz, t, w, with_state=with_state)
     h, last = linear_recurrence(a, x, s)

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 PACKAGES = {"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}  # import name -> distribution name
 CUDA_EXTENSIONS = ("selective_scan_cuda", "causal_conv1d_cuda")
-INSTALL = ("MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE "
-           "CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install --no-build-isolation -e '.[mamba-ref]'")
+INSTALL = (
+    "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE "
+    "CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install --no-build-isolation -e '.[mamba-ref]'"
+)
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,10 @@ def _stub(name: str) -> types.ModuleType:
     mod.__doc__ = f"stub for the CUDA extension {name} (not built here): tests/reference/mamba_refs.py"
 
     def __getattr__(attr: str):  # AttributeError, as hasattr / inspect expect
-        raise AttributeError(f"{name}.{attr}: {name} is a stub (its CUDA build was skipped); only the pure-torch "
-                             "references may be called")
+        raise AttributeError(
+            f"{name}.{attr}: {name} is a stub (its CUDA build was skipped); only the pure-torch "
+            "references may be called"
+        )
 
     mod.__getattr__ = __getattr__  # type: ignore[attr-defined]
     return mod
@@ -96,6 +100,13 @@ def load() -> Refs:
             del sys.modules[key]
         sys.modules.update(saved)
     versions = ", ".join(f"{dist} {importlib.metadata.version(dist)}" for dist in PACKAGES.values())
-    return Refs(ssi.selective_scan_ref, ssu.selective_state_update_ref, conv.causal_conv1d_ref,
-                conv.causal_conv1d_update_ref, ssd_min.ssd_minimal_discrete, ssd_comb.ssd_chunk_scan_combined_ref,
-                versions, stubbed)
+    return Refs(
+        ssi.selective_scan_ref,
+        ssu.selective_state_update_ref,
+        conv.causal_conv1d_ref,
+        conv.causal_conv1d_update_ref,
+        ssd_min.ssd_minimal_discrete,
+        ssd_comb.ssd_chunk_scan_combined_ref,
+        versions,
+        stubbed,
+    )

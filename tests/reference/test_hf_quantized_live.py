@@ -22,9 +22,11 @@ from hybridcache.cache.hf_quantized_storage import HFQuantizedStorage
 from hybridcache.reference.hf_quantized_runner import run_hf_quantized
 from tests.cache.test_hf_quantized import CASES, RECORDED, SPLITS, feed, inputs
 
-pytestmark = pytest.mark.skipif(not os.environ.get("HYBRIDCACHE_HFQ_PYTHON"),
-                                reason="HYBRIDCACHE_HFQ_PYTHON is unset (a python with transformers 5.2 + "
-                                       "optimum-quanto; see hybridcache/reference/hf_quantized_runner.py)")
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("HYBRIDCACHE_HFQ_PYTHON"),
+    reason="HYBRIDCACHE_HFQ_PYTHON is unset (a python with transformers 5.2 + "
+    "optimum-quanto; see hybridcache/reference/hf_quantized_runner.py)",
+)
 
 LIVE_SPLITS = {  # (B, H, N, D) and block lengths: prefill, decode steps, longer blocks
     "decode": ((2, 2, 40, 16), [9] + [1] * 31),
@@ -48,9 +50,10 @@ def test_identical_to_live_hf_5_2(case, split):
 
 
 def _real_model_case():
+    from transformers import AutoTokenizer
+
     from experiments.study_data import encode, text_source, with_bos
     from hybridcache.real_checkpoints import RealCheckpointMissing, real_checkpoint
-    from transformers import AutoTokenizer
 
     try:
         path = real_checkpoint("gemma3_270m", quiet=True)
@@ -71,8 +74,19 @@ def test_real_gemma3_nll_matches_hf_5_2_quantized_cache(nbits):
     model = hc.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         logits = []
-        for config in ({"attention": {"storage": "hf_quantized", "nbits": nbits, "axis_key": 0, "axis_value": 0,
-                                      "q_group_size": 64, "residual": 128}}, None):
+        for config in (
+            {
+                "attention": {
+                    "storage": "hf_quantized",
+                    "nbits": nbits,
+                    "axis_key": 0,
+                    "axis_value": 0,
+                    "q_group_size": 64,
+                    "residual": 128,
+                }
+            },
+            None,
+        ):
             cache = model.make_cache(1, config) if config else model.make_cache(1)
             first, rest = (getattr(o, "logits", o) for o in (model(prompt, cache=cache), model(cont, cache=cache)))
             logits.append(torch.cat([first[0, -1:], rest[0, :-1]]).float())

