@@ -27,13 +27,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import hybridcache.real_checkpoints  # noqa: F401 - registers the ${real:NAME} resolver used by model configs
 from experiments import mqar
@@ -54,20 +48,8 @@ from experiments.study_eval import (
     ruler_trial,
     teacher_forced,
 )
-from experiments.study_report import (
-    finite,
-    pareto_plot,
-    print_ruler_table,
-    print_table,
-    verdict,
-)
-from experiments.study_strategies import (
-    compresses_after_prefill,
-    plan_or_error,
-    probed,
-    references,
-    strategy_configs,
-)
+from experiments.study_report import finite, pareto_plot, print_ruler_table, print_table, verdict
+from experiments.study_strategies import compresses_after_prefill, plan_or_error, probed, references, strategy_configs
 from hybridcache.tracking import Tracker
 
 SMOKE = {

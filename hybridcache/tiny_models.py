@@ -77,14 +77,7 @@ _FAMILY_SPECS = {
     "mamba": (
         "MambaConfig",
         "MambaForCausalLM",
-        dict(
-            hidden_size=64,
-            state_size=8,
-            num_hidden_layers=3,
-            expand=2,
-            conv_kernel=4,
-            time_step_rank=8,
-        ),
+        dict(hidden_size=64, state_size=8, num_hidden_layers=3, expand=2, conv_kernel=4, time_step_rank=8),
     ),
     "mamba2": (
         "Mamba2Config",

@@ -10,15 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.ops.cpu_kernels import (
-    ACT_MUL,
-    INT_MAX,
-    MAX_ROWS,
-    _eager,
-    _library,
-    _real,
-    _rotary_ok,
-)
+from hybridcache.ops.cpu_kernels import ACT_MUL, INT_MAX, MAX_ROWS, _eager, _library, _real, _rotary_ok
 from hybridcache.ops.cpu_kernels import _vec as _vector
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}

@@ -12,9 +12,7 @@ from ._dispatch import acc_dtype
 
 
 def linear_recurrence(
-    a: torch.Tensor,
-    x: torch.Tensor,
-    state: torch.Tensor | None = None,
+    a: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scan h_t = a_t * h_{t-1} + x_t in float32 (float64 for float64 inputs).
 

@@ -68,10 +68,7 @@ def test_leading_dims_and_noncontiguous_rows(lead):
 
 def test_what_the_kernel_declines_goes_to_torch():
     w = torch.randn(8, 16)
-    cases = {
-        "float64 rows": torch.randn(2, 16, dtype=torch.float64),
-        "too many rows": torch.randn(dl.MAX_ROWS + 1, 16),
-    }
+    cases = {"float64 rows": torch.randn(2, 16, dtype=torch.float64), "too many rows": torch.randn(dl.MAX_ROWS + 1, 16)}
     with torch.no_grad():
         for what, x in cases.items():
             assert dl.decode_linear(x, w) is None, what
