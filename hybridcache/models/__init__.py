@@ -1,8 +1,8 @@
-"""Model families, chosen by the checkpoint's `model_type`. Each family is one file, imported when needed."""
+"""Model families, chosen by the checkpoint's `model_type`. Each family is one module that registers itself
+(`@register_family`, models/registry.py); in-tree ones are imported when needed, plugins through entry points."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import torch
@@ -20,33 +20,10 @@ from hybridcache.models.loading import (
     read_config,
     resolve_checkpoint,
 )
+from hybridcache.models.registry import BUILTIN, available_families, model_class, register_family
 from hybridcache.ops.huge_pages import collapse_module
 
-# HF model_type -> "module:Class"
-MODEL_TYPES = {
-    "jamba": "hybridcache.models.jamba:JambaLM",
-    "mamba": "hybridcache.models.mamba:MambaLM",
-    "mamba2": "hybridcache.models.mamba2:Mamba2LM",
-    "recurrent_gemma": "hybridcache.models.recurrentgemma:RecurrentGemmaLM",
-    "gemma3_text": "hybridcache.models.gemma3:Gemma3LM",
-    "llama4_text": "hybridcache.models.llama4:Llama4LM",
-    "qwen3_next": "hybridcache.models.qwen3_next:Qwen3NextLM",
-    "bamba": "hybridcache.models.bamba:BambaLM",
-    "falcon_h1": "hybridcache.models.falcon_h1:FalconH1LM",
-    "zamba2": "hybridcache.models.zamba2:Zamba2LM",
-    "lfm2": "hybridcache.models.lfm2:Lfm2LM",
-    "nemotron_h": "hybridcache.models.nemotron_h:NemotronHLM",
-    "granitemoehybrid": "hybridcache.models.granitemoehybrid:GraniteMoeHybridLM",
-}
-
-
-def model_class(model_type: str | None) -> type[HybridLM]:
-    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise ConfigError(
-            "model", [f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))}"]
-        )
-    module, _, cls = MODEL_TYPES[model_type].partition(":")
-    return getattr(importlib.import_module(module), cls)
+MODEL_TYPES = BUILTIN  # the in-tree families (model_type -> module); available_families() adds plugins
 
 
 def from_pretrained(
@@ -118,6 +95,8 @@ __all__ = [
     "FamilyConfig",
     "HybridLM",
     "MODEL_TYPES",
+    "available_families",
     "from_pretrained",
     "model_class",
+    "register_family",
 ]

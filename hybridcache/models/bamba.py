@@ -21,6 +21,7 @@ from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
@@ -152,6 +153,7 @@ class BambaInner(nn.Module):
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+@register_family("bamba")
 class BambaLM(HybridLM):
     family = "bamba"
     config_class = BambaConfig

@@ -35,6 +35,7 @@ from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheGroup, NativeGroup, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
@@ -202,6 +203,7 @@ def _scale(state: dict[str, torch.Tensor], name: str, factor: float | torch.Tens
     state[name] = (t.to(torch.float64) * f).to(torch.promote_types(t.dtype, torch.float32))
 
 
+@register_family("falcon_h1")
 class FalconH1LM(HybridLM):
     family = "falcon_h1"
     config_class = FalconH1Config

@@ -15,6 +15,7 @@ from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.registry import register_family
 
 NATIVE_TYPE = {"sliding_attention": "sliding", "full_attention": "full"}
 
@@ -112,6 +113,7 @@ class Gemma3Inner(nn.Module):
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), unit_offset=True)
 
 
+@register_family("gemma3_text")
 class Gemma3LM(HybridLM):
     family = "gemma3"
     config_class = Gemma3Config

@@ -28,6 +28,7 @@ from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.registry import register_family
 
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' legacy layer type names
 
@@ -241,6 +242,7 @@ _RESIDUAL_OUTPUTS = (
 )
 
 
+@register_family("granitemoehybrid")
 class GraniteMoeHybridLM(HybridLM):
     family = "granitemoehybrid"
     config_class = GraniteMoeHybridConfig

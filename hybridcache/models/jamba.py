@@ -15,6 +15,7 @@ from hybridcache.blocks.moe import SparseMoE
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
@@ -146,6 +147,7 @@ class JambaInner(nn.Module):
         self.final_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
 
+@register_family("jamba")
 class JambaLM(HybridLM):
     family = "jamba"
     config_class = JambaConfig

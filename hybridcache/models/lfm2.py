@@ -21,6 +21,7 @@ from hybridcache.blocks.trail import conv_trail
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.registry import register_family
 from hybridcache.ops import causal_conv1d, causal_conv1d_step
 
 LAYER_TYPES = ("conv", "full_attention")
@@ -158,6 +159,7 @@ _RENAMES = {
 }
 
 
+@register_family("lfm2")
 class Lfm2LM(HybridLM):
     family = "lfm2"
     config_class = Lfm2Config

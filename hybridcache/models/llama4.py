@@ -16,6 +16,7 @@ from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
@@ -197,6 +198,7 @@ class Llama4Inner(nn.Module):
         self.norm = RMSNorm(d, config.get("rms_norm_eps", 1e-5))
 
 
+@register_family("llama4_text")
 class Llama4LM(HybridLM):
     family = "llama4"
     config_class = Llama4Config

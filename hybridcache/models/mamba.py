@@ -8,6 +8,7 @@ from typing import ClassVar
 from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
 from hybridcache.cache import NativeLayer
 from hybridcache.models.family_config import FamilyConfig, param
+from hybridcache.models.registry import register_family
 from hybridcache.models.ssm_lm import SSMLM
 
 
@@ -41,6 +42,7 @@ def intermediate_size(config: dict) -> int:
     return int(config.get("intermediate_size") or config["expand"] * config["hidden_size"])
 
 
+@register_family("mamba")
 class MambaLM(SSMLM):
     family = "mamba"
     config_class = MambaConfig

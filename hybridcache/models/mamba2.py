@@ -9,6 +9,7 @@ from typing import ClassVar
 from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.cache import NativeLayer
 from hybridcache.models.family_config import FamilyConfig, param
+from hybridcache.models.registry import register_family
 from hybridcache.models.ssm_lm import SSMLM
 
 
@@ -53,6 +54,7 @@ class Mamba2Config(FamilyConfig):
         return out
 
 
+@register_family("mamba2")
 class Mamba2LM(SSMLM):
     family = "mamba2"
     config_class = Mamba2Config

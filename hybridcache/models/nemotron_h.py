@@ -26,6 +26,7 @@ from hybridcache.blocks.mlp import activation
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, param
+from hybridcache.models.registry import register_family
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' legacy layer type names
@@ -293,6 +294,7 @@ def layer_runs(types: list[str]) -> list[list[int]]:
     return runs
 
 
+@register_family("nemotron_h")
 class NemotronHLM(HybridLM):
     family = "nemotron_h"
     config_class = NemotronHConfig

@@ -17,6 +17,7 @@ from hybridcache.blocks.shared_moe import SharedExpertMoE
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.registry import register_family
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -168,6 +169,7 @@ class Qwen3NextInner(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
 
 
+@register_family("qwen3_next")
 class Qwen3NextLM(HybridLM):
     family = "qwen3_next"
     config_class = Qwen3NextConfig

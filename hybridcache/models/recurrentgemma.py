@@ -25,6 +25,7 @@ from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
@@ -147,6 +148,7 @@ class RecurrentGemmaInner(nn.Module):
         self.final_norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), unit_offset=True)
 
 
+@register_family("recurrent_gemma")
 class RecurrentGemmaLM(HybridLM):
     family = "recurrentgemma"
     config_class = RecurrentGemmaConfig

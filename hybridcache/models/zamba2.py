@@ -34,6 +34,7 @@ from hybridcache.cache import CacheGroup, CacheLayer, NativeGroup, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, param
 from hybridcache.models.loading import CheckpointError
+from hybridcache.models.registry import register_family
 
 LEGACY_TYPES = {"mamba": "linear_attention"}  # HF remaps legacy layer type names
 
@@ -256,6 +257,7 @@ class Zamba2Inner(nn.Module):
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+@register_family("zamba2")
 class Zamba2LM(HybridLM):
     family = "zamba2"
     config_class = Zamba2Config

@@ -1,0 +1,100 @@
+"""The registry of model families: `@register_family("model_type")` on a `HybridLM` subclass adds one.
+
+A family is one module whose model class carries the decorator; `from_pretrained` picks it by the checkpoint's HF
+`model_type`. In-tree families are imported when first asked for (`BUILTIN`: model_type -> module); a family
+outside hybridcache is found the way cache-type plugins are: an installed package declares its module under the
+entry-point group `hybridcache.cache_layers` (one group for every kind of plugin: importing the module registers
+whatever it defines, cache types and families alike), or the app imports it (`load_plugins(["mypkg.family"])`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib import metadata
+from typing import TypeVar
+
+from hybridcache.cache.registry import ENTRY_POINT_GROUP
+from hybridcache.models.base import HybridLM
+from hybridcache.models.family_config import ConfigError, FamilyConfig
+
+# HF model_type -> the in-tree module that registers it (imported on first use, so loading one family is cheap)
+BUILTIN = {
+    "jamba": "hybridcache.models.jamba",
+    "mamba": "hybridcache.models.mamba",
+    "mamba2": "hybridcache.models.mamba2",
+    "recurrent_gemma": "hybridcache.models.recurrentgemma",
+    "gemma3_text": "hybridcache.models.gemma3",
+    "llama4_text": "hybridcache.models.llama4",
+    "qwen3_next": "hybridcache.models.qwen3_next",
+    "bamba": "hybridcache.models.bamba",
+    "falcon_h1": "hybridcache.models.falcon_h1",
+    "zamba2": "hybridcache.models.zamba2",
+    "lfm2": "hybridcache.models.lfm2",
+    "nemotron_h": "hybridcache.models.nemotron_h",
+    "granitemoehybrid": "hybridcache.models.granitemoehybrid",
+}
+
+_FAMILIES: dict[str, type[HybridLM]] = {}
+_entry_points_loaded = False
+M = TypeVar("M", bound=type[HybridLM])
+
+
+def register_family(model_type: str, *, replace: bool = False) -> Callable[[M], M]:
+    """Class decorator: `model_type` (HF's config.json key) is served by this `HybridLM` subclass, which must name
+    its typed config (`config_class`, a FamilyConfig subclass). A taken name is an error unless `replace=True`."""
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError("model", [f"a family registers under a HF model_type string, got {model_type!r}"])
+
+    def decorate(cls: M) -> M:
+        if not (isinstance(cls, type) and issubclass(cls, HybridLM)):
+            raise ConfigError("model", [f"@register_family('{model_type}') needs a HybridLM subclass, got {cls!r}"])
+        config_class = getattr(cls, "config_class", None)
+        if not (isinstance(config_class, type) and issubclass(config_class, FamilyConfig)):
+            raise ConfigError("model", [f"{cls.__name__}.config_class must be a FamilyConfig subclass"])
+        taken = _FAMILIES.get(model_type)
+        if taken is not None and taken is not cls and not replace:
+            raise ConfigError(
+                "model",
+                [
+                    f"model_type '{model_type}' is already served by {taken.__module__}.{taken.__name__}; pass "
+                    "replace=True to swap it on purpose"
+                ],
+            )
+        _FAMILIES[model_type] = cls
+        return cls
+
+    return decorate
+
+
+def _load_entry_points() -> None:
+    """Import the plugin modules installed packages declare (once); a broken one names itself."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # noqa: BLE001 - report which plugin broke, not a bare traceback
+            raise ConfigError("model", [f"plugin entry point '{ep.name}' ({ep.value}) failed to load: {e}"]) from e
+
+
+def available_families() -> list[str]:
+    """Every model_type that from_pretrained can load: in-tree ones and those of installed plugins."""
+    _load_entry_points()
+    return sorted(set(BUILTIN) | set(_FAMILIES))
+
+
+def model_class(model_type: str | None) -> type[HybridLM]:
+    """The family class registered for `model_type` (importing its in-tree module or the plugins when needed)."""
+    if isinstance(model_type, str) and model_type not in _FAMILIES:
+        if model_type in BUILTIN:
+            importlib.import_module(BUILTIN[model_type])
+        else:
+            _load_entry_points()
+    if not isinstance(model_type, str) or model_type not in _FAMILIES:
+        raise ConfigError(
+            "model", [f"unsupported model_type {model_type!r}; supported: {', '.join(available_families())}"]
+        )
+    return _FAMILIES[model_type]
