@@ -17,60 +17,22 @@ import operator
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridcache.cache.base import CacheLayer, LayerSnapshot, check_positive_int
+from hybridcache.cache import persistence
+from hybridcache.cache.base import CacheLayer, check_positive_int
 from hybridcache.cache.errors import CacheError, CacheIndexError, CacheIndexTypeError, CacheThreadError
+from hybridcache.cache.group import CacheGroup, Entry
 from hybridcache.cache.limits import check_new_cache, check_rows_fit
 from hybridcache.cache.plan import CachePlan, Native, resolve_plan
 from hybridcache.cache.registry import get_layer_class
 from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, crop_seen
+from hybridcache.cache.snapshot import CacheSnapshot, check_cache_snapshot
 from hybridcache.cache.snapshot_check import check_snapshot_shapes
 
-
-class CacheGroup(Mapping[str, CacheLayer]):
-    """The cache layers of one decoder layer, by member name: `group["attention"]` or `group.attention`."""
-
-    def __init__(self, members: Mapping[str, CacheLayer]) -> None:
-        self._members = dict(members)
-
-    def __getitem__(self, name: str) -> CacheLayer:
-        try:
-            return self._members[name]
-        except KeyError:
-            raise KeyError(f"this cache group has members {', '.join(self._members)}, not {name!r}") from None
-
-    def __getattr__(self, name: str) -> CacheLayer:
-        members = self.__dict__.get("_members", {})
-        if name in members:
-            return members[name]
-        raise AttributeError(f"this cache group has members {', '.join(members)}, not {name!r}")
-
-    def __iter__(self):
-        return iter(self._members)
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __repr__(self) -> str:
-        return "CacheGroup(" + ", ".join(f"{k}={v!r}" for k, v in self._members.items()) + ")"
-
-
-Entry = CacheLayer | CacheGroup
-
-
-@dataclass(frozen=True)
-class CacheSnapshot:
-    """Deep copies of every layer's storage and of the sequence state; `Cache.restore` puts them back bit-exactly."""
-
-    layers: tuple[LayerSnapshot, ...]
-    seen: torch.Tensor
-    columns: int
-    fingerprint: torch.Tensor | None = None
-    history: torch.Tensor | None = None  # [B, columns] running token fingerprint (what crop keeps it by)
+__all__ = ["Cache", "CacheGroup", "CacheSnapshot", "Entry"]
 
 
 class Cache:
@@ -360,35 +322,7 @@ class Cache:
         """Put back a snapshot of this cache (or of one with the same layers; the batch size may differ). Checks
         every layer's tensors (rows, shapes, dtypes) against the snapshot's sequence state first."""
         with self._operation("restore"):
-            if (
-                not isinstance(snap, CacheSnapshot)
-                or not isinstance(snap.layers, (tuple, list))
-                or len(snap.layers) != len(self.layers)
-                or not all(isinstance(s, LayerSnapshot) for s in snap.layers)
-            ):
-                raise CacheError("restore needs a CacheSnapshot taken from a cache with the same layers")
-            columns, seen = snap.columns, snap.seen
-            if isinstance(columns, bool) or not isinstance(columns, int) or columns < 0:
-                raise CacheError(f"restore: the snapshot's column count must be an int >= 0, got {columns!r}")
-            if (
-                not isinstance(seen, torch.Tensor)
-                or seen.dim() != 1
-                or seen.dtype != torch.long
-                or not len(seen)
-                or seen.is_meta
-                or bool(((seen < 0) | (seen > columns)).any())
-            ):
-                raise CacheError(
-                    f"restore: the snapshot's real-token counts must be a LongTensor [B] in [0, "
-                    f"{columns}], got {seen!r}"
-                )
-            for name, t in (("fingerprint", snap.fingerprint), ("history", snap.history)):
-                want = (len(seen),) if name == "fingerprint" else (len(seen), columns)
-                if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != want):
-                    raise CacheError(f"restore: the snapshot's token {name} must have shape {want}")
-            for i, s in enumerate(snap.layers):
-                if s.columns != columns or not torch.equal(s.seen, seen):
-                    raise CacheError(f"snapshot layer {i} disagrees with the snapshot's sequence state")
+            columns, seen = check_cache_snapshot(snap, len(self.layers))
             plans = [layer._prepare_restore(s) for layer, s in zip(self.layers, snap.layers)]
             for i, (layer, s) in enumerate(zip(self.layers, snap.layers)):
                 check_snapshot_shapes(i, layer, s)
@@ -398,18 +332,16 @@ class Cache:
             fp = None if snap.fingerprint is None else snap.fingerprint.clone().to(self.device)
             self.seq.set_tokens(fp, None if snap.history is None else snap.history.to(self.device))
 
-    # -- persistence (hybridcache/cache/persistence.py) -----------------------------------------------------------
+    # -- persistence: the file format lives in persistence.py, which knows the cache only through this interface --
     def save(self, path: Any, model: Any = None, *, key: bytes | None = None) -> Any:
         """Write this cache to `path` (safetensors + JSON header + payload sha256; never pickle). `model` is the
         model that filled it (default: the one `generate` last ran with this cache); its identity is recorded so
         the file only loads into the same model."""
-        from hybridcache.cache.persistence import save_cache
-
         owner = getattr(self, "owner", None)
         model = model if model is not None else (owner() if owner is not None else None)
         if model is None:
             raise CacheError("Cache.save: pass model= (the model that filled this cache)")
-        return save_cache(self, path, model, key=key)
+        return persistence.save_cache(self, path, model, key=key)
 
     @classmethod
     def load(
@@ -424,9 +356,10 @@ class Cache:
     ) -> Cache:
         """Load a saved cache for `model`; a corrupted file, another model, batch size or cache config is a
         `CacheFileError` naming what differs. The round trip is bit-exact (token fingerprint included)."""
-        from hybridcache.cache.persistence import load_cache
-
-        return load_cache(path, model, batch_size, cache_config, device, key=key)
+        saved = persistence.read_saved_cache(path, model, batch_size, cache_config, key=key)
+        cache = cls.from_plan(saved.plan, saved.batch_size, device if device is not None else saved.device)
+        persistence.fill_saved_cache(cache, saved, model)
+        return cache
 
     # -- memory ------------------------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -30,10 +30,9 @@ import json
 import os
 import stat
 import tempfile
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -43,82 +42,29 @@ from safetensors.torch import save as st_save
 from hybridcache.cache.base import LayerSnapshot
 from hybridcache.cache.errors import CacheError
 from hybridcache.cache.file_header import CacheFileError, header_field, layer_plans, no_json_constants, sequence_tensors
+from hybridcache.cache.model_identity import model_identity
 from hybridcache.cache.plan import CachePlan
 from hybridcache.cache.registry import get_layer_class
+from hybridcache.cache.snapshot import CacheSnapshot
 from hybridcache.cache.snapshot_check import check_snapshot_shapes
 
-if TYPE_CHECKING:
-    from hybridcache.cache.cache import Cache
+
+class SavedCache(Protocol):
+    """What this module needs of a `Cache` (it never imports cache.py: the Cache delegates to it, not back)."""
+
+    plan: CachePlan | None
+    layers: list
+    seq: Any
+    batch_size: int
+    columns: int
+    device: torch.device
+
+    def _operation(self, what: str) -> Any: ...
+    def restore(self, snap: CacheSnapshot) -> None: ...
+
 
 FORMAT, VERSION = "hybridcache.cache", 2  # 2: the header carries its own sha256
 SIGNATURE_ALG = "hmac-sha256"
-
-
-# -- the model's identity -------------------------------------------------------------------------------------
-# model -> (stamp, digest): hashing every byte of a 270M model takes ~0.5 s, so it is done once per model object
-# and again only when the stamp (each tensor's address, shape, dtype, version counter) changes.
-_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()
-
-
-def _weights_stamp(state: Mapping[str, torch.Tensor]) -> tuple | None:
-    """What changes when a tensor is replaced or edited in place (None: not trackable, hash every time)."""
-    try:
-        return tuple(
-            (n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t._version)
-            for n, t in state.items()
-        )
-    except RuntimeError:  # inference-mode tensors have no version counter
-        return None
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """sha256 of every tensor of `model.state_dict()`: name, shape, dtype and every byte (a tensor that shares the
-    memory of an earlier one, e.g. a tied head, is recorded as that alias instead of being hashed twice)."""
-    state = model.state_dict(keep_vars=True)
-    stamp = _weights_stamp(state)
-    cached = _WEIGHTS.get(model)
-    if stamp is not None and cached is not None and cached[0] == stamp:
-        return cached[1]
-    h, first = hashlib.sha256(), {}
-    for name, t in sorted(state.items()):
-        t = t.detach()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        if t.is_meta:
-            raise CacheError(f"the model's tensor {name} is on the meta device (not loaded): it has no identity")
-        alias = (
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.stride()),
-            tuple(t.shape),
-            t.dtype,
-            str(t.device),
-        )
-        if t.numel() and alias in first:
-            h.update(f"=alias of {first[alias]}|".encode())
-            continue
-        first[alias] = name
-        if t.numel():  # a byte view of the tensor itself: no copy for a contiguous CPU tensor (bf16 included)
-            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    digest = h.hexdigest()
-    if stamp is not None:
-        _WEIGHTS[model] = (stamp, digest)
-    return digest
-
-
-def forget_model_identity(model: torch.nn.Module) -> None:
-    """Drop the remembered weights digest: needed only after edits the version counters miss (`p.data[...] = x`,
-    writes through a numpy view)."""
-    _WEIGHTS.pop(model, None)
-
-
-def model_identity(model: torch.nn.Module) -> dict[str, str]:
-    """Who a cache belongs to: the family, a sha256 of its config, a sha256 of every byte of its weights."""
-    config = json.dumps(getattr(model, "config", {}), sort_keys=True, default=str)
-    return {
-        "family": str(getattr(model, "family", type(model).__name__)),
-        "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
-        "weights_sha256": weights_sha256(model),
-    }
 
 
 # -- hashes and the signature ---------------------------------------------------------------------------------
@@ -173,7 +119,7 @@ def _spec_record(spec: Any) -> dict[str, Any]:
 
 
 # -- save ---------------------------------------------------------------------------------------------------------
-def save_cache(cache: Cache, path: str | os.PathLike, model: torch.nn.Module, key: bytes | None = None) -> Path:
+def save_cache(cache: SavedCache, path: str | os.PathLike, model: torch.nn.Module, key: bytes | None = None) -> Path:
     """Write `cache` (no block open) to `path` atomically; `model` is the model it belongs to; `key` signs it."""
     if cache.plan is None:
         raise CacheError("Cache.save: this cache was assembled by hand (no plan); build it with model.make_cache")
@@ -301,20 +247,29 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
 
 
-def load_cache(
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+    """A verified cache file: the plan to build the cache from, its rows, and the snapshot to restore (on CPU)."""
+
+    path: Path
+    plan: CachePlan
+    batch_size: int
+    snapshot: CacheSnapshot
+    device: torch.device | None
+
+
+def read_saved_cache(
     path: str | os.PathLike,
     model: torch.nn.Module,
     batch_size: int | None = None,
     cache_config: Mapping[str, Any] | None = None,
-    device: torch.device | str | None = None,
     key: bytes | None = None,
-) -> Cache:
-    """Rebuild a saved cache for `model` (see the module docstring for what is checked, and in which order)."""
-    from hybridcache.cache.cache import Cache, CacheSnapshot
-
+) -> SavedState:
+    """Read and check a saved cache for `model` (see the module docstring for what is checked, and in which order);
+    `Cache.load` builds the cache from the plan and fills it with `fill_saved_cache`."""
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "native_layers", None)):
         raise CacheError(
-            f"load_cache: model must be the hybridcache model the cache was saved from, got {type(model).__name__}"
+            f"Cache.load: model must be the hybridcache model the cache was saved from, got {type(model).__name__}"
         )
     path = Path(path)
     header, tensors = read_cache_file(path, key)
@@ -369,26 +324,29 @@ def load_cache(
                 f"{path}: the saved cache's layers {', '.join(changed)} differ from what "
                 "cache_config asks for (type or parameters)"
             )
-    cache = Cache.from_plan(plan, batch, device if device is not None else getattr(model, "device", None))
+    snap = CacheSnapshot(tuple(snaps), seen, columns, fp, history)
+    return SavedState(path, plan, batch, snap, getattr(model, "device", None))
+
+
+def fill_saved_cache(cache: SavedCache, saved: SavedState, model: torch.nn.Module) -> None:
+    """Restore `saved` into `cache` (freshly built from `saved.plan`), after checking it fits `model`."""
+    path, snap = saved.path, saved.snapshot
     try:
-        model.check_cache(cache, batch)
+        model.check_cache(cache, saved.batch_size)
     except ValueError as e:
         raise CacheFileError(f"{path} does not fit this model: {e}") from None
     to = cache.device
-    snaps = [
-        LayerSnapshot(s.type_name, s.spec, columns, seen.to(to), {n: t.to(to) for n, t in s.tensors.items()})
-        for s in snaps
-    ]
+    layers = tuple(
+        LayerSnapshot(s.type_name, s.spec, s.columns, s.seen.to(to), {n: t.to(to) for n, t in s.tensors.items()})
+        for s in snap.layers
+    )
+
+    def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(to)
+
     try:
         cache.restore(
-            CacheSnapshot(
-                tuple(snaps),
-                seen.to(to),
-                columns,
-                None if fp is None else fp.to(to),
-                None if history is None else history.to(to),
-            )
+            CacheSnapshot(layers, snap.seen.to(to), snap.columns, moved(snap.fingerprint), moved(snap.history))
         )
     except CacheError as e:
         raise CacheFileError(f"{path}: the saved tensors do not fit the cache layers ({e})") from None
-    return cache

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import hybridcache as hc
 from hybridcache.cache import Cache, CacheError
-from hybridcache.cache.persistence import CacheFileError, load_cache, save_cache
+from hybridcache.cache.persistence import CacheFileError, save_cache
 from tests.models.conftest import prompts
 
 
@@ -245,22 +245,22 @@ def test_a_keyed_signature_refuses_unsigned_tampered_or_wrongly_keyed_files(save
     model, cache, path = saved
     key = b"k" * 32
     signed = save_cache(cache, tmp_path / "s.safetensors", model, key=key)
-    assert all(torch.equal(a, b) for a, b in zip(state(cache), state(load_cache(signed, model, key=key))))
-    load_cache(signed, model)  # without a key the signature is not checked
+    assert all(torch.equal(a, b) for a, b in zip(state(cache), state(Cache.load(signed, model, key=key))))
+    Cache.load(signed, model)  # without a key the signature is not checked
     with pytest.raises(CacheFileError, match="not signed"):
-        load_cache(path, model, key=key)
+        Cache.load(path, model, key=key)
     with pytest.raises(CacheFileError, match="signature"):
-        load_cache(signed, model, key=b"another key")
+        Cache.load(signed, model, key=b"another key")
     # tampering that keeps every unkeyed hash valid: one SSM state value changed, both hashes recomputed
     header, tensors = read(signed)
     tensors["layers.0.ssm"][0, 0, 0] += 1.0
     tampered = forge(signed, tmp_path / "t.safetensors", header, tensors)
-    load_cache(tampered, model)  # the sha256 detect corruption, not tampering: this loads
+    Cache.load(tampered, model)  # the sha256 detect corruption, not tampering: this loads
     with pytest.raises(CacheFileError, match="signature"):
-        load_cache(tampered, model, key=key)
+        Cache.load(tampered, model, key=key)
     header.pop("signature")
     with pytest.raises(CacheFileError, match="not signed"):
-        load_cache(forge(signed, tmp_path / "u.safetensors", header, tensors), model, key=key)
+        Cache.load(forge(signed, tmp_path / "u.safetensors", header, tensors), model, key=key)
     for bad in ("a str key", b"", 5):
         with pytest.raises(CacheError, match="key must be non-empty bytes"):
             save_cache(cache, tmp_path / "x", model, key=bad)
