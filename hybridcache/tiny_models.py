@@ -27,6 +27,7 @@ import torch
 import transformers
 
 from hybridcache.paths import home_dir
+from hybridcache.tiny_specs import COMMON, EAGER, FAMILY_SPECS, SIZES
 
 FAMILIES = (
     "jamba",
@@ -47,310 +48,9 @@ FAMILIES = (
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).
 INIT_VERSION = 1
 
-# Untied LM heads: with tied embeddings a tiny random model mostly predicts its
-# own input token (e_t . e_t dominates the logits), so greedy decoding repeats it.
-_COMMON = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
-
-_FAMILY_SPECS = {
-    "jamba": (
-        "JambaConfig",
-        "JambaForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attn_layer_period=4,
-            attn_layer_offset=2,  # layers: M M A M
-            expert_layer_period=2,
-            expert_layer_offset=1,  # MoE at 1, 3; dense at 0, 2
-            num_experts=4,
-            num_experts_per_tok=2,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_dt_rank=8,
-            max_position_embeddings=1024,
-        ),
-    ),
-    "mamba": (
-        "MambaConfig",
-        "MambaForCausalLM",
-        dict(hidden_size=64, state_size=8, num_hidden_layers=3, expand=2, conv_kernel=4, time_step_rank=8),
-    ),
-    "mamba2": (
-        "Mamba2Config",
-        "Mamba2ForCausalLM",
-        dict(
-            hidden_size=64,
-            state_size=16,
-            num_hidden_layers=3,
-            expand=2,
-            num_heads=8,
-            head_dim=16,
-            n_groups=2,
-            chunk_size=8,
-            conv_kernel=4,
-            time_step_rank=8,
-        ),
-    ),
-    "recurrentgemma": (
-        "RecurrentGemmaConfig",
-        "RecurrentGemmaForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            lru_width=64,
-            block_types=["recurrent", "recurrent", "attention"],  # r r a r
-            attention_window_size=8,
-            conv1d_width=4,
-            logits_soft_cap=30.0,
-        ),
-    ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,  # vLLM-CPU's attention: head dim >= 32
-            query_pre_attn_scalar=64,
-            sliding_window=8,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            max_position_embeddings=1024,
-        ),
-    ),
-    "llama4": (
-        "Llama4TextConfig",
-        "Llama4ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=64,
-            intermediate_size_mlp=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_local_experts=4,
-            num_experts_per_tok=1,  # vLLM-CPU's attention: head dim >= 32
-            interleave_moe_layer_step=2,
-            moe_layers=[1, 3],  # MoE at 1, 3; dense at 0, 2 (vLLM reads the step only)
-            no_rope_layers=[1, 1, 1, 0],  # 0 = NoPE layer (full attention)
-            attention_chunk_size=8,  # RoPE layers: chunked attention
-            max_position_embeddings=1024,
-        ),
-    ),
-    "falcon_h1": (
-        "FalconH1Config",
-        "FalconH1ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,  # every layer: attention + Mamba2
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=64,
-            mamba_d_ssm=96,
-            mamba_n_heads=6,
-            mamba_d_head=16,
-            mamba_n_groups=2,  # d_ssm != expand * hidden
-            mamba_d_state=16,
-            mamba_chunk_size=8,
-            mamba_rms_norm=True,
-            mamba_norm_before_gate=False,
-            max_position_embeddings=1024,
-            # MuP multipliers (folded into the weights at load): not 1 and not powers of 2
-            embedding_multiplier=1.5,
-            lm_head_multiplier=0.75,
-            mlp_multipliers=[0.8, 1.25],
-            key_multiplier=1.3,
-            attention_in_multiplier=0.9,
-            attention_out_multiplier=1.1,
-            ssm_in_multiplier=1.2,
-            ssm_out_multiplier=0.85,
-            ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
-        ),
-    ),
-    # Tied embeddings as in the real checkpoints: HF ties the shared blocks only when tie_word_embeddings is true.
-    "zamba2": (
-        "Zamba2Config",
-        "Zamba2ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=6,
-            tie_word_embeddings=True,
-            layers_block_type=[
-                "linear_attention",
-                "hybrid",
-                "linear_attention",  # M H M H H M: 3 uses of
-                "hybrid",
-                "hybrid",
-                "linear_attention",
-            ],  # 2 shared blocks (0, 1, 0)
-            num_mem_blocks=2,
-            use_shared_attention_adapter=True,
-            adapter_rank=8,
-            use_mem_rope=True,
-            num_attention_heads=2,  # attention head_dim 2 * 64 / 2 = 64
-            n_mamba_heads=8,
-            mamba_ngroups=2,
-            mamba_d_state=16,
-            chunk_size=8,
-            max_position_embeddings=1024,
-            # HF clamps dt at time_step_min in multi-token forwards only, not in decode steps: keep the clamp out of
-            # reach (dt_bias is initialised >= log(time_step_floor)); tests/models/test_zamba2_extra.py covers it
-            time_step_min=1e-9,
-        ),
-    ),
-    "bamba": (
-        "BambaConfig",
-        "BambaForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=64,  # rotary on the first 32 dims
-            attn_layer_indices=[2],  # layers: M M A M
-            mamba_n_heads=8,
-            mamba_d_head=16,
-            mamba_n_groups=2,
-            mamba_d_state=16,
-            mamba_chunk_size=8,
-            max_position_embeddings=1024,
-        ),
-    ),
-    "lfm2": (
-        "Lfm2Config",
-        "Lfm2ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=256,
-            block_multiple_of=64,  # feed-forward width 192
-            num_hidden_layers=4,
-            num_attention_heads=1,
-            num_key_value_heads=1,  # head_dim = hidden / heads = 64
-            layer_types=["conv", "conv", "full_attention", "conv"],
-            conv_L_cache=3,
-            conv_dim=64,
-            block_dim=64,  # not HF config fields, but in real LFM2 config.json files, and vLLM reads them
-            max_position_embeddings=1024,
-        ),
-    ),
-    # Head dims 64 (attention and linear): vLLM's CPU Gated DeltaNet path needs them (and bfloat16).
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        "Qwen3NextForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            layer_types=[
-                "linear_attention",
-                "full_attention",  # L A L L
-                "linear_attention",
-                "linear_attention",
-            ],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,  # partial RoPE: 16 of 64 dims
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,  # 2 value heads per key head
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            linear_conv_kernel_dim=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            mlp_only_layers=[1],  # MoE at 0, 2, 3; dense at 1
-            max_position_embeddings=1024,
-        ),
-    ),
-    "nemotron_h": (
-        "NemotronHConfig",
-        "NemotronHForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            mlp_hidden_act="relu2",
-            # M * - M -: no MoE layer, as in Nemotron-H 8B/47B/56B (vLLM-CPU has no non-gated relu2 MoE); the MoE
-            # (below) is compared with HF in tests/models/test_hybrid_variants.py
-            layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"],
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=64,
-            mamba_num_heads=8,
-            mamba_head_dim=16,
-            n_groups=2,
-            ssm_state_size=16,
-            conv_kernel=4,
-            chunk_size=8,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            moe_shared_expert_intermediate_size=64,
-            routed_scaling_factor=2.5,
-            time_step_min=1e-6,  # HF clamps dt >= time_step_min in prefill but not in decode: keep it out of reach
-            max_position_embeddings=1024,
-        ),
-    ),
-    "granitemoehybrid": (
-        "GraniteMoeHybridConfig",
-        "GraniteMoeHybridForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=64,
-            shared_intermediate_size=128,
-            num_hidden_layers=4,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],  # M A M M
-            num_attention_heads=1,
-            num_key_value_heads=1,  # head_dim = hidden / heads = 64
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            position_embedding_type="rope",
-            mamba_n_heads=8,
-            mamba_n_groups=2,
-            mamba_d_state=16,
-            mamba_d_conv=4,
-            mamba_chunk_size=8,
-            # Granite multipliers, not 1 and not powers of 2: embedding / residual / logits folded at load
-            embedding_multiplier=1.5,
-            residual_multiplier=0.7,
-            logits_scaling=1.25,
-            attention_multiplier=0.09,
-            max_position_embeddings=1024,
-        ),
-    ),
-}
-
-# Families with attention layers are built with the eager (pure torch) path.
-_EAGER = {
-    "jamba",
-    "recurrentgemma",
-    "gemma3",
-    "llama4",
-    "bamba",
-    "falcon_h1",
-    "zamba2",
-    "lfm2",
-    "qwen3_next",
-    "nemotron_h",
-    "granitemoehybrid",
-}
-
 
 def _check_family(family: str) -> None:
-    if family not in _FAMILY_SPECS:
+    if family not in FAMILY_SPECS:
         raise ValueError(f"unknown tiny-model family {family!r}; supported families: {', '.join(FAMILIES)}")
 
 
@@ -361,9 +61,9 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     defaults (e.g. ``tiny_config("gemma3", sliding_window=4)``).
     """
     _check_family(family)
-    config_name, _, kwargs = _FAMILY_SPECS[family]
-    kwargs = {**_COMMON, **kwargs, **overrides}
-    if family in _EAGER:
+    config_name, _, kwargs = FAMILY_SPECS[family]
+    kwargs = {**COMMON, **kwargs, **overrides}
+    if family in EAGER:
         kwargs.setdefault("attn_implementation", "eager")
     return getattr(transformers, config_name)(**kwargs)
 
@@ -396,7 +96,7 @@ _GAINS = {
 
 
 @torch.no_grad()
-def _reinit_(model: torch.nn.Module, config, seed: int, gain: float = 1.0) -> None:
+def reinit_weights_(model: torch.nn.Module, config, seed: int, gain: float = 1.0) -> None:
     """Re-draw matrix weights at a scale that makes the tiny model's logits peaky.
 
     Matrices get ``N(0, gain / sqrt(hidden_size))``, input embeddings ``N(0, 1)``
@@ -438,11 +138,11 @@ def build_tiny_checkpoint(family: str, path, seed: int = 0, **overrides) -> Path
     ByT5 tokenizer is saved alongside. Returns ``Path(path)``.
     """
     config = tiny_config(family, **overrides)
-    model_cls = getattr(transformers, _FAMILY_SPECS[family][1])
+    model_cls = getattr(transformers, FAMILY_SPECS[family][1])
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32).eval()
-    _reinit_(model, config, seed)
+    reinit_weights_(model, config, seed)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -452,33 +152,6 @@ def build_tiny_checkpoint(family: str, path, seed: int = 0, **overrides) -> Path
 
 def _cache_root() -> Path:
     return home_dir("tiny")
-
-
-# Named variants of the tiny checkpoints (family -> overrides); "tiny" is the default. "20m": larger, for benchmarks;
-# "vllm": what vLLM needs where the default differs on purpose: vLLM-CPU pages chunked attention in KV blocks of a
-# multiple of 32 tokens (the default llama4's chunk of 8 lets short test prompts cross chunk boundaries), and vLLM's
-# LFM2 always ties its head to the embeddings (untied heads keep the tiny models from repeating their input token).
-SIZES = {
-    "vllm": {"llama4": dict(attention_chunk_size=32), "lfm2": dict(tie_word_embeddings=True)},
-    "20m": {
-        "jamba": dict(
-            hidden_size=384,
-            intermediate_size=640,
-            num_hidden_layers=8,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            attn_layer_period=4,
-            attn_layer_offset=2,
-            expert_layer_period=2,
-            expert_layer_offset=1,
-            num_experts=4,
-            num_experts_per_tok=2,
-            mamba_d_state=16,
-            mamba_dt_rank=24,
-            max_position_embeddings=65536,
-        )
-    },
-}
 
 
 def tiny_checkpoint(family: str, root=None, seed: int = 0, size: str = "tiny") -> Path:

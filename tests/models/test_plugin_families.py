@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from hybridcache.models.registry import BUILTIN
-from hybridcache.tiny_models import _reinit_
+from hybridcache.tiny_models import reinit_weights_
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "examples" / "plugins" / "falcon_mamba"
@@ -65,7 +65,7 @@ def tiny_falcon_mamba(path: Path) -> Path:
     )
     torch.manual_seed(0)
     model = transformers.FalconMambaForCausalLM(config).eval()
-    _reinit_(model, config, seed=0)
+    reinit_weights_(model, config, seed=0)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
