@@ -205,7 +205,7 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("cache bytes held (KiB, peak between blocks)")
     ax.set_ylabel(f"KL(native || config), nats per token (native drawn at {floor:.0e})")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -223,6 +223,7 @@ def budget_sweep(tables: Sequence[LayerTable], n: int) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     import hybridcache as hc
     from experiments.common import load_tokenizer
+    from experiments.figure_style import run_context
     from experiments.study_data import documents
     from hybridcache.real_checkpoints import REAL_CHECKPOINTS, SHIPPED, real_checkpoint
     from hybridcache.tiny_models import tiny_checkpoint
@@ -273,7 +274,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.json").write_text(json.dumps(sens, indent=1))
     (out / "pareto.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "pareto.png", f"Byte-budget planner vs uniform caches ({title})")
+    random_weights = not Path(args.model).is_dir() and args.model not in {*REAL_CHECKPOINTS, *SHIPPED}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    context = run_context(Path(args.model).name, random_weights, dtype)
+    plot(rows, out / "pareto.png", f"Byte-budget planner vs uniform caches\n{title}\n{context}")
     console.print(f"wrote {out}/sensitivity.json, pareto.json, pareto.png")
     return rows
 

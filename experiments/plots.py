@@ -1,53 +1,134 @@
-"""PNG plots of benchmark results (matplotlib, no display needed)."""
+"""PNG plots of benchmark results (matplotlib, no display needed) and their W&B copies (image + native plots)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
+
+from experiments.figure_style import byte_unit, strategy_color  # noqa: E402
+
+SYSTEMS = ("ours (compiled)", "ours (eager)", "hf", "vllm")
 
 
-def throughput_bars(rows: list[dict], path: Path) -> Path:
-    """Decode and prefill tokens/s, ours vs the references, per batch size."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric in zip(axes, ("decode_tok_s", "prefill_tok_s")):
-        batches = sorted({r["batch"] for r in rows})
-        systems = [s for s in ("ours (compiled)", "ours (eager)", "hf", "vllm") if any(r["system"] == s for r in rows)]
-        width = 0.8 / max(len(systems), 1)
+def _valid(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
+    """Decode and prefill tokens/s, ours vs the references, per batch size. A row without a valid timing draws no
+    bar but an "n/a" mark (a zero-height bar would read as "0 tokens/s")."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    batches = sorted({r["batch"] for r in rows})
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    systems += sorted({r["system"] for r in rows} - set(systems))
+    width = 0.8 / max(len(systems), 1)
+    for ax, metric, what in zip(axes, ("decode_tok_s", "prefill_tok_s"), ("decode", "prefill")):
         for i, system in enumerate(systems):
+            xs = [b + i * width for b in range(len(batches))]
             values = [
-                next((r[metric] for r in rows if r["system"] == system and r["batch"] == b and r.get(metric)), 0)
-                for b in batches
+                next((r.get(metric) for r in rows if r["system"] == system and r["batch"] == b), None) for b in batches
             ]
-            ax.bar([b + i * width for b in range(len(batches))], values, width, label=system)
+            ok = [(x, v) for x, v in zip(xs, values) if _valid(v)]
+            ax.bar([x for x, _ in ok], [v for _, v in ok], width, label=system, color=strategy_color(system))
+            for x, v in zip(xs, values):
+                if not _valid(v):
+                    ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
         ax.set_xticks(
             [b + width * (len(systems) - 1) / 2 for b in range(len(batches))], [f"batch {b}" for b in batches]
         )
-        ax.set_title(metric.replace("_tok_s", " tokens/s"))
-        ax.legend()
+        ax.set_xlabel("batch size (sequences decoded together)")
+        ax.set_ylabel(f"{what} throughput (tokens/s, whole batch)")
+        ax.set_title(f"{what}: tokens per second (higher is better)", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Throughput, ours vs references" + (f"\n{context}" if context else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def scaling_lines(rows: list[dict], path: Path) -> Path:
-    """Per-token decode time and peak RSS vs prompt length, one line per strategy."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+def rss_growth(rows: list[dict]) -> list[float]:
+    """Each row's peak RSS minus the RSS its process had with the model loaded, in bytes: what prefill and decode
+    added (the absolute peaks differ by a fraction of a percent, so an absolute axis is unreadable)."""
+    return [max(0.0, (r["peak_rss_mib"] - r.get("loaded_rss_mib", 0.0)) * (1 << 20)) for r in rows]
+
+
+def scaling_lines(rows: list[dict], path: Path, context: str = "") -> Path:
+    """Per-token decode time and the RSS a run added on top of its loaded model vs prompt length, one line per
+    strategy."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    growth = rss_growth(rows)
+    scale, unit = byte_unit(max(growth, default=0.0))
     for strategy in sorted({r["strategy"] for r in rows}):
-        points = sorted((r["tokens"], r) for r in rows if r["strategy"] == strategy)
-        xs = [t for t, _ in points]
-        axes[0].plot(xs, [r["decode_ms_per_token"] for _, r in points], marker="o", label=strategy)
-        axes[1].plot(xs, [r["peak_rss_mib"] for _, r in points], marker="o", label=strategy)
-    for ax, title in zip(axes, ("decode ms / token", "peak RSS (MiB)")):
+        points = sorted((r["tokens"], g, r) for r, g in zip(rows, growth) if r["strategy"] == strategy)
+        xs = [t for t, _, _ in points]
+        style = {"marker": "o", "label": strategy, "color": strategy_color(strategy)}
+        axes[0].plot(xs, [r["decode_ms_per_token"] for _, _, r in points], **style)
+        axes[1].plot(xs, [g / scale for _, g, _ in points], **style)
+    axes[0].set_ylabel("decode time per token (ms)")
+    axes[0].set_title("decode latency (lower is better)", fontsize=10)
+    axes[1].set_ylabel(f"peak RSS above the loaded model ({unit})")
+    axes[1].set_title("memory a run adds: prefill + decode (lower is better)", fontsize=10)
+    loaded = [r["loaded_rss_mib"] for r in rows if "loaded_rss_mib" in r]
+    if loaded:
+        axes[1].annotate(
+            f"model loaded: {min(loaded):.0f}-{max(loaded):.0f} MiB RSS per process",
+            (0.01, 0.99),
+            xycoords="axes fraction",
+            va="top",
+            fontsize=7,
+            color="0.35",
+        )
+    for ax in axes:
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens")
-        ax.set_title(title)
-        ax.legend()
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.yaxis.set_major_locator(MaxNLocator(6))
+        ax.yaxis.get_major_formatter().set_useOffset(False)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("prompt length (tokens, prefilled in chunks)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Long context: each point in its own process" + (f"\n{context}" if context else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def log_benchmark(tracker: Any, rows: list[dict], scaling: list[dict], plots: list[Path]) -> None:
+    """The benchmark's figures to W&B: each PNG as an image, and the same numbers as native W&B plots (a table plus
+    bar/line charts) that runs can be compared on in the W&B UI."""
+    for p in plots:
+        tracker.image(Path(p).stem, p)
+    tracker.bar(
+        "throughput/decode_tok_s",
+        [f"{r['system']} b{r['batch']}" for r in rows if _valid(r.get("decode_tok_s"))],
+        [r["decode_tok_s"] for r in rows if _valid(r.get("decode_tok_s"))],
+        label="system, batch",
+        value="decode tokens/s",
+        title="decode tokens/s",
+    )
+    if scaling:
+        growth = rss_growth(scaling)
+        tracker.line(
+            "long_context/decode_ms_per_token",
+            [(r["strategy"], r["tokens"], r["decode_ms_per_token"]) for r in scaling],
+            x="prompt tokens",
+            y="decode ms per token",
+            title="decode ms per token vs prompt length",
+        )
+        tracker.line(
+            "long_context/rss_added_mib",
+            [(r["strategy"], r["tokens"], g / (1 << 20)) for r, g in zip(scaling, growth)],
+            x="prompt tokens",
+            y="peak RSS above the loaded model (MiB)",
+            title="RSS a run adds vs prompt length",
+        )

@@ -198,40 +198,45 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     ]
 
 
+def _label_groups(xs: list[float], ys: list[float], names: list[str], span: float) -> list[tuple[float, float, str]]:
+    """Strategies at (nearly) the same point share one label, two names a line."""
+    groups: list[tuple[float, float, list[str]]] = []
+    for x, y, name in zip(xs, ys, names):
+        near = next((g for g in groups if abs(g[0] - x) < 1.5 and abs(g[1] - y) < 0.02 * span), None)
+        if near:
+            near[2].append(name)
+        else:
+            groups.append((x, y, [name]))
+    return [(x, y, "\n".join(", ".join(n[i : i + 2]) for i in range(0, len(n), 2))) for x, y, n in groups]
+
+
 def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, title: str, n_cont: int = 0) -> Path:
     """Cache bytes (vs native) against each quality measure (blockwise perplexity, kvpress's protocol, passkey,
-    RULER), one panel each, the Pareto front joined."""
+    MQAR, RULER), one panel each, every strategy in its own colour (experiments/figure_style.py), labels placed
+    so none overprints another, the Pareto front joined and ringed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from experiments.figure_style import place_labels, strategy_color
 
     ok = [r for r in rows if not r.get("error")]
     longest = str(max(lengths))
     panels = []  # (y label, rows shown, their values, lower is better)
     blockwise = [r for r in ok if longest in r["ppl"]]
     if blockwise:
+        ppl = [r["ppl"][longest] for r in blockwise]
         panels.append(
-            (
-                f"perplexity over the first {longest} tokens (read in blocks)",
-                blockwise,
-                [r["ppl"][longest] for r in blockwise],
-                True,
-            )
+            (f"perplexity over the first {longest} tokens\n(read in blocks; lower is better)", blockwise, ppl, True)
         )
     kvpress = [r for r in ok if longest in r.get("continuation_ppl", {})]
     if n_cont and kvpress:
-        panels.append(
-            (
-                f"perplexity of the {n_cont} tokens after a {longest}-token prompt\n(kvpress protocol)",
-                kvpress,
-                [r["continuation_ppl"][longest] for r in kvpress],
-                True,
-            )
-        )
+        label = f"perplexity of the {n_cont} tokens after a {longest}-token\nprompt (kvpress protocol; lower is better)"
+        panels.append((label, kvpress, [r["continuation_ppl"][longest] for r in kvpress], True))
     probed = [r for r in ok if r["passkey_trials"]]  # only the strategies a probe ran for
     if probed:
-        panels.append(("passkey accuracy", probed, [r["passkey_acc"] for r in probed], False))
+        panels.append(("passkey accuracy (share of trials)", probed, [r["passkey_acc"] for r in probed], False))
     recalled = [r for r in ok if r.get("mqar_acc") is not None]
     if recalled:
         panels.append(("MQAR recall (share of queries)", recalled, [r["mqar_acc"] for r in recalled], False))
@@ -240,46 +245,47 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
         panels.append(("RULER score (mean over tasks, 0-100)", scored, [r["ruler_mean"] for r in scored], False))
     cols = min(len(panels), 2)
     grid = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(grid, cols, figsize=(6.5 * cols, 4.6 * grid), squeeze=False)
+    fig, axes = plt.subplots(grid, cols, figsize=(7 * cols, 4.8 * grid + 0.6), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
+    drawn = []
     for ax, (label, shown, ys, lower_better) in zip(axes.flat, panels):
         xs = [100 * r["bytes_ratio"] for r in shown]
-        ax.scatter(xs, ys, s=40, zorder=3)
-        span = (max(ys) - min(ys)) or abs(max(ys)) or 1.0
-        labels: list[tuple[float, float, list[str]]] = []
-        for x, y, r in zip(xs, ys, shown):  # strategies at (nearly) the same point share one label
-            near = next((lab for lab in labels if abs(lab[0] - x) < 2 and abs(lab[1] - y) < 0.03 * span), None)
-            if near:
-                near[2].append(r["name"])
-            else:
-                labels.append((x, y, [r["name"]]))
-        for i, (x, y, names) in enumerate(labels):
-            right = x > 70  # labels of points near the right edge go to their left, inside the axes
-            crowd = sum(abs(x - x2) < 12 and abs(y - y2) < 0.05 * span for x2, y2, _ in labels[:i])
-            ax.annotate(
-                ", ".join(names),
-                (x, y),
-                textcoords="offset points",
-                xytext=(-4 if right else 4, 4 - 11 * crowd),
-                ha="right" if right else "left",
-                fontsize=8,
-            )
-        ax.set_xlim(0, max(105, max(xs) + 5))
-        front = pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)])
-        front = sorted(front, key=lambda i: xs[i])
-        ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red", label="Pareto front")
-        ax.set_xlabel(f"peak cache bytes over {longest} tokens (% of native)")
+        ax.scatter(xs, ys, s=40, zorder=3, c=[strategy_color(r["name"]) for r in shown], edgecolors="black", lw=0.4)
+        front = sorted(pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)]), key=lambda i: xs[i])
+        ax.plot(
+            [xs[i] for i in front],
+            [ys[i] for i in front],
+            "--",
+            color="tab:red",
+            marker="o",
+            ms=11,
+            mfc="none",
+            zorder=2,
+            label="Pareto front (ringed" + (", joined)" if len(front) > 1 else "; one point)"),
+        )
+        ax.set_xlim(0, max(108, max(xs) + 8))
+        ax.set_xlabel(f"peak cache bytes over {longest} tokens (% of native's bytes)")
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="lower right", bbox_to_anchor=(1, 1), fontsize=8, frameon=False, borderaxespad=0.2)
         if ys and all(y > 0 for y in ys) and lower_better and max(ys) / min(ys) > 20:
             ax.set_yscale("log")
         if not lower_better:
             top = 100 if "RULER" in label else 1
-            ax.set_ylim(-0.05 * top, 1.05 * top)
-    fig.suptitle(title, fontsize=10)
+            ax.set_ylim(-0.08 * top, 1.1 * top)
+        else:
+            lo, hi = min(ys), max(ys)
+            margin = 0.15 * ((hi - lo) or abs(hi) * 0.05 or 1.0)
+            if ax.get_yscale() == "linear":
+                ax.set_ylim(lo - margin, hi + margin)
+        drawn.append((ax, xs, ys, shown))
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    for ax, xs, ys, shown in drawn:  # after the layout: label offsets are in points, the axes must not move
+        span = (max(ys) - min(ys)) or abs(max(ys)) or 1.0
+        groups = _label_groups(xs, ys, [r["name"] for r in shown], span)
+        place_labels(ax, [(x, y) for x, y, _ in groups], [t for _, _, t in groups])
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -287,3 +293,23 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
 
 def finite(x: float | None) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+def log_study(tracker: Any, rows: list[dict[str, Any]], lengths: list[int], plot: Path) -> None:
+    """study_pareto.png to W&B as an image, and each of its panels as a native scatter plot (bytes vs quality)."""
+    tracker.image("study_pareto", plot)
+    ok = [r for r in rows if not r.get("error")]
+    longest = str(max(lengths))
+    x = "cache bytes (% of native)"
+    measures = {
+        f"perplexity @{longest}": lambda r: r["ppl"].get(longest),
+        f"kvpress perplexity @{longest}": lambda r: (r.get("continuation_ppl") or {}).get(longest),
+        "passkey accuracy": lambda r: r.get("passkey_acc") if r.get("passkey_trials") else None,
+        "MQAR recall": lambda r: r.get("mqar_acc"),
+        "RULER score": lambda r: r.get("ruler_mean"),
+    }
+    for measure, get in measures.items():
+        points = [(r["name"], 100 * r["bytes_ratio"], get(r)) for r in ok if finite(get(r)) is not None]
+        if points:
+            key = "pareto/" + measure.split(" @")[0].replace(" ", "_")
+            tracker.scatter(key, points, x, measure, title=f"{measure} vs {x}", label="strategy")

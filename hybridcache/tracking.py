@@ -100,6 +100,49 @@ class Tracker:
     def table(self, key: str, columns: list[str], rows: list[list[Any]]) -> None:
         self._call(f"logging table {key}", lambda: self.run.log({key: self.wandb.Table(columns=columns, data=rows)}))
 
+    def image(self, key: str, path: str | Path, caption: str | None = None) -> None:
+        """Log a PNG as a W&B image (the media panel)."""
+        self._call(f"logging image {key}", lambda: self.run.log({key: self.wandb.Image(str(path), caption=caption)}))
+
+    def scatter(
+        self, key: str, points: list[tuple[str, float, float]], x: str, y: str, title: str = "", label: str = "name"
+    ) -> None:
+        """A native W&B scatter plot of (label, x, y) points, its table logged under `key` too."""
+
+        def log() -> None:
+            table = self.wandb.Table(columns=[label, x, y], data=[list(p) for p in points])
+            self.run.log({key: self.wandb.plot.scatter(table, x, y, title=title or key)})
+
+        self._call(f"logging scatter {key}", log)
+
+    def line(
+        self, key: str, points: list[tuple[str, float, float]], x: str, y: str, title: str = "", series: str = "series"
+    ) -> None:
+        """A native W&B line plot of (series, x, y) points, one line per series."""
+
+        def log() -> None:
+            table = self.wandb.Table(columns=[series, x, y], data=[list(p) for p in points])
+            self.run.log({key: self.wandb.plot.line(table, x, y, stroke=series, title=title or key)})
+
+        self._call(f"logging line {key}", log)
+
+    def bar(
+        self,
+        key: str,
+        labels: list[str],
+        values: list[float],
+        label: str = "label",
+        value: str = "value",
+        title: str = "",
+    ) -> None:
+        """A native W&B bar chart, one bar per label."""
+
+        def log() -> None:
+            table = self.wandb.Table(columns=[label, value], data=[[a, v] for a, v in zip(labels, values)])
+            self.run.log({key: self.wandb.plot.bar(table, label, value, title=title or key)})
+
+        self._call(f"logging bar chart {key}", log)
+
     def summary(self, values: dict[str, Any]) -> None:
         def write() -> None:
             for k, v in values.items():
