@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.ops.cpu_kernels import ACT_MUL, INT_MAX, MAX_ROWS, _eager, _library, _real, _rotary_ok
-from hybridcache.ops.cpu_kernels import _vec as _vector
-
-WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+from hybridcache.ops._checks import INT_MAX, MAX_ROWS, _eager, _ptr, _real
+from hybridcache.ops._checks import _vec as _vector
+from hybridcache.ops.cpu_attention import _rotary_ok
+from hybridcache.ops.cpu_library import _library
+from hybridcache.ops.op_specs import ACT_MUL, WEIGHT_TYPES
 
 
 def _matrix(w: torch.Tensor, rows: int, cols: int) -> int | None:
@@ -30,10 +31,6 @@ def _matrix(w: torch.Tensor, rows: int, cols: int) -> int | None:
     ):
         return None
     return code
-
-
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
 
 
 def gated_mlp(x: torch.Tensor, gate_up: tuple, down: tuple, act: str) -> torch.Tensor | None:

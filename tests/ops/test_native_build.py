@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hybridcache.ops.cpu_kernels as ck
+import hybridcache.ops.cpu_library as cpu_library
 from hybridcache.ops import _native
 from hybridcache.ops.attention import masked_attention
 
@@ -25,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """A loader that has loaded nothing, building into tmp_path/kernels; the session's library is back afterwards."""
-    monkeypatch.setattr(ck, "_state", {})
-    monkeypatch.setattr(ck, "_LINEAR", {})
+    monkeypatch.setattr(cpu_library, "_state", {})
     monkeypatch.setattr(_native, "BASE_FLAGS", list(FAST))
     monkeypatch.setenv("HYBRIDCACHE_HOME", str(tmp_path))
     monkeypatch.delenv("HYBRIDCACHE_DISABLE_KERNELS", raising=False)

@@ -1,0 +1,111 @@
+"""Pure-torch references of the registered ops (registry.py), in float32, one per op with the op's flat signature.
+
+They define what each C kernel computes (tests compare kernel, registered op and compiled op against them), serve
+as the op's CPU path where the kernel does not take the arguments or is not built, and, run on fake tensors, as
+its fake (meta) implementation for torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridcache.ops.selective_scan import _selective_scan_torch
+
+_ACT = {"silu": F.silu, "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh")}
+_ACT["gelu_new"] = _ACT["gelu_pytorch_tanh"]
+
+
+def decode_linear(x, weight, bias, scale):
+    """x [..., K] @ weight [N, K]^T (* scale [N]) (+ bias [N]) -> [..., N]."""
+    out = F.linear(x, weight.float())
+    out = out if scale is None else out * scale
+    return out if bias is None else out + bias
+
+
+def rms_norm(x, scale, eps):
+    """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D]."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
+
+
+def residual_norm(h, x, post_scale, post_eps, next_scale, next_eps):
+    """(h + rms_norm(x) * post (x when post_scale is None), its rms_norm by next (empty when next_scale is None))."""
+    s = h + (x if post_scale is None else rms_norm(x, post_scale, post_eps))
+    return s, (s.new_empty(0) if next_scale is None else rms_norm(s, next_scale, next_eps))
+
+
+def act_mul(gate_up, act):
+    """act(gate) * up of gate_up [..., 2I] (gate first) -> [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _ACT[act](gate) * up
+
+
+def argmax_rows(x):
+    """x [B, V].argmax(-1) -> int64 [B]."""
+    return x.argmax(-1)
+
+
+def visible(qpos, kpos, pattern, param):
+    """[B, S]: key slot s visible to the query at qpos [B, 1] (kpos [B, S]; a negative position is an empty slot)."""
+    ok = (qpos >= 0) & (kpos >= 0) & (kpos <= qpos)
+    if pattern == "sliding":
+        ok = ok & (kpos > qpos - param)
+    elif pattern == "chunked":
+        ok = ok & (torch.div(kpos, param, rounding_mode="floor") == torch.div(qpos, param, rounding_mode="floor"))
+    return ok
+
+
+def decode_attention(q, k, v, mask, q_pos, k_pos, pattern, param, scale, softcap):
+    """One query per row: q [B, Hq, 1, D], k / v [B, Hkv, S, D], visibility by mask [B, 1, S] or by positions and
+    pattern -> [B, Hq, 1, D]; a row that sees nothing gets zeros."""
+    b, hq, _, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    seen = mask.reshape(b, s) if mask is not None else visible(q_pos.reshape(b, 1), k_pos, pattern, param)
+    kk = k.repeat_interleave(hq // hkv, dim=1) if hkv else k  # [B, Hq, S, D]
+    vv = v.repeat_interleave(hq // hkv, dim=1) if hkv else v
+    logits = (q @ kk.transpose(-1, -2)) * scale  # [B, Hq, 1, S]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all hidden: zeros
+    return weights @ vv
+
+
+def rope(x, cos, sin, interleaved):
+    """x [B, H, T, D]: the first R features rotated by cos / sin [B, 1, T, R], the rest copied."""
+    r = cos.shape[-1]
+    head = x[..., :r]
+    if interleaved:
+        rot = torch.stack((-head[..., 1::2], head[..., ::2]), dim=-1).reshape(head.shape)
+    else:
+        rot = torch.cat((-head[..., r // 2 :], head[..., : r // 2]), dim=-1)
+    return torch.cat((head * cos + rot * sin, x[..., r:]), dim=-1)
+
+
+def norm_rope(x, scale, eps, cos, sin, interleaved):
+    """rms_norm of x [B, H, T, D] by scale [D] (None: none), then rope by cos / sin (None: none)."""
+    y = x if scale is None else rms_norm(x, scale, eps)
+    return y if cos is None else rope(y, cos, sin, interleaved)
+
+
+def selective_scan(u, delta, z, b, c, a, d, bias, softplus, state):
+    """Mamba1 selective scan on [B, T, Dm] / [B, T, N] layouts -> (y [B, T, Dm], final state [B, Dm, N])."""
+    t = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731 [B, T, X] -> [B, X, T]
+    y, last = _selective_scan_torch(t(u), t(delta), a, t(b), t(c), d, t(z), bias, softplus, state)
+    return y.transpose(1, 2), last
+
+
+def gated_mlp(x, w_gu, b_gu, s_gu, w_dn, b_dn, s_dn, act):
+    """down(act(gate(x)) * up(x)): w_gu [2I, D] (gate rows first), w_dn [D, I]."""
+    return decode_linear(act_mul(decode_linear(x, w_gu, b_gu, s_gu), act), w_dn, b_dn, s_dn)
+
+
+def qkv_norm_rope(x, w, bias, wscale, heads, kv_heads, head_dim, q_scale, q_eps, k_scale, k_eps, cos, sin, il):
+    """q [B, Hq, T, D], k and v [B, Hkv, T, D] from x [B, T, Dm] by the fused projection w [(Hq + 2 Hkv) D, Dm],
+    q / k through norm_rope."""
+    b, t, _ = x.shape
+    q, k, v = decode_linear(x, w, bias, wscale).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    split = lambda y, h: y.reshape(b, t, h, head_dim).transpose(1, 2)  # noqa: E731
+    q = norm_rope(split(q, heads), q_scale, q_eps, cos, sin, il)
+    k = norm_rope(split(k, kv_heads), k_scale, k_eps, cos, sin, il)
+    return q, k, split(v, kv_heads)
