@@ -19,22 +19,47 @@ STRATEGIES = {
 }
 
 
-def run(cache: Cache) -> None:
+def run(cache: Cache, prompt: int = PROMPT, decode: int = DECODE) -> None:
     """Prefill a prompt in 512-token chunks, then decode token by token (random keys, values and states)."""
     g = torch.Generator().manual_seed(0)
-    for block in [512] * (PROMPT // 512) + [PROMPT % 512] + [1] * DECODE:
+    blocks = [512] * (prompt // 512) + ([prompt % 512] if prompt % 512 else []) + [1] * decode
+    for block in blocks:
         with cache.block(tokens=block):  # every layer advances together
             for layer in cache:
                 if layer.kind == "attention":
-                    k = torch.randn(BATCH, 8, block, 64, generator=g)
+                    k = torch.randn(cache.batch_size, 8, block, 64, generator=g)
                     layer.update(k, k)
                 else:
                     layer.update(block, **{n: torch.randn(t.shape, generator=g) for n, t in layer.states.items()})
 
 
-console = Console()
-for name, config in STRATEGIES.items():
-    cache = Cache.build(native, BATCH, config)
-    run(cache)
-    console.rule(name)
-    console.print(memory_table(cache))
+def chunked_notes(cache: Cache) -> list[str]:
+    """What a chunked layer holds and why: its current chunk's tokens, which is none right after a chunk completes."""
+    notes = []
+    for layer in cache:
+        if layer.type_name != "chunked":
+            continue
+        size, seen = layer.spec.chunk_size, cache.columns
+        current = seen % size
+        if current == 0:
+            why = (
+                f"0 B: token {seen:,} completed chunk {seen // size} (chunk size {size}); a token attends only inside "
+                "its own chunk, so the finished chunk is never read again and is dropped; the next token starts a new "
+                f"chunk (1 to {size} tokens held from then on)"
+            )
+        else:
+            why = f"the {current} tokens of the current chunk {seen // size + 1} (chunk size {size}, {seen:,} seen)"
+        notes.append(f"chunked: holds {why}")
+        break  # every chunked layer of this stack sees the same tokens
+    return notes
+
+
+if __name__ == "__main__":
+    console = Console()
+    for name, config in STRATEGIES.items():
+        cache = Cache.build(native, BATCH, config)
+        run(cache)
+        console.rule(name)
+        console.print(memory_table(cache))
+        for note in chunked_notes(cache):
+            console.print(note, soft_wrap=True)
