@@ -26,11 +26,27 @@ PALETTE = {
     "snapkv": "#d62728",
     "int8": "#9467bd",
     "int4": "#8c564b",
+    "int4_residual": "#843c39",
+    "int4_first2_dense": "#d6616b",
     "kivi": "#e377c2",
+    "hf_quantized": "#9c9ede",
+    "all_local": "#637939",
+    "local": "#a55194",
+    "sink": "#7b4173",
+    "sink_int8": "#3182bd",
+    "globals_sink": "#ce6dbd",
+    "tova": "#e7ba52",
+    "tova_prefill": "#de9ed6",
+    "h2o": "#b5cf6b",
+    "knorm": "#5254a3",
+    "streaming_llm": "#8ca252",
+    "observed_attention": "#bd9e39",
+    "expected_attention": "#e7969c",
+    "pyramidkv": "#6b6ecf",
     "state_bf16": "#7f7f7f",
     "state_fp8": "#bcbd22",
-    "state_int8": "#aec7e8",
-    "state_int4": "#ffbb78",
+    "state_int8": "#393b79",
+    "state_int4": "#ad494a",
     "recurrent": "#98df8a",
     "hybrid": "#1f77b4",
     "attention": "#ff7f0e",
@@ -43,13 +59,17 @@ _FALLBACK = ["#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ff9896", "
 
 
 def strategy_key(name: str) -> str:
-    """The colour key of a strategy name: lower case, its size suffix dropped (sliding_256, sliding(64) -> sliding)."""
+    """The colour key of a strategy name: lower case, size suffixes dropped until a known name is left
+    (sliding_256, sliding(64) -> sliding; sink_4_252 -> sink; kivi2 -> kivi)."""
     key = name.strip().lower()
-    if key in PALETTE:
-        return key
-    key = re.sub(r"\s*\(.*\)$", "", key)  # sliding(64), recurrent (mamba2)
-    key = re.sub(r"[_\-\s]?\d+(\.\d+)?$", "", key)  # sliding_256, snapkv_50
-    return key
+    key = re.sub(r"\s*\(.*\)$", "", key) if key not in PALETTE else key  # sliding(64), recurrent (mamba2)
+    shorter = key
+    while shorter not in PALETTE:
+        cut = re.sub(r"[_\-\s]?\d+(\.\d+)?$", "", shorter)  # sliding_256, snapkv_50, kivi2
+        if cut == shorter or not cut:
+            return key  # an unknown name keeps its own (hashed) colour
+        shorter = cut
+    return shorter
 
 
 def strategy_color(name: str) -> str:

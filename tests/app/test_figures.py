@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.text import Text
 from omegaconf import OmegaConf
 
-from experiments.figure_style import byte_unit, cfg_context, strategy_color
+from experiments.figure_style import byte_unit, cfg_context, strategy_color, strategy_key
 from experiments.plots import log_benchmark, scaling_lines, throughput_bars
 from experiments.study_report import log_study, pareto_plot
 from experiments.train_plot import log_loss_curve, loss_curve
@@ -303,3 +303,13 @@ def test_tracker_logging_failure_is_recorded_not_raised(tmp_path):
     assert not tracker.active and "no table today" in tracker.error
     tracker.line("k", [("a", 1.0, 2.0)], "x", "y")  # a no-op once off
     tracker.image("k", tmp_path / "missing.png")
+
+
+def test_every_study_strategy_has_its_own_colour_and_sizes_share_one():
+    study = OmegaConf.load(Path(__file__).parents[2] / "configs" / "experiment" / "study.yaml")
+    names = list(study.strategies)  # every strategy the study knows
+    assert len(names) > 10
+    keys = {strategy_key(n) for n in names}
+    assert len({strategy_color(k) for k in keys}) == len(keys), sorted(keys)  # no two strategies share a colour
+    assert strategy_color("sliding_256") == strategy_color("sliding(64)") == strategy_color("sliding_1024")
+    assert strategy_color("int4") != strategy_color("int4_residual32") != strategy_color("int4_first2_dense")
