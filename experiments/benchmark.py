@@ -26,7 +26,8 @@ from rich.table import Table
 
 import hybridcache as hc
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
-from experiments.plots import scaling_lines, throughput_bars
+from experiments.figure_style import cfg_context
+from experiments.plots import log_benchmark, scaling_lines, throughput_bars
 from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
 from hybridcache.cache.plan import format_bytes
 from hybridcache.ops.cpu_kernels import kernel_status
@@ -305,9 +306,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     summary["wall_s"] = time.perf_counter() - compile_start
     if ops:
         summary.update(ops["summary"])
-    plots = [throughput_bars(rows, out_dir / "throughput.png")]
+    plots = [throughput_bars(rows, out_dir / "throughput.png", cfg_context(cfg))]
     if scaling:
-        plots.append(scaling_lines(scaling, out_dir / "long_context.png"))
+        plots.append(scaling_lines(scaling, out_dir / "long_context.png", cfg_context(cfg)))
     result = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "checkpoint": checkpoint,
@@ -332,8 +333,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if scaling:
         tracker.table("long_context", list(scaling[0]), [list(r.values()) for r in scaling])
     tracker.summary(summary)
-    if tracker.active:
-        tracker.log({p.stem: tracker.wandb.Image(str(p)) for p in plots})
+    log_benchmark(tracker, rows, scaling, plots)  # images and native W&B plots
     run_dir, sync = tracker.run_dir, tracker.sync_command
     tracker.finish()
     result["wandb_dir"] = str(run_dir) if run_dir else None

@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import hybridcache.real_checkpoints  # noqa: F401 - registers the ${real:NAME} resolver used by model configs
 from experiments import mqar
 from experiments.common import load_model, load_tokenizer
+from experiments.figure_style import cfg_context
 from experiments.ruler import TASKS as RULER_TASKS
 from experiments.ruler import has_depth, ruler_sample
 from experiments.study_data import documents, passkey_prompt
@@ -48,7 +49,7 @@ from experiments.study_eval import (
     ruler_trial,
     teacher_forced,
 )
-from experiments.study_report import finite, pareto_plot, print_ruler_table, print_table, verdict
+from experiments.study_report import finite, log_study, pareto_plot, print_ruler_table, print_table, verdict
 from experiments.study_strategies import compresses_after_prefill, plan_or_error, probed, references, strategy_configs
 from hybridcache.tracking import Tracker
 
@@ -239,7 +240,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         + (f", passkey at {list(e.passkey.lengths)} tokens" if prompts else "")
         + (f", MQAR at {list(e.mqar.pairs)} pairs" if mqar_prompts else "")
     )
-    plot = pareto_plot(ordered, lengths, out_dir / "study_pareto.png", title, n_cont)
+    plot = pareto_plot(ordered, lengths, out_dir / "study_pareto.png", f"{title}\n{cfg_context(cfg)}", n_cont)
     result = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "checkpoint": checkpoint,
@@ -517,5 +518,4 @@ def log_to_tracker(tracker: Tracker, rows: list[dict], lengths: list[int], n_con
             }
         )
     tracker.table("study", columns, table)
-    if tracker.mode != "disabled":
-        tracker.log({"study_pareto": tracker.wandb.Image(str(plot))})
+    log_study(tracker, rows, lengths, plot)  # the figure as an image and as native W&B scatter plots

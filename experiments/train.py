@@ -31,7 +31,7 @@ from experiments.common import UserError, output_dir, quiet_libraries
 from experiments.train_data import DataError, bigram_bits_per_byte, cached_corpus
 from experiments.train_loop import TrainError, TrainSettings, describe, final_eval, mqar_accuracy, train
 from experiments.train_model import ARCHS, ArchError
-from experiments.train_plot import loss_curve
+from experiments.train_plot import log_loss_curve, loss_curve
 from hybridcache.paths import home_dir
 from hybridcache.tracking import Tracker
 
@@ -179,6 +179,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for k, v in (result.get("bits_per_byte") or {}).items():
         tracker.summary({f"final/{k}": v, f"final_at_seq_len/{k}": result["bits_per_byte_at_seq_len"][k]})
     tracker.save(png)
+    log_loss_curve(tracker, curves, png)  # an image and native W&B line plots
     result["wandb"] = tracker.sync_command or tracker.error
     tracker.finish()
     (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
