@@ -7,7 +7,6 @@ forced to 0.5 by HF's config unless `rope_parameters` sets it).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,12 +19,13 @@ from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields
+from hybridcache.models.family_config import param
 from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
-class BambaConfig(FamilyConfig):
+class BambaConfig(AttentionFields, Mamba2Fields):
     """HF BambaConfig (transformers 5) fields the model reads, with HF defaults. `head_dim` is not an HF field but
     HF's attention reads it when present (else hidden_size // num_attention_heads)."""
 
@@ -34,58 +34,19 @@ class BambaConfig(FamilyConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     intermediate_size: int = param(14336, positive=True)
-    num_attention_heads: int = param(32, positive=True)
     num_key_value_heads: int | None = param(8, positive=True)  # None: num_attention_heads
-    head_dim: int | None = param(None, positive=True)
     hidden_act: str = "silu"
     rms_norm_eps: float = param(1e-5, positive=True)
     max_position_embeddings: int = param(262144, positive=True)
     attn_layer_indices: list[int] | None = param(None, nonnegative=True)
-    mamba_n_heads: int = param(128, positive=True)
-    mamba_d_head: int | str = param("auto", positive=True)  # "auto": mamba_expand * hidden_size // mamba_n_heads
-    mamba_n_groups: int = param(1, positive=True)
-    mamba_d_state: int = param(256, positive=True)
-    mamba_d_conv: int = param(4, positive=True)
-    mamba_expand: int = param(2, positive=True)
-    mamba_chunk_size: int = param(256, positive=True)
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    time_step_limit: list[float] = param([0.0, math.inf], nonnegative=True)
-    rope_parameters: dict | None = None
-    rope_theta: float = param(10000.0, positive=True)  # older configs; rope_parameters wins
-    attention_bias: bool = False
     mlp_bias: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.mamba_d_head == "auto":
-            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
-
     def problems(self) -> list[str]:
-        out = attention_problems(self)
-        if isinstance(self.mamba_d_head, str):
-            out.append(f"mamba_d_head must be a positive int or 'auto', got {self.mamba_d_head!r}")
-        elif self.mamba_d_head * self.mamba_n_heads != self.mamba_expand * self.hidden_size:
-            out.append(
-                f"mamba_n_heads * mamba_d_head ({self.mamba_n_heads * self.mamba_d_head}) must equal "
-                f"mamba_expand * hidden_size ({self.mamba_expand * self.hidden_size})"
-            )
-        if self.mamba_n_heads % self.mamba_n_groups:
-            out.append(
-                f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups ({self.mamba_n_groups})"
-            )
-        if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
-            out.append(f"time_step_limit must be [min, max] with min <= max, got {self.time_step_limit!r}")
+        out = super().problems()
         bad = [i for i in self.attn_layer_indices or [] if i >= self.num_hidden_layers]
         if bad:
             out.append(f"attn_layer_indices {bad} are >= num_hidden_layers ({self.num_hidden_layers})")
         return out
-
-    @property
-    def attention_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def rope(self) -> dict[str, Any]:
         """The rope parameters as HF resolves them: rope_parameters wins; partial_rotary_factor defaults to 0.5."""
@@ -98,16 +59,7 @@ class BambaConfig(FamilyConfig):
 
 def mamba2_mixer(cfg: BambaConfig) -> Mamba2Mixer:
     return Mamba2Mixer(
-        cfg.hidden_size,
-        cfg.mamba_n_heads,
-        cfg.mamba_d_head,
-        cfg.mamba_d_state,
-        cfg.mamba_n_groups,
-        cfg.mamba_d_conv,
-        cfg.mamba_chunk_size,
-        use_conv_bias=cfg.mamba_conv_bias,
-        use_bias=cfg.mamba_proj_bias,
-        time_step_limit=tuple(cfg.time_step_limit),
+        **cfg.mamba2_mixer_args(),
         rms_norm=True,
         norm_before_gate=False,
         eps=cfg.rms_norm_eps,
@@ -171,14 +123,7 @@ class BambaLM(HybridLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
-        mamba = {
-            "num_heads": c.mamba_n_heads,
-            "head_dim": c.mamba_d_head,
-            "state_size": c.mamba_d_state,
-            "n_groups": c.mamba_n_groups,
-            "conv_kernel": c.mamba_d_conv,
-            "dtype": self.dtype,
-        }
+        mamba = {**c.mamba2_cache_params(), "dtype": self.dtype}
         return [NativeLayer("full", attn) if k == "attention" else NativeLayer("mamba2", mamba) for k in self.kinds]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ factor. Folding is done in float64 and stored in (at least) float32.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,12 +33,13 @@ from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheGroup, NativeGroup, NativeLayer
 from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields
+from hybridcache.models.family_config import param
 from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
-class FalconH1Config(FamilyConfig):
+class FalconH1Config(AttentionFields, Mamba2Fields):
     """HF FalconH1Config (transformers 5) fields the model reads, with HF defaults. `head_dim` is not an HF field
     but HF's attention reads it when present (else hidden_size // num_attention_heads); real checkpoints set it."""
 
@@ -48,29 +48,14 @@ class FalconH1Config(FamilyConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     intermediate_size: int = param(14336, positive=True)
-    num_attention_heads: int = param(32, positive=True)
     num_key_value_heads: int | None = param(8, positive=True)  # None: num_attention_heads
-    head_dim: int | None = param(None, positive=True)
     hidden_act: str = "silu"
     rms_norm_eps: float = param(1e-5, positive=True)
     max_position_embeddings: int = param(8192, positive=True)
     mamba_d_ssm: int | None = param(1024, positive=True)  # None: mamba_expand * hidden_size
-    mamba_n_heads: int = param(128, positive=True)
-    mamba_d_head: int | str = param("auto", positive=True)  # "auto": mamba intermediate // mamba_n_heads
-    mamba_n_groups: int = param(1, positive=True)
-    mamba_d_state: int = param(256, positive=True)
-    mamba_d_conv: int = param(4, positive=True)
-    mamba_expand: int = param(2, positive=True)
-    mamba_chunk_size: int = param(256, positive=True)
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
     mamba_norm_before_gate: bool = True
     mamba_rms_norm: bool = False
-    time_step_limit: list[float] = param([0.0, math.inf], nonnegative=True)
     projectors_bias: bool = False
-    rope_parameters: dict | None = None
-    rope_theta: float = param(10000.0, positive=True)  # older configs; rope_parameters wins
-    attention_bias: bool = False
     mlp_bias: bool = False
     lm_head_multiplier: float = 1.0
     embedding_multiplier: float = 1.0
@@ -82,20 +67,9 @@ class FalconH1Config(FamilyConfig):
     ssm_in_multiplier: float = 1.0
     ssm_out_multiplier: float = 1.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.mamba_d_head == "auto":
-            self.mamba_d_head = self.mamba_intermediate // self.mamba_n_heads
-
     @property
     def mamba_intermediate(self) -> int:
         return self.mamba_expand * self.hidden_size if self.mamba_d_ssm is None else self.mamba_d_ssm
-
-    @property
-    def attention_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def mlp_factors(self) -> list[float]:
@@ -106,20 +80,7 @@ class FalconH1Config(FamilyConfig):
         return list(self.ssm_multipliers) if self.ssm_multipliers is not None else [1.0] * 5
 
     def problems(self) -> list[str]:
-        out = attention_problems(self)
-        if isinstance(self.mamba_d_head, str):
-            out.append(f"mamba_d_head must be a positive int or 'auto', got {self.mamba_d_head!r}")
-        elif self.mamba_d_head * self.mamba_n_heads != self.mamba_intermediate:
-            out.append(
-                f"mamba_n_heads * mamba_d_head ({self.mamba_n_heads * self.mamba_d_head}) must equal the "
-                f"mamba intermediate size ({self.mamba_intermediate})"
-            )
-        if self.mamba_n_heads % self.mamba_n_groups:
-            out.append(
-                f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups ({self.mamba_n_groups})"
-            )
-        if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
-            out.append(f"time_step_limit must be [min, max] with min <= max, got {self.time_step_limit!r}")
+        out = super().problems()
         if self.mlp_multipliers is not None and len(self.mlp_multipliers) != 2:
             out.append(f"mlp_multipliers must be [gate, down], got {self.mlp_multipliers!r}")
         if self.ssm_multipliers is not None and len(self.ssm_multipliers) != 5:
@@ -150,17 +111,8 @@ class FalconH1DecoderLayer(nn.Module):
             rotary=rotary,
         )
         self.mamba = Mamba2Mixer(
-            d,
-            cfg.mamba_n_heads,
-            cfg.mamba_d_head,
-            cfg.mamba_d_state,
-            cfg.mamba_n_groups,
-            cfg.mamba_d_conv,
-            cfg.mamba_chunk_size,
-            use_conv_bias=cfg.mamba_conv_bias,
-            use_bias=cfg.mamba_proj_bias,
+            **cfg.mamba2_mixer_args(),
             out_bias=cfg.projectors_bias,
-            time_step_limit=tuple(cfg.time_step_limit),
             rms_norm=cfg.mamba_rms_norm,
             norm_before_gate=cfg.mamba_norm_before_gate,
             eps=cfg.rms_norm_eps,
@@ -254,17 +206,7 @@ class FalconH1LM(HybridLM):
         attn = NativeLayer(
             "full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
         )
-        mamba = NativeLayer(
-            "mamba2",
-            {
-                "num_heads": c.mamba_n_heads,
-                "head_dim": c.mamba_d_head,
-                "state_size": c.mamba_d_state,
-                "n_groups": c.mamba_n_groups,
-                "conv_kernel": c.mamba_d_conv,
-                "dtype": self.dtype,
-            },
-        )
+        mamba = NativeLayer("mamba2", {**c.mamba2_cache_params(), "dtype": self.dtype})
         return [NativeGroup({"attention": attn, "mamba": mamba}) for _ in range(c.num_hidden_layers)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

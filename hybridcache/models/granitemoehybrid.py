@@ -12,7 +12,6 @@ Granite's multipliers, and where they go:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,14 +26,15 @@ from hybridcache.blocks.mlp import ACTIVATIONS, activation
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields, MoEFields
+from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
 
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' legacy layer type names
 
 
 @dataclass(kw_only=True)
-class GraniteMoeHybridConfig(FamilyConfig):
+class GraniteMoeHybridConfig(AttentionFields, Mamba2Fields, MoEFields):
     """HF GraniteMoeHybridConfig (transformers 5) fields the model reads, with HF defaults. RoPE only when
     position_embedding_type is "rope" (Granite 4.0 hybrids use none); `rope_theta` serves older configs."""
 
@@ -43,70 +43,32 @@ class GraniteMoeHybridConfig(FamilyConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     intermediate_size: int = param(11008, positive=True)
-    num_attention_heads: int = param(32, positive=True)
-    num_key_value_heads: int | None = param(None, positive=True)  # None: num_attention_heads
-    head_dim: int | None = param(None, positive=True)  # not an HF field; honoured if a config has it
     hidden_act: str = param("silu", choices=tuple(ACTIVATIONS))
     max_position_embeddings: int = param(2048, positive=True)
     rms_norm_eps: float = param(1e-6, positive=True)
-    rope_parameters: dict | None = None
-    rope_theta: float = param(10_000.0, positive=True)
-    attention_bias: bool = False
     embedding_multiplier: float = 1.0
     logits_scaling: float = param(1.0, positive=True)
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
-    num_local_experts: int = param(8, nonnegative=True)  # 0: the shared MLP only
-    num_experts_per_tok: int = param(2, positive=True)
     shared_intermediate_size: int = param(1024, positive=True)
     position_embedding_type: str | None = None
     layer_types: list[str] | None = param(
         None, choices=("linear_attention", "full_attention", *LEGACY), aliases=("layers_block_type",)
     )
-    mamba_n_heads: int = param(128, positive=True)
-    mamba_n_groups: int = param(1, positive=True)
-    mamba_d_state: int = param(256, positive=True)
-    mamba_d_head: int | str = param("auto", positive=True)
-    mamba_d_conv: int = param(4, positive=True)
-    mamba_expand: int = param(2, positive=True)
-    mamba_chunk_size: int = param(256, positive=True)
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    time_step_limit: list[float] = param([0.0, math.inf], nonnegative=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.mamba_d_head == "auto":
-            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
         types = self.layer_types or ["linear_attention"] * self.num_hidden_layers  # HF's default: all Mamba2
         self.layer_types = [LEGACY.get(t, t) for t in types]
 
     def problems(self) -> list[str]:
-        out = attention_problems(self)
+        out = super().problems()
         bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
         out += [bad] if bad else []
-        inner = self.mamba_expand * self.hidden_size
-        if not isinstance(self.mamba_d_head, int) or self.mamba_d_head * self.mamba_n_heads != inner:
-            out.append(
-                f"mamba_d_head ({self.mamba_d_head!r}) * mamba_n_heads ({self.mamba_n_heads}) must equal "
-                f"mamba_expand * hidden_size ({inner})"
-            )
-        if self.mamba_n_heads % self.mamba_n_groups:
-            out.append(
-                f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of mamba_n_groups ({self.mamba_n_groups})"
-            )
         if "linear_attention" in self.layer_types and self.hidden_act not in ("silu", "swish"):
             out.append(f"hidden_act is also the Mamba conv activation, which must be silu, got {self.hidden_act!r}")
-        if self.num_local_experts and self.num_experts_per_tok > self.num_local_experts:
-            out.append(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts ({self.num_local_experts})"
-            )
-        if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
-            out.append(f"time_step_limit must be [min, max] with min <= max, got {self.time_step_limit!r}")
         return out
 
 
@@ -178,20 +140,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kind = kind
         if kind == "linear_attention":
-            self.mamba = Mamba2Mixer(
-                d,
-                cfg.mamba_n_heads,
-                cfg.mamba_d_head,
-                cfg.mamba_d_state,
-                cfg.mamba_n_groups,
-                cfg.mamba_d_conv,
-                cfg.mamba_chunk_size,
-                use_conv_bias=cfg.mamba_conv_bias,
-                use_bias=cfg.mamba_proj_bias,
-                time_step_limit=tuple(cfg.time_step_limit),
-                eps=eps,
-                activation=cfg.hidden_act,
-            )
+            self.mamba = Mamba2Mixer(**cfg.mamba2_mixer_args(), eps=eps, activation=cfg.hidden_act)
         else:
             self.self_attn = AttentionMixer(
                 d,
@@ -280,14 +229,7 @@ class GraniteMoeHybridLM(HybridLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
-        mamba = {
-            "num_heads": c.mamba_n_heads,
-            "head_dim": c.mamba_d_head,
-            "state_size": c.mamba_d_state,
-            "n_groups": c.mamba_n_groups,
-            "conv_kernel": c.mamba_d_conv,
-            "dtype": self.dtype,
-        }
+        mamba = {**c.mamba2_cache_params(), "dtype": self.dtype}
         return [
             NativeLayer("mamba2", dict(mamba)) if t == "linear_attention" else NativeLayer("full", dict(attn))
             for t in self.types
