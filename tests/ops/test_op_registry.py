@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import hybridcache.ops as ops
 import hybridcache.ops.cpu_library as cpu_library
 from hybridcache.ops.op_specs import SPECS
-from hybridcache.ops.registry import REFERENCES, op
+from hybridcache.ops.registry import KERNELS, REFERENCES, op
 
 NAMES = [spec.name for spec in SPECS]
 W_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
@@ -135,6 +135,9 @@ def test_eager_equals_compiled_equals_reference(name, seed):
     counters.clear()
     compiled = _outs(torch.compile(lambda *a: op(name)(*a), fullgraph=True, backend="aot_eager")(*args))
     assert not counters["graph_break"], dict(counters["graph_break"])
+    wrapper = KERNELS[name](*args)  # what eager callers run: the C kernel, or None (their torch path)
+    if wrapper is not None:
+        assert all(torch.equal(a, b) for a, b in zip(eager, _outs(wrapper)))
     want = _outs(REFERENCES[name](*args))
     assert len(eager) == len(compiled) == len(want)
     for e, c, w in zip(eager, compiled, want):
