@@ -1,5 +1,6 @@
 """Shared set-up for experiments: settings checked before any model is loaded, checkpoint, tokenizer, cache config,
-reference runner, console, output directory, W&B.
+console. The reference runner lives in experiments.reference_setup, the output directory, titles and W&B run in
+experiments.run_context (both re-exported here).
 
 `preflight(cfg)` checks every user-facing setting first (cache fields, generation settings, device, reference files
 and interpreters) from the checkpoint's config.json alone, so a mistake costs one clear line, not a traceback after
@@ -9,7 +10,6 @@ the model was built.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import warnings
@@ -18,27 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from experiments.cache_config import cache_config_from_hydra, cache_config_with_notes  # noqa: F401  (re-exported)
+# re-exported: experiments import these from here
+from experiments.cache_config import cache_config_from_hydra, cache_config_with_notes  # noqa: F401
+from experiments.errors import ReferenceFailed, UserError  # noqa: F401
+from experiments.reference_setup import check_reference, identity, make_reference  # noqa: F401
+from experiments.run_context import output_dir, run_title, sweep_group, task_overrides, write_error_result  # noqa: F401
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # max |Δlogit| between cached generation and the recompute, by dtype: a few hundred ulps of a logit of order 1-10.
 ORACLE_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
 GENERATION_FIELDS = ("max_new_tokens", "top_k")
-
-
-class UserError(Exception):
-    """A mistake in the settings or inputs: reported as one line, exit status 2 (no traceback)."""
-
-    exit_code = 2
-
-
-class ReferenceFailed(UserError):
-    """The reference system itself failed or timed out (e.g. a vLLM engine error): one line with its root cause,
-    exit status 3."""
-
-    exit_code = 3
 
 
 # -- console and noise ---------------------------------------------------------------------------------------------
@@ -307,77 +298,6 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
     return prepared
 
 
-def identity(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
-    """What a recording must share with a run that replays it."""
-    return {
-        "model_type": prepared.model_type,
-        "weights": prepared.fingerprint,
-        "dtype": str(cfg.model.dtype),
-        "packed_weights": cfg.model.get("weights"),
-        "max_new_tokens": int(cfg.max_new_tokens),
-        "top_k": int(cfg.top_k),
-        "eos_token_id": prepared.eos,
-    }
-
-
-def check_reference(cfg: DictConfig, prepared: Prepared) -> None:
-    ref = cfg.reference
-    if ref.name == "file":
-        from hybridcache.reference import FileRunner, RecordingMismatch
-
-        if ref.get("path") in (None, "", "???") or OmegaConf.is_missing(ref, "path"):
-            raise UserError("reference=file needs reference.path=<a .jsonl written with +record=PATH.jsonl>")
-        try:
-            FileRunner(ref.path, expect=identity(cfg, prepared), prompts=prepared.prompts)
-        except (FileNotFoundError, ValueError, RecordingMismatch) as e:
-            raise UserError(str(e)) from None
-    elif ref.name == "vllm":  # everything vLLM would refuse, from config.json, before anything is generated
-        from hybridcache.reference.vllm_families import vllm_engine_args
-        from hybridcache.reference.vllm_runner import find_interpreter
-
-        try:
-            python = find_interpreter(ref.get("python"))
-            config = json.loads((Path(prepared.checkpoint) / "config.json").read_text())
-            engine_args = OmegaConf.to_container(ref.engine_args) if ref.get("engine_args") else {}
-            vllm_engine_args(config, str(cfg.model.dtype), engine_args, str(ref.get("platform", "auto")), python)
-        except (ValueError, FileNotFoundError) as e:  # VLLMIncompatible is a ValueError
-            raise UserError(str(e)) from None
-    elif ref.name not in ("hf", "none"):
-        raise UserError(f"unknown reference '{ref.name}' (known: hf, vllm, file, none)")
-
-
-def make_reference(
-    ref_cfg: DictConfig,
-    checkpoint: str,
-    dtype: torch.dtype,
-    device: str,
-    eos: int | None,
-    expect: dict | None = None,
-    prompts: list[list[int]] | None = None,
-):
-    from hybridcache.reference import FileRunner, HFRunner, VLLMRunner
-
-    name = ref_cfg.name
-    if name == "none":
-        return None
-    if name == "hf":
-        return HFRunner(checkpoint, dtype, device, eos_token_id=eos)
-    if name == "file":
-        return FileRunner(ref_cfg.path, expect=expect, prompts=prompts)
-    if name == "vllm":
-        return VLLMRunner(
-            ref_cfg.python,
-            checkpoint,
-            str(dtype).replace("torch.", ""),
-            int(ref_cfg.max_model_len),
-            eos,
-            float(ref_cfg.timeout),
-            OmegaConf.to_container(ref_cfg.engine_args),
-            str(ref_cfg.get("platform", "auto")),
-        )
-    raise UserError(f"unknown reference '{name}' (known: hf, vllm, file, none)")
-
-
 def check_weights(weights: Any, dtype: torch.dtype) -> None:
     """model.weights: null (projections in model.dtype) or a packed format, which needs a float32 model."""
     from hybridcache.blocks.linear import WEIGHT_FORMATS
@@ -399,66 +319,6 @@ def load_model(cfg: DictConfig, checkpoint: str | None = None, weights: Any = "m
     weights = cfg.model.get("weights") if weights == "model" else weights
     model = hc.from_pretrained(checkpoint, dtype=dtype_of(cfg.model.dtype), device=cfg.model.device, weights=weights)
     return checkpoint, model
-
-
-# -- output directory and titles ---------------------------------------------------------------------------------
-def output_dir() -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
-def task_overrides() -> list[str]:
-    """The command-line overrides of this run (this job's, in a sweep), without hydra.* and logging ones."""
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        overrides = list(HydraConfig.get().overrides.task)
-    except ValueError:
-        return []
-    skip = ("hydra.", "logger.", "+record", "record", "home")
-    return [o for o in overrides if not o.lstrip("~+").startswith(skip)]
-
-
-def run_title(cfg: DictConfig) -> str:
-    """model · cache · reference, plus every other override, so runs of a sweep have different titles."""
-    shown = {"model", "cache", "reference"}
-    extra = [o for o in task_overrides() if o.lstrip("~+").split("=")[0] not in shown]
-    model = cfg.get("model_name") or cfg.model.family
-    title = f"{model} · cache={cfg.get('cache_name', '?')} · reference={cfg.reference.name}"
-    return title + (" · " + " ".join(extra) if extra else "")
-
-
-def sweep_group(cfg: DictConfig) -> str | None:
-    """W&B group: logger.group, else in a sweep "sweep-<date>-<time>" from the sweep directory."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if cfg.logger.group:
-        return str(cfg.logger.group)
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return None
-    sweep = Path(hydra_cfg.sweep.dir)
-    return f"sweep-{sweep.parent.name}-{sweep.name}"
-
-
-def write_error_result(cfg: DictConfig, message: str, exit_code: int = 2) -> None:
-    """results.json for a run stopped by a user error or a failed reference (so sweeps and scripts see why)."""
-    try:
-        out = output_dir()
-    except ValueError:  # not under Hydra
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "status": "error",
-        "error": message,
-        "exit_code": exit_code,
-        "title": run_title(cfg),
-        "overrides": task_overrides(),
-        "config": OmegaConf.to_container(cfg, resolve=False),
-    }
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
 
 
 def print_error(message: str) -> None:

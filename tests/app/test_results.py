@@ -1,0 +1,109 @@
+"""The one results writer (experiments/results.py): atomic, schema-versioned, used by every experiment."""
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from experiments import results as results_module
+from experiments.results import SCHEMA_VERSION, read_results, write_results
+from tests.app.test_app_runs import SHORT, app  # noqa: F401 - the in-process run.py fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_written_with_schema_version_first(tmp_path):
+    path = write_results(tmp_path / "new", {"status": "ok", "value": 1.5, "schema_version": 99})
+    assert path == tmp_path / "new" / "results.json"
+    text = path.read_text()
+    data = json.loads(text)
+    assert data == {"schema_version": SCHEMA_VERSION, "status": "ok", "value": 1.5}  # the caller cannot override it
+    assert next(iter(data)) == "schema_version"
+    assert isinstance(SCHEMA_VERSION, int) and SCHEMA_VERSION >= 1
+
+
+def test_other_names_and_unserialisable_values(tmp_path):
+    path = write_results(tmp_path, {"path": tmp_path, "n": 3}, name="study.json")
+    assert json.loads(path.read_text()) == {"schema_version": SCHEMA_VERSION, "path": str(tmp_path), "n": 3}
+
+
+@pytest.mark.parametrize("broken", ["dumps", "replace", "write"])
+def test_a_failure_mid_write_leaves_the_old_file_intact(tmp_path, monkeypatch, broken):
+    path = write_results(tmp_path, {"status": "running", "step": 1})
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    if broken == "dumps":
+        monkeypatch.setattr(results_module.json, "dumps", boom)
+    elif broken == "replace":
+        monkeypatch.setattr(results_module.os, "replace", boom)
+    else:  # the temporary file's write itself fails after part of the text went out
+        real_fdopen = os.fdopen
+
+        class Half:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, text):
+                self.f.write(text[: len(text) // 2])
+                raise OSError("disk full")
+
+        monkeypatch.setattr(results_module.os, "fdopen", lambda fd, mode: Half(real_fdopen(fd, mode)))
+    with pytest.raises(OSError, match="disk full"):
+        write_results(tmp_path, {"status": "ok", "step": 2})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no temporary file left behind
+
+
+def test_files_from_before_versioning_read_as_version_zero(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"status": "ok"}))
+    assert read_results(tmp_path / "results.json") == {"status": "ok", "schema_version": 0}
+
+
+def test_no_experiment_writes_a_results_file_by_hand():
+    """Every json.dumps(...) that goes into a file under experiments/ goes through write_results: a write_text or
+    write whose argument is a json.dumps call is a results file written around the shared writer."""
+    offenders = []
+    allowed = {  # files that are not an experiment's results
+        "experiments/results.py",
+        "experiments/train.py",  # its checkpoint history (in the run directory, next to the weights)
+        "experiments/budget_planner.py",  # a standalone script's lists (python -m experiments.budget_planner)
+        "experiments/report.py",  # the sweep summary: a list over the runs' results.json
+    }
+    for file in sorted((ROOT / "experiments").glob("*.py")):
+        rel = str(file.relative_to(ROOT))
+        for node in ast.walk(ast.parse(file.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("write_text", "write")
+                and node.args
+                and isinstance(node.args[0], ast.Call)
+                and isinstance(node.args[0].func, ast.Attribute)
+                and node.args[0].func.attr == "dumps"
+                and rel not in allowed
+            ):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_correctness_results_carry_the_schema_version(app):  # noqa: F811
+    code, data, _, _ = app(*SHORT)
+    assert code == 0 and data["status"] == "ok"
+    assert data["schema_version"] == SCHEMA_VERSION
+
+
+def test_an_error_result_carries_the_schema_version(app):  # noqa: F811
+    code, data, _, err = app(*SHORT[:-1], "max_new_tokens=0", "reference=none")
+    assert code == 2 and "max_new_tokens must be a positive integer" in err
+    assert data["status"] == "error" and data["schema_version"] == SCHEMA_VERSION
