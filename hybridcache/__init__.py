@@ -8,6 +8,7 @@ out = hc.generate(model, input_ids, cache_config={"attention": {"type": "chunked
 from hybridcache.beam_search import BeamSearchOutput, beam_search
 from hybridcache.cache import Cache, available_layers, register_cache_layer
 from hybridcache.generation import GenerateOutput, generate
+from hybridcache.generation_config import GenerationConfig
 from hybridcache.models import from_pretrained
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "beam_search",
     "Cache",
     "GenerateOutput",
+    "GenerationConfig",
     "available_layers",
     "from_pretrained",
     "generate",

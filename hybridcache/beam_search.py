@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from hybridcache.cache import Cache
-from hybridcache.generation import _eos_ids, check_generation_memory
-from hybridcache.models.base import GenerationError, check_input_ids, check_mask, check_mask_tensor
+from hybridcache.generation_checks import check_generation_memory, request_mask
+from hybridcache.models.base import GenerationError, check_input_ids, check_mask_tensor
+from hybridcache.sampling import eos_ids, pad_token
 
 
 @dataclass
@@ -55,7 +56,7 @@ def beam_search(
         raise GenerationError(f"use_cache must be True or False, got {use_cache!r}")
     check_input_ids(input_ids, model.vocab_size)
     check_mask_tensor(attention_mask)
-    eos_ids = _eos_ids(eos_token_id, model.vocab_size)
+    eos = eos_ids(eos_token_id, model.vocab_size)
     device, nb = model.device, num_beams
     batch, width = input_ids.shape
     # every beam is a row: its cache, its sequence and its scores, estimated before anything is repeated
@@ -71,19 +72,9 @@ def beam_search(
         vocab_rows=3,
     )
     input_ids = input_ids.to(device)
-    if attention_mask is not None and (
-        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
-    ):
-        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-        raise GenerationError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {got}")
-    mask = (
-        torch.ones_like(input_ids, dtype=torch.bool)
-        if attention_mask is None
-        else check_mask(attention_mask.to(device), torch.zeros(batch, dtype=torch.long, device=device), width)
-    )
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    pad_id = model.config.get("pad_token_id")
-    pad_id = int(eos[0]) if pad_id is None and eos.numel() else int(pad_id or 0)
+    mask = request_mask(input_ids, attention_mask, device)
+    eos = torch.tensor(eos, dtype=torch.long, device=device)
+    pad_id = pad_token(model.config, None, eos)
     seqs = input_ids.repeat_interleave(nb, 0)  # [B * nb, T]
     bmask = mask.repeat_interleave(nb, 0)
     cache = None

@@ -20,8 +20,9 @@ import torch
 
 from hybridcache.cache import Cache, CacheConfigError
 from hybridcache.cache.sequence import token_fingerprint
-from hybridcache.generation import greedy_next
+from hybridcache.decoding import DEFAULT_PREFILL_CHUNK, GenerationState
 from hybridcache.models.base import GenerationError
+from hybridcache.sampling import greedy_next
 
 
 def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
@@ -88,93 +89,89 @@ def _prefill(model, cache: Cache, ids: torch.Tensor, mask: torch.Tensor, chunk: 
     return logits[:, -1]
 
 
-@torch.no_grad()
-def speculative_generate(
-    model,
-    draft_model,
-    input_ids: torch.Tensor,
-    full_mask: torch.Tensor,
-    max_new_tokens: int,
-    num_draft_tokens: int,
-    eos: torch.Tensor,
-    pad_id: int,
-    cache_config: Mapping[str, Any] | None = None,
-    draft_cache_config: Mapping[str, Any] | None = None,
-    prefill_chunk_size: int | None = None,
-):
-    """Greedy speculative decoding; returns (sequences, logits [B, T_new, V], target cache, draft cache, stats)."""
-    k, batch = num_draft_tokens, input_ids.shape[0]
-    started = time.perf_counter()
-    target = model.make_cache(batch, with_checkpoints(cache_config, k))
-    draft = draft_model.make_cache(batch, with_checkpoints(draft_cache_config, k))
-    chunk = prefill_chunk_size or min(input_ids.shape[1], 1024)
-    logits = _prefill(model, target, input_ids, full_mask, chunk)
-    _prefill(draft_model, draft, input_ids.to(draft_model.device), full_mask.to(draft_model.device), chunk)
-    t_roll, d_roll = _Rollback(model, target, k), _Rollback(draft_model, draft, k)
-    out_tokens, out_logits = [], []
-    done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-    stats = {
-        "rounds": 0,
-        "drafted": 0,
-        "accepted": 0,
-        "target_calls": 1,
-        "draft_calls": 1,
-        "rollback": {"target": t_roll.mode, "draft": d_roll.mode},
-    }
+class SpeculativeSource:
+    """Greedy speculative decoding as a token source of the generation loop (decoding.py): each round yields the
+    accepted draft tokens and the target's own next token, with the target's logits for each."""
 
-    def emit(token: torch.Tensor, step_logits: torch.Tensor) -> None:
-        nonlocal done
-        if eos.numel():
-            token = torch.where(done, torch.full_like(token, pad_id), token)
-            done = done | torch.isin(token, eos)
-        out_tokens.append(token)
-        out_logits.append(step_logits.float())
+    def __init__(
+        self,
+        model,
+        draft_model,
+        num_draft_tokens: int,
+        cache_config: Mapping[str, Any] | None = None,
+        draft_cache_config: Mapping[str, Any] | None = None,
+        prefill_chunk_size: int | None = None,
+    ) -> None:
+        self.model, self.draft_model, self.k, self.chunk_size = model, draft_model, num_draft_tokens, prefill_chunk_size
+        self.cache_config, self.draft_cache_config = cache_config, draft_cache_config
+        self.cache = self.draft = None
+        self.stats: dict[str, Any] = {}
 
-    last = greedy_next(logits)  # [B]
-    emit(last, logits)
-    while len(out_tokens) < max_new_tokens and not (eos.numel() and bool(done.all())):
-        r = min(k, max_new_tokens - len(out_tokens) - 1)
-        d_roll.mark()
-        proposal, token = [], last
-        for _ in range(r):  # the draft proposes r tokens, one step each
-            token = greedy_next(draft_model.run_block(token[:, None].to(draft_model.device), draft, None)[:, -1])
-            proposal.append(token.to(input_ids.device))
-            stats["draft_calls"] += 1
-        block = torch.stack([last, *proposal], dim=1)  # [B, r + 1]
-        t_roll.mark()
-        verify = t_roll.feed(block)  # [B, r + 1, V]
-        stats["target_calls"] += 1
-        best = verify.argmax(-1)  # [B, r + 1]: the target's greedy choice after each block token
-        agree = (block[:, 1:] == best[:, :r]).long().cumprod(1).sum(1)  # [B] accepted per row
-        live = ~done if eos.numel() else torch.ones_like(done)
-        a = int(agree[live].min()) if bool(live.any()) else r
-        for j in range(a + 1):
-            emit(best[:, j], verify[:, j])
-        stats["rounds"] += 1
-        stats["drafted"] += r
-        stats["accepted"] += a
-        t_roll.keep(block, a + 1)  # the target keeps last, d1..da
-        fed = block[:, :r].to(draft_model.device)  # the draft was fed last, d1..d_{r-1}
-        if a + 1 <= r:
-            d_roll.keep(fed, a + 1)
-        else:  # everything accepted: the draft has not seen the last accepted token yet
-            draft_model.run_block(block[:, r:].to(draft_model.device), draft, None, last_only=True)
-            stats["draft_calls"] += 1
-        last = best[:, a]
-    new = torch.stack(out_tokens, dim=1)
-    sequences = torch.cat([input_ids, new], dim=1)
-    held = torch.cat([full_mask, torch.ones_like(new[:, :-1], dtype=torch.bool)], dim=1)  # all but the last token
-    replaced = bool(eos.numel()) and bool(done.any())  # rows past eos show padding the caches never saw
-    for cache, device in ((target, model.device), (draft, draft_model.device)):
-        if (
-            cache.seq.fingerprint is None and not replaced
-        ):  # a crop forgets the ids; the caller's continuation check needs them
-            pos = torch.where(held, held.long().cumsum(1) - 1, -1)
-            cache.seq.fingerprint = token_fingerprint(sequences[:, :-1], pos).to(device)
-    stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
-    stats["tokens_per_target_call"] = new.shape[1] / max(1, stats["target_calls"] - 1)
-    stats["seconds"] = time.perf_counter() - started
-    return sequences, torch.stack(out_logits, dim=1), target, draft, stats
+    def steps(self, choose, state: GenerationState):
+        """`choose` is not used: the target's argmax verifies the draft (greedy only)."""
+        model, draft_model, k, input_ids = self.model, self.draft_model, self.k, state.input_ids
+        batch, max_new = input_ids.shape[0], state.generated.shape[1]
+        self.started = time.perf_counter()
+        self.cache = target = model.make_cache(batch, with_checkpoints(self.cache_config, k))
+        self.draft = draft = draft_model.make_cache(batch, with_checkpoints(self.draft_cache_config, k))
+        chunk = self.chunk_size or min(input_ids.shape[1], DEFAULT_PREFILL_CHUNK)
+        logits = _prefill(model, target, input_ids, state.mask, chunk)
+        _prefill(draft_model, draft, input_ids.to(draft_model.device), state.mask.to(draft_model.device), chunk)
+        t_roll, d_roll = _Rollback(model, target, k), _Rollback(draft_model, draft, k)
+        stats = self.stats = {
+            "rounds": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "target_calls": 1,
+            "draft_calls": 1,
+            "rollback": {"target": t_roll.mode, "draft": d_roll.mode},
+        }
+        last = greedy_next(logits)  # [B]
+        yield last, logits
+        while True:  # the loop stops this generator after its last token
+            r = min(k, max_new - state.count - 1)
+            d_roll.mark()
+            proposal, token = [], last
+            for _ in range(r):  # the draft proposes r tokens, one step each
+                token = greedy_next(draft_model.run_block(token[:, None].to(draft_model.device), draft, None)[:, -1])
+                proposal.append(token.to(input_ids.device))
+                stats["draft_calls"] += 1
+            block = torch.stack([last, *proposal], dim=1)  # [B, r + 1]
+            t_roll.mark()
+            verify = t_roll.feed(block)  # [B, r + 1, V]
+            stats["target_calls"] += 1
+            best = verify.argmax(-1)  # [B, r + 1]: the target's greedy choice after each block token
+            agree = (block[:, 1:] == best[:, :r]).long().cumprod(1).sum(1)  # [B] accepted per row
+            live = ~state.done
+            a = int(agree[live].min()) if bool(live.any()) else r
+            stats["rounds"] += 1
+            stats["drafted"] += r
+            stats["accepted"] += a
+            t_roll.keep(block, a + 1)  # the target keeps last, d1..da
+            fed = block[:, :r].to(draft_model.device)  # the draft was fed last, d1..d_{r-1}
+            if a + 1 <= r:
+                d_roll.keep(fed, a + 1)
+            else:  # everything accepted: the draft has not seen the last accepted token yet
+                draft_model.run_block(block[:, r:].to(draft_model.device), draft, None, last_only=True)
+                stats["draft_calls"] += 1
+            for j in range(a + 1):
+                yield best[:, j], verify[:, j]
+            last = best[:, a]
+
+    def finish(self, out, state: GenerationState) -> dict[str, Any]:
+        """Both caches remember the tokens they hold (a crop forgets the ids; a continuation check needs them)."""
+        sequences, new = out.sequences, state.count
+        held = torch.cat([state.mask, torch.ones_like(sequences[:, state.mask.shape[1] + 1 :], dtype=torch.bool)], 1)
+        replaced = bool(state.done.any())  # rows past their stop show padding the caches never saw
+        for cache, device in ((self.cache, self.model.device), (self.draft, self.draft_model.device)):
+            if cache.seq.fingerprint is None and not replaced:
+                pos = torch.where(held, held.long().cumsum(1) - 1, -1)
+                cache.seq.fingerprint = token_fingerprint(sequences[:, :-1], pos).to(device)
+        stats = self.stats
+        stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
+        stats["tokens_per_target_call"] = new / max(1, stats["target_calls"] - 1)
+        stats["seconds"] = time.perf_counter() - self.started
+        return stats
 
 
 class EarlyExitDraft(torch.nn.Module):

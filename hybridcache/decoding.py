@@ -1,0 +1,173 @@
+"""Token sources for the generation loop: where each step's logits come from.
+
+A source has `steps(choose, state)`, a generator of (token [B], logits [B, V]) pairs: the loop (generation.py)
+pads, records, streams and stops; it stops the generator by breaking out, so nothing is fed after the last token.
+- `DecodeSource`: prefill the prompt (in pieces), then feed each chosen token through the cache; without a cache,
+  the oracle: every step recomputes the whole sequence with the same per-layer patterns.
+- `PrefixSource`: a `DecodeSource` over a cache a `PrefixStore` prepared (the longest stored prefix of the prompt).
+- `SpeculativeSource` (speculative.py): a draft proposes, the target verifies; several tokens per round.
+
+Continuation has one rule: with `cache=`, `input_ids` (and `attention_mask`, if given) cover the WHOLE sequence,
+i.e. the `cache.columns` tokens the cache saw followed by new ones; the cache's token fingerprint verifies the
+first part, so passing only the new tokens is an error, never a silent guess.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridcache.cache import Cache
+from hybridcache.cache.sequence import token_fingerprint
+from hybridcache.models.base import GenerationError, HybridLM
+
+# Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
+# full-length [T, T] mask or score matrix is ever built (sliding/chunked/recurrent memory stays flat in T).
+DEFAULT_PREFILL_CHUNK = 1024
+
+Step = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (token [B], the logits [B, V] it was chosen from)
+
+
+@dataclass
+class GenerationState:
+    """What the loop has produced so far; sources read it (the tokens as padded, the finished rows)."""
+
+    input_ids: torch.Tensor  # [B, T] the whole request
+    mask: torch.Tensor  # [B, T] bool
+    generated: torch.Tensor  # [B, max_new_tokens], pad_token_id beyond `count`
+    done: torch.Tensor = field(init=False)  # [B] rows a stopping criterion finished
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.done = torch.zeros(self.generated.shape[0], dtype=torch.bool, device=self.generated.device)
+
+    def sequences(self) -> torch.Tensor:
+        """[B, T + count]: the request followed by the tokens generated so far."""
+        return torch.cat([self.input_ids, self.generated[:, : self.count]], dim=1)
+
+
+def awaiting_prompt(cache: Cache) -> bool:
+    """Whether a layer of `cache` compresses the next block it sees as the prompt (score-based, mode: prefill)."""
+    return any(
+        getattr(layer, "spec", None) is not None
+        and getattr(layer.spec, "mode", None) == "prefill"
+        and not getattr(layer, "compressed", True)
+        for layer in cache.layers
+    )
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
+def compiled_decode_step(model: HybridLM):
+    """`model.forward_block` compiled once per model (dynamic ints: the cache's column counter changes each step)."""
+    with _COMPILE_LOCK:  # two threads must not both compile and race on the attribute
+        step = getattr(model, "_compiled_decode_step", None)
+        if step is None:
+            step = torch.compile(model.forward_block, dynamic=True)
+            model._compiled_decode_step = step
+    return step
+
+
+def continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """The tokens the cache has not seen, after checking that input_ids start with what it saw."""
+    cached, width = cache.columns, input_ids.shape[1]
+    if width <= cached:
+        raise GenerationError(
+            f"with cache=, input_ids must be the whole sequence: the {cached} tokens the cache saw followed by new "
+            f"ones, but input_ids have only {width} columns"
+        )
+    seen = mask[:, :cached].sum(1)
+    if not torch.equal(seen, cache.seq.seen):
+        row = int((seen != cache.seq.seen).nonzero()[0])
+        raise GenerationError(
+            f"attention_mask row {row} marks {int(seen[row])} of the first {cached} columns as real, but the cache saw "
+            f"{int(cache.seq.seen[row])} real tokens in that row"
+        )
+    if cache.seq.fingerprint is None:
+        raise GenerationError(
+            "this cache does not know which tokens it saw (it was fed outside the model, without token ids), so "
+            "a continuation cannot be checked against it; continue it with model(new_ids, cache) instead"
+        )
+    prefix = mask[:, :cached].bool()
+    positions = torch.where(prefix, prefix.long().cumsum(1) - 1, -1)
+    differs = token_fingerprint(input_ids[:, :cached], positions) != cache.seq.fingerprint
+    if bool(differs.any()):
+        raise GenerationError(
+            f"input_ids[:, :{cached}] (row {int(differs.nonzero()[0])}) are not the tokens the cache saw. With "
+            "cache=, pass the whole sequence (the cache's tokens followed by new ones), e.g. out.sequences plus "
+            "new tokens, never only the new tokens"
+        )
+    return input_ids[:, cached:]
+
+
+class DecodeSource:
+    """Prefill, then one token per step through `cache` (None: the recompute oracle)."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        cache: Cache | None,
+        cache_config: Mapping[str, Any] | None,
+        prefill_chunk_size: int | None,
+        compile: bool = False,
+        continues: bool = False,
+    ) -> None:
+        self.model, self.cache, self.cache_config, self.chunk_size = model, cache, cache_config, prefill_chunk_size
+        self.continues = continues  # the cache was handed in: input_ids must start with what it saw
+        self.decode = compiled_decode_step(model) if compile else model.forward_block
+
+    def steps(self, choose: Callable[[torch.Tensor], torch.Tensor], state: GenerationState) -> Step:
+        logits = self.prefill(state)
+        while True:
+            yield choose(logits), logits
+            logits = self.next_logits(state)
+
+    def prefill(self, state: GenerationState) -> torch.Tensor:
+        """Logits [B, V] after feeding the prompt block (in pieces, so no [T, T] mask is ever built)."""
+        model, cache, batch = self.model, self.cache, state.input_ids.shape[0]
+        if cache is None:  # the oracle: the whole sequence, a fresh cache with the same patterns
+            return model(state.input_ids, model.make_cache(batch, self.cache_config), state.mask)[:, -1]
+        tokens = continuation(state.input_ids, state.mask, cache) if self.continues else state.input_ids
+        chunk = self.chunk_size or min(tokens.shape[1], DEFAULT_PREFILL_CHUNK)
+        if awaiting_prompt(cache):  # a prefill-mode method compresses at the end of the first block: the prompt
+            if self.chunk_size is not None and self.chunk_size < tokens.shape[1]:
+                raise GenerationError(
+                    f"prefill_chunk_size={self.chunk_size}: this cache compresses the prompt "
+                    "once, at the end of its first block (mode: prefill), so the prompt is fed as "
+                    "one block; leave prefill_chunk_size unset, or use mode: continuous"
+                )
+            chunk = tokens.shape[1]
+        start = cache.columns
+        for i in range(0, tokens.shape[1], chunk):
+            piece = tokens[:, i : i + chunk]
+            valid = state.mask[:, start + i : start + i + piece.shape[1]]
+            logits = model.run_block(piece, cache, None if bool(valid.all()) else valid, last_only=True)
+        return logits[:, -1]
+
+    def next_logits(self, state: GenerationState) -> torch.Tensor:
+        """Logits [B, V] after feeding the last generated token (as padded; always a real token)."""
+        model, n = self.model, state.count
+        if self.cache is None:  # recompute the whole sequence so far
+            mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], n)], dim=1)
+            return model(state.sequences(), model.make_cache(mask.shape[0], self.cache_config), mask)[:, -1]
+        return model.run_block(state.generated[:, n - 1 : n], self.cache, None, step=self.decode, check=False)[:, -1]
+
+    def finish(self, out: Any, state: GenerationState) -> dict[str, Any] | None:
+        return None
+
+
+class PrefixSource(DecodeSource):
+    """Decoding from the cache a `PrefixStore` prepared; on finish the store admits the request's end state."""
+
+    def __init__(self, model: HybridLM, store: Any, state: GenerationState, cache_config, prefill_chunk_size) -> None:
+        cache, self.request = store.prepare(model, state.input_ids, state.mask, cache_config)
+        super().__init__(model, cache, None, prefill_chunk_size, continues=True)
+        self.store = store
+
+    def finish(self, out: Any, state: GenerationState) -> dict[str, Any] | None:
+        return self.store.finish(self.model, out, self.request)
