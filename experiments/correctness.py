@@ -8,12 +8,11 @@ touched, and W&B (started early, so it also captures the console) can fail witho
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from experiments.common import (
     Prepared,
@@ -23,14 +22,12 @@ from experiments.common import (
     load_model,
     make_console,
     make_reference,
-    output_dir,
     preflight,
-    run_title,
-    sweep_group,
     task_overrides,
 )
+from experiments.correctness_table import prompt_row
 from experiments.report import print_summary, type_bytes, verdict
-from hybridcache.tracking import Tracker
+from experiments.run_context import RunContext
 
 
 def _generate_ours(model, prompt, cfg, prep: Prepared, max_new_tokens: int | None = None):
@@ -142,66 +139,56 @@ def _plan_keys(records: list[dict] | None) -> list[dict] | None:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from hybridcache.cache import resolve_plan
-    from hybridcache.compare import compare_generations
-    from hybridcache.reference import write_jsonl
-    from hybridcache.report import plan_table
-
+    """Preflight, then (recording its status in results.json at every step): load, plan, our generations with the
+    oracle, the reference, the comparison, the summary and verdict, the report."""
     console = make_console()
-    out_dir = output_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "results.json"
-    title = run_title(cfg)
+    ctx = RunContext.create(cfg)  # output directory, title, W&B group, config (experiments/run_context.py)
+    ctx.write(ctx.base("starting"))  # results.json exists from the first moment: a run that stops leaves its status
+    prep = _checked(cfg, ctx)
+    tracker = ctx.start_tracker(tags=[cfg.get("model_name") or cfg.model.family, cfg.cache_name, cfg.reference.name])
+    result = _announce(cfg, ctx, prep, console, tracker)
+    torch.manual_seed(cfg.seed)
     try:
-        config = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # noqa: BLE001 - an interpolation that fails is preflight's to report
-        config = OmegaConf.to_container(cfg, resolve=False)
-    # results.json exists from the first moment: a run that stops anywhere (even in a bug) leaves its status
-    json_path.write_text(
-        json.dumps(
-            {"status": "starting", "title": title, "overrides": task_overrides(), "config": config},
-            indent=2,
-            default=str,
-        )
-    )
+        _measure(cfg, ctx, prep, console, tracker, result)
+    except BaseException as e:
+        result.update(status="crashed", error=f"{type(e).__name__}: {e}", exit_code=1)
+        ctx.write(result)
+        (ctx.out_dir / "console.log").write_text(console.export_text(clear=False))
+        tracker.finish()
+        raise
+    tracker.finish()
+    if tracker.error:
+        console.print(f"[yellow]W&B: {tracker.error}; nothing is lost: {ctx.results_path}[/]")
+        result["wandb"]["error"] = tracker.error
+        ctx.write(result)
+    return result
+
+
+def _checked(cfg, ctx) -> Prepared:
+    """preflight: a UserError is one line, before any model is loaded (run_experiment records it); anything else is
+    recorded as a crash first."""
     try:
-        prep = preflight(cfg)  # UserError: one line, before any model is loaded (run_experiment records it)
+        return preflight(cfg)
     except UserError:
         raise
     except BaseException as e:
-        json_path.write_text(
-            json.dumps(
-                {
-                    "status": "crashed",
-                    "error": f"{type(e).__name__}: {e}",
-                    "exit_code": 1,
-                    "title": title,
-                    "overrides": task_overrides(),
-                    "config": config,
-                },
-                indent=2,
-                default=str,
-            )
-        )
+        ctx.write({**ctx.base("crashed"), "error": f"{type(e).__name__}: {e}", "exit_code": 1})
         raise
-    tracker = Tracker(
-        cfg.logger.mode,
-        cfg.logger.project,
-        out_dir,
-        config,
-        group=sweep_group(cfg),
-        name=title,
-        tags=[cfg.get("model_name") or cfg.model.family, cfg.cache_name, cfg.reference.name],
-    )
-    console.rule(f"[bold]{title}")
+
+
+def _announce(cfg, ctx, prep: Prepared, console, tracker) -> dict[str, Any]:
+    """The run's title and model on the console; the result record, written as 'running'."""
+    console.rule(f"[bold]{ctx.title}")
     console.print(f"model: {prep.checkpoint_note}, {cfg.model.dtype} on {cfg.model.device}")
     if tracker.error:
-        console.print(f"[yellow]W&B: {tracker.error}; continuing without W&B (everything goes to {json_path})[/]")
+        console.print(
+            f"[yellow]W&B: {tracker.error}; continuing without W&B (everything goes to {ctx.results_path})[/]"
+        )
     result: dict[str, Any] = {
         "status": "running",
-        "title": title,
+        "title": ctx.title,
         "overrides": task_overrides(),
-        "config": config,
+        "config": ctx.config,
         "checkpoint": prep.checkpoint,
         "checkpoint_note": prep.checkpoint_note,
         "random_weights": not cfg.model.checkpoint,
@@ -210,137 +197,151 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "preallocate": prep.preallocate,
         "notes": prep.notes,
     }
-    json_path.write_text(json.dumps(result, indent=2, default=str))
-    torch.manual_seed(cfg.seed)
-    try:
-        with console.status(f"[bold]loading {cfg.get('model_name') or cfg.model.family}[/]"):
-            checkpoint, model = load_model(cfg, prep.checkpoint)
-        prompts = prep.prompts
-        longest_i = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-        max_length = len(prompts[longest_i]) + int(cfg.max_new_tokens)
-        end_tokens = max_length - 1  # what the longest prompt's cache has seen after its last decode step
-        plan = resolve_plan(model.native_layers(), prep.cache_config, max_length if prep.preallocate else None)
-        native_plan = resolve_plan(model.native_layers())
-        changed = plan.changed(native_plan)
-        console.print(plan_table(plan, batch=1, tokens=end_tokens, native=native_plan))
-        plan_note = _plan_note(cfg, plan, native_plan, changed)
-        console.print(plan_note if changed else f"[bold yellow]{plan_note}[/]")
-        for note in prep.notes:
-            console.print(f"[yellow]note: {note}[/]")
-
-        ours, checks, memory, warmup_s = _run_prompts(model, cfg, prep, console)
-        reference = make_reference(
-            cfg.reference,
-            checkpoint,
-            model.dtype,
-            cfg.model.device,
-            prep.eos,
-            expect=identity(cfg, prep),
-            prompts=prompts,
-        )
-        refs = _run_reference(reference, prep, cfg, console)
-        ref_info = _reference_info(reference, cfg)
-        plan_records = plan.to_records(1, memory[longest_i]["seen"])  # what the summary's bytes are for (eos too)
-        if ref_info.get("source") == "hybridcache":
-            ref_info["same_plan"] = _plan_keys(ref_info.get("plan")) == _plan_keys(plan_records)
-
-        record = cfg.get("record")
-        if record:
-            meta = {
-                **identity(cfg, prep),
-                "checkpoint": checkpoint,
-                "source": reference.name if reference and reference.name != "file" else "hybridcache",
-            }
-            if meta["source"] == "hybridcache":
-                meta.update(cache=cfg.cache_name, plan=plan_records)
-            recorded = write_jsonl(record, refs if refs is not None and reference.name != "file" else ours, meta)
-            console.print(f"recorded {len(prompts)} generations ({meta['source']}) to {recorded}")
-
-        comparisons = [compare_generations(o, r) for o, r in zip(ours, refs)] if refs is not None else []
-        rows = []
-        for i, (text, gen, check) in enumerate(zip(cfg.prompts.texts, ours, checks)):
-            row = {
-                "prompt": text,
-                "prompt_tokens": len(gen.prompt),
-                "ours_text": prep.tokenizer.decode(gen.tokens),
-                "new_tokens": len(gen.tokens),
-                "oracle_pass": check.passed,
-                "oracle_max_dlogit": check.max_abs_dlogit,
-                "oracle_tokens_equal": check.tokens_equal,
-            }
-            if comparisons:
-                row.update(reference_text=prep.tokenizer.decode(refs[i].tokens), **comparisons[i].to_json())
-            rows.append(row)
-
-        mem = memory[longest_i]
-        new_tokens = sum(len(g.tokens) for g in ours)
-        summary: dict[str, Any] = {
-            "plan_exact": plan.exact,
-            "plan_changed_layers": changed,
-            "plan_changes_nothing": not changed,
-            "oracle_pass": all(c.passed for c in checks),
-            "oracle_max_dlogit": max(c.max_abs_dlogit for c in checks),
-            "oracle_tolerance": prep.tolerance,
-            "tokens_per_s/ours": new_tokens / max(sum(g.seconds for g in ours), 1e-9),
-            "warmup_s/ours": warmup_s,
-            "cache_bytes/tokens": mem["seen"],
-            "cache_bytes/prompt": longest_i,
-            "cache_bytes/held": mem["held"],
-            "cache_bytes/plan": plan.held_nbytes(1, mem["seen"]),
-            "cache_bytes/native": native_plan.held_nbytes(1, mem["seen"]),
-            **{f"cache_bytes/held/{t}": b for t, b in mem["by_type"].items()},
-            **{f"cache_bytes/native/{t}": b for t, b in type_bytes(native_plan, 1, mem["seen"]).items()},
-        }
-        if comparisons:
-            deltas = [c.max_abs_dlogprob for c in comparisons if c.max_abs_dlogprob is not None]
-            summary.update(
-                {
-                    "agreement": sum(c.agreement for c in comparisons) / len(comparisons),
-                    "pass_rate": sum(c.topk_pass for c in comparisons) / len(comparisons),
-                    "max_abs_dlogprob": max(deltas) if deltas else None,
-                }
-            )
-            if ref_info.get("timing"):
-                key = "tokens_per_s/reference_batched" if reference.name == "vllm" else "tokens_per_s/reference"
-                summary[key] = sum(len(r.tokens) for r in refs) / max(sum(r.seconds for r in refs), 1e-9)
-            if getattr(reference, "engine_seconds", None):
-                summary["reference/engine_start_s"] = reference.engine_seconds  # excluded from tokens/s
-        lines, exit_code = verdict(cfg, plan, summary, ref_info)
-        summary["verdict"] = lines
-        result.update(
-            status="oracle_failed" if exit_code else "ok",
-            exit_code=exit_code,
-            plan=plan_records,
-            plan_note=plan_note,
-            reference=ref_info,
-            prompts=rows,
-            summary=summary,
-            generations={"ours": [g.to_json() for g in ours], "reference": [r.to_json() for r in refs or []]},
-            wandb={"dir": str(tracker.run_dir) if tracker.run_dir else None, "sync": tracker.sync_command},
-        )
-        json_path.write_text(json.dumps(result, indent=2, default=str))  # before any W&B logging
-
-        print_summary(console, title, rows, summary, ref_info, lines, tracker, json_path)
-        (out_dir / "console.log").write_text(console.export_text(clear=False))
-        tracker.config({"cache_plan": plan_records})
-        columns = list(rows[0])
-        tracker.table("prompts", columns, [[r.get(c) for c in columns] for r in rows])
-        tracker.table("cache_plan", list(plan_records[0]), [list(r.values()) for r in plan_records])
-        tracker.summary({k: v for k, v in summary.items() if not isinstance(v, list)})
-        tracker.save(out_dir / "console.log")
-        tracker.save(json_path)
-    except BaseException as e:
-        result.update(status="crashed", error=f"{type(e).__name__}: {e}", exit_code=1)
-        json_path.write_text(json.dumps(result, indent=2, default=str))
-        (out_dir / "console.log").write_text(console.export_text(clear=False))
-        tracker.finish()
-        raise
-    tracker.finish()
-    if tracker.error:
-        console.print(f"[yellow]W&B: {tracker.error}; nothing is lost: {json_path}[/]")
-        result["wandb"]["error"] = tracker.error
-        json_path.write_text(json.dumps(result, indent=2, default=str))
+    ctx.write(result)
     return result
+
+
+def _measure(cfg, ctx, prep: Prepared, console, tracker, result: dict) -> None:
+    from hybridcache.compare import compare_generations
+
+    with console.status(f"[bold]loading {cfg.get('model_name') or cfg.model.family}[/]"):
+        checkpoint, model = load_model(cfg, prep.checkpoint)
+    plans = _show_plan(cfg, model, prep, console)
+    ours, checks, memory, warmup_s = _run_prompts(model, cfg, prep, console)
+    reference = make_reference(
+        cfg.reference, checkpoint, model.dtype, cfg.model.device, prep.eos, expect=identity(cfg, prep),
+        prompts=prep.prompts,
+    )  # fmt: skip
+    refs = _run_reference(reference, prep, cfg, console)
+    ref_info = _reference_info(reference, cfg)
+    plan_records = plans["plan"].to_records(1, memory[plans["longest"]]["seen"])  # the summary's bytes (eos too)
+    if ref_info.get("source") == "hybridcache":
+        ref_info["same_plan"] = _plan_keys(ref_info.get("plan")) == _plan_keys(plan_records)
+    _record(cfg, prep, checkpoint, reference, refs, ours, plan_records, console)
+
+    comparisons = [compare_generations(o, r) for o, r in zip(ours, refs)] if refs is not None else []
+    max_new = int(cfg.max_new_tokens)
+    rows = [
+        prompt_row(
+            text,
+            gen,
+            check,
+            prep.tokenizer,
+            max_new,
+            refs[i] if comparisons else None,
+            comparisons[i] if comparisons else None,
+        )  # fmt: skip
+        for i, (text, gen, check) in enumerate(zip(cfg.prompts.texts, ours, checks))
+    ]
+    summary = _summary(prep, plans, ours, checks, memory[plans["longest"]], warmup_s)
+    if comparisons:
+        summary.update(_reference_summary(comparisons, refs, reference, ref_info))
+    lines, exit_code = verdict(cfg, plans["plan"], summary, ref_info)
+    summary["verdict"] = lines
+    result.update(
+        status="oracle_failed" if exit_code else "ok",
+        exit_code=exit_code,
+        plan=plan_records,
+        plan_note=plans["note"],
+        reference=ref_info,
+        prompts=rows,
+        summary=summary,
+        generations={"ours": [g.to_json() for g in ours], "reference": [r.to_json() for r in refs or []]},
+        wandb={"dir": str(tracker.run_dir) if tracker.run_dir else None, "sync": tracker.sync_command},
+    )
+    ctx.write(result)  # before any W&B logging
+    _report(ctx, console, tracker, rows, summary, ref_info, lines, plan_records)
+
+
+def _show_plan(cfg, model, prep: Prepared, console) -> dict[str, Any]:
+    """The cache plan for the longest prompt (and the native one), printed with the note on what the preset
+    changed."""
+    from hybridcache.cache import resolve_plan
+    from hybridcache.report import plan_table
+
+    prompts = prep.prompts
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    max_length = len(prompts[longest]) + int(cfg.max_new_tokens)
+    plan = resolve_plan(model.native_layers(), prep.cache_config, max_length if prep.preallocate else None)
+    native_plan = resolve_plan(model.native_layers())
+    changed = plan.changed(native_plan)
+    # what the longest prompt's cache has seen after its last decode step
+    console.print(plan_table(plan, batch=1, tokens=max_length - 1, native=native_plan))
+    note = _plan_note(cfg, plan, native_plan, changed)
+    console.print(note if changed else f"[bold yellow]{note}[/]")
+    for n in prep.notes:
+        console.print(f"[yellow]note: {n}[/]")
+    return {"plan": plan, "native": native_plan, "changed": changed, "note": note, "longest": longest}
+
+
+def _record(cfg, prep: Prepared, checkpoint, reference, refs, ours, plan_records, console) -> None:
+    """record=PATH: the reference's generations (or ours, when the reference is a file or none) as JSONL."""
+    from hybridcache.reference import write_jsonl
+
+    record = cfg.get("record")
+    if not record:
+        return
+    meta = {
+        **identity(cfg, prep),
+        "checkpoint": checkpoint,
+        "source": reference.name if reference and reference.name != "file" else "hybridcache",
+    }
+    if meta["source"] == "hybridcache":
+        meta.update(cache=cfg.cache_name, plan=plan_records)
+    recorded = write_jsonl(record, refs if refs is not None and reference.name != "file" else ours, meta)
+    console.print(f"recorded {len(prep.prompts)} generations ({meta['source']}) to {recorded}")
+
+
+def _summary(prep: Prepared, plans: dict, ours, checks, mem: dict, warmup_s: float) -> dict[str, Any]:
+    """The oracle, our speed and the bytes held for the longest prompt (vs the plan and the native strategy)."""
+    plan, native_plan = plans["plan"], plans["native"]
+    new_tokens = sum(len(g.tokens) for g in ours)
+    return {
+        "plan_exact": plan.exact,
+        "plan_changed_layers": plans["changed"],
+        "plan_changes_nothing": not plans["changed"],
+        "oracle_pass": all(c.passed for c in checks),
+        "oracle_max_dlogit": max(c.max_abs_dlogit for c in checks),
+        "oracle_tolerance": prep.tolerance,
+        "tokens_per_s/ours": new_tokens / max(sum(g.seconds for g in ours), 1e-9),
+        "warmup_s/ours": warmup_s,
+        "cache_bytes/tokens": mem["seen"],
+        "cache_bytes/prompt": plans["longest"],
+        "cache_bytes/held": mem["held"],
+        "cache_bytes/plan": plan.held_nbytes(1, mem["seen"]),
+        "cache_bytes/native": native_plan.held_nbytes(1, mem["seen"]),
+        **{f"cache_bytes/held/{t}": b for t, b in mem["by_type"].items()},
+        **{f"cache_bytes/native/{t}": b for t, b in type_bytes(native_plan, 1, mem["seen"]).items()},
+    }
+
+
+def _reference_summary(comparisons, refs, reference, ref_info: dict) -> dict[str, Any]:
+    """Agreement with the reference, and its speed where it is comparable."""
+    deltas = [c.max_abs_dlogprob for c in comparisons if c.max_abs_dlogprob is not None]
+    out: dict[str, Any] = {
+        "agreement": sum(c.agreement for c in comparisons) / len(comparisons),
+        "pass_rate": sum(c.topk_pass for c in comparisons) / len(comparisons),
+        "max_abs_dlogprob": max(deltas) if deltas else None,
+    }
+    if ref_info.get("timing"):
+        key = "tokens_per_s/reference_batched" if reference.name == "vllm" else "tokens_per_s/reference"
+        out[key] = sum(len(r.tokens) for r in refs) / max(sum(r.seconds for r in refs), 1e-9)
+    if getattr(reference, "engine_seconds", None):
+        out["reference/engine_start_s"] = reference.engine_seconds  # excluded from tokens/s
+    return out
+
+
+def _report(ctx, console, tracker, rows, summary, ref_info, lines, plan_records) -> None:
+    """The console summary and its log, then W&B: the prompts and plan tables, the summary, the files."""
+    print_summary(console, ctx.title, rows, summary, ref_info, lines, tracker, ctx.results_path)
+    (ctx.out_dir / "console.log").write_text(console.export_text(clear=False))
+    tracker.config({"cache_plan": plan_records})
+    columns = list(rows[0])
+    tracker.table("prompts", columns, [[r.get(c) for c in columns] for r in rows])
+    tracker.table("cache_plan", list(plan_records[0]), [list(r.values()) for r in plan_records])
+    tracker.summary({k: v for k, v in summary.items() if not isinstance(v, list)})
+    tracker.save(ctx.out_dir / "console.log")
+    tracker.save(ctx.results_path)
 
 
 def _plan_note(cfg, plan, native_plan, changed: list[str]) -> str:

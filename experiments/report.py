@@ -108,30 +108,10 @@ def verdict(cfg, plan, summary: dict[str, Any], ref: dict[str, Any]) -> tuple[li
 def print_summary(
     console: Console, title: str, rows: list[dict], summary: dict, ref: dict, lines: list[str], tracker, json_path: Path
 ) -> None:
+    from experiments.correctness_table import print_prompt_table
+
     has_ref = "agreement" in summary
-    t = Table(title=title)
-    t.add_column("prompt", no_wrap=True, max_width=30)
-    t.add_column("tokens", justify="right")
-    if has_ref:
-        for col in ("agree", "1st div", "top-k", "max|Δlp|"):
-            t.add_column(col, justify="right")
-    t.add_column("oracle |Δlogit|" if summary["plan_exact"] else "lossy |Δlogit|", justify="right")
-    for r in rows:
-        cells = [_short(r["prompt"]), f"{r['prompt_tokens']}+{r['new_tokens']}"]
-        if has_ref:
-            first = "-" if r["first_divergence"] is None else str(r["first_divergence"])
-            dlp = "n/a" if r["max_abs_dlogprob"] is None else f"{r['max_abs_dlogprob']:.1e}"
-            cells += [f"{r['agreement']:.0%}", first, "pass" if r["topk_pass"] else "[red]FAIL[/]", dlp]
-        if summary["plan_exact"]:
-            cells.append(
-                f"pass ({r['oracle_max_dlogit']:.0e})"
-                if r["oracle_pass"]
-                else f"[red]FAIL[/] ({r['oracle_max_dlogit']:.1e})"
-            )
-        else:
-            cells.append(f"{r['oracle_max_dlogit']:.1e}")
-        t.add_row(*cells)
-    console.print(t)
+    print_prompt_table(console, title, rows, summary)  # generated vs compared tokens, per prompt
     out = []
     if has_ref:
         dlp = summary["max_abs_dlogprob"]
