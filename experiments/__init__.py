@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.config_schema import register as register_schemas
+
 EXPERIMENTS = {
     "correctness": "experiments.correctness",
     "benchmark": "experiments.benchmark",
@@ -38,6 +40,8 @@ def _real_checkpoint(name: str, home: str | None = None) -> str:
 
     return str(real_checkpoint(str(name), root=Path(str(home)).expanduser() / "real" if home else None))
 
+
+register_schemas()  # the structured configs the YAML files extend (experiments/config_schema.py)
 
 if not OmegaConf.has_resolver("real"):  # registered for every experiment (hybridcache.real_checkpoints skips its own)
     OmegaConf.register_new_resolver("real", _real_checkpoint)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.cache_config import SIZE_FIELDS, size_field_problem
+from experiments.config_schema import SCHEMA_GROUPS
 
 #: Settings that are null by default, with a value of the type they take (any other setting: its default's type).
 NULL_DEFAULT_TYPES = {"prefill_chunk_size": 1, "oracle_tolerance": 1.0}
@@ -55,7 +56,7 @@ def usage_error(argv: list[str], config_dir: str | Path) -> str | None:
     except UsageError as e:
         return str(e)
     except (HydraException, OmegaConfBaseException, ValueError) as e:  # Hydra's own composition errors, on one line
-        return _one_line(e)
+        return _composition_error(e)
     except Exception:  # noqa: BLE001 - not a usage error this check knows: Hydra reports it as it always did
         return None
     return None
@@ -173,7 +174,7 @@ def _check_setting(o, tree: dict, groups: set[str]) -> None:
             if o.is_add() or o.is_force_add():
                 return  # a new key (Hydra checks that its parent can hold it)
             parent = ".".join(parts[:depth])
-            known = sorted(set(children or {}) | (groups - {"hydra", "cache_schema"} if depth == 0 else set()))
+            known = sorted(set(children or {}) | (groups - {"hydra", *SCHEMA_GROUPS} if depth == 0 else set()))
             raise UsageError(_unknown_setting(o, parent, part, known))
         node = children[part]
     if o.is_delete():
@@ -252,6 +253,17 @@ def _show(value: Any) -> str:
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     return repr(value) if isinstance(value, str) else str(value)
+
+
+def _composition_error(e: BaseException) -> str:
+    """Hydra's error with its cause: a structured config's type error (experiments/config_schema.py) reads
+    `cache.recurrent.offload=maybe: Value 'maybe' is not a valid bool (type str)`."""
+    message = _one_line(e)
+    cause = e.__cause__
+    prefix = "Error merging override "  # Hydra says only which override; its cause says why
+    if message.startswith(prefix) and cause is not None and str(cause).strip():
+        message = f"{message.removeprefix(prefix)}: {_one_line(cause)}"
+    return message
 
 
 def _one_line(e: BaseException) -> str:
