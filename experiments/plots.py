@@ -36,7 +36,8 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
                 next((r.get(metric) for r in rows if r["system"] == system and r["batch"] == b), None) for b in batches
             ]
             ok = [(x, v) for x, v in zip(xs, values) if _valid(v)]
-            ax.bar([x for x, _ in ok], [v for _, v in ok], width, label=system, color=strategy_color(system))
+            bars = ax.bar([x for x, _ in ok], [v for _, v in ok], width, label=system, color=strategy_color(system))
+            ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
             for x, v in zip(xs, values):
                 if not _valid(v):
                     ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
@@ -44,7 +45,11 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
             [b + width * (len(systems) - 1) / 2 for b in range(len(batches))], [f"batch {b}" for b in batches]
         )
         ax.set_xlabel("batch size (sequences decoded together)")
-        ax.set_ylabel(f"{what} throughput (tokens/s, whole batch)")
+        valid = [r[metric] for r in rows if _valid(r.get(metric))]
+        spread = len(valid) > 1 and max(valid) / min(valid) > 20
+        if spread:  # a 100x gap would flatten the slower bars to nothing on a linear axis
+            ax.set_yscale("log")
+        ax.set_ylabel(f"{what} throughput (tokens/s, whole batch{'; log scale' if spread else ''})")
         ax.set_title(f"{what}: tokens per second (higher is better)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
@@ -76,26 +81,18 @@ def scaling_lines(rows: list[dict], path: Path, context: str = "") -> Path:
     axes[0].set_ylabel("decode time per token (ms)")
     axes[0].set_title("decode latency (lower is better)", fontsize=10)
     axes[1].set_ylabel(f"peak RSS above the loaded model ({unit})")
-    axes[1].set_title("memory a run adds: prefill + decode (lower is better)", fontsize=10)
     loaded = [r["loaded_rss_mib"] for r in rows if "loaded_rss_mib" in r]
-    if loaded:
-        axes[1].annotate(
-            f"model loaded: {min(loaded):.0f}-{max(loaded):.0f} MiB RSS per process",
-            (0.01, 0.99),
-            xycoords="axes fraction",
-            va="top",
-            fontsize=7,
-            color="0.35",
-        )
+    base = f"\n(the model loaded: {min(loaded):.0f}-{max(loaded):.0f} MiB RSS per process)" if loaded else ""
+    axes[1].set_title(f"memory a run adds: prefill + decode (lower is better){base}", fontsize=10)
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.yaxis.set_major_locator(MaxNLocator(6))
         ax.yaxis.get_major_formatter().set_useOffset(False)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.15 * max((y for line in ax.get_lines() for y in line.get_ydata()), default=1.0) or 1.0)
         ax.set_xlabel("prompt length (tokens, prefilled in chunks)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="best")
     fig.suptitle("Long context: each point in its own process" + (f"\n{context}" if context else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
