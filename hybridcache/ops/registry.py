@@ -57,38 +57,47 @@ REFERENCES = {spec.name: getattr(reference, spec.name) for spec in SPECS}
 
 
 def make_checker(spec: OpSpec):
-    """The declared rules of `spec` as a function of the op's arguments that raises KernelArgumentError."""
+    """The declared rules of `spec` as a function of the op's arguments that raises KernelArgumentError (run on
+    every call of the op: kept to a few dict / tuple operations per tensor)."""
     params = list(inspect.signature(REFERENCES[spec.name]).parameters)
-    rules = [(params.index(name), name, *parse_rule(rule)) for name, rule in spec.rules.items()]
+    rules = []
+    for name, rule in spec.rules.items():
+        dtypes, optional, dims = parse_rule(rule)
+        lead = dims[:1] == ("...",)
+        tail = tuple(int(d) if d.isdigit() else d for d in dims[lead:])
+        rules.append((params.index(name), name, dtypes, optional, lead, tail, " ".join(dims)))
+
+    def fail(message: str):
+        raise KernelArgumentError(f"{spec.qualname}: {message}")
 
     def check(*args) -> None:
         env = dict(zip(params, args))
-        for i, name, dtypes, optional, dims in rules:
+        for i, name, dtypes, optional, lead, tail, dims in rules:
             t = args[i]
             if t is None:
-                if optional:
-                    continue
-                raise KernelArgumentError(f"{spec.qualname}: {name} is required")
+                if not optional:
+                    fail(f"{name} is required")
+                continue
             if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
                 got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-                raise KernelArgumentError(f"{spec.qualname}: {name} must be {'/'.join(map(str, dtypes))}, got {got}")
-            lead = len(t.shape) - (len(dims) - 1) if dims[:1] == ("...",) else 0
-            if lead < 0 or (not lead and dims[:1] != ("...",) and t.dim() != len(dims)):
-                raise KernelArgumentError(f"{spec.qualname}: {name} must be [{' '.join(dims)}], got {list(t.shape)}")
-            sizes = list(zip(dims[1:], t.shape[lead:])) if dims[:1] == ("...",) else list(zip(dims, t.shape))
-            if dims[:1] == ("...",):
-                sizes.insert(0, ("...", tuple(t.shape[:lead])))
-            if t.numel() > INT_MAX:
-                raise KernelArgumentError(f"{spec.qualname}: {name} has {t.numel()} elements (at most 2**31 - 1)")
-            for sym, size in sizes:
-                want = int(sym) if sym.isdigit() else env.setdefault(sym, size)
+                fail(f"{name} must be {'/'.join(map(str, dtypes))}, got {got}")
+            shape = t.shape
+            n = len(shape) - len(tail)
+            if n < 0 or (n and not lead):
+                fail(f"{name} must be [{dims}], got {list(shape)}")
+            if lead:
+                want = env.setdefault("...", shape[:n])
+                if want != shape[:n]:
+                    fail(f"{name} [{dims}] has leading sizes {list(shape[:n])}, elsewhere {list(want)}")
+            for sym, size in zip(tail, shape[n:]):
+                want = sym if type(sym) is int else env.setdefault(sym, size)
                 if want != size:
-                    raise KernelArgumentError(
-                        f"{spec.qualname}: {name} [{' '.join(dims)}] has {sym} = {size}, elsewhere {want}"
-                    )
+                    fail(f"{name} [{dims}] has {sym} = {size}, elsewhere {want}")
+            if t.numel() > INT_MAX:
+                fail(f"{name} has {t.numel()} elements (at most 2**31 - 1)")
         problem = spec.where(env)
         if problem:
-            raise KernelArgumentError(f"{spec.qualname}: {problem}")
+            fail(problem)
 
     return check
 
@@ -105,9 +114,12 @@ def _cpu_impl(spec: OpSpec):
 
     def impl(*args):
         check(*args)  # before any C call: the declared dtypes / shapes, then the wrapper's layout / size checks
-        with torch.no_grad():
-            out = kernel(*args)
-            return _contiguous(ref(*args) if out is None else out)
+        if torch.is_grad_enabled():  # (the wrappers decline under autograd; the op has no backward anyway)
+            with torch.no_grad():
+                out = kernel(*args)
+                return _contiguous(ref(*args) if out is None else out)
+        out = kernel(*args)
+        return _contiguous(ref(*args) if out is None else out)
 
     return impl
 
