@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,12 @@ GENERATION_FIELDS = ("max_new_tokens", "top_k")
 # -- console and noise ---------------------------------------------------------------------------------------------
 def quiet_libraries() -> None:
     """Silence transformers' progress bars, advisory warnings and fallbacks (errors still show)."""
+    from hybridcache.quiet import ignore_foreign_warnings
+
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ignore_foreign_warnings()  # before importing transformers: its import-time warnings too (hybridcache/quiet.py)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -48,8 +50,6 @@ def quiet_libraries() -> None:
         disable_progress_bars()
     except ImportError:  # pragma: no cover - old huggingface_hub
         pass
-    for module in ("transformers", "torch", "huggingface_hub", "wandb"):
-        warnings.filterwarnings("ignore", module=module)
 
 
 def make_console():

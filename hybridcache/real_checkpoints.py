@@ -161,11 +161,16 @@ def _convert(spec: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> N
     from rich.console import Console
     from safetensors.torch import save_file
 
+    from hybridcache.quiet import quiet_gguf_progress
+
     console = Console(stderr=True, quiet=quiet)
     module = importlib.import_module(spec.module)
     with console.status(f"[bold]{spec.package}[/]: assembling the GGUF file from its chunks"):
         gguf = module.assemble(out / "gguf" / module.MODEL_NAME)
-    with console.status(f"[bold]{spec.package}[/]: dequantizing to float32 with transformers (about a minute)"):
+    with (
+        console.status(f"[bold]{spec.package}[/]: dequantizing to float32 with transformers (about a minute)"),
+        quiet_gguf_progress(),  # its own tqdm bar: not ours (hybridcache/quiet.py)
+    ):
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with console.status(f"[bold]{spec.package}[/]: writing safetensors, config and tokenizer"):
