@@ -26,8 +26,11 @@ ACT_MUL = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # activations hc_a
 PATTERNS = {"full": 0, "sliding": 1, "chunked": 2}  # what hc_decode_attention evaluates itself from positions
 
 # C functions every library has besides the ops': what it was built for.
-INFO_SIGNATURES: dict[str, tuple[object, list]] = {"hc_isa": (ctypes.c_char_p, []), "hc_openmp": (_I, [])}
-INFO_SIGNATURES["hc_threads"] = (_I, [])
+INFO_SIGNATURES: dict[str, tuple[object, list]] = {
+    "hc_isa": (ctypes.c_char_p, []),
+    "hc_openmp": (_I, []),
+    "hc_threads": (_I, []),
+}
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i8": torch.int8, "i64": torch.int64, "bool": torch.bool}
 
