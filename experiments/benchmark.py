@@ -1,100 +1,51 @@
 """experiment=benchmark: throughput against HF (and vLLM), cache memory against the minimum, long-context scaling.
 
-Throughput: batch 1 and 8, 128-token prompts, 128 new tokens; prefill time = a 1-token generation, decode
-tokens/s = the other 127 steps; medians over repeats after warm-up. Long context: each (strategy, length) runs in
-a fresh process (experiments/long_context_probe.py) so its peak RSS is its own.
+Throughput: batch 1 and 8, 128-token prompts, 32 new tokens; prefill = a 1-token generation, decode = the other 31
+steps timed by themselves (experiments/benchmark_systems.py); medians over repeats after warm-up, repeated while the
+spread is too wide, else marked unreliable with no rate or ratio (experiments/timing.py). Long context: each
+(strategy, length) runs in a fresh process (experiments/long_context_probe.py) so its peak RSS is its own.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 import hybridcache as hc
+from experiments.benchmark_systems import hf_phases, ours_phases
+from experiments.benchmark_table import print_tables, subtracted_row, summarize, timed_row
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
 from experiments.figure_style import cfg_context
 from experiments.plots import log_benchmark, scaling_lines, throughput_bars
 from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
-from hybridcache.cache.plan import format_bytes
+from experiments.run_context import RunContext
+from experiments.timing import time_phases
 from hybridcache.ops.cpu_kernels import kernel_status
 from hybridcache.tiny_models import tiny_checkpoint
-from hybridcache.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
+MAX_SPREAD = 0.25  # experiment.max_spread: a relative interquartile spread above this makes a timing unreliable
+MAX_REPEATS_FACTOR = 3  # experiment.max_repeats defaults to 3 x repeats (more rounds while a spread is too wide)
 SMOKE = {
     "batch_sizes": [1],
     "prompt_tokens": 8,
     "new_tokens": 8,
     "warmup": 1,
-    "repeats": 1,
+    "repeats": 3,  # the fewest that show a spread
     "compile": False,
     "weights": ["int8"],
     "bandwidth_probe_mib": 64,
     "long_context": {"tokens": [64, 128], "decode_tokens": 4, "prefill_chunk_size": 32},
 }
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
-def rates(
-    systems: dict[str, Callable[[int], Any]], batch: int, prompt: int, new: int, b: DictConfig, progress=None, task=None
-) -> dict[str, dict]:
-    """Prefill = a 1-token generation; decode = a `new`-token generation minus the 1-token one, measured as pairs
-    back to back (so a slow moment hits both). Every system gets `warmup` short (2-token) generations, then the
-    systems take turns, one pair each per repeat, so a slow stretch of the machine hits them all alike; medians
-    over `repeats` pairs. `systems`: label -> run(n_new_tokens)."""
-    for label, run in systems.items():
-        if progress is not None:
-            progress.update(task, description=f"batch {batch}: warming up {label}")
-        for _ in range(b.warmup):
-            run(2)
-    times: dict[str, list[tuple[float, float]]] = {label: [] for label in systems}
-    for rep in range(b.repeats):
-        for label, run in systems.items():
-            if progress is not None:
-                progress.update(task, description=f"batch {batch}: {label} (repeat {rep + 1}/{b.repeats})")
-            start = time.perf_counter()
-            run(1)
-            middle = time.perf_counter()
-            run(new)
-            times[label].append((middle - start, time.perf_counter() - middle))
-        if progress is not None:
-            progress.advance(task)
-    out = {}
-    for label, pairs in times.items():
-        prefill, total = median([p for p, _ in pairs]), median([t for _, t in pairs])
-        decode = median([t - p for p, t in pairs])
-        # a decode shorter than timer noise (tiny smoke sizes) has no meaningful rate
-        out[label] = {
-            "system": label,
-            "batch": batch,
-            "prefill_tok_s": batch * prompt / prefill,
-            "decode_tok_s": batch * (new - 1) / decode if decode > 0 else float("nan"),
-            "prefill_s": prefill,
-            "total_s": total,
-        }
-    return out
-
-
-def row_key(system: str) -> str:
-    """A summary-key form of a row's system: 'ours (eager, int8 weights)' -> 'ours_eager_int8_weights'."""
-    return re.sub(r"[^a-z0-9]+", "_", system.lower()).strip("_")
 
 
 def variant_label(weights: str | None, compiled: bool) -> str:
@@ -105,12 +56,13 @@ def variant_label(weights: str | None, compiled: bool) -> str:
 def throughput(
     cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress
 ) -> tuple[list, dict]:
-    """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size, the
-    systems taking turns within each repeat (`rates`)."""
+    """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size:
+    prefill and decode timed apart, the systems taking turns within each round, repeated until stable
+    (experiments/timing.py) or marked unreliable."""
     import transformers
 
     formats = list(dict.fromkeys([cfg.model.get("weights"), *b.get("weights", [])]))  # the model's own first
-    task = progress.add_task("loading the HF reference", total=len(b.batch_sizes) * b.repeats)
+    task = progress.add_task("loading the HF reference", total=None)
     ref = (
         transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.dtype, attn_implementation="eager")
         .to(model.device)
@@ -121,40 +73,28 @@ def throughput(
         progress.update(task, description=f"loading ours with {fmt or cfg.model.dtype} weights")
         models[fmt] = model if fmt == cfg.model.get("weights") else load_model(cfg, checkpoint, weights=fmt)[1]
     rows, memory = [], {}
+    new = int(b.new_tokens)
     for batch in b.batch_sizes:
         ids = torch.randint(
             3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)
         )
         systems, extra = {}, {}
         for fmt, m in models.items():
-
-            def ours(n: int, compile: bool, m=m, ids=ids):
-                # tokens only, as HF's generate without output_scores (keeping every step's [B, V] logits costs
-                # page faults and copies: 7% of a float32 batch-8 step on a 262k vocabulary)
-                return hc.generate(
-                    m, ids, max_new_tokens=n, cache_config=cache_config, compile=compile, output_logits=False
-                )
-
             # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
-            first, last = ours(1, False).cache, ours(b.new_tokens, False).cache
+            first, last = (
+                hc.generate(m, ids, max_new_tokens=n, cache_config=cache_config, output_logits=False).cache
+                for n in (1, new)
+            )
             memory.setdefault(batch, last.memory_report())
             for compiled in (False, True) if b.compile else (False,):
                 label = variant_label(fmt, compiled)
-                if compiled:
-                    progress.update(task, description=f"batch {batch}: compiling our decode step ({label})")
-                    ours(2, True)  # compile outside the timed region
-                systems[label] = lambda n, c=compiled, run=ours: run(n, c)
+                systems[label] = ours_phases(m, ids, new, cache_config, compiled, int(b.warmup))
                 extra[label] = {
                     "weights_bytes": weight_read_bytes(m)["weights"],
                     "weights_format": fmt,
                     "cache_bytes_read": (first.nbytes() + last.nbytes()) // 2,
                 }
-
-        def hf(n: int, ids=ids):
-            with torch.no_grad():
-                return ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-        systems["hf"] = hf
+        systems["hf"] = hf_phases(ref, ids, new, int(b.warmup))
         same = next((e for e in extra.values() if e["weights_format"] is None), None)
         # HF reads the unpacked weights and (about) the cache our unpacked model holds
         extra["hf"] = {
@@ -162,8 +102,19 @@ def throughput(
             "weights_format": None,
             "cache_bytes_read": same["cache_bytes_read"] if same else None,
         }
-        measured = rates(systems, batch, b.prompt_tokens, b.new_tokens, b, progress, task)
-        rows += [{**measured[label], **extra[label]} for label in systems]
+        progress.update(task, description=f"batch {batch}: warming up (compiling, when experiment.compile=true)")
+        timings = time_phases(
+            systems,
+            int(b.repeats),
+            # smoke: exactly `repeats` rounds (it is there so the benchmark cannot rot, not for its numbers)
+            int(b.get("max_repeats") or (1 if b.smoke else MAX_REPEATS_FACTOR) * int(b.repeats)),
+            float(b.get("max_spread") or MAX_SPREAD),
+            on_round=lambda i, label, batch=batch: progress.update(
+                task, description=f"batch {batch}: {label} (round {i})"
+            ),
+        )
+        for label, t in timings.items():
+            rows.append({**timed_row(label, batch, b.prompt_tokens, new, t["prefill"], t["decode"]), **extra[label]})
     ref = models = None  # free the HF copy and the variants before a vLLM engine starts
     if runner is not None:
         progress.update(task, description="vLLM (its own engine; start reported apart)")
@@ -187,26 +138,19 @@ def vllm_runner(checkpoint: str, cfg: DictConfig):
 
 
 def vllm_rates(runner, b: DictConfig, vocab: int) -> list[dict]:
-    """vLLM prefill and decode tokens/s per batch size, measured like ours (a 1-token generation, then a full one,
-    back to back; decode = the difference), all in one engine whose start is reported apart."""
+    """vLLM prefill and decode tokens/s per batch size, all in one engine whose start is reported apart. Its worker
+    reports medians of a 1-token and a full generation only: decode = their difference, unreliable when not positive
+    (`subtracted_row`)."""
     batches = [
         torch.randint(3, vocab, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)).tolist()
         for batch in b.batch_sizes
     ]
     rows = []
     for t in runner.time_batches(batches, int(b.new_tokens), int(b.repeats)):
-        decode = t["total_s"] - t["prefill_s"]
-        rows.append(
-            {
-                "system": "vllm",
-                "batch": t["batch"],
-                "prefill_tok_s": t["batch"] * b.prompt_tokens / t["prefill_s"],
-                "decode_tok_s": t["batch"] * (b.new_tokens - 1) / decode if decode > 0 else float("nan"),
-                "prefill_s": t["prefill_s"],
-                "total_s": t["total_s"],
-                "engine_start_s": runner.engine_seconds,
-            }
+        row = subtracted_row(
+            "vllm", t["batch"], b.prompt_tokens, int(b.new_tokens), t["prefill_s"], t["total_s"], b.repeats
         )
+        rows.append({**row, "engine_start_s": runner.engine_seconds})
     return rows
 
 
@@ -220,13 +164,14 @@ def roofline(model, rows: list[dict], b: DictConfig, progress) -> dict:
     for r in rows:
         if r.get("cache_bytes_read") is None or r.get("weights_bytes") is None:
             continue
+        # an unreliable decode timing (None) still gets its roofline, but no fraction of it
         row = roofline_row(
-            r["system"], r["batch"], r["decode_tok_s"], r["weights_bytes"], r["cache_bytes_read"], bandwidth
+            r["system"], r["batch"], r["decode_tok_s"] or 0.0, r["weights_bytes"], r["cache_bytes_read"], bandwidth
         )
         r.update(
             bytes_per_token=row["bytes_per_token"],
             roofline_tok_s=row["roofline_tok_s"],
-            roofline_fraction=row["fraction"],
+            roofline_fraction=row["fraction"] if r["decode_tok_s"] is not None else None,
         )
     return {
         "read_bandwidth_gb_s": bandwidth / 1e9,
@@ -275,7 +220,8 @@ def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: Dic
 def run(cfg: DictConfig) -> dict[str, Any]:
     console = make_console()
     preflight(cfg, with_prompts=False)  # settings, device and cache fields checked before any model is loaded
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    ctx = RunContext.create(cfg, title=f"benchmark-{cfg.get('model_name') or cfg.model.family}")
+    out_dir = ctx.out_dir
     b = cfg.experiment
     if b.smoke:
         b = OmegaConf.merge(b, SMOKE)
@@ -319,16 +265,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "plots": [str(p) for p in plots],
         "cache_ops": ops,
     }
-    json_path = out_dir / "benchmark.json"
-    json_path.write_text(json.dumps(result, indent=2, default=str))  # first: W&B must never cost the results
-    tracker = Tracker(
-        cfg.logger.mode,
-        cfg.logger.project,
-        out_dir,
-        result["config"],
-        name=f"benchmark-{cfg.get('model_name') or cfg.model.family}",
-        tags=["benchmark", cfg.model.family],
-    )
+    json_path = ctx.write(result, "benchmark.json")  # first: W&B must never cost the results
+    tracker = ctx.start_tracker(tags=["benchmark", cfg.model.family], config=result["config"])
     tracker.table("throughput", list(rows[0]), [[r.get(c) for c in rows[0]] for r in rows])
     if scaling:
         tracker.table("long_context", list(scaling[0]), [list(r.values()) for r in scaling])
@@ -338,7 +276,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker.finish()
     result["wandb_dir"] = str(run_dir) if run_dir else None
     result["wandb_error"] = tracker.error
-    json_path.write_text(json.dumps(result, indent=2, default=str))
+    ctx.write(result, "benchmark.json")
     print_tables(console, rows, memory, scaling, summary)
     if ops:
         print_cache_ops(console, ops)
@@ -351,88 +289,3 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     console.print(f"plots: {', '.join(str(p) for p in plots)}\n{wandb_line}\nresults: {json_path}", soft_wrap=True)
     return result
-
-
-def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
-    out: dict[str, Any] = {"peak_rss_mib": rss_mib, "throughput_wall_s": seconds}
-    hf = {r["batch"]: r for r in rows if r["system"] == "hf"}
-    for r in rows:
-        key = row_key(r["system"])
-        out[f"decode_tok_s/{key}/b{r['batch']}"] = r["decode_tok_s"]
-        if r.get("engine_start_s") is not None:
-            out[f"engine_start_s/{key}/b{r['batch']}"] = r["engine_start_s"]  # excluded from its tokens/s
-        if r["system"].startswith("ours") and r["batch"] in hf:
-            out[f"decode_speedup_vs_hf/{key}/b{r['batch']}"] = r["decode_tok_s"] / hf[r["batch"]]["decode_tok_s"]
-            out[f"prefill_speedup_vs_hf/{key}/b{r['batch']}"] = r["prefill_tok_s"] / hf[r["batch"]]["prefill_tok_s"]
-        if r.get("roofline_fraction") is not None:
-            out[f"roofline_fraction/{key}/b{r['batch']}"] = r["roofline_fraction"]
-    for batch, report in memory.items():
-        for m in report:
-            out[f"cache_held_over_min/{m['type']}/b{batch}"] = m["ratio"]
-    for strategy in {r["strategy"] for r in scaling}:
-        points = sorted((r["tokens"], r["peak_rss_mib"]) for r in scaling if r["strategy"] == strategy)
-        out[f"rss_ratio_longest_vs_shortest/{strategy}"] = points[-1][1] / points[0][1]
-    return out
-
-
-def print_tables(console: Console, rows, memory, scaling, summary) -> None:
-    t = Table(title="throughput (tokens/s, medians; prefill = a 1-token generation, decode = the other steps)")
-    for col in (
-        "system",
-        "batch",
-        "prefill tok/s",
-        "prefill vs HF",
-        "decode tok/s",
-        "decode vs HF",
-        "roofline tok/s",
-        "of roofline",
-    ):
-        t.add_column(col, justify="left" if col == "system" else "right")
-    for r in rows:
-        key = row_key(r["system"])
-        speed = summary.get(f"decode_speedup_vs_hf/{key}/b{r['batch']}")
-        pre = summary.get(f"prefill_speedup_vs_hf/{key}/b{r['batch']}")
-        limit = r.get("roofline_tok_s")
-        label = r["system"] + (f" (engine start {r['engine_start_s']:.0f} s, apart)" if r.get("engine_start_s") else "")
-        t.add_row(
-            label,
-            str(r["batch"]),
-            f"{r['prefill_tok_s']:.0f}" if r.get("prefill_tok_s") else "-",
-            f"{pre:.2f}x" if pre else "",
-            f"{r['decode_tok_s']:.1f}",
-            f"{speed:.2f}x" if speed else "",
-            f"{limit:.1f}" if limit else "",
-            f"{r['roofline_fraction']:.0%}" if limit else "",
-        )
-    console.print(t)
-    roof = summary.get("roofline")
-    if roof:
-        console.print(
-            f"roofline: read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s (a streaming read-only sum "
-            f"over {roof['probe_mib']} MiB, this run); a decode step reads {format_bytes(roof['weights'])} "
-            f"of {roof['dtype']} weights (tied head included, untied input embeddings excluded; packed "
-            "formats: their own bytes) + the cache; roofline tok/s = batch x bandwidth / (weights + cache "
-            f"bytes). CPU decode kernels: {roof['cpu_kernels']}",
-            soft_wrap=True,
-        )
-    m = Table(title="cache memory after the throughput run (held vs theoretical minimum)")
-    for col in ("batch", "type", "held", "minimum", "ratio"):
-        m.add_column(col, justify="right")
-    for batch, report in memory.items():
-        for r in report:
-            m.add_row(str(batch), r["type"], format_bytes(r["held"]), format_bytes(r["minimum"]), f"{r['ratio']:.2f}")
-    console.print(m)
-    s = Table(title="long context (prefill in chunks, then decode)")
-    for col in ("strategy", "prompt tokens", "prefill s", "decode ms/token", "peak RSS MiB", "cache held"):
-        s.add_column(col, justify="left" if col == "strategy" else "right")
-    for r in scaling:
-        s.add_row(
-            r["strategy"],
-            str(r["tokens"]),
-            f"{r['prefill_s']:.2f}",
-            f"{r['decode_ms_per_token']:.2f}",
-            f"{r['peak_rss_mib']:.0f}",
-            format_bytes(r["cache_bytes"]),
-        )
-    if scaling:
-        console.print(s)

@@ -30,8 +30,15 @@ def test_benchmark_smoke(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((out / "benchmark.json").read_text())
     assert {r["system"] for r in data["throughput"]} == {"ours (eager)", "ours (eager, int8 weights)", "hf"}
-    assert all(r["prefill_tok_s"] > 0 for r in data["throughput"])
-    assert all(not r["decode_tok_s"] <= 0 for r in data["throughput"])  # positive, or NaN when below timer noise
+    # every rate is positive, or None with the reason stated (a loaded machine's spread); never NaN or negative
+    for r in data["throughput"]:
+        for phase in ("prefill", "decode"):
+            rate, why = r[f"{phase}_tok_s"], r[f"{phase}_unreliable"]
+            assert (rate > 0 and why is None) if rate is not None else why, r
+            assert r["repeats"] >= 3 and r[f"{phase}_s"] > 0
+    for key, value in data["summary"].items():
+        if "speedup_vs_hf/" in key and value is None:  # no ratio from an unreliable timing: the reason instead
+            assert data["summary"][key.replace("speedup_vs_hf/", "speedup_vs_hf_unreliable/")].startswith("unreliable")
     # the roofline: a measured read bandwidth and, per row, bytes per token = (weights + cache bytes) / batch
     roof = data["summary"]["roofline"]
     assert roof["read_bandwidth_gb_s"] > 0 and roof["weights"] > 0
