@@ -25,12 +25,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybridcache.cache import grouped_layer, residual_window
+from hybridcache.cache import attention_crop, grouped_layer, residual_window
 from hybridcache.cache.append_buffer import AppendBuffers
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.attention_view import _BUILT_IN, AttentionView, _gather_slots, _per_row, _slot_index, check_kv
 from hybridcache.cache.base import CacheLayer
-from hybridcache.cache.errors import CacheCropError, CacheError
+from hybridcache.cache.errors import CacheError
 from hybridcache.cache.kv_codecs import DenseCodec
 from hybridcache.cache.registry import register_cache_layer
 from hybridcache.cache.sequence import BlockState
@@ -344,39 +344,12 @@ class AttentionCacheLayer(CacheLayer):
         super()._commit_restore(snap)
         self._park()
 
-    # -- crop --------------------------------------------------------------------------------------------------
+    # -- crop (attention_crop.py) -----------------------------------------------------------------------------
     def _prepare_crop(self, n: int, seen: torch.Tensor):
-        rows = _per_row(seen, self.key_pos)
-        kept = (self.key_pos >= 0) & (self.key_pos < rows)  # [B, (H,) S]
-        have = (kept & self.spec.visible(rows, self.key_pos)).sum(-1)  # [B] or [B, H]: per head, the fewest counts
-        have = have if have.dim() == 1 else have.min(1).values
-        need = self.spec.needed_tokens(seen)
-        if bool((have < need).any()):
-            row = int((have < need).nonzero()[0])
-            raise CacheCropError(
-                f"{self.name}: cannot crop to {n} tokens exactly: row {row} would need its last {int(need[row])} "
-                f"tokens but only {int(have[row])} are still held (the rest were evicted by the "
-                f"{self.type_name} pattern). Take cache.snapshot() before the tokens you may roll back, "
-                "and cache.restore() it instead."
-            )
-        if self._grouped is not None:
-            return grouped_layer.prepare_crop(self, n)
-        return kept, seen
+        return attention_crop.prepare_crop(self, n, seen)
 
     def _commit_crop(self, plan: Any) -> None:
-        if self._grouped is not None:
-            return grouped_layer.commit_crop(self, plan)
-        kept, seen = plan
-        self._fetch()
-        residual_window.crop(self, seen)
-        if self.static:
-            self.key_pos.masked_fill_(~kept, -1)
-        else:
-            self.key_pos = torch.where(kept, self.key_pos, -1)
-            columns = kept.flatten(0, -2).any(0)  # slots some row (and head) still holds
-            if not bool(columns.all()):
-                self._take(columns.nonzero().squeeze(1))
-        self._park()
+        attention_crop.commit_crop(self, plan)
 
 
 @register_cache_layer("full")
