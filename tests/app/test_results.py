@@ -107,3 +107,19 @@ def test_an_error_result_carries_the_schema_version(app):  # noqa: F811
     code, data, _, err = app(*SHORT[:-1], "max_new_tokens=0", "reference=none")
     assert code == 2 and "max_new_tokens must be a positive integer" in err
     assert data["status"] == "error" and data["schema_version"] == SCHEMA_VERSION
+
+
+def test_every_experiment_writes_through_the_shared_writer():
+    """Each experiment run.py can start (experiments.EXPERIMENTS) writes its results with RunContext.write or
+    write_results, so each one's results file carries schema_version (the smoke runs check the values)."""
+    from experiments import EXPERIMENTS
+
+    for name, module in EXPERIMENTS.items():
+        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+        tree = ast.parse(source)
+        calls = {
+            n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+        }
+        assert "RunContext" in source and calls & {"write", "write_results"}, name
