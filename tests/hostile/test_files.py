@@ -14,8 +14,7 @@ import torch
 import hybridcache as hc
 from hybridcache.cache import Cache
 from tests.hostile.kit import files_unchanged, report, rng, run_cases
-from tests.models.conftest import prompts
-from tests.models.test_cache_files_hostile import forge, read
+from tests.models.saved_cache import forge, read, save_jamba_cache
 from tests.models.test_loading_hostile import shard_in_two
 
 NAN = float("nan")
@@ -274,12 +273,7 @@ def test_linked_and_misplaced_checkpoint_files(original, tmp_path):
 # -- saved caches -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved(models, tmp_path_factory):
-    model = models("jamba")[0]
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, :3] = 0
-    out = hc.generate(model, prompts(2, 9, seed=7), attention_mask=mask, max_new_tokens=3)
-    path = tmp_path_factory.mktemp("hostile_saved") / "c.safetensors"
-    out.cache.save(path, model=model)
+    model, _, path = save_jamba_cache(models, tmp_path_factory.mktemp("hostile_saved"))
     return model, path
 
 
