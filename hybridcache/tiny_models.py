@@ -43,6 +43,8 @@ FAMILIES = (
     "qwen3_next",
     "nemotron_h",
     "granitemoehybrid",
+    "qwen3_5",
+    "lfm3",
 )
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).

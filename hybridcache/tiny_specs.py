@@ -230,6 +230,40 @@ FAMILY_SPECS = {
             max_position_embeddings=1024,
         ),
     ),
+    "qwen3_5": (  # Qwen3-Next without MoE, separate linear-attention projections
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],  # L A L L
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,  # partial RoPE: 16 of 64 dims
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=1024,
+        ),
+    ),
+    "lfm3": (  # LFM2's short convs + sliding and full attention (sandwich norms, per-head output gates)
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=5,
+            layer_types=["conv", "sliding_attention", "conv", "full_attention", "conv"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,  # full layers: proportional RoPE on 32 of 64 dims
+            sliding_window=8,
+            max_position_embeddings=1024,
+        ),
+    ),
     "nemotron_h": (
         "NemotronHConfig",
         "NemotronHForCausalLM",
@@ -300,6 +334,8 @@ EAGER = {
     "qwen3_next",
     "nemotron_h",
     "granitemoehybrid",
+    "qwen3_5",
+    "lfm3",
 }
 
 # Named variants of the tiny checkpoints (family -> overrides); "tiny" is the default. "20m": larger, for benchmarks;

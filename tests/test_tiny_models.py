@@ -31,6 +31,8 @@ EXPECTED_CLASS = {
     "bamba": "BambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "zamba2": "Zamba2ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "lfm3": "Lfm3ForCausalLM",
 }
 
 

@@ -33,6 +33,8 @@ BUILTIN = {
     "lfm2": "hybridcache.models.lfm2",
     "nemotron_h": "hybridcache.models.nemotron_h",
     "granitemoehybrid": "hybridcache.models.granitemoehybrid",
+    "qwen3_5_text": "hybridcache.models.qwen3_5",
+    "lfm3": "hybridcache.models.lfm3",
 }
 
 _FAMILIES: dict[str, type[HybridLM]] = {}

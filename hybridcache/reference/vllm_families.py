@@ -45,6 +45,8 @@ class Family:
     why: str = ""  # the reason for the dtype / engine arguments, said when refusing
 
 
+# families added without a vLLM environment at hand: refused until someone compares vLLM with HF on them
+_UNCHECKED = "vLLM's {} has not been compared with HF here yet"
 _MAMBA2_PREFIX = dict(
     cpu_engine_args={"enable_prefix_caching": False},
     why="with prefix caching vLLM-CPU's Mamba2 layers crash or stop matching HF",
@@ -70,6 +72,8 @@ FAMILIES: dict[str, Family] = {
         cpu_dtypes=("bfloat16",),
         why="vLLM-CPU's Gated DeltaNet (linear attention) path runs in bfloat16 only",
     ),
+    "qwen3_5_text": Family("qwen3_5", refusal=_UNCHECKED.format("Qwen3.5")),
+    "lfm3": Family("lfm3", refusal=_UNCHECKED.format("LFM3")),
 }
 
 

@@ -11,7 +11,19 @@ from tests.models.test_parity import SPLIT_TOL  # families that amplify float32 
 
 @pytest.mark.parametrize(
     "family",
-    ["gemma3", "jamba", "bamba", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "nemotron_h", "granitemoehybrid"],
+    [
+        "gemma3",
+        "jamba",
+        "bamba",
+        "falcon_h1",
+        "zamba2",
+        "qwen3_next",
+        "lfm2",
+        "nemotron_h",
+        "granitemoehybrid",
+        "qwen3_5",
+        "lfm3",
+    ],
 )  # a sliding ring + full buffer; mamba states + full buffer
 def test_compiled_decode_equals_eager(family, models):
     ours, _ = models(family)

@@ -27,6 +27,8 @@ HF_CLASSES = {
     "lfm2": "Lfm2Config",
     "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
+    "qwen3_5": "Qwen3_5TextConfig",
+    "lfm3": "Lfm3Config",
 }
 
 
@@ -34,7 +36,12 @@ def raw_config(checkpoints, family):
     return json.loads((checkpoints(family) / "config.json").read_text())
 
 
-MODEL_TYPE = {"recurrentgemma": "recurrent_gemma", "gemma3": "gemma3_text", "llama4": "llama4_text"}
+MODEL_TYPE = {
+    "recurrentgemma": "recurrent_gemma",
+    "gemma3": "gemma3_text",
+    "llama4": "llama4_text",
+    "qwen3_5": "qwen3_5_text",
+}
 
 
 def config_class(family):

@@ -20,7 +20,9 @@ EXACT_TOL, FLOAT32_ORACLE_TOL = 1e-9, 2e-5
 # (HF's own token-by-token vs full forward: 4.5e-5 on the same tiny model). Mamba2 amplifies the ulp-level difference
 # between a projection of one row (the decode kernel) and of a whole block (BLAS) ~10x: 2.2e-5 .. 2.5e-5 (HF's own
 # cached vs uncached: 1.8e-5). Both exact in float64 like every family.
-SPLIT_TOL = {"zamba2": 5e-5, "mamba2": 5e-5}
+# LFM3 (sandwich norms on every branch): prefill in chunks of 7 vs one shot 1.1e-5; HF's own chunked vs whole
+# forward differs by 1.4e-5 on the same prompts (exact in float64 like every family).
+SPLIT_TOL = {"zamba2": 5e-5, "mamba2": 5e-5, "lfm3": 2e-5}
 # On the left-padded batch HF's own float32 Zamba2 is 1.5e-4 from the float64 result (ours: 4.7e-5), so the HF
 # comparison gets 2e-4 there and our float32 is held to the 1e-4 bar against our float64 run instead.
 HF_PAD_TOL = {"zamba2": 2e-4}

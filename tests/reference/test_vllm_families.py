@@ -38,6 +38,8 @@ REFUSED_ON_CPU = {
     "llama4": r"attention_chunk_size=8 is not a multiple of 32.*model.size=vllm",
     "lfm2": r"always ties its LM head.*model.size=vllm",
     "qwen3_next": r"only in bfloat16.*model.dtype=bfloat16",
+    "qwen3_5": "Qwen3.5 has not been compared with HF",
+    "lfm3": "LFM3 has not been compared with HF",
 }
 
 

@@ -1,0 +1,136 @@
+"""Qwen3.5 (text): Qwen3-Next's layers without the MoE. Gated DeltaNet linear attention whose input projections are
+separate (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, q k v contiguous rather than grouped per key head),
+gated full attention (output gate, partial RoPE, (1 + w) q/k norms), dense SwiGLU MLPs.
+
+HF's text RoPE is multimodal (MRoPE), but for text all three position axes are the token position, so it is plain
+partial RoPE. Caches: `gated_delta` (conv + delta-rule state) and `full`, as Qwen3-Next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
+from hybridcache.blocks.rotary import rope_frequencies
+from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.models.family_config import param
+from hybridcache.models.qwen3_next import Qwen3NextConfig
+from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
+
+
+@dataclass(kw_only=True)
+class Qwen35Config(Qwen3NextConfig):
+    """HF Qwen3_5TextConfig: Qwen3-Next's fields less the MoE ones (HF defaults where they differ)."""
+
+    family: ClassVar[str] = "qwen3_5"
+    intermediate_size: int = param(12288, positive=True)
+    num_key_value_heads: int = param(4, positive=True)
+    num_experts: int = param(0, nonnegative=True)  # dense MLPs only
+
+    def is_moe(self, i: int) -> bool:
+        return False
+
+
+class Qwen35GatedDeltaNet(GatedDeltaNetMixer):
+    """Qwen3-Next's mixer with Qwen3.5's projections: [q | k | v] = in_proj_qkv(h), z, b, a each their own."""
+
+    def __init__(self, hidden: int, hk: int, hv: int, dk: int, dv: int, *args) -> None:
+        super().__init__(hidden, hk, hv, dk, dv, *args)
+        del self.in_proj_qkvz, self.in_proj_ba
+        self.in_proj_qkv = nn.Linear(hidden, 2 * hk * dk + hv * dv, bias=False)
+        self.in_proj_z = nn.Linear(hidden, hv * dv, bias=False)
+        self.in_proj_b = nn.Linear(hidden, hv, bias=False)
+        self.in_proj_a = nn.Linear(hidden, hv, bias=False)
+
+    def _split(self, h: torch.Tensor):
+        """q, k [B, T, Hk, Dk], v, z [B, T, Hv, Dv], b, a [B, T, Hv]."""
+        q, k, v = self.in_proj_qkv(h).split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        z = self.in_proj_z(h).unflatten(-1, (self.hv, self.dv))
+        q, k, v = (
+            q.unflatten(-1, (self.hk, self.dk)),
+            k.unflatten(-1, (self.hk, self.dk)),
+            v.unflatten(-1, z.shape[-2:]),
+        )
+        return q, k, v, z, self.in_proj_b(h), self.in_proj_a(h)
+
+
+class Qwen35DecoderLayer(nn.Module):
+    """h + mixer(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); mixer = linear_attn or self_attn."""
+
+    def __init__(self, cfg: Qwen35Config, kind: str, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        d, eps, hd = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = Qwen35GatedDeltaNet(
+                d,
+                cfg.linear_num_key_heads,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                cfg.linear_conv_kernel_dim,
+                eps,
+                cfg.hidden_act,
+            )
+        else:
+            self.self_attn = AttentionMixer(
+                d,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                hd,
+                qkv_bias=cfg.attention_bias,
+                o_bias=cfg.attention_bias,
+                rotary=rotary,
+                q_norm=RMSNorm(hd, eps, unit_offset=True),
+                k_norm=RMSNorm(hd, eps, unit_offset=True),
+                output_gate=True,
+            )
+        self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
+
+    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        h, x = residual_norm(h, mixer(self.input_layernorm(h), layer, step), None, self.post_attention_layernorm)
+        return h + self.mlp(x)
+
+
+@register_family("qwen3_5_text")
+class Qwen35LM(StackLM):
+    family = "qwen3_5"
+    config_class = Qwen35Config
+
+    def plan(self) -> list[str]:
+        return list(self.cfg.layer_types)
+
+    def shared(self) -> RotaryEmbedding:
+        rope = {k: v for k, v in self.cfg.rope().items() if not k.startswith("mrope")}  # text: MRoPE = RoPE
+        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, self.cfg.rotary_dim()))
+
+    def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> Qwen35DecoderLayer:
+        return Qwen35DecoderLayer(self.cfg, kind, shared)
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, unit_offset=True)
+
+    def native_layers(self) -> list[NativeLayer]:
+        c = self.cfg
+        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
+        delta = {
+            "num_k_heads": c.linear_num_key_heads,
+            "num_v_heads": c.linear_num_value_heads,
+            "head_k_dim": c.linear_key_head_dim,
+            "head_v_dim": c.linear_value_head_dim,
+            "conv_kernel": c.linear_conv_kernel_dim,
+            "dtype": self.dtype,
+        }
+        return [
+            NativeLayer("gated_delta", dict(delta)) if t == "linear_attention" else NativeLayer("full", dict(attn))
+            for t in self.kinds
+        ]
