@@ -37,9 +37,22 @@ class MambaConfig(FamilyConfig):
             return [f"time_step_rank must be a positive int or 'auto', got {self.time_step_rank!r}"]
         return []
 
+    def mixer_args(self) -> dict:
+        """MambaMixer's arguments (hybridcache/blocks/mamba.py)."""
+        return {
+            "hidden": self.hidden_size,
+            "intermediate": self.inner_size,
+            "state_size": self.state_size,
+            "conv_kernel": self.conv_kernel,
+            "dt_rank": resolve_dt_rank(self.time_step_rank, self.hidden_size),
+            "conv_bias": self.use_conv_bias,
+            "proj_bias": self.use_bias,
+            "activation": self.hidden_act,
+        }
 
-def intermediate_size(config: dict) -> int:
-    return int(config.get("intermediate_size") or config["expand"] * config["hidden_size"])
+    @property
+    def inner_size(self) -> int:
+        return self.intermediate_size or self.expand * self.hidden_size
 
 
 @register_family("mamba")
@@ -48,25 +61,10 @@ class MambaLM(SSMLM):
     config_class = MambaConfig
 
     @staticmethod
-    def make_mixer(config: dict) -> MambaMixer:
-        d = config["hidden_size"]
-        return MambaMixer(
-            d,
-            intermediate_size(config),
-            config["state_size"],
-            config["conv_kernel"],
-            resolve_dt_rank(config["time_step_rank"], d),
-            conv_bias=config["use_conv_bias"],
-            proj_bias=config["use_bias"],
-            activation=config["hidden_act"],
-        )
+    def make_mixer(cfg: MambaConfig) -> MambaMixer:
+        return MambaMixer(**cfg.mixer_args())
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.config
-        params = {
-            "intermediate_size": intermediate_size(c),
-            "state_size": c["state_size"],
-            "conv_kernel": c["conv_kernel"],
-            "dtype": self.dtype,
-        }
-        return [NativeLayer("mamba", params) for _ in range(c["num_hidden_layers"])]
+        c = self.cfg
+        params = {"intermediate_size": c.inner_size, "state_size": c.state_size, "conv_kernel": c.conv_kernel}
+        return [NativeLayer("mamba", {**params, "dtype": self.dtype}) for _ in range(c.num_hidden_layers)]

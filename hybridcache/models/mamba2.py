@@ -58,7 +58,10 @@ class Mamba2Config(FamilyConfig):
 class Mamba2LM(SSMLM):
     family = "mamba2"
     config_class = Mamba2Config
-    make_mixer = staticmethod(Mamba2Mixer.from_config)
+
+    @staticmethod
+    def make_mixer(cfg: Mamba2Config) -> Mamba2Mixer:
+        return Mamba2Mixer.from_config(cfg.to_dict())  # the block reads HF's Mamba2 names
 
     def native_layers(self) -> list[NativeLayer]:
         mixer: Mamba2Mixer = self.backbone.layers[0].mixer

@@ -29,33 +29,33 @@ class ResidualMixerBlock(nn.Module):
 
 
 class SSMBackbone(nn.Module):
-    def __init__(self, config: dict, make_mixer: Callable[[dict], nn.Module]) -> None:
+    def __init__(self, cfg: Any, make_mixer: Callable[[Any], nn.Module]) -> None:
         super().__init__()
-        d, eps = config["hidden_size"], config.get("layer_norm_epsilon", 1e-5)
-        residual_in_fp32 = bool(config.get("residual_in_fp32", True))
-        self.embeddings = nn.Embedding(config["vocab_size"], d)
+        d, eps = cfg.hidden_size, cfg.layer_norm_epsilon
+        self.embeddings = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(
-            ResidualMixerBlock(d, eps, make_mixer(config), residual_in_fp32) for _ in range(config["num_hidden_layers"])
+            ResidualMixerBlock(d, eps, make_mixer(cfg), cfg.residual_in_fp32) for _ in range(cfg.num_hidden_layers)
         )
         self.norm_f = RMSNorm(d, eps)
 
 
 class SSMLM(HybridLM):
-    """Base of MambaLM / Mamba2LM: a family gives `config_class`, `make_mixer(config)` and `native_layers()`."""
+    """Base of MambaLM / Mamba2LM: a family gives `config_class` (with layer_norm_epsilon and residual_in_fp32),
+    `make_mixer(cfg)` (the typed config -> one mixer) and `native_layers()`."""
 
     config_class: ClassVar[type[FamilyConfig]]
     tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
 
     @staticmethod
-    def make_mixer(config: dict) -> nn.Module:
+    def make_mixer(cfg: Any) -> nn.Module:
         raise NotImplementedError
 
     def __init__(self, config: Mapping[str, Any] | FamilyConfig) -> None:
         cfg = self.config_class.from_hf(config)
         super().__init__(cfg.to_dict())
         self.cfg = cfg
-        self.backbone = SSMBackbone(self.config, self.make_mixer)
-        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
+        self.backbone = SSMBackbone(cfg, self.make_mixer)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:

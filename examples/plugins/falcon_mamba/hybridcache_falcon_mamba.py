@@ -13,9 +13,9 @@ from typing import ClassVar
 import torch
 
 from hybridcache.blocks.linear import linear
-from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
+from hybridcache.blocks.mamba import MambaMixer
 from hybridcache.models.family_config import param
-from hybridcache.models.mamba import MambaConfig, MambaLM, intermediate_size
+from hybridcache.models.mamba import MambaConfig, MambaLM
 from hybridcache.models.registry import register_family
 
 
@@ -52,16 +52,5 @@ class FalconMambaLM(MambaLM):
     config_class = FalconMambaConfig
 
     @staticmethod
-    def make_mixer(config: dict) -> FalconMambaMixer:
-        d = config["hidden_size"]
-        return FalconMambaMixer(
-            d,
-            intermediate_size(config),
-            config["state_size"],
-            config["conv_kernel"],
-            resolve_dt_rank(config["time_step_rank"], d),
-            conv_bias=config["use_conv_bias"],
-            proj_bias=config["use_bias"],
-            activation=config["hidden_act"],
-            rms_eps=config["mixer_rms_eps"],
-        )
+    def make_mixer(cfg: FalconMambaConfig) -> FalconMambaMixer:
+        return FalconMambaMixer(**cfg.mixer_args(), rms_eps=cfg.mixer_rms_eps)
