@@ -10,7 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 from experiments.figure_style import byte_unit, strategy_color  # noqa: E402
 
@@ -49,6 +49,9 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
         spread = len(valid) > 1 and max(valid) / min(valid) > 20
         if spread:  # a 100x gap would flatten the slower bars to nothing on a linear axis
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, 50 ...: plain numbers
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel(f"{what} throughput (tokens/s, whole batch{'; log scale' if spread else ''})")
         ax.set_title(f"{what}: tokens per second (higher is better)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
