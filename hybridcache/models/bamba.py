@@ -7,7 +7,6 @@ forced to 0.5 by HF's config unless `rope_parameters` sets it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,10 +17,10 @@ from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbeddin
 from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields
 from hybridcache.models.family_config import param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 
 @dataclass(kw_only=True)
@@ -94,37 +93,29 @@ class BambaDecoderLayer(nn.Module):
         return h + self.feed_forward(x)
 
 
-class BambaInner(nn.Module):
-    def __init__(self, cfg: BambaConfig, kinds: list[str]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = cfg.rope()
-        rotary_dim = int(cfg.attention_head_dim * rope["partial_rotary_factor"])
-        rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), rope, rotary_dim))
-        self.layers = nn.ModuleList(BambaDecoderLayer(cfg, kind, rotary) for kind in kinds)
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 @register_family("bamba")
-class BambaLM(HybridLM):
+class BambaLM(StackLM):
     family = "bamba"
     config_class = BambaConfig
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    final_norm_name = "final_layernorm"
 
-    def __init__(self, config: Mapping[str, Any] | BambaConfig) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        attn = set(cfg.attn_layer_indices or [])
-        self.kinds = ["attention" if i in attn else "mamba" for i in range(cfg.num_hidden_layers)]
-        self.model = BambaInner(cfg, self.kinds)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    def plan(self) -> list[str]:
+        attn = set(self.cfg.attn_layer_indices or [])
+        return ["attention" if i in attn else "mamba" for i in range(self.cfg.num_hidden_layers)]
+
+    def shared(self) -> RotaryEmbedding:
+        rope = self.cfg.rope()
+        rotary_dim = int(self.cfg.attention_head_dim * rope["partial_rotary_factor"])
+        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, rotary_dim))
+
+    def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> BambaDecoderLayer:
+        return BambaDecoderLayer(self.cfg, kind, shared)
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
         mamba = {**c.mamba2_cache_params(), "dtype": self.dtype}
         return [NativeLayer("full", attn) if k == "attention" else NativeLayer("mamba2", mamba) for k in self.kinds]
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.final_layernorm(h))  # [B, T, V]

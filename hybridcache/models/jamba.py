@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -13,13 +12,14 @@ from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput, res
 from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
 from hybridcache.blocks.moe import SparseMoE
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.config_pieces import AttentionFields
+from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 
 @dataclass(kw_only=True)
-class JambaConfig(FamilyConfig):
+class JambaConfig(AttentionFields):
     """HF JambaConfig (transformers 5) fields the model reads, with HF defaults; `num_local_experts` is an alias."""
 
     family: ClassVar[str] = "jamba"
@@ -29,9 +29,9 @@ class JambaConfig(FamilyConfig):
     intermediate_size: int = param(positive=True)
     num_attention_heads: int = param(positive=True)
     num_key_value_heads: int | None = param(8, positive=True)  # None: num_attention_heads
-    head_dim: int | None = param(None, positive=True)  # None: hidden_size // num_attention_heads
     hidden_act: str = "silu"
     rms_norm_eps: float = param(1e-6, positive=True)
+    max_position_embeddings: int = param(262144, positive=True)
     attn_layer_period: int = param(8, positive=True)
     attn_layer_offset: int = param(4, nonnegative=True)
     expert_layer_period: int = param(2, positive=True)
@@ -47,13 +47,8 @@ class JambaConfig(FamilyConfig):
     layers_block_type: list[str] | None = param(None, choices=("attention", "mamba"))  # else period/offset
     layers_num_experts: list[int] | None = param(None, positive=True)  # else expert period/offset
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-
     def problems(self) -> list[str]:
-        out = attention_problems(self)
+        out = super().problems()
         if self.attn_layer_offset >= self.attn_layer_period:
             out.append(
                 f"attn_layer_offset ({self.attn_layer_offset}) must be < attn_layer_period ({self.attn_layer_period})"
@@ -72,61 +67,50 @@ class JambaConfig(FamilyConfig):
             out += [bad] if bad else []
         return out
 
+    @property
+    def block_types(self) -> list[str]:
+        """ "attention" or "mamba" per layer: `layers_block_type` if given, else from attn_layer_period/offset."""
+        if self.layers_block_type:
+            return list(self.layers_block_type)
+        period, offset = self.attn_layer_period, self.attn_layer_offset
+        return ["attention" if i % period == offset else "mamba" for i in range(self.num_hidden_layers)]
 
-def block_types(config: dict) -> list[str]:
-    """ "attention" or "mamba" per layer: `layers_block_type` if given, else from attn_layer_period/offset."""
-    if config.get("layers_block_type"):
-        types = list(config["layers_block_type"])
-    else:
-        period, offset = config["attn_layer_period"], config["attn_layer_offset"]
-        types = ["attention" if i % period == offset else "mamba" for i in range(config["num_hidden_layers"])]
-    unknown = set(types) - {"attention", "mamba"}
-    if unknown or len(types) != config["num_hidden_layers"]:
-        raise ValueError(f"jamba: bad layer types {types} for {config['num_hidden_layers']} layers")
-    return types
-
-
-def experts_per_layer(config: dict) -> list[int]:
-    """Number of experts per layer (1 = dense MLP): `layers_num_experts` if given, else expert period/offset."""
-    if config.get("layers_num_experts"):
-        return [int(n) for n in config["layers_num_experts"]]
-    period, offset, n = config["expert_layer_period"], config["expert_layer_offset"], config["num_experts"]
-    return [n if i % period == offset else 1 for i in range(config["num_hidden_layers"])]
-
-
-def head_dim(config: dict) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    @property
+    def experts_per_layer(self) -> list[int]:
+        """Experts per layer (1 = dense MLP): `layers_num_experts` if given, else expert period/offset."""
+        if self.layers_num_experts:
+            return list(self.layers_num_experts)
+        period, offset, n = self.expert_layer_period, self.expert_layer_offset, self.num_experts
+        return [n if i % period == offset else 1 for i in range(self.num_hidden_layers)]
 
 
 class JambaDecoderLayer(nn.Module):
     """h + mixer(input_layernorm(h)), then h + feed_forward(pre_ff_layernorm(h)); mixer = self_attn or mamba."""
 
-    def __init__(self, config: dict, kind: str, num_experts: int) -> None:
+    def __init__(self, cfg: JambaConfig, kind: str, num_experts: int) -> None:
         super().__init__()
-        d, eps, act = config["hidden_size"], config["rms_norm_eps"], config["hidden_act"]
+        d, eps, act = cfg.hidden_size, cfg.rms_norm_eps, cfg.hidden_act
         if kind == "attention":
             self.self_attn = AttentionMixer(
-                d, config["num_attention_heads"], config["num_key_value_heads"], head_dim(config)
+                d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
             )  # no rotary: Jamba has no positional embeddings
         else:
             self.mamba = MambaMixer(
                 d,
-                config["mamba_expand"] * d,
-                config["mamba_d_state"],
-                config["mamba_d_conv"],
-                resolve_dt_rank(config["mamba_dt_rank"], d),
-                conv_bias=config["mamba_conv_bias"],
-                proj_bias=config["mamba_proj_bias"],
+                cfg.mamba_expand * d,
+                cfg.mamba_d_state,
+                cfg.mamba_d_conv,
+                resolve_dt_rank(cfg.mamba_dt_rank, d),
+                conv_bias=cfg.mamba_conv_bias,
+                proj_bias=cfg.mamba_proj_bias,
                 activation=act,
                 inner_norms=True,
                 norm_eps=eps,
             )
         if num_experts > 1:
-            self.feed_forward = SparseMoE(
-                d, config["intermediate_size"], num_experts, config["num_experts_per_tok"], act
-            )
+            self.feed_forward = SparseMoE(d, cfg.intermediate_size, num_experts, cfg.num_experts_per_tok, act)
         else:
-            self.feed_forward = GatedMLP(d, config["intermediate_size"], act)
+            self.feed_forward = GatedMLP(d, cfg.intermediate_size, act)
         self.input_layernorm = RMSNorm(d, eps)
         self.pre_ff_layernorm = RMSNorm(d, eps)
         self.kind = kind
@@ -137,40 +121,28 @@ class JambaDecoderLayer(nn.Module):
         return h + self.feed_forward(x)
 
 
-class JambaInner(nn.Module):
-    def __init__(self, config: dict, types: list[str]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(
-            JambaDecoderLayer(config, kind, n) for kind, n in zip(types, experts_per_layer(config), strict=True)
-        )
-        self.final_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
-
-
 @register_family("jamba")
-class JambaLM(HybridLM):
+class JambaLM(StackLM):
     family = "jamba"
     config_class = JambaConfig
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    final_norm_name = "final_layernorm"
 
-    def __init__(self, config: Mapping[str, Any] | JambaConfig) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.types = block_types(self.config)
-        self.model = JambaInner(self.config, self.types)
-        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
+    def plan(self) -> list[str]:
+        return self.cfg.block_types
+
+    def build_layer(self, kind: str, index: int, shared: None) -> JambaDecoderLayer:
+        return JambaDecoderLayer(self.cfg, kind, self.cfg.experts_per_layer[index])
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.config
-        attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": head_dim(c), "dtype": self.dtype}
+        c = self.cfg
+        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
         mamba = {
-            "intermediate_size": c["mamba_expand"] * c["hidden_size"],
-            "state_size": c["mamba_d_state"],
-            "conv_kernel": c["mamba_d_conv"],
+            "intermediate_size": c.mamba_expand * c.hidden_size,
+            "state_size": c.mamba_d_state,
+            "conv_kernel": c.mamba_d_conv,
             "dtype": self.dtype,
         }
         return [NativeLayer("full", attn) if t == "attention" else NativeLayer("mamba", mamba) for t in self.types]
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.final_layernorm(h))  # [B, T, V]

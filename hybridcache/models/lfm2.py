@@ -8,9 +8,8 @@ cache is the `conv` type: the last K-1 inputs B * x, [C, K-1] per row (K = conv_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -19,9 +18,9 @@ from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbeddin
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.blocks.trail import conv_trail
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 from hybridcache.ops import causal_conv1d, causal_conv1d_step
 
 LAYER_TYPES = ("conv", "full_attention")
@@ -138,16 +137,6 @@ class Lfm2DecoderLayer(nn.Module):
         return h + self.feed_forward(x)
 
 
-class Lfm2Inner(nn.Module):
-    def __init__(self, cfg: Lfm2Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = cfg.rope_parameters or {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), rope, cfg.attn_head_dim))
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(cfg, kind, rotary) for kind in cfg.layer_types)
-        self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)  # the final norm, despite its name
-
-
 # Our AttentionMixer's and GatedMLP's names -> LFM2's.
 _RENAMES = {
     ".self_attn.q_norm.": ".self_attn.q_layernorm.",
@@ -160,18 +149,24 @@ _RENAMES = {
 
 
 @register_family("lfm2")
-class Lfm2LM(HybridLM):
+class Lfm2LM(StackLM):
     family = "lfm2"
     config_class = Lfm2Config
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: Mapping[str, Any] | Lfm2Config) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.types = list(cfg.layer_types)
-        self.model = Lfm2Inner(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    final_norm_name = "embedding_norm"  # the final norm, despite its name
+
+    def plan(self) -> list[str]:
+        return list(self.cfg.layer_types)
+
+    def shared(self) -> RotaryEmbedding:
+        rope = self.cfg.rope_parameters or {"rope_type": "default", "rope_theta": self.cfg.rope_theta}
+        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, self.cfg.attn_head_dim))
+
+    def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> Lfm2DecoderLayer:
+        return Lfm2DecoderLayer(self.cfg, kind, shared)
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.norm_eps)
 
     def hf_name(self, name: str) -> str:
         for ours, theirs in _RENAMES.items():
@@ -182,7 +177,4 @@ class Lfm2LM(HybridLM):
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attn_head_dim, "dtype": self.dtype}
         conv = {"channels": c.hidden_size, "conv_kernel": c.conv_L_cache, "dtype": self.dtype}
-        return [NativeLayer("conv", dict(conv)) if t == "conv" else NativeLayer("full", dict(attn)) for t in self.types]
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.embedding_norm(h))  # [B, T, V]
+        return [NativeLayer("conv", dict(conv)) if t == "conv" else NativeLayer("full", dict(attn)) for t in self.kinds]
