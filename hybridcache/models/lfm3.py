@@ -36,6 +36,9 @@ class Lfm3Config(FamilyConfig):
 
     family: ClassVar[str] = "lfm3"
     tie_word_embeddings: bool = param(True, aliases=("tie_embedding",))
+    pad_token_id: int | None = 124_893
+    bos_token_id: int | None = 124_894
+    eos_token_id: int | list[int] | None = 124_900
     intermediate_size: int = param(7680, positive=True)
     num_attention_heads: int = param(16, positive=True)
     num_key_value_heads: int = param(4, positive=True)
