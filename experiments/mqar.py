@@ -24,7 +24,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from experiments.study_data import encode, with_bos
+from experiments.token_text import encode, with_bos
 
 KEYS = list(string.ascii_letters)  # 52 one-byte keys
 VALUES = string.digits  # 10 one-byte values

@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.token_text import encode, with_bos  # noqa: F401 - re-exported for the probes
+
 STDLIB_MODULES = (
     "argparse",
     "textwrap",
@@ -71,16 +73,6 @@ def text_source(name: str) -> str:
 
         return mqar.fill(random.Random("study"), 200_000, 48)[0].decode()
     raise ValueError(f"unknown text source '{name}' (known: pydoc, stdlib, mqar)")
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids without special tokens (ByT5 would append eos, Gemma prepend bos)."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def with_bos(tokenizer, ids: list[int]) -> list[int]:
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return [bos, *ids] if bos is not None else ids
 
 
 def documents(tokenizer, source: str, tokens: int, count: int, vocab_size: int) -> list[list[int]]:
