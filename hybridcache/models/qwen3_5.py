@@ -14,12 +14,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.blocks import RMSNorm, RotaryEmbedding
 from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.blocks.rotary import rope_frequencies
-from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.cache import NativeLayer
 from hybridcache.models.family_config import param
-from hybridcache.models.qwen3_next import Qwen3NextConfig
+from hybridcache.models.qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer, delta_native_layers
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
 
@@ -60,45 +60,13 @@ class Qwen35GatedDeltaNet(GatedDeltaNetMixer):
         return q, k, v, z, self.in_proj_b(h), self.in_proj_a(h)
 
 
-class Qwen35DecoderLayer(nn.Module):
-    """h + mixer(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); mixer = linear_attn or self_attn."""
+class Qwen35DecoderLayer(Qwen3NextDecoderLayer):
+    """Qwen3-Next's decoder layer with Qwen3.5's delta mixer and a dense MLP everywhere."""
+
+    delta_mixer = Qwen35GatedDeltaNet
 
     def __init__(self, cfg: Qwen35Config, kind: str, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        d, eps, hd = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
-        self.kind = kind
-        if kind == "linear_attention":
-            self.linear_attn = Qwen35GatedDeltaNet(
-                d,
-                cfg.linear_num_key_heads,
-                cfg.linear_num_value_heads,
-                cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim,
-                cfg.linear_conv_kernel_dim,
-                eps,
-                cfg.hidden_act,
-            )
-        else:
-            self.self_attn = AttentionMixer(
-                d,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                hd,
-                qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias,
-                rotary=rotary,
-                q_norm=RMSNorm(hd, eps, unit_offset=True),
-                k_norm=RMSNorm(hd, eps, unit_offset=True),
-                output_gate=True,
-            )
-        self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
-        self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
-
-    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
-        h, x = residual_norm(h, mixer(self.input_layernorm(h), layer, step), None, self.post_attention_layernorm)
-        return h + self.mlp(x)
+        super().__init__(cfg, kind, rotary, moe=False)
 
 
 @register_family("qwen3_5_text")
@@ -120,17 +88,4 @@ class Qwen35LM(StackLM):
         return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, unit_offset=True)
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.cfg
-        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
-        delta = {
-            "num_k_heads": c.linear_num_key_heads,
-            "num_v_heads": c.linear_num_value_heads,
-            "head_k_dim": c.linear_key_head_dim,
-            "head_v_dim": c.linear_value_head_dim,
-            "conv_kernel": c.linear_conv_kernel_dim,
-            "dtype": self.dtype,
-        }
-        return [
-            NativeLayer("gated_delta", dict(delta)) if t == "linear_attention" else NativeLayer("full", dict(attn))
-            for t in self.kinds
-        ]
+        return delta_native_layers(self.cfg, self.kinds, self.dtype)

@@ -108,12 +108,14 @@ class Qwen3NextConfig(FamilyConfig):
 class Qwen3NextDecoderLayer(nn.Module):
     """h + mixer(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); mixer = linear_attn or self_attn."""
 
+    delta_mixer: ClassVar[type[nn.Module]] = GatedDeltaNetMixer  # Qwen3.5 swaps in its split input projections
+
     def __init__(self, cfg: Qwen3NextConfig, kind: str, rotary: RotaryEmbedding, moe: bool) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kind = kind
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNetMixer(
+            self.linear_attn = self.delta_mixer(
                 d,
                 cfg.linear_num_key_heads,
                 cfg.linear_num_value_heads,
@@ -183,23 +185,27 @@ class Qwen3NextLM(HybridLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.cfg
-        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
-        delta = {
-            "num_k_heads": c.linear_num_key_heads,
-            "num_v_heads": c.linear_num_value_heads,
-            "head_k_dim": c.linear_key_head_dim,
-            "head_v_dim": c.linear_value_head_dim,
-            "conv_kernel": c.linear_conv_kernel_dim,
-            "dtype": self.dtype,
-        }
-        return [
-            NativeLayer("gated_delta", dict(delta)) if t == "linear_attention" else NativeLayer("full", dict(attn))
-            for t in c.layer_types
-        ]
+        return delta_native_layers(self.cfg, self.cfg.layer_types, self.dtype)
 
     def hf_name(self, name: str) -> str:
         return name.replace(".mlp.router.", ".mlp.gate.")  # HF calls the MoE router `gate`
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h))  # [B, T, V]
+
+
+def delta_native_layers(c: Qwen3NextConfig, kinds: list[str], dtype: torch.dtype) -> list[NativeLayer]:
+    """Per layer kind: `gated_delta` for linear_attention, else `full` (Qwen3-Next and Qwen3.5)."""
+    attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": dtype}
+    delta = {
+        "num_k_heads": c.linear_num_key_heads,
+        "num_v_heads": c.linear_num_value_heads,
+        "head_k_dim": c.linear_key_head_dim,
+        "head_v_dim": c.linear_value_head_dim,
+        "conv_kernel": c.linear_conv_kernel_dim,
+        "dtype": dtype,
+    }
+    return [
+        NativeLayer("gated_delta", dict(delta)) if t == "linear_attention" else NativeLayer("full", dict(attn))
+        for t in kinds
+    ]
