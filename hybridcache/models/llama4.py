@@ -15,12 +15,13 @@ from hybridcache.blocks.llama4_moe import Llama4MoE
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.config_pieces import AttentionFields
+from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
-class Llama4Config(FamilyConfig):
+class Llama4Config(AttentionFields):
     """HF Llama4TextConfig (transformers 5) fields the model reads, with HF defaults (older configs'
     `rope_scaling` + `rope_theta` are read when `rope_parameters` is absent)."""
 
@@ -40,7 +41,6 @@ class Llama4Config(FamilyConfig):
     moe_layers: list[int] | None = param(None, nonnegative=True)  # else every interleave_moe_layer_step-th
     interleave_moe_layer_step: int = param(1, positive=True)
     use_qk_norm: bool = True
-    rope_parameters: dict | None = None
     rope_scaling: dict | None = None
     rope_theta: float = param(500_000.0, positive=True)
     no_rope_layers: list[int] | None = param(None, nonnegative=True)  # 1 = RoPE layer, 0 = NoPE layer
@@ -50,17 +50,14 @@ class Llama4Config(FamilyConfig):
     attn_temperature_tuning: bool = True
     floor_scale: int | float = param(8192, positive=True)
     attn_scale: float = 0.1
-    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and self.hidden_size % self.num_attention_heads == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     def problems(self) -> list[str]:
-        out = attention_problems(self)
+        out = super().problems()
         for name in ("layer_types", "no_rope_layers"):
             bad = length_problem(name, getattr(self, name), self.num_hidden_layers)
             out += [bad] if bad else []
@@ -74,36 +71,35 @@ class Llama4Config(FamilyConfig):
             )
         return out
 
+    @property
+    def uses_rope(self) -> list[bool]:
+        """Per layer: does it apply RoPE? (HF's `no_rope_layers` holds 1 for RoPE layers, 0 for NoPE layers.)"""
+        flags = self.no_rope_layers
+        if not flags:
+            interval = self.no_rope_layer_interval
+            flags = [int((i + 1) % interval != 0) for i in range(self.num_hidden_layers)]
+        return [bool(f) for f in flags]
 
-def uses_rope(config: dict) -> list[bool]:
-    """Per layer: does it apply RoPE? (HF's `no_rope_layers` holds 1 for RoPE layers, 0 for NoPE layers.)"""
-    flags = config.get("no_rope_layers")
-    if not flags:
-        interval = config.get("no_rope_layer_interval", 4)
-        flags = [int((i + 1) % interval != 0) for i in range(config["num_hidden_layers"])]
-    return [bool(f) for f in flags]
+    @property
+    def types(self) -> list[str]:
+        if self.layer_types:
+            return list(self.layer_types)
+        return ["chunked_attention" if rope else "full_attention" for rope in self.uses_rope]
 
+    @property
+    def moe_layer_set(self) -> set[int]:
+        if self.moe_layers is not None:
+            return set(self.moe_layers)
+        step = self.interleave_moe_layer_step
+        return set(range(step - 1, self.num_hidden_layers, step))
 
-def layer_types(config: dict) -> list[str]:
-    if config.get("layer_types"):
-        return list(config["layer_types"])
-    return ["chunked_attention" if rope else "full_attention" for rope in uses_rope(config)]
-
-
-def moe_layers(config: dict) -> set[int]:
-    if config.get("moe_layers") is not None:
-        return set(config["moe_layers"])
-    step = config.get("interleave_moe_layer_step", 1)
-    return set(range(step - 1, config["num_hidden_layers"], step))
-
-
-def rope_parameters(config: dict) -> dict:
-    """`rope_parameters` (transformers 5), or the older `rope_scaling` + `rope_theta` of saved configs."""
-    if config.get("rope_parameters"):
-        return dict(config["rope_parameters"])
-    params = dict(config.get("rope_scaling") or {"rope_type": "default"})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return {**params, "rope_theta": config.get("rope_theta", 500000.0)}
+    def rope(self) -> dict:
+        """`rope_parameters` (transformers 5), or the older `rope_scaling` + `rope_theta` of saved configs."""
+        if self.rope_parameters:
+            return dict(self.rope_parameters)
+        params = dict(self.rope_scaling or {"rope_type": "default"})
+        params.setdefault("rope_type", params.pop("type", "default"))
+        return {**params, "rope_theta": self.rope_theta}
 
 
 class L2Norm(nn.Module):
@@ -149,30 +145,29 @@ class TemperatureTuning(nn.Module):
 
 
 class Llama4DecoderLayer(nn.Module):
-    def __init__(self, config: dict, rotary: Llama4Rotary | None, is_moe: bool) -> None:
+    def __init__(self, cfg: Llama4Config, rotary: Llama4Rotary | None, is_moe: bool) -> None:
         super().__init__()
-        d, eps, head_dim = config["hidden_size"], config.get("rms_norm_eps", 1e-5), config["head_dim"]
-        act, bias = config.get("hidden_act", "silu"), config.get("attention_bias", False)
+        d, eps, head_dim, act = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim, cfg.hidden_act
         hook = None
-        if rotary is None and config.get("attn_temperature_tuning", True):
-            hook = TemperatureTuning(config.get("floor_scale", 8192), config.get("attn_scale", 0.1))
+        if rotary is None and cfg.attn_temperature_tuning:
+            hook = TemperatureTuning(cfg.floor_scale, cfg.attn_scale)
         self.self_attn = AttentionMixer(
             d,
-            config["num_attention_heads"],
-            config["num_key_value_heads"],
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
             head_dim,
-            qkv_bias=bias,
-            o_bias=bias,
+            qkv_bias=cfg.attention_bias,
+            o_bias=cfg.attention_bias,
             scale=head_dim**-0.5,
             rotary=rotary,
             query_hook=hook,
         )
         if is_moe:
             self.feed_forward: nn.Module = Llama4MoE(
-                d, config["intermediate_size"], config["num_local_experts"], config.get("num_experts_per_tok", 1), act
+                d, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok, act
             )
         else:
-            self.feed_forward = GatedMLP(d, config["intermediate_size_mlp"], act)
+            self.feed_forward = GatedMLP(d, cfg.intermediate_size_mlp, act)
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
 
@@ -184,18 +179,17 @@ class Llama4DecoderLayer(nn.Module):
 
 
 class Llama4Inner(nn.Module):
-    def __init__(self, config: dict) -> None:
+    def __init__(self, cfg: Llama4Config) -> None:
         super().__init__()
-        d, head_dim = config["hidden_size"], config["head_dim"]
-        self.embed_tokens = nn.Embedding(config["vocab_size"], d)
-        inv_freq, scaling = rope_frequencies(config, rope_parameters(config), head_dim)
-        qk_norm = L2Norm(config.get("rms_norm_eps", 1e-5)) if config.get("use_qk_norm", True) else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        inv_freq, scaling = rope_frequencies(cfg.to_dict(), cfg.rope(), cfg.head_dim)
+        qk_norm = L2Norm(cfg.rms_norm_eps) if cfg.use_qk_norm else None
         rotary = Llama4Rotary(inv_freq, scaling, qk_norm)  # shared by the RoPE layers
-        moe = moe_layers(config)
+        moe = cfg.moe_layer_set
         self.layers = nn.ModuleList(
-            Llama4DecoderLayer(config, rotary if rope else None, i in moe) for i, rope in enumerate(uses_rope(config))
+            Llama4DecoderLayer(cfg, rotary if rope else None, i in moe) for i, rope in enumerate(cfg.uses_rope)
         )
-        self.norm = RMSNorm(d, config.get("rms_norm_eps", 1e-5))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 @register_family("llama4_text")
@@ -208,14 +202,14 @@ class Llama4LM(HybridLM):
         cfg = self.config_class.from_hf(config)
         super().__init__(cfg.to_dict())
         self.cfg = cfg
-        self.types = layer_types(self.config)
-        self.model = Llama4Inner(self.config)
-        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
+        self.types = cfg.types
+        self.model = Llama4Inner(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.config
-        attn = {"num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "dtype": self.dtype}
-        chunk = c.get("attention_chunk_size")
+        c = self.cfg
+        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": self.dtype}
+        chunk = c.attention_chunk_size
         return [
             NativeLayer("chunked", {**attn, "chunk_size": chunk})
             if t == "chunked_attention" and chunk
