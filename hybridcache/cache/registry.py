@@ -73,7 +73,9 @@ def load_plugins(modules: Iterable[str]) -> list[str]:
 
 
 def _load_entry_points() -> None:
-    """Import the modules that installed packages declare under `hybridcache.cache_layers` (once)."""
+    """Import the modules that installed packages declare under `hybridcache.cache_layers` (once). The same group
+    carries plugin model families (models/registry.py loads it through here): importing a module registers whatever
+    cache types and families it defines."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
@@ -82,7 +84,7 @@ def _load_entry_points() -> None:
         try:
             ep.load()
         except Exception as e:  # noqa: BLE001 - a broken plugin names itself instead of breaking every config
-            raise CacheConfigError(f"cache plugin entry point '{ep.name}' ({ep.value}) failed to load: {e}") from e
+            raise CacheConfigError(f"plugin entry point '{ep.name}' ({ep.value}) failed to load: {e}") from e
 
 
 def available_layers(kind: str | None = None) -> list[str]:

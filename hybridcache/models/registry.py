@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from importlib import metadata
 from typing import TypeVar
 
-from hybridcache.cache.registry import ENTRY_POINT_GROUP
+from hybridcache.cache import registry as cache_registry
+from hybridcache.cache.errors import CacheConfigError
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import ConfigError, FamilyConfig
 
@@ -38,7 +38,6 @@ BUILTIN = {
 }
 
 _FAMILIES: dict[str, type[HybridLM]] = {}
-_entry_points_loaded = False
 M = TypeVar("M", bound=type[HybridLM])
 
 
@@ -70,16 +69,12 @@ def register_family(model_type: str, *, replace: bool = False) -> Callable[[M], 
 
 
 def _load_entry_points() -> None:
-    """Import the plugin modules installed packages declare (once); a broken one names itself."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()
-        except Exception as e:  # noqa: BLE001 - report which plugin broke, not a bare traceback
-            raise ConfigError("model", [f"plugin entry point '{ep.name}' ({ep.value}) failed to load: {e}"]) from e
+    """Import the plugin modules installed packages declare (once, shared with the cache types' registry); a broken
+    one names itself."""
+    try:
+        cache_registry._load_entry_points()
+    except CacheConfigError as e:
+        raise ConfigError("model", [str(e)]) from e
 
 
 def available_families() -> list[str]:
