@@ -24,12 +24,13 @@ from hybridcache.blocks.rglru import RecurrentBlock
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+from hybridcache.models.config_pieces import AttentionFields
+from hybridcache.models.family_config import param
 from hybridcache.models.registry import register_family
 
 
 @dataclass(kw_only=True)
-class RecurrentGemmaConfig(FamilyConfig):
+class RecurrentGemmaConfig(AttentionFields):
     """HF RecurrentGemmaConfig (transformers 5) fields the model reads, with HF defaults."""
 
     family: ClassVar[str] = "recurrentgemma"
@@ -39,27 +40,20 @@ class RecurrentGemmaConfig(FamilyConfig):
     eos_token_id: int | list[int] | None = 1
     intermediate_size: int = param(positive=True)
     num_attention_heads: int = param(positive=True)
-    num_key_value_heads: int | None = param(None, positive=True)  # None: num_attention_heads
-    head_dim: int | None = param(None, positive=True)  # None: hidden_size // num_attention_heads
     lru_width: int | None = param(None, positive=True)  # None: hidden_size
     attention_window_size: int = param(2048, positive=True, aliases=("sliding_window",))
     conv1d_width: int = param(4, positive=True)
     logits_soft_cap: float | None = param(30.0, nonnegative=True)
-    rms_norm_eps: float = param(1e-6, positive=True)
     hidden_activation: str = "gelu_pytorch_tanh"
-    rope_parameters: dict | None = None
-    rope_theta: float = param(10_000.0, positive=True)
     partial_rotary_factor: float = param(0.5, positive=True)
     block_types: list[str] = param(["recurrent", "recurrent", "attention"], choices=("recurrent", "attention"))
-    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.lru_width = self.lru_width or self.hidden_size
 
     def problems(self) -> list[str]:
-        out = attention_problems(self)
+        out = super().problems()
         if not self.block_types:
             out.append("block_types is empty")
         if self.lru_width % self.num_attention_heads:
@@ -68,71 +62,49 @@ class RecurrentGemmaConfig(FamilyConfig):
             )
         return out
 
+    @property
+    def types(self) -> list[str]:
+        """ "recurrent" / "attention" for every layer: `block_types` repeated over num_hidden_layers."""
+        return list(islice(cycle(self.block_types), self.num_hidden_layers))
 
-def block_types(config: dict) -> list[str]:
-    """ "recurrent" / "attention" for every layer: `block_types` repeated over num_hidden_layers."""
-    types = list(config.get("block_types") or ("recurrent", "recurrent", "attention"))
-    out = list(islice(cycle(types), config["num_hidden_layers"]))
-    unknown = set(out) - {"recurrent", "attention"}
-    if unknown:
-        raise ValueError(f"unsupported RecurrentGemma block types {sorted(unknown)} (supported: recurrent, attention)")
-    return out
-
-
-def head_dim(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def rotary(config: dict) -> RotaryEmbedding:
-    """Partial rotary on the first head_dim * partial_rotary_factor features (default 0.5, as HF)."""
-    params = dict(config.get("rope_parameters") or {})
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
-    dim = int(head_dim(config) * factor)
-    return RotaryEmbedding(*rope_frequencies(config, params, dim))
+    def rotary(self) -> RotaryEmbedding:
+        """Partial rotary on the first head_dim * partial_rotary_factor features (default 0.5, as HF)."""
+        params = dict(self.rope_parameters or {})
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", self.rope_theta)
+        dim = int(self.attention_head_dim * params.get("partial_rotary_factor", self.partial_rotary_factor))
+        return RotaryEmbedding(*rope_frequencies(self.to_dict(), params, dim))
 
 
 class RecurrentGemmaMLP(GatedMLP):
     """Gated MLP with biases and half the configured intermediate size (HF's RecurrentGemmaMlp)."""
 
-    def __init__(self, config: dict) -> None:
-        super().__init__(
-            config["hidden_size"],
-            config["intermediate_size"] // 2,
-            config.get("hidden_activation", "gelu_pytorch_tanh"),
-            bias=True,
-        )
+    def __init__(self, cfg: RecurrentGemmaConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.intermediate_size // 2, cfg.hidden_activation, bias=True)
 
 
 class RecurrentGemmaDecoderLayer(nn.Module):
-    def __init__(self, config: dict, kind: str, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: RecurrentGemmaConfig, kind: str, rope: RotaryEmbedding) -> None:
         super().__init__()
-        d, eps, heads = config["hidden_size"], config.get("rms_norm_eps", 1e-6), config["num_attention_heads"]
+        d, eps, heads = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_attention_heads
         self.kind = kind
         self.temporal_pre_norm = RMSNorm(d, eps, unit_offset=True)
         if kind == "attention":
-            hd = head_dim(config)
+            hd = cfg.attention_head_dim
             self.temporal_block = AttentionMixer(
                 d,
                 heads,
-                config.get("num_key_value_heads") or heads,
+                cfg.num_key_value_heads,
                 hd,
-                qkv_bias=config.get("attention_bias", False),
+                qkv_bias=cfg.attention_bias,
                 o_bias=True,
                 scale=hd**-0.5,
                 rotary=rope,
             )
         else:
-            self.temporal_block = RecurrentBlock(
-                d,
-                config.get("lru_width") or d,
-                heads,
-                config.get("conv1d_width", 4),
-                config.get("hidden_activation", "gelu_pytorch_tanh"),
-            )
+            self.temporal_block = RecurrentBlock(d, cfg.lru_width, heads, cfg.conv1d_width, cfg.hidden_activation)
         self.channel_pre_norm = RMSNorm(d, eps, unit_offset=True)
-        self.mlp_block = RecurrentGemmaMLP(config)
+        self.mlp_block = RecurrentGemmaMLP(cfg)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         h = h + self.temporal_block(self.temporal_pre_norm(h), layer, step)
@@ -140,12 +112,12 @@ class RecurrentGemmaDecoderLayer(nn.Module):
 
 
 class RecurrentGemmaInner(nn.Module):
-    def __init__(self, config: dict, types: list[str]) -> None:
+    def __init__(self, cfg: RecurrentGemmaConfig, types: list[str]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        rope = rotary(config)
-        self.layers = nn.ModuleList(RecurrentGemmaDecoderLayer(config, t, rope) for t in types)
-        self.final_norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), unit_offset=True)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = cfg.rotary()
+        self.layers = nn.ModuleList(RecurrentGemmaDecoderLayer(cfg, t, rope) for t in types)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
 
 
 @register_family("recurrent_gemma")
@@ -158,37 +130,30 @@ class RecurrentGemmaLM(HybridLM):
         cfg = self.config_class.from_hf(config)
         super().__init__(cfg.to_dict())
         self.cfg = cfg
-        self.types = block_types(self.config)
-        self.model = RecurrentGemmaInner(self.config, self.types)
-        self.lm_head = nn.Linear(self.config["hidden_size"], self.config["vocab_size"], bias=False)
+        self.types = cfg.types
+        self.model = RecurrentGemmaInner(cfg, self.types)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.config
+        c = self.cfg
         attn = NativeLayer(
             "sliding",
             {
-                "num_kv_heads": c.get("num_key_value_heads") or c["num_attention_heads"],
-                "head_dim": head_dim(c),
+                "num_kv_heads": c.num_key_value_heads,
+                "head_dim": c.attention_head_dim,
                 "dtype": self.dtype,
-                "window": c.get("attention_window_size", 2048),  # W visible incl. current (as HF)
+                "window": c.attention_window_size,  # W visible incl. current (as HF)
             },
         )
-        lru = NativeLayer(
-            "rglru",
-            {
-                "lru_width": c.get("lru_width") or c["hidden_size"],
-                "conv_kernel": c.get("conv1d_width", 4),
-                "dtype": self.dtype,
-            },
-        )
+        lru = NativeLayer("rglru", {"lru_width": c.lru_width, "conv_kernel": c.conv1d_width, "dtype": self.dtype})
         return [attn if t == "attention" else lru for t in self.types]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [B, T, D]
-        normalizer = torch.tensor(self.config["hidden_size"] ** 0.5, dtype=torch.bfloat16)  # HF rounds it to bf16
+        normalizer = torch.tensor(self.cfg.hidden_size**0.5, dtype=torch.bfloat16)  # HF rounds it to bf16
         return h * normalizer.to(device=h.device, dtype=h.dtype)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.model.final_norm(h))
-        cap = self.config.get("logits_soft_cap")
+        cap = self.cfg.logits_soft_cap
         return cap * torch.tanh(logits / cap) if cap else logits
