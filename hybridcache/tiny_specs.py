@@ -1,6 +1,8 @@
 """What each tiny checkpoint is (tiny_models.py builds them): per family the HF config and model class names
 and the config values that exercise every cache-relevant path of the family, plus named larger variants (SIZES)."""
 
+from hybridcache.tiny_specs_recent import RECENT_EAGER, RECENT_SPECS
+
 # Untied LM heads: with tied embeddings a tiny random model mostly predicts its
 # own input token (e_t . e_t dominates the logits), so greedy decoding repeats it.
 COMMON = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
@@ -337,6 +339,9 @@ EAGER = {
     "qwen3_5",
     "lfm3",
 }
+
+FAMILY_SPECS.update(RECENT_SPECS)
+EAGER |= RECENT_EAGER
 
 # Named variants of the tiny checkpoints (family -> overrides); "tiny" is the default. "20m": larger, for benchmarks;
 # "vllm": what vLLM needs where the default differs on purpose: vLLM-CPU pages chunked attention in KV blocks of a
