@@ -28,6 +28,9 @@ class AttentionMixer(nn.Module):
     `out_hidden` (Zamba2): o_proj writes this width instead of `hidden` (its shared attention reads [h, embeddings]).
     `forward(..., extra=(q, k, v))` adds per-call terms to the projections, [B, T, H*D] each or None (Zamba2's
     per-use LoRA adapters on one shared attention).
+    `sinks=True` (GPT-OSS, GraniteSWA): a learned logit per query head, `sinks` [Hq], in every softmax denominator
+    (a model parameter, not cache state). The decode kernel has no sink column, so such a mixer always attends by
+    masked_attention's torch path (correctness first).
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class AttentionMixer(nn.Module):
         query_hook: Callable[[torch.Tensor, StepInput], torch.Tensor] | None = None,
         output_gate: bool = False,
         out_hidden: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -58,6 +62,7 @@ class AttentionMixer(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap, self.rotary, self.query_hook = softcap, rotary, query_hook
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # [Hq]
         self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one matmul once fused (from_pretrained)
 
     def projection_groups(self) -> list[LinearGroup]:
@@ -182,18 +187,21 @@ class AttentionMixer(nn.Module):
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = None
         if layer.wants_attention_weights or wants_queries:  # score-based eviction reads the block's weights
-            out, weights = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, return_weights=True)
+            out, weights = masked_attention(
+                q, keys, values, view.mask, self.scale, self.softcap, return_weights=True, sinks=self.sinks
+            )
             if wants_queries:
                 rotation = None if self.rotary is None else partial(self.rotary.mean_rotation, head_dim=d)
                 layer.observe_attention(weights, QueryInputs(q_pre, rotation, self.scale))
             else:
                 layer.observe_attention(weights)
-        elif t == 1 and not torch.compiler.is_compiling():  # a decode step: the kernel reads positions, no mask
+        # a decode step: the kernel reads positions, no mask (it has no sink column: with sinks, the torch path)
+        elif t == 1 and self.sinks is None and not torch.compiler.is_compiling():
             pattern = view.pattern()
             if pattern is not None:
                 out = decode_attention(q, keys, values, None, self.scale, self.softcap, positions=pattern)
         if out is None:
-            out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap)
+            out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, sinks=self.sinks)
         out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)

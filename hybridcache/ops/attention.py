@@ -21,6 +21,7 @@ def masked_attention(
     scale: float,
     softcap: float | None = None,
     return_weights: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with an explicit boolean visibility mask.
 
@@ -33,6 +34,9 @@ def masked_attention(
             (patterns that keep different tokens per head).
         scale: multiplier applied to q @ k^T.
         softcap: if set, scores = softcap * tanh(scores / softcap).
+        sinks: [Hq] learned per-head sink logits (GPT-OSS, GraniteSWA), or None: one extra logit per head in the
+            softmax denominator that takes probability mass but adds no value (the weights then sum to < 1).
+            Only the explicit torch path below takes them: neither the decode kernel nor SDPA has such a column.
 
     Returns:
         [B, Hq, T, Dv] in q.dtype (and the attention weights [B, Hq, T, S] with `return_weights`). Scores,
@@ -52,13 +56,16 @@ def masked_attention(
     if mask.dim() not in (3, 4) or mask.shape[-2:] != (t, s) or (mask.dim() == 4 and mask.shape[1] != hkv):
         raise ValueError(f"mask {tuple(mask.shape)} does not match [B, {t}, {s}] or [B, {hkv}, {t}, {s}]")
     heads = mask.dim() == 4
-    if t == 1 and not return_weights and not torch.compiler.is_compiling():  # a decode step: one kernel call
+    if (
+        t == 1 and not return_weights and sinks is None and not torch.compiler.is_compiling()
+    ):  # a decode step: one kernel call
         out = decode_attention(q, k, v, mask, scale, softcap)
         if out is not None:
             return out
     if (
         t > 1
         and not return_weights
+        and sinks is None
         and softcap is None
         and q.dtype in (torch.float32, torch.float64)
         and k.dtype == q.dtype
@@ -79,7 +86,12 @@ def masked_attention(
         scores = softcap * torch.tanh(scores / softcap)
     # masked_fill (not an additive mask): a NaN/inf score in a hidden slot is replaced, never added to
     mask5 = mask[:, :, None] if heads else mask[:, None, None]  # [B, Hkv or 1, 1, T, S]
-    probs = torch.softmax(scores.masked_fill(~mask5, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~mask5, float("-inf"))
+    if sinks is not None:  # the sink column: in the softmax denominator, dropped before the weighted sum
+        sink = sinks.to(acc).view(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     empty = ~mask5.any(dim=-1, keepdim=True)  # queries that see nothing get zeros, not softmax's NaN
     probs = probs.masked_fill(empty, 0.0)
 
