@@ -22,13 +22,13 @@ from rich.progress import Progress
 
 import hybridcache as hc
 from experiments.benchmark_systems import hf_phases, ours_phases
-from experiments.benchmark_table import print_tables, subtracted_row, summarize, timed_row
+from experiments.benchmark_table import print_tables, summarize, timed_row
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
 from experiments.figure_style import cfg_context
 from experiments.plots import log_benchmark, scaling_lines, throughput_bars
 from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
 from experiments.run_context import RunContext
-from experiments.timing import time_phases
+from experiments.timing import MIN_REPEATS, judge, time_phases
 from hybridcache.ops.cpu_kernels import kernel_status
 from hybridcache.tiny_models import tiny_checkpoint
 
@@ -118,7 +118,7 @@ def throughput(
     ref = models = None  # free the HF copy and the variants before a vLLM engine starts
     if runner is not None:
         progress.update(task, description="vLLM (its own engine; start reported apart)")
-        rows += vllm_rates(runner, b, model.vocab_size)
+        rows += vllm_rates(runner, b, model.vocab_size, float(b.get("max_spread") or MAX_SPREAD))
     return rows, memory
 
 
@@ -137,19 +137,18 @@ def vllm_runner(checkpoint: str, cfg: DictConfig):
     )
 
 
-def vllm_rates(runner, b: DictConfig, vocab: int) -> list[dict]:
-    """vLLM prefill and decode tokens/s per batch size, all in one engine whose start is reported apart. Its worker
-    reports medians of a 1-token and a full generation only: decode = their difference, unreliable when not positive
-    (`subtracted_row`)."""
+def vllm_rates(runner, b: DictConfig, vocab: int, max_spread: float) -> list[dict]:
+    """vLLM prefill and decode tokens/s per batch size, all in one engine whose start is reported apart. The worker
+    times each phase on its own (to every request's first token, then to the last) in at least MIN_REPEATS runs;
+    each phase is judged like ours (median, spread, unreliable with a reason)."""
     batches = [
         torch.randint(3, vocab, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)).tolist()
         for batch in b.batch_sizes
     ]
     rows = []
-    for t in runner.time_batches(batches, int(b.new_tokens), int(b.repeats)):
-        row = subtracted_row(
-            "vllm", t["batch"], b.prompt_tokens, int(b.new_tokens), t["prefill_s"], t["total_s"], b.repeats
-        )
+    for t in runner.time_batches(batches, int(b.new_tokens), max(int(b.repeats), MIN_REPEATS)):
+        prefill, decode = judge(t["prefill_samples"], max_spread), judge(t["decode_samples"], max_spread)
+        row = timed_row("vllm", t["batch"], b.prompt_tokens, int(b.new_tokens), prefill, decode)
         rows.append({**row, "engine_start_s": runner.engine_seconds})
     return rows
 

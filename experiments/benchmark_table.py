@@ -35,21 +35,6 @@ def timed_row(system: str, batch: int, prompt: int, new: int, prefill: Timing, d
     }
 
 
-def subtracted_row(system: str, batch: int, prompt: int, new: int, prefill_s: float, total_s: float, repeats: int):
-    """A row from a runner that reports only the medians of a 1-token and a full generation (vLLM's worker): decode =
-    their difference, shown only when positive (`decode_note` says how it was derived); spreads unknown."""
-    pre = Timing(prefill_s, None, [prefill_s] * repeats, None if prefill_s > 0 else "prefill not positive")
-    decode_s = total_s - prefill_s
-    dec = Timing(decode_s, None, [decode_s] * repeats, None)
-    if not decode_s > 0:
-        dec = Timing(
-            None, None, [decode_s] * repeats, f"total {total_s:.3g} s not longer than prefill {prefill_s:.3g} s"
-        )
-    row = timed_row(system, batch, prompt, new, pre, dec)
-    row.update(total_s=total_s, decode_note="total - prefill (the runner's medians; spread unknown)")
-    return row
-
-
 def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
     """Summary keys; a speed-up vs HF only where both timings are reliable (the reason is kept otherwise)."""
     out: dict[str, Any] = {"peak_rss_mib": rss_mib, "throughput_wall_s": seconds}

@@ -219,7 +219,8 @@ class VLLMRunner(ReferenceRunner):
 
     def time_batches(self, batches: list[list[list[int]]], max_new_tokens: int, repeats: int = 1) -> list[dict]:
         """Prefill and decode timings per batch of prompts, all in one engine (its start is `engine_seconds`):
-        [{"batch", "prefill_s" (a 1-token generation), "total_s" (a max_new_tokens one)}], medians over repeats."""
+        [{"batch", "prefill_samples", "decode_samples"}], seconds per repeat, each phase timed on its own (the worker's
+        `phases`: to every request's first token, then to the last)."""
         request = {
             "model": self.checkpoint,
             "dtype": self.dtype,

@@ -79,30 +79,43 @@ def main(request_path: str, answer_path: str) -> None:
     )
 
 
-def timings(llm, request, SamplingParams, TokensPrompt) -> list:
-    """Per batch: a 1-token generation (prefill) and an N-token one back to back, medians over repeats after one
-    warm-up pair; eos ignored so every run decodes exactly N tokens."""
-
-    def params(n):
-        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-
+def timings(llm, request, SamplingParams, TokensPrompt, clock=time.perf_counter) -> list:
+    """Per batch, prefill and decode seconds of every repeat, each phase timed on its own (nothing subtracted): one
+    warm-up run, then `repeats` runs of `phases`. eos ignored so every run decodes exactly N tokens."""
+    n = int(request["max_new_tokens"])
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
     out = []
-    for run in request["timing"]:
+    for b, run in enumerate(request["timing"]):
         prompts = [TokensPrompt(prompt_token_ids=p) for p in run["prompts"]]
-        n = request["max_new_tokens"]
-        llm.generate(prompts, params(1), use_tqdm=False)
-        llm.generate(prompts, params(n), use_tqdm=False)
-        pairs = []
-        for _ in range(int(request.get("repeats", 1))):
-            start = time.perf_counter()
-            llm.generate(prompts, params(1), use_tqdm=False)
-            middle = time.perf_counter()
-            llm.generate(prompts, params(n), use_tqdm=False)
-            pairs.append((middle - start, time.perf_counter() - middle))
-        pairs.sort(key=lambda p: p[1] - p[0])
-        prefill, total = pairs[len(pairs) // 2]
-        out.append({"batch": len(prompts), "prefill_s": prefill, "total_s": total})
+        phases(llm.llm_engine, prompts, params, n, f"warmup{b}", clock)
+        runs = [phases(llm.llm_engine, prompts, params, n, f"b{b}r{r}", clock) for r in range(int(request["repeats"]))]
+        out.append(
+            {"batch": len(prompts), "prefill_samples": [p for p, _ in runs], "decode_samples": [d for _, d in runs]}
+        )
     return out
+
+
+def phases(engine, prompts, params, n: int, tag: str, clock) -> tuple[float, float]:
+    """(prefill, decode) seconds of one batch, stepping vLLM's engine as `LLM.generate` does: prefill from adding the
+    requests to the step after which every request has its first token; decode from there to the step that finishes
+    them all (the other n - 1 tokens). Refuses a run that did not produce exactly n tokens per request."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    produced: dict[str, int] = {}
+    start = clock()
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    first = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            produced[output.request_id] = len(output.outputs[0].token_ids)
+        if first is None and len(produced) == len(ids) and min(produced.values()) >= 1:
+            first = clock()
+    end = clock()
+    if first is None or sorted(produced) != sorted(ids) or set(produced.values()) != {n}:
+        raise RuntimeError(
+            f"vLLM timing run {tag}: expected {n} tokens for each of {len(ids)} requests, got {produced}"
+        )
+    return first - start, end - first
 
 
 if __name__ == "__main__":
