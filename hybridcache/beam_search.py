@@ -1,25 +1,35 @@
 """Beam search for every family: `hc.beam_search(model, input_ids, num_beams=4, ...)`.
 
-The prompt is prefilled once per row, the cache is repeated to B * num_beams rows, and after every step
-`cache.reorder(index)` moves each surviving beam's history (attention KV and recurrent states alike) to its row.
+A token source of generate's loop (generation.py `run_loop`), as HF's beam scorer is a strategy over one decoding
+loop: `BeamSource` owns the beams. The prompt is prefilled once per row, the cache is repeated to B * num_beams rows,
+and every step the source scores the candidates, moves each surviving beam's tokens so far and its cache history
+(`cache.reorder(index)`: attention KV and recurrent states alike) to its row, and hands the loop the new tokens; the
+loop records them, pads the rows of finished requests and applies the stopping criteria.
 Scoring follows Hugging Face's beam search: cumulative log-probabilities, 2 * num_beams candidates per row (more
 with several eos ids), an eos candidate among the top num_beams finishes a hypothesis scored
 sum_logprobs / generated_length ** length_penalty, and a row stops once num_beams hypotheses are finished and no
 running beam can beat the worst (early_stopping=False). `use_cache=False` recomputes every beam from scratch each
-step: the oracle for the reorder path.
+step: the oracle for the reorder path. A stopping criterion sees the B * num_beams beam rows after each step; a
+request finishes when it marks all of that request's beams (its running beams then become hypotheses, as at
+max_new_tokens); a partial mark is ignored.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hybridcache.cache import Cache
+from hybridcache.decoding import DecodeSource, GenerationState, Step, check_real_rows
+from hybridcache.generation import run_loop
 from hybridcache.generation_checks import check_generation_memory, request_mask
+from hybridcache.generation_hooks import StoppingCriteriaList
 from hybridcache.models.base import GenerationError, check_input_ids, check_mask_tensor
-from hybridcache.sampling import eos_ids, pad_token
+from hybridcache.sampling import BoundChooser, TokenChooser, eos_ids, pad_token
 
 
 @dataclass
@@ -40,8 +50,12 @@ def beam_search(
     length_penalty: float = 1.0,
     use_cache: bool = True,
     cache_config=None,
+    *,
+    logits_processor: Iterable[Any] = (),
+    stopping_criteria: Iterable[Any] = (),
 ) -> BeamSearchOutput:
-    """Beam search (see the module docstring); returns the best hypothesis per row."""
+    """Beam search (see the module docstring); returns the best hypothesis per row. `logits_processor`: callables
+    (input_ids [B * num_beams, T], log-probs [B * num_beams, V]) -> scores, as HF applies them in beam search."""
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise GenerationError(f"num_beams must be a positive integer, got {num_beams!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -71,75 +85,122 @@ def beam_search(
         f"beam search with num_beams={nb}",
         vocab_rows=3,
     )
+    chooser, stop = TokenChooser(logits_processor), StoppingCriteriaList(stopping_criteria)
     input_ids = input_ids.to(device)
     mask = request_mask(input_ids, attention_mask, device)
+    check_real_rows(mask)
     eos = torch.tensor(eos, dtype=torch.long, device=device)
     pad_id = pad_token(model.config, None, eos)
-    seqs = input_ids.repeat_interleave(nb, 0)  # [B * nb, T]
-    bmask = mask.repeat_interleave(nb, 0)
-    cache = None
-    if use_cache:
-        cache = model.make_cache(batch, cache_config)
-        logits = model(input_ids, cache, mask if not bool(mask.all()) else None)[:, -1]
-        cache.repeat(nb)  # row b * nb + j is beam j of row b
-        logits = logits.repeat_interleave(nb, 0)
-    else:
-        logits = model(seqs, model.make_cache(batch * nb, cache_config), bmask)[:, -1]
-    scores = torch.zeros(batch, nb, device=device, dtype=torch.float32)
-    scores[:, 1:] = -1e9  # the first step expands one beam per row (the others are copies)
-    finished: list[list[tuple[float, torch.Tensor]]] = [[] for _ in range(batch)]
-    done = [False] * batch
-    keep = max(2, 1 + eos.numel()) * nb
-    for step in range(max_new_tokens):
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [B * nb, V]
+    cache = model.make_cache(batch, cache_config) if use_cache else None
+    source = BeamSource(
+        model, cache, cache_config, nb, eos, length_penalty, GenerationState(input_ids, mask, input_ids[:, :0])
+    )
+    # row b * nb + j is beam j of request b
+    beams = GenerationState(
+        input_ids.repeat_interleave(nb, 0),
+        mask.repeat_interleave(nb, 0),
+        input_ids.new_full((batch * nb, max_new_tokens), pad_id),
+    )
+    run_loop(source, chooser, stop, None, beams, pad_id, False)
+    return source.result(beams, pad_id)
+
+
+class BeamSource:
+    """The beams of a batch: per request the running beams' scores and the finished hypotheses (HF's BeamScorer)."""
+
+    def __init__(self, model, cache: Cache | None, cache_config, nb: int, eos, length_penalty: float, prompt) -> None:
+        self.decoder = DecodeSource(model, cache, cache_config, None)  # feeds the prompt, then each step's tokens
+        self.cache, self.nb, self.eos, self.length_penalty, self.prompt = cache, nb, eos, length_penalty, prompt
+        batch = prompt.input_ids.shape[0]
+        self.scores = torch.zeros(batch, nb, device=eos.device, dtype=torch.float32)  # [B, nb] cumulative log-probs
+        self.scores[:, 1:] = -1e9  # the first step expands one beam per request (the others are copies)
+        self.finished: list[list[tuple[float, torch.Tensor]]] = [[] for _ in range(batch)]
+        self.done = [False] * batch
+        self.keep = max(2, 1 + eos.numel()) * nb  # candidates per request: enough to fill nb beams past the eos ones
+
+    def steps(self, choose: BoundChooser, state: GenerationState) -> Step:
+        logits = self.prefill(state)
+        while True:
+            self.finish_stopped(state)
+            logp = choose.process(torch.log_softmax(logits.float(), dim=-1))  # [B * nb, V]
+            rows, tokens = self.select(logp, state)
+            state.generated[:, : state.count] = state.generated[rows, : state.count]
+            state.done = torch.tensor(self.done, device=rows.device).repeat_interleave(self.nb)
+            if self.cache is not None:
+                self.cache.reorder(rows)  # every layer, attention KV and recurrent states, follows its beam
+            yield tokens, logp[rows]
+            logits = self.decoder.next_logits(state)
+
+    def prefill(self, state: GenerationState) -> torch.Tensor:
+        """Logits [B * nb, V]: the prompt fed once per request, then its cache repeated to the beams."""
+        if self.cache is None:
+            return self.decoder.prefill(state)  # the oracle: every beam recomputed
+        logits = self.decoder.prefill(self.prompt)
+        self.cache.repeat(self.nb)  # row b * nb + j is beam j of request b
+        return logits.repeat_interleave(self.nb, 0)
+
+    def select(self, logp: torch.Tensor, state: GenerationState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The nb best candidates per request: the source rows [B * nb] and their tokens [B * nb]; eos candidates
+        among the top nb become hypotheses."""
+        batch, nb, step, eos = len(self.done), self.nb, state.count, self.eos.tolist()
         vocab = logp.shape[-1]
-        cand = (logp.view(batch, nb, vocab) + scores[..., None]).view(batch, nb * vocab)
-        top, idx = cand.topk(keep, dim=1)  # [B, 2 * nb], sorted
+        cand = (logp.view(batch, nb, vocab) + self.scores[..., None]).view(batch, nb * vocab)
+        top, idx = cand.topk(self.keep, dim=1)  # [B, keep], sorted
         beam, token = idx // vocab, idx % vocab
-        new_beam = torch.zeros(batch, nb, dtype=torch.long, device=device)
+        new_beam = torch.zeros(batch, nb, dtype=torch.long, device=logp.device)
         new_token = torch.zeros_like(new_beam)
-        new_scores = torch.full_like(scores, -1e9)
+        new_scores = torch.full_like(self.scores, -1e9)
+        seqs = state.sequences()
         for b in range(batch):
             running = 0
-            for rank in range(keep):
+            for rank in range(self.keep):
                 tok, src, value = int(token[b, rank]), int(beam[b, rank]), float(top[b, rank])
-                if eos.numel() and tok in eos.tolist():
-                    if rank < nb and not done[b]:
+                if tok in eos:
+                    if rank < nb and not self.done[b]:
                         hyp = torch.cat([seqs[b * nb + src], token.new_tensor([tok])])
-                        _add(finished[b], hyp, value / ((step + 1) ** length_penalty), nb)
+                        _add(self.finished[b], hyp, value / ((step + 1) ** self.length_penalty), nb)
                     continue
                 new_beam[b, running], new_token[b, running], new_scores[b, running] = src, tok, value
                 running += 1
                 if running == nb:
                     break
-            if eos.numel() and len(finished[b]) == nb:
-                best_running = float(new_scores[b].max()) / ((step + 1) ** length_penalty)
-                done[b] = done[b] or min(s for s, _ in finished[b]) >= best_running
-        rows = (torch.arange(batch, device=device)[:, None] * nb + new_beam).view(-1)  # [B * nb]
-        seqs = torch.cat([seqs[rows], new_token.view(-1, 1)], dim=1)
-        bmask = torch.cat([bmask[rows], torch.ones_like(bmask[:, :1])], dim=1)
-        scores = new_scores
-        if use_cache:
-            cache.reorder(rows)  # every layer, attention KV and recurrent states, follows its beam
-        if all(done) or step == max_new_tokens - 1:
-            break
-        if use_cache:
-            logits = model(new_token.view(-1, 1), cache)[:, -1]
-        else:
-            logits = model(seqs, model.make_cache(batch * nb, cache_config), bmask)[:, -1]
-    generated = seqs.shape[1] - width
-    out, best_scores = [], []
-    for b in range(batch):
-        hyps = list(finished[b])
-        if not done[b]:
-            for j in range(nb):
-                _add(hyps, seqs[b * nb + j], float(scores[b, j]) / (generated**length_penalty), nb)
-        score, hyp = max(hyps, key=lambda h: h[0])
-        out.append(hyp)
-        best_scores.append(score)
-    length = max(h.shape[0] for h in out)
-    sequences = torch.stack([torch.cat([h, h.new_full((length - h.shape[0],), pad_id)]) for h in out])
-    return BeamSearchOutput(sequences, torch.tensor(best_scores), cache)
+            if eos and len(self.finished[b]) == nb:
+                best_running = float(new_scores[b].max()) / ((step + 1) ** self.length_penalty)
+                self.done[b] = self.done[b] or min(s for s, _ in self.finished[b]) >= best_running
+        self.scores = new_scores
+        rows = (torch.arange(batch, device=logp.device)[:, None] * nb + new_beam).view(-1)  # [B * nb]
+        return rows, new_token.view(-1)
+
+    def finish_stopped(self, state: GenerationState) -> None:
+        """Requests whose every beam a stopping criterion marked: their running beams become hypotheses."""
+        marked = state.done.view(-1, self.nb).all(1).tolist()
+        for b, stopped in enumerate(marked):
+            if stopped and not self.done[b]:
+                self.close(b, state)
+
+    def close(self, b: int, state: GenerationState) -> None:
+        """Request b ends here: its running beams join its hypotheses at their length (HF's finalize)."""
+        seqs = state.sequences()
+        for j in range(self.nb):
+            score = float(self.scores[b, j]) / (state.count**self.length_penalty)
+            _add(self.finished[b], seqs[b * self.nb + j], score, self.nb)
+        self.done[b] = True
+
+    def result(self, state: GenerationState, pad_id: int) -> BeamSearchOutput:
+        """The best hypothesis per request, padded with pad_id to the longest."""
+        out, best_scores = [], []
+        for b in range(len(self.done)):
+            if not self.done[b]:
+                self.close(b, state)
+            score, hyp = max(self.finished[b], key=lambda h: h[0])
+            out.append(hyp)
+            best_scores.append(score)
+        length = max(h.shape[0] for h in out)
+        sequences = torch.stack([torch.cat([h, h.new_full((length - h.shape[0],), pad_id)]) for h in out])
+        return BeamSearchOutput(sequences, torch.tensor(best_scores), self.cache)
+
+    def finish(self, out: Any, state: GenerationState) -> None:
+        return None
 
 
 def _add(hyps: list[tuple[float, torch.Tensor]], hyp: torch.Tensor, score: float, nb: int) -> None:

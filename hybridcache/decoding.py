@@ -50,6 +50,12 @@ class GenerationState:
         return torch.cat([self.input_ids, self.generated[:, : self.count]], dim=1)
 
 
+def check_real_rows(mask: torch.Tensor) -> None:
+    """Every row of a request's bool mask [B, T] has a real token (else its first step has nothing to attend to)."""
+    if not bool(mask.any(1).all()):
+        raise GenerationError("every row needs at least one real token (a row of the attention_mask is all zeros)")
+
+
 def awaiting_prompt(cache: Cache) -> bool:
     """Whether a layer of `cache` compresses the next block it sees as the prompt (score-based, mode: prefill)."""
     return any(

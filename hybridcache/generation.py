@@ -11,7 +11,8 @@ left padding, continuation.
 
 Continuation (decoding.py): with `cache=`, `input_ids` (and `attention_mask`) cover the WHOLE sequence, the
 `cache.columns` tokens the cache saw followed by new ones; passing only the new tokens is an error.
-Beam search (beam_search.py) keeps B * num_beams rows and reorders them: its own loop over the same checks.
+Beam search (beam_search.py) is one more source over the same loop: `BeamSource` keeps B * num_beams rows, scores
+the processed log-probabilities and reorders the rows (and the cache) before each step's tokens reach the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hybridcache.decoding import (  # noqa: F401  (re-exported: the names genera
     GenerationState,
     PrefixSource,
     awaiting_prompt,
+    check_real_rows,
     compiled_decode_step,
 )
 from hybridcache.generation_checks import (  # noqa: F401  (re-exported)
@@ -96,8 +98,7 @@ def generate(
     device = model.device
     input_ids = input_ids.to(device)
     full_mask = request_mask(input_ids, attention_mask, device, " (the whole sequence)")
-    if not bool(full_mask.any(1).all()):
-        raise GenerationError("every row needs at least one real token (a row of the attention_mask is all zeros)")
+    check_real_rows(full_mask)
     eos = torch.tensor(eos_ids(cfg.eos_token_id, model.vocab_size), dtype=torch.long, device=device)
     pad_id = pad_token(model.config, cfg.pad_token_id, eos)
     batch, width = input_ids.shape
@@ -111,7 +112,7 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
     chooser = TokenChooser(chooser_hooks, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, generator)
     stop = StoppingCriteriaList([*([EosCriteria(eos)] if eos.numel() else []), *stopping_criteria])
-    logits = _loop(source, chooser, stop, as_streamer(streamer), state, pad_id, cfg.output_logits)
+    logits = run_loop(source, chooser, stop, as_streamer(streamer), state, pad_id, cfg.output_logits)
     out = GenerateOutput(state.sequences(), logits, source.cache)
     out.stats = source.finish(out, state)
     if out.cache is not None:
@@ -119,13 +120,11 @@ def generate(
     return out
 
 
-def _loop(source, chooser: TokenChooser, stop: StoppingCriteriaList, streamer, state, pad_id, keep_logits: bool):
-    """The generation loop: choose, pad finished rows, record, stream, stop. Returns the kept logits [B, T_new, V]."""
+def run_loop(source, chooser: TokenChooser, stop: StoppingCriteriaList, streamer, state, pad_id, keep_logits: bool):
+    """The generation loop (generate's and beam search's): the source steps, the loop pads finished rows, records,
+    streams and stops. Returns the kept logits [B, T_new, V]."""
     kept = []
-
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        return chooser(state.sequences() if chooser.processors else state.input_ids, logits)
-
+    choose = chooser.bind(lambda: state.sequences() if chooser.processors else state.input_ids)
     for token, logits in source.steps(choose, state):
         if keep_logits:
             kept.append(logits.to(torch.promote_types(logits.dtype, torch.float32)))

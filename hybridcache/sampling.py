@@ -1,8 +1,9 @@
 """Choosing the next token: logits processors (HF's `LogitsProcessor` convention), greedy and sampling.
 
-Below every generation path (generation.py's loop, speculative.py, beam_search.py), so none of them imports another
-for these helpers. A processor is any callable `(input_ids [B, T], scores [B, V]) -> scores [B, V]`, as in Hugging
-Face: the user's processors run first, then the sampler (greedy, or temperature / top-k / top-p sampling).
+Below every generation path (generation.py's loop and the token sources: decoding.py, speculative.py,
+beam_search.py), so none of them imports another for these helpers. A processor is any callable
+`(input_ids [B, T], scores [B, V]) -> scores [B, V]`, as in Hugging Face: the user's processors run first, then
+the sampler (greedy, or temperature / top-k / top-p sampling).
 """
 
 from __future__ import annotations
@@ -122,3 +123,21 @@ class TokenChooser:
         if self.do_sample:
             return sample_next(scores, self.temperature, self.top_k, self.top_p, self.generator)
         return greedy_next(scores)
+
+    def bind(self, history: Callable[[], torch.Tensor]) -> BoundChooser:
+        """This chooser reading the tokens so far from `history()` (what a token source is handed)."""
+        return BoundChooser(self, history)
+
+
+class BoundChooser:
+    """A chooser bound to the loop's tokens: `choose(logits [B, V]) -> token [B]`; `process` for a source that picks
+    tokens itself (beam search scores the processed log-probabilities)."""
+
+    def __init__(self, chooser: TokenChooser, history: Callable[[], torch.Tensor]) -> None:
+        self.chooser, self.history = chooser, history
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.chooser(self.history(), logits)
+
+    def process(self, scores: torch.Tensor) -> torch.Tensor:
+        return self.chooser.process(self.history(), scores)
