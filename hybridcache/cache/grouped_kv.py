@@ -73,6 +73,11 @@ def check_bits(owner: str, bits: Any, head_dim: int) -> None:
         )
 
 
+def is_count(n: Any, minimum: int = 1) -> bool:
+    """n is an integer (not a bool) >= minimum: the check behind every group size and residual length."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= minimum
+
+
 def tensor_nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -31,6 +31,7 @@ from hybridcache.cache.grouped_kv import (
     Keep,
     Staged,
     check_bits,
+    is_count,
     minmax_dequantize,
     minmax_quantize,
     pack,
@@ -61,11 +62,12 @@ class HFQuantizedStorage(GroupedKVStorage):
         for name, axis in (("axis_key", axis_key), ("axis_value", axis_value)):
             if axis not in (0, -1) or isinstance(axis, bool):
                 raise CacheConfigError(f"hf_quantized: {name} must be 0 or -1 (quanto), got {axis!r}")
-        for name, n in (("q_group_size", q_group_size), ("residual_length", residual_length)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < (1 if name == "q_group_size" else 0):
-                raise CacheConfigError(
-                    f"hf_quantized: {name} must be a {'positive' if n else 'non-negative'} integer, got {n!r}"
-                )
+        for name, n, least, what in (
+            ("q_group_size", q_group_size, 1, "positive"),
+            ("residual_length", residual_length, 0, "non-negative"),
+        ):
+            if not is_count(n, least):
+                raise CacheConfigError(f"hf_quantized: {name} must be a {what} integer, got {n!r}")
         self.bits, self.axes, self.group_size, self.residual_length = (
             nbits,
             (axis_key, axis_value),

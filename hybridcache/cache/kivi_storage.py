@@ -31,6 +31,7 @@ from hybridcache.cache.grouped_kv import (
     Keep,
     Staged,
     check_bits,
+    is_count,
     minmax_dequantize,
     minmax_quantize,
     pack,
@@ -55,12 +56,12 @@ class KiviStorage(GroupedKVStorage):
     ) -> None:
         check_bits("kivi", bits, head_dim)
         g, r = group_size, residual_length
-        if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or head_dim % g:
+        if not is_count(g) or head_dim % g:
             raise CacheConfigError(
                 f"kivi: group_size must be a positive divisor of head_dim {head_dim} (values are "
                 f"grouped along it), got {g!r}"
             )
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0 or r % g:
+        if not is_count(r) or r % g:
             raise CacheConfigError(
                 f"kivi: residual_length must be a positive multiple of group_size {g} (keys are "
                 f"flushed R at a time in groups of G), got {r!r}"

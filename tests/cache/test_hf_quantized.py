@@ -115,3 +115,19 @@ def test_crop_and_rows():
     feed(crossing, k, v, [6])  # groups of 4 rows of [B*H*N = 12, D] cross the two batch rows
     with pytest.raises(CacheError, match="cross batch rows"):
         crossing.select(torch.tensor([0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"q_group_size": 0}, "q_group_size must be a positive integer, got 0"),
+        ({"q_group_size": True}, "q_group_size must be a positive integer, got True"),
+        ({"residual_length": -1}, "residual_length must be a non-negative integer, got -1"),
+        ({"residual_length": 2.0}, "residual_length must be a non-negative integer, got 2.0"),
+    ],
+)
+def test_bad_group_size_and_residual_length_are_named(kwargs, message):
+    # q_group_size >= 1 and residual_length >= 0 (0: no dense buffer), each named with its own rule
+    with pytest.raises(CacheConfigError, match=message):
+        HFQuantizedStorage(1, 1, 8, torch.float32, **kwargs)
+    HFQuantizedStorage(1, 1, 8, torch.float32, q_group_size=8, residual_length=0)
