@@ -30,6 +30,19 @@ def _delta(delta, delta_bias, delta_softplus, acc, bias_shape):
     return F.softplus(d) if delta_softplus else d
 
 
+def _skip_and_gate(y, uf, D, z, acc):
+    """y + D * u (D already broadcast to u's layout) and then y * silu(z), each when given."""
+    if D is not None:
+        y = y + D.to(acc) * uf
+    if z is not None:
+        y = y * F.silu(z.to(acc))
+    return y
+
+
+def _f32(x):
+    return x.float() if x is not None else None
+
+
 def _time_chunk(b: int, dm: int, n: int) -> int:
     return max(1, _CHUNK_ELEMS // max(1, b * dm * n))
 
@@ -56,11 +69,7 @@ def _selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, de
             hs.append(h)
         ys.append(torch.einsum("btdn,bnt->bdt", torch.stack(hs, 1), C[..., sl].to(acc)))
     y = torch.cat(ys, dim=-1) if ys else uf.new_zeros(bsz, dm, 0)  # [B, Dm, T]
-
-    if D is not None:
-        y = y + D.to(acc)[:, None] * uf
-    if z is not None:
-        y = y * F.silu(z.to(acc))
+    y = _skip_and_gate(y, uf, D[:, None] if D is not None else None, z, acc)
     return y.to(u.dtype), (h if t > 0 else h.clone())
 
 
@@ -89,23 +98,18 @@ def _with_initial_state(zero_start_scan: Callable, u, delta, A, B, C, D, z, delt
         last = last.to(acc) + torch.exp(cum[..., -1:] * Af) * h0
     else:
         last = h0.clone()
-    if z is not None:
-        y = y * F.silu(z.to(acc))
-    return y.to(u.dtype), last.to(acc)
+    return _skip_and_gate(y, None, None, z, acc).to(u.dtype), last.to(acc)
 
 
 def _selective_scan_kernel(kernel, u, delta, A, B, C, D, z, delta_bias, delta_softplus, state):
     dt = u.dtype
-    D = D.float() if D is not None else None
-    delta_bias = delta_bias.float() if delta_bias is not None else None
+    D, delta_bias = _f32(D), _f32(delta_bias)
     args = (u, delta.to(dt), A.float(), B.to(dt), C.to(dt), D)
     if state is None:
         y, last = kernel(*args, z.to(dt) if z is not None else None, delta_bias, delta_softplus, return_last_state=True)
         return y, last.float()
     # selective_scan_fn has no initial-state argument: superpose its contribution.
-    return _with_initial_state(
-        kernel, u, delta.to(dt), A.float(), B.to(dt), C.to(dt), D, z, delta_bias, delta_softplus, state
-    )
+    return _with_initial_state(kernel, *args, z, delta_bias, delta_softplus, state)
 
 
 def selective_scan(
@@ -145,11 +149,7 @@ def _selective_state_update_torch(state, u, delta, A, B, C, D=None, z=None, delt
     dBu = (dt * uf)[..., None] * B.to(acc)[:, None, :]  # [B, Dm, N]
     h = dA * state.to(acc) + dBu  # new tensor, input untouched
     y = torch.einsum("bdn,bn->bd", h, C.to(acc))
-    if D is not None:
-        y = y + D.to(acc) * uf
-    if z is not None:
-        y = y * F.silu(z.to(acc))
-    return y.to(u.dtype), h
+    return _skip_and_gate(y, uf, D, z, acc).to(u.dtype), h
 
 
 def selective_state_update(
@@ -173,16 +173,7 @@ def selective_state_update(
     if kernel is not None:
         new_state = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         y = kernel(
-            new_state,
-            u,
-            delta,
-            A.float(),
-            B,
-            C,
-            D=D.float() if D is not None else None,
-            z=z,
-            dt_bias=delta_bias.float() if delta_bias is not None else None,
-            dt_softplus=delta_softplus,
+            new_state, u, delta, A.float(), B, C, D=_f32(D), z=z, dt_bias=_f32(delta_bias), dt_softplus=delta_softplus
         )
         return y.to(u.dtype), new_state
     return _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
