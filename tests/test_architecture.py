@@ -25,7 +25,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("blocks", ("hybridcache.blocks",)),
     (
         "models",
-        ("hybridcache.models", "hybridcache.tiny_models", "hybridcache.tiny_specs", "hybridcache.real_checkpoints"),
+        (
+            "hybridcache.models",
+            "hybridcache.tiny_models",
+            "hybridcache.tiny_specs",
+            "hybridcache.tiny_specs_recent",
+            "hybridcache.real_checkpoints",
+        ),
     ),
     (
         "generation",
