@@ -11,7 +11,7 @@ from hybridcache.blocks.common import StepInput
 from hybridcache.blocks.linear import linear
 from hybridcache.blocks.norms import RMSNorm
 from hybridcache.cache import MambaStateLayer
-from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_scan, selective_state_update
+from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_state_update
 from hybridcache.ops.selective_scan import selective_scan_btd
 
 
@@ -68,9 +68,21 @@ class MambaMixer(nn.Module):
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         return linear(dt, self.dt_proj.weight, None, self.dt_proj._buffers.get("scale")), b, c  # bias: in softplus
 
+    def _project_in(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x and the gate z [B, T, Di] from h [B, T, D]."""
+        return self.in_proj(h).chunk(2, dim=-1)
+
+    def _scan(self, u, delta, a, b, c, z, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selective scan over [B, T, Di] inputs from `state`: y [B, T, Di] and the final state [B, Di, N]."""
+        return selective_scan_btd(u, delta, a, b, c, self.D, z, self.dt_proj.bias, delta_softplus=True, state=state)
+
+    def _step(self, state, u, delta, a, b, c, z) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token ([B, Di] inputs): y [B, Di] and the new state."""
+        return selective_state_update(state, u, delta, a, b, c, self.D, z, self.dt_proj.bias, delta_softplus=True)
+
     def forward(self, h: torch.Tensor, layer: MambaStateLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         tokens = h.shape[1]
-        x, z = self.in_proj(h).chunk(2, dim=-1)  # [B, T, Di] each
+        x, z = self._project_in(h)  # [B, T, Di] each
         x = step.mask_padding(x)  # padding never enters the conv state
         states = layer.states  # conv [B, Di, K-1], ssm [B, Di, N]
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [Di, K], [Di]
@@ -87,23 +99,10 @@ class MambaMixer(nn.Module):
         if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
             return self._forward_with_trail(h, layer, states, x, u, delta, a, b, c, z, conv, m)
         if tokens == 1 and not (u.dtype == torch.float32 and u.is_cpu and not torch.compiler.is_compiling()):
-            y, ssm = selective_state_update(
-                states["ssm"],
-                u[:, 0],
-                delta[:, 0],
-                a,
-                b[:, 0],
-                c[:, 0],
-                self.D,
-                z[:, 0],
-                self.dt_proj.bias,
-                delta_softplus=True,
-            )
+            y, ssm = self._step(states["ssm"], u[:, 0], delta[:, 0], a, b[:, 0], c[:, 0], z[:, 0])
             y = y[:, None]  # [B, 1, Di]
         else:
-            y, ssm = selective_scan_btd(
-                u, delta, a, b, c, self.D, z, self.dt_proj.bias, delta_softplus=True, state=states["ssm"]
-            )  # y [B, T, Di]
+            y, ssm = self._scan(u, delta, a, b, c, z, states["ssm"])  # y [B, T, Di]
         layer.update(conv=conv.to(layer.spec.dtype), ssm=ssm.to(layer.spec.state_dtype))
         return self.out_proj(y.to(h.dtype))
 
@@ -112,28 +111,11 @@ class MambaMixer(nn.Module):
         from hybridcache.blocks.trail import conv_trail, stack_trail
 
         head = u.shape[1] - m
-
-        def t(v: torch.Tensor) -> torch.Tensor:
-            return v.transpose(1, 2).contiguous()  # [B, C, T]
-
-        y, ssm = selective_scan(
-            t(u[:, :head]),
-            t(delta[:, :head]),
-            a,
-            t(b[:, :head]),
-            t(c[:, :head]),
-            self.D,
-            t(z[:, :head]),
-            self.dt_proj.bias,
-            delta_softplus=True,
-            state=states["ssm"],
-        )
-        ys, trail = [y.transpose(1, 2)], []
+        y, ssm = self._scan(u[:, :head], delta[:, :head], a, b[:, :head], c[:, :head], z[:, :head], states["ssm"])
+        ys, trail = [y], []
         for i in range(head, u.shape[1]):
             trail.append(ssm)
-            yi, ssm = selective_state_update(
-                ssm, u[:, i], delta[:, i], a, b[:, i], c[:, i], self.D, z[:, i], self.dt_proj.bias, delta_softplus=True
-            )
+            yi, ssm = self._step(ssm, u[:, i], delta[:, i], a, b[:, i], c[:, i], z[:, i])
             ys.append(yi[:, None])
         spec = layer.spec
         layer.update(

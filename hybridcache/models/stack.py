@@ -42,12 +42,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(layers)
-        self.norm_name = norm_name
         self.add_module(norm_name, norm)
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return getattr(self, self.norm_name)
 
 
 class StackLM(HybridLM):
@@ -89,4 +84,4 @@ class StackLM(HybridLM):
         return self.kinds
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.final_norm(h))  # [B, T, V]
+        return self.lm_head(getattr(self.model, self.final_norm_name)(h))  # [B, T, V]

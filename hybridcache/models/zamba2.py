@@ -19,7 +19,6 @@ tied weights hold only those names; checkpoints that repeat a block under every 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,10 +30,10 @@ from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.mlp import activation
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheGroup, CacheLayer, NativeGroup, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, param
 from hybridcache.models.loading import CheckpointError
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 LEGACY_TYPES = {"mamba": "linear_attention"}  # HF remaps legacy layer type names
 
@@ -185,28 +184,32 @@ class Zamba2SharedBlock(nn.Module):
         return self.feed_forward(self.pre_ff_layernorm(y), use)
 
 
-class Zamba2MambaLayer(nn.Module):
-    """h + mamba(input_layernorm(h + t)) on the h half of [h | e] (t: the shared block's contribution, or none)."""
+def mamba2_mixer(cfg: Zamba2Config) -> Mamba2Mixer:
+    return Mamba2Mixer(
+        cfg.hidden_size,
+        cfg.n_mamba_heads,
+        cfg.mamba_headdim,
+        cfg.mamba_d_state,
+        cfg.mamba_ngroups,
+        cfg.mamba_d_conv,
+        cfg.chunk_size,
+        use_conv_bias=True,
+        use_bias=cfg.add_bias_linear,
+        time_step_limit=(cfg.time_step_min, math.inf),
+        rms_norm=True,
+        norm_before_gate=False,
+        eps=1e-5,
+    )
 
-    def __init__(self, cfg: Zamba2Config) -> None:
+
+class MambaResidual(nn.Module):
+    """h + mixer(input_layernorm(h + t)) on the h half of [h | e] (t: the shared block's contribution, or none)."""
+
+    def __init__(self, hidden: int, eps: float, mixer: nn.Module) -> None:
         super().__init__()
-        self.hidden = cfg.hidden_size
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mamba = Mamba2Mixer(
-            cfg.hidden_size,
-            cfg.n_mamba_heads,
-            cfg.mamba_headdim,
-            cfg.mamba_d_state,
-            cfg.mamba_ngroups,
-            cfg.mamba_d_conv,
-            cfg.chunk_size,
-            use_conv_bias=True,
-            use_bias=cfg.add_bias_linear,
-            time_step_limit=(cfg.time_step_min, math.inf),
-            rms_norm=True,
-            norm_before_gate=False,
-            eps=1e-5,
-        )
+        self.hidden = hidden
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.mamba = mixer
 
     def forward(
         self, he: torch.Tensor, layer: CacheLayer, step: StepInput, t: torch.Tensor | None = None
@@ -216,103 +219,100 @@ class Zamba2MambaLayer(nn.Module):
         return torch.cat([h + self.mamba(x, layer, step), e], dim=-1)
 
 
-class Zamba2HybridLayer(nn.Module):
-    """shared block (use `use`) -> linear -> the Mamba2 layer; the block is registered only at its first use."""
+class SharedBlockLayer(nn.Module):
+    """shared block (use `use`) -> linear -> the Mamba layer; the block is registered (as `name`, HF's) only at its
+    first use, later layers hold a plain reference."""
 
-    def __init__(self, cfg: Zamba2Config, shared: Zamba2SharedBlock, use: int, owner: bool) -> None:
+    def __init__(self, hidden: int, name: str, shared: nn.Module, use: int, owner: bool, mamba: MambaResidual) -> None:
         super().__init__()
         if owner:
-            self.shared_transformer = shared
+            self.add_module(name, shared)
         self._shared = (shared,)  # a plain reference: the parameters belong to the owner layer
         self.use = use
-        self.linear = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.mamba_decoder = Zamba2MambaLayer(cfg)
+        self.linear = nn.Linear(hidden, hidden, bias=False)
+        self.mamba_decoder = mamba
 
     def forward(self, he: torch.Tensor, group: CacheGroup, step: StepInput) -> torch.Tensor:  # [B, T, 2D]
         t = self.linear(self._shared[0](he, self.use, group.attention, step))
         return self.mamba_decoder(he, group["mamba"], step, t)
 
 
-class Zamba2Inner(nn.Module):
-    def __init__(self, cfg: Zamba2Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        types = cfg.block_types
-        uses = types.count("hybrid")
-        rotary = None
-        if cfg.use_mem_rope:
-            rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), cfg.rope(), cfg.attention_head_dim))
-        blocks = [Zamba2SharedBlock(cfg, b, uses, rotary) for b in range(min(cfg.num_mem_blocks, uses))]
-        layers, self.owners = [], {}  # owners: block -> the layer index that registers it
-        for i, kind in enumerate(types):
-            if kind == "hybrid":
-                use = sum(t == "hybrid" for t in types[:i])
-                block = use % cfg.num_mem_blocks
-                owner = block not in self.owners
-                self.owners.setdefault(block, i)
-                layers.append(Zamba2HybridLayer(cfg, blocks[block], use, owner))
-            else:
-                layers.append(Zamba2MambaLayer(cfg))
-        self.layers = nn.ModuleList(layers)
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 @register_family("zamba2")
-class Zamba2LM(HybridLM):
+class Zamba2LM(StackLM):
+    """The Zamba skeleton: a plan of "hybrid" / mamba layers, `num_mem_blocks` shared blocks used round-robin.
+    Zamba (v1) overrides the block, the Mamba layer, the shared block's name and the Mamba cache."""
+
     family = "zamba2"
     config_class = Zamba2Config
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    final_norm_name = "final_layernorm"
+    shared_name: ClassVar[str] = "shared_transformer"
 
-    def __init__(self, config: Mapping[str, Any] | Zamba2Config) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.model = Zamba2Inner(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    def plan(self) -> list[str]:
+        return self.cfg.block_types
+
+    def make_block(self, block_id: int, uses: int, rotary: RotaryEmbedding | None) -> nn.Module:
+        return Zamba2SharedBlock(self.cfg, block_id, uses, rotary)
+
+    def make_mamba(self) -> MambaResidual:
+        return MambaResidual(self.cfg.hidden_size, self.cfg.rms_norm_eps, mamba2_mixer(self.cfg))
+
+    def native_mamba(self) -> NativeLayer:
+        c = self.cfg
+        shapes = {"num_heads": c.n_mamba_heads, "head_dim": c.mamba_headdim, "state_size": c.mamba_d_state}
+        return NativeLayer(
+            "mamba2", {**shapes, "n_groups": c.mamba_ngroups, "conv_kernel": c.mamba_d_conv, "dtype": self.dtype}
+        )
+
+    def shared(self) -> list[nn.Module]:
+        c, uses = self.cfg, self.kinds.count("hybrid")
+        rotary = None
+        if c.use_mem_rope:
+            rotary = RotaryEmbedding(*rope_frequencies(c.to_dict(), c.rope(), c.attention_head_dim))
+        self.owners: dict[int, int] = {}  # block -> the layer index that registers it
+        return [self.make_block(b, uses, rotary) for b in range(min(self.cfg.num_mem_blocks, uses))]
+
+    def build_layer(self, kind: str, index: int, blocks: list[nn.Module]) -> nn.Module:
+        if kind != "hybrid":
+            return self.make_mamba()
+        use = self.kinds[:index].count("hybrid")
+        block = use % self.cfg.num_mem_blocks
+        owner = self.owners.setdefault(block, index) == index
+        return SharedBlockLayer(self.cfg.hidden_size, self.shared_name, blocks[block], use, owner, self.make_mamba())
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def convert_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Alias a shared block repeated under later layers' names to its first layer's tensors (must be equal)."""
         for i, layer in enumerate(self.model.layers):
-            if not isinstance(layer, Zamba2HybridLayer):
+            if not isinstance(layer, SharedBlockLayer):
                 continue
-            owner = self.model.owners[layer.use % self.cfg.num_mem_blocks]
+            owner = self.owners[layer.use % self.cfg.num_mem_blocks]
             if owner == i:
                 continue
-            prefix, target = f"model.layers.{i}.shared_transformer.", f"model.layers.{owner}.shared_transformer."
+            prefix, target = f"model.layers.{i}.{self.shared_name}.", f"model.layers.{owner}.{self.shared_name}."
             for name in [k for k in state if k.startswith(prefix)]:
                 tensor, main = state.pop(name), target + name[len(prefix) :]
                 if main not in state:
                     state[main] = tensor
                 elif not torch.equal(state[main], tensor):
                     raise CheckpointError(
-                        f"{name} differs from {main}: zamba2 layers {owner} and {i} share one block, but this "
+                        f"{name} differs from {main}: {self.family} layers {owner} and {i} share one block, but this "
                         "checkpoint holds different weights for them (HF transformers 5 ties them only when "
                         "tie_word_embeddings is true)"
                     )
         return state
 
     def native_layers(self) -> list[NativeLayer | NativeGroup]:
-        c = self.cfg
-        mamba = NativeLayer(
-            "mamba2",
-            {
-                "num_heads": c.n_mamba_heads,
-                "head_dim": c.mamba_headdim,
-                "state_size": c.mamba_d_state,
-                "n_groups": c.mamba_ngroups,
-                "conv_kernel": c.mamba_d_conv,
-                "dtype": self.dtype,
-            },
-        )
+        c, mamba = self.cfg, self.native_mamba()
         attn = NativeLayer(
             "full", {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
         )
-        return [NativeGroup({"attention": attn, "mamba": mamba}) if t == "hybrid" else mamba for t in c.block_types]
+        return [NativeGroup({"attention": attn, "mamba": mamba}) if k == "hybrid" else mamba for k in self.kinds]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         e = self.model.embed_tokens(input_ids)  # [B, T, D]
         return torch.cat([e, e], dim=-1)  # [h | e]: the stream starts at the embeddings and carries them along
 
     def head(self, he: torch.Tensor) -> torch.Tensor:
-        h = he[..., : self.cfg.hidden_size]
-        return self.lm_head(self.model.final_layernorm(h))  # [B, T, V]
+        return super().head(he[..., : self.cfg.hidden_size])  # [B, T, V]
