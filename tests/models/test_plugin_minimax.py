@@ -1,0 +1,266 @@
+"""MiniMax written outside hybridcache (examples/plugins/minimax): a family plus a new recurrent cache type
+(`lightning`, lightning attention's decayed linear-attention state), installed the way a user would (`pip install
+--target`), found through its entry point, and checked against HF transformers' own MiniMaxForCausalLM.
+
+Every check runs in a fresh interpreter that has only the install target (and the repo) on its path: nothing
+imports the plugin by name. The oracles are HF's model, the same model without a cache (`use_cache=False`), and a
+fresh cache fed fewer columns (rollback); exactness is checked in float64, where a cache bug shows far above 1e-9.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from hybridcache.models.registry import BUILTIN
+from hybridcache.tiny_models import reinit_weights_
+from tests.models.test_plugin_families import CHECK, ROOT
+
+PLUGIN = ROOT / "examples" / "plugins" / "minimax"
+
+PRELUDE = r"""
+import json, sys, tempfile
+import torch, transformers
+import hybridcache as hc
+
+path = sys.argv[1]
+out = {}
+prompts = lambda b, n, seed: torch.randint(3, 384, (b, n), generator=torch.Generator().manual_seed(seed))
+diff = lambda a, b: (a.double() - b.double()).abs().max().item()
+"""
+
+# Left padding, chunked prefill, the no-cache oracle, rollback, save/load, and the conformance kit.
+EXTRA = (
+    PRELUDE
+    + r"""
+from hybridcache.cache import Cache, CacheCropError
+from hybridcache.testing import check_cache_type
+
+out["kit"] = check_cache_type("lightning")  # the type is found through the entry point alone
+out["kit_int8"] = check_cache_type("lightning", params={"state_codec": "int8", "offload": True})
+ours = hc.from_pretrained(path)
+ref = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+# a left-padded batch: each row equal to HF generating that prompt alone, and to ours alone. (Not HF's own padded
+# batch: with a lightning layer first, as in MiniMax-Text-01, HF's MiniMaxCache.get_seq_length() reads layer 0's
+# empty attention cache, so HF's decode masks of padded rows are wrong; HF's batch is recorded, not compared.)
+lengths, width = [21, 9, 14], 21
+rows = [prompts(1, n, 10 + n) for n in lengths]
+ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+for r, row in enumerate(rows):
+    ids[r, width - row.shape[1]:], mask[r, width - row.shape[1]:] = row[0], 1
+hf_kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+             return_dict_in_generate=True)
+batch = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12)
+hf = [ref.generate(row, **hf_kw) for row in rows]
+alone = [hc.generate(ours, row, max_new_tokens=12) for row in rows]
+gen = batch.sequences[:, -12:]  # [3, 12] the generated tokens
+out["padded_tokens_equal_hf"] = all(torch.equal(gen[r], h.sequences[0, -12:]) for r, h in enumerate(hf))
+out["padded_vs_hf"] = max(diff(batch.logits[r], torch.stack(h.logits, 1)[0]) for r, h in enumerate(hf))
+out["padded_tokens_equal_alone"] = all(torch.equal(gen[r], a.sequences[0, -12:]) for r, a in enumerate(alone))
+out["padded_vs_alone"] = max(diff(batch.logits[r], a.logits[0]) for r, a in enumerate(alone))
+hf_batch = ref.generate(ids, attention_mask=mask, **hf_kw)
+out["hf_own_padded_batch_vs_hf_alone"] = max(
+    diff(torch.stack(hf_batch.logits, 1)[r], torch.stack(h.logits, 1)[0]) for r, h in enumerate(hf)
+)
+
+# chunked prefill (chunks cross the lightning blocks of 8) vs one shot, float32
+ids2 = prompts(2, 21, 3)
+one = hc.generate(ours, ids2, max_new_tokens=6)
+chunked = [hc.generate(ours, ids2, max_new_tokens=6, prefill_chunk_size=c) for c in (1, 3, 7)]
+out["chunked_tokens_equal"] = all(torch.equal(one.sequences, c.sequences) for c in chunked)
+out["chunked_f32"] = max(diff(one.logits, c.logits) for c in chunked)
+
+# float64 (states too): chunked prefill and the cached decode against the no-cache oracle, on a padded batch
+exact = hc.from_pretrained(path, dtype=torch.float64)
+F64 = {"recurrent": {"state_dtype": torch.float64}}
+mask2 = torch.ones_like(ids2)
+mask2[1, :5] = 0
+kw = dict(attention_mask=mask2, max_new_tokens=4, cache_config=F64)
+one64 = hc.generate(exact, ids2, **kw)
+out["chunked_f64"] = max(diff(one64.logits, hc.generate(exact, ids2, prefill_chunk_size=c, **kw).logits)
+                         for c in (1, 3, 7))
+oracle = hc.generate(exact, ids2, use_cache=False, **kw)
+out["oracle_tokens_equal"] = bool(torch.equal(one64.sequences, oracle.sequences))
+out["oracle_f64"] = diff(one64.logits, oracle.logits)
+
+# rollback: with checkpoints: 5, crop(n) for the last 5 columns equals a fresh cache fed n columns
+K = 5
+config = {"recurrent": {"checkpoints": K, "state_dtype": torch.float64}}
+ids3 = prompts(2, 20, 11)
+mask3 = torch.ones(2, 20, dtype=torch.long)
+mask3[1, :4] = 0
+cache = exact.make_cache(2, config)
+exact(ids3[:, :12], cache, mask3[:, :12])  # a prompt block
+exact(ids3[:, 12:17], cache, mask3[:, :17])  # a verify-style block of 5
+for t in range(17, 20):
+    exact(ids3[:, t:t + 1], cache)
+snap, follow, worst = cache.snapshot(), prompts(2, 3, 12), 0.0
+for n in range(20 - K, 21):
+    cache.restore(snap)
+    cache.crop(n)
+    fresh = exact.make_cache(2, config)
+    exact(ids3[:, :n], fresh, mask3[:, :n], allow_padding_rows=True)
+    for a, b in zip(cache.layers, fresh.layers):
+        if a.kind == "recurrent":
+            worst = max(worst, diff(a.states["kv"], b.states["kv"]))
+    ext = torch.cat([mask3[:, :n], torch.ones(2, 3, dtype=torch.long)], 1)
+    worst = max(worst, diff(exact(follow, cache, ext), exact(follow, fresh, ext)))
+out["rollback"] = worst
+cache.restore(snap)
+try:
+    cache.crop(20 - K - 1)
+    out["rollback_refused"] = False
+except CacheCropError:
+    out["rollback_refused"] = True
+
+# save / load: bit-exact, continues like the original, and like the no-cache oracle
+ids4 = prompts(2, 11, 1)
+mask4 = torch.ones(2, 11, dtype=torch.long)
+mask4[1, :3] = 0
+first = hc.generate(ours, ids4, attention_mask=mask4, max_new_tokens=4)
+with tempfile.TemporaryDirectory() as tmp:
+    loaded = Cache.load(first.cache.save(tmp + "/c.safetensors"), model=ours)
+s, t = first.cache.snapshot(), loaded.snapshot()
+out["saved_types"] = sorted({layer.type_name for layer in loaded.layers})
+out["load_bit_exact"] = s.columns == t.columns and all(
+    x.tensors.keys() == y.tensors.keys() and all(torch.equal(x.tensors[k], y.tensors[k]) for k in x.tensors)
+    for x, y in zip(s.layers, t.layers)
+)
+more = torch.cat([first.sequences, prompts(2, 3, 2)], 1)
+full = torch.cat([mask4, torch.ones(2, 7, dtype=torch.long)], 1)
+a = hc.generate(ours, more, attention_mask=full, cache=first.cache, max_new_tokens=5)
+b = hc.generate(ours, more, attention_mask=full, cache=loaded, max_new_tokens=5)
+nocache = hc.generate(ours, more, attention_mask=full, max_new_tokens=5, use_cache=False)
+out["load_continues_equal"] = bool(torch.equal(a.sequences, b.sequences) and torch.equal(a.logits, b.logits))
+out["load_vs_oracle_tokens"] = bool(torch.equal(b.sequences, nocache.sequences))
+out["load_vs_oracle"] = diff(b.logits, nocache.logits)
+print(json.dumps(out))
+"""
+)
+
+# The compiled decode step (a preallocated cache, one graph per step) against eager decoding.
+COMPILED = (
+    PRELUDE
+    + r"""
+from torch._dynamo.utils import counters
+
+ours = hc.from_pretrained(path)
+ids = prompts(2, 13, 9)
+mask = torch.ones_like(ids)
+mask[1, :3] = 0
+eager = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12)
+torch._dynamo.reset()
+counters.clear()
+compiled = hc.generate(ours, ids, attention_mask=mask, max_new_tokens=12, compile=True)
+out["graph_breaks"] = sum(counters["graph_break"].values())
+out["tokens_equal"] = bool(torch.equal(eager.sequences, compiled.sequences))
+out["compiled_vs_eager"] = diff(eager.logits, compiled.logits)
+print(json.dumps(out))
+"""
+)
+
+
+def tiny_minimax(path):
+    """A tiny random HF MiniMax checkpoint (HF's own classes; weights drawn like the in-tree tiny models). Lightning
+    blocks of 8 so 21-token prompts cross them; residual factors away from 1 so a swapped alpha / beta shows; the
+    last layer is lightning too, where HF's per-layer decay rate is ~1e-5 (almost no decay)."""
+    config = transformers.MiniMaxConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        block_size=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        full_attn_alpha_factor=0.9,
+        full_attn_beta_factor=1.1,
+        linear_attn_alpha_factor=1.2,
+        linear_attn_beta_factor=0.8,
+        mlp_alpha_factor=0.95,
+        mlp_beta_factor=1.05,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.MiniMaxForCausalLM(config).eval()
+    with torch.no_grad():
+        reinit_weights_(model, config, seed=0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """pip-installs the plugin package (its pyproject.toml and entry point) into a fresh target directory, once."""
+    target = tmp_path_factory.mktemp("site")
+    build = tmp_path_factory.mktemp("src") / "minimax"  # build from a copy: the repo tree stays clean
+    subprocess.run(["cp", "-r", str(PLUGIN), str(build)], check=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target]
+    subprocess.run([*cmd, str(build)], check=True, capture_output=True)
+    return target
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_minimax(tmp_path_factory.mktemp("ckpt") / "minimax")
+
+
+def run_fresh(script, installed, checkpoint) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(checkpoint)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print({k: v for k, v in out.items() if k != "families"})
+    return out
+
+
+def test_minimax_is_not_in_tree():
+    assert "minimax" not in BUILTIN
+    assert not list((ROOT / "hybridcache").rglob("*minimax*"))
+    assert not list((ROOT / "hybridcache").rglob("*lightning*"))
+
+
+def test_installed_plugin_family_matches_hf(installed, checkpoint):
+    out = run_fresh(CHECK, installed, checkpoint)
+    assert "minimax" in out["families"]
+    assert out["class"] == "hybridcache_minimax.model.MiniMaxLM"
+    assert out["forward"] <= 1e-4
+    assert out["continuation"] <= 1e-4  # 13 tokens, then 8 on the same cache (crosses a lightning block)
+    assert out["tokens_equal"]  # 24 greedy tokens
+    assert out["generate"] <= 1e-4
+    assert out["new_tokens"] > 3  # the greedy continuation is not one repeated token (a test with teeth)
+
+
+def test_padding_chunks_rollback_files_and_kit(installed, checkpoint):
+    out = run_fresh(EXTRA, installed, checkpoint)
+    assert out["kit"]["crop to a checkpoint (exact)"] > 0 and out["kit"]["atomic failures"] > 0
+    assert out["kit_int8"]["states and accounting"] > 0
+    assert out["padded_tokens_equal_hf"] and out["padded_vs_hf"] <= 1e-4
+    assert out["padded_tokens_equal_alone"] and out["padded_vs_alone"] <= 1e-4
+    assert out["chunked_tokens_equal"] and out["chunked_f32"] <= 1e-5
+    assert out["chunked_f64"] <= 1e-9
+    assert out["oracle_tokens_equal"] and out["oracle_f64"] <= 1e-9
+    assert out["rollback"] <= 1e-9 and out["rollback_refused"]
+    assert "lightning" in out["saved_types"]
+    assert out["load_bit_exact"] and out["load_continues_equal"]
+    assert out["load_vs_oracle_tokens"] and out["load_vs_oracle"] <= 1e-4
+
+
+def test_compiled_decode_equals_eager(installed, checkpoint):
+    out = run_fresh(COMPILED, installed, checkpoint)
+    assert out["graph_breaks"] == 0
+    assert out["tokens_equal"]
+    assert out["compiled_vs_eager"] <= 2e-5
