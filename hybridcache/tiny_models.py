@@ -42,6 +42,7 @@ FAMILIES = (
     "granitemoehybrid",
     "qwen3_5",
     "lfm3",
+    "olmo_hybrid",
 )
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).

@@ -33,6 +33,7 @@ EXPECTED_CLASS = {
     "zamba2": "Zamba2ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "lfm3": "Lfm3ForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
 }
 
 

@@ -38,6 +38,8 @@ class GatedHeadNorm(nn.Module):
 class GatedDeltaNetMixer(nn.Module):
     """forward(h [B, T, D], layer, step) -> [B, T, D]. Hk key heads of Dk, Hv value heads of Dv (Hv = r * Hk)."""
 
+    beta_scale: float = 1.0  # beta = scale * sigmoid(b); OLMo-Hybrid's negative eigenvalues use 2
+
     def __init__(
         self,
         hidden: int,
@@ -100,7 +102,7 @@ class GatedDeltaNetMixer(nn.Module):
         q, k = (rearrange(x, "b t (h d) -> b t h d", d=self.dk) for x in (q, k))
         v = rearrange(v, "b t (h d) -> b t h d", d=self.dv)
         acc = torch.promote_types(dtype, torch.float32)
-        beta = step.mask_padding(torch.sigmoid(b.to(acc)))  # [B, T, Hv]; 0 at padding: no write
+        beta = step.mask_padding(torch.sigmoid(b.to(acc)) * self.beta_scale)  # [B, T, Hv]; 0 at padding: no write
         g = -torch.exp(self.A_log.to(acc)) * F.softplus(a.to(acc) + self.dt_bias.to(acc))
         g = step.mask_padding(g)  # log-decay 0 at padding: no forgetting
         state = states["recurrent"]

@@ -35,6 +35,7 @@ BUILTIN = {
     "granitemoehybrid": "hybridcache.models.granitemoehybrid",
     "qwen3_5_text": "hybridcache.models.qwen3_5",
     "lfm3": "hybridcache.models.lfm3",
+    "olmo_hybrid": "hybridcache.models.olmo_hybrid",
 }
 
 _FAMILIES: dict[str, type[HybridLM]] = {}

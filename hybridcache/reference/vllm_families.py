@@ -74,6 +74,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen3_5_text": Family("qwen3_5", refusal=_UNCHECKED.format("Qwen3.5")),
     "lfm3": Family("lfm3", refusal=_UNCHECKED.format("LFM3")),
+    "olmo_hybrid": Family("olmo_hybrid", refusal=_UNCHECKED.format("OLMo-Hybrid")),
 }
 
 

@@ -29,6 +29,7 @@ HF_CLASSES = {
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "qwen3_5": "Qwen3_5TextConfig",
     "lfm3": "Lfm3Config",
+    "olmo_hybrid": "OlmoHybridConfig",
 }
 
 

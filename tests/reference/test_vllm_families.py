@@ -40,6 +40,7 @@ REFUSED_ON_CPU = {
     "qwen3_next": r"only in bfloat16.*model.dtype=bfloat16",
     "qwen3_5": "Qwen3.5 has not been compared with HF",
     "lfm3": "LFM3 has not been compared with HF",
+    "olmo_hybrid": "OLMo-Hybrid has not been compared with HF",
 }
 
 
