@@ -15,7 +15,6 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.mamba2 import Mamba2Mixer
-from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields
 from hybridcache.models.family_config import param
@@ -39,6 +38,7 @@ class BambaConfig(AttentionFields, Mamba2Fields):
     max_position_embeddings: int = param(262144, positive=True)
     attn_layer_indices: list[int] | None = param(None, nonnegative=True)
     mlp_bias: bool = False
+    rope_defaults: ClassVar[dict[str, Any]] = {"partial_rotary_factor": 0.5}
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -46,14 +46,6 @@ class BambaConfig(AttentionFields, Mamba2Fields):
         if bad:
             out.append(f"attn_layer_indices {bad} are >= num_hidden_layers ({self.num_hidden_layers})")
         return out
-
-    def rope(self) -> dict[str, Any]:
-        """The rope parameters as HF resolves them: rope_parameters wins; partial_rotary_factor defaults to 0.5."""
-        params = dict(self.rope_parameters or {})
-        params.setdefault("rope_type", params.get("type", "default"))
-        params.setdefault("rope_theta", self.rope_theta)
-        params.setdefault("partial_rotary_factor", 0.5)
-        return params
 
 
 def mamba2_mixer(cfg: BambaConfig) -> Mamba2Mixer:
@@ -71,15 +63,7 @@ class BambaDecoderLayer(nn.Module):
         super().__init__()
         d = cfg.hidden_size
         if kind == "attention":
-            self.self_attn = AttentionMixer(
-                d,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.attention_head_dim,
-                qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias,
-                rotary=rotary,
-            )
+            self.self_attn = AttentionMixer(**cfg.attention_mixer_args(), rotary=rotary)
         else:
             self.mamba = mamba2_mixer(cfg)
         self.feed_forward = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
@@ -104,9 +88,7 @@ class BambaLM(StackLM):
         return ["attention" if i in attn else "mamba" for i in range(self.cfg.num_hidden_layers)]
 
     def shared(self) -> RotaryEmbedding:
-        rope = self.cfg.rope()
-        rotary_dim = int(self.cfg.attention_head_dim * rope["partial_rotary_factor"])
-        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, rotary_dim))
+        return self.cfg.rotary()
 
     def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> BambaDecoderLayer:
         return BambaDecoderLayer(self.cfg, kind, shared)

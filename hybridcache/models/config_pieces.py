@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from hybridcache.blocks.rotary import RotaryEmbedding, rope_frequencies
 from hybridcache.models.family_config import FamilyConfig, attention_problems, param
 
 
@@ -32,12 +34,40 @@ class AttentionFields(FamilyConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
 
+    # what a family's HF config fills in when rope_parameters leave it out (Bamba: partial_rotary_factor 0.5)
+    rope_defaults: ClassVar[dict[str, Any]] = {}
+
     @property
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def problems(self) -> list[str]:
         return super().problems() + attention_problems(self)
+
+    def rope(self) -> dict[str, Any]:
+        """The rope parameters as HF resolves them: rope_parameters win (a legacy "type" names the rope_type), then
+        rope_theta, then the family's `rope_defaults`."""
+        params = dict(self.rope_parameters or {})
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", self.rope_theta)
+        return {**self.rope_defaults, **params}
+
+    def rotary(self) -> RotaryEmbedding:
+        """The rotary embedding over the first head_dim * partial_rotary_factor channels of each head."""
+        rope = self.rope()
+        rotary_dim = int(self.attention_head_dim * rope.get("partial_rotary_factor", 1.0))
+        return RotaryEmbedding(*rope_frequencies(self.to_dict(), rope, rotary_dim))
+
+    def attention_mixer_args(self) -> dict[str, Any]:
+        """AttentionMixer's arguments from these fields (attention_bias on the q/k/v and the output projections)."""
+        return dict(
+            hidden=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.attention_head_dim,
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+        )
 
 
 @dataclass(kw_only=True)

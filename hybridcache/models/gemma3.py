@@ -70,12 +70,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         d, eps, head_dim = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
         self.self_attn = AttentionMixer(
-            d,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            head_dim,
-            qkv_bias=cfg.attention_bias,
-            o_bias=cfg.attention_bias,
+            **cfg.attention_mixer_args(),
             scale=cfg.query_pre_attn_scalar**-0.5,
             softcap=cfg.attn_logit_softcapping,
             rotary=rotary,
