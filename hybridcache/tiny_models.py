@@ -43,6 +43,8 @@ FAMILIES = (
     "qwen3_5",
     "lfm3",
     "olmo_hybrid",
+    "granite_swa",
+    "gpt_oss",
 )
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).

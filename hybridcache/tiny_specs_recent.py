@@ -20,6 +20,50 @@ RECENT_SPECS: dict[str, tuple[str, str, dict]] = {
             max_position_embeddings=1024,
         ),
     ),
+    "granite_swa": (
+        "GraniteSWAConfig",
+        "GraniteSWAForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,  # HF's default plan: full, sliding, sliding, sliding
+            num_attention_heads=4,
+            num_key_value_heads=2,  # head_dim 16
+            sliding_window=8,
+            layer_rope_theta=[10_000.0, 0.0, 500_000.0, 10_000.0],  # two RoPE bases and a NoPE layer
+            embedding_multiplier=1.5,  # Granite's multipliers, none of them 1
+            residual_multiplier=0.7,
+            logits_scaling=1.25,
+            attention_multiplier=0.2,
+            max_position_embeddings=1024,
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=4,  # HF's default plan: sliding, full, sliding, full
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.5,  # reached by the tiny model's activations: the clamps matter
+            initializer_range=1.0,  # HF draws the sinks and router biases (1-D, kept by reinit) with this std
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150_000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 256,
+            },
+            max_position_embeddings=1024,
+        ),
 }
 
-RECENT_EAGER: set[str] = set()
+RECENT_EAGER: set[str] = {"granite_swa", "gpt_oss"}

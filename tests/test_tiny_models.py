@@ -34,6 +34,8 @@ EXPECTED_CLASS = {
     "qwen3_5": "Qwen3_5ForCausalLM",
     "lfm3": "Lfm3ForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

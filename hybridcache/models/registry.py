@@ -36,6 +36,8 @@ BUILTIN = {
     "qwen3_5_text": "hybridcache.models.qwen3_5",
     "lfm3": "hybridcache.models.lfm3",
     "olmo_hybrid": "hybridcache.models.olmo_hybrid",
+    "granite_swa": "hybridcache.models.granite_swa",
+    "gpt_oss": "hybridcache.models.gpt_oss",
 }
 
 _FAMILIES: dict[str, type[HybridLM]] = {}

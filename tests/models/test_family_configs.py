@@ -30,6 +30,8 @@ HF_CLASSES = {
     "qwen3_5": "Qwen3_5TextConfig",
     "lfm3": "Lfm3Config",
     "olmo_hybrid": "OlmoHybridConfig",
+    "granite_swa": "GraniteSWAConfig",
+    "gpt_oss": "GptOssConfig",
 }
 
 

@@ -41,6 +41,8 @@ REFUSED_ON_CPU = {
     "qwen3_5": "Qwen3.5 has not been compared with HF",
     "lfm3": "LFM3 has not been compared with HF",
     "olmo_hybrid": "OLMo-Hybrid has not been compared with HF",
+    "granite_swa": "GraniteSWA has not been compared with HF",
+    "gpt_oss": "GPT-OSS has not been compared with HF",
 }
 
 
