@@ -23,7 +23,7 @@ import torch
 
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
-from hybridcache.models.base import GenerationError, HybridLM
+from hybridcache.models.base import GenerationError, HybridLM, check_cached_columns
 
 # Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
 # full-length [T, T] mask or score matrix is ever built (sliding/chunked/recurrent memory stays flat in T).
@@ -87,13 +87,7 @@ def continuation(input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache) -> t
             f"with cache=, input_ids must be the whole sequence: the {cached} tokens the cache saw followed by new "
             f"ones, but input_ids have only {width} columns"
         )
-    seen = mask[:, :cached].sum(1)
-    if not torch.equal(seen, cache.seq.seen):
-        row = int((seen != cache.seq.seen).nonzero()[0])
-        raise GenerationError(
-            f"attention_mask row {row} marks {int(seen[row])} of the first {cached} columns as real, but the cache saw "
-            f"{int(cache.seq.seen[row])} real tokens in that row"
-        )
+    check_cached_columns(mask, cache)
     if cache.seq.fingerprint is None:
         raise GenerationError(
             "this cache does not know which tokens it saw (it was fed outside the model, without token ids), so "

@@ -42,6 +42,19 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> None:
         raise GenerationError(f"input_ids hold ids outside the vocabulary [0, {vocab_size})")
 
 
+def check_cached_columns(mask: torch.Tensor, cache: Any) -> None:
+    """The mask [B, T >= cache.columns] marks as real, in the columns the cache holds, as many tokens per row as the
+    cache saw (a whole-sequence mask passed with a cache that already holds its first columns)."""
+    cached = cache.columns
+    seen = mask[:, :cached].sum(1)
+    if not torch.equal(seen, cache.seq.seen):
+        row = int((seen != cache.seq.seen).nonzero()[0])
+        raise GenerationError(
+            f"attention_mask row {row} marks {int(seen[row])} of the {cached} cached columns as real, but the cache "
+            f"saw {int(cache.seq.seen[row])} real tokens in that row"
+        )
+
+
 def check_mask_tensor(attention_mask: Any) -> None:
     """An attention mask must hold values: refuse one on the meta device (its .to() would fail inside torch)."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.is_meta:
@@ -189,13 +202,7 @@ class HybridLM(nn.Module):
         zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
         mask = check_mask(attention_mask.to(self.device), zeros, width)
         if width != tokens and cached:
-            seen = mask[:, :cached].sum(1)
-            if not torch.equal(seen, cache.seq.seen):
-                row = int((seen != cache.seq.seen).nonzero()[0])
-                raise GenerationError(
-                    f"attention_mask row {row} marks {int(seen[row])} of the {cached} cached columns as real, but the "
-                    f"cache saw {int(cache.seq.seen[row])} real tokens in that row"
-                )
+            check_cached_columns(mask, cache)
             mask = mask[:, cached:]
         return mask
 

@@ -158,6 +158,24 @@ def test_a_cache_fed_without_token_ids_cannot_be_continued_by_generate(model):
     model(prompts(1, 1, seed=8), cache)  # the model itself can still feed it
 
 
+def test_a_continuation_mask_must_count_the_cached_tokens_as_the_cache_did(model):
+    # the cache saw 5 real tokens in row 0 and 3 in row 1 (left padding); a whole-sequence mask that marks another
+    # count of the cached columns as real is refused, by generate and by a direct model call alike
+    ids, mask = prompts(2, 5, seed=10), torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    out = hc.generate(model, ids, mask, max_new_tokens=2)
+    seq = torch.cat([out.sequences, prompts(2, 1, seed=11)], dim=1)
+    bad = torch.ones_like(seq)
+    with pytest.raises(ValueError, match="row 1 marks 6 of the 6 cached columns as real, but the cache saw 4"):
+        hc.generate(model, seq, bad, max_new_tokens=1, cache=out.cache)
+    with pytest.raises(ValueError, match="row 1 marks 6 of the 6 cached columns as real, but the cache saw 4"):
+        model(seq[:, 6:], out.cache, bad)  # the model: new tokens, the mask over the whole sequence
+    good = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
+    hc.generate(
+        model, seq, torch.cat([good, torch.ones(2, 1, dtype=torch.long)], dim=1), max_new_tokens=1, cache=out.cache
+    )
+
+
 def test_a_cache_can_be_copied(model):
     import copy
 
