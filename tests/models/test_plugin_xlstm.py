@@ -1,0 +1,145 @@
+"""xLSTM written outside hybridcache (examples/plugins/xlstm) with its own cache type (`mlstm`: matrix memory,
+normalizer, max-stabilizer), installed the way a user would (`pip install --target`), found through its entry
+point, and checked against HF transformers' own xLSTMForCausalLM in a fresh interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hybridcache.models.registry import BUILTIN
+from hybridcache.tiny_models import reinit_weights_
+from tests.models.test_plugin_families import CHECK, ROOT
+
+PLUGIN = ROOT / "examples" / "plugins" / "xlstm"
+
+# The state type through the conformance kit, then against HF: a left-padded batch against each row alone; and in
+# float64 (states too): rollback (crop within the checkpoint window equals a recompute of the first n columns) and a
+# saved-and-loaded cache continuing like the original and like a no-cache recompute.
+EXTRA = r"""
+import json, sys
+import torch, transformers
+import hybridcache as hc
+from hybridcache.cache import Cache
+from hybridcache.testing import check_cache_type
+
+path, tmp = sys.argv[1], sys.argv[2]
+out = {"kit": check_cache_type("mlstm"), "kit_checkpoints": check_cache_type("mlstm", params={"checkpoints": 3})}
+ours = hc.from_pretrained(path)
+ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+g = torch.Generator().manual_seed(2)
+a, b = torch.randint(3, 384, (1, 15), generator=g), torch.randint(3, 384, (1, 9), generator=g)
+ids = torch.cat([a, torch.cat([torch.zeros(1, 6, dtype=torch.long), b], 1)])
+mask = torch.ones(2, 15, dtype=torch.long)
+mask[1, :6] = 0
+with torch.no_grad():
+    got = ours(ids, ours.make_cache(2), mask)
+    out["left_padding"] = max((got[:1] - ref(a).logits).abs().max().item(),
+                              (got[1:, 6:] - ref(b).logits).abs().max().item())
+    model = ours.to(torch.float64)
+    config = {"recurrent": {"checkpoints": 5, "state_dtype": torch.float64}}
+    ids = torch.randint(3, 384, (2, 20), generator=g)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :4] = 0
+    cache = model.make_cache(2, config)
+    model(ids[:, :12], cache, mask[:, :12])
+    model(ids[:, 12:17], cache, mask[:, :17])
+    for t in range(17, 20):
+        model(ids[:, t : t + 1], cache)
+    snap, follow, worst = cache.snapshot(), torch.randint(3, 384, (2, 3), generator=g), 0.0
+    for n in range(15, 21):
+        cache.restore(snap)
+        cache.crop(n)
+        fresh = model.make_cache(2, config)
+        model(ids[:, :n], fresh, mask[:, :n])
+        for x, y in zip(cache.layers, fresh.layers):
+            worst = max([worst] + [(x.states[k] - y.states[k]).abs().max().item() for k in x.states])
+        ext = torch.cat([mask[:, :n], torch.ones(2, 3, dtype=torch.long)], 1)
+        worst = max(worst, (model(follow, cache, ext) - model(follow, fresh, ext)).abs().max().item())
+    out["rollback"] = worst
+    gen = hc.generate(model, ids[:, :11], attention_mask=mask[:, :11], max_new_tokens=4)
+    gen.cache.save(tmp + "/c.safetensors")
+    loaded = Cache.load(tmp + "/c.safetensors", model=model)
+    more = torch.cat([gen.sequences, follow], 1)
+    full = torch.cat([mask[:, :11], torch.ones(2, 7, dtype=torch.long)], 1)
+    x = hc.generate(model, more, attention_mask=full, cache=gen.cache, max_new_tokens=5)
+    y = hc.generate(model, more, attention_mask=full, cache=loaded, max_new_tokens=5)
+    z = hc.generate(model, more, attention_mask=full, max_new_tokens=5, use_cache=False)
+    out["saved_equal"] = bool(torch.equal(x.sequences, y.sequences) and torch.equal(x.logits, y.logits))
+    out["saved_vs_recompute"] = (y.logits - z.logits).abs().max().item()
+    out["recompute_tokens_equal"] = bool(torch.equal(y.sequences, z.sequences))
+print(json.dumps(out))
+"""
+
+
+def tiny_xlstm(path: Path) -> Path:
+    """A tiny random HF xLSTM checkpoint (HF's own classes, weights drawn like the in-tree tiny models). chunk_size
+    16 puts prompts of 16 tokens or more through HF's chunkwise kernel, shorter ones through its recurrent step."""
+    config = transformers.xLSTMConfig(
+        vocab_size=384,
+        hidden_size=128,  # qk width 64: HF's cache rounds it up to a multiple of 64, its layer does not
+        num_hidden_layers=2,
+        num_heads=4,
+        chunk_size=16,
+        autocast_kernel_dtype="float32",
+        inference_state_dtype="float32",
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.xLSTMForCausalLM(config).eval()
+    reinit_weights_(model, config, seed=0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """pip-installs the plugin package (its pyproject.toml and entry point) into a fresh target directory."""
+    target = tmp_path_factory.mktemp("site")
+    build = tmp_path_factory.mktemp("src") / "xlstm"  # build from a copy: the repo tree stays clean
+    subprocess.run(["cp", "-r", str(PLUGIN), str(build)], check=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target]
+    subprocess.run([*cmd, str(build)], check=True, capture_output=True)
+    return target
+
+
+def run(installed: Path, script: str, *args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print({k: v for k, v in out.items() if k != "families"})
+    return out
+
+
+def test_xlstm_is_not_in_tree():
+    assert "xlstm" not in BUILTIN
+    assert not list((ROOT / "hybridcache").rglob("*xlstm*"))
+
+
+def test_installed_plugin_family_matches_hf(installed, tmp_path):
+    out = run(installed, CHECK, str(tiny_xlstm(tmp_path / "xlstm")))
+    assert "xlstm" in out["families"]
+    assert out["class"] == "hybridcache_xlstm.model.XLSTMLM"
+    assert out["forward"] <= 1e-4  # 21 tokens: HF's chunkwise kernel (16) + its recurrent step (5)
+    assert out["continuation"] <= 1e-4
+    assert out["tokens_equal"]
+    assert out["generate"] <= 1e-4
+    assert out["new_tokens"] > 3
+
+
+def test_mlstm_state_kit_padding_rollback_and_save_load(installed, tmp_path):
+    out = run(installed, EXTRA, str(tiny_xlstm(tmp_path / "xlstm")), str(tmp_path))
+    assert out["kit"] and out["kit_checkpoints"]
+    assert out["left_padding"] <= 1e-4
+    assert out["rollback"] <= 1e-9
+    assert out["saved_equal"] and out["recompute_tokens_equal"]
+    assert out["saved_vs_recompute"] <= 1e-9
