@@ -16,27 +16,21 @@ import torch
 from torch import nn
 
 from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
-from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.config_pieces import AttentionFields, MoEFields
-from hybridcache.models.family_config import length_problem, param
+from hybridcache.models.config_pieces import MoEFields
+from hybridcache.models.family_config import param
+from hybridcache.models.layer_pattern import SlidingFullFields
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
 
-NATIVE_TYPE = {"full_attention": "full", "sliding_attention": "sliding"}
 DEFAULT_ROPE = {  # HF's when the config has no rope_parameters
-    "rope_type": "yarn",
-    "rope_theta": 150_000.0,
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
+    **{"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0},
+    **{"truncate": False, "original_max_position_embeddings": 4096},
 }
 
 
 @dataclass(kw_only=True)
-class GptOssConfig(AttentionFields, MoEFields):
+class GptOssConfig(SlidingFullFields, MoEFields):
     """HF GptOssConfig (transformers 5.23) fields the model reads, with HF defaults."""
 
     family: ClassVar[str] = "gpt_oss"
@@ -47,28 +41,18 @@ class GptOssConfig(AttentionFields, MoEFields):
     attention_bias: bool = True
     rms_norm_eps: float = param(1e-5, positive=True)
     max_position_embeddings: int = param(131_072, positive=True)
+    rope_theta: float = param(150_000.0, positive=True)  # HF's default_theta, under rope_parameters
     num_local_experts: int = param(128, positive=True, aliases=("num_experts",))
     num_experts_per_tok: int = param(4, positive=True)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = param(7.0, positive=True)
-    sliding_window: int | None = param(128, positive=True)
-    layer_types: list[str] | None = param(None, choices=tuple(NATIVE_TYPE))
+
+    def default_layer_types(self) -> list[str]:  # HF: even layers sliding, odd layers full
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)]
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer_types is None:  # HF: even layers sliding, odd layers full
-            self.layer_types = [
-                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)
-            ]
-        self.rope_parameters = {"rope_theta": DEFAULT_ROPE["rope_theta"], **(self.rope_parameters or DEFAULT_ROPE)}
-
-    def problems(self) -> list[str]:
-        out = super().problems()
-        bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
-        out += [bad] if bad else []
-        if self.sliding_window is None and "sliding_attention" in self.layer_types:
-            out.append("sliding_window is null but there are sliding_attention layers")
-        return out
+        self.rope_parameters = self.rope_parameters or dict(DEFAULT_ROPE)
 
 
 class GptOssExperts(nn.Module):
@@ -123,16 +107,7 @@ class GptOssDecoderLayer(nn.Module):
     def __init__(self, cfg: GptOssConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = AttentionMixer(
-            d,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.attention_head_dim,
-            qkv_bias=cfg.attention_bias,
-            o_bias=cfg.attention_bias,
-            rotary=rotary,
-            sinks=True,
-        )
+        self.self_attn = AttentionMixer(**cfg.attention_mixer_args(), rotary=rotary, sinks=True)
         self.mlp = GptOssMoE(cfg)
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(d, eps), RMSNorm(d, eps)
 
@@ -150,9 +125,7 @@ class GptOssLM(StackLM):
         return list(self.cfg.layer_types)
 
     def shared(self) -> RotaryEmbedding:
-        return RotaryEmbedding(
-            *rope_frequencies(self.cfg.to_dict(), self.cfg.rope_parameters, self.cfg.attention_head_dim)
-        )
+        return self.cfg.rotary()
 
     def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> GptOssDecoderLayer:
         return GptOssDecoderLayer(self.cfg, shared)
@@ -161,11 +134,4 @@ class GptOssLM(StackLM):
         return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.cfg
-        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
-        return [  # only the sliding layers get a window
-            NativeLayer("sliding", {**attn, "window": c.sliding_window})
-            if t == "sliding_attention"
-            else NativeLayer("full", dict(attn))
-            for t in self.kinds
-        ]
+        return self.cfg.native_layers(self.dtype)

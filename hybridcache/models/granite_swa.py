@@ -18,16 +18,14 @@ from torch import nn
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.config_pieces import AttentionFields
 from hybridcache.models.family_config import length_problem, param
+from hybridcache.models.layer_pattern import SlidingFullFields
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
 
-NATIVE_TYPE = {"full_attention": "full", "sliding_attention": "sliding"}
-
 
 @dataclass(kw_only=True)
-class GraniteSWAConfig(AttentionFields):
+class GraniteSWAConfig(SlidingFullFields):
     """HF GraniteSWAConfig (transformers 5.23) fields the model reads, with HF defaults."""
 
     family: ClassVar[str] = "granite_swa"
@@ -45,30 +43,19 @@ class GraniteSWAConfig(AttentionFields):
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     logits_scaling: float = param(1.0, positive=True)
-    sliding_window: int | None = param(128, positive=True)
-    layer_types: list[str] | None = param(None, choices=tuple(NATIVE_TYPE))
     layer_rope_theta: list[float] | None = param(None, nonnegative=True)
+
+    def default_layer_types(self) -> list[str]:  # HF: every fourth layer (i % 4 == 0) full, the others sliding
+        return ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(self.num_hidden_layers)]
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer_types is None:  # HF: every fourth layer (i % 4 == 0) full, the others sliding
-            self.layer_types = [
-                "full_attention" if i % 4 == 0 else "sliding_attention" for i in range(self.num_hidden_layers)
-            ]
         if self.layer_rope_theta is None:
             self.layer_rope_theta = [self.rope()["rope_theta"]] * self.num_hidden_layers
 
-    def rope(self) -> dict:
-        return {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_parameters or {})}
-
     def problems(self) -> list[str]:
-        out = super().problems()
-        for name in ("layer_types", "layer_rope_theta"):
-            bad = length_problem(name, getattr(self, name), self.num_hidden_layers)
-            out += [bad] if bad else []
-        if self.sliding_window is None and "sliding_attention" in self.layer_types:
-            out.append("sliding_window is null but there are sliding_attention layers")
-        return out
+        bad = length_problem("layer_rope_theta", self.layer_rope_theta, self.num_hidden_layers)
+        return super().problems() + ([bad] if bad else [])
 
 
 class GraniteSWADecoderLayer(nn.Module):
@@ -79,15 +66,7 @@ class GraniteSWADecoderLayer(nn.Module):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = AttentionMixer(
-            d,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.attention_head_dim,
-            qkv_bias=cfg.attention_bias,
-            o_bias=cfg.attention_bias,
-            scale=cfg.attention_multiplier,
-            rotary=rotary,
-            sinks=True,
+            **cfg.attention_mixer_args(), scale=cfg.attention_multiplier, rotary=rotary, sinks=True
         )
         self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(d, eps), RMSNorm(d, eps)
@@ -120,15 +99,7 @@ class GraniteSWALM(StackLM):
         return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def native_layers(self) -> list[NativeLayer]:
-        c = self.cfg
-        attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
-        # only the sliding layers get a window (a windowed cache type on a full layer must not inherit it)
-        return [
-            NativeLayer("sliding", {**attn, "window": c.sliding_window})
-            if t == "sliding_attention"
-            else NativeLayer("full", dict(attn))
-            for t in self.kinds
-        ]
+        return self.cfg.native_layers(self.dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * self.cfg.embedding_multiplier
