@@ -83,6 +83,17 @@ class GatedDeltaNetMixer(nn.Module):
         heads = lambda x: rearrange(x, "b t g (r d) -> b t (g r) d", r=r)  # noqa: E731
         return q, k, heads(v), heads(z), b.flatten(2), a.flatten(2)
 
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0]  # [C, K]
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta [B, T, Hv] and the log-decay g [B, T, Hv] (a subclass may give one per key channel)."""
+        g = -torch.exp(self.A_log.to(acc)) * F.softplus(a.to(acc) + self.dt_bias.to(acc))
+        return torch.sigmoid(b.to(acc)) * self.beta_scale, g
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # o, z [B, T, Hv, Dv] -> [B, T, D]
+        return self.out_proj(rearrange(self.norm(o, z), "b t h d -> b t (h d)"))
+
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         tokens, dtype = h.shape[1], h.dtype
         q, k, v, z, b, a = self._split(h)
@@ -90,7 +101,7 @@ class GatedDeltaNetMixer(nn.Module):
         mixed = step.mask_padding(mixed)  # padding never enters the conv state
         mixed_in = mixed  # the conv inputs (what the conv state holds)
         states = layer.states  # conv [B, C, K-1], recurrent [B, Hv, Dk, Dv]
-        weight = self.conv1d.weight[:, 0]  # [C, K]
+        weight = self._conv_weight()  # [C, K]
         if tokens == 1:
             y, conv_state = causal_conv1d_step(mixed[:, 0], weight, None, states["conv"], "silu")
             mixed = y[:, None]
@@ -102,8 +113,8 @@ class GatedDeltaNetMixer(nn.Module):
         q, k = (rearrange(x, "b t (h d) -> b t h d", d=self.dk) for x in (q, k))
         v = rearrange(v, "b t (h d) -> b t h d", d=self.dv)
         acc = torch.promote_types(dtype, torch.float32)
-        beta = step.mask_padding(torch.sigmoid(b.to(acc)) * self.beta_scale)  # [B, T, Hv]; 0 at padding: no write
-        g = -torch.exp(self.A_log.to(acc)) * F.softplus(a.to(acc) + self.dt_bias.to(acc))
+        beta, g = self._gates(b, a, acc)
+        beta = step.mask_padding(beta)  # [B, T, Hv]; 0 at padding: no write
         g = step.mask_padding(g)  # log-decay 0 at padding: no forgetting
         state = states["recurrent"]
         m = layer.trail_length(tokens)
@@ -131,13 +142,11 @@ class GatedDeltaNetMixer(nn.Module):
                 "recurrent": stack_trail(trail, state.dtype),
             }
             layer.update(conv=conv_state.to(states["conv"].dtype), recurrent=s.to(state.dtype), trail=trail)
-            o = self.norm(torch.cat(outs, dim=1).to(dtype), z)
-            return self.out_proj(rearrange(o, "b t h d -> b t (h d)"))
+            return self._output(torch.cat(outs, dim=1).to(dtype), z)
         if tokens == 1:
             o, new_state = gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], qk_l2norm=True)
             o = o[:, None]
         else:
             o, new_state = gated_delta_rule(q, k, v, g, beta, self.chunk_size, state=state, qk_l2norm=True)
         layer.update(conv=conv_state.to(states["conv"].dtype), recurrent=new_state.to(state.dtype))
-        o = self.norm(o.to(dtype), z)  # [B, T, Hv, Dv]
-        return self.out_proj(rearrange(o, "b t h d -> b t (h d)"))
+        return self._output(o.to(dtype), z)  # [B, T, D]
