@@ -42,6 +42,7 @@ FAMILIES = (
     "granitemoehybrid",
     "qwen3_5",
     "lfm3",
+    "kimi_linear",
     "olmo_hybrid",
     "granite_swa",
     "gpt_oss",

@@ -3,6 +3,34 @@
 ``RECENT_EAGER`` lists those built with HF's eager attention path."""
 
 RECENT_SPECS: dict[str, tuple[str, str, dict]] = {
+    "kimi_linear": (  # KDA (per-channel decay) + MLA without RoPE (qk 64 = nope 32 + rope 32, v 32), DeepSeek-V3 MoE
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],  # L A L A
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=32,  # narrower than the keys: the cache pads values to 64
+            linear_num_heads=2,
+            linear_head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,  # group-limited routing: 1 of 2 groups of 2 experts
+            topk_group=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            max_position_embeddings=1024,
+        ),
+    ),
     "olmo_hybrid": (  # Gated DeltaNet (beta in [0, 2]) + OLMo 3 post-norm attention with whole-projection q/k norms
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",

@@ -34,6 +34,7 @@ EXPECTED_CLASS = {
     "qwen3_5": "Qwen3_5ForCausalLM",
     "lfm3": "Lfm3ForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }

@@ -75,6 +75,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_text": Family("qwen3_5", refusal=_UNCHECKED.format("Qwen3.5")),
     "lfm3": Family("lfm3", refusal=_UNCHECKED.format("LFM3")),
     "olmo_hybrid": Family("olmo_hybrid", refusal=_UNCHECKED.format("OLMo-Hybrid")),
+    "kimi_linear": Family("kimi_linear", refusal=_UNCHECKED.format("Kimi Linear")),
     "granite_swa": Family("granite_swa", refusal=_UNCHECKED.format("GraniteSWA")),
     "gpt_oss": Family("gpt_oss", refusal=_UNCHECKED.format("GPT-OSS")),
 }

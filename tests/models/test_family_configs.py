@@ -30,6 +30,7 @@ HF_CLASSES = {
     "qwen3_5": "Qwen3_5TextConfig",
     "lfm3": "Lfm3Config",
     "olmo_hybrid": "OlmoHybridConfig",
+    "kimi_linear": "KimiLinearConfig",
     "granite_swa": "GraniteSWAConfig",
     "gpt_oss": "GptOssConfig",
 }

@@ -31,6 +31,7 @@ RUNS_ON_CPU = {
 }
 # family -> what the refusal of its tiny default says on vLLM-CPU (float32)
 REFUSED_ON_CPU = {
+    "kimi_linear": "Kimi Linear has not been compared with HF",
     "mamba": "no Mamba1 kernel",
     "jamba": "no Mamba1 kernel",
     "bamba": "dropped BambaForCausalLM after v0.23.0",
