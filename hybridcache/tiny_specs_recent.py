@@ -92,6 +92,7 @@ RECENT_SPECS: dict[str, tuple[str, str, dict]] = {
             },
             max_position_embeddings=1024,
         ),
+    ),
 }
 
 RECENT_EAGER: set[str] = {"granite_swa", "gpt_oss"}
