@@ -43,6 +43,29 @@ def hfq_python() -> str:
     return path
 
 
+def _run_worker(python: str, tensors: dict[str, torch.Tensor], request: dict, timeout: float) -> dict:
+    """One worker call: `tensors` and the `request` in over a safetensors file, the worker's tensors out; checks that
+    the worker ran transformers 5.2."""
+    with tempfile.TemporaryDirectory(prefix="hfq-") as tmp:
+        src, dst = Path(tmp, "in.safetensors"), Path(tmp, "out.safetensors")
+        save_file(tensors, src, metadata={"request": json.dumps(request)})
+        proc = subprocess.run(
+            [python, str(WORKER), str(src), str(dst)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONPATH": ""},
+        )
+        if proc.returncode != 0:
+            raise HFQuantizedWorkerError(f"hf_quantized worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        with safe_open(dst, framework="pt") as f:
+            version = f.metadata().get("transformers", "?")
+        out = load_file(dst)
+    if not version.startswith("5.2."):
+        raise HFQuantizedUnavailable(f"{python} has transformers {version}; the reference is 5.2: {INSTALL}")
+    return out
+
+
 def run_hf_quantized(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -68,27 +91,8 @@ def run_hf_quantized(
         q_group_size=q_group_size,
         residual_length=residual_length,
     )
-    with tempfile.TemporaryDirectory(prefix="hfq-") as tmp:
-        src, dst = Path(tmp, "in.safetensors"), Path(tmp, "out.safetensors")
-        save_file(
-            {"keys": keys.detach().cpu().contiguous(), "values": values.detach().cpu().contiguous()},
-            src,
-            metadata={"request": json.dumps(request)},
-        )
-        proc = subprocess.run(
-            [python, str(WORKER), str(src), str(dst)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, "PYTHONPATH": ""},
-        )
-        if proc.returncode != 0:
-            raise HFQuantizedWorkerError(f"hf_quantized worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
-        out = load_file(dst)
-        with safe_open(dst, framework="pt") as f:
-            version = f.metadata().get("transformers", "?")
-    if not version.startswith("5.2."):
-        raise HFQuantizedUnavailable(f"{python} has transformers {version}; the reference is 5.2: {INSTALL}")
+    tensors = {"keys": keys.detach().cpu().contiguous(), "values": values.detach().cpu().contiguous()}
+    out = _run_worker(python, tensors, request, timeout)
     return [(out[f"keys.{i}"], out[f"values.{i}"]) for i in range(len(splits))]
 
 
@@ -117,25 +121,5 @@ def run_hf_quantized_model(
         q_group_size=q_group_size,
         residual_length=residual_length,
     )
-    with tempfile.TemporaryDirectory(prefix="hfq-") as tmp:
-        src, dst = Path(tmp, "in.safetensors"), Path(tmp, "out.safetensors")
-        save_file(
-            {"prompt_ids": prompt_ids.long().contiguous(), "cont_ids": cont_ids.long().contiguous()},
-            src,
-            metadata={"request": json.dumps(request)},
-        )
-        proc = subprocess.run(
-            [python, str(WORKER), str(src), str(dst)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, "PYTHONPATH": ""},
-        )
-        if proc.returncode != 0:
-            raise HFQuantizedWorkerError(f"hf_quantized worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
-        with safe_open(dst, framework="pt") as f:
-            version = f.metadata().get("transformers", "?")
-        logits = load_file(dst)["logits"]
-    if not version.startswith("5.2."):
-        raise HFQuantizedUnavailable(f"{python} has transformers {version}; the reference is 5.2: {INSTALL}")
-    return logits
+    tensors = {"prompt_ids": prompt_ids.long().contiguous(), "cont_ids": cont_ids.long().contiguous()}
+    return _run_worker(python, tensors, request, timeout)["logits"]
