@@ -56,9 +56,8 @@ def masked_attention(
     if mask.dim() not in (3, 4) or mask.shape[-2:] != (t, s) or (mask.dim() == 4 and mask.shape[1] != hkv):
         raise ValueError(f"mask {tuple(mask.shape)} does not match [B, {t}, {s}] or [B, {hkv}, {t}, {s}]")
     heads = mask.dim() == 4
-    if (
-        t == 1 and not return_weights and sinks is None and not torch.compiler.is_compiling()
-    ):  # a decode step: one kernel call
+    # a decode step: one kernel call (it has no sink column: with sinks, the torch path below)
+    if t == 1 and not return_weights and sinks is None and not torch.compiler.is_compiling():
         out = decode_attention(q, k, v, mask, scale, softcap)
         if out is not None:
             return out
