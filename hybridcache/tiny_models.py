@@ -36,16 +36,17 @@ FAMILIES = (
     "bamba",
     "falcon_h1",
     "zamba2",
+    "zamba",
     "lfm2",
     "qwen3_next",
     "nemotron_h",
     "granitemoehybrid",
     "qwen3_5",
     "lfm3",
-    "kimi_linear",
-    "olmo_hybrid",
     "granite_swa",
     "gpt_oss",
+    "kimi_linear",
+    "olmo_hybrid",
 )
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).

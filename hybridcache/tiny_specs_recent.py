@@ -3,6 +3,23 @@
 ``RECENT_EAGER`` lists those built with HF's eager attention path."""
 
 RECENT_SPECS: dict[str, tuple[str, str, dict]] = {
+    "zamba": (  # two-head Mamba v1 layers + one shared attention block over [h | embeddings] at two layers
+        "ZambaConfig",
+        "ZambaForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=5,
+            tie_word_embeddings=True,  # HF ties the shared block's copies only with tied embeddings
+            layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid", "linear_attention"],
+            num_attention_heads=2,  # attention head_dim 2 * 64 / 2 = 64
+            num_key_value_heads=1,
+            n_mamba_heads=2,
+            mamba_d_state=16,
+            max_position_embeddings=1024,
+            initializer_range=0.5,  # HF draws the Mamba conv (kept by reinit) with this std: at 0.02 the layers vanish
+        ),
+    ),
     "kimi_linear": (  # KDA (per-channel decay) + MLA without RoPE (qk 64 = nope 32 + rope 32, v 32), DeepSeek-V3 MoE
         "KimiLinearConfig",
         "KimiLinearForCausalLM",

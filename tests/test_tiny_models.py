@@ -31,12 +31,13 @@ EXPECTED_CLASS = {
     "bamba": "BambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "zamba2": "Zamba2ForCausalLM",
+    "zamba": "ZambaForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "lfm3": "Lfm3ForCausalLM",
-    "olmo_hybrid": "OlmoHybridForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
 }
 
 

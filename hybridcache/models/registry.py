@@ -31,14 +31,15 @@ BUILTIN = {
     "bamba": "hybridcache.models.bamba",
     "falcon_h1": "hybridcache.models.falcon_h1",
     "zamba2": "hybridcache.models.zamba2",
+    "zamba": "hybridcache.models.zamba",
     "lfm2": "hybridcache.models.lfm2",
     "nemotron_h": "hybridcache.models.nemotron_h",
     "granitemoehybrid": "hybridcache.models.granitemoehybrid",
     "qwen3_5_text": "hybridcache.models.qwen3_5",
     "lfm3": "hybridcache.models.lfm3",
-    "olmo_hybrid": "hybridcache.models.olmo_hybrid",
     "granite_swa": "hybridcache.models.granite_swa",
     "gpt_oss": "hybridcache.models.gpt_oss",
+    "olmo_hybrid": "hybridcache.models.olmo_hybrid",
 }
 
 _FAMILIES: dict[str, type[HybridLM]] = {}

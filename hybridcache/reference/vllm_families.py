@@ -66,6 +66,7 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": Family("granitemoehybrid", **_MAMBA2_PREFIX),
     "nemotron_h": Family("nemotron_h", **_MAMBA2_PREFIX),
     "zamba2": Family("zamba2", **_MAMBA2_PREFIX),
+    "zamba": Family("zamba", refusal=_UNCHECKED.format("Zamba (v1)")),
     "lfm2": Family("lfm2"),
     "qwen3_next": Family(
         "qwen3_next",
@@ -74,10 +75,10 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen3_5_text": Family("qwen3_5", refusal=_UNCHECKED.format("Qwen3.5")),
     "lfm3": Family("lfm3", refusal=_UNCHECKED.format("LFM3")),
-    "olmo_hybrid": Family("olmo_hybrid", refusal=_UNCHECKED.format("OLMo-Hybrid")),
     "kimi_linear": Family("kimi_linear", refusal=_UNCHECKED.format("Kimi Linear")),
     "granite_swa": Family("granite_swa", refusal=_UNCHECKED.format("GraniteSWA")),
     "gpt_oss": Family("gpt_oss", refusal=_UNCHECKED.format("GPT-OSS")),
+    "olmo_hybrid": Family("olmo_hybrid", refusal=_UNCHECKED.format("OLMo-Hybrid")),
 }
 
 

@@ -24,15 +24,16 @@ HF_CLASSES = {
     "bamba": "BambaConfig",
     "falcon_h1": "FalconH1Config",
     "zamba2": "Zamba2Config",
+    "zamba": "ZambaConfig",
     "lfm2": "Lfm2Config",
     "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "qwen3_5": "Qwen3_5TextConfig",
     "lfm3": "Lfm3Config",
-    "olmo_hybrid": "OlmoHybridConfig",
     "kimi_linear": "KimiLinearConfig",
     "granite_swa": "GraniteSWAConfig",
     "gpt_oss": "GptOssConfig",
+    "olmo_hybrid": "OlmoHybridConfig",
 }
 
 

@@ -41,9 +41,10 @@ REFUSED_ON_CPU = {
     "qwen3_next": r"only in bfloat16.*model.dtype=bfloat16",
     "qwen3_5": "Qwen3.5 has not been compared with HF",
     "lfm3": "LFM3 has not been compared with HF",
-    "olmo_hybrid": "OLMo-Hybrid has not been compared with HF",
     "granite_swa": "GraniteSWA has not been compared with HF",
     "gpt_oss": "GPT-OSS has not been compared with HF",
+    "zamba": r"Zamba \(v1\) has not been compared with HF",
+    "olmo_hybrid": "OLMo-Hybrid has not been compared with HF",
 }
 
 
