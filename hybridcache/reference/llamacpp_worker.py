@@ -1,0 +1,144 @@
+"""Runs inside the llama.cpp environment (llama-cpp-python): reads a JSON request, writes a JSON answer. Imports only
+llama_cpp and the standard library (no sibling module may be named llama_cpp: this file's folder is first on sys.path).
+
+    python llamacpp_worker.py request.json answer.json
+
+Per precision: the source GGUF requantized by llama.cpp itself (`llama_model_quantize`, allow_requantize) into
+`cache_dir` (atomic write; reused while its recorded digests match), loaded with the benchmark's threads, then timed
+like ours: prefill = evaluating the prompt and picking the first token (greedy), decode = the other new - 1 greedy
+steps, each phase timed on its own in every repeat, after one untimed warm-up run.
+"""
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import time
+
+FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def requantize(
+    lib, source: str, source_sha: str, precision: str, cache_dir: str, threads: int, byref=ctypes.byref
+) -> str:
+    """`cache_dir/<source sha[:16]>-<precision>.gguf`, made by llama.cpp from `source` unless a copy whose sidecar
+    records this source, precision and llama.cpp version, and whose own digest still matches, is there."""
+    if precision not in FTYPES:
+        raise ValueError(f"precision {precision!r}: llama.cpp reference knows {sorted(FTYPES)}")
+    os.makedirs(cache_dir, exist_ok=True)
+    out = os.path.join(cache_dir, f"{source_sha[:16]}-{precision}.gguf")
+    meta_path = out + ".json"
+    want = {"source_sha256": source_sha, "precision": precision, "llama_cpp": getattr(lib, "__version__", "?")}
+    if os.path.exists(out) and os.path.exists(meta_path):
+        try:
+            meta = json.load(open(meta_path))
+        except ValueError:
+            meta = {}
+        if all(meta.get(k) == v for k, v in want.items()) and meta.get("sha256") == sha256(out):
+            return out
+    tmp = f"{out}.tmp{os.getpid()}"
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, FTYPES[precision])
+    params.allow_requantize = True  # the source is Q4_K_M: dequantized, then written at `precision`
+    params.nthread = threads
+    try:
+        code = lib.llama_model_quantize(source.encode(), tmp.encode(), byref(params))
+        if code != 0:
+            raise RuntimeError(f"llama_model_quantize to {precision} returned {code}")
+        meta = {**want, "sha256": sha256(tmp)}
+        os.replace(tmp, out)  # atomic: a reader sees the old file or the whole new one
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".tmp", meta_path)
+    return out
+
+
+def run_once(llm, sampler, sample, prompt: list, n: int, clock) -> tuple[float, float, list]:
+    """(prefill s, decode s, the n greedy tokens) of one generation from an empty context."""
+    llm.reset()
+    start = clock()
+    llm.eval(prompt)
+    token = sample(sampler, llm._ctx.ctx, -1)
+    first = clock()
+    tokens = [token]
+    for _ in range(n - 1):
+        llm.eval([token])
+        token = sample(sampler, llm._ctx.ctx, -1)
+        tokens.append(token)
+    end = clock()
+    return first - start, end - first, tokens
+
+
+def time_precision(lib, model_path: str, request: dict, clock=time.perf_counter) -> dict:
+    """Prefill and decode samples of `repeats` runs (after one warm-up) and the greedy tokens; refuses runs whose
+    tokens differ (the same greedy generation must give the same tokens)."""
+    prompt, n, threads = list(request["prompt"]), int(request["new_tokens"]), int(request["threads"])
+    llm = lib.Llama(
+        model_path=model_path,
+        n_ctx=len(prompt) + n + 8,
+        n_batch=max(512, len(prompt)),  # the whole prompt in one batch, as ours
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=False,
+        verbose=False,
+    )
+    sampler = lib.llama_sampler_init_greedy()
+    try:
+        _, _, tokens = run_once(llm, sampler, lib.llama_sampler_sample, prompt, n, clock)  # warm-up
+        prefill, decode = [], []
+        for r in range(max(int(request["repeats"]), 1)):
+            p, d, again = run_once(llm, sampler, lib.llama_sampler_sample, prompt, n, clock)
+            if again != tokens:
+                raise RuntimeError(f"llama.cpp repeat {r}: greedy tokens differ from the warm-up's")
+            prefill.append(p)
+            decode.append(d)
+    finally:
+        lib.llama_sampler_free(sampler)
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()
+    return {"prefill_samples": prefill, "decode_samples": decode, "tokens": tokens}
+
+
+def serve(lib, request: dict, clock=time.perf_counter, byref=ctypes.byref) -> dict:
+    """The answer to one request: {"version", "results": [{"precision", "model", ..., samples, tokens}]}."""
+    source = request["gguf"]
+    source_sha = request.get("gguf_sha256") or sha256(source)
+    results = []
+    for precision in request["precisions"]:
+        started = clock()
+        path = requantize(lib, source, source_sha, precision, request["cache_dir"], int(request["threads"]), byref)
+        prepared = clock() - started
+        results.append(
+            {"precision": precision, "model": path, "prepare_s": prepared, **time_precision(lib, path, request, clock)}
+        )
+    return {"version": getattr(lib, "__version__", "?"), "results": results}
+
+
+def main(request_path: str, answer_path: str) -> None:
+    request = json.load(open(request_path))
+    try:
+        import llama_cpp
+    except ImportError as e:
+        answer = {"error": f"llama_cpp is not importable in this interpreter: {e}"}
+    else:
+        answer = serve(llama_cpp, request)
+    with open(answer_path + ".tmp", "w") as f:
+        json.dump(answer, f)
+    os.replace(answer_path + ".tmp", answer_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
