@@ -68,3 +68,29 @@ class KimiDeltaAttention(GatedDeltaNetMixer):
 
     def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [B, T, H, D] each -> [B, T, hidden]
         return self.o_proj(self.o_norm(o, z).flatten(2))
+
+
+class BailingDeltaAttention(KimiDeltaAttention):
+    """Bailing-hybrid (Ling 3) KDA: a full-rank forget gate f_proj with A_log per head [H], optionally the "safe"
+    bounded log-decay lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) (else Kimi's -exp(A_log) * softplus), and
+    a full-rank output gate g_proj. Same convs, delta rule and cache as KDA."""
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float, **gate) -> None:
+        super().__init__(hidden, num_heads, head_dim, conv_kernel, eps)
+        del self.f_a_proj, self.f_b_proj, self.g_a_proj, self.g_b_proj
+        width = num_heads * head_dim
+        self.f_proj = nn.Linear(hidden, width, bias=False)
+        self.g_proj = nn.Linear(hidden, width, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.safe_gate, self.lower_bound = gate.get("safe_gate", True), gate.get("lower_bound", -5.0)
+
+    def _split(self, h: torch.Tensor):
+        heads = (self.hv, self.dv)
+        q, k, v = (proj(h).unflatten(-1, heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return q, k, v, self.g_proj(h).unflatten(-1, heads), self.b_proj(h), self.f_proj(h)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        a = (a.to(acc) + self.dt_bias.to(acc)).unflatten(-1, (self.hv, self.dk))  # [B, T, H, Dk]
+        rate = torch.exp(self.A_log.to(acc))[:, None]  # [H, 1]
+        g = self.lower_bound * torch.sigmoid(rate * a) if self.safe_gate else -rate * F.softplus(a)
+        return torch.sigmoid(b.to(acc)), g

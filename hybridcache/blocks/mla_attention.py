@@ -3,7 +3,8 @@
 Queries come from q_proj, or through a low-rank q_a_proj -> q_a_layernorm -> q_b_proj. Keys and values come from
 one compressed latent: kv_a_proj_with_mqa(h) = [c (kv_lora_rank) | k_rot (qk_rope_head_dim, shared by the heads)],
 kv_b_proj(kv_a_layernorm(c)) = per head [k_nope | v]; a head's key is [k_nope | k_rot]. The optional rotary turns
-the last qk_rope_head_dim dims of q and k_rot (Kimi Linear has none: NoPE).
+the last qk_rope_head_dim dims of q and k_rot (Kimi Linear has none: NoPE; Bailing-hybrid's is interleaved, and an
+optional per-head sigmoid gate g_proj scales each head's output).
 
 The cache is a plain `full` attention cache of H heads holding the decompressed keys and values (HF caches the
 latent and decompresses every step: the same numbers, as kv_b_proj acts on each token alone). Keys are
@@ -56,6 +57,7 @@ class MLAMixer(AttentionMixer):
         eps: float = 1e-6,
         bias: bool = False,
         rotary: RotaryEmbedding | None = None,
+        head_gate: bool = False,
     ) -> None:
         qk = qk_nope_head_dim + qk_rope_head_dim
         width = max(qk, v_head_dim)  # what the cache holds per head
@@ -72,6 +74,8 @@ class MLAMixer(AttentionMixer):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = _Unpad(num_heads, v_head_dim, width, hidden, bias)
+        if head_gate:  # Bailing-hybrid: attention output times sigmoid(g_proj(h)), one gate per head
+            self.g_proj = nn.Linear(hidden, num_heads, bias=False)
 
     def projection_groups(self) -> list:
         return []
@@ -80,7 +84,8 @@ class MLAMixer(AttentionMixer):
         return None
 
     def _project(self, h: torch.Tensor, step: StepInput, extra, prerope: bool = False) -> tuple:
-        """q [B, H, T, W], k and v [B, H, T, W] (W the padded width), no output gate, q before rotary (prerope)."""
+        """q [B, H, T, W], k and v [B, H, T, W] (W the padded width), the per-head output gate [B, T, H * W] or
+        None, q before rotary (prerope)."""
         if extra is not None:
             raise ValueError("MLA attention takes no per-call projection terms")
         b, t, _ = h.shape
@@ -96,4 +101,5 @@ class MLAMixer(AttentionMixer):
             q = torch.cat([q[..., : self.nope], q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, self.num_heads, -1, -1)], dim=-1)
         w = self.head_dim
-        return _pad(q, w), _pad(k, w), _pad(v, w), None, None if q_pre is None else _pad(q_pre, w)
+        gate = self.g_proj(h).repeat_interleave(w, dim=-1) if hasattr(self, "g_proj") else None
+        return _pad(q, w), _pad(k, w), _pad(v, w), gate, None if q_pre is None else _pad(q_pre, w)
