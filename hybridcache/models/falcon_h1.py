@@ -32,10 +32,10 @@ from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbeddin
 from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheGroup, NativeGroup, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields
 from hybridcache.models.family_config import param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 
 @dataclass(kw_only=True)
@@ -133,17 +133,6 @@ class FalconH1DecoderLayer(nn.Module):
         return h + self.feed_forward(x)
 
 
-class FalconH1Inner(nn.Module):
-    def __init__(self, cfg: FalconH1Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = cfg.rope()
-        rotary_dim = int(cfg.attention_head_dim * rope["partial_rotary_factor"])
-        rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), rope, rotary_dim))
-        self.layers = nn.ModuleList(FalconH1DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 def _scale(state: dict[str, torch.Tensor], name: str, factor: float | torch.Tensor) -> None:
     """state[name] *= factor (per row when factor is a vector), in float64, kept in at least float32."""
     t = state.get(name)
@@ -156,20 +145,30 @@ def _scale(state: dict[str, torch.Tensor], name: str, factor: float | torch.Tens
 
 
 @register_family("falcon_h1")
-class FalconH1LM(HybridLM):
+class FalconH1LM(StackLM):
     family = "falcon_h1"
     config_class = FalconH1Config
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    final_norm_name = "final_layernorm"
 
     def __init__(self, config: Mapping[str, Any] | FalconH1Config) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.model = FalconH1Inner(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        tied = cfg.tie_word_embeddings  # one matrix, two factors: both stay at runtime
-        self.embedding_scale = cfg.embedding_multiplier if tied else 1.0
-        self.logit_scale = cfg.lm_head_multiplier if tied else 1.0
+        super().__init__(config)
+        tied = self.cfg.tie_word_embeddings  # one matrix, two factors: both stay at runtime
+        self.embedding_scale = self.cfg.embedding_multiplier if tied else 1.0
+        self.logit_scale = self.cfg.lm_head_multiplier if tied else 1.0
+
+    def plan(self) -> list[str]:
+        return ["parallel"] * self.cfg.num_hidden_layers  # attention and Mamba2 side by side in every layer
+
+    def shared(self) -> RotaryEmbedding:
+        rope = self.cfg.rope()
+        rotary_dim = int(self.cfg.attention_head_dim * rope["partial_rotary_factor"])
+        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, rotary_dim))
+
+    def build_layer(self, kind: str, index: int, rotary: RotaryEmbedding) -> FalconH1DecoderLayer:
+        return FalconH1DecoderLayer(self.cfg, rotary)
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def in_proj_factors(self) -> torch.Tensor:
         """Per output row of mamba.in_proj ([z | x | B | C | dt]): its ssm_multipliers entry."""
@@ -214,5 +213,5 @@ class FalconH1LM(HybridLM):
         return h * self.embedding_scale if self.embedding_scale != 1.0 else h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.final_layernorm(h))  # [B, T, V]
+        logits = super().head(h)  # [B, T, V]
         return logits * self.logit_scale if self.logit_scale != 1.0 else logits

@@ -25,10 +25,10 @@ from hybridcache.blocks.mamba2 import Mamba2Mixer
 from hybridcache.blocks.mlp import ACTIVATIONS, activation
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields, MoEFields
 from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' legacy layer type names
 
@@ -170,18 +170,6 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         return h + ff
 
 
-class GraniteMoeHybridInner(nn.Module):
-    def __init__(self, cfg: GraniteMoeHybridConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = None
-        if cfg.position_embedding_type == "rope":
-            rope = cfg.rope_parameters or {"rope_type": "default", "rope_theta": cfg.rope_theta}
-            rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), rope, cfg.head_dim))
-        self.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(cfg, kind, rotary) for kind in cfg.layer_types)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 # Checkpoint tensors that feed the residual stream: residual_multiplier is folded into them.
 _RESIDUAL_OUTPUTS = (
     ".self_attn.o_proj.",
@@ -192,20 +180,30 @@ _RESIDUAL_OUTPUTS = (
 
 
 @register_family("granitemoehybrid")
-class GraniteMoeHybridLM(HybridLM):
+class GraniteMoeHybridLM(StackLM):
     family = "granitemoehybrid"
     config_class = GraniteMoeHybridConfig
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Mapping[str, Any] | GraniteMoeHybridConfig) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.types = list(cfg.layer_types)
-        self.model = GraniteMoeHybridInner(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(config)
         # Tied embeddings: one matrix is both embedding and head, so neither scaling can be folded into it.
-        self.runtime_scales = cfg.tie_word_embeddings
+        self.runtime_scales = self.cfg.tie_word_embeddings
+
+    def plan(self) -> list[str]:
+        return list(self.cfg.layer_types)
+
+    def shared(self) -> RotaryEmbedding | None:
+        c = self.cfg
+        if c.position_embedding_type != "rope":
+            return None
+        rope = c.rope_parameters or {"rope_type": "default", "rope_theta": c.rope_theta}
+        return RotaryEmbedding(*rope_frequencies(c.to_dict(), rope, c.head_dim))
+
+    def build_layer(self, kind: str, index: int, rotary: RotaryEmbedding | None) -> GraniteMoeHybridDecoderLayer:
+        return GraniteMoeHybridDecoderLayer(self.cfg, kind, rotary)
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def convert_checkpoint(self, state: dict) -> dict:
         """Fold the plain scalings into the weights (in float32 or wider, one rounding): residual_multiplier into
@@ -240,5 +238,5 @@ class GraniteMoeHybridLM(HybridLM):
         return h * self.cfg.embedding_multiplier if self.runtime_scales else h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(h))  # [B, T, V]
+        logits = super().head(h)  # [B, T, V]
         return logits / self.cfg.logits_scaling if self.runtime_scales else logits

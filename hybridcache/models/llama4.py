@@ -3,9 +3,8 @@ temperature tuning, dense and mixture-of-experts feed-forwards."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -14,10 +13,10 @@ from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbeddin
 from hybridcache.blocks.llama4_moe import Llama4MoE
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.config_pieces import AttentionFields
 from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 
 @dataclass(kw_only=True)
@@ -178,33 +177,24 @@ class Llama4DecoderLayer(nn.Module):
         return h + self.feed_forward(x)
 
 
-class Llama4Inner(nn.Module):
-    def __init__(self, cfg: Llama4Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        inv_freq, scaling = rope_frequencies(cfg.to_dict(), cfg.rope(), cfg.head_dim)
-        qk_norm = L2Norm(cfg.rms_norm_eps) if cfg.use_qk_norm else None
-        rotary = Llama4Rotary(inv_freq, scaling, qk_norm)  # shared by the RoPE layers
-        moe = cfg.moe_layer_set
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(cfg, rotary if rope else None, i in moe) for i, rope in enumerate(cfg.uses_rope)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 @register_family("llama4_text")
-class Llama4LM(HybridLM):
+class Llama4LM(StackLM):
     family = "llama4"
     config_class = Llama4Config
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: Mapping[str, Any] | Llama4Config) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.types = cfg.types
-        self.model = Llama4Inner(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    def plan(self) -> list[str]:
+        return self.cfg.types
+
+    def shared(self) -> Llama4Rotary:
+        inv_freq, scaling = rope_frequencies(self.cfg.to_dict(), self.cfg.rope(), self.cfg.head_dim)
+        return Llama4Rotary(inv_freq, scaling, L2Norm(self.cfg.rms_norm_eps) if self.cfg.use_qk_norm else None)
+
+    def build_layer(self, kind: str, index: int, rotary: Llama4Rotary) -> Llama4DecoderLayer:
+        rope = self.cfg.uses_rope[index]  # the RoPE layers share one rotary; the NoPE layers have none
+        return Llama4DecoderLayer(self.cfg, rotary if rope else None, index in self.cfg.moe_layer_set)
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
@@ -216,6 +206,3 @@ class Llama4LM(HybridLM):
             else NativeLayer("full", attn)
             for t in self.types
         ]
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(h))

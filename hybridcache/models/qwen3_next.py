@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -15,9 +14,9 @@ from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.blocks.shared_moe import SharedExpertMoE
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -160,38 +159,28 @@ class Qwen3NextDecoderLayer(nn.Module):
         return h + self.mlp(x)
 
 
-class Qwen3NextInner(nn.Module):
-    def __init__(self, cfg: Qwen3NextConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(*rope_frequencies(cfg.to_dict(), cfg.rope(), cfg.rotary_dim()))
-        self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(cfg, kind, rotary, cfg.is_moe(i)) for i, kind in enumerate(cfg.layer_types)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
-
-
 @register_family("qwen3_next")
-class Qwen3NextLM(HybridLM):
+class Qwen3NextLM(StackLM):
     family = "qwen3_next"
     config_class = Qwen3NextConfig
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: Mapping[str, Any] | Qwen3NextConfig) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.model = Qwen3NextInner(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    def plan(self) -> list[str]:
+        return self.cfg.layer_types
+
+    def shared(self) -> RotaryEmbedding:
+        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), self.cfg.rope(), self.cfg.rotary_dim()))
+
+    def build_layer(self, kind: str, index: int, rotary: RotaryEmbedding) -> Qwen3NextDecoderLayer:
+        return Qwen3NextDecoderLayer(self.cfg, kind, rotary, self.cfg.is_moe(index))
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, unit_offset=True)
 
     def native_layers(self) -> list[NativeLayer]:
-        return delta_native_layers(self.cfg, self.cfg.layer_types, self.dtype)
+        return delta_native_layers(self.cfg, self.kinds, self.dtype)
 
     def hf_name(self, name: str) -> str:
         return name.replace(".mlp.router.", ".mlp.gate.")  # HF calls the MoE router `gate`
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(h))  # [B, T, V]
 
 
 def delta_native_layers(c: Qwen3NextConfig, kinds: list[str], dtype: torch.dtype) -> list[NativeLayer]:

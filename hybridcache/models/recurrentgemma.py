@@ -11,10 +11,9 @@ Window: HF (transformers 5.x, masking_utils + DynamicSlidingWindowLayer) lets a 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import cycle, islice
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -23,10 +22,10 @@ from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbeddin
 from hybridcache.blocks.rglru import RecurrentBlock
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
 from hybridcache.models.config_pieces import AttentionFields
 from hybridcache.models.family_config import param
 from hybridcache.models.registry import register_family
+from hybridcache.models.stack import StackLM
 
 
 @dataclass(kw_only=True)
@@ -111,28 +110,23 @@ class RecurrentGemmaDecoderLayer(nn.Module):
         return h + self.mlp_block(self.channel_pre_norm(h))
 
 
-class RecurrentGemmaInner(nn.Module):
-    def __init__(self, cfg: RecurrentGemmaConfig, types: list[str]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = cfg.rotary()
-        self.layers = nn.ModuleList(RecurrentGemmaDecoderLayer(cfg, t, rope) for t in types)
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
-
-
 @register_family("recurrent_gemma")
-class RecurrentGemmaLM(HybridLM):
+class RecurrentGemmaLM(StackLM):
     family = "recurrentgemma"
     config_class = RecurrentGemmaConfig
-    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    final_norm_name = "final_norm"
 
-    def __init__(self, config: Mapping[str, Any] | RecurrentGemmaConfig) -> None:
-        cfg = self.config_class.from_hf(config)
-        super().__init__(cfg.to_dict())
-        self.cfg = cfg
-        self.types = cfg.types
-        self.model = RecurrentGemmaInner(cfg, self.types)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    def plan(self) -> list[str]:
+        return self.cfg.types
+
+    def shared(self) -> RotaryEmbedding:
+        return self.cfg.rotary()
+
+    def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> RecurrentGemmaDecoderLayer:
+        return RecurrentGemmaDecoderLayer(self.cfg, kind, shared)
+
+    def final_norm(self) -> RMSNorm:
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, unit_offset=True)
 
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
@@ -154,6 +148,6 @@ class RecurrentGemmaLM(HybridLM):
         return h * normalizer.to(device=h.device, dtype=h.dtype)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.final_norm(h))
+        logits = super().head(h)
         cap = self.cfg.logits_soft_cap
         return cap * torch.tanh(logits / cap) if cap else logits
