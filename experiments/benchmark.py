@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.progress import Progress
 
 import hybridcache as hc
+from experiments.benchmark_llamacpp import agreement_lines, llamacpp_precision, llamacpp_rates, make_runner
 from experiments.benchmark_systems import hf_phases, ours_phases
 from experiments.benchmark_table import print_tables, summarize, timed_row
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
@@ -54,11 +55,12 @@ def variant_label(weights: str | None, compiled: bool) -> str:
 
 
 def throughput(
-    cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress
+    cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress, llamacpp=None
 ) -> tuple[list, dict]:
     """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size:
     prefill and decode timed apart, the systems taking turns within each round, repeated until stable
-    (experiments/timing.py) or marked unreliable."""
+    (experiments/timing.py) or marked unreliable. Then vLLM or llama.cpp (`llamacpp`: batch 1, each precision
+    matching one of our formats; experiments/benchmark_llamacpp.py), each in its own process."""
     import transformers
 
     formats = list(dict.fromkeys([cfg.model.get("weights"), *b.get("weights", [])]))  # the model's own first
@@ -72,7 +74,7 @@ def throughput(
     for fmt in formats:  # all in memory at once, so they can take turns
         progress.update(task, description=f"loading ours with {fmt or cfg.model.dtype} weights")
         models[fmt] = model if fmt == cfg.model.get("weights") else load_model(cfg, checkpoint, weights=fmt)[1]
-    rows, memory = [], {}
+    rows, memory, tokens = [], {}, {}  # tokens: our batch-1 greedy tokens per format (llama.cpp's agreement)
     new = int(b.new_tokens)
     for batch in b.batch_sizes:
         ids = torch.randint(
@@ -81,10 +83,12 @@ def throughput(
         systems, extra = {}, {}
         for fmt, m in models.items():
             # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
-            first, last = (
-                hc.generate(m, ids, max_new_tokens=n, cache_config=cache_config, output_logits=False).cache
-                for n in (1, new)
+            first, whole = (
+                hc.generate(m, ids, max_new_tokens=n, cache_config=cache_config, output_logits=False) for n in (1, new)
             )
+            first, last = first.cache, whole.cache
+            if batch == 1:
+                tokens[fmt] = whole.sequences[0, ids.shape[1] :].tolist()
             memory.setdefault(batch, last.memory_report())
             for compiled in (False, True) if b.compile else (False,):
                 label = variant_label(fmt, compiled)
@@ -119,6 +123,13 @@ def throughput(
     if runner is not None:
         progress.update(task, description="vLLM (its own engine; start reported apart)")
         rows += vllm_rates(runner, b, model.vocab_size, float(b.get("max_spread") or MAX_SPREAD))
+    if llamacpp is not None:
+        progress.update(task, description="llama.cpp (its own process; requantizing the GGUF once per precision)")
+        prompt = torch.randint(3, model.vocab_size, (1, b.prompt_tokens), generator=torch.Generator().manual_seed(1))
+        dtype = str(model.dtype).removeprefix("torch.")
+        precisions = {fmt: llamacpp_precision(fmt, dtype) for fmt in formats}  # the prompt: ours at batch 1
+        spread = float(b.get("max_spread") or MAX_SPREAD)
+        rows += llamacpp_rates(llamacpp, b, prompt[0].tolist(), precisions, tokens, torch.get_num_threads(), spread)
     return rows, memory
 
 
@@ -226,17 +237,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         b = OmegaConf.merge(b, SMOKE)
     with console.status(f"[bold]loading {cfg.model.family}[/]"):
         checkpoint, model = load_model(cfg)
-    runner = None
+    runner = llamacpp = None
     if cfg.reference.name == "vllm":
         try:  # refusals (family, dtype, head size) and a missing interpreter: one line, before any timing
             runner = vllm_runner(checkpoint, cfg)
         except (ValueError, FileNotFoundError) as e:
             raise UserError(f"reference=vllm: {e}") from None
+    elif cfg.reference.name == "llamacpp":  # absent (or another model): skipped, one line saying why
+        llamacpp = make_runner(cfg, checkpoint, lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True))
     cache_config, _ = cache_config_from_hydra(cfg.cache)
     ops, ops_cfg = None, (OmegaConf.to_container(b.cache_ops) if "cache_ops" in b else {})
     with Progress(console=console, transient=True) as progress:
         compile_start = time.perf_counter()
-        rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress)
+        rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress, llamacpp)
         roof = roofline(model, rows, b, progress)
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
         seconds = time.perf_counter() - compile_start
@@ -277,6 +290,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result["wandb_error"] = tracker.error
     ctx.write(result, "benchmark.json")
     print_tables(console, rows, memory, scaling, summary)
+    for line in agreement_lines(rows):
+        console.print(line, soft_wrap=True)
     if ops:
         print_cache_ops(console, ops)
     console.print(

@@ -39,6 +39,8 @@ def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
     """Summary keys; a speed-up vs HF only where both timings are reliable (the reason is kept otherwise)."""
     out: dict[str, Any] = {"peak_rss_mib": rss_mib, "throughput_wall_s": seconds}
     hf = {r["batch"]: r for r in rows if r["system"] == "hf"}
+    # llama.cpp at the precision of one of our weight formats: (batch, format) -> its row
+    llama = {(r["batch"], r.get("weights_format")): r for r in rows if r["system"].startswith("llama.cpp")}
     for r in rows:
         key, b = row_key(r["system"]), r["batch"]
         out[f"decode_tok_s/{key}/b{b}"] = r["decode_tok_s"]
@@ -55,6 +57,19 @@ def summarize(rows, memory, scaling, rss_mib, seconds) -> dict[str, Any]:
                 out[f"{phase}_speedup_vs_hf/{key}/b{b}"] = value
                 if why:
                     out[f"{phase}_speedup_vs_hf_unreliable/{key}/b{b}"] = why
+        partner = llama.get((b, r.get("weights_format")))
+        if r["system"].startswith("ours") and partner is not None:
+            for phase in ("decode", "prefill"):
+                value, why = ratio(
+                    r[f"{phase}_tok_s"],
+                    r.get(f"{phase}_unreliable"),
+                    partner[f"{phase}_tok_s"],
+                    partner.get(f"{phase}_unreliable"),
+                    name=partner["system"],
+                )
+                out[f"{phase}_speedup_vs_llamacpp/{key}/b{b}"] = value
+                if why:
+                    out[f"{phase}_speedup_vs_llamacpp_unreliable/{key}/b{b}"] = why
         if r.get("roofline_fraction") is not None:
             out[f"roofline_fraction/{key}/b{b}"] = r["roofline_fraction"]
     for batch, report in memory.items():
@@ -77,7 +92,13 @@ def _rate_cell(r: dict, phase: str, digits: int) -> str:
 def throughput_table(rows: list[dict], summary: dict) -> tuple[Table, list[str]]:
     """The throughput table and the notes saying why a figure is shown as unreliable."""
     t = Table(title="throughput (tokens/s, medians ± half the interquartile spread; prefill and decode timed apart)")
-    for col in ("system", "batch", "prefill tok/s", "prefill vs HF", "decode tok/s", "decode vs HF", "roofline tok/s"):
+    # ours / llama.cpp at the same precision, beside ours / HF, when reference=llamacpp ran
+    refs = ("hf", "llamacpp") if any(k.startswith("decode_speedup_vs_llamacpp/") for k in summary) else ("hf",)
+    names = {"hf": "HF", "llamacpp": "llama.cpp"}
+    cols = ["system", "batch"]
+    for phase in ("prefill", "decode"):
+        cols += [f"{phase} tok/s", *(f"{phase} vs {names[ref]}" for ref in refs)]
+    for col in (*cols, "roofline tok/s"):
         t.add_column(col, justify="left" if col == "system" else "right")
     t.add_column("of roofline", justify="right")
     notes: list[str] = []
@@ -88,10 +109,10 @@ def throughput_table(rows: list[dict], summary: dict) -> tuple[Table, list[str]]
             cells.append(_rate_cell(r, phase, digits))
             if r.get(f"{phase}_unreliable"):
                 notes.append(f"{r['system']}, batch {b}, {phase}: unreliable: {r[f'{phase}_unreliable']}")
-            speed = summary.get(f"{phase}_speedup_vs_hf/{key}/b{b}")
-            cells.append(
-                f"{speed:.2f}x" if speed else ("unreliable" if f"{phase}_speedup_vs_hf/{key}/b{b}" in summary else "")
-            )
+            for ref in refs:
+                speed = summary.get(f"{phase}_speedup_vs_{ref}/{key}/b{b}")
+                present = f"{phase}_speedup_vs_{ref}/{key}/b{b}" in summary
+                cells.append(f"{speed:.2f}x" if speed else ("unreliable" if present else ""))
         limit = r.get("roofline_tok_s")
         frac = r.get("roofline_fraction")
         label = r["system"] + (f" (engine start {r['engine_start_s']:.0f} s, apart)" if r.get("engine_start_s") else "")
