@@ -46,6 +46,7 @@ FAMILIES = (
     "granite_swa",
     "gpt_oss",
     "kimi_linear",
+    "bailing_hybrid",
     "olmo_hybrid",
 )
 

@@ -48,6 +48,32 @@ RECENT_SPECS: dict[str, tuple[str, str, dict]] = {
             max_position_embeddings=1024,
         ),
     ),
+    "bailing_hybrid": (  # KDA (safe gate) + MLA (interleaved RoPE, per-head gate) as L A L A, DeepSeek-V3 MoE
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            layer_group_size=2,  # L A L A
+            first_k_dense_replace=1,
+            num_attention_heads=4,  # MLA heads and KDA heads
+            num_key_value_heads=4,
+            head_dim=32,  # KDA head size; = qk_rope_head_dim, what HF's save writes back as head_dim
+            kv_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=64,  # MLA heads 64 wide (keys 32 + 32, values 64)
+            rope_theta=10_000.0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            max_position_embeddings=1024,
+        ),
+    ),
     "olmo_hybrid": (  # Gated DeltaNet (beta in [0, 2]) + OLMo 3 post-norm attention with whole-projection q/k norms
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",

@@ -35,6 +35,7 @@ EXPECTED_CLASS = {
     "qwen3_5": "Qwen3_5ForCausalLM",
     "lfm3": "Lfm3ForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
+    "bailing_hybrid": "BailingHybridForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",

