@@ -345,10 +345,18 @@ EAGER |= RECENT_EAGER
 
 # Named variants of the tiny checkpoints (family -> overrides); "tiny" is the default. "20m": larger, for benchmarks;
 # "vllm": what vLLM needs where the default differs on purpose: vLLM-CPU pages chunked attention in KV blocks of a
-# multiple of 32 tokens (the default llama4's chunk of 8 lets short test prompts cross chunk boundaries), and vLLM's
-# LFM2 always ties its head to the embeddings (untied heads keep the tiny models from repeating their input token).
+# multiple of 32 tokens (the default llama4's chunk of 8 lets short test prompts cross chunk boundaries), vLLM's
+# LFM2 always ties its head to the embeddings (untied heads keep the tiny models from repeating their input token),
+# vLLM-CPU's attention has no kernel for head size 16 (granite_swa, olmo_hybrid: 64 here), and vLLM's GPT-OSS
+# clamps its SwiGLU at a hard-coded 7.0 whatever swiglu_limit says (the default's 1.5 exercises HF's clamp).
 SIZES = {
-    "vllm": {"llama4": dict(attention_chunk_size=32), "lfm2": dict(tie_word_embeddings=True)},
+    "vllm": {
+        "llama4": dict(attention_chunk_size=32),
+        "lfm2": dict(tie_word_embeddings=True),
+        "granite_swa": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
+        "olmo_hybrid": dict(head_dim=64, linear_key_head_dim=64),
+        "gpt_oss": dict(swiglu_limit=7.0),
+    },
     "20m": {
         "jamba": dict(
             hidden_size=384,

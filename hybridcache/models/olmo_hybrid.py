@@ -23,7 +23,8 @@ from hybridcache.models.stack import StackLM
 
 @dataclass(kw_only=True)
 class OlmoHybridConfig(AttentionFields):
-    """HF OlmoHybridConfig (transformers 5.23) fields, HF defaults; head_dim = hidden_size // num_attention_heads."""
+    """HF OlmoHybridConfig (transformers 5.23) fields, HF defaults; head_dim: config.json's if given (HF's attention
+    reads it when present), else hidden_size // num_attention_heads."""
 
     family: ClassVar[str] = "olmo_hybrid"
     pad_token_id: int | None = 100277
@@ -46,7 +47,7 @@ class OlmoHybridConfig(AttentionFields):
             self.layer_types = [LAYER_KINDS[i % 4 == 3] for i in range(self.num_hidden_layers)]
             if "full_attention" not in self.layer_types:
                 self.layer_types[-1] = "full_attention"
-        self.head_dim = self.hidden_size // self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.linear_num_key_heads = self.linear_num_key_heads or self.num_attention_heads
         self.linear_num_value_heads = self.linear_num_value_heads or self.num_attention_heads
         self.linear_key_head_dim = self.linear_key_head_dim or int(0.75 * self.hidden_size / self.linear_num_key_heads)
