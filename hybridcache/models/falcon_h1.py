@@ -30,7 +30,6 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.mamba2 import Mamba2Mixer
-from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheGroup, NativeGroup, NativeLayer
 from hybridcache.models.config_pieces import AttentionFields, Mamba2Fields
 from hybridcache.models.family_config import param
@@ -86,13 +85,6 @@ class FalconH1Config(AttentionFields, Mamba2Fields):
         if self.ssm_multipliers is not None and len(self.ssm_multipliers) != 5:
             out.append(f"ssm_multipliers must be [z, x, B, C, dt], got {self.ssm_multipliers!r}")
         return out
-
-    def rope(self) -> dict[str, Any]:
-        params = dict(self.rope_parameters or {})
-        params.setdefault("rope_type", params.get("type", "default"))
-        params.setdefault("rope_theta", self.rope_theta)
-        params.setdefault("partial_rotary_factor", 1.0)
-        return params
 
 
 class FalconH1DecoderLayer(nn.Module):
@@ -160,9 +152,7 @@ class FalconH1LM(StackLM):
         return ["parallel"] * self.cfg.num_hidden_layers  # attention and Mamba2 side by side in every layer
 
     def shared(self) -> RotaryEmbedding:
-        rope = self.cfg.rope()
-        rotary_dim = int(self.cfg.attention_head_dim * rope["partial_rotary_factor"])
-        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, rotary_dim))
+        return self.cfg.rotary()
 
     def build_layer(self, kind: str, index: int, rotary: RotaryEmbedding) -> FalconH1DecoderLayer:
         return FalconH1DecoderLayer(self.cfg, rotary)
