@@ -93,15 +93,7 @@ class FalconH1DecoderLayer(nn.Module):
     def __init__(self, cfg: FalconH1Config, rotary: RotaryEmbedding) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = AttentionMixer(
-            d,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.attention_head_dim,
-            qkv_bias=cfg.attention_bias,
-            o_bias=cfg.attention_bias,
-            rotary=rotary,
-        )
+        self.self_attn = AttentionMixer(**cfg.attention_mixer_args(), rotary=rotary)
         self.mamba = Mamba2Mixer(
             **cfg.mamba2_mixer_args(),
             out_bias=cfg.projectors_bias,

@@ -142,16 +142,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         if kind == "linear_attention":
             self.mamba = Mamba2Mixer(**cfg.mamba2_mixer_args(), eps=eps, activation=cfg.hidden_act)
         else:
-            self.self_attn = AttentionMixer(
-                d,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias,
-                scale=cfg.attention_multiplier,
-                rotary=rotary,
-            )
+            self.self_attn = AttentionMixer(**cfg.attention_mixer_args(), scale=cfg.attention_multiplier, rotary=rotary)
         self.block_sparse_moe = (
             GraniteMoE(d, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_act)
             if cfg.num_local_experts > 0
