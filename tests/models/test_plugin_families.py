@@ -1,21 +1,13 @@
 """A model family written outside hybridcache (examples/plugins/falcon_mamba), installed the way a user would
 (`pip install --target`), found through its entry point, and checked against HF transformers' own FalconMamba."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from hybridcache.models.registry import BUILTIN
-from hybridcache.tiny_models import reinit_weights_
-
-ROOT = Path(__file__).resolve().parents[2]
-PLUGIN = ROOT / "examples" / "plugins" / "falcon_mamba"
+from tests.models.plugin_helpers import ROOT, install_plugin, run_fresh, save_tiny
 
 # Runs in a fresh interpreter that has the plugin's install target on its path: nothing imports the plugin by
 # name, from_pretrained finds it by the checkpoint's model_type through the entry point.
@@ -63,22 +55,12 @@ def tiny_falcon_mamba(path: Path) -> Path:
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.FalconMambaForCausalLM(config).eval()
-    reinit_weights_(model, config, seed=0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny(transformers.FalconMambaForCausalLM, config, path)
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-installs the plugin package (its pyproject.toml and entry point) into a fresh target directory."""
-    target = tmp_path_factory.mktemp("site")
-    build = tmp_path_factory.mktemp("src") / "falcon_mamba"  # build from a copy: the repo tree stays clean
-    subprocess.run(["cp", "-r", str(PLUGIN), str(build)], check=True)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target]
-    subprocess.run([*cmd, str(build)], check=True, capture_output=True)
-    return target
+    return install_plugin(tmp_path_factory, "falcon_mamba")
 
 
 def test_falcon_mamba_is_not_in_tree():
@@ -88,13 +70,7 @@ def test_falcon_mamba_is_not_in_tree():
 
 def test_installed_plugin_family_matches_hf(installed, tmp_path):
     checkpoint = tiny_falcon_mamba(tmp_path / "falcon_mamba")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), str(ROOT)])}
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK, str(checkpoint)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    print({k: v for k, v in out.items() if k != "families"})
+    out = run_fresh(installed, CHECK, str(checkpoint), timeout=300)
     assert "falcon_mamba" in out["families"]
     assert out["class"] == "hybridcache_falcon_mamba.FalconMambaLM"
     assert out["forward"] <= 1e-4

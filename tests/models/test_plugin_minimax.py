@@ -7,20 +7,12 @@ imports the plugin by name. The oracles are HF's model, the same model without a
 fresh cache fed fewer columns (rollback); exactness is checked in float64, where a cache bug shows far above 1e-9.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
 import transformers
 
 from hybridcache.models.registry import BUILTIN
-from hybridcache.tiny_models import reinit_weights_
-from tests.models.test_plugin_families import CHECK, ROOT
-
-PLUGIN = ROOT / "examples" / "plugins" / "minimax"
+from tests.models.plugin_helpers import ROOT, install_plugin, run_fresh, save_tiny
+from tests.models.test_plugin_families import CHECK
 
 PRELUDE = r"""
 import json, sys, tempfile
@@ -192,39 +184,17 @@ def tiny_minimax(path):
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.MiniMaxForCausalLM(config).eval()
-    with torch.no_grad():
-        reinit_weights_(model, config, seed=0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny(transformers.MiniMaxForCausalLM, config, path)
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-installs the plugin package (its pyproject.toml and entry point) into a fresh target directory, once."""
-    target = tmp_path_factory.mktemp("site")
-    build = tmp_path_factory.mktemp("src") / "minimax"  # build from a copy: the repo tree stays clean
-    subprocess.run(["cp", "-r", str(PLUGIN), str(build)], check=True)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target]
-    subprocess.run([*cmd, str(build)], check=True, capture_output=True)
-    return target
+    return install_plugin(tmp_path_factory, "minimax")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return tiny_minimax(tmp_path_factory.mktemp("ckpt") / "minimax")
-
-
-def run_fresh(script, installed, checkpoint) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), str(ROOT)])}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(checkpoint)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    print({k: v for k, v in out.items() if k != "families"})
-    return out
 
 
 def test_minimax_is_not_in_tree():
@@ -234,7 +204,7 @@ def test_minimax_is_not_in_tree():
 
 
 def test_installed_plugin_family_matches_hf(installed, checkpoint):
-    out = run_fresh(CHECK, installed, checkpoint)
+    out = run_fresh(installed, CHECK, str(checkpoint))
     assert "minimax" in out["families"]
     assert out["class"] == "hybridcache_minimax.model.MiniMaxLM"
     assert out["forward"] <= 1e-4
@@ -245,7 +215,7 @@ def test_installed_plugin_family_matches_hf(installed, checkpoint):
 
 
 def test_padding_chunks_rollback_files_and_kit(installed, checkpoint):
-    out = run_fresh(EXTRA, installed, checkpoint)
+    out = run_fresh(installed, EXTRA, str(checkpoint))
     assert out["kit"]["crop to a checkpoint (exact)"] > 0 and out["kit"]["atomic failures"] > 0
     assert out["kit_int8"]["states and accounting"] > 0
     assert out["padded_tokens_equal_hf"] and out["padded_vs_hf"] <= 1e-4
@@ -260,7 +230,7 @@ def test_padding_chunks_rollback_files_and_kit(installed, checkpoint):
 
 
 def test_compiled_decode_equals_eager(installed, checkpoint):
-    out = run_fresh(COMPILED, installed, checkpoint)
+    out = run_fresh(installed, COMPILED, str(checkpoint))
     assert out["graph_breaks"] == 0
     assert out["tokens_equal"]
     assert out["compiled_vs_eager"] <= 2e-5

@@ -2,21 +2,14 @@
 normalizer, max-stabilizer), installed the way a user would (`pip install --target`), found through its entry
 point, and checked against HF transformers' own xLSTMForCausalLM in a fresh interpreter."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from hybridcache.models.registry import BUILTIN
-from hybridcache.tiny_models import reinit_weights_
-from tests.models.test_plugin_families import CHECK, ROOT
-
-PLUGIN = ROOT / "examples" / "plugins" / "xlstm"
+from tests.models.plugin_helpers import ROOT, install_plugin, run_fresh, save_tiny
+from tests.models.test_plugin_families import CHECK
 
 # The state type through the conformance kit, then against HF: a left-padded batch against each row alone; and in
 # float64 (states too): rollback (crop within the checkpoint window equals a recompute of the first n columns) and a
@@ -93,31 +86,12 @@ def tiny_xlstm(path: Path) -> Path:
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.xLSTMForCausalLM(config).eval()
-    reinit_weights_(model, config, seed=0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny(transformers.xLSTMForCausalLM, config, path)
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-installs the plugin package (its pyproject.toml and entry point) into a fresh target directory."""
-    target = tmp_path_factory.mktemp("site")
-    build = tmp_path_factory.mktemp("src") / "xlstm"  # build from a copy: the repo tree stays clean
-    subprocess.run(["cp", "-r", str(PLUGIN), str(build)], check=True)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target]
-    subprocess.run([*cmd, str(build)], check=True, capture_output=True)
-    return target
-
-
-def run(installed: Path, script: str, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    print({k: v for k, v in out.items() if k != "families"})
-    return out
+    return install_plugin(tmp_path_factory, "xlstm")
 
 
 def test_xlstm_is_not_in_tree():
@@ -126,7 +100,7 @@ def test_xlstm_is_not_in_tree():
 
 
 def test_installed_plugin_family_matches_hf(installed, tmp_path):
-    out = run(installed, CHECK, str(tiny_xlstm(tmp_path / "xlstm")))
+    out = run_fresh(installed, CHECK, str(tiny_xlstm(tmp_path / "xlstm")))
     assert "xlstm" in out["families"]
     assert out["class"] == "hybridcache_xlstm.model.XLSTMLM"
     assert out["forward"] <= 1e-4  # 21 tokens: HF's chunkwise kernel (16) + its recurrent step (5)
@@ -137,7 +111,7 @@ def test_installed_plugin_family_matches_hf(installed, tmp_path):
 
 
 def test_mlstm_state_kit_padding_rollback_and_save_load(installed, tmp_path):
-    out = run(installed, EXTRA, str(tiny_xlstm(tmp_path / "xlstm")), str(tmp_path))
+    out = run_fresh(installed, EXTRA, str(tiny_xlstm(tmp_path / "xlstm")), str(tmp_path))
     assert out["kit"] and out["kit_checkpoints"]
     assert out["left_padding"] <= 1e-4
     assert out["rollback"] <= 1e-9
