@@ -21,7 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.progress import Progress
 
 import hybridcache as hc
-from experiments.benchmark_llamacpp import agreement_lines, llamacpp_precision, llamacpp_rates, make_runner
+from experiments.benchmark_llamacpp import (
+    agreement_lines,
+    llamacpp_batches,
+    llamacpp_precision,
+    llamacpp_rates,
+    make_runner,
+)
 from experiments.benchmark_systems import hf_phases, ours_phases
 from experiments.benchmark_table import print_tables, summarize, timed_row
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
@@ -49,6 +55,12 @@ SMOKE = {
 }
 
 
+def prompt_ids(vocab: int, batch: int, length: int) -> torch.Tensor:
+    """The benchmark's prompts at one batch size: [batch, length] random ids, seeded by the batch size (so every
+    system, ours, HF and llama.cpp, reads the same ones)."""
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(batch))
+
+
 def variant_label(weights: str | None, compiled: bool) -> str:
     """'ours (eager)', 'ours (compiled, int8 weights)', ..."""
     return f"ours ({'compiled' if compiled else 'eager'}{f', {weights} weights' if weights else ''})"
@@ -59,8 +71,9 @@ def throughput(
 ) -> tuple[list, dict]:
     """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size:
     prefill and decode timed apart, the systems taking turns within each round, repeated until stable
-    (experiments/timing.py) or marked unreliable. Then vLLM or llama.cpp (`llamacpp`: batch 1, each precision
-    matching one of our formats; experiments/benchmark_llamacpp.py), each in its own process."""
+    (experiments/timing.py) or marked unreliable. Then vLLM or llama.cpp (`llamacpp`: batch 1 and the largest
+    other batch size, each precision matching one of our formats; experiments/benchmark_llamacpp.py), each in its
+    own process."""
     import transformers
 
     formats = list(dict.fromkeys([cfg.model.get("weights"), *b.get("weights", [])]))  # the model's own first
@@ -74,12 +87,10 @@ def throughput(
     for fmt in formats:  # all in memory at once, so they can take turns
         progress.update(task, description=f"loading ours with {fmt or cfg.model.dtype} weights")
         models[fmt] = model if fmt == cfg.model.get("weights") else load_model(cfg, checkpoint, weights=fmt)[1]
-    rows, memory, tokens = [], {}, {}  # tokens: our batch-1 greedy tokens per format (llama.cpp's agreement)
+    rows, memory, tokens = [], {}, {}  # tokens[(format, batch)]: our greedy rows (llama.cpp's agreement)
     new = int(b.new_tokens)
     for batch in b.batch_sizes:
-        ids = torch.randint(
-            3, model.vocab_size, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)
-        )
+        ids = prompt_ids(model.vocab_size, batch, int(b.prompt_tokens))
         systems, extra = {}, {}
         for fmt, m in models.items():
             # the cache bytes a decode step reads, averaged over the run (after the prompt .. after the last token)
@@ -87,8 +98,7 @@ def throughput(
                 hc.generate(m, ids, max_new_tokens=n, cache_config=cache_config, output_logits=False) for n in (1, new)
             )
             first, last = first.cache, whole.cache
-            if batch == 1:
-                tokens[fmt] = whole.sequences[0, ids.shape[1] :].tolist()
+            tokens[fmt, batch] = whole.sequences[:, ids.shape[1] :].tolist()
             memory.setdefault(batch, last.memory_report())
             for compiled in (False, True) if b.compile else (False,):
                 label = variant_label(fmt, compiled)
@@ -125,11 +135,12 @@ def throughput(
         rows += vllm_rates(runner, b, model.vocab_size, float(b.get("max_spread") or MAX_SPREAD))
     if llamacpp is not None:
         progress.update(task, description="llama.cpp (its own process; requantizing the GGUF once per precision)")
-        prompt = torch.randint(3, model.vocab_size, (1, b.prompt_tokens), generator=torch.Generator().manual_seed(1))
         dtype = str(model.dtype).removeprefix("torch.")
-        precisions = {fmt: llamacpp_precision(fmt, dtype) for fmt in formats}  # the prompt: ours at batch 1
+        precisions = {fmt: llamacpp_precision(fmt, dtype) for fmt in formats}
+        # ours' prompts at batch 1 and at the largest other batch size (llama.cpp decodes that many sequences at once)
+        prompts = {n: prompt_ids(model.vocab_size, n, int(b.prompt_tokens)).tolist() for n in llamacpp_batches(b)}
         spread = float(b.get("max_spread") or MAX_SPREAD)
-        rows += llamacpp_rates(llamacpp, b, prompt[0].tolist(), precisions, tokens, torch.get_num_threads(), spread)
+        rows += llamacpp_rates(llamacpp, b, prompts, precisions, tokens, torch.get_num_threads(), spread)
     return rows, memory
 
 
@@ -152,10 +163,7 @@ def vllm_rates(runner, b: DictConfig, vocab: int, max_spread: float) -> list[dic
     """vLLM prefill and decode tokens/s per batch size, all in one engine whose start is reported apart. The worker
     times each phase on its own (to every request's first token, then to the last) in at least MIN_REPEATS runs;
     each phase is judged like ours (median, spread, unreliable with a reason)."""
-    batches = [
-        torch.randint(3, vocab, (batch, b.prompt_tokens), generator=torch.Generator().manual_seed(batch)).tolist()
-        for batch in b.batch_sizes
-    ]
+    batches = [prompt_ids(vocab, batch, int(b.prompt_tokens)).tolist() for batch in b.batch_sizes]
     rows = []
     for t in runner.time_batches(batches, int(b.new_tokens), max(int(b.repeats), MIN_REPEATS)):
         prefill, decode = judge(t["prefill_samples"], max_spread), judge(t["decode_samples"], max_spread)

@@ -1,7 +1,8 @@
 """reference=llamacpp in the benchmark: llama.cpp (llama-cpp-python, its own interpreter, a subprocess) on the same
 GGUF our real Gemma 3 270M is dequantized from, requantized by llama.cpp to the precision of each of our weight formats
-(ours float32 / bfloat16-packed / int8-packed vs llama.cpp f32 / bf16 / q8_0), batch 1, the benchmark's threads, prompt
-and new tokens. Each phase is judged like ours (experiments/timing.judge); greedy tokens are compared with ours at the
+(ours float32 / bfloat16-packed / int8-packed vs llama.cpp f32 / bf16 / q8_0), batch 1 and the benchmark's largest
+other batch size (B sequences decoded together in one llama.cpp context), the benchmark's threads, prompts and new
+tokens. Each phase is judged like ours (experiments/timing.judge); greedy tokens are compared with ours at the
 same precision. Absent llama.cpp (or another model): skipped with one line saying why.
 """
 
@@ -53,46 +54,74 @@ def make_runner(cfg: DictConfig, checkpoint: str, say) -> object | None:
     return LlamaCppRunner(python, gguf, cache_dir, sha, float(cfg.reference.get("timeout", 1800)), check=False)
 
 
-def agreement(ours: list[int] | None, theirs: list[int]) -> dict:
-    """How many greedy tokens agree, and the first position that differs (None: all agree)."""
+def llamacpp_batches(b: DictConfig) -> list[int]:
+    """The batch sizes llama.cpp runs: 1, and the largest other one of `batch_sizes` if there is one."""
+    others = [int(n) for n in b.batch_sizes if int(n) > 1]
+    return [1, max(others)] if others else [1]
+
+
+def agreement(ours: list[list[int]] | None, theirs: list[list[int]]) -> dict:
+    """How many greedy tokens agree over the rows, and the first new-token position at which any row differs
+    (None: all agree)."""
     if ours is None:
         return {"tokens_agree": None, "first_divergence": None}
-    same = sum(a == b for a, b in zip(ours, theirs))
-    diverge = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if diverge is None and len(ours) != len(theirs):
-        diverge = min(len(ours), len(theirs))
-    return {"tokens_agree": same, "tokens_compared": max(len(ours), len(theirs)), "first_divergence": diverge}
+    if len(ours) != len(theirs):
+        raise ValueError(f"token agreement: {len(ours)} rows of ours vs {len(theirs)} of llama.cpp")
+    same = compared = 0
+    diverge = None
+    for mine, other in zip(ours, theirs):
+        same += sum(a == b for a, b in zip(mine, other))
+        compared += max(len(mine), len(other))
+        first = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), None)
+        if first is None and len(mine) != len(other):
+            first = min(len(mine), len(other))
+        if first is not None:
+            diverge = first if diverge is None else min(diverge, first)
+    return {"tokens_agree": same, "tokens_compared": compared, "first_divergence": diverge}
 
 
 def llamacpp_rates(
-    runner, b: DictConfig, prompt: list[int], formats: dict, ours_tokens: dict, threads: int, max_spread: float
+    runner, b: DictConfig, prompts: dict, formats: dict, ours_tokens: dict, threads: int, max_spread: float
 ) -> list[dict]:
-    """llama.cpp rows at batch 1: one per precision matching our formats (`formats`: our format -> precision),
-    each phase judged like ours, with `weights_format` (ours at the same precision: the ratio's partner) and the
-    greedy-token agreement with ours."""
+    """llama.cpp rows: one per precision matching our formats (`formats`: our format -> precision) and batch size
+    (`prompts`: batch -> its rows; 1 and at most one other), each phase judged like ours, with `weights_format`
+    (ours at the same precision: the ratio's partner) and the greedy-token agreement with ours
+    (`ours_tokens[(format, batch)]`: our rows)."""
     by_precision: dict[str, str | None] = {}
     for fmt, precision in formats.items():
         if precision is not None:
             by_precision.setdefault(precision, fmt)
     if not by_precision:
         return []
-    results = runner.time_generation(prompt, int(b.new_tokens), threads, max(int(b.repeats), MIN_REPEATS), by_precision)
+    batched = [n for n in prompts if n > 1]
+    results = runner.time_generation(
+        prompts[1][0],
+        int(b.new_tokens),
+        threads,
+        max(int(b.repeats), MIN_REPEATS),
+        by_precision,
+        batch_prompts=prompts[batched[0]] if batched else None,
+    )
     rows = []
     for res in results:
         fmt = by_precision[res["precision"]]
-        prefill, decode = judge(res["prefill_samples"], max_spread), judge(res["decode_samples"], max_spread)
-        row = timed_row(f"llama.cpp ({res['precision']})", 1, len(prompt), int(b.new_tokens), prefill, decode)
-        rows.append(
-            {
-                **row,
-                "weights_format": fmt,
-                "llamacpp_precision": res["precision"],
-                "llamacpp_version": runner.version,
-                "threads": threads,
-                "prepare_s": res.get("prepare_s"),
-                **agreement(ours_tokens.get(fmt), res["tokens"]),
-            }
-        )
+        runs = [(1, res)] + ([(res["batched"]["batch"], res["batched"])] if res.get("batched") else [])
+        for batch, run in runs:
+            theirs = [run["tokens"]] if batch == 1 else run["tokens"]
+            prefill, decode = judge(run["prefill_samples"], max_spread), judge(run["decode_samples"], max_spread)
+            length = len(prompts[batch][0])
+            row = timed_row(f"llama.cpp ({res['precision']})", batch, length, int(b.new_tokens), prefill, decode)
+            rows.append(
+                {
+                    **row,
+                    "weights_format": fmt,
+                    "llamacpp_precision": res["precision"],
+                    "llamacpp_version": runner.version,
+                    "threads": threads,
+                    "prepare_s": res.get("prepare_s"),
+                    **agreement(ours_tokens.get((fmt, batch)), theirs),
+                }
+            )
     return rows
 
 
@@ -108,7 +137,8 @@ def agreement_lines(rows: list[dict]) -> list[str]:
             continue
         where = "" if r["first_divergence"] is None else f", first difference at new token {r['first_divergence']}"
         lines.append(
-            f"{r['system']} vs {ours}: greedy tokens agree {r['tokens_agree']}/{r['tokens_compared']}{where}"
+            f"{r['system']} batch {r['batch']} vs {ours}: greedy tokens agree "
+            f"{r['tokens_agree']}/{r['tokens_compared']}{where}"
             f" (llama-cpp-python {r.get('llamacpp_version')}, {r.get('threads')} threads)"
         )
     return lines

@@ -85,10 +85,19 @@ class LlamaCppRunner:
         self.version: str | None = None
 
     def time_generation(
-        self, prompt: list[int], new_tokens: int, threads: int, repeats: int, precisions=PRECISIONS
+        self,
+        prompt: list[int],
+        new_tokens: int,
+        threads: int,
+        repeats: int,
+        precisions=PRECISIONS,
+        batch_prompts: list[list[int]] | None = None,
     ) -> list[dict]:
-        """[{"precision", "model", "prepare_s", "prefill_samples", "decode_samples", "tokens"}] per precision:
-        batch 1, greedy, prefill and decode seconds of each repeat timed apart by the worker."""
+        """[{"precision", "model", "prepare_s", "prefill_samples", "decode_samples", "tokens", "batched"}] per
+        precision: batch 1, greedy, prefill and decode seconds of each repeat timed apart by the worker; "batched"
+        (None without `batch_prompts`): the same for those rows decoded together, "tokens" a list per row."""
+        if batch_prompts is not None and (not batch_prompts or len({len(r) for r in batch_prompts}) != 1):
+            raise ValueError("batch_prompts: B rows of one length")
         answer = self._ask(
             {
                 "gguf": self.gguf,
@@ -99,6 +108,7 @@ class LlamaCppRunner:
                 "new_tokens": int(new_tokens),
                 "threads": int(threads),
                 "repeats": int(repeats),
+                "batch_prompts": None if batch_prompts is None else [[int(t) for t in r] for r in batch_prompts],
             }
         )
         self.version = answer.get("version")

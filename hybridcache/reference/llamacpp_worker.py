@@ -6,7 +6,9 @@ llama_cpp and the standard library (no sibling module may be named llama_cpp: th
 Per precision: the source GGUF requantized by llama.cpp itself (`llama_model_quantize`, allow_requantize) into
 `cache_dir` (atomic write; reused while its recorded digests match), loaded with the benchmark's threads, then timed
 like ours: prefill = evaluating the prompt and picking the first token (greedy), decode = the other new - 1 greedy
-steps, each phase timed on its own in every repeat, after one untimed warm-up run.
+steps, each phase timed on its own in every repeat, after one untimed warm-up run. With `batch_prompts` (B rows of
+one length), the same again for B sequences decoded together (llama.cpp's batch API: one context holding B sequences,
+every prompt in one llama_decode call, then one call per step for all B).
 """
 
 import ctypes
@@ -104,16 +106,79 @@ def time_precision(lib, model_path: str, request: dict, clock=time.perf_counter)
                 raise RuntimeError(f"llama.cpp repeat {r}: greedy tokens differ from the warm-up's")
             prefill.append(p)
             decode.append(d)
+        batched = time_batched(lib, llm, request, clock) if request.get("batch_prompts") else None
     finally:
         lib.llama_sampler_free(sampler)
         close = getattr(llm, "close", None)
         if close is not None:
             close()
-    return {"prefill_samples": prefill, "decode_samples": decode, "tokens": tokens}
+    return {"prefill_samples": prefill, "decode_samples": decode, "tokens": tokens, "batched": batched}
+
+
+def _fill(batch, entries: list) -> None:
+    """Writes (token, position, sequence, wants logits) entries into a llama_batch."""
+    batch.n_tokens = len(entries)
+    for i, (token, pos, seq, wants) in enumerate(entries):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, int(wants)
+        batch.seq_id[i][0] = seq
+
+
+def batched_once(lib, ctx, batch, sampler, prompts: list, n: int, clock) -> tuple[float, float, list]:
+    """(prefill s, decode s, the n greedy tokens of each row) of one batched generation from empty sequences."""
+    rows, length = len(prompts), len(prompts[0])
+    lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+    start = clock()
+    _fill(batch, [(t, p, s, p == length - 1) for s, row in enumerate(prompts) for p, t in enumerate(row)])
+    if lib.llama_decode(ctx, batch) != 0:
+        raise RuntimeError("llama_decode failed on the batched prompt")
+    tokens = [[lib.llama_sampler_sample(sampler, ctx, s * length + length - 1)] for s in range(rows)]
+    first = clock()
+    for step in range(n - 1):
+        _fill(batch, [(tokens[s][-1], length + step, s, True) for s in range(rows)])
+        if lib.llama_decode(ctx, batch) != 0:
+            raise RuntimeError(f"llama_decode failed at batched decode step {step}")
+        for s in range(rows):
+            tokens[s].append(lib.llama_sampler_sample(sampler, ctx, s))
+    end = clock()
+    return first - start, end - first, tokens
+
+
+def time_batched(lib, llm, request: dict, clock=time.perf_counter) -> dict:
+    """Like time_precision, for the B prompts of `batch_prompts` decoded together (a context of B sequences)."""
+    prompts = [list(r) for r in request["batch_prompts"]]  # checked by serve
+    n, threads = int(request["new_tokens"]), int(request["threads"])
+    rows, length = len(prompts), len(prompts[0])
+    params = lib.llama_context_default_params()
+    params.n_ctx = rows * (length + n + 8)
+    params.n_batch = params.n_ubatch = max(512, rows * length)  # every prompt in one batch, as ours
+    params.n_seq_max = rows
+    params.n_threads = params.n_threads_batch = threads
+    ctx = lib.llama_init_from_model(llm._model.model, params)
+    if not ctx:
+        raise RuntimeError(f"llama.cpp could not make a context for {rows} sequences")
+    batch = lib.llama_batch_init(rows * length, 0, 1)
+    sampler = lib.llama_sampler_init_greedy()
+    try:
+        _, _, tokens = batched_once(lib, ctx, batch, sampler, prompts, n, clock)  # warm-up
+        prefill, decode = [], []
+        for r in range(max(int(request["repeats"]), 1)):
+            p, d, again = batched_once(lib, ctx, batch, sampler, prompts, n, clock)
+            if again != tokens:
+                raise RuntimeError(f"llama.cpp batched repeat {r}: greedy tokens differ from the warm-up's")
+            prefill.append(p)
+            decode.append(d)
+    finally:
+        lib.llama_sampler_free(sampler)
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+    return {"batch": rows, "prefill_samples": prefill, "decode_samples": decode, "tokens": tokens}
 
 
 def serve(lib, request: dict, clock=time.perf_counter, byref=ctypes.byref) -> dict:
     """The answer to one request: {"version", "results": [{"precision", "model", ..., samples, tokens}]}."""
+    batch = request.get("batch_prompts")
+    if batch is not None and (not batch or not batch[0] or len({len(r) for r in batch}) != 1):
+        raise ValueError("batch_prompts: B non-empty rows of one length")  # before any file is made or loaded
     source = request["gguf"]
     source_sha = request.get("gguf_sha256") or sha256(source)
     results = []

@@ -10,7 +10,14 @@ import textwrap
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.benchmark_llamacpp import agreement, agreement_lines, llamacpp_precision, llamacpp_rates, make_runner
+from experiments.benchmark_llamacpp import (
+    agreement,
+    agreement_lines,
+    llamacpp_batches,
+    llamacpp_precision,
+    llamacpp_rates,
+    make_runner,
+)
 from experiments.benchmark_table import summarize, throughput_table, timed_row
 from experiments.timing import judge
 from hybridcache.reference.llamacpp_runner import (
@@ -70,7 +77,7 @@ def llama_model_quantize(src, dst, params):
     return 0
 class Llama:
     def __init__(self, model_path, **kw):
-        self.tokens, self._ctx = [], type("C", (), {})()
+        self.tokens, self._ctx, self._model = [], type("C", (), {})(), type("M", (), {"model": "model"})()
         self._ctx.ctx = self
     def reset(self):
         self.tokens = []
@@ -82,6 +89,38 @@ def llama_sampler_sample(sampler, ctx, idx):
     return (ctx.tokens[-1] + 1) % 50
 def llama_sampler_free(sampler):
     pass
+class _Ctx:  # a context of several sequences: the last batch's tokens, read back by index
+    tokens = []
+def llama_context_default_params():
+    return type("Params", (), {})()
+def llama_init_from_model(model, params):
+    return _Ctx()
+class _Batch(ctypes.Structure):  # llama.cpp's struct layout: pointer fields written through ctypes
+    _fields_ = [("n_tokens", ctypes.c_int32), ("token", ctypes.POINTER(ctypes.c_int32)),
+                ("pos", ctypes.POINTER(ctypes.c_int32)), ("n_seq_id", ctypes.POINTER(ctypes.c_int32)),
+                ("seq_id", ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))), ("logits", ctypes.POINTER(ctypes.c_int8))]
+def llama_batch_init(n, embd, seq_max):
+    b = _Batch()
+    b._keep = [(ctypes.c_int32 * n)(), (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)(), (ctypes.c_int8 * n)()]
+    b._ids = [(ctypes.c_int32 * 1)() for _ in range(n)]
+    kinds = [ctypes.POINTER(ctypes.c_int32)] * 3 + [ctypes.POINTER(ctypes.c_int8)]
+    b.token, b.pos, b.n_seq_id, b.logits = [ctypes.cast(a, k) for a, k in zip(b._keep, kinds)]
+    b.seq_id = (ctypes.POINTER(ctypes.c_int32) * n)(*[ctypes.cast(i, ctypes.POINTER(ctypes.c_int32)) for i in b._ids])
+    return b
+def llama_get_memory(ctx):
+    return ctx
+def llama_memory_clear(mem, data):
+    pass
+def llama_decode(ctx, batch):
+    ctx.tokens = [batch.token[i] + 100 * batch.seq_id[i][0] for i in range(batch.n_tokens)]
+    return 0
+def llama_batch_free(batch):
+    pass
+def llama_free(ctx):
+    pass
+_single = llama_sampler_sample
+def llama_sampler_sample(sampler, ctx, idx):
+    return _single(sampler, ctx, idx) if isinstance(ctx, Llama) else (ctx.tokens[idx] + 1) % 50
 '''
 
 
@@ -94,10 +133,13 @@ def test_the_real_worker_runs_end_to_end_on_a_stand_in_module(tmp_path, monkeypa
     source = tmp_path / "m.gguf"
     source.write_bytes(b"GGUF")
     runner = LlamaCppRunner(sys.executable, source, tmp_path / "cache", check=False)
-    results = runner.time_generation([48, 9, 49], 3, 1, 3, precisions=("f32", "q8_0"))
+    batch = [[48, 9, 49], [1, 2, 3]]
+    results = runner.time_generation([48, 9, 49], 3, 1, 3, precisions=("f32", "q8_0"), batch_prompts=batch)
     assert runner.version == "stand-in"
     for r, ftype in zip(results, (0, 7)):
         assert r["tokens"] == [0, 1, 2]  # 49 -> 0 -> 1 -> 2
+        # the stand-in reads the sequence id back through the ctypes pointers: row 1 is offset by 100
+        assert r["batched"]["tokens"] == [[0, 1, 2], [4, 5, 6]]  # 3 -> (3 + 100 + 1) % 50 = 4 -> ...
         assert len(r["prefill_samples"]) == len(r["decode_samples"]) == 3
         assert open(r["model"], "rb").read() == b"GGUF" + bytes([ftype])
 
@@ -125,8 +167,9 @@ class FakeRunner:
     def __init__(self, answers):
         self.answers, self.asked = answers, None
 
-    def time_generation(self, prompt, new_tokens, threads, repeats, precisions):
+    def time_generation(self, prompt, new_tokens, threads, repeats, precisions, batch_prompts=None):
         self.asked = (list(prompt), new_tokens, threads, repeats, list(precisions))
+        self.batch_prompts = batch_prompts
         return [{"precision": p, **self.answers[p]} for p in precisions]
 
 
@@ -139,9 +182,10 @@ def test_llamacpp_rows_are_judged_and_paired_with_ours_at_the_same_precision():
     runner = FakeRunner(answers)
     formats = {None: "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": None}
     answers["bf16"] = answers["f32"]
-    ours_tokens = {None: [1, 2, 3, 4, 5], "int8": [1, 2, 3, 4, 5]}
-    rows = llamacpp_rates(runner, b, [7, 8, 9, 10], formats, ours_tokens, threads=2, max_spread=0.25)
+    ours_tokens = {(None, 1): [[1, 2, 3, 4, 5]], ("int8", 1): [[1, 2, 3, 4, 5]]}
+    rows = llamacpp_rates(runner, b, {1: [[7, 8, 9, 10]]}, formats, ours_tokens, threads=2, max_spread=0.25)
     assert runner.asked == ([7, 8, 9, 10], 5, 2, 3, ["f32", "bf16", "q8_0"])  # at least 3 repeats, no int4
+    assert runner.batch_prompts is None  # batch 1 only: no batched run asked for
     f32, bf16, q8 = rows
     assert f32["prefill_tok_s"] == pytest.approx(4 / 0.2) and f32["decode_tok_s"] == pytest.approx(4 / 0.5)
     assert f32["tokens_agree"] == 5 and f32["first_divergence"] is None
@@ -171,4 +215,34 @@ def test_llamacpp_rows_are_judged_and_paired_with_ours_at_the_same_precision():
 
 
 def test_agreement_counts_a_shorter_run_as_diverging():
-    assert agreement([1, 2, 3], [1, 2]) == {"tokens_agree": 2, "tokens_compared": 3, "first_divergence": 2}
+    assert agreement([[1, 2, 3]], [[1, 2]]) == {"tokens_agree": 2, "tokens_compared": 3, "first_divergence": 2}
+
+
+def test_agreement_over_rows_reports_the_earliest_difference_of_any_row():
+    ours, theirs = [[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 0, 4], [5, 0, 7, 8]]
+    assert agreement(ours, theirs) == {"tokens_agree": 6, "tokens_compared": 8, "first_divergence": 1}
+    with pytest.raises(ValueError, match="rows"):
+        agreement(ours, theirs[:1])
+
+
+def test_batched_llamacpp_rows_pair_with_ours_at_that_batch():
+    b = OmegaConf.create({"prompt_tokens": 2, "new_tokens": 3, "repeats": 3, "batch_sizes": [1, 4, 8]})
+    assert llamacpp_batches(b) == [1, 8] and llamacpp_batches(OmegaConf.create({"batch_sizes": [1]})) == [1]
+    batched = {"batch": 2, "prefill_samples": [0.4] * 3, "decode_samples": [0.5] * 3, "tokens": [[1, 2, 3], [4, 5, 9]]}
+    answers = {
+        "f32": {"prefill_samples": [0.1] * 3, "decode_samples": [0.2] * 3, "tokens": [1, 2, 3], "batched": batched}
+    }
+    runner = FakeRunner(answers)
+    prompts = {1: [[7, 8]], 2: [[7, 8], [9, 10]]}
+    ours_tokens = {(None, 1): [[1, 2, 3]], (None, 2): [[1, 2, 3], [4, 5, 6]]}
+    rows = llamacpp_rates(runner, b, prompts, {None: "f32"}, ours_tokens, threads=2, max_spread=0.25)
+    assert runner.asked[0] == [7, 8] and runner.batch_prompts == [[7, 8], [9, 10]]
+    one, two = rows
+    assert (one["batch"], two["batch"]) == (1, 2) and one["tokens_agree"] == 3
+    assert two["prefill_tok_s"] == pytest.approx(2 * 2 / 0.4) and two["decode_tok_s"] == pytest.approx(2 * 2 / 0.5)
+    assert two["tokens_agree"] == 5 and two["tokens_compared"] == 6 and two["first_divergence"] == 2
+    assert "batch 2" in agreement_lines(rows)[1] and "agree 5/6" in agreement_lines(rows)[1]
+    ours = timed_row("ours (eager)", 2, 2, 3, judge([0.2] * 3, 0.25), judge([1.0] * 3, 0.25))
+    summary = summarize([{**ours, "weights_format": None}, *rows], {}, [], 0.0, 0.0)
+    assert summary["prefill_speedup_vs_llamacpp/ours_eager/b2"] == pytest.approx(0.4 / 0.2)
+    assert summary["decode_speedup_vs_llamacpp/ours_eager/b2"] == pytest.approx(0.5 / 1.0)

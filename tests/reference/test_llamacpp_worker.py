@@ -33,6 +33,7 @@ class FakeLlama:
         lib.loaded.append({"path": model_path, "n_ctx": n_ctx, "threads": (n_threads, n_threads_batch)})
         self.lib, self.n_ctx, self.tokens = lib, n_ctx, []
         self._ctx = SimpleNamespace(ctx=self)
+        self._model = SimpleNamespace(model=("model", model_path))
 
     def reset(self):
         self.tokens = []
@@ -81,7 +82,65 @@ def fake_llama_cpp(clock, fail_quantize=False):
         lib.freed += 1
 
     lib.llama_sampler_free = free
+    add_batch_api(lib)
     return lib
+
+
+class FakeContext:
+    """A context of several sequences: every sequence's tokens by position; the logits of the last batch's rows
+    that asked for them (the greedy rule applied to that row's token)."""
+
+    def __init__(self, lib, params):
+        self.lib, self.params, self.seqs, self.outputs = lib, params, {}, {}
+
+
+def add_batch_api(lib):
+    """llama.cpp's batch API (llama_batch_init / llama_decode / llama_memory_clear ...) on fake contexts."""
+    lib.contexts, lib.batches_freed, lib.contexts_freed = [], 0, 0
+    lib.llama_context_default_params = lambda: SimpleNamespace(
+        n_ctx=0, n_batch=0, n_ubatch=0, n_seq_max=1, n_threads=0, n_threads_batch=0
+    )
+
+    def init_from_model(model, params):
+        assert model[0] == "model"
+        ctx = FakeContext(lib, params)
+        lib.contexts.append(ctx)
+        return ctx
+
+    lib.llama_init_from_model = init_from_model
+    lib.llama_batch_init = lambda n, embd, seq_max: SimpleNamespace(
+        n_tokens=0, token=[0] * n, pos=[0] * n, n_seq_id=[0] * n, seq_id=[[0] for _ in range(n)], logits=[0] * n
+    )
+    lib.llama_get_memory = lambda ctx: ctx
+    lib.llama_memory_clear = lambda mem, data: mem.seqs.clear()
+
+    def decode(ctx, batch):
+        assert batch.n_tokens <= ctx.params.n_batch
+        ctx.outputs = {}
+        for i in range(batch.n_tokens):
+            assert batch.n_seq_id[i] == 1 and batch.seq_id[i][0] < ctx.params.n_seq_max
+            seq = ctx.seqs.setdefault(batch.seq_id[i][0], [])
+            assert batch.pos[i] == len(seq)  # positions continue each sequence
+            seq.append(batch.token[i])
+            if batch.logits[i]:
+                ctx.outputs[i] = next_token(batch.token[i])
+        assert sum(len(v) for v in ctx.seqs.values()) <= ctx.params.n_ctx
+        lib.clock.now += PREFILL_COST * batch.n_tokens if batch.n_tokens > len(ctx.seqs) else DECODE_COST
+        return 0
+
+    lib.llama_decode = decode
+    single = lib.llama_sampler_sample
+    lib.llama_sampler_sample = lambda sampler, ctx, idx: (
+        ctx.outputs[idx] if isinstance(ctx, FakeContext) else single(sampler, ctx, idx)
+    )
+
+    def free_batch(batch):
+        lib.batches_freed += 1
+
+    def free_context(ctx):
+        lib.contexts_freed += 1
+
+    lib.llama_batch_free, lib.llama_free = free_batch, free_context
 
 
 @pytest.fixture
@@ -175,3 +234,34 @@ def test_repeats_with_different_tokens_are_refused(source, tmp_path):
     with pytest.raises(RuntimeError, match="greedy tokens differ"):
         worker.serve(lib, request(source, tmp_path, precisions=("f32",)), clock=clock, byref=lambda p: p)
     assert lib.freed == 1 and lib.closed == 1  # freed on failure too
+
+
+def test_batched_rows_are_decoded_together_and_timed_apart(source, tmp_path):
+    clock = Clock()
+    lib = fake_llama_cpp(clock)
+    req = request(source, tmp_path, precisions=("bf16",), new=4, repeats=2)
+    req["batch_prompts"] = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    result = worker.serve(lib, req, clock=clock, byref=lambda p: p)["results"][0]
+    batched = result["batched"]
+    assert batched["batch"] == 3
+    for row, last in zip(batched["tokens"], (3, 6, 9)):  # each row continues its own prompt by the greedy rule
+        want = []
+        for _ in range(4):
+            last = next_token(last)
+            want.append(last)
+        assert row == want
+    assert batched["prefill_samples"] == [9 * PREFILL_COST] * 2  # all 3 prompts in one call
+    assert batched["decode_samples"] == [3 * DECODE_COST] * 2  # the other 3 steps, one call each for all rows
+    (ctx,) = lib.contexts
+    assert ctx.params.n_seq_max == 3 and ctx.params.n_ctx >= 3 * (3 + 4) and ctx.params.n_threads == 2
+    assert lib.contexts_freed == 1 and lib.batches_freed == 1 and lib.freed == 2  # batch-1 and batched samplers
+    assert result["tokens"] and len(result["prefill_samples"]) == 2  # the batch-1 run is still there
+
+
+def test_batched_rows_of_different_lengths_are_refused(source, tmp_path):
+    lib = fake_llama_cpp(Clock())
+    req = request(source, tmp_path, precisions=("f32",))
+    req["batch_prompts"] = [[1, 2], [3]]
+    with pytest.raises(ValueError, match="one length"):
+        worker.serve(lib, req, byref=lambda p: p)
+    assert lib.quantized == [] and lib.loaded == [] and lib.contexts == []  # refused before any work
