@@ -18,7 +18,8 @@ from torch import nn
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.config_pieces import AttentionFields
+from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.lfm2 import ShortConv
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
@@ -31,8 +32,9 @@ DEFAULT_ROPE = {
 
 
 @dataclass(kw_only=True)
-class Lfm3Config(FamilyConfig):
-    """HF Lfm3Config (transformers 5.23) fields the model reads, with HF defaults; `rope_parameters` per layer type."""
+class Lfm3Config(AttentionFields):
+    """HF Lfm3Config (transformers 5.23) fields the model reads, with HF defaults. `rope_parameters` is per layer
+    type (`layer_rotary`), so AttentionFields' single-rope rope() / rotary() do not apply; HF saves `norm_eps`."""
 
     family: ClassVar[str] = "lfm3"
     tie_word_embeddings: bool = param(True, aliases=("tie_embedding",))
@@ -43,16 +45,14 @@ class Lfm3Config(FamilyConfig):
     num_attention_heads: int = param(16, positive=True)
     num_key_value_heads: int = param(4, positive=True)
     head_dim: int = param(128, positive=True)
-    norm_eps: float = param(1e-5, positive=True, aliases=("rms_norm_eps",))
+    rms_norm_eps: float = param(1e-5, positive=True, aliases=("norm_eps",))
     max_position_embeddings: int = param(128_000, positive=True)
-    rope_parameters: dict | None = None
     conv_bias: bool = False
     conv_L_cache: int = param(7, positive=True)
     sliding_window: int = param(256, positive=True)
     layer_types: list[str] | None = param(None, choices=tuple(NATIVE_TYPE))
     use_sandwich_norm: bool = True
     use_attention_gate: bool = True
-    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,7 +66,7 @@ class Lfm3Config(FamilyConfig):
             ]
 
     def problems(self) -> list[str]:
-        out = attention_problems(self)
+        out = super().problems()
         bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
         out += [bad] if bad else []
         used = set(self.layer_types) - {"conv"}
@@ -94,18 +94,13 @@ class Lfm3DecoderLayer(nn.Module):
 
     def __init__(self, cfg: Lfm3Config, kind: str, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
-        d, eps, hd = cfg.hidden_size, cfg.norm_eps, cfg.head_dim
+        d, eps, hd = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
         self.kind = kind
         if kind == "conv":
             self.conv = ShortConv(d, cfg.conv_L_cache, cfg.conv_bias)
         else:
             self.self_attn = AttentionMixer(
-                d,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                hd,
-                qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias,
+                **cfg.attention_mixer_args(),
                 rotary=rotary,
                 q_norm=RMSNorm(hd, eps),
                 k_norm=RMSNorm(hd, eps),
@@ -140,7 +135,7 @@ class Lfm3LM(StackLM):
         return Lfm3DecoderLayer(self.cfg, kind, shared.get(kind))
 
     def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.cfg.hidden_size, self.cfg.norm_eps)
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def hf_name(self, name: str) -> str:  # LFM2's feed-forward names w1 / w3 / w2; attention keeps Qwen3's names
         for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
