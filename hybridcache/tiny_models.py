@@ -32,6 +32,7 @@ FAMILIES = (
     "mamba2",
     "recurrentgemma",
     "gemma3",
+    "gemma4",
     "llama4",
     "bamba",
     "falcon_h1",

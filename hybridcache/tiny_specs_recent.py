@@ -3,6 +3,33 @@
 ``RECENT_EAGER`` lists those built with HF's eager attention path."""
 
 RECENT_SPECS: dict[str, tuple[str, str, dict]] = {
+    "gemma4": (  # S F S F; layers 2-3 read layers 0-1's K/V; PLE, experts beside the MLP, global head_dim 128, k_eq_v
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            num_kv_shared_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            global_head_dim=128,  # proportional RoPE on a quarter of it
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,  # global layers: no v_proj
+            sliding_window=8,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=384,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            use_double_wide_mlp=True,  # the readers' MLPs are twice as wide
+            final_logit_softcapping=30.0,
+            max_position_embeddings=1024,
+        ),
+    ),
     "zamba": (  # two-head Mamba v1 layers + one shared attention block over [h | embeddings] at two layers
         "ZambaConfig",
         "ZambaForCausalLM",

@@ -23,6 +23,7 @@ EXPECTED_CLASS = {
     "mamba2": "Mamba2ForCausalLM",
     "recurrentgemma": "RecurrentGemmaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "llama4": "Llama4ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",

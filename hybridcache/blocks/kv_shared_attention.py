@@ -1,8 +1,9 @@
 """Attention with cross-layer KV sharing (Gemma 4; vLLM's `kv_sharing_target_layer_name`).
 
 A *writer* projects its own keys and values and stores them in its cache layer, like `AttentionMixer`. A *reader*
-has no k/v projections and no cache entry: it attends to the view a writer of the same pattern returned for this
-very block (handed over through the block's memo), so the cache holds each shared K/V once. Rollback, save and
+has no k/v projections and no cache entry: it attends to the view the last writer with the same `share` key (Gemma 4:
+the layer type) returned for this very block, handed over in the block's memo (HF's `shared_kv_states`), so the
+cache holds each shared K/V once. Rollback, save and
 load therefore need nothing extra: the reader has no state, and the writer's view of the block is rebuilt from its
 own cache layer every block.
 
@@ -20,7 +21,7 @@ from torch import nn
 from hybridcache.blocks.common import StepInput
 from hybridcache.blocks.norms import RMSNorm
 from hybridcache.blocks.rotary import RotaryEmbedding, rope_frequencies
-from hybridcache.cache import AttentionCacheLayer, AttentionView
+from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
 from hybridcache.ops import masked_attention
 
@@ -60,13 +61,14 @@ class KVSharedAttention(nn.Module):
         *,
         rotary: RotaryEmbedding,
         eps: float,
+        share: str = "",
         reader: bool = False,
         k_eq_v: bool = False,
         bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.reader = num_heads, num_kv_heads, head_dim, reader
-        self.rotary = rotary
+        self.rotary, self.share = rotary, ("kv_shared_view", share)  # the memo key readers find their view under
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps, scale_in_float32=True)
         if not reader:
@@ -76,22 +78,19 @@ class KVSharedAttention(nn.Module):
             self.v_norm = WeightlessRMSNorm(eps)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias)
 
-    def forward(
-        self, h: torch.Tensor, kv: AttentionCacheLayer | AttentionView, step: StepInput
-    ) -> tuple[torch.Tensor, AttentionView]:
-        """(output [B, T, D], the view attended to). `kv`: a writer's cache layer, or for a reader the view a
-        writer returned for this block."""
+    def forward(self, h: torch.Tensor, kv: AttentionCacheLayer | None, step: StepInput) -> torch.Tensor:
+        """Output [B, T, D]. `kv`: a writer's cache layer (None for a reader)."""
         b, t, _ = h.shape
         q = q_pre = self.q_norm(self.q_proj(h).view(b, t, self.num_heads, self.head_dim).transpose(1, 2))  # [B,Hq,T,D]
         if self.reader:
-            view = kv
+            view = step.memo[self.share]
             q = self.rotary(q, q[:, :1], step)[0]  # only q: the keys were rotated by the writer
         else:
             kp = self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
             vp = kp if self.v_proj is None else self.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
             q, k = self.rotary(q, self.k_norm(kp), step)
             v, dtype = self.v_norm(vp), kv.spec.dtype
-            view = kv.update(k.to(dtype), v.to(dtype))
+            view = step.memo[self.share] = kv.update(k.to(dtype), v.to(dtype))
         keys, values = view.keys.to(q.dtype), view.values.to(q.dtype)
         wants_queries = not self.reader and getattr(kv, "wants_queries", False)  # ExpectedAttention
         if not self.reader and (kv.wants_attention_weights or wants_queries):  # score-based eviction: the writer's
@@ -100,4 +99,4 @@ class KVSharedAttention(nn.Module):
             kv.observe_attention(weights, QueryInputs(q_pre, rotation, 1.0) if wants_queries else None)
         else:
             out = masked_attention(q, keys, values, view.mask, 1.0)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), view
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -19,7 +19,7 @@ from hybridcache.blocks.kv_shared_attention import KVSharedAttention, layer_rota
 from hybridcache.blocks.per_layer_embeddings import PerLayerEmbeddings, PerLayerInput
 from hybridcache.cache import Cache, CacheLayer, NativeLayer
 from hybridcache.models.family_config import param
-from hybridcache.models.layer_pattern import NATIVE_TYPE, SlidingFullFields
+from hybridcache.models.layer_pattern import SlidingFullFields
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
 
@@ -103,12 +103,12 @@ class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma4Config, index: int, rotary: RotaryEmbedding, lm: Gemma4LM) -> None:
         super().__init__()
         d, eps, (head_dim, kv_heads) = cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_shape(index)
-        self.kind, self.index, self.reader, self._lm = cfg.layer_types[index], index, index >= cfg.writers, [lm]
+        kind, self.index, reader, self._lm = cfg.layer_types[index], index, index >= cfg.writers, [lm]
         self.self_attn = KVSharedAttention(
-            d, cfg.num_attention_heads, kv_heads, head_dim, rotary=rotary, eps=eps, reader=self.reader,
-            k_eq_v=cfg.attention_k_eq_v and self.kind == "full_attention", bias=cfg.attention_bias,
+            d, cfg.num_attention_heads, kv_heads, head_dim, rotary=rotary, eps=eps, share=kind, reader=reader,
+            k_eq_v=cfg.attention_k_eq_v and kind == "full_attention", bias=cfg.attention_bias,
         )  # fmt: skip
-        wide = 2 if cfg.use_double_wide_mlp and self.reader else 1
+        wide = 2 if cfg.use_double_wide_mlp and reader else 1
         self.mlp = GatedMLP(d, cfg.intermediate_size * wide, cfg.hidden_activation)
         for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
             setattr(self, f"{name}_layernorm", RMSNorm(d, eps, scale_in_float32=True))
@@ -119,9 +119,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.ple = p and PerLayerInput(d, p, cfg.hidden_activation, eps)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer | None, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        shared = ("gemma4_shared_kv", self.kind)  # the block's views, by layer type (HF's shared_kv_states)
-        a, view = self.self_attn(self.input_layernorm(h), step.memo[shared] if self.reader else layer, step)
-        step.memo[shared] = view  # the last writer of each type before the readers is the one they read
+        a = self.self_attn(self.input_layernorm(h), layer, step)
         h, x = residual_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         m = self.mlp(x) if not self.moe else self.moe(self.mlp(x), h)
         h = residual_norm(h, m, self.post_feedforward_layernorm, None)[0]
@@ -163,14 +161,9 @@ class Gemma4LM(StackLM):
 
     def native_layers(self) -> list[NativeLayer]:
         """The writers' caches only (readers hold none); a window on sliding layers only."""
-        out, c = [], self.cfg
-        for i, t in enumerate(c.layer_types[: c.writers]):
-            head_dim, kv = c.layer_shape(i)
-            window = {"window": c.sliding_window} if t == "sliding_attention" else {}
-            out.append(
-                NativeLayer(NATIVE_TYPE[t], {"num_kv_heads": kv, "head_dim": head_dim, "dtype": self.dtype, **window})
-            )
-        return out
+        native, c = self.cfg.native_layers(self.dtype), self.cfg
+        shape = [dict(zip(("head_dim", "num_kv_heads"), c.layer_shape(i), strict=True)) for i in range(c.writers)]
+        return [NativeLayer(n.type, {**n.params, **s}) for n, s in zip(native, shape)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

@@ -27,6 +27,7 @@ BUILTIN = {
     "mamba2": "hybridcache.models.mamba2",
     "recurrent_gemma": "hybridcache.models.recurrentgemma",
     "gemma3_text": "hybridcache.models.gemma3",
+    "gemma4_text": "hybridcache.models.gemma4",
     "llama4_text": "hybridcache.models.llama4",
     "qwen3_next": "hybridcache.models.qwen3_next",
     "bamba": "hybridcache.models.bamba",

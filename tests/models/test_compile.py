@@ -13,6 +13,7 @@ from tests.models.test_parity import SPLIT_TOL  # families that amplify float32 
     "family",
     [
         "gemma3",
+        "gemma4",  # KV-shared readers: no cache entry, the writers' views
         "jamba",
         "bamba",
         "falcon_h1",

@@ -19,6 +19,7 @@ HF_CLASSES = {
     "mamba2": "Mamba2Config",
     "recurrentgemma": "RecurrentGemmaConfig",
     "gemma3": "Gemma3TextConfig",
+    "gemma4": "Gemma4TextConfig",
     "llama4": "Llama4TextConfig",
     "qwen3_next": "Qwen3NextConfig",
     "bamba": "BambaConfig",
@@ -45,6 +46,7 @@ def raw_config(checkpoints, family):
 MODEL_TYPE = {
     "recurrentgemma": "recurrent_gemma",
     "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
     "llama4": "llama4_text",
     "qwen3_5": "qwen3_5_text",
 }

@@ -44,6 +44,7 @@ REFUSED_ON_CPU = {
     "qwen3_next": r"only in bfloat16.*model.dtype=bfloat16",
     "qwen3_5": "needs torchvision",
     "lfm3": "no Lfm3ForCausalLM",
+    "gemma4": "Gemma 4 has not been compared with HF here yet",
     "granite_swa": "no kernel for head size 16",
     "gpt_oss": r"swiglu_limit=1.5.*always clamps at 7.0.*model.size=vllm",
     "zamba": "no ZambaForCausalLM",
