@@ -60,7 +60,7 @@ FAMILIES: dict[str, Family] = {
     "recurrent_gemma": Family("recurrentgemma", refusal="vLLM has no RecurrentGemma (Griffin) implementation"),
     "mamba2": Family("mamba2", attention=False, **_MAMBA2_PREFIX),
     "gemma3_text": Family("gemma3"),
-    "gemma4_text": Family("gemma4", refusal="vLLM's Gemma 4 has not been compared with HF here yet"),
+    "gemma4_text": Family("gemma4"),
     "llama4_text": Family("llama4"),
     "falcon_h1": Family("falcon_h1", **_MAMBA2_PREFIX),
     "granitemoehybrid": Family("granitemoehybrid", **_MAMBA2_PREFIX),

@@ -21,6 +21,7 @@ NO_PREFIX = {"enable_prefix_caching": False}
 RUNS_ON_CPU = {
     "mamba2": ("tiny", "float32", NO_PREFIX),
     "gemma3": ("tiny", "float32", {}),
+    "gemma4": ("tiny", "float32", {}),  # KV sharing, PLE, experts: every token agrees (2.6e-6)
     "llama4": ("vllm", "float32", {"block_size": 32}),
     "falcon_h1": ("tiny", "float32", NO_PREFIX),
     "granitemoehybrid": ("tiny", "float32", NO_PREFIX),
@@ -44,7 +45,6 @@ REFUSED_ON_CPU = {
     "qwen3_next": r"only in bfloat16.*model.dtype=bfloat16",
     "qwen3_5": "needs torchvision",
     "lfm3": "no Lfm3ForCausalLM",
-    "gemma4": "Gemma 4 has not been compared with HF here yet",
     "granite_swa": "no kernel for head size 16",
     "gpt_oss": r"swiglu_limit=1.5.*always clamps at 7.0.*model.size=vllm",
     "zamba": "no ZambaForCausalLM",
