@@ -49,6 +49,7 @@ FAMILIES = (
     "kimi_linear",
     "bailing_hybrid",
     "olmo_hybrid",
+    "glm5_next",
 )
 
 #: Bump when the weight re-initialisation scheme changes (invalidates caches).

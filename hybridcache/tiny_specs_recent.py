@@ -163,6 +163,54 @@ RECENT_SPECS: dict[str, tuple[str, str, dict]] = {
             max_position_embeddings=1024,
         ),
     ),
+    "glm5_next": (  # mHC (3 streams) + KDA + DSA (MLA NoPE; picks 2 pools of 2 + tail; layer 2 reuses layer 1 pick)
+        "Glm5NextConfig",  # HF has no text-only LM class: the composite model, text-only input (registered below)
+        "Glm5NextForConditionalGeneration",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+            indexer_types=["full", "full", "shared", "full"],
+            mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=0,
+            v_head_dim=16,  # narrower than the keys: the cache pads values to 32
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            index_topk=4,
+            index_head_dim=16,
+            index_n_heads=8,
+            index_kpool=2,
+            linear_num_heads=4,
+            linear_head_dim=16,
+            hc_mult=3,
+            swiglu_limit=1.5,  # reached by the tiny model's activations: the clamps matter
+            max_position_embeddings=1024,
+            vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64),
+        ),
+    ),
 }
 
 RECENT_EAGER: set[str] = {"granite_swa", "gpt_oss"}
+
+
+def register_hf_auto_classes() -> None:
+    """GLM-5-Next has no text-only causal-LM class in HF: its composite model (text-only input) serves as HF's
+    AutoModelForCausalLM for the tiny checkpoint, which is what tests and references load."""
+    import transformers
+
+    if hasattr(transformers, "Glm5NextConfig"):
+        transformers.AutoModelForCausalLM.register(
+            transformers.Glm5NextConfig, transformers.Glm5NextForConditionalGeneration, exist_ok=True
+        )
+
+
+register_hf_auto_classes()

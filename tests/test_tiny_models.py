@@ -40,6 +40,7 @@ EXPECTED_CLASS = {
     "granite_swa": "GraniteSWAForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",
+    "glm5_next": "Glm5NextForConditionalGeneration",
 }
 
 

@@ -42,6 +42,8 @@ BUILTIN = {
     "granite_swa": "hybridcache.models.granite_swa",
     "gpt_oss": "hybridcache.models.gpt_oss",
     "olmo_hybrid": "hybridcache.models.olmo_hybrid",
+    "glm5_next_text": "hybridcache.models.glm5_next",
+    "glm5_next": "hybridcache.models.glm5_next",
 }
 
 _FAMILIES: dict[str, type[HybridLM]] = {}

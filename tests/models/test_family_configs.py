@@ -36,6 +36,7 @@ HF_CLASSES = {
     "granite_swa": "GraniteSWAConfig",
     "gpt_oss": "GptOssConfig",
     "olmo_hybrid": "OlmoHybridConfig",
+    "glm5_next": "Glm5NextTextConfig",
 }
 
 

@@ -49,6 +49,7 @@ REFUSED_ON_CPU = {
     "gpt_oss": r"swiglu_limit=1.5.*always clamps at 7.0.*model.size=vllm",
     "zamba": "no ZambaForCausalLM",
     "olmo_hybrid": "through triton kernels only",
+    "glm5_next": "GLM-5-Next .* does not import on CPU",
 }
 
 
