@@ -58,3 +58,23 @@ def test_shared_layer_needs_an_indexed_layer_before_it(checkpoints):
     raw["indexer_types"] = ["full", "shared", "shared", "full"]  # layer 1 shares, but layer 0 is linear attention
     with pytest.raises(ConfigError, match="layer 1 shares top-k pools"):
         Glm5NextConfig.from_hf(raw)
+
+
+@torch.no_grad()
+def test_text_only_checkpoint_loads_the_same_model(checkpoints, models, tmp_path):
+    """A glm5_next_text checkpoint (text config at the top, weights under model.*) gives the composite's logits."""
+    from safetensors.torch import load_file, save_file
+
+    import hybridcache as hc
+
+    src = checkpoints("glm5_next")
+    raw = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw["text_config"], "architectures": ["Glm5NextTextModel"]}))
+    state = load_file(src / "model.safetensors")
+    text = {k.replace("model.language_model.", "model."): v for k, v in state.items() if "visual" not in k}
+    save_file(text, tmp_path / "model.safetensors")
+    flat = hc.from_pretrained(tmp_path, dtype=torch.float32)
+    ours, _ = models("glm5_next")
+    assert type(flat).family == "glm5_next_text"
+    ids = prompts(2, 9, seed=4)
+    assert torch.equal(flat(ids), ours(ids))
