@@ -15,8 +15,8 @@ from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
 from hybridcache.ops import masked_attention
-from hybridcache.ops.cpu_fused import qkv_norm_rope
-from hybridcache.ops.cpu_kernels import decode_attention, norm_rope
+from hybridcache.ops.attention import decode_kernel
+from hybridcache.ops.kernel_calls import call, takes
 
 
 class AttentionMixer(nn.Module):
@@ -29,8 +29,7 @@ class AttentionMixer(nn.Module):
     `forward(..., extra=(q, k, v))` adds per-call terms to the projections, [B, T, H*D] each or None (Zamba2's
     per-use LoRA adapters on one shared attention).
     `sinks=True` (GPT-OSS, GraniteSWA): a learned logit per query head, `sinks` [Hq], in every softmax denominator
-    (a model parameter, not cache state). The decode kernel has no sink column, so such a mixer always attends by
-    masked_attention's torch path (correctness first).
+    (a model parameter, not cache state), which the decode kernel takes too.
     """
 
     def __init__(
@@ -68,26 +67,28 @@ class AttentionMixer(nn.Module):
     def projection_groups(self) -> list[LinearGroup]:
         return [self.qkv]
 
+    def _plain(self) -> bool:
+        """Whether the q / k norms and the rotary are the plain kinds the kernels compute (or none): float32
+        RMSNorms, RotaryEmbedding."""
+        norms = (self.q_norm, self.k_norm)
+        return all(n is None or type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms) and (
+            self.rotary is None or type(self.rotary) is RotaryEmbedding
+        )
+
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
         """The plain RMSNorm q/k norms and plain rotary of this mixer by the norm-rope kernel; None when either is
         another kind (Llama4's L2 norm after its rotary, say), or when the kernel does not take these tensors."""
-        plain_norms = self.q_norm is None or (type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm)
-        plain_rotary = self.rotary is None or type(self.rotary) is RotaryEmbedding
-        if (
-            not plain_norms
-            or not plain_rotary
-            or (self.q_norm is None and self.rotary is None)
-            or q.dtype != torch.float32
-            or torch.compiler.is_compiling()
-            or torch.is_grad_enabled()
-        ):
+        if (self.q_norm is None and self.rotary is None) or not self._plain() or not takes(q) or not takes(k):
             return None
         cos = sin = None
         if self.rotary is not None:
             cos, sin = self.rotary.tables(step, q.dtype)
+            if not self.rotary.kernel_tables(q, cos):
+                return None
         out = []
         for x, norm in ((q, self.q_norm), (k, self.k_norm)):
-            y = norm_rope(
+            y = call(
+                "norm_rope",
                 x,
                 None if norm is None else norm.kernel_scale(),
                 norm.eps if norm is not None else 0.0,
@@ -131,32 +132,26 @@ class AttentionMixer(nn.Module):
     def _fused_input(self, h: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
         """q, k, v [B, H, T, D] by one kernel call (projection, plain RMSNorm q/k norms, plain rotary) for a decode
         step on CPU; None when this mixer or these tensors need the separate path."""
-        if (
-            h.dtype != torch.float32
-            or not h.is_cpu
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or self.output_gate
-            or self.query_hook is not None
-        ):
+        if self.output_gate or self.query_hook is not None or not takes(h) or h.dim() != 3 or not self._plain():
             return None
         parts = self.qkv.parts()
-        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
-        if (
-            parts is None
-            or not all(n is None or type(n) is RMSNorm for n in (qn, kn))
-            or not (rotary is None or type(rotary) is RotaryEmbedding)
-        ):
+        if parts is None:
             return None
+        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
         cos, sin = rotary.tables(step, torch.float32) if rotary is not None else (None, None)
-        return qkv_norm_rope(
+        if rotary is not None and not rotary.kernel_tables(h, cos):
+            return None
+        return call(
+            "qkv_norm_rope",
             h,
-            parts,
+            *parts,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            None if qn is None else (qn.kernel_scale(), qn.eps),
-            None if kn is None else (kn.kernel_scale(), kn.eps),
+            None if qn is None else qn.kernel_scale(),
+            0.0 if qn is None else qn.eps,
+            None if kn is None else kn.kernel_scale(),
+            0.0 if kn is None else kn.eps,
             cos,
             sin,
             rotary is not None and rotary.interleaved,
@@ -195,11 +190,24 @@ class AttentionMixer(nn.Module):
                 layer.observe_attention(weights, QueryInputs(q_pre, rotation, self.scale))
             else:
                 layer.observe_attention(weights)
-        # a decode step: the kernel reads positions, no mask (it has no sink column: with sinks, the torch path)
-        elif t == 1 and self.sinks is None and not torch.compiler.is_compiling():
+        elif t == 1 and decode_kernel(q, keys, values, self.sinks):  # a decode step: the kernel reads positions
             pattern = view.pattern()
-            if pattern is not None:
-                out = decode_attention(q, keys, values, None, self.scale, self.softcap, positions=pattern)
+            if pattern is not None and pattern[1].dim() == 2:  # (per-head positions: by the mask below)
+                qpos, kpos, kind, param = pattern
+                out = call(
+                    "decode_attention",
+                    q,
+                    keys,
+                    values,
+                    None,
+                    qpos,
+                    kpos,
+                    kind,
+                    param,
+                    self.scale,
+                    self.softcap,
+                    self.sinks,
+                )
         if out is None:
             out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, sinks=self.sinks)
         out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, Hq * D]

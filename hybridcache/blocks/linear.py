@@ -1,8 +1,9 @@
 """Linear layers for fast decode: the CPU weight-streaming kernel for few rows, and packed weight formats.
 
 `linear(x, weight, bias, scale)` is the one place a projection is computed: the kernel of
-hybridcache/ops/cpu_kernels.py for a few float32 rows on CPU (a decode step), torch's F.linear otherwise
-(prefill, GPU, float64, torch.compile). `from_pretrained` switches every nn.Linear to `DecodeLinear`, which calls it.
+hybridcache/ops/cpu_kernels.py for a few float32 rows on CPU (a decode step; under torch.compile the
+hybridcache::decode_linear op that runs it), torch's F.linear otherwise (prefill, GPU, float64).
+`from_pretrained` switches every nn.Linear to `DecodeLinear`, which calls it.
 
 Packed weights (`from_pretrained(..., weights="bfloat16" | "int8")`) store the projection matrices in fewer bytes
 while everything else (activations, norms, states, the cache, the sums) stays in the model's dtype:
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.ops.cpu_kernels import decode_linear, kernel_available
+from hybridcache.ops.kernel_calls import call, takes
+from hybridcache.ops.op_specs import WEIGHT_KERNELS
 
 WEIGHT_FORMATS = ("bfloat16", "int8")
 
@@ -28,12 +30,9 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (* scale [N], for int8 weights) (+ bias [N]) -> [..., N] in x's dtype."""
-    if torch.compiler.is_compiling():
-        if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() and kernel_available():
-            # the same kernel as eager (same rounding), and packed weights are never unpacked into memory
-            return torch.ops.hybridcache.packed_linear(x, weight, bias, scale)
-    else:
-        out = decode_linear(x, weight, bias, scale)
+    if takes(x) and x.dim() > 0 and weight.dim() == 2 and weight.dtype in WEIGHT_KERNELS:
+        # the same kernel eager and compiled (same rounding); packed weights are never unpacked into memory
+        out = call("decode_linear", x, weight, bias, scale)
         if out is not None:
             return out
     return reference_linear(x, weight, bias, scale)
@@ -50,27 +49,8 @@ def reference_linear(
     return out if bias is None else out + bias
 
 
-# `linear` as one opaque op for torch.compile (on CPU float32): the decode kernel for few rows, torch for more.
-# Defined with the plain Library API (a CPU kernel and a fake): torch.library.custom_op would wrap each call in
-# autograd and aliasing checks that cost ~10% of a compiled Gemma 3 270M decode step; this op is only called
-# without autograd (decode), where the dispatcher goes straight to the kernel.
+# The hybridcache namespace (its ops, hybridcache::decode_linear among them, are defined by ops/registry.py).
 _LIBRARY = torch.library.Library("hybridcache", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? scale) -> Tensor")
-
-
-def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None
-) -> torch.Tensor:
-    out = decode_linear(x, weight, bias, scale)
-    return out if out is not None else reference_linear(x, weight, bias, scale)
-
-
-_LIBRARY.impl("packed_linear", packed_linear, "CPU")
-
-
-@torch.library.register_fake("hybridcache::packed_linear")
-def _(x, weight, bias, scale):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class DecodeLinear(nn.Linear):

@@ -76,9 +76,10 @@ class LinearGroup:
         return self._fused is not None and self._fused[3] == self._pointers()
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-        """(weight [sum(out), in], bias, per-row scale) of the fused matrix; None when not fused."""
+        """(weight [sum(out), in], bias, per-row scale) of the fused matrix; None when not fused (traced as `joint`:
+        data pointers would break the graph)."""
         f = self._fused
-        if f is not None and f[3] == self._pointers():
+        if f is not None and (torch.compiler.is_compiling() or f[3] == self._pointers()):
             return f[0], f[1], f[2]
         return None
 

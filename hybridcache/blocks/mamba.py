@@ -98,7 +98,7 @@ class MambaMixer(nn.Module):
         m = layer.trail_length(tokens)
         if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
             return self._forward_with_trail(h, layer, states, x, u, delta, a, b, c, z, conv, m)
-        if tokens == 1 and not (u.dtype == torch.float32 and u.is_cpu and not torch.compiler.is_compiling()):
+        if tokens == 1 and not (u.dtype == torch.float32 and u.is_cpu):  # (float32 CPU: the scan kernel / its op)
             y, ssm = self._step(states["ssm"], u[:, 0], delta[:, 0], a, b[:, 0], c[:, 0], z[:, 0])
             y = y[:, None]  # [B, 1, Di]
         else:

@@ -10,8 +10,8 @@ from torch import nn
 
 from hybridcache.blocks.linear import DecodeLinear
 from hybridcache.blocks.linear_group import LinearGroup
-from hybridcache.ops.cpu_fused import gated_mlp
-from hybridcache.ops.cpu_kernels import act_mul
+from hybridcache.ops.kernel_calls import call, takes
+from hybridcache.ops.op_specs import ACT_MUL
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -44,22 +44,17 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        if (
-            x.dtype == torch.float32
-            and x.is_cpu
-            and isinstance(down, DecodeLinear)
-            and not torch.compiler.is_compiling()
-        ):  # (parts() reads data pointers: a graph break)
-            parts = self.gate_up.parts()
-            if parts is not None:  # a decode step on CPU: the whole MLP in one kernel call
-                y = gated_mlp(x, parts, (down.weight, down.bias, down._buffers.get("scale")), self.act_name)
-                if y is not None:
-                    return y
+        kernel = self.act_name in ACT_MUL and takes(x) and x.dim() > 0
+        parts = self.gate_up.parts() if kernel and isinstance(down, DecodeLinear) else None
+        if parts is not None:  # a decode step on CPU: the whole MLP in one kernel call
+            y = call("gated_mlp", x, *parts, down.weight, down.bias, down._buffers.get("scale"), self.act_name)
+            if y is not None:
+                return y
         gate_up = self.gate_up.joint(x)  # [..., 2I] once fused
         if gate_up is None:
             gate, up = self.gate_up(x)
         else:
-            out = act_mul(gate_up, self.act_name)  # float32 on CPU: activation and product in one kernel call
+            out = call("act_mul", gate_up, self.act_name) if kernel else None  # activation x product, one call
             if out is not None:
                 return self.down_proj(out)
             gate, up = gate_up.split_with_sizes(self.gate_up.sizes, dim=-1)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.ops.cpu_kernels import residual_norm as _residual_norm_kernel
-from hybridcache.ops.cpu_kernels import rms_norm
+from hybridcache.ops.kernel_calls import call, takes
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -38,10 +37,14 @@ class RMSNorm(nn.Module):
         """The float32 vector a kernel multiplies the normalised x by (1 + weight for Gemma-style norms)."""
         return self.scale(torch.float32) if self.unit_offset else self.weight
 
+    def kernel_norm(self, x: torch.Tensor) -> bool:
+        """Whether x goes to the RMSNorm kernel (eager: its wrapper; compiled: the hybridcache::rms_norm op)."""
+        return takes(x) and x.dim() > 0 and self.weight.dtype == torch.float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if self.kernel_norm(x):
             # float32 on CPU: one kernel call (every variant below is x * rsqrt(mean(x^2) + eps) * w in float32)
-            out = rms_norm(x, self.kernel_scale(), self.eps)
+            out = call("rms_norm", x, self.kernel_scale(), self.eps)
             if out is not None:
                 return out
         x32 = x.float() if x.dtype in _LOW else x  # at least float32
@@ -67,14 +70,15 @@ def residual_norm(
     """
     norms = (post, nxt)
     if (
-        x.dtype == torch.float32
-        and x.is_cpu
-        and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and all(n is None or type(n) is RMSNorm for n in norms)
+        takes(x)
+        and h.dtype == torch.float32
+        and h.shape == x.shape
+        and x.dim() > 0
+        and all(n is None or type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
     ):
-        out = _residual_norm_kernel(h, x, *(None if n is None else (n.kernel_scale(), n.eps) for n in norms))
+        args = [a for n in norms for a in ((None, 0.0) if n is None else (n.kernel_scale(), n.eps))]
+        out = call("residual_norm", h, x, *args)
         if out is not None:
-            return out
+            return out[0], None if nxt is None else out[1]
     h = h + (x if post is None else post(x))
     return h, None if nxt is None else nxt(h)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridcache.ops.cpu_kernels import rope
+from hybridcache.ops.kernel_calls import call, takes
 
 
 def rope_frequencies(
@@ -34,6 +34,35 @@ def rope_frequencies(
     return inv_freq.float(), float(scaling)
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, R] float32 of positions [B, T] by inv_freq [R/2] (times `scaling`)."""
+    angles = positions[..., None].float() * inv_freq  # [B, T, R/2]
+    if interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)  # [B, T, R]: pairs (0, 1), (2, 3), ...
+    else:
+        angles = torch.cat([angles, angles], dim=-1)  # [B, T, R]: halves
+    cos, sin = angles.cos(), angles.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos[:, None].contiguous(), sin[:, None].contiguous()
+
+
+# The tables as one opaque op under torch.compile on CPU: inductor's own sin / cos differ from ATen's by an ulp, which
+# would make a compiled decode step differ from the eager one (that runs the same kernels on the same tables).
+_LIBRARY = torch.library.Library("hybridcache", "FRAGMENT")
+_LIBRARY.define("rope_tables(Tensor positions, Tensor inv_freq, float scaling, bool interleaved) -> (Tensor, Tensor)")
+_LIBRARY.impl("rope_tables", rope_tables, "CPU")
+
+
+@torch.library.register_fake("hybridcache::rope_tables", lib=_LIBRARY)
+def _(positions, inv_freq, scaling, interleaved):
+    shape = [*positions.shape, 2 * inv_freq.shape[0]]
+    shape.insert(1, 1)  # (cos[:, None] above)
+    return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates the first `rotary_dim` features of q and k [B, H, T, D] by position.
 
@@ -50,15 +79,11 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions[..., None].float() * self.inv_freq  # [B, T, R/2]
-        if self.interleaved:
-            angles = angles.repeat_interleave(2, dim=-1)  # [B, T, R]: pairs (0, 1), (2, 3), ...
+        if torch.compiler.is_compiling() and positions.device.type == "cpu":  # one opaque op: see rope_tables
+            cos, sin = torch.ops.hybridcache.rope_tables(positions, self.inv_freq, self.scaling, self.interleaved)
         else:
-            angles = torch.cat([angles, angles], dim=-1)  # [B, T, R]: halves
-        cos, sin = angles.cos(), angles.sin()
-        if self.scaling != 1.0:
-            cos, sin = cos * self.scaling, sin * self.scaling
-        return cos[:, None].to(dtype), sin[:, None].to(dtype)  # [B, 1, T, R]
+            cos, sin = rope_tables(positions, self.inv_freq, self.scaling, self.interleaved)
+        return cos.to(dtype), sin.to(dtype)  # [B, 1, T, R]
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
@@ -88,6 +113,11 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat([rot * cos + self._rotate(rot) * sin, rest], dim=-1)  # row j: rotation of e_j
         return rotated.mean(0)[0].T
 
+    def kernel_tables(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether x [B, H, T, D] rotates by the rotary kernels with these tables (float32, one row per batch row:
+        what the ops' declared rules take)."""
+        return takes(x) and cos.dtype == torch.float32 and cos.dim() == 4 and cos.shape[0] == x.shape[0]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, T, D] and k [B, Hkv, T, D] rotated by cos/sin [B (or 1), 1, T, R] of `positions`; tables of any
         other shape (positions that are not [B, T], say) are refused rather than broadcast into a wrong result."""
@@ -105,8 +135,8 @@ class RotaryEmbedding(nn.Module):
                     f"rotary: {name} has shape {tuple(table.shape)}, q {tuple(q.shape)} needs {want} "
                     "(positions must be [B, T], one per query token)"
                 )
-        if not torch.compiler.is_compiling():  # float32 on CPU: one kernel call per tensor, any layout
-            rq, rk = rope(q, cos, sin, self.interleaved), rope(k, cos, sin, self.interleaved)
+        if self.kernel_tables(q, cos) and k.dtype == torch.float32:  # one kernel call per tensor, any layout
+            rq, rk = call("rope", q, cos, sin, self.interleaved), call("rope", k, cos, sin, self.interleaved)
             if rq is not None and rk is not None:
                 return rq, rk
 

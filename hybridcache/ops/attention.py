@@ -1,5 +1,5 @@
 """Masked (grouped-query) softmax attention, pure torch (a one-query block in float32 on CPU: one kernel call,
-hybridcache/ops/cpu_kernels.py, with the same guarantees).
+hybridcache/ops/cpu_kernels.py, with the same guarantees; under torch.compile the op that runs it).
 
 Robust to arbitrary masks: rows with no visible key return exact zeros, and
 garbage (NaN/inf) stored in masked cache slots never reaches the output.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridcache.ops.cpu_kernels import decode_attention
+from hybridcache.ops.kernel_calls import call, takes
 
 
 def masked_attention(
@@ -36,7 +36,7 @@ def masked_attention(
         softcap: if set, scores = softcap * tanh(scores / softcap).
         sinks: [Hq] learned per-head sink logits (GPT-OSS, GraniteSWA), or None: one extra logit per head in the
             softmax denominator that takes probability mass but adds no value (the weights then sum to < 1).
-            Only the explicit torch path below takes them: neither the decode kernel nor SDPA has such a column.
+            The decode kernel and the explicit torch path take them (SDPA has no such column).
 
     Returns:
         [B, Hq, T, Dv] in q.dtype (and the attention weights [B, Hq, T, S] with `return_weights`). Scores,
@@ -56,9 +56,9 @@ def masked_attention(
     if mask.dim() not in (3, 4) or mask.shape[-2:] != (t, s) or (mask.dim() == 4 and mask.shape[1] != hkv):
         raise ValueError(f"mask {tuple(mask.shape)} does not match [B, {t}, {s}] or [B, {hkv}, {t}, {s}]")
     heads = mask.dim() == 4
-    # a decode step: one kernel call (it has no sink column: with sinks, the torch path below)
-    if t == 1 and not return_weights and sinks is None and not torch.compiler.is_compiling():
-        out = decode_attention(q, k, v, mask, scale, softcap)
+    # a decode step: one kernel call (a mask of one row per batch row)
+    if t == 1 and not return_weights and not heads and mask.shape[0] == b and decode_kernel(q, k, v, sinks):
+        out = call("decode_attention", q, k, v, mask, None, None, "full", 0, scale, softcap, sinks)
         if out is not None:
             return out
     if (
@@ -101,6 +101,18 @@ def masked_attention(
     if return_weights:
         return out, probs.view(b, hq, t, s)
     return out
+
+
+def decode_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> bool:
+    """Whether one query per row [B, Hq, 1, D] attends by the decode kernel (eager: its wrapper; compiled: the
+    hybridcache::decode_attention op): float32 keys and values of one shape, float32 sinks [Hq] or none."""
+    return (
+        takes(q)
+        and k.dtype == torch.float32
+        and v.dtype == torch.float32
+        and k.shape == v.shape
+        and (sinks is None or sinks.dtype == torch.float32 and sinks.shape == (q.shape[1],))
+    )
 
 
 def _fused_attention(

@@ -42,12 +42,14 @@ def decode_attention(
     scale: float,
     softcap: float | None,
     positions: tuple[torch.Tensor, torch.Tensor, str, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Grouped-query attention of one query per row: q [B, Hq, 1, D], k / v [B, Hkv, S, D] (any strides but a
     contiguous last dim) -> [B, Hq, 1, D] in float32. Visibility: `mask` bool [B, 1, S], or `positions` =
     (query positions [B, 1], key positions [B, S], pattern name in PATTERNS, its window / chunk size) so the kernel
-    needs no mask. Hidden slots are never read; a row that sees nothing gets zeros. None when the kernel does not
-    take these; KernelArgumentError for an unknown pattern or a window / chunk size below 1."""
+    needs no mask. `sinks` [Hq] (float32, or None): a learned logit per query head in the softmax denominator that
+    weights no value (GPT-OSS). Hidden slots are never read; a row that sees nothing gets zeros. None when the kernel
+    does not take these; KernelArgumentError for an unknown pattern or a window / chunk size below 1."""
     pattern, param = _pattern(*positions[2:]) if positions is not None else (0, 0)
     if not _eager(q) or q.dim() != 4 or q.shape[2] != 1:
         return None
@@ -68,6 +70,7 @@ def decode_attention(
         or not 0 < k.numel() <= INT_MAX
         or not _real(scale)
         or not (softcap is None or _real(softcap) and softcap > 0)
+        or not _vec(sinks, q.shape[1])
     ):
         return None  # (no size is 0 past here: each is at most its tensor's element count, a C int)
     b, hq, _, d = q.shape
@@ -104,6 +107,7 @@ def decode_attention(
         *v.stride()[:3],
         scale,
         softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
     )
     if err:
         raise MemoryError(f"hc_decode_attention: no memory for its scratch ({s} slots x {hq // k.shape[1]} heads)")

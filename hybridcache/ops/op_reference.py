@@ -55,9 +55,10 @@ def visible(qpos, kpos, pattern, param):
     return ok
 
 
-def decode_attention(q, k, v, mask, q_pos, k_pos, pattern, param, scale, softcap):
+def decode_attention(q, k, v, mask, q_pos, k_pos, pattern, param, scale, softcap, sinks=None):
     """One query per row: q [B, Hq, 1, D], k / v [B, Hkv, S, D], visibility by mask [B, 1, S] or by positions and
-    pattern -> [B, Hq, 1, D]; a row that sees nothing gets zeros."""
+    pattern -> [B, Hq, 1, D]; a row that sees nothing gets zeros. `sinks` [Hq] (or None): a learned logit per query
+    head, one more softmax column that weights no value (GPT-OSS)."""
     b, hq, _, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     seen = mask.reshape(b, s) if mask is not None else visible(q_pos.reshape(b, 1), k_pos, pattern, param)
@@ -67,7 +68,12 @@ def decode_attention(q, k, v, mask, q_pos, k_pos, pattern, param, scale, softcap
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all hidden: zeros
+    if sinks is not None:  # the sink column: in the denominator, dropped before the weighted sum
+        sink = sinks.reshape(1, hq, 1, 1).expand(b, hq, 1, 1)
+        weights = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :s]
+        weights = weights.masked_fill(~seen.any(-1)[:, None, None, None], 0.0)  # all hidden: zeros
+    else:
+        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all hidden: zeros
     return weights @ vv
 
 

@@ -128,7 +128,7 @@ SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "decode_attention",
         "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? q_pos, Tensor? k_pos, str pattern, int param, "
-        "float scale, float? softcap) -> Tensor",
+        "float scale, float? softcap, Tensor? sinks=None) -> Tensor",
         {
             "q": "f32[B Hq 1 D]",
             "k": "f32[B Hkv S D]",
@@ -136,8 +136,9 @@ SPECS: tuple[OpSpec, ...] = (
             "mask": "bool?[B 1 S]",
             "q_pos": "i64?[B 1]",
             "k_pos": "i64?[B S]",
+            "sinks": "f32?[Hq]",
         },
-        {"hc_decode_attention": (_I, [_P] * 6 + [_I, _L, _P] + [_I] * 5 + [_L] * 6 + [_F] * 2)},
+        {"hc_decode_attention": (_I, [_P] * 6 + [_I, _L, _P] + [_I] * 5 + [_L] * 6 + [_F] * 2 + [_P])},
         _attention_where,
     ),
     OpSpec(

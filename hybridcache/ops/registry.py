@@ -28,9 +28,9 @@ def _kernel_calls() -> dict:
         out = cpu_rows.residual_norm(h, x, None if ps is None else (ps, pe), None if ns is None else (ns, ne))
         return out if out is None or out[1] is not None else (out[0], h.new_empty(0))
 
-    def attention(q, k, v, mask, qpos, kpos, pattern, param, scale, softcap):
+    def attention(q, k, v, mask, qpos, kpos, pattern, param, scale, softcap, sinks=None):
         positions = None if mask is not None else (qpos, kpos, pattern, param)
-        return cpu_attention.decode_attention(q, k, v, mask, scale, softcap, positions)
+        return cpu_attention.decode_attention(q, k, v, mask, scale, softcap, positions, sinks)
 
     def qkv(x, w, bias, ws, heads, kv, hd, qs, qe, ks, ke, cos, sin, il):
         qn, kn = None if qs is None else (qs, qe), None if ks is None else (ks, ke)
@@ -73,7 +73,7 @@ def make_checker(spec: OpSpec):
     def check(*args) -> None:
         env = dict(zip(params, args))
         for i, name, dtypes, optional, lead, tail, dims in rules:
-            t = args[i]
+            t = args[i] if i < len(args) else None  # (a trailing default argument may be left out: None)
             if t is None:
                 if not optional:
                     fail(f"{name} is required")

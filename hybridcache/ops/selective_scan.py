@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import acc_dtype, cuda_kernel
-from .cpu_kernels import selective_scan as cpu_selective_scan
 
 # Max elements of each [B, Tc, Dm, N] work tensor; bounds memory for long T.
 _CHUNK_ELEMS = 1 << 22
@@ -184,9 +183,16 @@ def selective_scan_btd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
     there). Float32 on CPU runs one kernel call (hybridcache/ops/cpu_kernels.py; the reference's math in another
     rounding order, no per-token loop in Python); anything else transposes and calls `selective_scan`.
     Returns y [B, T, Dm] in u.dtype and the final state [B, Dm, N]."""
-    out = cpu_selective_scan(u, delta, z, B, C, A, D, delta_bias, delta_softplus, state)
-    if out is not None:
-        return out
+    from hybridcache.ops.kernel_calls import call, takes  # (registry's reference imports this module)
+
+    if (
+        takes(u)
+        and u.dim() == 3
+        and all(v is None or v.dtype == torch.float32 for v in (delta, z, B, C, A, D, delta_bias, state))
+    ):
+        out = call("selective_scan", u, delta, z, B, C, A, D, delta_bias, delta_softplus, state)  # eager or traced
+        if out is not None:
+            return out
 
     def t(v):
         return None if v is None else v.transpose(1, 2).contiguous()  # [B, C, T]

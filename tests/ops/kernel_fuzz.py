@@ -235,14 +235,17 @@ def case_attention(f: Fuzz):
         if mask.numel() and f.chance(0.5):  # garbage in hidden slots stays hidden
             k = k.masked_fill(~mask[..., None], float("nan"))
     k, v = f.spoil(k), f.spoil(v)
+    sinks = f.spoil(f.values((hq,), 3.0)) if f.chance(0.4) else None  # learned sink logits (GPT-OSS)
 
     def ref():
         m = ref_mask()
-        return masked_attention(q.double(), k.double(), v.double(), m.reshape(b, 1, s), scale, softcap)
+        sk = None if sinks is None else sinks.double()
+        return masked_attention(q.double(), k.double(), v.double(), m.reshape(b, 1, s), scale, softcap, sinks=sk)
 
     return (
-        f"decode_attention q{tuple(q.shape)} {q.dtype} k{tuple(k.shape)} {k.dtype} {desc} softcap={softcap}",
-        lambda: ck.decode_attention(q, k, v, mask, scale, softcap, positions=positions),
+        f"decode_attention q{tuple(q.shape)} {q.dtype} k{tuple(k.shape)} {k.dtype} {desc} softcap={softcap} "
+        f"sinks={None if sinks is None else sinks.dtype}",
+        lambda: ck.decode_attention(q, k, v, mask, scale, softcap, positions=positions, sinks=sinks),
         ref,
     )
 

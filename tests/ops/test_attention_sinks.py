@@ -68,3 +68,69 @@ def test_very_negative_sinks_give_plain_attention():
     q, k, v, mask, sinks = _case(4, 6, False)
     plain = masked_attention(q, k, v, mask, 0.4)
     assert torch.allclose(masked_attention(q, k, v, mask, 0.4, sinks=torch.full_like(sinks, -1e4)), plain, atol=1e-6)
+
+
+# ---- the decode kernel's sink column (hc_decode_attention's `sinks`) ----------------------------------------------
+
+
+def _kernel_ready() -> bool:
+    from hybridcache.ops import kernel_status
+
+    return kernel_status().startswith("C kernels")
+
+
+@pytest.mark.skipif(not _kernel_ready(), reason="the C kernels are not built")
+@pytest.mark.parametrize(
+    "b, hkv, group, s, d",
+    [(3, 1, 5, 7, 3), (2, 3, 1, 1, 17), (1, 1, 2, 4500, 8), (2, 2, 3, 301, 33)],  # (4500: split over slot ranges)
+)
+@pytest.mark.parametrize("form", ["mask", "positions"])
+def test_decode_kernel_with_sinks_matches_the_naive_oracle(b, hkv, group, s, d, form):
+    from hybridcache.ops import cpu_kernels as ck
+    from hybridcache.ops import op_reference
+    from hybridcache.ops.registry import op
+
+    g = torch.Generator().manual_seed(b * 1000 + s)
+    hq = hkv * group
+    q, k, v = torch.randn(b, hq, 1, d, generator=g), torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d)
+    sinks = torch.randn(hq, generator=g) * 3
+    sinks[0] = 40.0  # a sink far above every score: the output shrinks towards 0, never inf / NaN
+    kpos = torch.arange(s).repeat(b, 1) - torch.randint(0, 3, (b, 1), generator=g)  # left padding
+    qpos = kpos[:, -1:].clone()
+    if b > 1:
+        qpos[1] = -1  # a padding query: sees nothing, gets zeros
+    mask = ((kpos >= 0) & (kpos <= qpos) & (qpos >= 0))[:, None]  # [B, 1, S]
+    with torch.no_grad():
+        if form == "mask":
+            got = ck.decode_attention(q, k, v, mask, d**-0.5, None, sinks=sinks)
+            args = (q, k, v, mask, None, None, "full", 0, d**-0.5, None, sinks)
+        else:
+            got = ck.decode_attention(q, k, v, None, d**-0.5, None, (qpos, kpos, "full", 0), sinks)
+            args = (q, k, v, None, qpos, kpos, "full", 0, d**-0.5, None, sinks)
+        want = naive_sink_attention(q, k, v, mask.expand(b, 1, s), d**-0.5, sinks)
+        assert got is not None and torch.isfinite(got).all()
+        assert (got.double() - want).abs().max() < 1e-5
+        assert torch.equal(op("decode_attention")(*args), got)  # the registered op runs the kernel
+        ref = op_reference.decode_attention(
+            *(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        )
+        assert (ref - want).abs().max() < 1e-9  # the reference the op falls back to / is faked by
+    if b > 1:
+        assert (got[1] == 0).all()
+
+
+def test_masked_attention_with_sinks_decodes_by_the_kernel(monkeypatch):
+    """A decode step with sinks (GPT-OSS) calls the decode kernel with them (before: always the torch path)."""
+    import hybridcache.blocks.attention as attention_block
+    from hybridcache.ops.registry import KERNELS
+
+    calls = []
+    kernel = KERNELS["decode_attention"]
+    monkeypatch.setitem(KERNELS, "decode_attention", lambda *a: calls.append(a[-1]) or kernel(*a))
+    q, k, v, mask, sinks = _case(1, 9, False, seed=3)
+    out = attention_block.masked_attention(q, k, v, mask, 0.3, sinks=sinks)
+    if _kernel_ready():
+        with torch.no_grad():
+            out = attention_block.masked_attention(q, k, v, mask, 0.3, sinks=sinks)
+        assert len(calls) == 1 and calls[0] is sinks
+    assert (out.double() - naive_sink_attention(q, k, v, mask, 0.3, sinks)).abs().max() < 1e-5

@@ -55,13 +55,13 @@ def sample(name: str, seed: int) -> tuple:
     if name == "decode_attention":
         hkv, group, s = r.randint(1, 3), r.randint(1, 3), r.randint(1, 40)
         q, k, v = n(b, hkv * group, 1, d), n(b, hkv, s, d), n(b, hkv, s, d)
-        scale, softcap = d**-0.5, r.choice([None, 5.0])
+        scale, softcap, sinks = d**-0.5, r.choice([None, 5.0]), opt(n(hkv * group) * 2)
         if r.random() < 0.4:
-            return q, k, v, torch.rand(b, 1, s, generator=g) < 0.7, None, None, "full", 0, scale, softcap
+            return q, k, v, torch.rand(b, 1, s, generator=g) < 0.7, None, None, "full", 0, scale, softcap, sinks
         qpos = torch.randint(-1, 60, (b, 1), generator=g)
         kpos = torch.randint(-1, 60, (b, s), generator=g)
         pattern = r.choice(["full", "sliding", "chunked"])
-        return q, k, v, None, qpos, kpos, pattern, r.randint(1, 20), scale, softcap
+        return q, k, v, None, qpos, kpos, pattern, r.randint(1, 20), scale, softcap, sinks
     if name in ("rope", "norm_rope"):
         h = r.randint(1, 3)
         cos, sin = _cos_sin(r, g, b, t, d)
@@ -187,7 +187,11 @@ BAD = {  # op -> (argument index, a replacement that breaks a declared rule, wha
     "residual_norm": [(1, lambda x: x[..., :1].expand(*x.shape[:-1], 2).clone(), "D")],
     "act_mul": [(1, lambda a: "relu", "activation"), (0, lambda x: x[..., :-1], "odd width")],
     "argmax_rows": [(0, lambda x: x[:, :0], "empty"), (0, lambda x: x[0], "[B V]")],
-    "decode_attention": [(0, lambda q: q.repeat(1, 1, 2, 1), "1"), (7, lambda p: 0, ">= 1")],
+    "decode_attention": [
+        (0, lambda q: q.repeat(1, 1, 2, 1), "1"),
+        (7, lambda p: 0, ">= 1"),
+        (10, lambda s: torch.zeros(99), "Hq"),
+    ],
     "rope": [(1, lambda c: torch.ones(*c.shape[:-1], 3), "R = "), (0, lambda x: x.to(torch.bfloat16), "x must be")],
     "norm_rope": [(4, lambda s: None, "both or neither")],
     "selective_scan": [(5, lambda a: a[:, :1].expand(-1, 7).clone(), "N"), (0, lambda u: u.double(), "u must be")],

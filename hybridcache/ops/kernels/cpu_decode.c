@@ -588,8 +588,11 @@ static int attend_range(const float *qh, const float *kb, const float *vb, long 
 /* The softmax-weighted sums of one (row, kv head) from `parts` ranges' attend_range results (range t: acc [G, D],
    mx [G], total [G] at part + t * stride, and its count of visible slots) into o [G, D]: each range rescaled to the
    common max. No visible slot anywhere: zeros. A NaN / +inf score anywhere, or only -inf scores: NaN, as softmax
-   gives. For one range this is acc / total (w = 1). */
-static void combine_ranges(const float *part, const int *count, int parts, size_t stride, int G, int D, float *o) {
+   gives. For one range this is acc / total (w = 1). `sink` [G] (or NULL): a learned logit per query head that
+   adds exp(sink - max) to the denominator only (GPT-OSS attention sinks; the max then counts the sink too, so a
+   large sink cannot overflow the sum). */
+static void combine_ranges(const float *part, const int *count, int parts, size_t stride, int G, int D,
+                           const float *sink, float *o) {
   for (int g = 0; g < G; g++) {
     float m = -INFINITY, l = 0.0f, *og = o + (size_t)g * D;
     int seen = 0, nan = 0;
@@ -602,10 +605,14 @@ static void combine_ranges(const float *part, const int *count, int parts, size_
     }
     for (int d = 0; d < D; d++) og[d] = 0.0f;
     if (!seen) continue;
+    float sg = sink ? sink[g] : -INFINITY; /* the sink column counts like one more score */
+    if (sg != sg) nan = 1;
+    else if (sg > m) m = sg;
     if (nan || m == -INFINITY) {
       for (int d = 0; d < D; d++) og[d] = NAN;
       continue;
     }
+    if (sink) l = expf(sg - m);
     for (int t = 0; t < parts; t++) {
       if (count[t] <= 0) continue;
       const float *p = part + t * stride;
@@ -622,14 +629,15 @@ static void combine_ranges(const float *part, const int *count, int parts, size_
    contiguous last dim. Visibility: `mask` [B, S] (1 = visible) when given, else from the query positions qpos [B]
    and key positions kpos [B, S] by `pattern` / `param` (see visible()); a padding query (qpos < 0) sees nothing.
    out [B, Hq, D]. Hidden slots are never read (garbage in them cannot reach the output); a row that sees nothing
-   gets zeros. softcap <= 0: none. Each key and value is read once for the G query heads that share it. Work is
+   gets zeros. softcap <= 0: none. `sinks` [Hq] (or NULL): a learned logit per query head in every softmax
+   denominator, weighting no value (see combine_ranges). Each key and value is read once for the G query heads that share it. Work is
    split over threads by (row, kv head) when there are enough of those, else by ranges of slots, whose partial
    softmax sums are then combined (as flash-decoding does). Returns 0, or -1 when scratch memory could not be
    allocated (out is then incomplete). Hkv < 1 or Hq not a multiple of it: -2, nothing done. */
 int hc_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const int64_t *qpos,
                         const int64_t *kpos, int pattern, long param, float *out, int B, int Hq, int Hkv, int S,
                         int D, long ksb, long ksh, long kss, long vsb, long vsh, long vss, float scale,
-                        float softcap) {
+                        float softcap, const float *sinks) {
   if (Hkv < 1 || Hq < 0 || Hq % Hkv || B < 0 || S < 0 || D < 0) return -2;
   int G = Hq / Hkv, pairs = B * Hkv, failed = 0;
   int threads = omp_get_max_threads();
@@ -668,14 +676,16 @@ int hc_decode_attention(const float *q, const float *k, const float *v, const ui
                                 kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale,
                                 softcap, a, a + (size_t)G * D, a + (size_t)G * D + G);
           if (nv < 0) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-          else combine_ranges(a, &nv, 1, stride, G, D, out + ((size_t)b * Hq + (size_t)kvh * G) * D);
+          else combine_ranges(a, &nv, 1, stride, G, D, sinks ? sinks + (size_t)kvh * G : NULL,
+                              out + ((size_t)b * Hq + (size_t)kvh * G) * D);
         }
         free(a);
       }
     }
     if (split > 1 && !failed) {
       int b = bk0 / Hkv, kvh = bk0 % Hkv;
-      combine_ranges(part, count, split, stride, G, D, out + ((size_t)b * Hq + (size_t)kvh * G) * D);
+      combine_ranges(part, count, split, stride, G, D, sinks ? sinks + (size_t)kvh * G : NULL,
+                     out + ((size_t)b * Hq + (size_t)kvh * G) * D);
     }
     if (failed) break;
   }
