@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from hybridcache.blocks.mamba import resolve_dt_rank
 from hybridcache.blocks.rotary import RotaryEmbedding, rope_frequencies
 from hybridcache.models.family_config import FamilyConfig, attention_problems, param
 
@@ -68,6 +69,41 @@ class AttentionFields(FamilyConfig):
             qkv_bias=self.attention_bias,
             o_bias=self.attention_bias,
         )
+
+
+@dataclass(kw_only=True)
+class MambaFields(FamilyConfig):
+    """A Mamba (v1, selective scan) mixer in the `mamba_*` names of HF's Jamba and Zamba; mamba_dt_rank "auto" =
+    ceil(hidden_size / 16) (`mamba_rank`)."""
+
+    mamba_d_state: int = param(16, positive=True)
+    mamba_d_conv: int = param(4, positive=True)
+    mamba_expand: int = param(2, positive=True)
+    mamba_dt_rank: int | str = param("auto", positive=True)
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_expand * self.hidden_size
+
+    @property
+    def mamba_rank(self) -> int:
+        return resolve_dt_rank(self.mamba_dt_rank, self.hidden_size)
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.mamba_dt_rank, str) and self.mamba_dt_rank != "auto":
+            out.append(f"mamba_dt_rank must be a positive int or 'auto', got {self.mamba_dt_rank!r}")
+        return out
+
+    def mamba_cache_params(self) -> dict:
+        """The native `mamba` cache layer's shape parameters (dtype added by the model)."""
+        return {
+            "intermediate_size": self.mamba_intermediate,
+            "state_size": self.mamba_d_state,
+            "conv_kernel": self.mamba_d_conv,
+        }
 
 
 @dataclass(kw_only=True)

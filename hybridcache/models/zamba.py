@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput
-from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
+from hybridcache.blocks.mamba import MambaMixer
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.family_config import FamilyConfig, attention_problems, param
+from hybridcache.models.config_pieces import MambaFields
+from hybridcache.models.family_config import attention_problems, param
 from hybridcache.models.registry import register_family
 from hybridcache.models.zamba2 import LEGACY_TYPES, MambaResidual, Zamba2LM
 from hybridcache.ops import selective_state_update
@@ -24,8 +25,8 @@ from hybridcache.ops.selective_scan import selective_scan_btd
 
 
 @dataclass(kw_only=True)
-class ZambaConfig(FamilyConfig):
-    """HF ZambaConfig (transformers 5) fields the model reads, with HF defaults."""
+class ZambaConfig(MambaFields):
+    """HF ZambaConfig (transformers 5) fields the model reads, with HF defaults (the Mamba ones in MambaFields)."""
 
     family: ClassVar[str] = "zamba"
     num_mem_blocks: ClassVar[int] = 1  # Zamba2's skeleton: one shared block, no rotary embedding
@@ -46,12 +47,6 @@ class ZambaConfig(FamilyConfig):
     attn_layer_offset: int = param(4, nonnegative=True)
     layers_block_type: list[str] | None = param(None, choices=("linear_attention", "hybrid", "mamba"))
     n_mamba_heads: int = param(2, positive=True)
-    mamba_d_state: int = param(16, positive=True)
-    mamba_d_conv: int = param(4, positive=True)
-    mamba_expand: int = param(2, positive=True)
-    mamba_dt_rank: int | str = param("auto", positive=True)  # "auto": ceil(hidden_size / 16)
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,18 +61,12 @@ class ZambaConfig(FamilyConfig):
             return ["linear_attention"] * 2 + ["hybrid"] + ["hybrid" if h else "linear_attention" for h in hybrid]
         return [LEGACY_TYPES.get(t, t) for t in self.layers_block_type]
 
-    @property
-    def mamba_intermediate(self) -> int:
-        return self.mamba_expand * self.hidden_size
-
     def problems(self) -> list[str]:
-        out = attention_problems(self)
+        out = super().problems() + attention_problems(self)
         if len(self.block_types) != self.num_hidden_layers:
             out.append(f"layers_block_type has {len(self.block_types)} entries, not num_hidden_layers")
         if self.mamba_intermediate % self.n_mamba_heads:
             out.append(f"n_mamba_heads ({self.n_mamba_heads}) must divide mamba_expand * hidden_size")
-        if isinstance(self.mamba_dt_rank, str) and self.mamba_dt_rank != "auto":
-            out.append(f"mamba_dt_rank must be a positive int or 'auto', got {self.mamba_dt_rank!r}")
         return out
 
 
@@ -86,8 +75,7 @@ class ZambaMambaMixer(MambaMixer):
     dt_proj_bias, A_log [H, Dh, N], D [H, Dh]); each group scans with its own B and C."""
 
     def __init__(self, cfg: ZambaConfig) -> None:
-        di, n, r, heads = cfg.mamba_intermediate, cfg.mamba_d_state, cfg.mamba_dt_rank, cfg.n_mamba_heads
-        r = resolve_dt_rank(r, cfg.hidden_size)
+        di, n, r, heads = cfg.mamba_intermediate, cfg.mamba_d_state, cfg.mamba_rank, cfg.n_mamba_heads
         kw = {"conv_bias": cfg.mamba_conv_bias, "proj_bias": cfg.mamba_proj_bias, "activation": cfg.hidden_mamba_act}
         super().__init__(cfg.hidden_size, di, n, cfg.mamba_d_conv, r, **kw)
         del self.x_proj, self.dt_proj  # per head below
@@ -155,6 +143,4 @@ class ZambaLM(Zamba2LM):
         return MambaResidual(self.cfg.hidden_size, self.cfg.rms_norm_eps, ZambaMambaMixer(self.cfg))
 
     def native_mamba(self) -> NativeLayer:
-        c = self.cfg
-        shapes = {"intermediate_size": c.mamba_intermediate, "state_size": c.mamba_d_state}
-        return NativeLayer("mamba", {**shapes, "conv_kernel": c.mamba_d_conv, "dtype": self.dtype})
+        return NativeLayer("mamba", {**self.cfg.mamba_cache_params(), "dtype": self.dtype})
