@@ -125,17 +125,11 @@ class Lfm3LM(StackLM):
     config_class = Lfm3Config
     final_norm_name = "embedding_norm"
 
-    def plan(self) -> list[str]:
-        return list(self.cfg.layer_types)
-
     def shared(self) -> dict[str, RotaryEmbedding]:
         return {kind: layer_rotary(self.cfg, kind) for kind in set(self.cfg.layer_types) - {"conv"}}
 
     def build_layer(self, kind: str, index: int, shared: dict) -> Lfm3DecoderLayer:
         return Lfm3DecoderLayer(self.cfg, kind, shared.get(kind))
-
-    def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def hf_name(self, name: str) -> str:  # LFM2's feed-forward names w1 / w3 / w2; attention keeps Qwen3's names
         for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):

@@ -12,7 +12,6 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
 from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
-from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.config_pieces import AttentionFields
 from hybridcache.models.family_config import length_problem, param
@@ -47,7 +46,6 @@ class OlmoHybridConfig(AttentionFields):
             self.layer_types = [LAYER_KINDS[i % 4 == 3] for i in range(self.num_hidden_layers)]
             if "full_attention" not in self.layer_types:
                 self.layer_types[-1] = "full_attention"
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.linear_num_key_heads = self.linear_num_key_heads or self.num_attention_heads
         self.linear_num_value_heads = self.linear_num_value_heads or self.num_attention_heads
         self.linear_key_head_dim = self.linear_key_head_dim or int(0.75 * self.hidden_size / self.linear_num_key_heads)
@@ -60,11 +58,6 @@ class OlmoHybridConfig(AttentionFields):
         if self.linear_num_value_heads != self.linear_num_key_heads:  # HF's mixer repeats no heads
             out.append(f"linear_num_value_heads must equal linear_num_key_heads ({self.linear_num_key_heads})")
         return [p for p in out if p]
-
-    def rope(self) -> dict | None:
-        """RoPE parameters, or None for NoPE (rope_theta None, as in the released checkpoints)."""
-        params = dict(self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta})
-        return None if params.get("rope_theta") is None else params
 
 
 class OlmoHybridGatedDeltaNet(GatedDeltaNetMixer):
@@ -97,8 +90,7 @@ class OlmoHybridAttention(AttentionMixer):
         qp, kp, vp = self.qkv(h)  # [B, T, H * D] each
         q, k, v = (x.view(b, t, -1, self.head_dim).transpose(1, 2) for x in (self.q_norm(qp), self.k_norm(kp), vp))
         q_pre = q if prerope else None
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, step)
+        q, k = (q, k) if self.rotary is None else self.rotary(q, k, step)
         return q, k, v, None, q_pre
 
 
@@ -115,11 +107,9 @@ class OlmoHybridDecoderLayer(nn.Module):
             self.linear_attn = OlmoHybridGatedDeltaNet(cfg)
             self.input_layernorm = norm(d)
         else:
-            h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            self.self_attn = OlmoHybridAttention(
-                d, h, kv, hd, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
-                q_norm=norm(h * hd), k_norm=norm(kv * hd),
-            )  # fmt: skip
+            hd, attn = cfg.attention_head_dim, cfg.attention_mixer_args()
+            q_norm, k_norm = norm(cfg.num_attention_heads * hd), norm(cfg.num_key_value_heads * hd)
+            self.self_attn = OlmoHybridAttention(**attn, rotary=rotary, q_norm=q_norm, k_norm=k_norm)
             self.post_feedforward_layernorm = norm(d)
         self.post_attention_layernorm = norm(d)
         self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
@@ -136,19 +126,12 @@ class OlmoHybridDecoderLayer(nn.Module):
 class OlmoHybridLM(StackLM):
     family = "olmo_hybrid"
     config_class = OlmoHybridConfig
+    final_norm_options = {"scale_in_float32": True}  # OLMo: weight * x in float32
 
-    def plan(self) -> list[str]:
-        return list(self.cfg.layer_types)
+    layer_class = OlmoHybridDecoderLayer
 
-    def shared(self) -> RotaryEmbedding | None:
-        rope = self.cfg.rope()
-        return None if rope is None else RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, self.cfg.head_dim))
-
-    def build_layer(self, kind: str, index: int, shared: RotaryEmbedding | None) -> OlmoHybridDecoderLayer:
-        return OlmoHybridDecoderLayer(self.cfg, kind, shared)
-
-    def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, scale_in_float32=True)
+    def shared(self) -> RotaryEmbedding | None:  # NoPE when rope_theta is None (the released checkpoints)
+        return None if self.cfg.rope()["rope_theta"] is None else self.cfg.rotary()
 
     def native_layers(self) -> list[NativeLayer]:
         return delta_native_layers(self.cfg, self.kinds, self.dtype)
@@ -158,12 +141,9 @@ class OlmoHybridLM(StackLM):
 
     def convert_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """OLMo-core names (HF's conversion mapping, what HF saves): norm renames, q/k/v_conv1d -> conv1d."""
-        rename = {
-            ".attention_layer_norm.": ".input_layernorm.",
-            ".feedforward_layer_norm.": ".post_attention_layernorm.",
-        }
         for name in list(state):
-            state[next((name.replace(a, b) for a, b in rename.items() if a in name), name)] = state.pop(name)
+            new = name.replace(".attention_layer_norm.", ".input_layernorm.")
+            state[new.replace(".feedforward_layer_norm.", ".post_attention_layernorm.")] = state.pop(name)
         for name in [n for n in state if n.endswith(".q_conv1d.weight")]:
             p = name.removesuffix("q_conv1d.weight")
             state[p + "conv1d.weight"] = torch.cat([state.pop(p + f"{x}_conv1d.weight") for x in "qkv"])

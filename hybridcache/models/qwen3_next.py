@@ -11,10 +11,10 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
-from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.blocks.shared_moe import SharedExpertMoE
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.family_config import FamilyConfig, attention_problems, length_problem, param
+from hybridcache.models.config_pieces import AttentionFields
+from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
 
@@ -22,9 +22,9 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 
 
 @dataclass(kw_only=True)
-class Qwen3NextConfig(FamilyConfig):
+class Qwen3NextConfig(AttentionFields):
     """HF Qwen3NextConfig (transformers 5) fields the model reads, with HF defaults. Older configs' `rope_theta`,
-    `partial_rotary_factor` and `rope_scaling` are read when `rope_parameters` is absent, and
+    `partial_rotary_factor` and `rope_scaling` are read when `rope_parameters` is absent (`rope()`), and
     `full_attention_interval` when `layer_types` is."""
 
     family: ClassVar[str] = "qwen3_next"
@@ -33,12 +33,8 @@ class Qwen3NextConfig(FamilyConfig):
     num_key_value_heads: int = param(2, positive=True)
     head_dim: int = param(256, positive=True)
     hidden_act: str = "silu"
-    rms_norm_eps: float = param(1e-6, positive=True)
     max_position_embeddings: int = param(32768, positive=True)
-    attention_bias: bool = False
-    rope_parameters: dict | None = None
     rope_scaling: dict | None = None
-    rope_theta: float = param(10_000.0, positive=True)
     partial_rotary_factor: float = param(0.25, positive=True)
     linear_conv_kernel_dim: int = param(4, positive=True)
     linear_key_head_dim: int = param(128, positive=True)
@@ -64,7 +60,7 @@ class Qwen3NextConfig(FamilyConfig):
             ]
 
     def problems(self) -> list[str]:
-        out = attention_problems(self)
+        out = super().problems()
         bad = length_problem("layer_types", self.layer_types, self.num_hidden_layers)
         out += [bad] if bad else []
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -125,18 +121,9 @@ class Qwen3NextDecoderLayer(nn.Module):
                 cfg.hidden_act,
             )
         else:
-            hd = cfg.head_dim
+            q_norm, k_norm = RMSNorm(cfg.head_dim, eps, unit_offset=True), RMSNorm(cfg.head_dim, eps, unit_offset=True)
             self.self_attn = AttentionMixer(
-                d,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                hd,
-                qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias,
-                rotary=rotary,
-                q_norm=RMSNorm(hd, eps, unit_offset=True),
-                k_norm=RMSNorm(hd, eps, unit_offset=True),
-                output_gate=True,
+                **cfg.attention_mixer_args(), rotary=rotary, q_norm=q_norm, k_norm=k_norm, output_gate=True
             )
         if moe:
             self.mlp: nn.Module = SharedExpertMoE(
@@ -163,18 +150,13 @@ class Qwen3NextDecoderLayer(nn.Module):
 class Qwen3NextLM(StackLM):
     family = "qwen3_next"
     config_class = Qwen3NextConfig
-
-    def plan(self) -> list[str]:
-        return self.cfg.layer_types
+    final_norm_options = {"unit_offset": True}
 
     def shared(self) -> RotaryEmbedding:
-        return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), self.cfg.rope(), self.cfg.rotary_dim()))
+        return self.cfg.rotary()  # over rotary_dim() channels: rope() carries partial_rotary_factor
 
     def build_layer(self, kind: str, index: int, rotary: RotaryEmbedding) -> Qwen3NextDecoderLayer:
         return Qwen3NextDecoderLayer(self.cfg, kind, rotary, self.cfg.is_moe(index))
-
-    def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, unit_offset=True)
 
     def native_layers(self) -> list[NativeLayer]:
         return delta_native_layers(self.cfg, self.kinds, self.dtype)
@@ -183,9 +165,10 @@ class Qwen3NextLM(StackLM):
         return name.replace(".mlp.router.", ".mlp.gate.")  # HF calls the MoE router `gate`
 
 
-def delta_native_layers(c: Qwen3NextConfig, kinds: list[str], dtype: torch.dtype) -> list[NativeLayer]:
-    """Per layer kind: `gated_delta` for linear_attention, else `full` (Qwen3-Next and Qwen3.5)."""
-    attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "dtype": dtype}
+def delta_native_layers(c: AttentionFields, kinds: list[str], dtype: torch.dtype) -> list[NativeLayer]:
+    """Per layer kind: `gated_delta` for linear_attention, else `full` (Qwen3-Next, Qwen3.5, OLMo-Hybrid: configs
+    with Qwen3-Next's linear_* fields)."""
+    attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": dtype}
     delta = {
         "num_k_heads": c.linear_num_key_heads,
         "num_v_heads": c.linear_num_value_heads,

@@ -21,6 +21,8 @@ this skeleton says only what differs:
             return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
 plus `native_layers()` (each plan entry's cache type). `self.cfg` is the typed config, `self.kinds` the plan.
+Without an override, plan() is the config's `layer_types`, build_layer() is `layer_class(cfg, kind, shared)` and
+final_norm() an RMSNorm with `final_norm_options`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hybridcache.blocks.norms import RMSNorm
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig
 
@@ -54,18 +57,23 @@ class StackLM(HybridLM):
 
     # -- what a family provides --------------------------------------------------------------------------------
     def plan(self) -> list[str]:
-        """The kind of each decoder layer, in order (from `self.cfg`)."""
-        raise NotImplementedError
+        """The kind of each decoder layer, in order (from `self.cfg`; default: its `layer_types`, as HF lists them)."""
+        return list(self.cfg.layer_types)
 
     def shared(self) -> Any:
         """Modules every layer uses (a rotary embedding): built once, before the layers (default: none)."""
         return None
 
+    layer_class: ClassVar[type[nn.Module]]  # what the default build_layer builds: layer_class(cfg, kind, shared)
+
     def build_layer(self, kind: str, index: int, shared: Any) -> nn.Module:
-        raise NotImplementedError
+        return self.layer_class(self.cfg, kind, shared)
+
+    final_norm_options: ClassVar[dict[str, bool]] = {}  # the default final norm's RMSNorm options (unit_offset...)
 
     def final_norm(self) -> nn.Module:
-        raise NotImplementedError
+        """Default: RMSNorm(hidden_size, rms_norm_eps, **final_norm_options)."""
+        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, **self.final_norm_options)
 
     # -- the skeleton ------------------------------------------------------------------------------------------
     def __init__(self, config: Mapping[str, Any] | FamilyConfig) -> None:
