@@ -1,6 +1,7 @@
 """xLSTM (HF `xlstm`): pre-norm blocks of an mLSTM layer (matrix memory; soft-capped exponential input and sigmoid
-forget gates) and a gated FFN, then a soft-capped head. Each layer's history is its `mlstm` state (state.py). HF runs
-long prompts chunkwise and the rest step by step (equal in exact arithmetic); this family steps token by token."""
+forget gates) and a gated FFN, then a soft-capped head. Each layer's history is its `mlstm` state (state.py, with its
+per-token update `mlstm_step`). HF runs long prompts chunkwise and the rest step by step (equal in exact arithmetic);
+this family steps token by token."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import FamilyConfig, param
 from hybridcache.models.registry import register_family
+from hybridcache_xlstm.state import mlstm_step
 
 
 @dataclass(kw_only=True)
@@ -57,20 +59,6 @@ class XLSTMConfig(FamilyConfig):
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(x / cap)
-
-
-def mlstm_step(c, n, m, q, k, v, i, f, eps: float = 1e-6):
-    """HF's `mlstm_recurrent_step_native`: q, k [B, H, Dqk], v [B, H, Dv], gate pre-activations i, f [B, H] (i = -inf,
-    f = +inf: no change), c [B, H, Dqk, Dv], n [B, H, Dqk], m [B, H] -> h [B, H, Dv], (c, n, m) after the token."""
-    log_f = F.logsigmoid(f)
-    m_new = torch.maximum(log_f + m, i)
-    f_act, i_act = torch.exp(log_f + m - m_new), torch.exp(i - m_new)  # [B, H]
-    c = f_act[..., None, None] * c + i_act[..., None, None] * (k[..., :, None] @ v[..., None, :])
-    n = f_act[..., None] * n + i_act[..., None] * k
-    q = q * q.shape[-1] ** -0.5
-    num = (q[..., None, :] @ c).squeeze(-2)  # [B, H, Dv]
-    qn = (q[..., None, :] @ n[..., None]).squeeze(-1)  # [B, H, 1]
-    return num / (torch.maximum(qn.abs(), torch.exp(-m_new)[..., None]) + eps), (c, n, m_new)
 
 
 class MLSTMLayer(nn.Module):
