@@ -54,6 +54,7 @@ class Gemma4DecoderLayer(nn.Module):
 class Gemma4LM(StackLM):
     family = "gemma4"
     config_class = Gemma4Config
+    final_norm_options = {"scale_in_float32": True}  # HF's Gemma4RMSNorm: weight times the float32 normed x
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -65,9 +66,6 @@ class Gemma4LM(StackLM):
     def hf_name(self, name: str) -> str:  # the PLE and expert-branch modules' children sit in HF's parent module
         return name.replace(".ple.", ".").replace(".moe.", ".")
 
-    def plan(self) -> list[str]:
-        return self.cfg.layer_types
-
     def shared(self) -> dict[str, RotaryEmbedding]:
         """One rotary per layer type, over that type's head_dim."""
         c = self.cfg
@@ -77,9 +75,6 @@ class Gemma4LM(StackLM):
 
     def build_layer(self, kind: str, index: int, shared: dict[str, RotaryEmbedding]) -> Gemma4DecoderLayer:
         return Gemma4DecoderLayer(self.cfg, index, shared[kind], self)
-
-    def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, scale_in_float32=True)
 
     def native_layers(self) -> list[NativeLayer]:
         """The writers' caches only (readers hold none); a window on sliding layers only."""
