@@ -122,18 +122,12 @@ class MiniMaxLM(StackLM):
     # our names -> the checkpoint's (HF saves the MoE in its original Mixtral layout: gate, experts.E.w1 / w3 / w2)
     renames: ClassVar[dict[str, str]] = {"router": "gate", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
-    def plan(self) -> list[str]:
-        return list(self.cfg.layer_types)
-
     def shared(self) -> RotaryEmbedding:
         rope = {"rope_type": "default", "rope_theta": self.cfg.rope_theta, **(self.cfg.rope_parameters or {})}
         return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, self.cfg.attention_head_dim))
 
     def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> MiniMaxDecoderLayer:
         return MiniMaxDecoderLayer(self.cfg, kind, index, shared)
-
-    def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
 
     def hf_name(self, name: str) -> str:
         return re.sub(r"\.(router|gate_proj|up_proj|down_proj)\.", lambda m: f".{self.renames[m[1]]}.", name)
