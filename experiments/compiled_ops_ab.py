@@ -58,7 +58,7 @@ def main() -> None:
         for name, ops in VARIANTS.items():  # compile both graphs
             kernel_calls.TRACED_OPS = ops
             t0 = time.perf_counter()
-            sequences[name] = hc.generate(model, ids, max_new_tokens=4, compile=True).sequences
+            sequences[name] = hc.generate(model, ids, max_new_tokens=args.tokens, compile=True).sequences
             print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s (compile)", flush=True)
         for r in range(args.runs):
             order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
