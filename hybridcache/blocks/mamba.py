@@ -12,7 +12,7 @@ from hybridcache.blocks.linear import linear
 from hybridcache.blocks.norms import RMSNorm
 from hybridcache.cache import MambaStateLayer
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_state_update
-from hybridcache.ops.selective_scan import selective_scan_btd
+from hybridcache.ops.selective_scan_btd import selective_scan_btd
 
 
 def resolve_dt_rank(rank: int | str, hidden: int) -> int:

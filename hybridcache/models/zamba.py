@@ -21,7 +21,7 @@ from hybridcache.models.family_config import attention_problems, param
 from hybridcache.models.registry import register_family
 from hybridcache.models.zamba2 import LEGACY_TYPES, MambaResidual, Zamba2LM
 from hybridcache.ops import selective_state_update
-from hybridcache.ops.selective_scan import selective_scan_btd
+from hybridcache.ops.selective_scan_btd import selective_scan_btd
 
 
 @dataclass(kw_only=True)

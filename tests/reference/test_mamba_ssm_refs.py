@@ -56,7 +56,7 @@ from hybridcache.ops import (
     ssd_step,
 )
 from hybridcache.ops._dispatch import load_kernel
-from hybridcache.ops.selective_scan import selective_scan_btd
+from hybridcache.ops.selective_scan_btd import selective_scan_btd
 from tests.reference import mamba_refs
 
 _reason = mamba_refs.missing()
