@@ -21,13 +21,32 @@ def _valid(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+def _bar_order(rows: list[dict]) -> tuple[list[str], dict[str, dict]]:
+    """The systems in bar order and each one's bar style. A llama.cpp row (one per precision) stands right after
+    ours at the same precision (its `weights_format`), in that row's colour, hatched: the pair a ratio compares."""
+    names = {r["system"] for r in rows}
+    llama = {r["system"]: r.get("weights_format") for r in rows if r["system"].startswith("llama.cpp")}
+    systems = [s for s in SYSTEMS if s in names]
+    systems += sorted(names - set(systems) - set(llama))
+    systems.sort(key=lambda s: not s.startswith("ours"))  # ours first (stable: the order above within each part)
+    styles = {s: {"color": strategy_color(s)} for s in systems}
+    for name, fmt in sorted(llama.items()):
+        partner = next(
+            (r["system"] for r in rows if r["system"].startswith("ours") and r.get("weights_format") == fmt), None
+        )
+        at = systems.index(partner) + 1 if partner in systems else len(systems)
+        systems.insert(at, name)
+        color = strategy_color(partner) if partner else strategy_color(name)
+        styles[name] = {"color": "white", "edgecolor": color, "hatch": "////", "linewidth": 1.0}
+    return systems, styles
+
+
 def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
     """Decode and prefill tokens/s, ours vs the references, per batch size. A row without a valid timing draws no
     bar but an "n/a" mark (a zero-height bar would read as "0 tokens/s")."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.2))
     batches = sorted({r["batch"] for r in rows})
-    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
-    systems += sorted({r["system"] for r in rows} - set(systems))
+    systems, styles = _bar_order(rows)
     width = 0.8 / max(len(systems), 1)
     for ax, metric, what in zip(axes, ("decode_tok_s", "prefill_tok_s"), ("decode", "prefill")):
         for i, system in enumerate(systems):
@@ -36,7 +55,7 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
                 next((r.get(metric) for r in rows if r["system"] == system and r["batch"] == b), None) for b in batches
             ]
             ok = [(x, v) for x, v in zip(xs, values) if _valid(v)]
-            bars = ax.bar([x for x, _ in ok], [v for _, v in ok], width, label=system, color=strategy_color(system))
+            bars = ax.bar([x for x, _ in ok], [v for _, v in ok], width, label=system, **styles[system])
             ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
             for x, v in zip(xs, values):
                 if not _valid(v):
@@ -55,9 +74,13 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
         ax.set_ylabel(f"{what} throughput (tokens/s, whole batch{'; log scale' if spread else ''})")
         ax.set_title(f"{what}: tokens per second (higher is better)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
+    # one legend below both panels: inside an axis it covers bars (the two panels share their systems)
+    handles, labels = axes[0].get_legend_handles_labels()
+    columns = min(4, max(len(labels), 1))
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
+    legend_rows = -(-len(labels) // columns)
     fig.suptitle("Throughput, ours vs references" + (f"\n{context}" if context else ""), fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02 + 0.055 * legend_rows, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -192,6 +192,29 @@ def test_throughput_has_axis_labels_units_and_marks_invalid_timings(tmp_path, sa
     assert "n/a" in [t.get_text() for t in fig.axes[0].texts]
 
 
+def test_each_llamacpp_bar_stands_beside_ours_at_its_precision(tmp_path, saved):
+    def row(system, fmt, decode):
+        return {"system": system, "batch": 1, "weights_format": fmt, "decode_tok_s": decode, "prefill_tok_s": 9.0}
+
+    rows = [
+        row("ours (eager)", None, 10.0),
+        row("ours (eager, int8 weights)", "int8", 20.0),
+        row("hf", None, 5.0),
+        row("llama.cpp (q8_0)", "int8", 30.0),
+        row("llama.cpp (f32)", None, 12.0),
+    ]
+    throughput_bars(rows, tmp_path / "t.png")
+    fig = saved[-1]
+    render(fig)
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    assert heights == [10.0, 12.0, 20.0, 30.0, 5.0]  # ours f32, llama f32, ours int8, llama q8_0, then HF
+    bars = fig.axes[0].patches
+    assert to_hex(bars[1].get_edgecolor()) == to_hex(bars[0].get_facecolor()) and bars[1].get_hatch()
+    assert to_hex(bars[3].get_edgecolor()) == to_hex(bars[2].get_facecolor()) != to_hex(bars[0].get_facecolor())
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["ours (eager)", "llama.cpp (f32)", "ours (eager, int8 weights)", "llama.cpp (q8_0)", "hf"]
+
+
 def test_one_strategy_keeps_its_colour_across_figures(tmp_path, saved):
     pareto_plot(ROWS, [64], tmp_path / "p.png", "study", n_cont=0)
     scaling_lines(scaling_rows(), tmp_path / "l.png")
