@@ -184,6 +184,12 @@ class EarlyExitDraft(torch.nn.Module):
         total = len(target.decoder_layers)
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
             raise GenerationError(f"num_layers must be in [1, {total}], got {num_layers!r}")
+        own = len(target.native_layers())
+        if num_layers > own:  # Gemma 4's KV-shared layers: no entry of their own, they read a writer's K/V
+            raise GenerationError(
+                f"{target.family}: only its first {own} decoder layers hold cache entries (the others read another "
+                f"layer's keys and values); an early-exit draft takes at most {own} layers, got {num_layers}"
+            )
         self.target, self.num_layers = target, num_layers
         self.config, self.family = target.config, f"{target.family}[:{num_layers}]"
 

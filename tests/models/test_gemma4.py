@@ -102,3 +102,18 @@ def test_config_checks(tmp_path, change, message):
     raw = {**json.loads((tmp_path / "config.json").read_text()), **change}
     with pytest.raises(ConfigError, match=message):
         model_class("gemma4_text").config_class.from_hf(raw)
+
+
+def test_an_early_exit_draft_stops_at_the_layers_with_cache_entries(tmp_path):
+    from hybridcache.models.base import GenerationError
+    from hybridcache.speculative import EarlyExitDraft
+
+    save_hf(tmp_path)
+    ours = hc.from_pretrained(tmp_path)
+    with pytest.raises(GenerationError, match="at most 2 layers, got 3"):
+        EarlyExitDraft(ours, 3)  # layer 2 reads layer 0's K/V: no cache entry of its own
+    draft = EarlyExitDraft(ours, 2)
+    ids = prompts(1, 9, seed=5)
+    plain = hc.generate(ours, ids, max_new_tokens=6).sequences
+    drafted = hc.generate(ours, ids, max_new_tokens=6, draft_model=draft, num_draft_tokens=3).sequences
+    assert torch.equal(plain, drafted)  # speculative decoding with the draft gives the target's greedy tokens
