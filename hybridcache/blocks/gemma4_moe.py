@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.kv_shared_attention import WeightlessRMSNorm
 from hybridcache.blocks.mlp import activation
-from hybridcache.blocks.norms import RMSNorm
+from hybridcache.blocks.norms import RMSNorm, WeightlessRMSNorm
 
 
 class Gemma4Router(nn.Module):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
-from hybridcache.blocks.norms import RMSNorm
+from hybridcache.blocks.norms import RMSNorm, WeightlessRMSNorm
 from hybridcache.blocks.rotary import RotaryEmbedding, rope_frequencies
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
@@ -35,18 +35,6 @@ def layer_rotary(hf_config: dict, params: dict, head_dim: int) -> RotaryEmbeddin
     rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
     inv_freq = 1.0 / params["rope_theta"] ** (torch.arange(0, 2 * rotated, 2).float() / head_dim)
     return RotaryEmbedding(torch.cat([inv_freq, torch.zeros(head_dim // 2 - rotated)]) / params.get("factor", 1.0))
-
-
-class WeightlessRMSNorm(nn.Module):
-    """x / rms(x), computed in (at least) float32, no weight (HF's `with_scale=False`)."""
-
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class KVSharedAttention(nn.Module):

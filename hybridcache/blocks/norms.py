@@ -82,3 +82,16 @@ def residual_norm(
             return out[0], None if nxt is None else out[1]
     h = h + (x if post is None else post(x))
     return h, None if nxt is None else nxt(h)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """x / rms(x) over the last dim in (at least) float32, no weight (HF's `Llama4TextL2Norm`, Gemma 4's
+    `with_scale=False` norms)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.llama4_moe import Llama4MoE
+from hybridcache.blocks.norms import WeightlessRMSNorm
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.config_pieces import AttentionFields
@@ -101,22 +102,10 @@ class Llama4Config(AttentionFields):
         return {**params, "rope_theta": self.rope_theta}
 
 
-class L2Norm(nn.Module):
-    """x / rms(x) over the last dim in (at least) float32, no weight (HF `Llama4TextL2Norm`)."""
-
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 class Llama4Rotary(RotaryEmbedding):
     """Complex-pair (interleaved) RoPE in (at least) float32, then the optional L2 q/k norm (HF order: rope, norm)."""
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, qk_norm: L2Norm | None) -> None:
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, qk_norm: WeightlessRMSNorm | None) -> None:
         super().__init__(inv_freq, scaling, interleaved=True)
         self.qk_norm = qk_norm
 
@@ -187,7 +176,8 @@ class Llama4LM(StackLM):
 
     def shared(self) -> Llama4Rotary:
         inv_freq, scaling = rope_frequencies(self.cfg.to_dict(), self.cfg.rope(), self.cfg.head_dim)
-        return Llama4Rotary(inv_freq, scaling, L2Norm(self.cfg.rms_norm_eps) if self.cfg.use_qk_norm else None)
+        qk_norm = WeightlessRMSNorm(self.cfg.rms_norm_eps) if self.cfg.use_qk_norm else None
+        return Llama4Rotary(inv_freq, scaling, qk_norm)
 
     def build_layer(self, kind: str, index: int, rotary: Llama4Rotary) -> Llama4DecoderLayer:
         rope = self.cfg.uses_rope[index]  # the RoPE layers share one rotary; the NoPE layers have none
