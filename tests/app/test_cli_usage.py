@@ -65,7 +65,7 @@ MODELS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml"))
         (["cache=hybrid_chunkd"], "cache=hybrid_chunked", "cache"),
         (["experiment=corectness"], "experiment=correctness", "experiment"),
         (["reference=vlm"], "reference=vllm", "reference"),
-        (["-m", "model=jamba,gemma4"], "model=gemma3", "model"),  # every value of a sweep, before any run
+        (["-m", "model=jamba,gemma3_270n"], "model=gemma3_270m", "model"),  # every value of a sweep, before any run
     ],
 )
 def test_a_misspelt_choice_is_one_line_naming_the_choices_and_the_closest(tmp_path, args, closest, group):
