@@ -93,7 +93,7 @@ def forged_config(r, config):
             "head_dim",
             "layer_types",
         ):
-            c["model_type"] = r.choice(["gemma4_text", "", 3, None])  # a removal HF has a default for: break the type
+            c["model_type"] = r.choice(["gemma9_text", "", 3, None])  # a removal HF has a default for: break the type
         return f"config without {name} (model_type {c.get('model_type')!r})", c
     if kind == 2:
         name = r.choice(["torch_dtype", "dtype"])
@@ -108,7 +108,7 @@ def forged_config(r, config):
         name = r.choice(["sliding_window", "max_position_embeddings", "rms_norm_eps", "query_pre_attn_scalar"])
         c[name] = r.choice([0, -1, -(10**9), NAN, "8", [8], True])  # (inf: HF's configs may hold infinities)
         return f"config {name}={c[name]!r}", c
-    c["model_type"] = r.choice(["gemma4_text", "llama", "", 5, None, ["gemma3_text"], "../../etc"])
+    c["model_type"] = r.choice(["gemma9_text", "llama", "", 5, None, ["gemma3_text"], "../../etc"])
     return f"config model_type={c['model_type']!r}", c
 
 
