@@ -32,7 +32,6 @@ FAMILIES = (
     "mamba2",
     "recurrentgemma",
     "gemma3",
-    "gemma4",
     "llama4",
     "bamba",
     "falcon_h1",
@@ -49,6 +48,7 @@ FAMILIES = (
     "kimi_linear",
     "bailing_hybrid",
     "olmo_hybrid",
+    "gemma4",
     "glm5_next",
 )
 
