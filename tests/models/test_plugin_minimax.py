@@ -202,11 +202,10 @@ print(json.dumps(out))
 )
 
 
-def tiny_minimax(path):
-    """A tiny random HF MiniMax checkpoint (HF's own classes; weights drawn like the in-tree tiny models). Lightning
-    blocks of 8 so 21-token prompts cross them; residual factors away from 1 so a swapped alpha / beta shows; the
-    last layer is lightning too, where HF's per-layer decay rate is ~1e-5 (almost no decay)."""
-    config = transformers.MiniMaxConfig(
+def minimax_config(**changes):
+    """Tiny MiniMax shapes: lightning blocks of 8 so 21-token prompts cross them; residual factors away from 1 so a
+    swapped alpha / beta shows."""
+    fields = dict(
         vocab_size=384,
         hidden_size=64,
         intermediate_size=48,
@@ -229,32 +228,23 @@ def tiny_minimax(path):
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    return save_tiny(transformers.MiniMaxForCausalLM, config, path)
+    return transformers.MiniMaxConfig(**{**fields, **changes})
+
+
+def tiny_minimax(path):
+    """A tiny random HF MiniMax checkpoint (HF's own classes; weights drawn like the in-tree tiny models); the last
+    layer is lightning too, where HF's per-layer decay rate is ~1e-5 (almost no decay)."""
+    return save_tiny(transformers.MiniMaxForCausalLM, minimax_config(), path)
 
 
 def tiny_minimax_window(path):
     """tiny_minimax's shapes with a softmax layer first, sliding_window 6 and both experts for every token."""
-    config = transformers.MiniMaxConfig(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+    config = minimax_config(
         num_local_experts=2,
-        num_experts_per_tok=2,
-        block_size=8,
         layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
         sliding_window=6,
-        full_attn_alpha_factor=0.9,
-        full_attn_beta_factor=1.1,
-        linear_attn_alpha_factor=1.2,
-        linear_attn_beta_factor=0.8,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        tie_word_embeddings=False,
+        mlp_alpha_factor=1.0,
+        mlp_beta_factor=1.0,
     )
     return save_tiny(transformers.MiniMaxForCausalLM, config, path)
 
