@@ -20,12 +20,15 @@ def _reference(x, w, bias, scale):
     return out if bias is None else out + bias.double()
 
 
-def _bound(x, w, scale):
-    """float32 rounding bound of a K-term dot product: ~K * eps * sum|x||w| (generous constant)."""
+def _bound(x, w, scale, bias=None):
+    """float32 rounding bound of a K-term dot product: ~K * eps * sum|x||w| (generous constant), plus the rounding
+    of the bias addition (~eps * (|sum| + |bias|))."""
     mag = x.double().abs() @ w.double().abs().T
     if scale is not None:
         mag = mag * scale.double()
-    return 4 * x.shape[-1] * 2**-24 * mag + 1e-30
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    return 4 * (x.shape[-1] + 1) * 2**-24 * mag + 1e-30
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +56,24 @@ def test_kernel_matches_float64(rows, n, k, fmt, bias, seed):
         out = dl.decode_linear(x, w, b, scale)
     assert out is not None and out.shape == (rows, n) and out.dtype == torch.float32
     err = (out.double() - _reference(x, w, b, scale)).abs()
-    assert bool((err <= _bound(x, w, scale)).all()), float(err.max())
+    assert bool((err <= _bound(x, w, scale, b)).all()), float(err.max())
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_batch_one_tile_every_tail(fmt):
+    """Batch 1 takes its own tile (4 weight rows, two sums per row, 2 vector widths per step): K around every step
+    and tail size of avx2 / avx512, N with and without a partial last tile, against float64."""
+    g = torch.Generator().manual_seed(7)
+    for n in (4, 7, 66):
+        for k in (1, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 48, 640):
+            x = torch.randn(1, k, generator=g)
+            w32 = torch.randn(n, k, generator=g)
+            w, scale = (w32, None) if fmt == "float32" else pack_matrix(w32, fmt)
+            b = torch.randn(n, generator=g)
+            with torch.no_grad():
+                out = dl.decode_linear(x, w, b, scale)
+            err = (out.double() - _reference(x, w, b, scale)).abs()
+            assert bool((err <= _bound(x, w, scale, b)).all()), (n, k, float(err.max()))
 
 
 @pytest.mark.parametrize("lead", [(1,), (2, 1), (3, 5)])
