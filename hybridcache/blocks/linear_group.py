@@ -27,7 +27,15 @@ class LinearGroup:
         self._fused: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[int, ...]] | None = None
 
     def _pointers(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for lin in self.linears for p in (lin.weight, lin.bias) if p is not None)
+        # (lin._parameters, not lin.weight: nn.Module.__getattr__ is a call per access, six per decode-step layer)
+        out = []
+        for lin in self.linears:
+            params = lin._parameters
+            out.append(params["weight"].data_ptr())
+            bias = params.get("bias")
+            if bias is not None:
+                out.append(bias.data_ptr())
+        return tuple(out)
 
     def _adopt(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> None:
         """Make each member's parameters row blocks of `weight` / `bias` (and its scale buffer of `scale`)."""

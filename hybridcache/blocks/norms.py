@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
 
     def scale(self, dtype: torch.dtype) -> torch.Tensor:
         """(1 + weight) in `dtype`, kept until the weight changes (a decode step would recompute it per norm)."""
-        w = self.weight
+        w = self._parameters["weight"]  # (not self.weight: nn.Module.__getattr__ is a call per decode-step norm)
         if torch.compiler.is_compiling():
             return 1.0 + w.to(dtype)
         cached = self._scale
@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def kernel_scale(self) -> torch.Tensor:
         """The float32 vector a kernel multiplies the normalised x by (1 + weight for Gemma-style norms)."""
-        return self.scale(torch.float32) if self.unit_offset else self.weight
+        return self.scale(torch.float32) if self.unit_offset else self._parameters["weight"]
 
     def kernel_norm(self, x: torch.Tensor) -> bool:
         """Whether x goes to the RMSNorm kernel (eager: its wrapper; compiled: the hybridcache::rms_norm op)."""
@@ -61,6 +61,11 @@ class RMSNorm(nn.Module):
         )  # Llama/Mamba: cast, then scale
 
 
+def _plain(norm: nn.Module | None) -> bool:
+    """None, or a float32 RMSNorm (what the residual-norm kernel computes)."""
+    return norm is None or type(norm) is RMSNorm and norm._parameters["weight"].dtype == torch.float32
+
+
 def residual_norm(
     h: torch.Tensor, x: torch.Tensor, post: nn.Module | None, nxt: nn.Module | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,16 +73,14 @@ def residual_norm(
     decoder layer's branch joins the residual stream and the next branch's pre-norm reads it. One kernel call for
     float32 on CPU when both are plain RMSNorms (the same arithmetic as their own kernel path); the modules otherwise.
     """
-    norms = (post, nxt)
-    if (
-        takes(x)
-        and h.dtype == torch.float32
-        and h.shape == x.shape
-        and x.dim() > 0
-        and all(n is None or type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
-    ):
-        args = [a for n in norms for a in ((None, 0.0) if n is None else (n.kernel_scale(), n.eps))]
-        out = call("residual_norm", h, x, *args)
+    if takes(x) and h.dtype == torch.float32 and h.shape == x.shape and x.dim() > 0 and _plain(post) and _plain(nxt):
+        out = call(
+            "residual_norm",
+            h,
+            x,
+            *((None, 0.0) if post is None else (post.kernel_scale(), post.eps)),
+            *((None, 0.0) if nxt is None else (nxt.kernel_scale(), nxt.eps)),
+        )
         if out is not None:
             return out[0], None if nxt is None else out[1]
     h = h + (x if post is None else post(x))

@@ -19,11 +19,12 @@ from hybridcache.ops.registry import KERNELS
 # before the other ops were traced (their torch paths). Read while tracing, so torch.compile guards on it: each
 # value keeps its own compiled graph.
 TRACED_OPS = frozenset(KERNELS)
+_F32 = torch.float32
 
 
 def takes(x: torch.Tensor) -> bool:
     """Whether the kernels serve x: float32 on CPU, no autograd, the kernels built here."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and kernel_available()
+    return x.dtype is _F32 and x.is_cpu and not torch.is_grad_enabled() and kernel_available()
 
 
 def call(name: str, *args):
