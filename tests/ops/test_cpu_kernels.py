@@ -59,14 +59,16 @@ def test_kernel_matches_float64(rows, n, k, fmt, bias, seed):
     assert bool((err <= _bound(x, w, scale, b)).all()), float(err.max())
 
 
+@pytest.mark.parametrize("rows", [1, 7, 8])
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
-def test_batch_one_tile_every_tail(fmt):
-    """Batch 1 takes its own tile (4 weight rows, two sums per row, 2 vector widths per step): K around every step
-    and tail size of avx2 / avx512, N with and without a partial last tile, against float64."""
+def test_small_batch_tiles_every_tail(fmt, rows):
+    """Batch 1 takes its own tile (4 weight rows, two sums per row, 2 vector widths per step), batches 7-8 two
+    passes of at most 4 rows on avx2: K around every step and tail size of avx2 / avx512, N with and without a
+    partial last tile, against float64."""
     g = torch.Generator().manual_seed(7)
     for n in (4, 7, 66):
         for k in (1, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 48, 640):
-            x = torch.randn(1, k, generator=g)
+            x = torch.randn(rows, k, generator=g)
             w32 = torch.randn(n, k, generator=g)
             w, scale = (w32, None) if fmt == "float32" else pack_matrix(w32, fmt)
             b = torch.randn(n, generator=g)
