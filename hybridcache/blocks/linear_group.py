@@ -17,6 +17,13 @@ from torch import nn
 from hybridcache.blocks.linear import linear, pack_matrix
 
 
+def _param(module: nn.Module, name: str) -> torch.Tensor | None:
+    """module.<name> from `_parameters` where it is registered there (None included: no bias); nn.Module.__getattr__
+    costs a call per access, six per decode-step layer here."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name, None)
+
+
 class LinearGroup:
     """Callable on x [..., in]: the outputs of `linears` (a tuple), by one matmul once fused."""
 
@@ -27,14 +34,12 @@ class LinearGroup:
         self._fused: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[int, ...]] | None = None
 
     def _pointers(self) -> tuple[int, ...]:
-        # (lin._parameters, not lin.weight: nn.Module.__getattr__ is a call per access, six per decode-step layer)
         out = []
         for lin in self.linears:
-            params = lin._parameters
-            out.append(params["weight"].data_ptr())
-            bias = params.get("bias")
-            if bias is not None:
-                out.append(bias.data_ptr())
+            for name in ("weight", "bias"):
+                p = _param(lin, name)
+                if p is not None:
+                    out.append(p.data_ptr())
         return tuple(out)
 
     def _adopt(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> None:

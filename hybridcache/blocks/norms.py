@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
 
     def scale(self, dtype: torch.dtype) -> torch.Tensor:
         """(1 + weight) in `dtype`, kept until the weight changes (a decode step would recompute it per norm)."""
-        w = self._parameters["weight"]  # (not self.weight: nn.Module.__getattr__ is a call per decode-step norm)
+        w = _weight(self)
         if torch.compiler.is_compiling():
             return 1.0 + w.to(dtype)
         cached = self._scale
@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def kernel_scale(self) -> torch.Tensor:
         """The float32 vector a kernel multiplies the normalised x by (1 + weight for Gemma-style norms)."""
-        return self.scale(torch.float32) if self.unit_offset else self._parameters["weight"]
+        return self.scale(torch.float32) if self.unit_offset else _weight(self)
 
     def kernel_norm(self, x: torch.Tensor) -> bool:
         """Whether x goes to the RMSNorm kernel (eager: its wrapper; compiled: the hybridcache::rms_norm op)."""
@@ -61,9 +61,16 @@ class RMSNorm(nn.Module):
         )  # Llama/Mamba: cast, then scale
 
 
+def _weight(norm: nn.Module) -> torch.Tensor:
+    """norm.weight, from `_parameters` when it is a parameter there (nn.Module.__getattr__ costs a call per access,
+    several per decode-step layer); otherwise (parametrized, replaced by a plain tensor) the attribute."""
+    w = norm._parameters.get("weight")
+    return norm.weight if w is None else w
+
+
 def _plain(norm: nn.Module | None) -> bool:
     """None, or a float32 RMSNorm (what the residual-norm kernel computes)."""
-    return norm is None or type(norm) is RMSNorm and norm._parameters["weight"].dtype == torch.float32
+    return norm is None or type(norm) is RMSNorm and _weight(norm).dtype == torch.float32
 
 
 def residual_norm(
