@@ -49,7 +49,7 @@ def check_reference(cfg: DictConfig, prepared: Any) -> None:
         except (ValueError, FileNotFoundError) as e:  # VLLMIncompatible is a ValueError
             raise UserError(str(e)) from None
     elif ref.name not in ("hf", "none"):
-        raise UserError(f"unknown reference '{ref.name}' (known: hf, vllm, file, none)")
+        raise unknown_reference(ref.name)
 
 
 def make_reference(
@@ -81,4 +81,14 @@ def make_reference(
             OmegaConf.to_container(ref_cfg.engine_args),
             str(ref_cfg.get("platform", "auto")),
         )
-    raise UserError(f"unknown reference '{name}' (known: hf, vllm, file, none)")
+    raise unknown_reference(name)
+
+
+def unknown_reference(name: str) -> UserError:
+    """The error for a reference this experiment cannot compare with (llama.cpp: a speed reference only)."""
+    if name == "llamacpp":
+        return UserError(
+            "reference=llamacpp times the same GGUF in llama.cpp for experiment=benchmark only (its worker returns "
+            "greedy tokens and timings, no logits); compare outputs with reference=hf, vllm or file"
+        )
+    return UserError(f"unknown reference '{name}' (known: hf, vllm, file, none)")

@@ -69,6 +69,7 @@ def no_model_load(monkeypatch):
         ),
         (["reference=vllm", "reference.python=null"], "reference=vllm needs reference.python="),
         (["reference=vllm", "reference.python=/no/such/python"], "is not an interpreter on this machine"),
+        (["reference=llamacpp"], "reference=llamacpp times the same GGUF in llama.cpp for experiment=benchmark only"),
         (["model.device=nodevice"], "model.device=nodevice is not a device torch knows"),
         (
             ["model.device=cuda:0"] if not __import__("torch").cuda.is_available() else ["model.device=cuda:99"],
