@@ -9,18 +9,19 @@ import torch
 from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput, residual_norm
-from hybridcache.blocks.mamba import MambaMixer, resolve_dt_rank
+from hybridcache.blocks.mamba import MambaMixer
 from hybridcache.blocks.moe import SparseMoE
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.config_pieces import AttentionFields
+from hybridcache.models.config_pieces import AttentionFields, MambaFields
 from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
 
 
 @dataclass(kw_only=True)
-class JambaConfig(AttentionFields):
-    """HF JambaConfig (transformers 5) fields the model reads, with HF defaults; `num_local_experts` is an alias."""
+class JambaConfig(AttentionFields, MambaFields):
+    """HF JambaConfig (transformers 5) fields the model reads, with HF defaults (the Mamba ones in MambaFields);
+    `num_local_experts` is an alias."""
 
     family: ClassVar[str] = "jamba"
     pad_token_id: int | None = 0
@@ -38,12 +39,6 @@ class JambaConfig(AttentionFields):
     expert_layer_offset: int = param(1, nonnegative=True)
     num_experts: int = param(16, positive=True, aliases=("num_local_experts",))
     num_experts_per_tok: int = param(2, positive=True)
-    mamba_d_state: int = param(16, positive=True)
-    mamba_d_conv: int = param(4, positive=True)
-    mamba_expand: int = param(2, positive=True)
-    mamba_dt_rank: int | str = param("auto", positive=True)  # "auto": ceil(hidden_size / 16)
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
     layers_block_type: list[str] | None = param(None, choices=("attention", "mamba"))  # else period/offset
     layers_num_experts: list[int] | None = param(None, positive=True)  # else expert period/offset
 
@@ -60,8 +55,6 @@ class JambaConfig(AttentionFields):
             )
         if self.num_experts_per_tok > self.num_experts:
             out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
-        if isinstance(self.mamba_dt_rank, str) and self.mamba_dt_rank != "auto":
-            out.append(f"mamba_dt_rank must be a positive int or 'auto', got {self.mamba_dt_rank!r}")
         for name in ("layers_block_type", "layers_num_experts"):
             bad = length_problem(name, getattr(self, name), self.num_hidden_layers)
             out += [bad] if bad else []
@@ -97,10 +90,10 @@ class JambaDecoderLayer(nn.Module):
         else:
             self.mamba = MambaMixer(
                 d,
-                cfg.mamba_expand * d,
+                cfg.mamba_intermediate,
                 cfg.mamba_d_state,
                 cfg.mamba_d_conv,
-                resolve_dt_rank(cfg.mamba_dt_rank, d),
+                cfg.mamba_rank,
                 conv_bias=cfg.mamba_conv_bias,
                 proj_bias=cfg.mamba_proj_bias,
                 activation=act,
@@ -139,10 +132,5 @@ class JambaLM(StackLM):
     def native_layers(self) -> list[NativeLayer]:
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
-        mamba = {
-            "intermediate_size": c.mamba_expand * c.hidden_size,
-            "state_size": c.mamba_d_state,
-            "conv_kernel": c.mamba_d_conv,
-            "dtype": self.dtype,
-        }
+        mamba = {**c.mamba_cache_params(), "dtype": self.dtype}
         return [NativeLayer("full", attn) if t == "attention" else NativeLayer("mamba", mamba) for t in self.types]
