@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import RMSNorm, RotaryEmbedding
+from hybridcache.blocks import RotaryEmbedding
 from hybridcache.blocks.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import NativeLayer
@@ -73,19 +73,12 @@ class Qwen35DecoderLayer(Qwen3NextDecoderLayer):
 class Qwen35LM(StackLM):
     family = "qwen3_5"
     config_class = Qwen35Config
-
-    def plan(self) -> list[str]:
-        return list(self.cfg.layer_types)
+    layer_class = Qwen35DecoderLayer  # StackLM's defaults: plan() = layer_types, build_layer(), the final norm
+    final_norm_options = {"unit_offset": True}
 
     def shared(self) -> RotaryEmbedding:
         rope = {k: v for k, v in self.cfg.rope().items() if not k.startswith("mrope")}  # text: MRoPE = RoPE
         return RotaryEmbedding(*rope_frequencies(self.cfg.to_dict(), rope, self.cfg.rotary_dim()))
-
-    def build_layer(self, kind: str, index: int, shared: RotaryEmbedding) -> Qwen35DecoderLayer:
-        return Qwen35DecoderLayer(self.cfg, kind, shared)
-
-    def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, unit_offset=True)
 
     def native_layers(self) -> list[NativeLayer]:
         return delta_native_layers(self.cfg, self.kinds, self.dtype)
