@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridcache.blocks.common import StepInput
 from hybridcache.blocks.linear_group import LinearGroup
-from hybridcache.blocks.norms import RMSNorm
+from hybridcache.blocks.norms import kernel_plain
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
@@ -70,10 +70,8 @@ class AttentionMixer(nn.Module):
     def _plain(self) -> bool:
         """Whether the q / k norms and the rotary are the plain kinds the kernels compute (or none): float32
         RMSNorms, RotaryEmbedding."""
-        norms = (self.q_norm, self.k_norm)
-        return all(n is None or type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms) and (
-            self.rotary is None or type(self.rotary) is RotaryEmbedding
-        )
+        plain_rotary = self.rotary is None or type(self.rotary) is RotaryEmbedding
+        return kernel_plain(self.q_norm) and kernel_plain(self.k_norm) and plain_rotary
 
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
         """The plain RMSNorm q/k norms and plain rotary of this mixer by the norm-rope kernel; None when either is

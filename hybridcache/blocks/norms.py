@@ -68,8 +68,8 @@ def _weight(norm: nn.Module) -> torch.Tensor:
     return norm.weight if w is None else w
 
 
-def _plain(norm: nn.Module | None) -> bool:
-    """None, or a float32 RMSNorm (what the residual-norm kernel computes)."""
+def kernel_plain(norm: nn.Module | None) -> bool:
+    """None, or a float32 RMSNorm: what the norm kernels (residual norm, q/k norm with rotary) compute."""
     return norm is None or type(norm) is RMSNorm and _weight(norm).dtype == torch.float32
 
 
@@ -80,7 +80,14 @@ def residual_norm(
     decoder layer's branch joins the residual stream and the next branch's pre-norm reads it. One kernel call for
     float32 on CPU when both are plain RMSNorms (the same arithmetic as their own kernel path); the modules otherwise.
     """
-    if takes(x) and h.dtype == torch.float32 and h.shape == x.shape and x.dim() > 0 and _plain(post) and _plain(nxt):
+    if (
+        takes(x)
+        and h.dtype == torch.float32
+        and h.shape == x.shape
+        and x.dim() > 0
+        and kernel_plain(post)
+        and kernel_plain(nxt)
+    ):
         out = call(
             "residual_norm",
             h,
