@@ -161,7 +161,10 @@ class AttentionMixer(nn.Module):
         layer: AttentionCacheLayer,
         step: StepInput,
         extra: tuple[torch.Tensor | None, ...] | None = None,
+        project: bool = True,
     ) -> torch.Tensor:
+        """[B, T, out] from h [B, T, hidden]; with `project=False` the output before o_proj, [B, T, Hq * D] (for a
+        caller that runs o_proj in a fused kernel: blocks/decoder_tail.py)."""
         b, t, _ = h.shape
         d = self.head_dim
         gate = q_pre = None
@@ -211,4 +214,4 @@ class AttentionMixer(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(out) if project else out

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.blocks.decoder_tail import decoder_tail
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.config_pieces import AttentionFields
@@ -84,8 +85,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        a = self.self_attn(self.input_layernorm(h), layer, step)
-        h, x = residual_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        attn, post, pre = self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm
+        a = attn(self.input_layernorm(h), layer, step, project=False)  # [B, T, Hq * D]
+        out = decoder_tail(h, a, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm)
+        if out is not None:  # a float32 CPU decode step: the rest of the layer in one kernel call
+            return out
+        h, x = residual_norm(h, attn.o_proj(a), post, pre)
         return residual_norm(h, self.mlp(x), self.post_feedforward_layernorm, None)[0]
 
 

@@ -148,3 +148,80 @@ def qkv_norm_rope(
     )
     v = out[..., (heads + kv_heads) * head_dim :].view(b, t, kv_heads, head_dim).transpose(1, 2)
     return q, k, v
+
+
+def _norm_ok(norm: tuple | None, d: int) -> bool:
+    return norm is None or (norm[0] is not None and _vector(norm[0], d) and _real(norm[1]))
+
+
+def decoder_tail(
+    h: torch.Tensor,
+    a: torch.Tensor,
+    o: tuple,
+    post_attn: tuple | None,
+    pre_mlp: tuple | None,
+    gate_up: tuple,
+    down: tuple,
+    act: str,
+    post_mlp: tuple | None,
+) -> torch.Tensor | None:
+    """A decoder layer after its attention, h [..., D] and the attention's output a [..., A] (before its output
+    projection) of at most MAX_ROWS rows: h1 = h + o_proj(a) (rms-normed by `post_attn` unless None), then
+    h1 + the gated MLP of rms_norm(h1) by `pre_mlp` (h1 itself if None), rms-normed by `post_mlp` unless None.
+    `o` = (weight [D, A], bias, scale), `gate_up` / `down` as gated_mlp's, each norm (effective scale [D], eps)."""
+    code = ACT_MUL.get(act) if isinstance(act, str) else None
+    if code is None or not _eager(h) or not _eager(a) or h.dim() == 0 or h.shape[:-1] != a.shape[:-1]:
+        return None
+    lib = _library()
+    (w_o, b_o, s_o), (w_gu, b_gu, s_gu), (w_dn, b_dn, s_dn) = o, gate_up, down
+    d, width = h.shape[-1], a.shape[-1]
+    two_i = w_gu.shape[0] if w_gu.dim() == 2 else -1
+    rows = h.numel() // d if d else 0
+    i = two_i // 2
+    t_o, t_gu, t_dn = _matrix(w_o, d, width), _matrix(w_gu, two_i, d), _matrix(w_dn, d, i)
+    if (
+        lib is None
+        or t_o is None
+        or t_gu is None
+        or t_dn is None
+        or two_i % 2
+        or not 0 < rows <= MAX_ROWS
+        or rows * (4 * d + 3 * i) > INT_MAX
+        or not (_vector(b_o, d) and _vector(s_o, d) and _vector(b_gu, two_i) and _vector(s_gu, two_i))
+        or not (_vector(b_dn, d) and _vector(s_dn, d))
+        or not (_norm_ok(post_attn, d) and _norm_ok(pre_mlp, d) and _norm_ok(post_mlp, d))
+    ):
+        return None
+    h, a = h.contiguous(), a.contiguous()
+    scratch = torch.empty(rows * (4 * d + 3 * i), dtype=torch.float32)
+    y = torch.empty(h.shape, dtype=torch.float32)
+    lib.hc_decoder_tail(
+        h.data_ptr(),
+        a.data_ptr(),
+        rows,
+        d,
+        width,
+        w_o.data_ptr(),
+        t_o,
+        _ptr(s_o),
+        _ptr(b_o),
+        None if post_attn is None else post_attn[0].data_ptr(),
+        0.0 if post_attn is None else post_attn[1],
+        None if pre_mlp is None else pre_mlp[0].data_ptr(),
+        0.0 if pre_mlp is None else pre_mlp[1],
+        i,
+        w_gu.data_ptr(),
+        t_gu,
+        _ptr(s_gu),
+        _ptr(b_gu),
+        w_dn.data_ptr(),
+        t_dn,
+        _ptr(s_dn),
+        _ptr(b_dn),
+        code,
+        None if post_mlp is None else post_mlp[0].data_ptr(),
+        0.0 if post_mlp is None else post_mlp[1],
+        scratch.data_ptr(),
+        y.data_ptr(),
+    )
+    return y

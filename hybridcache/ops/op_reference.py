@@ -106,6 +106,33 @@ def gated_mlp(x, w_gu, b_gu, s_gu, w_dn, b_dn, s_dn, act):
     return decode_linear(act_mul(decode_linear(x, w_gu, b_gu, s_gu), act), w_dn, b_dn, s_dn)
 
 
+def decoder_tail(
+    h,
+    a,
+    w_o,
+    b_o,
+    s_o,
+    post_attn,
+    post_attn_eps,
+    pre_mlp,
+    pre_mlp_eps,
+    w_gu,
+    b_gu,
+    s_gu,
+    w_dn,
+    b_dn,
+    s_dn,
+    act,
+    post_mlp,
+    post_mlp_eps,
+):
+    """A decoder layer after its attention: h1 = h + o (the output projection of a, rms-normed by post_attn unless
+    None), the gated MLP of h1 (rms-normed by pre_mlp unless None), added to h1 (rms-normed by post_mlp unless None)."""
+    h1, x = residual_norm(h, decode_linear(a, w_o, b_o, s_o), post_attn, post_attn_eps, pre_mlp, pre_mlp_eps)
+    m = gated_mlp(h1 if pre_mlp is None else x, w_gu, b_gu, s_gu, w_dn, b_dn, s_dn, act)
+    return residual_norm(h1, m, post_mlp, post_mlp_eps, None, 0.0)[0]
+
+
 def qkv_norm_rope(x, w, bias, wscale, heads, kv_heads, head_dim, q_scale, q_eps, k_scale, k_eps, cos, sin, il):
     """q [B, Hq, T, D], k and v [B, Hkv, T, D] from x [B, T, Dm] by the fused projection w [(Hq + 2 Hkv) D, Dm],
     q / k through norm_rope."""

@@ -220,6 +220,43 @@ SPECS: tuple[OpSpec, ...] = (
         },
         _qkv_where,
     ),
+    OpSpec(
+        "decoder_tail",
+        "(Tensor h, Tensor a, Tensor w_o, Tensor? b_o, Tensor? s_o, Tensor? post_attn, float post_attn_eps, "
+        "Tensor? pre_mlp, float pre_mlp_eps, Tensor w_gu, Tensor? b_gu, Tensor? s_gu, Tensor w_dn, Tensor? b_dn, "
+        "Tensor? s_dn, str act, Tensor? post_mlp, float post_mlp_eps) -> Tensor",
+        {
+            "h": "f32[... Dm]",
+            "a": "f32[... A]",
+            "w_o": f"{_W}[Dm A]",
+            "b_o": "f32?[Dm]",
+            "s_o": "f32?[Dm]",
+            "post_attn": "f32?[Dm]",
+            "pre_mlp": "f32?[Dm]",
+            "w_gu": f"{_W}[G Dm]",
+            "b_gu": "f32?[G]",
+            "s_gu": "f32?[G]",
+            "w_dn": f"{_W}[Dm I]",
+            "b_dn": "f32?[Dm]",
+            "s_dn": "f32?[Dm]",
+            "post_mlp": "f32?[Dm]",
+        },
+        {
+            "hc_decoder_tail": (
+                None,
+                [_P, _P]
+                + [_I] * 3
+                + [_P, _I]
+                + [_P] * 3
+                + [_F, _P, _F, _I, _P, _I]
+                + [_P] * 3
+                + [_I]
+                + [_P] * 2
+                + [_I, _P, _F, _P, _P],
+            )
+        },
+        lambda env: _choice(env["act"], ACT_MUL, "activation") or (env["G"] != 2 * env["I"] and "G != 2 I" or None),
+    ),
 )
 
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).

@@ -49,6 +49,19 @@ def _kernel_calls() -> dict:
         "selective_scan": cpu_attention.selective_scan,
         "gated_mlp": lambda x, wg, bg, sg, wd, bd, sd, act: cpu_fused.gated_mlp(x, (wg, bg, sg), (wd, bd, sd), act),
         "qkv_norm_rope": qkv,
+        "decoder_tail": lambda h, a, wo, bo, so, pa, pae, pm, pme, wg, bg, sg, wd, bd, sd, act, po, poe: (
+            cpu_fused.decoder_tail(
+                h,
+                a,
+                (wo, bo, so),
+                None if pa is None else (pa, pae),
+                None if pm is None else (pm, pme),
+                (wg, bg, sg),
+                (wd, bd, sd),
+                act,
+                None if po is None else (po, poe),
+            )
+        ),
     }
 
 

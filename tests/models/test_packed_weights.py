@@ -140,3 +140,26 @@ def test_bad_weight_formats_are_refused(checkpoints):
         hc.from_pretrained(checkpoints("gemma3"), weights="int4")
     with pytest.raises(ValueError, match="float32"):
         hc.from_pretrained(checkpoints("gemma3"), weights="int8", dtype=torch.float64)
+
+
+@pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
+def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoints, monkeypatch, weights):
+    """Gemma 3's decode step runs everything after attention in one kernel call (blocks/decoder_tail.py): the same
+    tokens and bit-identical logits as the separate calls, at every weight format, with left padding."""
+    import hybridcache.models.gemma3 as gemma3
+    from hybridcache.ops import kernel_status
+
+    if not kernel_status().startswith("C kernels"):
+        pytest.skip("the C kernels are not built")
+    model = hc.from_pretrained(checkpoints("gemma3"), weights=weights)
+    ids, mask = prompts(2, 7, seed=5), torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    calls = []
+    real = gemma3.decoder_tail
+    monkeypatch.setattr(gemma3, "decoder_tail", lambda *a: calls.append(real(*a)) or calls[-1])
+    fused = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
+    assert calls and all(out is not None for out in calls)  # every layer of every step took the kernel
+    monkeypatch.setattr(gemma3, "decoder_tail", lambda *a: None)
+    separate = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
+    assert torch.equal(fused.sequences, separate.sequences)
+    assert torch.equal(fused.logits, separate.logits)

@@ -378,6 +378,34 @@ def case_qkv(f: Fuzz):
     )
 
 
+def case_decoder_tail(f: Fuzz):
+    rows, d = f.pick(0, 1, 3, 3, 16, 17), f.pick(0, 1, 8, 24, 24)
+    width, i = f.pick(0, 1, 12, 12), f.pick(0, 1, 5, 32, 32)
+    lead = f.pick((rows,), (1, rows))
+    h, a = f.spoil(f.layout(f.values((*lead, d), 2.0))), f.spoil(f.layout(f.values((*lead, width))))
+    o, gu, dn = _weight(f, d, width), _weight(f, 2 * i, d), _weight(f, d, i)
+    norms = [(f.spoil(f.values((d,))), 1e-6) if f.chance(0.6) else None for _ in range(3)]
+    act = f.pick(*cpu_fused.ACT_MUL, "relu")
+
+    def ref():
+        def add(base, y, norm):  # the residual add, reading the float32 values the kernel reads
+            return base.double() + (ref_norm(y.float(), *norm) if norm else y.double())
+
+        h1 = add(h, ref_linear(a, *o), norms[0])
+        x = ref_norm(h1.float(), *norms[1]) if norms[1] else h1
+        g = ref_linear(x.float(), *gu)
+        m = ref_linear(ref_act(act, *g.chunk(2, dim=-1)).float(), *dn)
+        return add(h1, m, norms[2])
+
+    return (
+        f"decoder_tail {tuple(h.shape)}/{tuple(a.shape)} i={i} {o[0].dtype}/{gu[0].dtype}/{dn[0].dtype} {act} "
+        f"norms={[n is not None for n in norms]}",
+        lambda: cpu_fused.decoder_tail(h, a, o, norms[0], norms[1], gu, dn, act, norms[2]),
+        ref,
+        max(width, d, i),
+    )
+
+
 CASES = {
     "decode_linear": case_linear,
     "rms_norm": case_rms_norm,
@@ -390,6 +418,7 @@ CASES = {
     "selective_scan": case_scan,
     "gated_mlp": case_gated_mlp,
     "qkv_norm_rope": case_qkv,
+    "decoder_tail": case_decoder_tail,
 }
 
 
@@ -471,7 +500,7 @@ def run(seed: int, cases: int, only: str | None, start: int = 0) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", type=int, default=660)
+    parser.add_argument("--cases", type=int, default=720)
     parser.add_argument("--only", choices=sorted(CASES))
     parser.add_argument("--start", type=int, default=0, help="run cases from this index on")
     args = parser.parse_args()

@@ -192,3 +192,49 @@ def test_fused_paths_decline_what_they_do_not_take():
         )
     with torch.enable_grad():
         assert cpu_fused.gated_mlp(x[:2], (w, None, None), (torch.randn(8, 6), None, None), "silu") is None
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("norms", ["sandwich", "pre", "none"])
+def test_decoder_tail_in_one_call_is_the_separate_calls(fmt, rows, norms):
+    """o_proj, the residual add between norms, the gated MLP and its residual add in one call: bit-identical to the
+    four separate calls (Gemma 3's sandwich norms; Llama's pre-MLP norm only; no norms)."""
+    torch.manual_seed(rows)
+    d, width, inner = 40, 24, 36
+    w_o, s_o = _packed(torch.randn(d, width), fmt)
+    w_gu, s_gu = _packed(torch.randn(2 * inner, d), fmt)
+    w_dn, s_dn = _packed(torch.randn(d, inner), fmt)
+    b_o, b_gu = torch.randn(d), torch.randn(2 * inner)
+    scale = lambda: (torch.randn(d), 1e-6)  # noqa: E731
+    post_attn, post_mlp = (scale(), scale()) if norms == "sandwich" else (None, None)
+    pre_mlp = scale() if norms != "none" else None
+    h, a = torch.randn(rows, 1, d) * 3, torch.randn(rows, 1, width)
+    with torch.no_grad():
+        fused = cpu_fused.decoder_tail(
+            h, a, (w_o, b_o, s_o), post_attn, pre_mlp, (w_gu, b_gu, s_gu), (w_dn, None, s_dn), "silu", post_mlp
+        )
+        h1, x = ck.residual_norm(h, ck.decode_linear(a, w_o, b_o, s_o), post_attn, pre_mlp)
+        m = cpu_fused.gated_mlp(h1 if pre_mlp is None else x, (w_gu, b_gu, s_gu), (w_dn, None, s_dn), "silu")
+        separate = ck.residual_norm(h1, m, post_mlp, None)[0]
+    assert fused is not None and torch.equal(fused, separate)
+
+
+def test_decoder_tail_declines_what_it_does_not_take():
+    d, width, inner = 8, 6, 5
+    o, gu = (torch.randn(d, width), None, None), (torch.randn(2 * inner, d), None, None)
+    dn = (torch.randn(d, inner), None, None)
+    norm = (torch.randn(d), 1e-6)
+    args = lambda h, a: (h, a, o, norm, norm, gu, dn, "silu", norm)  # noqa: E731
+    with torch.no_grad():
+        assert cpu_fused.decoder_tail(*args(torch.randn(1, d), torch.randn(1, width))) is not None
+        assert cpu_fused.decoder_tail(*args(torch.randn(17, d), torch.randn(17, width))) is None  # a prefill
+        assert cpu_fused.decoder_tail(*args(torch.randn(2, d), torch.randn(3, width))) is None  # rows differ
+        assert cpu_fused.decoder_tail(*args(torch.randn(1, d).double(), torch.randn(1, width))) is None
+        bad = list(args(torch.randn(1, d), torch.randn(1, width)))
+        bad[7] = "relu"
+        assert cpu_fused.decoder_tail(*bad) is None
+        bad[7], bad[3] = "silu", (torch.randn(d + 1), 1e-6)
+        assert cpu_fused.decoder_tail(*bad) is None
+    with torch.enable_grad():
+        assert cpu_fused.decoder_tail(*args(torch.randn(1, d), torch.randn(1, width))) is None

@@ -101,6 +101,16 @@ def sample(name: str, seed: int) -> tuple:
             sin,
             r.random() < 0.5,
         )
+    if name == "decoder_tail":
+        width, i = r.randint(1, 20), r.randint(1, 24)
+        (wo, so), (wg, sg), (wd, sd) = _weight(r, g, d, width), _weight(r, g, 2 * i, d), _weight(r, g, d, i)
+        rows = (b, r.randint(1, 2))
+        norm = lambda: (n(d), r.choice([1e-6, 1e-2])) if r.random() < 0.6 else (None, 0.0)  # noqa: E731
+        act = r.choice(["silu", "gelu_pytorch_tanh"])
+        return (
+            *(n(*rows, d), n(*rows, width), wo, opt(n(d)), so, *norm(), *norm()),
+            *(wg, opt(n(2 * i)), sg, wd, opt(n(d)), sd, act, *norm()),
+        )
     raise AssertionError(name)
 
 
@@ -120,7 +130,7 @@ def _no_grad():
 
 
 def test_every_spec_has_a_sample_and_a_reference():
-    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 11
+    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 12
     for name in NAMES:
         sample(name, 0)
 
@@ -197,6 +207,7 @@ BAD = {  # op -> (argument index, a replacement that breaks a declared rule, wha
     "selective_scan": [(5, lambda a: a[:, :1].expand(-1, 7).clone(), "N"), (0, lambda u: u.double(), "u must be")],
     "gated_mlp": [(7, lambda a: "tanh", "activation"), (4, lambda w: w.t().contiguous(), "Dm")],
     "qkv_norm_rope": [(4, lambda h: h + 1, "rows"), (7, lambda s: torch.ones(3), "head_dim")],
+    "decoder_tail": [(15, lambda a: "tanh", "activation"), (1, lambda a: a[..., :1].repeat(2, 1, 1), "leading")],
 }
 
 

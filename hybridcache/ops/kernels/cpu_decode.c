@@ -874,3 +874,22 @@ void hc_qkv_norm_rope(const float *x, int B, int T, int Dm, const void *w, int w
   hc_norm_rope(qkv, W * T, D, W, q_scale, q_eps, cos_t, sin_t, q_out, B, Hq, T, D, rot, interleaved);
   hc_norm_rope(qkv + (size_t)Hq * D, W * T, D, W, k_scale, k_eps, cos_t, sin_t, k_out, B, Hkv, T, D, rot, interleaved);
 }
+
+/* A decoder layer after its attention, M rows of D: o = a [M, A] @ w_o^T (the output projection), h1 = h + o
+   (post_attn: h + rms_norm(o) * post_attn), x = rms_norm(h1) * pre_mlp (NULL: x = h1), m = the gated MLP of x
+   (hc_gated_mlp), out = h1 + m (post_mlp: + rms_norm(m) * post_mlp). The same kernels, in the same order, as the
+   separate calls. scratch: [M, 4 D + 3 I] floats. */
+void hc_decoder_tail(const float *h, const float *a, int M, int D, int A, const void *w_o, int o_type,
+                     const float *o_scale, const float *o_bias, const float *post_attn, float post_attn_eps,
+                     const float *pre_mlp, float pre_mlp_eps, int I, const void *w_gu, int gu_type,
+                     const float *gu_scale, const float *gu_bias, const void *w_dn, int dn_type,
+                     const float *dn_scale, const float *dn_bias, int act, const float *post_mlp,
+                     float post_mlp_eps, float *scratch, float *out) {
+  size_t md = (size_t)M * D;
+  float *o = scratch, *h1 = o + md, *x = h1 + md, *m = x + md, *mlp = m + md;
+  linear_any(o_type, a, w_o, o, o_scale, o_bias, M, D, A);
+  hc_residual_norm(h, o, post_attn, post_attn_eps, pre_mlp, pre_mlp_eps, h1, x, M, D);
+  hc_gated_mlp(pre_mlp ? x : h1, M, D, I, w_gu, gu_type, gu_scale, gu_bias, w_dn, dn_type, dn_scale, dn_bias, act,
+               mlp, m);
+  hc_residual_norm(h1, m, post_mlp, post_mlp_eps, NULL, 0.0f, out, NULL, M, D);
+}
