@@ -127,10 +127,17 @@ class AttentionMixer(nn.Module):
                 q, k = self.rotary(q, k, step)  # cos/sin computed once per block and frequency table
         return q, k, v, gate, q_pre
 
-    def _fused_input(self, h: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
-        """q, k, v [B, H, T, D] by one kernel call (projection, plain RMSNorm q/k norms, plain rotary) for a decode
-        step on CPU; None when this mixer or these tensors need the separate path."""
-        if self.output_gate or self.query_hook is not None or not takes(h) or h.dim() != 3 or not self._plain():
+    def _fused_input(self, h: torch.Tensor, step: StepInput, norm: nn.Module | None) -> tuple[torch.Tensor, ...] | None:
+        """q, k, v [B, H, T, D] by one kernel call (the input norm `norm` unless None, projection, plain RMSNorm q/k
+        norms, plain rotary) for a decode step on CPU; None when this mixer or these tensors need the separate path."""
+        if (
+            self.output_gate
+            or self.query_hook is not None
+            or not takes(h)
+            or h.dim() != 3
+            or not self._plain()
+            or not kernel_plain(norm)
+        ):
             return None
         parts = self.qkv.parts()
         if parts is None:
@@ -153,6 +160,8 @@ class AttentionMixer(nn.Module):
             cos,
             sin,
             rotary is not None and rotary.interleaved,
+            None if norm is None else norm.kernel_scale(),
+            0.0 if norm is None else norm.eps,
         )
 
     def forward(
@@ -162,17 +171,21 @@ class AttentionMixer(nn.Module):
         step: StepInput,
         extra: tuple[torch.Tensor | None, ...] | None = None,
         project: bool = True,
+        norm: nn.Module | None = None,
     ) -> torch.Tensor:
-        """[B, T, out] from h [B, T, hidden]; with `project=False` the output before o_proj, [B, T, Hq * D] (for a
+        """[B, T, out] from h [B, T, hidden] (through `norm` first, the layer's input norm, unless None: a plain
+        RMSNorm runs in the q/k/v kernel call); with `project=False` the output before o_proj, [B, T, Hq * D] (for a
         caller that runs o_proj in a fused kernel: blocks/decoder_tail.py)."""
         b, t, _ = h.shape
         d = self.head_dim
         gate = q_pre = None
         wants_queries = getattr(layer, "wants_queries", False)  # a method modelling future queries (ExpectedAttention)
-        fused_input = self._fused_input(h, step) if extra is None and not wants_queries else None
+        fused_input = self._fused_input(h, step, norm) if extra is None and not wants_queries else None
         if fused_input is not None:
             q, k, v = fused_input
         else:
+            if norm is not None:
+                h = norm(h)
             q, k, v, gate, q_pre = self._project(h, step, extra, prerope=wants_queries)
         if self.query_hook is not None:
             q = self.query_hook(q, step)

@@ -1,8 +1,9 @@
 """Linear layers for fast decode: the CPU weight-streaming kernel for few rows, and packed weight formats.
 
-`linear(x, weight, bias, scale)` is the one place a projection is computed: the kernel of
-hybridcache/ops/cpu_kernels.py for a few float32 rows on CPU (a decode step; under torch.compile the
-hybridcache::decode_linear op that runs it), torch's F.linear otherwise (prefill, GPU, float64).
+`linear(x, weight, bias, scale)` is the one place a projection is computed: the kernels of
+hybridcache/ops/cpu_kernels.py for float32 rows on CPU without autograd (the weight-streaming kernel for a decode
+step's few rows, the GEMM kernel for a prefill; under torch.compile the hybridcache::decode_linear op that runs
+them), torch's F.linear otherwise (GPU, float64, autograd).
 `from_pretrained` switches every nn.Linear to `DecodeLinear`, which calls it.
 
 Packed weights (`from_pretrained(..., weights="bfloat16" | "int8")`) store the projection matrices in fewer bytes
@@ -31,7 +32,7 @@ def linear(
 ) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (* scale [N], for int8 weights) (+ bias [N]) -> [..., N] in x's dtype."""
     if takes(x) and x.dim() > 0 and weight.dim() == 2 and weight.dtype in WEIGHT_KERNELS:
-        # the same kernel eager and compiled (same rounding); packed weights are never unpacked into memory
+        # the same kernels eager and compiled (same rounding); packed weights are never unpacked into memory
         out = call("decode_linear", x, weight, bias, scale)
         if out is not None:
             return out

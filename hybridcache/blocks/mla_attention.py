@@ -80,7 +80,7 @@ class MLAMixer(AttentionMixer):
     def projection_groups(self) -> list:
         return []
 
-    def _fused_input(self, h: torch.Tensor, step: StepInput) -> None:
+    def _fused_input(self, h: torch.Tensor, step: StepInput, norm: nn.Module | None = None) -> None:
         return None
 
     def _project(self, h: torch.Tensor, step: StepInput, extra, prerope: bool = False) -> tuple:

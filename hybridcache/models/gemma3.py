@@ -86,7 +86,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         attn, post, pre = self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm
-        a = attn(self.input_layernorm(h), layer, step, project=False)  # [B, T, Hq * D]
+        a = attn(h, layer, step, project=False, norm=self.input_layernorm)  # [B, T, Hq * D]
         out = decoder_tail(h, a, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm)
         if out is not None:  # a float32 CPU decode step: the rest of the layer in one kernel call
             return out

@@ -82,7 +82,7 @@ class OlmoHybridGatedDeltaNet(GatedDeltaNetMixer):
 class OlmoHybridAttention(AttentionMixer):
     """OLMo 3 attention: q_norm / k_norm normalise the whole q / k projection (all heads together)."""
 
-    def _fused_input(self, h: torch.Tensor, step: StepInput) -> None:
+    def _fused_input(self, h: torch.Tensor, step: StepInput, norm: nn.Module | None = None) -> None:
         return None  # the fused kernel normalises per head
 
     def _project(self, h: torch.Tensor, step: StepInput, extra, prerope: bool = False) -> tuple:

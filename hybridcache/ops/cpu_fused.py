@@ -91,10 +91,12 @@ def qkv_norm_rope(
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     interleaved: bool,
+    in_norm: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """q [B, Hq, T, D], k and v [B, Hkv, T, D] from x [B, T, Dm] (B * T at most MAX_ROWS): the fused projection
-    `qkv` = (weight [(Hq + 2 Hkv) D, Dm], bias, scale), then each of q and k through its RMSNorm (`q_norm` /
-    `k_norm` = (scale [D], eps), None: none) and rotary by cos / sin [B, 1, T, R] (None: none); v is a view."""
+    """q [B, Hq, T, D], k and v [B, Hkv, T, D] from x [B, T, Dm] (B * T at most MAX_ROWS): the layer's input RMSNorm
+    (`in_norm` = (scale [Dm], eps), None: none), the fused projection `qkv` = (weight [(Hq + 2 Hkv) D, Dm], bias,
+    scale), then each of q and k through its RMSNorm (`q_norm` / `k_norm` = (scale [D], eps), None: none) and
+    rotary by cos / sin [B, 1, T, R] (None: none); v is a view."""
     if not _eager(x) or x.dim() != 3:
         return None
     lib = _library()
@@ -115,10 +117,12 @@ def qkv_norm_rope(
             n is not None and (n[0] is None or not _vector(n[0], head_dim) or not _real(n[1])) for n in (q_norm, k_norm)
         )
         or not _rotary_ok(cos, sin, b, t, head_dim)
+        or not (in_norm is None or in_norm[0] is not None and _vector(in_norm[0], dm) and _real(in_norm[1]))
     ):
         return None
     r = 0 if cos is None else cos.shape[-1]
     x = x.contiguous()
+    xn = None if in_norm is None else torch.empty(b * t * dm, dtype=torch.float32)
     out = torch.empty(b, t, width, dtype=torch.float32)
     q = torch.empty(b, heads, t, head_dim, dtype=torch.float32)
     k = torch.empty(b, kv_heads, t, head_dim, dtype=torch.float32)
@@ -145,6 +149,9 @@ def qkv_norm_rope(
         int(interleaved),
         q.data_ptr(),
         k.data_ptr(),
+        None if in_norm is None else in_norm[0].data_ptr(),
+        0.0 if in_norm is None else in_norm[1],
+        None if xn is None else xn.data_ptr(),
     )
     v = out[..., (heads + kv_heads) * head_dim :].view(b, t, kv_heads, head_dim).transpose(1, 2)
     return q, k, v

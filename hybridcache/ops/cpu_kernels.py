@@ -12,10 +12,16 @@ float32; a streaming read of it takes ~22 ms):
 bfloat16 / int8 reads are bound by the multiply-adds of 2 cores, not by memory.
 
 The kernel reads each weight row once for all rows of x, widens bfloat16 / int8 weights to float32 in registers
-and accumulates in float32 (activations are never rounded). The other kernels do a decode step's small work in one
+and accumulates in float32 (activations are never rounded). More than MAX_ROWS rows (a prefill) go to a GEMM
+kernel instead: panels of 2 vector widths of weight rows, widened once per panel into per-thread scratch, times 6
+rows of x at a time (outer products, 12 vector sums in registers), K in blocks of 512. On the benchmark machine it
+matches or beats MKL's float32 sgemm on Gemma 3 270M's projections at 128-2048 rows, and packed weights need no
+widened copy of the matrix (a 128-token prefill: float32 424 -> 363 ms, bfloat16 458 -> 335, int8 404 -> 312).
+The other kernels do a decode step's small work in one
 call each where torch would dispatch 7 (RMSNorm) or ~20 (masked attention of one query) ops on a few hundred
 numbers: RMSNorm, the residual add between two norms, q/k norm + rotary, a gated MLP's activation x product,
-one-query attention, the Mamba1 scan. They are compiled once per machine with the C compiler
+one-query attention, the Mamba1 scan, and a decoder layer's q/k/v input and everything after its attention
+(cpu_fused.py). They are compiled once per machine with the C compiler
 (`$CC`, else `cc`; `-O3 -march=native -fopenmp`, about a second) into $HYBRIDCACHE_HOME/kernels, and loaded only
 after their manifest (the build's digest and the library's sha256) verifies: see _native.py. Without a compiler,
 on a machine other than x86-64, with a kernel directory other users can write, or with HYBRIDCACHE_DISABLE_KERNELS=1,

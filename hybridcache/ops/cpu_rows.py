@@ -10,11 +10,11 @@ import torch
 
 from hybridcache.ops._checks import INT_MAX, MAX_NORM_ROWS, MAX_ROWS, _cpu, _eager, _ints, _real, _vec
 from hybridcache.ops.cpu_library import _library
-from hybridcache.ops.op_specs import ACT_MUL, WEIGHT_KERNELS
+from hybridcache.ops.op_specs import ACT_MUL, GEMM_KERNELS, WEIGHT_KERNELS
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `decode_linear` takes these (CPU, float32 x of at most MAX_ROWS rows, a 2-d weight it reads)."""
+    """Whether `decode_linear` takes these (CPU, float32 x of at least one row, a 2-d weight it reads)."""
     return (
         _eager(x)
         and x.dim() >= 1
@@ -23,7 +23,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype in WEIGHT_KERNELS
         and x.shape[-1] == weight.shape[1]
         and _ints(*weight.shape)
-        and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+        and 0 < x.numel() // max(x.shape[-1], 1) <= INT_MAX
     )
 
 
@@ -34,8 +34,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """x [..., K] @ weight[N, K]^T (* scale [N]) (+ bias [N]) -> [..., N] float32, by the kernel; None when the
-    kernel cannot take these tensors (see `supports`; contiguous float32 scale / bias of N) or is unavailable."""
+    """x [..., K] @ weight[N, K]^T (* scale [N]) (+ bias [N]) -> [..., N] float32, by the kernels: up to MAX_ROWS rows
+    (a decode step) the weight-streaming kernel, more (a prefill) the GEMM kernel, which widens bfloat16 / int8
+    weights panel by panel (never the whole matrix). None when the kernels cannot take these tensors (see `supports`;
+    contiguous float32 scale / bias of N), are unavailable, or the GEMM's scratch cannot be allocated."""
     if not _eager(x) or x.dim() == 0:
         return None
     lib = _library()
@@ -51,14 +53,14 @@ def decode_linear(
         return None
     n, k = weight.shape
     rows = x.numel() // k if k else 0
-    if x.shape[-1] != k or not 0 < rows <= MAX_ROWS or n > INT_MAX or k > INT_MAX:
+    if x.shape[-1] != k or not 0 < rows <= INT_MAX or n > INT_MAX or k > INT_MAX:
         return None
     if not (_vec(scale, n) and _vec(bias, n)):
         return None
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    getattr(lib, name)(
+    failed = getattr(lib, name if rows <= MAX_ROWS else GEMM_KERNELS[weight.dtype])(
         x.data_ptr(),
         weight.data_ptr(),
         out.data_ptr(),
@@ -68,7 +70,7 @@ def decode_linear(
         n,
         k,
     )
-    return out
+    return None if failed else out
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -133,10 +133,28 @@ def decoder_tail(
     return residual_norm(h1, m, post_mlp, post_mlp_eps, None, 0.0)[0]
 
 
-def qkv_norm_rope(x, w, bias, wscale, heads, kv_heads, head_dim, q_scale, q_eps, k_scale, k_eps, cos, sin, il):
-    """q [B, Hq, T, D], k and v [B, Hkv, T, D] from x [B, T, Dm] by the fused projection w [(Hq + 2 Hkv) D, Dm],
-    q / k through norm_rope."""
+def qkv_norm_rope(
+    x,
+    w,
+    bias,
+    wscale,
+    heads,
+    kv_heads,
+    head_dim,
+    q_scale,
+    q_eps,
+    k_scale,
+    k_eps,
+    cos,
+    sin,
+    il,
+    in_scale=None,
+    in_eps=0.0,
+):
+    """q [B, Hq, T, D], k and v [B, Hkv, T, D] from x [B, T, Dm] (through rms_norm by in_scale first, unless None)
+    by the fused projection w [(Hq + 2 Hkv) D, Dm], q / k through norm_rope."""
     b, t, _ = x.shape
+    x = x if in_scale is None else rms_norm(x, in_scale, in_eps)
     q, k, v = decode_linear(x, w, bias, wscale).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     split = lambda y, h: y.reshape(b, t, h, head_dim).transpose(1, 2)  # noqa: E731
     q = norm_rope(split(q, heads), q_scale, q_eps, cos, sin, il)

@@ -21,6 +21,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
 # Kernel variants, as data. Weight dtype -> the linear kernel that streams it (and the fused kernels' type code).
 WEIGHT_KERNELS = {torch.float32: "hc_linear_f32", torch.bfloat16: "hc_linear_bf16", torch.int8: "hc_linear_i8"}
+GEMM_KERNELS = {torch.float32: "hc_gemm_f32", torch.bfloat16: "hc_gemm_bf16", torch.int8: "hc_gemm_i8"}  # many rows
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 ACT_MUL = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # activations hc_act_mul computes -> its code
 PATTERNS = {"full": 0, "sliding": 1, "chunked": 2}  # what hc_decode_attention evaluates itself from positions
@@ -49,7 +50,8 @@ class OpSpec:
 
 
 def _linear_c() -> dict:
-    return {name: (None, [_P] * 5 + [_I] * 3) for name in WEIGHT_KERNELS.values()}
+    decode = {name: (None, [_P] * 5 + [_I] * 3) for name in WEIGHT_KERNELS.values()}
+    return {**decode, **{name: (_I, [_P] * 5 + [_I] * 3) for name in GEMM_KERNELS.values()}}
 
 
 def _choice(value, table: dict, what: str) -> str | None:
@@ -191,8 +193,8 @@ SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "qkv_norm_rope",
         "(Tensor x, Tensor w, Tensor? bias, Tensor? wscale, int heads, int kv_heads, int head_dim, Tensor? q_scale, "
-        "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved) "
-        "-> (Tensor, Tensor, Tensor)",
+        "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved, "
+        "Tensor? in_scale=None, float in_eps=0.0) -> (Tensor, Tensor, Tensor)",
         {
             "x": "f32[B T Dm]",
             "w": f"{_W}[W Dm]",
@@ -202,6 +204,7 @@ SPECS: tuple[OpSpec, ...] = (
             "k_scale": "f32?[Dk]",
             "cos": "f32?[B 1 T R]",
             "sin": "f32?[B 1 T R]",
+            "in_scale": "f32?[Dm]",
         },
         {
             "hc_qkv_norm_rope": (
@@ -215,7 +218,8 @@ SPECS: tuple[OpSpec, ...] = (
                 + [_F, _P, _F]
                 + [_P] * 2
                 + [_I] * 2
-                + [_P] * 2,
+                + [_P] * 2
+                + [_P, _F, _P],
             )
         },
         _qkv_where,

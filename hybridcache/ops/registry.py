@@ -32,9 +32,10 @@ def _kernel_calls() -> dict:
         positions = None if mask is not None else (qpos, kpos, pattern, param)
         return cpu_attention.decode_attention(q, k, v, mask, scale, softcap, positions, sinks)
 
-    def qkv(x, w, bias, ws, heads, kv, hd, qs, qe, ks, ke, cos, sin, il):
+    def qkv(x, w, bias, ws, heads, kv, hd, qs, qe, ks, ke, cos, sin, il, in_scale=None, in_eps=0.0):
         qn, kn = None if qs is None else (qs, qe), None if ks is None else (ks, ke)
-        out = cpu_fused.qkv_norm_rope(x, (w, bias, ws), heads, kv, hd, qn, kn, cos, sin, il)
+        inn = None if in_scale is None else (in_scale, in_eps)
+        out = cpu_fused.qkv_norm_rope(x, (w, bias, ws), heads, kv, hd, qn, kn, cos, sin, il, inn)
         return out if out is None else (out[0], out[1], out[2].contiguous())
 
     return {

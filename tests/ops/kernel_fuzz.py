@@ -360,9 +360,10 @@ def case_qkv(f: Fuzz):
     cos, sin, r = _cos_sin(f, b, t, hd) if f.chance(0.7) else (None, None, 0)
     interleaved = f.chance(0.5)
     heads = f.pick(hq, hq, hq, 0, -1)
+    in_norm = (f.spoil(f.values((dm,))), 1e-5) if f.chance(0.4) else None
 
     def ref():
-        proj = ref_linear(x, w, bias, wscale)  # [B, T, W]
+        proj = ref_linear(x if in_norm is None else ref_norm(x, *in_norm).float(), w, bias, wscale)  # [B, T, W]
         out = []
         for h0, h1, norm in ((0, hq, q_norm), (hq, hq + hkv, k_norm)):
             y = proj[..., h0 * hd : h1 * hd].reshape(b, t, h1 - h0, hd).transpose(1, 2)
@@ -372,8 +373,11 @@ def case_qkv(f: Fuzz):
         return tuple(out)
 
     return (
-        f"qkv_norm_rope x{tuple(x.shape)} {x.dtype} heads={heads}/{hq},{hkv},{hd} {w.dtype} r={r}",
-        lambda: cpu_fused.qkv_norm_rope(x, (w, bias, wscale), heads, hkv, hd, q_norm, k_norm, cos, sin, interleaved),
+        f"qkv_norm_rope x{tuple(x.shape)} {x.dtype} heads={heads}/{hq},{hkv},{hd} {w.dtype} r={r} "
+        f"in_norm={in_norm is not None}",
+        lambda: cpu_fused.qkv_norm_rope(
+            x, (w, bias, wscale), heads, hkv, hd, q_norm, k_norm, cos, sin, interleaved, in_norm
+        ),
         ref,
     )
 

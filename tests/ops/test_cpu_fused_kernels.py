@@ -160,7 +160,8 @@ def test_gated_mlp_in_one_call_is_the_separate_calls(fmt, rows):
 
 @pytest.mark.parametrize("fmt", ["float32", "int8"])
 @pytest.mark.parametrize("norms, rotary", [(True, True), (False, True), (True, False)])
-def test_qkv_norm_rope_in_one_call_is_the_separate_calls(fmt, norms, rotary):
+@pytest.mark.parametrize("in_norm", [False, True])
+def test_qkv_norm_rope_in_one_call_is_the_separate_calls(fmt, norms, rotary, in_norm):
     torch.manual_seed(0)
     b, t, dm, hq, hkv, d = 2, 1, 48, 4, 2, 16
     w, s = _packed(torch.randn((hq + 2 * hkv) * d, dm), fmt)
@@ -168,11 +169,14 @@ def test_qkv_norm_rope_in_one_call_is_the_separate_calls(fmt, norms, rotary):
     x = torch.randn(b, t, dm)
     qs, ks = torch.randn(d), torch.randn(d)
     cos, sin = (torch.randn(b, 1, t, 8), torch.randn(b, 1, t, 8)) if rotary else (None, None)
+    x_norm = (torch.randn(dm), 1e-6) if in_norm else None
     with torch.no_grad():
         q, k, v = cpu_fused.qkv_norm_rope(
-            x, (w, bias, s), hq, hkv, d, (qs, 1e-6) if norms else None, (ks, 1e-5) if norms else None, cos, sin, False
+            x,
+            (w, bias, s),
+            *(hq, hkv, d, (qs, 1e-6) if norms else None, (ks, 1e-5) if norms else None, cos, sin, False, x_norm),
         )
-        qkv = ck.decode_linear(x, w, bias, s)
+        qkv = ck.decode_linear(x if x_norm is None else ck.rms_norm(x, *x_norm), w, bias, s)
         qp, kp, vp = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         heads = lambda p, h: p.view(b, t, h, d).transpose(1, 2)  # noqa: E731
         q_ref = ck.norm_rope(heads(qp, hq), qs if norms else None, 1e-6, cos, sin, False)

@@ -100,6 +100,7 @@ def sample(name: str, seed: int) -> tuple:
             cos,
             sin,
             r.random() < 0.5,
+            *((n(d), 1e-5) if r.random() < 0.5 else ()),  # the layer's input norm (or the defaults: none)
         )
     if name == "decoder_tail":
         width, i = r.randint(1, 20), r.randint(1, 24)
