@@ -61,23 +61,15 @@ def gated_mlp(x: torch.Tensor, gate_up: tuple, down: tuple, act: str) -> torch.T
     scratch = torch.empty(rows * 3 * i, dtype=torch.float32)
     y = torch.empty(x.shape, dtype=torch.float32)
     lib.hc_gated_mlp(
-        x.data_ptr(),
-        rows,
-        d,
-        i,
-        w_gu.data_ptr(),
-        t_gu,
-        _ptr(s_gu),
-        _ptr(b_gu),
-        w_dn.data_ptr(),
-        t_dn,
-        _ptr(s_dn),
-        _ptr(b_dn),
-        code,
-        scratch.data_ptr(),
-        y.data_ptr(),
+        x.data_ptr(), rows, d, i, *_mlp_args(gate_up, t_gu, down, t_dn, code), scratch.data_ptr(), y.data_ptr()
     )
     return y
+
+
+def _mlp_args(gate_up: tuple, t_gu: int, down: tuple, t_dn: int, code: int) -> tuple:
+    """hc_gated_mlp's weight arguments (also hc_decoder_tail's): each matrix, its type code, scale, bias; the act."""
+    (w_gu, b_gu, s_gu), (w_dn, b_dn, s_dn) = gate_up, down
+    return w_gu.data_ptr(), t_gu, _ptr(s_gu), _ptr(b_gu), w_dn.data_ptr(), t_dn, _ptr(s_dn), _ptr(b_dn), code
 
 
 def qkv_norm_rope(
@@ -139,18 +131,15 @@ def qkv_norm_rope(
         kv_heads,
         head_dim,
         out.data_ptr(),
-        None if q_norm is None else q_norm[0].data_ptr(),
-        0.0 if q_norm is None else q_norm[1],
-        None if k_norm is None else k_norm[0].data_ptr(),
-        0.0 if k_norm is None else k_norm[1],
+        *_norm_args(q_norm),
+        *_norm_args(k_norm),
         _ptr(cos),
         _ptr(sin),
         r,
         int(interleaved),
         q.data_ptr(),
         k.data_ptr(),
-        None if in_norm is None else in_norm[0].data_ptr(),
-        0.0 if in_norm is None else in_norm[1],
+        *_norm_args(in_norm),
         None if xn is None else xn.data_ptr(),
     )
     v = out[..., (heads + kv_heads) * head_dim :].view(b, t, kv_heads, head_dim).transpose(1, 2)
@@ -159,6 +148,11 @@ def qkv_norm_rope(
 
 def _norm_ok(norm: tuple | None, d: int) -> bool:
     return norm is None or (norm[0] is not None and _vector(norm[0], d) and _real(norm[1]))
+
+
+def _norm_args(norm: tuple | None) -> tuple:
+    """A norm's (scale pointer, eps) for C: (NULL, 0) for none."""
+    return (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1])
 
 
 def decoder_tail(
@@ -212,22 +206,11 @@ def decoder_tail(
         t_o,
         _ptr(s_o),
         _ptr(b_o),
-        None if post_attn is None else post_attn[0].data_ptr(),
-        0.0 if post_attn is None else post_attn[1],
-        None if pre_mlp is None else pre_mlp[0].data_ptr(),
-        0.0 if pre_mlp is None else pre_mlp[1],
+        *_norm_args(post_attn),
+        *_norm_args(pre_mlp),
         i,
-        w_gu.data_ptr(),
-        t_gu,
-        _ptr(s_gu),
-        _ptr(b_gu),
-        w_dn.data_ptr(),
-        t_dn,
-        _ptr(s_dn),
-        _ptr(b_dn),
-        code,
-        None if post_mlp is None else post_mlp[0].data_ptr(),
-        0.0 if post_mlp is None else post_mlp[1],
+        *_mlp_args(gate_up, t_gu, down, t_dn, code),
+        *_norm_args(post_mlp),
         scratch.data_ptr(),
         y.data_ptr(),
     )

@@ -93,6 +93,21 @@ def _qkv_where(env: dict) -> str | None:
 
 
 _W = "f32|bf16|i8"
+# a gated MLP's fused gate / up matrix (gate rows first) and down matrix, each with an optional bias and int8 scale
+_MLP_RULES = {
+    "w_gu": f"{_W}[G Dm]",
+    "b_gu": "f32?[G]",
+    "s_gu": "f32?[G]",
+    "w_dn": f"{_W}[Dm I]",
+    "b_dn": "f32?[Dm]",
+    "s_dn": "f32?[Dm]",
+}
+
+
+def _mlp_where(env: dict) -> str | None:
+    return _choice(env["act"], ACT_MUL, "activation") or (env["G"] != 2 * env["I"] and "G != 2 I" or None)
+
+
 SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "decode_linear",
@@ -178,17 +193,9 @@ SPECS: tuple[OpSpec, ...] = (
         "gated_mlp",
         "(Tensor x, Tensor w_gu, Tensor? b_gu, Tensor? s_gu, Tensor w_dn, Tensor? b_dn, Tensor? s_dn, str act) "
         "-> Tensor",
-        {
-            "x": "f32[... Dm]",
-            "w_gu": f"{_W}[G Dm]",
-            "b_gu": "f32?[G]",
-            "s_gu": "f32?[G]",
-            "w_dn": f"{_W}[Dm I]",
-            "b_dn": "f32?[Dm]",
-            "s_dn": "f32?[Dm]",
-        },
+        {"x": "f32[... Dm]", **_MLP_RULES},
         {"hc_gated_mlp": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2)},
-        lambda env: _choice(env["act"], ACT_MUL, "activation") or (env["G"] != 2 * env["I"] and "G != 2 I" or None),
+        _mlp_where,
     ),
     OpSpec(
         "qkv_norm_rope",
@@ -237,12 +244,7 @@ SPECS: tuple[OpSpec, ...] = (
             "s_o": "f32?[Dm]",
             "post_attn": "f32?[Dm]",
             "pre_mlp": "f32?[Dm]",
-            "w_gu": f"{_W}[G Dm]",
-            "b_gu": "f32?[G]",
-            "s_gu": "f32?[G]",
-            "w_dn": f"{_W}[Dm I]",
-            "b_dn": "f32?[Dm]",
-            "s_dn": "f32?[Dm]",
+            **_MLP_RULES,
             "post_mlp": "f32?[Dm]",
         },
         {
@@ -259,7 +261,7 @@ SPECS: tuple[OpSpec, ...] = (
                 + [_I, _P, _F, _P, _P],
             )
         },
-        lambda env: _choice(env["act"], ACT_MUL, "activation") or (env["G"] != 2 * env["I"] and "G != 2 I" or None),
+        _mlp_where,
     ),
 )
 

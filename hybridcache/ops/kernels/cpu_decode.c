@@ -480,14 +480,16 @@ static inline int visible(long qp, long kp, int pattern, long param) {
 /* Per-thread scratch, grown as needed and kept (a decode step calls this once per layer: no malloc each time). */
 static __thread float *scratch_f = NULL;
 static __thread size_t scratch_n = 0;
-static float *scratch(size_t n) {
-  if (n > scratch_n) {
-    free(scratch_f);
-    scratch_f = (float *)malloc(sizeof(float) * n);
-    scratch_n = scratch_f ? n : 0;
+static float *grow(float **buf, size_t *have, size_t n) { /* at least n floats in *buf (NULL: no memory) */
+  if (n > *have) {
+    free(*buf);
+    *buf = (float *)malloc(sizeof(float) * n);
+    *have = *buf ? n : 0;
   }
-  return scratch_f;
+  return *buf;
 }
+
+static float *scratch(size_t n) { return grow(&scratch_f, &scratch_n, n); }
 
 /* Attention of the G query heads q [G, D] sharing one kv head over slots [s0, s1): unnormalized output acc [G, D],
    per head the max score mx [G] (NaN scores ignored) and the sum of exp(score - mx) total [G]. Returns the number
@@ -912,14 +914,7 @@ void hc_decoder_tail(const float *h, const float *a, int M, int D, int A, const 
 static __thread float *panel_f = NULL;
 static __thread size_t panel_n = 0;
 
-static float *panel(size_t n) {
-  if (n > panel_n) {
-    free(panel_f);
-    panel_f = (float *)malloc(sizeof(float) * n);
-    panel_n = panel_f ? n : 0;
-  }
-  return panel_f;
-}
+static float *panel(size_t n) { return grow(&panel_f, &panel_n, n); }
 
 /* MR rows of x from m0, columns [k0, k0 + kc), times the packed panel p [kc, NR], added to the sums so far in
    y[m0 .., n0 .. n0 + nr) (first: none yet); the last block of K scales and adds the bias. */
