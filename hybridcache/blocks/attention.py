@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridcache.blocks.common import StepInput
 from hybridcache.blocks.linear_group import LinearGroup
-from hybridcache.blocks.norms import kernel_plain
+from hybridcache.blocks.norms import kernel_args, kernel_plain
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
@@ -85,15 +85,7 @@ class AttentionMixer(nn.Module):
                 return None
         out = []
         for x, norm in ((q, self.q_norm), (k, self.k_norm)):
-            y = call(
-                "norm_rope",
-                x,
-                None if norm is None else norm.kernel_scale(),
-                norm.eps if norm is not None else 0.0,
-                cos,
-                sin,
-                self.rotary is not None and self.rotary.interleaved,
-            )
+            y = call("norm_rope", x, *kernel_args(norm), cos, sin, self.rotary is not None and self.rotary.interleaved)
             if y is None:
                 return None
             out.append(y)
@@ -153,15 +145,12 @@ class AttentionMixer(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            None if qn is None else qn.kernel_scale(),
-            0.0 if qn is None else qn.eps,
-            None if kn is None else kn.kernel_scale(),
-            0.0 if kn is None else kn.eps,
+            *kernel_args(qn),
+            *kernel_args(kn),
             cos,
             sin,
             rotary is not None and rotary.interleaved,
-            None if norm is None else norm.kernel_scale(),
-            0.0 if norm is None else norm.eps,
+            *kernel_args(norm),
         )
 
     def forward(

@@ -11,15 +11,11 @@ from torch import nn
 from hybridcache.blocks.linear import DecodeLinear
 from hybridcache.blocks.linear_group import _param
 from hybridcache.blocks.mlp import GatedMLP
-from hybridcache.blocks.norms import kernel_plain
+from hybridcache.blocks.norms import kernel_args, kernel_plain
 from hybridcache.ops.kernel_calls import call, takes
 from hybridcache.ops.op_specs import ACT_MUL
 
 _F32 = torch.float32
-
-
-def _norm(norm: nn.Module | None) -> tuple[torch.Tensor | None, float]:
-    return (None, 0.0) if norm is None else (norm.kernel_scale(), norm.eps)
 
 
 def decoder_tail(
@@ -57,12 +53,12 @@ def decoder_tail(
         _param(o_proj, "weight"),
         _param(o_proj, "bias"),
         o_proj._buffers.get("scale"),
-        *_norm(post_attn),
-        *_norm(pre_mlp),
+        *kernel_args(post_attn),
+        *kernel_args(pre_mlp),
         *parts,
         _param(down, "weight"),
         _param(down, "bias"),
         down._buffers.get("scale"),
         mlp.act_name,
-        *_norm(post_mlp),
+        *kernel_args(post_mlp),
     )

@@ -73,6 +73,11 @@ def kernel_plain(norm: nn.Module | None) -> bool:
     return norm is None or type(norm) is RMSNorm and _weight(norm).dtype == torch.float32
 
 
+def kernel_args(norm: nn.Module | None) -> tuple[torch.Tensor | None, float]:
+    """A plain norm's (effective float32 scale, eps) as the kernels take them; (None, 0.0) for none."""
+    return (None, 0.0) if norm is None else (norm.kernel_scale(), norm.eps)
+
+
 def residual_norm(
     h: torch.Tensor, x: torch.Tensor, post: nn.Module | None, nxt: nn.Module | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,13 +93,7 @@ def residual_norm(
         and kernel_plain(post)
         and kernel_plain(nxt)
     ):
-        out = call(
-            "residual_norm",
-            h,
-            x,
-            *((None, 0.0) if post is None else (post.kernel_scale(), post.eps)),
-            *((None, 0.0) if nxt is None else (nxt.kernel_scale(), nxt.eps)),
-        )
+        out = call("residual_norm", h, x, *kernel_args(post), *kernel_args(nxt))
         if out is not None:
             return out[0], None if nxt is None else out[1]
     h = h + (x if post is None else post(x))
