@@ -9,13 +9,15 @@ import torch
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
+from hybridcache.blocks.kernel_memo import KernelMemo
 from hybridcache.blocks.linear_group import LinearGroup
-from hybridcache.blocks.norms import kernel_args, kernel_plain
+from hybridcache.blocks.norms import kernel_args, kernel_key, kernel_plain
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
 from hybridcache.ops import masked_attention
 from hybridcache.ops.attention import decode_kernel
+from hybridcache.ops.cpu_fused import bind_qkv_norm_rope
 from hybridcache.ops.kernel_calls import call, takes
 
 
@@ -63,6 +65,7 @@ class AttentionMixer(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # [Hq]
         self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one matmul once fused (from_pretrained)
+        self._input_memo = KernelMemo()  # the bound q/k/v kernel call of eager decode steps
 
     def projection_groups(self) -> list[LinearGroup]:
         return [self.qkv]
@@ -121,15 +124,58 @@ class AttentionMixer(nn.Module):
 
     def _fused_input(self, h: torch.Tensor, step: StepInput, norm: nn.Module | None) -> tuple[torch.Tensor, ...] | None:
         """q, k, v [B, H, T, D] by one kernel call (the input norm `norm` unless None, projection, plain RMSNorm q/k
-        norms, plain rotary) for a decode step on CPU; None when this mixer or these tensors need the separate path."""
-        if (
-            self.output_gate
-            or self.query_hook is not None
-            or not takes(h)
-            or h.dim() != 3
-            or not self._plain()
-            or not kernel_plain(norm)
-        ):
+        norms, plain rotary) for a decode step on CPU; None when this mixer or these tensors need the separate path.
+        Eagerly the call is bound once to this mixer's weights and norms (blocks/kernel_memo.py)."""
+        if self.output_gate or self.query_hook is not None or not takes(h) or h.dim() != 3:
+            return None
+        if torch.compiler.is_compiling():
+            return self._traced_input(h, step, norm)
+        qn, kn, rotary, qkv = self.q_norm, self.k_norm, self.rotary, self.qkv
+        f = qkv._fused
+        key = (
+            h.shape[2],
+            None if f is None else (id(f[0]), id(f[1]), id(f[2]), f[3] == qkv._pointers()),  # held by the call
+            kernel_key(qn),
+            kernel_key(kn),
+            kernel_key(norm),
+            type(rotary),
+            rotary is not None and rotary.interleaved,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        run = self._input_memo.get(key, lambda: self._bind_input(h.shape[2], norm))
+        if run is None:
+            return None
+        cos, sin = rotary.tables(step, torch.float32) if rotary is not None else (None, None)
+        if rotary is not None and not rotary.kernel_tables(h, cos):
+            return None
+        return run(h, cos, sin)
+
+    def _bind_input(self, dm: int, norm: nn.Module | None):
+        """The q/k/v kernel call bound to this mixer's fused projection and norms (None: the kernel does not take
+        them)."""
+        parts = self.qkv.parts()
+        if parts is None or not self._plain() or not kernel_plain(norm):
+            return None
+        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
+        return bind_qkv_norm_rope(
+            parts,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            dm,
+            None if qn is None else kernel_args(qn),
+            None if kn is None else kernel_args(kn),
+            rotary is not None and rotary.interleaved,
+            None if norm is None else kernel_args(norm),
+        )
+
+    def _traced_input(
+        self, h: torch.Tensor, step: StepInput, norm: nn.Module | None
+    ) -> tuple[torch.Tensor, ...] | None:
+        """_fused_input under torch.compile: the registered op on the flat arguments."""
+        if not self._plain() or not kernel_plain(norm):
             return None
         parts = self.qkv.parts()
         if parts is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridcache.blocks.kernel_memo import tensor_key
 from hybridcache.ops.kernel_calls import call, takes
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -71,6 +72,16 @@ def _weight(norm: nn.Module) -> torch.Tensor:
 def kernel_plain(norm: nn.Module | None) -> bool:
     """None, or a float32 RMSNorm: what the norm kernels (residual norm, q/k norm with rotary) compute."""
     return norm is None or type(norm) is RMSNorm and _weight(norm).dtype == torch.float32
+
+
+def kernel_key(norm: nn.Module | None) -> tuple | None:
+    """What kernel_plain / kernel_args read from `norm`, for a bound call's key (blocks/kernel_memo.py): the module,
+    its kind, its weight (identity, address, dtype, shape, version: the effective scale derives from the values)
+    and eps."""
+    if type(norm) is not RMSNorm:
+        return None if norm is None else (id(norm), type(norm))  # another kind: kernel_plain refuses it
+    w = _weight(norm)
+    return id(norm), type(norm), norm.unit_offset, norm.eps, tensor_key(w), w._version
 
 
 def kernel_args(norm: nn.Module | None) -> tuple[torch.Tensor | None, float]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.decoder_tail import decoder_tail
+from hybridcache.blocks.kernel_memo import KernelMemo
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.config_pieces import AttentionFields
@@ -83,11 +84,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
+        self._tail_memo = KernelMemo()  # the bound decoder-tail kernel call of eager decode steps
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         attn, post, pre = self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm
         a = attn(h, layer, step, project=False, norm=self.input_layernorm)  # [B, T, Hq * D]
-        out = decoder_tail(h, a, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm)
+        out = decoder_tail(h, a, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm, self._tail_memo)
         if out is not None:  # a float32 CPU decode step: the rest of the layer in one kernel call
             return out
         h, x = residual_norm(h, attn.o_proj(a), post, pre)

@@ -8,6 +8,8 @@ separate calls) for anything it does not take.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hybridcache.ops._checks import INT_MAX, MAX_ROWS, _eager, _ptr, _real
@@ -15,6 +17,8 @@ from hybridcache.ops._checks import _vec as _vector
 from hybridcache.ops.cpu_attention import _rotary_ok
 from hybridcache.ops.cpu_library import _library
 from hybridcache.ops.op_specs import ACT_MUL, WEIGHT_TYPES
+
+_F32 = torch.float32
 
 
 def _matrix(w: torch.Tensor, rows: int, cols: int) -> int | None:
@@ -91,59 +95,74 @@ def qkv_norm_rope(
     rotary by cos / sin [B, 1, T, R] (None: none); v is a view."""
     if not _eager(x) or x.dim() != 3:
         return None
+    run = bind_qkv_norm_rope(qkv, heads, kv_heads, head_dim, x.shape[2], q_norm, k_norm, interleaved, in_norm)
+    return None if run is None else run(x, cos, sin)
+
+
+def bind_qkv_norm_rope(
+    qkv: tuple,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dm: int,
+    q_norm: tuple | None,
+    k_norm: tuple | None,
+    interleaved: bool,
+    in_norm: tuple | None = None,
+) -> Callable | None:
+    """qkv_norm_rope with everything but x and the rotary tables checked once: a function of (x [B, T, dm], cos,
+    sin) -> (q, k, v), or None for a call its kernel does not take (then this returns None: the same arguments
+    would never be taken). The function holds the tensors it points C at; a block keeps it while they stay its own
+    (blocks/kernel_memo.py)."""
     lib = _library()
     w, bias, wscale = qkv
-    b, t, dm = x.shape
-    if not all(isinstance(v, int) and v >= 1 for v in (heads, kv_heads, head_dim)):
+    if lib is None or not all(type(v) is int and v >= 1 for v in (heads, kv_heads, head_dim, dm)):
         return None
     width = (heads + 2 * kv_heads) * head_dim
     code = _matrix(w, width, dm)
     if (
-        lib is None
-        or code is None
-        or not 0 < b * t <= MAX_ROWS
-        or b * t * width > INT_MAX
+        code is None
         or not _vector(bias, width)
         or not _vector(wscale, width)
-        or any(
-            n is not None and (n[0] is None or not _vector(n[0], head_dim) or not _real(n[1])) for n in (q_norm, k_norm)
-        )
-        or not _rotary_ok(cos, sin, b, t, head_dim)
-        or not (in_norm is None or in_norm[0] is not None and _vector(in_norm[0], dm) and _real(in_norm[1]))
+        or not (_norm_ok(q_norm, head_dim) and _norm_ok(k_norm, head_dim) and _norm_ok(in_norm, dm))
     ):
         return None
-    r = 0 if cos is None else cos.shape[-1]
-    x = x.contiguous()
-    xn = None if in_norm is None else torch.empty(b * t * dm, dtype=torch.float32)
-    out = torch.empty(b, t, width, dtype=torch.float32)
-    q = torch.empty(b, heads, t, head_dim, dtype=torch.float32)
-    k = torch.empty(b, kv_heads, t, head_dim, dtype=torch.float32)
-    lib.hc_qkv_norm_rope(
-        x.data_ptr(),
-        b,
-        t,
-        dm,
-        w.data_ptr(),
-        code,
-        _ptr(wscale),
-        _ptr(bias),
-        heads,
-        kv_heads,
-        head_dim,
-        out.data_ptr(),
-        *_norm_args(q_norm),
-        *_norm_args(k_norm),
-        _ptr(cos),
-        _ptr(sin),
-        r,
-        int(interleaved),
-        q.data_ptr(),
-        k.data_ptr(),
-        *_norm_args(in_norm),
-        None if xn is None else xn.data_ptr(),
-    )
-    v = out[..., (heads + kv_heads) * head_dim :].view(b, t, kv_heads, head_dim).transpose(1, 2)
-    return q, k, v
+    fn, kv_at, d = lib.hc_qkv_norm_rope, (heads + kv_heads) * head_dim, head_dim
+    weights = (dm, w.data_ptr(), code, _ptr(wscale), _ptr(bias), heads, kv_heads, head_dim)
+    norms, last = (*_norm_args(q_norm), *_norm_args(k_norm)), _norm_args(in_norm)
+
+    def run(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        if not _eager(x) or x.dim() != 3 or x.shape[2] != dm:
+            return None
+        b, t = x.shape[0], x.shape[1]
+        if not 0 < b * t <= MAX_ROWS or b * t * width > INT_MAX or not _rotary_ok(cos, sin, b, t, d):
+            return None
+        x = x.contiguous()
+        xn = None if in_norm is None else torch.empty(b * t * dm, dtype=_F32)
+        out = torch.empty(b, t, width, dtype=_F32)
+        q = torch.empty(b, heads, t, d, dtype=_F32)
+        k = torch.empty(b, kv_heads, t, d, dtype=_F32)
+        r = 0 if cos is None else cos.shape[-1]
+        fn(
+            x.data_ptr(),
+            b,
+            t,
+            *weights,
+            out.data_ptr(),
+            *norms,
+            _ptr(cos),
+            _ptr(sin),
+            r,
+            int(interleaved),
+            q.data_ptr(),
+            k.data_ptr(),
+            *last,
+            None if xn is None else xn.data_ptr(),
+        )
+        return q, k, out.narrow(2, kv_at, kv_heads * d).view(b, t, kv_heads, d).transpose(1, 2)
+
+    run.holds = (qkv, q_norm, k_norm, in_norm)  # alive while `run` is: C reads them through raw pointers
+    return run
 
 
 def _norm_ok(norm: tuple | None, d: int) -> bool:
@@ -170,48 +189,58 @@ def decoder_tail(
     projection) of at most MAX_ROWS rows: h1 = h + o_proj(a) (rms-normed by `post_attn` unless None), then
     h1 + the gated MLP of rms_norm(h1) by `pre_mlp` (h1 itself if None), rms-normed by `post_mlp` unless None.
     `o` = (weight [D, A], bias, scale), `gate_up` / `down` as gated_mlp's, each norm (effective scale [D], eps)."""
-    code = ACT_MUL.get(act) if isinstance(act, str) else None
-    if code is None or not _eager(h) or not _eager(a) or h.dim() == 0 or h.shape[:-1] != a.shape[:-1]:
+    if not _eager(h) or not _eager(a) or h.dim() == 0 or a.dim() == 0:
         return None
+    run = bind_decoder_tail(h.shape[-1], a.shape[-1], o, post_attn, pre_mlp, gate_up, down, act, post_mlp)
+    return None if run is None else run(h, a)
+
+
+def bind_decoder_tail(
+    d: int,
+    width: int,
+    o: tuple,
+    post_attn: tuple | None,
+    pre_mlp: tuple | None,
+    gate_up: tuple,
+    down: tuple,
+    act: str,
+    post_mlp: tuple | None,
+) -> Callable | None:
+    """decoder_tail with everything but h [..., d] and a [..., width] checked once: a function of (h, a) -> the
+    layer's output, or None for a call its kernel does not take (as bind_qkv_norm_rope)."""
+    code = ACT_MUL.get(act) if isinstance(act, str) else None
     lib = _library()
+    if code is None or lib is None or not all(type(v) is int and v >= 1 for v in (d, width)):
+        return None
     (w_o, b_o, s_o), (w_gu, b_gu, s_gu), (w_dn, b_dn, s_dn) = o, gate_up, down
-    d, width = h.shape[-1], a.shape[-1]
     two_i = w_gu.shape[0] if w_gu.dim() == 2 else -1
-    rows = h.numel() // d if d else 0
     i = two_i // 2
     t_o, t_gu, t_dn = _matrix(w_o, d, width), _matrix(w_gu, two_i, d), _matrix(w_dn, d, i)
     if (
-        lib is None
-        or t_o is None
+        t_o is None
         or t_gu is None
         or t_dn is None
         or two_i % 2
-        or not 0 < rows <= MAX_ROWS
-        or rows * (4 * d + 3 * i) > INT_MAX
         or not (_vector(b_o, d) and _vector(s_o, d) and _vector(b_gu, two_i) and _vector(s_gu, two_i))
         or not (_vector(b_dn, d) and _vector(s_dn, d))
         or not (_norm_ok(post_attn, d) and _norm_ok(pre_mlp, d) and _norm_ok(post_mlp, d))
     ):
         return None
-    h, a = h.contiguous(), a.contiguous()
-    scratch = torch.empty(rows * (4 * d + 3 * i), dtype=torch.float32)
-    y = torch.empty(h.shape, dtype=torch.float32)
-    lib.hc_decoder_tail(
-        h.data_ptr(),
-        a.data_ptr(),
-        rows,
-        d,
-        width,
-        w_o.data_ptr(),
-        t_o,
-        _ptr(s_o),
-        _ptr(b_o),
-        *_norm_args(post_attn),
-        *_norm_args(pre_mlp),
-        i,
-        *_mlp_args(gate_up, t_gu, down, t_dn, code),
-        *_norm_args(post_mlp),
-        scratch.data_ptr(),
-        y.data_ptr(),
-    )
-    return y
+    fn, per_row = lib.hc_decoder_tail, 4 * d + 3 * i
+    middle = (w_o.data_ptr(), t_o, _ptr(s_o), _ptr(b_o), *_norm_args(post_attn), *_norm_args(pre_mlp), i)
+    last = (*_mlp_args(gate_up, t_gu, down, t_dn, code), *_norm_args(post_mlp))
+
+    def run(h: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
+        if not _eager(h) or not _eager(a) or h.shape[:-1] != a.shape[:-1] or h.shape[-1] != d or a.shape[-1] != width:
+            return None
+        rows = h.numel() // d
+        if not 0 < rows <= MAX_ROWS or rows * per_row > INT_MAX:
+            return None
+        h, a = h.contiguous(), a.contiguous()
+        scratch = torch.empty(rows * per_row, dtype=_F32)
+        y = torch.empty(h.shape, dtype=_F32)
+        fn(h.data_ptr(), a.data_ptr(), rows, d, width, *middle, *last, scratch.data_ptr(), y.data_ptr())
+        return y
+
+    run.holds = (o, post_attn, pre_mlp, gate_up, down, post_mlp)  # alive while `run` is (as in bind_qkv_norm_rope)
+    return run
