@@ -9,14 +9,16 @@ import torch
 from torch import nn
 
 from hybridcache.blocks.common import StepInput
-from hybridcache.blocks.kernel_memo import KernelMemo
+from hybridcache.blocks.kernel_memo import KernelMemo, tensor_key
 from hybridcache.blocks.linear_group import LinearGroup
 from hybridcache.blocks.norms import kernel_args, kernel_key, kernel_plain
 from hybridcache.blocks.rotary import RotaryEmbedding
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.scored_eviction import QueryInputs
 from hybridcache.ops import masked_attention
+from hybridcache.ops._checks import MAX_ROWS
 from hybridcache.ops.attention import decode_kernel
+from hybridcache.ops.cpu_attention_step import bind_attention_step
 from hybridcache.ops.cpu_fused import bind_qkv_norm_rope
 from hybridcache.ops.kernel_calls import call, takes
 
@@ -66,6 +68,7 @@ class AttentionMixer(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # [Hq]
         self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one matmul once fused (from_pretrained)
         self._input_memo = KernelMemo()  # the bound q/k/v kernel call of eager decode steps
+        self._step_memo = KernelMemo()  # the bound one-call attention of eager decode steps (q/k/v to output)
 
     def projection_groups(self) -> list[LinearGroup]:
         return [self.qkv]
@@ -130,13 +133,23 @@ class AttentionMixer(nn.Module):
             return None
         if torch.compiler.is_compiling():
             return self._traced_input(h, step, norm)
-        qn, kn, rotary, qkv = self.q_norm, self.k_norm, self.rotary, self.qkv
+        run = self._input_memo.get(self._input_key(h, norm), lambda: self._bind_input(h.shape[2], norm))
+        if run is None:
+            return None
+        cos, sin = self._tables(h, step)
+        if cos is False:
+            return None
+        return run(h, cos, sin)
+
+    def _input_key(self, h: torch.Tensor, norm: nn.Module | None) -> tuple:
+        """What a bound q/k/v call relies on (blocks/kernel_memo.py)."""
+        qkv, rotary = self.qkv, self.rotary
         f = qkv._fused
-        key = (
+        return (
             h.shape[2],
             None if f is None else (id(f[0]), id(f[1]), id(f[2]), f[3] == qkv._pointers()),  # held by the call
-            kernel_key(qn),
-            kernel_key(kn),
+            kernel_key(self.q_norm),
+            kernel_key(self.k_norm),
             kernel_key(norm),
             type(rotary),
             rotary is not None and rotary.interleaved,
@@ -144,13 +157,68 @@ class AttentionMixer(nn.Module):
             self.num_kv_heads,
             self.head_dim,
         )
-        run = self._input_memo.get(key, lambda: self._bind_input(h.shape[2], norm))
+
+    def _tables(self, h: torch.Tensor, step: StepInput) -> tuple:
+        """The rotary's cos / sin for the kernels ((None, None): no rotary; (False, False): tables they do not
+        take)."""
+        rotary = self.rotary
+        if rotary is None:
+            return None, None
+        cos, sin = rotary.tables(step, torch.float32)
+        return (cos, sin) if rotary.kernel_tables(h, cos) else (False, False)
+
+    def _one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None):
+        """A decode step's attention by one kernel call (ops/cpu_attention_step.py): the output before o_proj
+        [B, 1, Hq * D], the token's keys and values written straight into the slot `layer` reserved
+        (AttentionCacheLayer.decode_slot). Returns (output, None), or (None, reserved) where the separate path
+        runs: reserved = (view, slot) when the slot is already reserved (the caller writes it), else None."""
+        if (
+            self.output_gate
+            or self.query_hook is not None
+            or not takes(h)
+            or h.dim() != 3
+            or h.shape[1] != 1
+            or not 0 < h.shape[0] <= MAX_ROWS
+            or torch.compiler.is_compiling()
+            or not isinstance(layer, AttentionCacheLayer)
+        ):
+            return None, None
+        key = (self._input_key(h, norm), self.scale, self.softcap, tensor_key(self.sinks))
+        run = self._step_memo.get(key, lambda: self._bind_step(h.shape[2], norm))
         if run is None:
+            return None, None
+        cos, sin = self._tables(h, step)
+        if cos is False:
+            return None, None
+        reserved = layer.decode_slot()
+        if reserved is None:
+            return None, None
+        view, slot = reserved
+        qpos, kpos, kind, param = view.pattern()  # (decode_slot: a built-in pattern, positions per row)
+        out = run(h, cos, sin, view.keys, view.values, slot, qpos, kpos, kind, param)
+        return (out, None) if out is not None else (None, reserved)
+
+    def _bind_step(self, dm: int, norm: nn.Module | None):
+        """The one-call attention bound to this mixer's projection, norms, scale, softcap and sinks (None: the
+        kernel does not take them)."""
+        parts = self.qkv.parts()
+        if parts is None or not self._plain() or not kernel_plain(norm):
             return None
-        cos, sin = rotary.tables(step, torch.float32) if rotary is not None else (None, None)
-        if rotary is not None and not rotary.kernel_tables(h, cos):
-            return None
-        return run(h, cos, sin)
+        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
+        return bind_attention_step(
+            parts,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            dm,
+            None if qn is None else kernel_args(qn),
+            None if kn is None else kernel_args(kn),
+            rotary is not None and rotary.interleaved,
+            None if norm is None else kernel_args(norm),
+            self.scale,
+            self.softcap,
+            self.sinks,
+        )
 
     def _bind_input(self, dm: int, norm: nn.Module | None):
         """The q/k/v kernel call bound to this mixer's fused projection and norms (None: the kernel does not take
@@ -215,6 +283,11 @@ class AttentionMixer(nn.Module):
         d = self.head_dim
         gate = q_pre = None
         wants_queries = getattr(layer, "wants_queries", False)  # a method modelling future queries (ExpectedAttention)
+        reserved = None
+        if t == 1 and extra is None and not wants_queries:  # eager decode: the whole attention in one kernel call
+            out, reserved = self._one_call_step(h, layer, step, norm)
+            if out is not None:
+                return self.o_proj(out) if project else out
         fused_input = self._fused_input(h, step, norm) if extra is None and not wants_queries else None
         if fused_input is not None:
             q, k, v = fused_input
@@ -225,7 +298,13 @@ class AttentionMixer(nn.Module):
         if self.query_hook is not None:
             q = self.query_hook(q, step)
         dtype = layer.spec.dtype
-        view = layer.update(k if k.dtype == dtype else k.to(dtype), v if v.dtype == dtype else v.to(dtype))
+        k, v = k if k.dtype == dtype else k.to(dtype), v if v.dtype == dtype else v.to(dtype)
+        if reserved is not None:  # the slot the one-call step did not fill after all
+            view, slot = reserved
+            view.keys.narrow(2, slot, 1).copy_(k)
+            view.values.narrow(2, slot, 1).copy_(v)
+        else:
+            view = layer.update(k, v)
         keys, values = view.keys, view.values
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)

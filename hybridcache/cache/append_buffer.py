@@ -72,10 +72,14 @@ class AppendBuffers:
             for n, t in current.items()
         )
 
-    def append(self, current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Views of current + new along the slot dims (nothing the layer holds changes)."""
+    def append(
+        self, current: dict[str, torch.Tensor], new: dict[str, torch.Tensor | None], tokens: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Views of current + new along the slot dims (nothing the layer holds changes). A None in `new` leaves its
+        `tokens` new slots unwritten, for the caller to fill (a kernel writing a decode token's keys in place)."""
         names = list(current)
-        tokens = new[names[0]].shape[self.dims[names[0]]]
+        if tokens is None:
+            tokens = new[names[0]].shape[self.dims[names[0]]]
         win = self.window(current)
         if win is not None and win[0] == win[1]:
             win = (0, 0)  # nothing held (a chunk just ended): the buffers start over
@@ -93,7 +97,8 @@ class AppendBuffers:
         out = {}
         for name in names:
             buf, dim = self.buffers[name], self.dims[name]
-            buf.narrow(dim, end, tokens).copy_(new[name])
+            if new[name] is not None:
+                buf.narrow(dim, end, tokens).copy_(new[name])
             out[name] = buf.narrow(dim, start, end - start + tokens)
         self._last = (out, (start, end + tokens))
         return out

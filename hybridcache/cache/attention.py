@@ -203,6 +203,38 @@ class AttentionCacheLayer(CacheLayer):
         self._staged = ("block", k, v, None if offloaded else keys, None if offloaded else values, pos, block)
         return AttentionView(keys, values, block.positions, pos, self.spec)
 
+    def decode_slot(self) -> tuple[AttentionView, int] | None:
+        """For a kernel that writes a decode token's keys and values itself (blocks/attention.py): the view the
+        Cache's open block attends to and the slot (along dim 2 of its keys / values) left for the caller to write,
+        the token's position already in the view's key positions. The caller must write that slot of every row
+        before the view is read (or the block is aborted: the slot is never part of what the layer holds until the
+        commit). None, changing nothing, where the layer needs `update`: a block that is not one real token per
+        row, any storage but dense float32 appended in place, a pattern the decode kernel does not evaluate, a layer
+        that reads attention weights or feeds its own way."""
+        block = self.seq.block
+        if (
+            self._append is None
+            or block is None
+            or self._staged is not None
+            or block.tokens != 1
+            or not block.all_real
+            or self.spec.dtype != torch.float32
+            or type(self.spec) not in _BUILT_IN
+            or self.wants_attention_weights
+            or type(self).update is not AttentionCacheLayer.update  # (a subclass that feeds its own way)
+            or type(self)._write is not AttentionCacheLayer._write
+        ):
+            return None
+        current = {name: getattr(self, name) for name in self._append.dims}
+        new = dict.fromkeys(self._parts, None)
+        new["key_pos"] = block.positions
+        views = self._append.append(current, new, tokens=1)
+        keys, values, pos = (views[name] for name in (*self._parts, "key_pos"))
+        slot = keys.shape[2] - 1
+        k, v = keys.narrow(2, slot, 1), values.narrow(2, slot, 1)  # what the caller writes
+        self._staged = ("block", k, v, keys, values, pos, block)
+        return AttentionView(keys, values, block.positions, pos, self.spec), slot
+
     def _write_slots(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> Any:
         """Write a decode token [B, H, 1, D] into its slots [B, 1] of preallocated storage, in place."""
         for side, x in zip(SIDES, (k, v)):

@@ -160,3 +160,43 @@ def qkv_norm_rope(
     q = norm_rope(split(q, heads), q_scale, q_eps, cos, sin, il)
     k = norm_rope(split(k, kv_heads), k_scale, k_eps, cos, sin, il)
     return q, k, split(v, kv_heads)
+
+
+def attention_step(
+    x,
+    w,
+    bias,
+    wscale,
+    heads,
+    kv_heads,
+    head_dim,
+    q_scale,
+    q_eps,
+    k_scale,
+    k_eps,
+    cos,
+    sin,
+    il,
+    in_scale,
+    in_eps,
+    keys,
+    values,
+    slot,
+    q_pos,
+    k_pos,
+    pattern,
+    param,
+    scale,
+    softcap,
+    sinks=None,
+):
+    """A decode step's attention: q, k, v of x [B, 1, Dm] by qkv_norm_rope, k and v written into slot `slot` of the
+    cache's keys / values [B, Hkv, S, D] (in place), then decode_attention of q over all S slots by positions
+    (k_pos [B, S] already holding the token's) -> [B, 1, Hq * D]."""
+    q, k, v = qkv_norm_rope(
+        x, w, bias, wscale, heads, kv_heads, head_dim, q_scale, q_eps, k_scale, k_eps, cos, sin, il, in_scale, in_eps
+    )
+    keys[:, :, slot] = k[:, :, 0]
+    values[:, :, slot] = v[:, :, 0]
+    out = decode_attention(q, keys, values, None, q_pos, k_pos, pattern, param, scale, softcap, sinks)
+    return out.reshape(x.shape[0], 1, heads * head_dim)

@@ -108,6 +108,18 @@ def _mlp_where(env: dict) -> str | None:
     return _choice(env["act"], ACT_MUL, "activation") or (env["G"] != 2 * env["I"] and "G != 2 I" or None)
 
 
+def _step_where(env: dict) -> str | None:
+    heads, kv, hd = env["heads"], env["kv_heads"], env["head_dim"]
+    if env["Hkv"] != kv or env["D"] != hd or env.get("Hq", heads) != heads:
+        return (
+            f"the cache's keys [B, {env['Hkv']}, S, {env['D']}] (sinks [{env.get('Hq', heads)}]) do not match "
+            f"{heads} heads / {kv} kv heads of {hd}"
+        )
+    if not 0 <= env["slot"] < env["S"]:
+        return f"slot {env['slot']} is outside the cache's {env['S']} slots"
+    return _qkv_where(env) or _attention_where({**env, "Hq": heads, "mask": None})
+
+
 SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "decode_linear",
@@ -263,7 +275,41 @@ SPECS: tuple[OpSpec, ...] = (
         },
         _mlp_where,
     ),
+    OpSpec(
+        "attention_step",
+        "(Tensor x, Tensor w, Tensor? bias, Tensor? wscale, int heads, int kv_heads, int head_dim, Tensor? q_scale, "
+        "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved, Tensor? in_scale, "
+        "float in_eps, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor q_pos, Tensor k_pos, str pattern, "
+        "int param, float scale, float? softcap, Tensor? sinks=None) -> Tensor",
+        {
+            "x": "f32[B 1 Dm]",
+            "w": f"{_W}[W Dm]",
+            "bias": "f32?[W]",
+            "wscale": "f32?[W]",
+            "q_scale": "f32?[Dq]",
+            "k_scale": "f32?[Dk]",
+            "cos": "f32?[B 1 1 R]",
+            "sin": "f32?[B 1 1 R]",
+            "in_scale": "f32?[Dm]",
+            "keys": "f32[B Hkv S D]",
+            "values": "f32[B Hkv S D]",
+            "q_pos": "i64[B 1]",
+            "k_pos": "i64[B S]",
+            "sinks": "f32?[Hq]",
+        },
+        {
+            "hc_attention_step": (
+                _I,
+                [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _F, _P, _F, _P, _P, _I, _I, _P, _P, _P, _F, _P]
+                + [_P, _P, _L, _I]
+                + [_L] * 6
+                + [_P, _P, _I, _L, _F, _F, _P, _P],
+            )
+        },
+        _step_where,
+    ),
 )
+
 
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).
 SIGNATURES: dict[str, tuple[object, list]] = {**INFO_SIGNATURES}

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from hybridcache.ops import cpu_attention, cpu_fused, cpu_rows
+from hybridcache.ops import cpu_attention, cpu_attention_step, cpu_fused, cpu_rows
 from hybridcache.ops import op_reference as reference
 from hybridcache.ops._checks import INT_MAX, KernelArgumentError
 from hybridcache.ops.op_specs import SPECS, OpSpec, parse_rule
@@ -38,6 +38,11 @@ def _kernel_calls() -> dict:
         out = cpu_fused.qkv_norm_rope(x, (w, bias, ws), heads, kv, hd, qn, kn, cos, sin, il, inn)
         return out if out is None else (out[0], out[1], out[2].contiguous())
 
+    def step(x, w, bias, ws, heads, kv, hd, qs, qe, ks, ke, cos, sin, il, in_scale, in_eps, *attention):
+        qn, kn = None if qs is None else (qs, qe), None if ks is None else (ks, ke)
+        inn = None if in_scale is None else (in_scale, in_eps)
+        return cpu_attention_step.attention_step(x, (w, bias, ws), heads, kv, hd, qn, kn, cos, sin, il, inn, *attention)
+
     return {
         "decode_linear": cpu_rows.decode_linear,
         "rms_norm": cpu_rows.rms_norm,
@@ -50,6 +55,7 @@ def _kernel_calls() -> dict:
         "selective_scan": cpu_attention.selective_scan,
         "gated_mlp": lambda x, wg, bg, sg, wd, bd, sd, act: cpu_fused.gated_mlp(x, (wg, bg, sg), (wd, bd, sd), act),
         "qkv_norm_rope": qkv,
+        "attention_step": step,
         "decoder_tail": lambda h, a, wo, bo, so, pa, pae, pm, pme, wg, bg, sg, wd, bd, sd, act, po, poe: (
             cpu_fused.decoder_tail(
                 h,

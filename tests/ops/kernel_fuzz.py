@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import hybridcache.ops.cpu_kernels as ck
-from hybridcache.ops import cpu_fused
+from hybridcache.ops import cpu_attention_step, cpu_fused
 from hybridcache.ops.attention import masked_attention
 from hybridcache.ops.selective_scan import _selective_scan_torch
 
@@ -410,6 +410,71 @@ def case_decoder_tail(f: Fuzz):
     )
 
 
+def _unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
+    if t.is_meta:
+        return True
+    return torch.equal(t.nan_to_num(), before.nan_to_num()) if t.is_floating_point() else torch.equal(t, before)
+
+
+def case_attention_step(f: Fuzz):
+    b, dm, s = f.pick(0, 1, 1, 2, 17), f.pick(0, 1, 16, 16), f.pick(0, 1, 5, 40, 40)
+    hkv, group, hd = f.pick(1, 1, 2), f.pick(1, 2, 3), f.pick(1, 2, 8, 9)
+    hq = hkv * group
+    width = (hq + 2 * hkv) * hd
+    x = f.spoil(f.layout(f.values((b, 1, dm))))
+    w, bias, wscale = _weight(f, width, dm)
+    q_norm = (f.spoil(f.values((hd,))), 1e-6) if f.chance(0.5) else None
+    k_norm = (f.spoil(f.values((hd,))), 1e-6) if f.chance(0.5) else None
+    in_norm = (f.spoil(f.values((dm,))), 1e-5) if f.chance(0.4) else None
+    cos, sin, r = _cos_sin(f, b, 1, hd) if f.chance(0.7) else (None, None, 0)
+    interleaved = f.chance(0.5)
+    if f.chance(0.5):  # keys and values as strided views of one tensor, as a cache's buffers hold them
+        kv = f.values((b, hkv, s, 2 * hd))
+        keys, values = kv[..., :hd], kv[..., hd:]
+    else:
+        keys, values = f.values((b, hkv, s, hd)), f.values((b, hkv, s, hd))
+    keys, values = f.spoil(keys), f.spoil(values)
+    slot = f.pick(s - 1, s - 1, s - 1, 0, s, -1)
+    kpos = torch.arange(s).repeat(b, 1) - torch.randint(0, 3, (b, 1), generator=f.gen)  # left padding: -1, -2
+    qpos = kpos[:, -1:].clone() if s else torch.zeros(b, 1, dtype=torch.long)
+    name, param = f.pick("full", "sliding", "chunked", "chunked", "ring"), f.pick(0, 1, 3, 7, 7, 2**40)
+    scale, softcap = f.pick(hd**-0.5, 0.3), f.pick(None, None, 5.0, 0.0)
+    sinks = f.spoil(f.values((hq,), 3.0)) if f.chance(0.3) else None
+    before = (keys.clone(), values.clone())
+
+    def run():
+        out = cpu_attention_step.attention_step(
+            x, (w, bias, wscale), hq, hkv, hd, q_norm, k_norm, cos, sin, interleaved, in_norm, keys, values, slot,
+            qpos, kpos, name, param, scale, softcap, sinks,
+        )  # fmt: skip
+        if out is None or not 0 <= slot < s:  # declined (a slot outside, say): nothing may have been written
+            return out if _unchanged(keys, before[0]) and _unchanged(values, before[1]) else "written"
+        return out, keys[:, :, slot], values[:, :, slot]
+
+    def ref():
+        proj = ref_linear(x if in_norm is None else ref_norm(x, *in_norm).float(), w, bias, wscale)  # [B, 1, W]
+        qk = []
+        for h0, h1, norm in ((0, hq, q_norm), (hq, hq + hkv, k_norm)):
+            y = proj[..., h0 * hd : h1 * hd].reshape(b, 1, h1 - h0, hd).transpose(1, 2)
+            y = ref_norm(y, *norm) if norm is not None else y
+            qk.append(ref_rope(y, cos, sin, interleaved) if cos is not None else y)
+        v_new = proj[..., (hq + hkv) * hd :].reshape(b, 1, hkv, hd).transpose(1, 2)
+        kk, vv = before[0].double(), before[1].double()
+        kk[:, :, slot], vv[:, :, slot] = qk[1][:, :, 0].float(), v_new[:, :, 0].float()  # what the cache holds
+        seen = visible(qpos, kpos, name, param)[:, None].reshape(b, 1, s)
+        sk = None if sinks is None else sinks.double()
+        out = masked_attention(qk[0].float().double(), kk, vv, seen, scale, softcap, sinks=sk)
+        return out.reshape(b, 1, hq * hd), qk[1][:, :, 0], v_new[:, :, 0]
+
+    return (
+        f"attention_step x{tuple(x.shape)} {x.dtype} heads={hq},{hkv},{hd} {w.dtype} s={s} slot={slot} {name} "
+        f"{param} r={r} in_norm={in_norm is not None} softcap={softcap} sinks={sinks is not None}",
+        run,
+        ref,
+        max(dm, s, hd),
+    )
+
+
 CASES = {
     "decode_linear": case_linear,
     "rms_norm": case_rms_norm,
@@ -423,6 +488,7 @@ CASES = {
     "gated_mlp": case_gated_mlp,
     "qkv_norm_rope": case_qkv,
     "decoder_tail": case_decoder_tail,
+    "attention_step": case_attention_step,
 }
 
 

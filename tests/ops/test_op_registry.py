@@ -112,6 +112,18 @@ def sample(name: str, seed: int) -> tuple:
             *(n(*rows, d), n(*rows, width), wo, opt(n(d)), so, *norm(), *norm()),
             *(wg, opt(n(2 * i)), sg, wd, opt(n(d)), sd, act, *norm()),
         )
+    if name == "attention_step":
+        hkv, group, hd, s = r.randint(1, 2), r.randint(1, 2), r.choice([2, 4, 8]), r.randint(1, 30)
+        w, ws = _weight(r, g, (hkv * group + 2 * hkv) * hd, d)
+        cos, sin = _cos_sin(r, g, b, 1, hd) if r.random() < 0.7 else (None, None)
+        kpos = torch.arange(s).repeat(b, 1) - torch.randint(0, 3, (b, 1), generator=g)  # left padding
+        qs, ks, ins = opt(n(hd)), opt(n(hd)), opt(n(d))
+        return (
+            *(n(b, 1, d), w, opt(n(w.shape[0])), ws, hkv * group, hkv, hd, qs, 1e-6, ks, 1e-6, cos, sin),
+            *(r.random() < 0.5, ins, 1e-5, n(b, hkv, s, hd), n(b, hkv, s, hd), r.randint(0, s - 1), kpos[:, -1:]),
+            *(kpos, r.choice(["full", "sliding", "chunked"]), r.randint(1, 20), hd**-0.5, r.choice([None, 5.0])),
+            opt(n(hkv * group)),
+        )
     raise AssertionError(name)
 
 
@@ -131,7 +143,7 @@ def _no_grad():
 
 
 def test_every_spec_has_a_sample_and_a_reference():
-    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 12
+    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 13
     for name in NAMES:
         sample(name, 0)
 
@@ -209,6 +221,12 @@ BAD = {  # op -> (argument index, a replacement that breaks a declared rule, wha
     "gated_mlp": [(7, lambda a: "tanh", "activation"), (4, lambda w: w.t().contiguous(), "Dm")],
     "qkv_norm_rope": [(4, lambda h: h + 1, "rows"), (7, lambda s: torch.ones(3), "head_dim")],
     "decoder_tail": [(15, lambda a: "tanh", "activation"), (1, lambda a: a[..., :1].repeat(2, 1, 1), "leading")],
+    "attention_step": [
+        (18, lambda slot: -1, "slot"),
+        (21, lambda p: "ring", "unknown attention pattern"),
+        (6, lambda hd: hd * 2, "do not match"),
+        (0, lambda x: x.repeat(1, 2, 1), "1"),
+    ],
 }
 
 

@@ -882,6 +882,34 @@ void hc_qkv_norm_rope(const float *x, int B, int T, int Dm, const void *w, int w
   hc_norm_rope(qkv + (size_t)Hq * D, W * T, D, W, k_scale, k_eps, cos_t, sin_t, k_out, B, Hkv, T, D, rot, interleaved);
 }
 
+/* A decode step's attention in one call: one token per row, B rows. hc_qkv_norm_rope (T = 1; k into k_new
+   [B, Hkv, D]), then the token's keys and values written into slot `slot` of every row of the cache's keys / values
+   [B, Hkv, S, D] (strides in elements, contiguous last dim; the slot past the ones held, which the cache reserved),
+   then hc_decode_attention of q over all S slots by positions (kpos [B, S] already holds the token's position):
+   out [B, Hq, D], which is [B, Hq * D] as the output projection reads it. The same kernels in the same order as
+   the separate calls. Returns 0; -3 (nothing done) for a slot outside [0, S) or Hkv < 1 or Hq not a multiple of it;
+   else hc_decode_attention's code. */
+int hc_attention_step(const float *x, int B, int Dm, const void *w, int wtype, const float *wscale, const float *bias,
+                      int Hq, int Hkv, int D, float *qkv, const float *q_scale, float q_eps, const float *k_scale,
+                      float k_eps, const float *cos_t, const float *sin_t, int rot, int interleaved, float *q_out,
+                      float *k_new, const float *in_scale, float in_eps, float *xn, float *keys, float *values,
+                      long slot, int S, long ksb, long ksh, long kss, long vsb, long vsh, long vss,
+                      const int64_t *qpos, const int64_t *kpos, int pattern, long param, float scale, float softcap,
+                      const float *sinks, float *out) {
+  if (slot < 0 || slot >= S || Hkv < 1 || Hq < 1 || Hq % Hkv || B < 1 || D < 1) return -3;
+  hc_qkv_norm_rope(x, B, 1, Dm, w, wtype, wscale, bias, Hq, Hkv, D, qkv, q_scale, q_eps, k_scale, k_eps, cos_t, sin_t,
+                   rot, interleaved, q_out, k_new, in_scale, in_eps, xn);
+  size_t W = (size_t)(Hq + 2 * Hkv) * D;
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < Hkv; h++) {
+      float *kd = keys + b * ksb + h * ksh + slot * kss, *vd = values + b * vsb + h * vsh + slot * vss;
+      const float *ks = k_new + ((size_t)b * Hkv + h) * D, *vs = qkv + b * W + (size_t)(Hq + Hkv + h) * D;
+      for (int d = 0; d < D; d++) kd[d] = ks[d], vd[d] = vs[d];
+    }
+  return hc_decode_attention(q_out, keys, values, NULL, qpos, kpos, pattern, param, out, B, Hq, Hkv, S, D, ksb, ksh,
+                             kss, vsb, vsh, vss, scale, softcap, sinks);
+}
+
 /* A decoder layer after its attention, M rows of D: o = a [M, A] @ w_o^T (the output projection), h1 = h + o
    (post_attn: h + rms_norm(o) * post_attn), x = rms_norm(h1) * pre_mlp (NULL: x = h1), m = the gated MLP of x
    (hc_gated_mlp), out = h1 + m (post_mlp: + rms_norm(m) * post_mlp). The same kernels, in the same order, as the

@@ -1,0 +1,130 @@
+"""A decode step's attention in one kernel call (ops/cpu_attention_step.py through AttentionMixer._one_call_step):
+the token's keys and values written by the kernel straight into the slot the cache layer reserved
+(AttentionCacheLayer.decode_slot). It runs the same kernels in the same order as the separate calls (q/k/v kernel,
+the cache's append, the attention kernel), so logits, tokens and the cache itself must be bit-identical to them,
+past the sliding window, with left padding, and after a block that failed."""
+
+import pytest
+import torch
+
+import hybridcache as hc
+from hybridcache.blocks.attention import AttentionMixer
+from hybridcache.ops import kernel_status
+from tests.models.conftest import prompts
+
+pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
+
+
+def _separate(monkeypatch):
+    """Every decode step by the separate calls."""
+    monkeypatch.setattr(AttentionMixer, "_one_call_step", lambda self, *a: (None, None))
+
+
+def _counted(monkeypatch) -> list:
+    """Which calls the one-call step served (True) or left to the separate path (False)."""
+    seen, real = [], AttentionMixer._one_call_step
+
+    def counted(self, *a):
+        out = real(self, *a)
+        seen.append(out[0] is not None)
+        return out
+
+    monkeypatch.setattr(AttentionMixer, "_one_call_step", counted)
+    return seen
+
+
+def _run(model, ids, mask, new):
+    out = hc.generate(model, ids, attention_mask=mask, max_new_tokens=new)
+    cache = [(e.keys.clone(), e.values.clone(), e.key_pos.clone()) for e in out.cache.entries]
+    return out.sequences, out.logits, cache
+
+
+@pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
+def test_one_call_step_is_the_separate_calls(checkpoints, monkeypatch, weights):
+    model = hc.from_pretrained(checkpoints("gemma3"), weights=weights)
+    ids = prompts(2, 7, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with monkeypatch.context() as m:
+        served = _counted(m)
+        seqs, logits, cache = _run(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
+    layers = len(model.decoder_layers)
+    assert served == [True] * (11 * layers)  # every layer of every decode step, in one call
+    with monkeypatch.context() as m:
+        _separate(m)
+        want_seqs, want_logits, want_cache = _run(model, ids, mask, 12)
+    assert torch.equal(seqs, want_seqs)
+    assert torch.equal(logits, want_logits)
+    for got, want in zip(cache, want_cache, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_failed_block_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
+    """The kernel wrote a reserved slot of the first layers, then a later layer failed: the block is aborted and
+    the next step runs as if the failed one never happened."""
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids = prompts(1, 5, seed=2)
+    out = hc.generate(model, ids, max_new_tokens=2)
+    before = [(e.keys.clone(), e.key_pos.clone(), e.seen.clone()) for e in out.cache.entries]
+    last = model.decoder_layers[-1]
+    with monkeypatch.context() as m:
+        m.setattr(type(last), "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("layer failed")))
+        with pytest.raises(RuntimeError, match="layer failed"):
+            hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
+    for e, (keys, pos, seen) in zip(out.cache.entries, before, strict=True):
+        assert torch.equal(e.keys, keys) and torch.equal(e.key_pos, pos) and torch.equal(e.seen, seen)
+    again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits
+    fresh = hc.generate(model, ids, max_new_tokens=5).logits  # [B, T_new, V]
+    assert torch.equal(again, fresh[:, 2:])
+
+
+def test_a_reserved_slot_the_kernel_declines_is_written_by_the_separate_path(checkpoints, monkeypatch):
+    """If the bound call declines after the slot was reserved, the separate path computes k and v and writes them
+    there: the same numbers as never reserving."""
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids = prompts(1, 6, seed=4)
+    want = hc.generate(model, ids, max_new_tokens=5).logits
+    real_bind = AttentionMixer._bind_step
+
+    def declining(self, *a):
+        run = real_bind(self, *a)
+        return None if run is None else (lambda *args: None)
+
+    with monkeypatch.context() as m:
+        m.setattr(AttentionMixer, "_bind_step", declining)
+        for mixer in model.modules():
+            if isinstance(mixer, AttentionMixer):
+                mixer._step_memo.entry = (object(), None)  # bind again, declining
+        served = _counted(m)
+        got = hc.generate(model, ids, max_new_tokens=5).logits
+    assert served and not any(served)
+    assert torch.equal(got, want)
+
+
+class _Abort(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "cache_config, reserved",
+    [
+        ({"attention": {"storage": "int8"}}, set()),  # quantized storage: update() quantizes
+        ({"full": {"type": "h2o", "budget": 8}}, {"sliding"}),  # H2O reads attention weights; sliding stays dense
+        ("static", set()),  # preallocated slots
+        (None, {"sliding", "full"}),  # the native dense layers
+    ],
+)
+def test_only_dense_appending_layers_reserve_a_slot(checkpoints, cache_config, reserved):
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    static = cache_config == "static"
+    cache = model.make_cache(1, None if static else cache_config, 16 if static else None)
+    hc.generate(model, prompts(1, 4, seed=1), max_new_tokens=1, cache=cache)
+    got = set()
+    with pytest.raises(_Abort), cache.block(None, 1):
+        for entry in cache.entries:
+            if entry.decode_slot() is not None:
+                got.add(type(entry).type_name)
+            else:
+                assert not entry.fed  # nothing staged
+        raise _Abort  # (the reserved slots were never written: the block is dropped)
+    assert got == reserved
