@@ -117,6 +117,7 @@ def llamacpp_rates(
                     "weights_format": fmt,
                     "llamacpp_precision": res["precision"],
                     "llamacpp_version": runner.version,
+                    "llamacpp_note": getattr(runner, "note", None),
                     "threads": threads,
                     "prepare_s": res.get("prepare_s"),
                     **agreement(ours_tokens.get((fmt, batch)), theirs),
@@ -131,6 +132,8 @@ def agreement_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         if not r["system"].startswith("llama.cpp"):
             continue
+        if r.get("llamacpp_note") and r["llamacpp_note"] not in lines:
+            lines.append(r["llamacpp_note"])
         ours = f"ours ({r['weights_format'] or 'model dtype'} weights)"
         if r.get("tokens_agree") is None:
             lines.append(f"{r['system']}: no tokens of {ours} to compare")

@@ -25,7 +25,12 @@ class LlamaCppUnavailable(RuntimeError):
 
 
 class LlamaCppWorkerError(RuntimeError):
-    """The llama.cpp worker failed (its root cause is in the message)."""
+    """The llama.cpp worker failed (its root cause is in the message; `signal`: the signal that killed it, if one
+    did)."""
+
+    def __init__(self, message: str, signal: int | None = None):
+        super().__init__(message)
+        self.signal = signal
 
 
 def llamacpp_python(configured: str | None = None) -> str:
@@ -83,6 +88,7 @@ class LlamaCppRunner:
         self.gguf, self.gguf_sha256, self.cache_dir = str(gguf), gguf_sha256, str(cache_dir)
         self.timeout, self.worker = timeout, Path(worker)
         self.version: str | None = None
+        self.note: str | None = None  # how llama.cpp had to run here, if not as it chose
 
     def time_generation(
         self,
@@ -98,19 +104,29 @@ class LlamaCppRunner:
         (None without `batch_prompts`): the same for those rows decoded together, "tokens" a list per row."""
         if batch_prompts is not None and (not batch_prompts or len({len(r) for r in batch_prompts}) != 1):
             raise ValueError("batch_prompts: B rows of one length")
-        answer = self._ask(
-            {
-                "gguf": self.gguf,
-                "gguf_sha256": self.gguf_sha256,
-                "cache_dir": self.cache_dir,
-                "precisions": list(precisions),
-                "prompt": [int(t) for t in prompt],
-                "new_tokens": int(new_tokens),
-                "threads": int(threads),
-                "repeats": int(repeats),
-                "batch_prompts": None if batch_prompts is None else [[int(t) for t in r] for r in batch_prompts],
-            }
-        )
+        request = {
+            "gguf": self.gguf,
+            "gguf_sha256": self.gguf_sha256,
+            "cache_dir": self.cache_dir,
+            "precisions": list(precisions),
+            "prompt": [int(t) for t in prompt],
+            "new_tokens": int(new_tokens),
+            "threads": int(threads),
+            "repeats": int(repeats),
+            "batch_prompts": None if batch_prompts is None else [[int(t) for t in r] for r in batch_prompts],
+        }
+        try:
+            answer = self._ask(request)
+        except LlamaCppWorkerError as e:
+            if e.signal is None:
+                raise
+            # llama.cpp's AMX / repacked-weight buffers can crash where the CPU reports AMX a VM does not grant
+            # (seen: SIGSEGV on q8_0, on a Xeon VM): once more without them, and say so
+            answer = self._ask({**request, "extra_buffers": False})
+            self.note = (
+                f"llama.cpp died with signal {e.signal} using its extra buffer types (AMX / repacked weights) on "
+                "this host; timed without them"
+            )
         self.version = answer.get("version")
         return answer["results"]
 
@@ -124,7 +140,10 @@ class LlamaCppRunner:
             except TimeoutError as e:
                 raise LlamaCppWorkerError(str(e)) from None
             if code != 0 or not ans.exists():
-                raise LlamaCppWorkerError(f"the llama.cpp worker failed (exit {code}): {root_cause(stderr, stdout)}")
+                raise LlamaCppWorkerError(
+                    f"the llama.cpp worker failed (exit {code}): {root_cause(stderr, stdout)}",
+                    -code if isinstance(code, int) and code < 0 else None,
+                )
             answer = json.loads(ans.read_text())
         if "error" in answer:
             raise LlamaCppWorkerError(f"llama.cpp reference: {answer['error']}")

@@ -83,10 +83,27 @@ def run_once(llm, sampler, sample, prompt: list, n: int, clock) -> tuple[float, 
     return first - start, end - first, tokens
 
 
+def _without_extra_buffers(lib) -> None:
+    """Load models without llama.cpp's extra buffer types (AMX / repacked weight layouts): Llama() takes its model
+    parameters from llama_model_default_params, so that is where the flag goes."""
+    low = lib.llama_cpp  # the module Llama() reads its defaults from
+    default = getattr(low, "_hybridcache_default_params", low.llama_model_default_params)
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low._hybridcache_default_params = default
+    low.llama_model_default_params = params
+
+
 def time_precision(lib, model_path: str, request: dict, clock=time.perf_counter) -> dict:
     """Prefill and decode samples of `repeats` runs (after one warm-up) and the greedy tokens; refuses runs whose
     tokens differ (the same greedy generation must give the same tokens)."""
     prompt, n, threads = list(request["prompt"]), int(request["new_tokens"]), int(request["threads"])
+    if not request.get("extra_buffers", True):
+        _without_extra_buffers(lib)
     llm = lib.Llama(
         model_path=model_path,
         n_ctx=len(prompt) + n + 8,

@@ -144,6 +144,41 @@ def test_the_real_worker_runs_end_to_end_on_a_stand_in_module(tmp_path, monkeypa
         assert open(r["model"], "rb").read() == b"GGUF" + bytes([ftype])
 
 
+CRASHES_WITH_EXTRA_BUFFERS = """
+import os, signal, sys
+class _Params:
+    use_extra_bufts = True
+def llama_model_default_params():
+    return _Params()
+llama_cpp = sys.modules[__name__]  # the module Llama() reads its defaults from (llama_cpp.llama_cpp in the package)
+_init = Llama.__init__
+def _crashing_init(self, model_path, **kw):
+    if llama_cpp.llama_model_default_params().use_extra_bufts:  # AMX in a VM that does not grant it, say
+        os.kill(os.getpid(), signal.SIGSEGV)
+    _init(self, model_path, **kw)
+Llama.__init__ = _crashing_init
+"""
+
+
+def test_a_llamacpp_that_crashes_with_its_extra_buffers_runs_without_them(tmp_path, monkeypatch):
+    """llama.cpp's AMX / repacked-weight buffers died with SIGSEGV on a Xeon VM: the runner runs it once more
+    without them and says so (rows carry the note; the agreement lines print it once)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "llama_cpp.py").write_text(STAND_IN + CRASHES_WITH_EXTRA_BUFFERS)
+    monkeypatch.setenv("PYTHONPATH", str(lib))
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+    runner = LlamaCppRunner(sys.executable, source, tmp_path / "cache", check=False)
+    results = runner.time_generation([48, 9, 49], 3, 1, 3, precisions=("q8_0",))
+    assert results[0]["tokens"] == [0, 1, 2]
+    assert "signal 11" in runner.note and "without them" in runner.note
+    b = OmegaConf.create({"prompt_tokens": 3, "new_tokens": 3, "repeats": 3})
+    rows = llamacpp_rates(runner, b, {1: [[48, 9, 49]]}, {"int8": "q8_0"}, {("int8", 1): [[0, 1, 2]]}, 1, 0.25)
+    lines = agreement_lines(rows)
+    assert lines[0] == runner.note and "agree 3/3" in lines[1]
+
+
 def test_benchmark_skips_llamacpp_saying_why(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     said = []
