@@ -17,6 +17,11 @@ from experiments.figure_style import byte_unit, strategy_color  # noqa: E402
 SYSTEMS = ("ours (compiled)", "ours (eager)", "hf", "vllm")
 
 
+def bar_value(v: float) -> str:
+    """A bar's label: three significant digits, never in exponent form (1000, not 1e+03)."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def _valid(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -56,7 +61,7 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
             ]
             ok = [(x, v) for x, v in zip(xs, values) if _valid(v)]
             bars = ax.bar([x for x, _ in ok], [v for _, v in ok], width, label=system, **styles[system])
-            ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
+            ax.bar_label(bars, labels=[bar_value(v) for _, v in ok], fontsize=7, padding=1)
             for x, v in zip(xs, values):
                 if not _valid(v):
                     ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)

@@ -18,7 +18,7 @@ from matplotlib.text import Text
 from omegaconf import OmegaConf
 
 from experiments.figure_style import byte_unit, cfg_context, strategy_color, strategy_key
-from experiments.plots import log_benchmark, scaling_lines, throughput_bars
+from experiments.plots import bar_value, log_benchmark, scaling_lines, throughput_bars
 from experiments.study_report import log_study, pareto_plot
 from experiments.train_plot import log_loss_curve, loss_curve
 from hybridcache.tracking import Tracker
@@ -336,3 +336,14 @@ def test_every_study_strategy_has_its_own_colour_and_sizes_share_one():
     assert len({strategy_color(k) for k in keys}) == len(keys), sorted(keys)  # no two strategies share a colour
     assert strategy_color("sliding_256") == strategy_color("sliding(64)") == strategy_color("sliding_1024")
     assert strategy_color("int4") != strategy_color("int4_residual32") != strategy_color("int4_first2_dense")
+
+
+def test_bar_labels_never_use_exponents():
+    assert [bar_value(v) for v in (1000.4, 999.6, 229.0, 59.34, 1.234, 0.0123)] == [
+        "1000",
+        "1000",
+        "229",
+        "59.3",
+        "1.23",
+        "0.0123",
+    ]
