@@ -19,6 +19,7 @@ from hybridcache.ops import masked_attention
 from hybridcache.ops._checks import MAX_ROWS
 from hybridcache.ops.attention import decode_kernel
 from hybridcache.ops.cpu_attention_step import bind_attention_step
+from hybridcache.ops.cpu_decoder_layer import bind_decoder_layer
 from hybridcache.ops.cpu_fused import bind_qkv_norm_rope
 from hybridcache.ops.kernel_calls import call, takes
 
@@ -167,11 +168,16 @@ class AttentionMixer(nn.Module):
         cos, sin = rotary.tables(step, torch.float32)
         return (cos, sin) if rotary.kernel_tables(h, cos) else (False, False)
 
-    def _one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None):
+    def one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail=None):
         """A decode step's attention by one kernel call (ops/cpu_attention_step.py): the output before o_proj
         [B, 1, Hq * D], the token's keys and values written straight into the slot `layer` reserved
-        (AttentionCacheLayer.decode_slot). Returns (output, None), or (None, reserved) where the separate path
-        runs: reserved = (view, slot) when the slot is already reserved (the caller writes it), else None."""
+        (AttentionCacheLayer.decode_slot). With `tail` (the layer's bound decoder tail, blocks/decoder_tail.py
+        bound_tail, whose residual is h) the whole layer in that call instead (ops/cpu_decoder_layer.py): the
+        layer's output [B, 1, D]. Returns (output, None), or (None, reserved) where the separate path runs:
+        reserved = (view, slot) when the slot is already reserved (then pass it to forward), else None."""
+        return self._one_call_step(h, layer, step, norm, tail)
+
+    def _one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail=None):
         if (
             self.output_gate
             or self.query_hook is not None
@@ -183,8 +189,11 @@ class AttentionMixer(nn.Module):
             or not isinstance(layer, AttentionCacheLayer)
         ):
             return None, None
-        key = (self._input_key(h, norm), self.scale, self.softcap, tensor_key(self.sinks))
-        run = self._step_memo.get(key, lambda: self._bind_step(h.shape[2], norm))
+        key = (self._input_key(h, norm), self.scale, self.softcap, tensor_key(self.sinks), id(tail))
+        if tail is None:
+            run = self._step_memo.get(key, lambda: self._bind_step(h.shape[2], norm))
+        else:  # (the bound call holds `tail`, so its id is not reused while this entry is kept)
+            run = self._step_memo.get(key, lambda: bind_decoder_layer(self._bind_step(h.shape[2], norm), tail))
         if run is None:
             return None, None
         cos, sin = self._tables(h, step)
@@ -275,19 +284,21 @@ class AttentionMixer(nn.Module):
         extra: tuple[torch.Tensor | None, ...] | None = None,
         project: bool = True,
         norm: nn.Module | None = None,
+        reserved: tuple | bool | None = None,
     ) -> torch.Tensor:
         """[B, T, out] from h [B, T, hidden] (through `norm` first, the layer's input norm, unless None: a plain
         RMSNorm runs in the q/k/v kernel call); with `project=False` the output before o_proj, [B, T, Hq * D] (for a
-        caller that runs o_proj in a fused kernel: blocks/decoder_tail.py)."""
+        caller that runs o_proj in a fused kernel: blocks/decoder_tail.py). `reserved`: what one_call_step returned
+        when the caller tried it first ((view, slot) to write, or False: nothing reserved; None: not tried)."""
         b, t, _ = h.shape
         d = self.head_dim
         gate = q_pre = None
         wants_queries = getattr(layer, "wants_queries", False)  # a method modelling future queries (ExpectedAttention)
-        reserved = None
-        if t == 1 and extra is None and not wants_queries:  # eager decode: the whole attention in one kernel call
+        if reserved is None and t == 1 and extra is None and not wants_queries:  # eager decode: one kernel call
             out, reserved = self._one_call_step(h, layer, step, norm)
             if out is not None:
                 return self.o_proj(out) if project else out
+        reserved = reserved or None
         fused_input = self._fused_input(h, step, norm) if extra is None and not wants_queries else None
         if fused_input is not None:
             q, k, v = fused_input

@@ -39,11 +39,28 @@ def decoder_tail(
         return None
     if memo is None or torch.compiler.is_compiling():
         return _call(h, a, o_proj, post_attn, pre_mlp, mlp, post_mlp)
+    run = bound_tail(h.shape[-1], a.shape[-1], o_proj, post_attn, pre_mlp, mlp, post_mlp, memo)
+    return None if run is None else run(h, a)
+
+
+def bound_tail(
+    d: int,
+    width: int,
+    o_proj: nn.Module,
+    post_attn: nn.Module | None,
+    pre_mlp: nn.Module | None,
+    mlp: nn.Module,
+    post_mlp: nn.Module | None,
+    memo: KernelMemo,
+):
+    """decoder_tail's call bound to these modules (ops/cpu_fused.py bind_decoder_tail) for a residual of width d
+    and an attention output of `width`, kept in `memo`; None: the kernel does not take them. A decoder layer that
+    runs its whole decode step in one call (ops/cpu_decoder_layer.py) ends with it."""
     down = mlp._modules.get("down_proj") if type(mlp) is GatedMLP else None
     f = mlp.gate_up._fused if down is not None else None
     key = (
-        h.shape[-1],
-        a.shape[-1],
+        d,
+        width,
         id(o_proj),
         type(o_proj),
         *(tensor_key(t) for t in _linear(o_proj)),
@@ -57,8 +74,7 @@ def decoder_tail(
         kernel_key(pre_mlp),
         kernel_key(post_mlp),
     )
-    run = memo.get(key, lambda: _bind(h.shape[-1], a.shape[-1], o_proj, post_attn, pre_mlp, mlp, post_mlp))
-    return None if run is None else run(h, a)
+    return memo.get(key, lambda: _bind(d, width, o_proj, post_attn, pre_mlp, mlp, post_mlp))
 
 
 def _linear(lin: nn.Module | None) -> tuple[torch.Tensor | None, ...]:

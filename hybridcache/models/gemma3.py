@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.decoder_tail import decoder_tail
+from hybridcache.blocks.decoder_tail import bound_tail, decoder_tail
 from hybridcache.blocks.kernel_memo import KernelMemo
 from hybridcache.blocks.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
@@ -18,6 +18,7 @@ from hybridcache.models.config_pieces import AttentionFields
 from hybridcache.models.family_config import length_problem, param
 from hybridcache.models.registry import register_family
 from hybridcache.models.stack import StackLM
+from hybridcache.ops.kernel_calls import takes
 
 NATIVE_TYPE = {"sliding_attention": "sliding", "full_attention": "full"}
 
@@ -88,7 +89,17 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         attn, post, pre = self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm
-        a = attn(h, layer, step, project=False, norm=self.input_layernorm)  # [B, T, Hq * D]
+        reserved = None
+        if h.shape[1] == 1 and takes(h) and not torch.compiler.is_compiling():  # eager decode: one call per layer
+            width = attn.num_heads * attn.head_dim
+            tail = bound_tail(h.shape[2], width, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm,
+                              self._tail_memo)  # fmt: skip
+            if tail is not None:
+                out, reserved = attn.one_call_step(h, layer, step, self.input_layernorm, tail)
+                if out is not None:
+                    return out
+                reserved = reserved or False  # tried: the separate path writes a reserved slot
+        a = attn(h, layer, step, project=False, norm=self.input_layernorm, reserved=reserved)  # [B, T, Hq * D]
         out = decoder_tail(h, a, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm, self._tail_memo)
         if out is not None:  # a float32 CPU decode step: the rest of the layer in one kernel call
             return out

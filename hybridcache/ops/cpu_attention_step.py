@@ -64,7 +64,9 @@ def bind_attention_step(
     tail = (scale, softcap or 0.0, _ptr(sinks))
     per_row = dm + width + (heads + kv_heads) * d  # scratch floats: normed x, q / k / v, rotated q, rotated k
 
-    def run(x, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param):
+    def prepare(x, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param):
+        """(hc_attention_step's arguments up to its output, the output [B, 1, Hq * D] to pass, the tensors those
+        arguments point into: keep them alive until the call), or None when the kernel does not take these."""
         if not _eager(x) or x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != dm:
             return None
         b = x.shape[0]
@@ -84,40 +86,25 @@ def bind_attention_step(
         scratch = torch.empty(b * per_row, dtype=_F32)
         xn, qkv_out = scratch.data_ptr(), scratch.data_ptr() + 4 * b * dm
         q_out, k_new = qkv_out + 4 * b * width, qkv_out + 4 * b * (width + heads * d)
-        out = torch.empty(b, 1, heads * d, dtype=_F32)
         r = 0 if cos is None else cos.shape[-1]
-        err = fn(
-            x.data_ptr(),
-            b,
-            *weights,
-            qkv_out,
-            *norms,
-            _ptr(cos),
-            _ptr(sin),
-            r,
-            int(interleaved),
-            q_out,
-            k_new,
-            *last,
-            xn,
-            keys.data_ptr(),
-            values.data_ptr(),
-            slot,
-            s,
-            *keys.stride()[:3],
-            *values.stride()[:3],
-            q_pos.data_ptr(),
-            k_pos.data_ptr(),
-            code,
-            value,
-            *tail,
-            out.data_ptr(),
+        args = (
+            *(x.data_ptr(), b, *weights, qkv_out, *norms, _ptr(cos), _ptr(sin), r, int(interleaved), q_out, k_new),
+            *(*last, xn, keys.data_ptr(), values.data_ptr(), slot, s, *keys.stride()[:3], *values.stride()[:3]),
+            *(q_pos.data_ptr(), k_pos.data_ptr(), code, value, *tail),
         )
-        if err:
-            raise MemoryError(f"hc_attention_step: no memory for the attention's scratch ({s} slots)")
+        return args, torch.empty(b, 1, heads * d, dtype=_F32), (x, q_pos, k_pos, scratch, cos, sin, keys, values)
+
+    def run(x, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param):
+        prepared = prepare(x, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param)
+        if prepared is None:
+            return None
+        args, out, _alive = prepared
+        if fn(*args, out.data_ptr()):
+            raise MemoryError(f"hc_attention_step: no memory for the attention's scratch ({keys.shape[2]} slots)")
         return out
 
     run.holds = (qkv, q_norm, k_norm, in_norm, sinks)  # alive while `run` is: C reads them through raw pointers
+    run.prepare, run.dims = prepare, (dm, heads * head_dim)  # for a call that goes on (cpu_decoder_layer.py)
     return run
 
 

@@ -243,4 +243,5 @@ def bind_decoder_tail(
         return y
 
     run.holds = (o, post_attn, pre_mlp, gate_up, down, post_mlp)  # alive while `run` is (as in bind_qkv_norm_rope)
+    run.static, run.dims = (*middle, *last), (d, width, per_row)  # for a call that ends with it (cpu_decoder_layer.py)
     return run

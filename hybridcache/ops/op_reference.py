@@ -200,3 +200,57 @@ def attention_step(
     values[:, :, slot] = v[:, :, 0]
     out = decode_attention(q, keys, values, None, q_pos, k_pos, pattern, param, scale, softcap, sinks)
     return out.reshape(x.shape[0], 1, heads * head_dim)
+
+
+def decoder_layer(
+    x,
+    w,
+    bias,
+    wscale,
+    heads,
+    kv_heads,
+    head_dim,
+    q_scale,
+    q_eps,
+    k_scale,
+    k_eps,
+    cos,
+    sin,
+    il,
+    in_scale,
+    in_eps,
+    keys,
+    values,
+    slot,
+    q_pos,
+    k_pos,
+    pattern,
+    param,
+    scale,
+    softcap,
+    sinks,
+    w_o,
+    b_o,
+    s_o,
+    post_attn,
+    post_attn_eps,
+    pre_mlp,
+    pre_mlp_eps,
+    w_gu,
+    b_gu,
+    s_gu,
+    w_dn,
+    b_dn,
+    s_dn,
+    act,
+    post_mlp,
+    post_mlp_eps,
+):
+    """A decode step's whole decoder layer: decoder_tail of x (the residual) and attention_step's output -> [B, 1,
+    Dm], the token's keys and values written into `slot` of keys / values."""
+    a = attention_step(
+        *(x, w, bias, wscale, heads, kv_heads, head_dim, q_scale, q_eps, k_scale, k_eps, cos, sin, il, in_scale),
+        *(in_eps, keys, values, slot, q_pos, k_pos, pattern, param, scale, softcap, sinks),
+    )
+    tail = (w_o, b_o, s_o, post_attn, post_attn_eps, pre_mlp, pre_mlp_eps, w_gu, b_gu, s_gu, w_dn, b_dn, s_dn, act)
+    return decoder_tail(x, a, *tail, post_mlp, post_mlp_eps)

@@ -120,6 +120,12 @@ def _step_where(env: dict) -> str | None:
     return _qkv_where(env) or _attention_where({**env, "Hq": heads, "mask": None})
 
 
+def _layer_where(env: dict) -> str | None:
+    if env["A"] != env["heads"] * env["head_dim"]:
+        return f"o_proj reads {env['A']} features, the attention writes {env['heads']} x {env['head_dim']}"
+    return _step_where(env) or _mlp_where(env)
+
+
 SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "decode_linear",
@@ -307,6 +313,50 @@ SPECS: tuple[OpSpec, ...] = (
             )
         },
         _step_where,
+    ),
+    OpSpec(
+        "decoder_layer",
+        "(Tensor x, Tensor w, Tensor? bias, Tensor? wscale, int heads, int kv_heads, int head_dim, Tensor? q_scale, "
+        "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved, Tensor? in_scale, "
+        "float in_eps, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor q_pos, Tensor k_pos, str pattern, "
+        "int param, float scale, float? softcap, Tensor? sinks, Tensor w_o, Tensor? b_o, Tensor? s_o, "
+        "Tensor? post_attn, float post_attn_eps, Tensor? pre_mlp, float pre_mlp_eps, Tensor w_gu, Tensor? b_gu, "
+        "Tensor? s_gu, Tensor w_dn, Tensor? b_dn, Tensor? s_dn, str act, Tensor? post_mlp, float post_mlp_eps) "
+        "-> Tensor",
+        {
+            "x": "f32[B 1 Dm]",
+            "w": f"{_W}[W Dm]",
+            "bias": "f32?[W]",
+            "wscale": "f32?[W]",
+            "q_scale": "f32?[Dq]",
+            "k_scale": "f32?[Dk]",
+            "cos": "f32?[B 1 1 R]",
+            "sin": "f32?[B 1 1 R]",
+            "in_scale": "f32?[Dm]",
+            "keys": "f32[B Hkv S D]",
+            "values": "f32[B Hkv S D]",
+            "q_pos": "i64[B 1]",
+            "k_pos": "i64[B S]",
+            "sinks": "f32?[Hq]",
+            "w_o": f"{_W}[Dm A]",
+            "b_o": "f32?[Dm]",
+            "s_o": "f32?[Dm]",
+            "post_attn": "f32?[Dm]",
+            "pre_mlp": "f32?[Dm]",
+            **_MLP_RULES,
+            "post_mlp": "f32?[Dm]",
+        },
+        {
+            "hc_decoder_layer": (
+                _I,
+                [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _F, _P, _F, _P, _P, _I, _I, _P, _P, _P, _F, _P]
+                + [_P, _P, _L, _I]
+                + [_L] * 6
+                + [_P, _P, _I, _L, _F, _F, _P, _P]
+                + [_P, _I, _P, _P, _P, _F, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _F, _P, _P],
+            )
+        },
+        _layer_where,
     ),
 )
 

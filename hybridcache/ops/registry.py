@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from hybridcache.ops import cpu_attention, cpu_attention_step, cpu_fused, cpu_rows
+from hybridcache.ops import cpu_attention, cpu_attention_step, cpu_decoder_layer, cpu_fused, cpu_rows
 from hybridcache.ops import op_reference as reference
 from hybridcache.ops._checks import INT_MAX, KernelArgumentError
 from hybridcache.ops.op_specs import SPECS, OpSpec, parse_rule
@@ -43,6 +43,19 @@ def _kernel_calls() -> dict:
         inn = None if in_scale is None else (in_scale, in_eps)
         return cpu_attention_step.attention_step(x, (w, bias, ws), heads, kv, hd, qn, kn, cos, sin, il, inn, *attention)
 
+    def layer(*args):
+        x, w, bias, ws, heads, kv, hd, qs, qe, ks, ke, cos, sin, il, in_scale, in_eps = args[:16]
+        keys, values, slot, qpos, kpos, pattern, param, scale, softcap, sinks = args[16:26]
+        wo, bo, so, pa, pae, pm, pme, wg, bg, sg, wd, bd, sd, act, po, poe = args[26:]
+        qn, kn = None if qs is None else (qs, qe), None if ks is None else (ks, ke)
+        norm = lambda s, e: None if s is None else (s, e)  # noqa: E731
+        return cpu_decoder_layer.decoder_layer(
+            x,
+            ((w, bias, ws), heads, kv, hd, qn, kn, il, norm(in_scale, in_eps), scale, softcap, sinks),
+            ((wo, bo, so), norm(pa, pae), norm(pm, pme), (wg, bg, sg), (wd, bd, sd), act, norm(po, poe)),
+            (cos, sin, keys, values, slot, qpos, kpos, pattern, param),
+        )
+
     return {
         "decode_linear": cpu_rows.decode_linear,
         "rms_norm": cpu_rows.rms_norm,
@@ -56,6 +69,7 @@ def _kernel_calls() -> dict:
         "gated_mlp": lambda x, wg, bg, sg, wd, bd, sd, act: cpu_fused.gated_mlp(x, (wg, bg, sg), (wd, bd, sd), act),
         "qkv_norm_rope": qkv,
         "attention_step": step,
+        "decoder_layer": layer,
         "decoder_tail": lambda h, a, wo, bo, so, pa, pae, pm, pme, wg, bg, sg, wd, bd, sd, act, po, poe: (
             cpu_fused.decoder_tail(
                 h,

@@ -9,6 +9,7 @@ import torch
 
 import hybridcache as hc
 from hybridcache.blocks.attention import AttentionMixer
+from hybridcache.models import gemma3
 from hybridcache.ops import kernel_status
 from tests.models.conftest import prompts
 
@@ -45,11 +46,15 @@ def test_one_call_step_is_the_separate_calls(checkpoints, monkeypatch, weights):
     ids = prompts(2, 7, seed=5)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
+    tails = []
     with monkeypatch.context() as m:
         served = _counted(m)
+        real_tail = gemma3.decoder_tail
+        m.setattr(gemma3, "decoder_tail", lambda h, *a: tails.append(h.shape[1]) or real_tail(h, *a))
         seqs, logits, cache = _run(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
     layers = len(model.decoder_layers)
     assert served == [True] * (11 * layers)  # every layer of every decode step, in one call
+    assert 1 not in tails  # ... the decoder tail included (the prompt's block runs it apart)
     with monkeypatch.context() as m:
         _separate(m)
         want_seqs, want_logits, want_cache = _run(model, ids, mask, 12)
@@ -86,9 +91,13 @@ def test_a_reserved_slot_the_kernel_declines_is_written_by_the_separate_path(che
     want = hc.generate(model, ids, max_new_tokens=5).logits
     real_bind = AttentionMixer._bind_step
 
-    def declining(self, *a):
+    def declining(self, *a):  # a bound call (alone, or inside the whole-layer call) that declines every step
         run = real_bind(self, *a)
-        return None if run is None else (lambda *args: None)
+        if run is None:
+            return None
+        decline = lambda *args: None  # noqa: E731
+        decline.prepare, decline.dims = decline, run.dims
+        return decline
 
     with monkeypatch.context() as m:
         m.setattr(AttentionMixer, "_bind_step", declining)

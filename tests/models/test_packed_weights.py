@@ -144,9 +144,11 @@ def test_bad_weight_formats_are_refused(checkpoints):
 
 @pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
 def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoints, monkeypatch, weights):
-    """Gemma 3's decode step runs everything after attention in one kernel call (blocks/decoder_tail.py): the same
-    tokens and bit-identical logits as the separate calls, at every weight format, with left padding."""
+    """Gemma 3 runs everything after attention in one kernel call (blocks/decoder_tail.py; a decode step runs it
+    inside its whole-layer call, tests/models/test_attention_step.py): the same tokens and bit-identical logits as
+    the separate calls, at every weight format, with left padding."""
     import hybridcache.models.gemma3 as gemma3
+    from hybridcache.blocks.attention import AttentionMixer
     from hybridcache.ops import kernel_status
 
     if not kernel_status().startswith("C kernels"):
@@ -158,8 +160,9 @@ def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoin
     real = gemma3.decoder_tail
     monkeypatch.setattr(gemma3, "decoder_tail", lambda *a: calls.append(real(*a)) or calls[-1])
     fused = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
-    assert calls and all(out is not None for out in calls)  # every layer of every step took the kernel
+    assert calls and all(out is not None for out in calls)  # every layer of the prompt's block took the kernel
     monkeypatch.setattr(gemma3, "decoder_tail", lambda *a: None)
+    monkeypatch.setattr(AttentionMixer, "_one_call_step", lambda self, *a: (None, None))  # decode: separate too
     separate = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
     assert torch.equal(fused.sequences, separate.sequences)
     assert torch.equal(fused.logits, separate.logits)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import hybridcache.ops.cpu_kernels as ck
-from hybridcache.ops import cpu_attention_step, cpu_fused
+from hybridcache.ops import cpu_attention_step, cpu_decoder_layer, cpu_fused
 from hybridcache.ops.attention import masked_attention
 from hybridcache.ops.selective_scan import _selective_scan_torch
 
@@ -382,6 +382,19 @@ def case_qkv(f: Fuzz):
     )
 
 
+def _tail_ref(h, a, o, norms, gu, dn, act):
+    """decoder_tail in float64 (norms: post_attn, pre_mlp, post_mlp, each (scale, eps) or None)."""
+
+    def add(base, y, norm):  # the residual add, reading the float32 values the kernel reads
+        return base.double() + (ref_norm(y.float(), *norm) if norm else y.double())
+
+    h1 = add(h, ref_linear(a, *o), norms[0])
+    x = ref_norm(h1.float(), *norms[1]) if norms[1] else h1
+    g = ref_linear(x.float(), *gu)
+    m = ref_linear(ref_act(act, *g.chunk(2, dim=-1)).float(), *dn)
+    return add(h1, m, norms[2])
+
+
 def case_decoder_tail(f: Fuzz):
     rows, d = f.pick(0, 1, 3, 3, 16, 17), f.pick(0, 1, 8, 24, 24)
     width, i = f.pick(0, 1, 12, 12), f.pick(0, 1, 5, 32, 32)
@@ -392,14 +405,7 @@ def case_decoder_tail(f: Fuzz):
     act = f.pick(*cpu_fused.ACT_MUL, "relu")
 
     def ref():
-        def add(base, y, norm):  # the residual add, reading the float32 values the kernel reads
-            return base.double() + (ref_norm(y.float(), *norm) if norm else y.double())
-
-        h1 = add(h, ref_linear(a, *o), norms[0])
-        x = ref_norm(h1.float(), *norms[1]) if norms[1] else h1
-        g = ref_linear(x.float(), *gu)
-        m = ref_linear(ref_act(act, *g.chunk(2, dim=-1)).float(), *dn)
-        return add(h1, m, norms[2])
+        return _tail_ref(h, a, o, norms, gu, dn, act)
 
     return (
         f"decoder_tail {tuple(h.shape)}/{tuple(a.shape)} i={i} {o[0].dtype}/{gu[0].dtype}/{dn[0].dtype} {act} "
@@ -416,8 +422,9 @@ def _unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
     return torch.equal(t.nan_to_num(), before.nan_to_num()) if t.is_floating_point() else torch.equal(t, before)
 
 
-def case_attention_step(f: Fuzz):
-    b, dm, s = f.pick(0, 1, 1, 2, 17), f.pick(0, 1, 16, 16), f.pick(0, 1, 5, 40, 40)
+def case_attention_step(f: Fuzz, tail: bool = False):
+    """The one-call attention (tail=False) or the whole layer (tail=True: the decoder tail after it)."""
+    b, dm, s = f.pick(0, 1, 1, 2, 2, 17), f.pick(0, 1, 16, 16), f.pick(0, 1, 5, 40, 40, 40)
     hkv, group, hd = f.pick(1, 1, 2), f.pick(1, 2, 3), f.pick(1, 2, 8, 9)
     hq = hkv * group
     width = (hq + 2 * hkv) * hd
@@ -434,19 +441,27 @@ def case_attention_step(f: Fuzz):
     else:
         keys, values = f.values((b, hkv, s, hd)), f.values((b, hkv, s, hd))
     keys, values = f.spoil(keys), f.spoil(values)
-    slot = f.pick(s - 1, s - 1, s - 1, 0, s, -1)
+    slot = f.pick(s - 1, s - 1, s - 1, s - 1, 0, s, -1)
     kpos = torch.arange(s).repeat(b, 1) - torch.randint(0, 3, (b, 1), generator=f.gen)  # left padding: -1, -2
     qpos = kpos[:, -1:].clone() if s else torch.zeros(b, 1, dtype=torch.long)
     name, param = f.pick("full", "sliding", "chunked", "chunked", "ring"), f.pick(0, 1, 3, 7, 7, 2**40)
     scale, softcap = f.pick(hd**-0.5, 0.3), f.pick(None, None, 5.0, 0.0)
     sinks = f.spoil(f.values((hq,), 3.0)) if f.chance(0.3) else None
     before = (keys.clone(), values.clone())
+    i = f.pick(0, 1, 5, 32)
+    o, gu, dn = _weight(f, dm, hq * hd), _weight(f, 2 * i, dm), _weight(f, dm, i)
+    norms = [(f.spoil(f.values((dm,))), 1e-6) if f.chance(0.6) else None for _ in range(3)]
+    act = f.pick(*cpu_fused.ACT_MUL, "relu")
 
     def run():
-        out = cpu_attention_step.attention_step(
-            x, (w, bias, wscale), hq, hkv, hd, q_norm, k_norm, cos, sin, interleaved, in_norm, keys, values, slot,
-            qpos, kpos, name, param, scale, softcap, sinks,
-        )  # fmt: skip
+        step = ((w, bias, wscale), hq, hkv, hd, q_norm, k_norm, interleaved, in_norm, scale, softcap, sinks)
+        per_call = (cos, sin, keys, values, slot, qpos, kpos, name, param)
+        if tail:
+            out = cpu_decoder_layer.decoder_layer(x, step, (o, norms[0], norms[1], gu, dn, act, norms[2]), per_call)
+        else:
+            out = cpu_attention_step.attention_step(
+                x, *step[:6], cos, sin, interleaved, in_norm, *per_call[2:], *step[8:]
+            )
         if out is None or not 0 <= slot < s:  # declined (a slot outside, say): nothing may have been written
             return out if _unchanged(keys, before[0]) and _unchanged(values, before[1]) else "written"
         return out, keys[:, :, slot], values[:, :, slot]
@@ -463,15 +478,18 @@ def case_attention_step(f: Fuzz):
         kk[:, :, slot], vv[:, :, slot] = qk[1][:, :, 0].float(), v_new[:, :, 0].float()  # what the cache holds
         seen = visible(qpos, kpos, name, param)[:, None].reshape(b, 1, s)
         sk = None if sinks is None else sinks.double()
-        out = masked_attention(qk[0].float().double(), kk, vv, seen, scale, softcap, sinks=sk)
-        return out.reshape(b, 1, hq * hd), qk[1][:, :, 0], v_new[:, :, 0]
+        out = masked_attention(qk[0].float().double(), kk, vv, seen, scale, softcap, sinks=sk).reshape(b, 1, hq * hd)
+        if tail:
+            out = _tail_ref(x, out.float(), o, norms, gu, dn, act)
+        return out, qk[1][:, :, 0], v_new[:, :, 0]
 
     return (
-        f"attention_step x{tuple(x.shape)} {x.dtype} heads={hq},{hkv},{hd} {w.dtype} s={s} slot={slot} {name} "
+        f"{'decoder_layer' if tail else 'attention_step'} i={i} {act} x{tuple(x.shape)} {x.dtype} "
+        f"heads={hq},{hkv},{hd} {w.dtype} s={s} slot={slot} {name} "
         f"{param} r={r} in_norm={in_norm is not None} softcap={softcap} sinks={sinks is not None}",
         run,
         ref,
-        max(dm, s, hd),
+        max(dm, s, hd, i, hq * hd),
     )
 
 
@@ -489,6 +507,7 @@ CASES = {
     "qkv_norm_rope": case_qkv,
     "decoder_tail": case_decoder_tail,
     "attention_step": case_attention_step,
+    "decoder_layer": lambda f: case_attention_step(f, tail=True),
 }
 
 

@@ -124,6 +124,13 @@ def sample(name: str, seed: int) -> tuple:
             *(kpos, r.choice(["full", "sliding", "chunked"]), r.randint(1, 20), hd**-0.5, r.choice([None, 5.0])),
             opt(n(hkv * group)),
         )
+    if name == "decoder_layer":  # the attention step's arguments, then a decoder tail that fits them
+        step = sample("attention_step", seed)
+        d, width, i = step[0].shape[-1], step[4] * step[6], r.randint(1, 24)
+        (wo, so), (wg, sg), (wd, sd) = _weight(r, g, d, width), _weight(r, g, 2 * i, d), _weight(r, g, d, i)
+        norm = lambda: (n(d), r.choice([1e-6, 1e-2])) if r.random() < 0.6 else (None, 0.0)  # noqa: E731
+        act = r.choice(["silu", "gelu_pytorch_tanh"])
+        return (*step, wo, opt(n(d)), so, *norm(), *norm(), wg, opt(n(2 * i)), sg, wd, opt(n(d)), sd, act, *norm())
     raise AssertionError(name)
 
 
@@ -143,7 +150,7 @@ def _no_grad():
 
 
 def test_every_spec_has_a_sample_and_a_reference():
-    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 13
+    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 14
     for name in NAMES:
         sample(name, 0)
 
@@ -226,6 +233,11 @@ BAD = {  # op -> (argument index, a replacement that breaks a declared rule, wha
         (21, lambda p: "ring", "unknown attention pattern"),
         (6, lambda hd: hd * 2, "do not match"),
         (0, lambda x: x.repeat(1, 2, 1), "1"),
+    ],
+    "decoder_layer": [
+        (18, lambda slot: 10**6, "slot"),
+        (26, lambda w: w[:, :-1].contiguous(), "reads"),  # o_proj's input width
+        (39, lambda a: "tanh", "activation"),
     ],
 }
 

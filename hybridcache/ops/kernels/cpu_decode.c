@@ -929,6 +929,31 @@ void hc_decoder_tail(const float *h, const float *a, int M, int D, int A, const 
   hc_residual_norm(h1, m, post_mlp, post_mlp_eps, NULL, 0.0f, out, NULL, M, D);
 }
 
+/* A decode step's whole decoder layer in one call: hc_attention_step (its output into `a` [B, Hq * D]), then
+   hc_decoder_tail of the layer input x (the residual) and a into y [B, Dm] (tail_scratch: [B, 4 Dm + 3 I] floats).
+   The same kernels in the same order as the two calls. Returns hc_attention_step's code (the tail runs on 0). */
+int hc_decoder_layer(const float *x, int B, int Dm, const void *w, int wtype, const float *wscale, const float *bias,
+                     int Hq, int Hkv, int D, float *qkv, const float *q_scale, float q_eps, const float *k_scale,
+                     float k_eps, const float *cos_t, const float *sin_t, int rot, int interleaved, float *q_out,
+                     float *k_new, const float *in_scale, float in_eps, float *xn, float *keys, float *values,
+                     long slot, int S, long ksb, long ksh, long kss, long vsb, long vsh, long vss,
+                     const int64_t *qpos, const int64_t *kpos, int pattern, long param, float scale, float softcap,
+                     const float *sinks, float *a, const void *w_o, int o_type, const float *o_scale,
+                     const float *o_bias, const float *post_attn, float post_attn_eps, const float *pre_mlp,
+                     float pre_mlp_eps, int I, const void *w_gu, int gu_type, const float *gu_scale,
+                     const float *gu_bias, const void *w_dn, int dn_type, const float *dn_scale,
+                     const float *dn_bias, int act, const float *post_mlp, float post_mlp_eps, float *tail_scratch,
+                     float *y) {
+  int err = hc_attention_step(x, B, Dm, w, wtype, wscale, bias, Hq, Hkv, D, qkv, q_scale, q_eps, k_scale, k_eps,
+                              cos_t, sin_t, rot, interleaved, q_out, k_new, in_scale, in_eps, xn, keys, values, slot,
+                              S, ksb, ksh, kss, vsb, vsh, vss, qpos, kpos, pattern, param, scale, softcap, sinks, a);
+  if (err) return err;
+  hc_decoder_tail(x, a, B, Dm, Hq * D, w_o, o_type, o_scale, o_bias, post_attn, post_attn_eps, pre_mlp, pre_mlp_eps,
+                  I, w_gu, gu_type, gu_scale, gu_bias, w_dn, dn_type, dn_scale, dn_bias, act, post_mlp, post_mlp_eps,
+                  tail_scratch, y);
+  return 0;
+}
+
 /* ---- prefill projections: x [M, K] @ w [N, K]^T for many rows (a real GEMM) ---------------------------------------
    Outer products on a packed panel: each thread takes panels of NR = 2 VW weight rows, widens them (bfloat16 / int8:
    once per panel, not per row of x) into [K, NR] floats (per-thread scratch, kept), then sweeps x MR rows at a time,
