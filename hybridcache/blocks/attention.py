@@ -187,6 +187,8 @@ class AttentionMixer(nn.Module):
             or not 0 < h.shape[0] <= MAX_ROWS
             or torch.compiler.is_compiling()
             or not isinstance(layer, AttentionCacheLayer)
+            or type(self)._project is not AttentionMixer._project  # a subclass that projects its own way (MLA)
+            or type(self)._fused_input is not AttentionMixer._fused_input
         ):
             return None, None
         key = (self._input_key(h, norm), self.scale, self.softcap, tensor_key(self.sinks), id(tail))
