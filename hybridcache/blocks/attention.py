@@ -212,33 +212,23 @@ class AttentionMixer(nn.Module):
     def _bind_step(self, dm: int, norm: nn.Module | None):
         """The one-call attention bound to this mixer's projection, norms, scale, softcap and sinks (None: the
         kernel does not take them)."""
-        parts = self.qkv.parts()
-        if parts is None or not self._plain() or not kernel_plain(norm):
-            return None
-        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
-        return bind_attention_step(
-            parts,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            dm,
-            None if qn is None else kernel_args(qn),
-            None if kn is None else kernel_args(kn),
-            rotary is not None and rotary.interleaved,
-            None if norm is None else kernel_args(norm),
-            self.scale,
-            self.softcap,
-            self.sinks,
-        )
+        args = self._kernel_args(dm, norm)
+        return None if args is None else bind_attention_step(*args, self.scale, self.softcap, self.sinks)
 
     def _bind_input(self, dm: int, norm: nn.Module | None):
         """The q/k/v kernel call bound to this mixer's fused projection and norms (None: the kernel does not take
         them)."""
+        args = self._kernel_args(dm, norm)
+        return None if args is None else bind_qkv_norm_rope(*args)
+
+    def _kernel_args(self, dm: int, norm: nn.Module | None) -> tuple | None:
+        """The q/k/v kernels' arguments for this mixer (bind_qkv_norm_rope's; bind_attention_step's start so):
+        None when its projection is not fused or a norm / the rotary is not a kind they compute."""
         parts = self.qkv.parts()
         if parts is None or not self._plain() or not kernel_plain(norm):
             return None
         qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
-        return bind_qkv_norm_rope(
+        return (
             parts,
             self.num_heads,
             self.num_kv_heads,

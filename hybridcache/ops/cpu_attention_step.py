@@ -17,7 +17,7 @@ import torch
 from hybridcache.ops._checks import INT_MAX, MAX_ROWS, _cpu, _dense_last, _eager, _ptr, _real
 from hybridcache.ops._checks import _vec as _vector
 from hybridcache.ops.cpu_attention import _pattern, _rotary_ok
-from hybridcache.ops.cpu_fused import _matrix, _norm_args, _norm_ok
+from hybridcache.ops.cpu_fused import qkv_static
 from hybridcache.ops.cpu_library import _library
 
 _F32, _I64 = torch.float32, torch.int64
@@ -42,25 +42,18 @@ def bind_attention_step(
     output [B, 1, heads * head_dim] before the output projection, having written the token's keys and values into
     `slot`; or None (nothing written) for a call its kernel does not take. None here: these weights / norms never
     are (as bind_qkv_norm_rope)."""
-    lib = _library()
-    w, bias, wscale = qkv
-    if lib is None or not all(type(v) is int and v >= 1 for v in (heads, kv_heads, head_dim, dm)) or heads % kv_heads:
-        return None
-    width = (heads + 2 * kv_heads) * head_dim
-    code = _matrix(w, width, dm)
+    lib, static = _library(), qkv_static(qkv, heads, kv_heads, head_dim, dm, q_norm, k_norm, in_norm)
     if (
-        code is None
-        or not _vector(bias, width)
-        or not _vector(wscale, width)
-        or not (_norm_ok(q_norm, head_dim) and _norm_ok(k_norm, head_dim) and _norm_ok(in_norm, dm))
+        lib is None
+        or static is None
+        or heads % kv_heads
         or not _real(scale)
         or not (softcap is None or _real(softcap) and softcap > 0)
         or not _vector(sinks, heads)
     ):
         return None
-    fn, d, kv = lib.hc_attention_step, head_dim, kv_heads
-    weights = (dm, w.data_ptr(), code, _ptr(wscale), _ptr(bias), heads, kv_heads, head_dim)
-    norms, last = (*_norm_args(q_norm), *_norm_args(k_norm)), _norm_args(in_norm)
+    fn, d, kv, width = lib.hc_attention_step, head_dim, kv_heads, (heads + 2 * kv_heads) * head_dim
+    weights, norms, last = static
     tail = (scale, softcap or 0.0, _ptr(sinks))
     per_row = dm + width + (heads + kv_heads) * d  # scratch floats: normed x, q / k / v, rotated q, rotated k
 

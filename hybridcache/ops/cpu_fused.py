@@ -99,6 +99,28 @@ def qkv_norm_rope(
     return None if run is None else run(x, cos, sin)
 
 
+def qkv_static(
+    qkv: tuple, heads: int, kv_heads: int, head_dim: int, dm: int, q_norm, k_norm, in_norm
+) -> tuple[tuple, tuple, tuple] | None:
+    """The q / k / v kernels' checked static C arguments (hc_qkv_norm_rope's, and hc_attention_step's which start
+    the same way): (the projection's from dm on, the q / k norms', the input norm's), or None for weights, norms or
+    sizes they do not take."""
+    w, bias, wscale = qkv
+    if not all(type(v) is int and v >= 1 for v in (heads, kv_heads, head_dim, dm)):
+        return None
+    width = (heads + 2 * kv_heads) * head_dim
+    code = _matrix(w, width, dm)
+    if (
+        code is None
+        or not _vector(bias, width)
+        or not _vector(wscale, width)
+        or not (_norm_ok(q_norm, head_dim) and _norm_ok(k_norm, head_dim) and _norm_ok(in_norm, dm))
+    ):
+        return None
+    weights = (dm, w.data_ptr(), code, _ptr(wscale), _ptr(bias), heads, kv_heads, head_dim)
+    return weights, (*_norm_args(q_norm), *_norm_args(k_norm)), _norm_args(in_norm)
+
+
 def bind_qkv_norm_rope(
     qkv: tuple,
     heads: int,
@@ -114,22 +136,16 @@ def bind_qkv_norm_rope(
     sin) -> (q, k, v), or None for a call its kernel does not take (then this returns None: the same arguments
     would never be taken). The function holds the tensors it points C at; a block keeps it while they stay its own
     (blocks/kernel_memo.py)."""
-    lib = _library()
-    w, bias, wscale = qkv
-    if lib is None or not all(type(v) is int and v >= 1 for v in (heads, kv_heads, head_dim, dm)):
+    lib, static = _library(), qkv_static(qkv, heads, kv_heads, head_dim, dm, q_norm, k_norm, in_norm)
+    if lib is None or static is None:
         return None
-    width = (heads + 2 * kv_heads) * head_dim
-    code = _matrix(w, width, dm)
-    if (
-        code is None
-        or not _vector(bias, width)
-        or not _vector(wscale, width)
-        or not (_norm_ok(q_norm, head_dim) and _norm_ok(k_norm, head_dim) and _norm_ok(in_norm, dm))
-    ):
-        return None
-    fn, kv_at, d = lib.hc_qkv_norm_rope, (heads + kv_heads) * head_dim, head_dim
-    weights = (dm, w.data_ptr(), code, _ptr(wscale), _ptr(bias), heads, kv_heads, head_dim)
-    norms, last = (*_norm_args(q_norm), *_norm_args(k_norm)), _norm_args(in_norm)
+    fn, kv_at, d, width = (
+        lib.hc_qkv_norm_rope,
+        (heads + kv_heads) * head_dim,
+        head_dim,
+        (heads + 2 * kv_heads) * head_dim,
+    )
+    weights, norms, last = static
 
     def run(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         if not _eager(x) or x.dim() != 3 or x.shape[2] != dm:

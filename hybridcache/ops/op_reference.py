@@ -7,6 +7,8 @@ its fake (meta) implementation for torch.compile.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -202,55 +204,15 @@ def attention_step(
     return out.reshape(x.shape[0], 1, heads * head_dim)
 
 
-def decoder_layer(
-    x,
-    w,
-    bias,
-    wscale,
-    heads,
-    kv_heads,
-    head_dim,
-    q_scale,
-    q_eps,
-    k_scale,
-    k_eps,
-    cos,
-    sin,
-    il,
-    in_scale,
-    in_eps,
-    keys,
-    values,
-    slot,
-    q_pos,
-    k_pos,
-    pattern,
-    param,
-    scale,
-    softcap,
-    sinks,
-    w_o,
-    b_o,
-    s_o,
-    post_attn,
-    post_attn_eps,
-    pre_mlp,
-    pre_mlp_eps,
-    w_gu,
-    b_gu,
-    s_gu,
-    w_dn,
-    b_dn,
-    s_dn,
-    act,
-    post_mlp,
-    post_mlp_eps,
-):
+def decoder_layer(*args):
     """A decode step's whole decoder layer: decoder_tail of x (the residual) and attention_step's output -> [B, 1,
-    Dm], the token's keys and values written into `slot` of keys / values."""
-    a = attention_step(
-        *(x, w, bias, wscale, heads, kv_heads, head_dim, q_scale, q_eps, k_scale, k_eps, cos, sin, il, in_scale),
-        *(in_eps, keys, values, slot, q_pos, k_pos, pattern, param, scale, softcap, sinks),
-    )
-    tail = (w_o, b_o, s_o, post_attn, post_attn_eps, pre_mlp, pre_mlp_eps, w_gu, b_gu, s_gu, w_dn, b_dn, s_dn, act)
-    return decoder_tail(x, a, *tail, post_mlp, post_mlp_eps)
+    Dm], the token's keys and values written into `slot` of keys / values. Arguments: attention_step's, then
+    decoder_tail's after h and a (its signature, below, is built from theirs)."""
+    return decoder_tail(args[0], attention_step(*args[:_STEP_ARGS]), *args[_STEP_ARGS:])
+
+
+_STEP_ARGS = len(inspect.signature(attention_step).parameters)
+decoder_layer.__signature__ = inspect.Signature(  # (the registry reads argument names from it)
+    [p.replace(default=inspect.Parameter.empty) for p in inspect.signature(attention_step).parameters.values()]
+    + list(inspect.signature(decoder_tail).parameters.values())[2:]
+)

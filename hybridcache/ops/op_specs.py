@@ -108,6 +108,53 @@ def _mlp_where(env: dict) -> str | None:
     return _choice(env["act"], ACT_MUL, "activation") or (env["G"] != 2 * env["I"] and "G != 2 I" or None)
 
 
+# A decode step's one-call attention (attention_step), and the decoder tail after it (decoder_layer): the arguments
+# as declared once for both ops.
+_STEP_SCHEMA = (
+    "Tensor x, Tensor w, Tensor? bias, Tensor? wscale, int heads, int kv_heads, int head_dim, Tensor? q_scale, "
+    "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved, Tensor? in_scale, "
+    "float in_eps, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor q_pos, Tensor k_pos, str pattern, "
+    "int param, float scale, float? softcap, Tensor? sinks"
+)
+_STEP_RULES = {
+    "x": "f32[B 1 Dm]",
+    "w": f"{_W}[W Dm]",
+    "bias": "f32?[W]",
+    "wscale": "f32?[W]",
+    "q_scale": "f32?[Dq]",
+    "k_scale": "f32?[Dk]",
+    "cos": "f32?[B 1 1 R]",
+    "sin": "f32?[B 1 1 R]",
+    "in_scale": "f32?[Dm]",
+    "keys": "f32[B Hkv S D]",
+    "values": "f32[B Hkv S D]",
+    "q_pos": "i64[B 1]",
+    "k_pos": "i64[B S]",
+    "sinks": "f32?[Hq]",
+}
+_STEP_C = (
+    [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _F, _P, _F, _P, _P, _I, _I, _P, _P, _P, _F, _P]
+    + [_P, _P, _L, _I]
+    + [_L] * 6
+    + [_P, _P, _I, _L, _F, _F, _P, _P]
+)
+_TAIL_SCHEMA = (
+    "Tensor w_o, Tensor? b_o, Tensor? s_o, Tensor? post_attn, float post_attn_eps, Tensor? pre_mlp, "
+    "float pre_mlp_eps, Tensor w_gu, Tensor? b_gu, Tensor? s_gu, Tensor w_dn, Tensor? b_dn, Tensor? s_dn, str act, "
+    "Tensor? post_mlp, float post_mlp_eps"
+)
+_TAIL_RULES = {
+    "w_o": f"{_W}[Dm A]",
+    "b_o": "f32?[Dm]",
+    "s_o": "f32?[Dm]",
+    "post_attn": "f32?[Dm]",
+    "pre_mlp": "f32?[Dm]",
+    **_MLP_RULES,
+    "post_mlp": "f32?[Dm]",
+}
+_TAIL_C = [_P, _I, _P, _P, _P, _F, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _F, _P, _P]
+
+
 def _step_where(env: dict) -> str | None:
     heads, kv, hd = env["heads"], env["kv_heads"], env["head_dim"]
     if env["Hkv"] != kv or env["D"] != hd or env.get("Hq", heads) != heads:
@@ -251,111 +298,23 @@ SPECS: tuple[OpSpec, ...] = (
     ),
     OpSpec(
         "decoder_tail",
-        "(Tensor h, Tensor a, Tensor w_o, Tensor? b_o, Tensor? s_o, Tensor? post_attn, float post_attn_eps, "
-        "Tensor? pre_mlp, float pre_mlp_eps, Tensor w_gu, Tensor? b_gu, Tensor? s_gu, Tensor w_dn, Tensor? b_dn, "
-        "Tensor? s_dn, str act, Tensor? post_mlp, float post_mlp_eps) -> Tensor",
-        {
-            "h": "f32[... Dm]",
-            "a": "f32[... A]",
-            "w_o": f"{_W}[Dm A]",
-            "b_o": "f32?[Dm]",
-            "s_o": "f32?[Dm]",
-            "post_attn": "f32?[Dm]",
-            "pre_mlp": "f32?[Dm]",
-            **_MLP_RULES,
-            "post_mlp": "f32?[Dm]",
-        },
-        {
-            "hc_decoder_tail": (
-                None,
-                [_P, _P]
-                + [_I] * 3
-                + [_P, _I]
-                + [_P] * 3
-                + [_F, _P, _F, _I, _P, _I]
-                + [_P] * 3
-                + [_I]
-                + [_P] * 2
-                + [_I, _P, _F, _P, _P],
-            )
-        },
+        f"(Tensor h, Tensor a, {_TAIL_SCHEMA}) -> Tensor",
+        {"h": "f32[... Dm]", "a": "f32[... A]", **_TAIL_RULES},
+        {"hc_decoder_tail": (None, [_P, _P, _I, _I, _I] + _TAIL_C)},
         _mlp_where,
     ),
     OpSpec(
         "attention_step",
-        "(Tensor x, Tensor w, Tensor? bias, Tensor? wscale, int heads, int kv_heads, int head_dim, Tensor? q_scale, "
-        "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved, Tensor? in_scale, "
-        "float in_eps, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor q_pos, Tensor k_pos, str pattern, "
-        "int param, float scale, float? softcap, Tensor? sinks=None) -> Tensor",
-        {
-            "x": "f32[B 1 Dm]",
-            "w": f"{_W}[W Dm]",
-            "bias": "f32?[W]",
-            "wscale": "f32?[W]",
-            "q_scale": "f32?[Dq]",
-            "k_scale": "f32?[Dk]",
-            "cos": "f32?[B 1 1 R]",
-            "sin": "f32?[B 1 1 R]",
-            "in_scale": "f32?[Dm]",
-            "keys": "f32[B Hkv S D]",
-            "values": "f32[B Hkv S D]",
-            "q_pos": "i64[B 1]",
-            "k_pos": "i64[B S]",
-            "sinks": "f32?[Hq]",
-        },
-        {
-            "hc_attention_step": (
-                _I,
-                [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _F, _P, _F, _P, _P, _I, _I, _P, _P, _P, _F, _P]
-                + [_P, _P, _L, _I]
-                + [_L] * 6
-                + [_P, _P, _I, _L, _F, _F, _P, _P],
-            )
-        },
+        f"({_STEP_SCHEMA}=None) -> Tensor",
+        _STEP_RULES,
+        {"hc_attention_step": (_I, _STEP_C)},
         _step_where,
     ),
     OpSpec(
         "decoder_layer",
-        "(Tensor x, Tensor w, Tensor? bias, Tensor? wscale, int heads, int kv_heads, int head_dim, Tensor? q_scale, "
-        "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved, Tensor? in_scale, "
-        "float in_eps, Tensor(a!) keys, Tensor(b!) values, int slot, Tensor q_pos, Tensor k_pos, str pattern, "
-        "int param, float scale, float? softcap, Tensor? sinks, Tensor w_o, Tensor? b_o, Tensor? s_o, "
-        "Tensor? post_attn, float post_attn_eps, Tensor? pre_mlp, float pre_mlp_eps, Tensor w_gu, Tensor? b_gu, "
-        "Tensor? s_gu, Tensor w_dn, Tensor? b_dn, Tensor? s_dn, str act, Tensor? post_mlp, float post_mlp_eps) "
-        "-> Tensor",
-        {
-            "x": "f32[B 1 Dm]",
-            "w": f"{_W}[W Dm]",
-            "bias": "f32?[W]",
-            "wscale": "f32?[W]",
-            "q_scale": "f32?[Dq]",
-            "k_scale": "f32?[Dk]",
-            "cos": "f32?[B 1 1 R]",
-            "sin": "f32?[B 1 1 R]",
-            "in_scale": "f32?[Dm]",
-            "keys": "f32[B Hkv S D]",
-            "values": "f32[B Hkv S D]",
-            "q_pos": "i64[B 1]",
-            "k_pos": "i64[B S]",
-            "sinks": "f32?[Hq]",
-            "w_o": f"{_W}[Dm A]",
-            "b_o": "f32?[Dm]",
-            "s_o": "f32?[Dm]",
-            "post_attn": "f32?[Dm]",
-            "pre_mlp": "f32?[Dm]",
-            **_MLP_RULES,
-            "post_mlp": "f32?[Dm]",
-        },
-        {
-            "hc_decoder_layer": (
-                _I,
-                [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _F, _P, _F, _P, _P, _I, _I, _P, _P, _P, _F, _P]
-                + [_P, _P, _L, _I]
-                + [_L] * 6
-                + [_P, _P, _I, _L, _F, _F, _P, _P]
-                + [_P, _I, _P, _P, _P, _F, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _F, _P, _P],
-            )
-        },
+        f"({_STEP_SCHEMA}, {_TAIL_SCHEMA}) -> Tensor",
+        {**_STEP_RULES, **_TAIL_RULES},
+        {"hc_decoder_layer": (_I, _STEP_C + _TAIL_C)},
         _layer_where,
     ),
 )
