@@ -219,7 +219,7 @@ class AttentionCacheLayer(CacheLayer):
             or block.tokens != 1
             or not block.all_real
             or self.spec.dtype != torch.float32
-            or type(self.spec) not in _BUILT_IN
+            or self.spec.kernel_pattern() is None
             or self.wants_attention_weights
             or type(self).update is not AttentionCacheLayer.update  # (a subclass that feeds its own way)
             or type(self)._write is not AttentionCacheLayer._write

@@ -108,6 +108,15 @@ class AttentionSpec(LayerSpec):
         """How many earlier tokens the next query (at position `seen`) can see: what must stay held."""
         return seen
 
+    def kernel_pattern(self) -> tuple[str, int] | None:
+        """The form of `visible` that the decode kernels evaluate from positions themselves: ("full", 0),
+        ("sliding", window) or ("chunked", chunk size) (ops/op_specs.PATTERNS), or None (they read a mask: slower,
+        the same numbers). A pattern of one of those forms says so here and gets the fast paths (the attention
+        kernel by positions, the one-call attention that writes the cache's slot); what it declares must equal its
+        `visible` (tests/models/test_kernel_pattern.py checks the built-in and a plugin one). The built-in specs
+        declare theirs only while `visible` is their own: a subclass that changes it declares its own form."""
+        return ("full", 0) if type(self).visible is AttentionSpec.visible else None
+
     @property
     def ring_size(self) -> int | None:
         """Slots of a preallocated ring buffer (None: a linear buffer of max_length slots)."""
@@ -190,6 +199,9 @@ class SlidingSpec(AttentionSpec):
     def visible(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (kv <= q) & (kv > q - self.window)
 
+    def kernel_pattern(self) -> tuple[str, int] | None:
+        return ("sliding", self.window) if type(self).visible is SlidingSpec.visible else None
+
     def needed_tokens(self, seen):
         return seen.clamp(max=self.window - 1) if isinstance(seen, torch.Tensor) else min(seen, self.window - 1)
 
@@ -210,6 +222,9 @@ class ChunkedSpec(AttentionSpec):
 
     def visible(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (kv <= q) & (torch.div(kv, self.chunk_size, rounding_mode="floor") == q // self.chunk_size)
+
+    def kernel_pattern(self) -> tuple[str, int] | None:
+        return ("chunked", self.chunk_size) if type(self).visible is ChunkedSpec.visible else None
 
     def needed_tokens(self, seen):
         return seen % self.chunk_size

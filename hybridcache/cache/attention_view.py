@@ -39,10 +39,10 @@ class AttentionView:
     def pattern(self) -> tuple[torch.Tensor, torch.Tensor, str, int] | None:
         """(query positions, key positions, pattern name, window or chunk size) for the built-in patterns, which a
         decode kernel evaluates itself (no mask tensor); None for any other spec (use `mask`)."""
-        kind = _BUILT_IN.get(type(self.spec))
-        if kind is None:
+        form = self.spec.kernel_pattern()
+        if form is None:
             return None
-        return self.query_positions, self.key_positions, kind, getattr(self.spec, _PARAM[kind], 0)
+        return self.query_positions, self.key_positions, *form
 
 
 def _slot_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,6 @@ def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 _BUILT_IN = {FullSpec: "full", SlidingSpec: "sliding", ChunkedSpec: "chunked"}
-_PARAM = {"full": "num_kv_heads", "sliding": "window", "chunked": "chunk_size"}  # full: unused
 
 
 def check_kv(name: str, s: AttentionSpec, batch: int, device: torch.device, k: Any, v: Any) -> int:

@@ -8,6 +8,8 @@ import torch
 
 from hybridcache.cache import Cache, CacheCropError, CacheError
 from hybridcache.cache.scored_eviction import QueryInputs
+from hybridcache.ops.op_reference import visible as kernel_visible
+from hybridcache.ops.op_specs import PATTERNS
 from hybridcache.testing.kit import ATTENTION_SHAPES, EXACT_TOL, _fail, _Kit, _snapshot_equal  # noqa: F401
 
 
@@ -72,6 +74,7 @@ class _AttentionKit(_Kit):
                 self.count("refuses preallocation clearly")
             else:
                 _fail(f"'{self.name}'", "declares no preallocation (type or storage) but accepted max_length")
+        self.declared_form()
         for case in range(cases):
             for max_length in layouts:
                 where = f"'{self.name}' {self.params} {'preallocated' if max_length else 'dynamic'} case {case}"
@@ -80,6 +83,21 @@ class _AttentionKit(_Kit):
                 self.snapshot_and_rows(where, max_length)
                 self.failures(where, max_length)
         return self.counts
+
+    def declared_form(self) -> None:
+        """The form a spec declares for the decode kernels (`kernel_pattern`) must be its `visible`: the kernels
+        evaluate that form from positions instead of asking the spec (every pair of positions below 96)."""
+        form = self.spec.kernel_pattern()
+        if form is None:
+            return
+        where = f"'{self.name}' {self.params}"
+        if not (isinstance(form, tuple) and len(form) == 2 and form[0] in PATTERNS and isinstance(form[1], int)):
+            _fail(where, f"kernel_pattern() must be (one of {', '.join(PATTERNS)}, an int) or None, got {form!r}")
+        q = torch.arange(96).view(-1, 1)
+        kv = q.view(1, -1).expand(96, -1)
+        if not torch.equal(kernel_visible(q, kv, *form), self.spec.visible(q, kv)):
+            _fail(where, f"declares the kernel form {form}, which differs from its visible pattern")
+        self.count("kernel form == visible")
 
     def split_equals_one_shot(self, where: str, max_length: int | None) -> None:
         batch, n = self.randint(1, 3), self.randint(1, 30)

@@ -10,12 +10,14 @@ import torch
 
 from hybridcache.cache import (
     AttentionCacheLayer,
+    AttentionSpec,
     SlidingSpec,
     available_codecs,
     available_layers,
     get_layer_class,
     load_plugins,
     register_cache_layer,
+    tunable,
 )
 from hybridcache.cache.errors import CacheConfigError
 from hybridcache.cache.kv_codecs import DenseCodec, codec_class, register_kv_codec
@@ -70,6 +72,31 @@ def test_registered_type_passes_the_kit(name, codec):
         assert counts["split == one-shot"] == 8 * layouts
     else:  # every case crops a checkpointed recurrent layer back to at least one earlier column
         assert counts["crop to a checkpoint (exact)"] >= 8
+
+
+def test_kit_catches_a_kernel_form_that_is_not_the_pattern():
+    @dataclass(frozen=True, kw_only=True)
+    class OffByOneSpec(AttentionSpec):  # sees `span` earlier tokens, but declares a window of `span`
+        span: int = tunable()
+
+        def visible(self, q, kv):
+            return (kv <= q) & (kv >= q - self.span)
+
+        def needed_tokens(self, seen):
+            return torch.as_tensor(seen).clamp(max=self.span)
+
+        def kernel_pattern(self):
+            return "sliding", self.span  # the kernels' window counts the query itself: span + 1 is right
+
+    @register_cache_layer("off_by_one_form_test")
+    class OffByOne(AttentionCacheLayer):
+        spec_cls = OffByOneSpec
+        example_params = {"span": 3}
+
+    with pytest.raises(ConformanceError, match="kernel form"):
+        check_cache_type("off_by_one_form_test")
+    OffByOneSpec.kernel_pattern = lambda self: ("sliding", self.span + 1)
+    assert check_cache_type("off_by_one_form_test")["kernel form == visible"] == 1
 
 
 def test_kit_catches_a_pattern_that_evicts_a_visible_token():
