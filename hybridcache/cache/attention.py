@@ -25,17 +25,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybridcache.cache import attention_crop, grouped_layer, residual_window
+from hybridcache.cache import attention_crop, attention_static, grouped_layer, residual_window
 from hybridcache.cache.append_buffer import AppendBuffers
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
+from hybridcache.cache.attention_static import SIDES
 from hybridcache.cache.attention_view import _BUILT_IN, AttentionView, _gather_slots, _per_row, _slot_index, check_kv
 from hybridcache.cache.base import CacheLayer
 from hybridcache.cache.errors import CacheError
 from hybridcache.cache.kv_codecs import DenseCodec
 from hybridcache.cache.registry import register_cache_layer
 from hybridcache.cache.sequence import BlockState
-
-SIDES = ("keys", "values")
 
 
 class AttentionCacheLayer(CacheLayer):
@@ -187,12 +186,7 @@ class AttentionCacheLayer(CacheLayer):
             keys, values = self.read()
             return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
         if self._append is not None:  # into spare slots: no copy of what is held
-            current = {name: getattr(self, name) for name in self._append.dims}
-            new = dict(zip(self._parts, (k, v)), key_pos=block.positions)
-            views = self._append.append(current, new)
-            keys, values, pos = (views[name] for name in (*self._parts, "key_pos"))
-            self._staged = ("block", k, v, keys, values, pos, block)
-            return AttentionView(keys, values, block.positions, pos, self.spec)
+            return self._append_block(k, v, block)
         held_k, held_v = self.read()
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)  # [B, H, S + T, D]
         new_pos = block.positions  # [B, T]
@@ -225,15 +219,18 @@ class AttentionCacheLayer(CacheLayer):
             or type(self)._write is not AttentionCacheLayer._write
         ):
             return None
+        view = self._append_block(None, None, block)
+        return view, view.keys.shape[2] - 1
+
+    def _append_block(self, k: torch.Tensor | None, v: torch.Tensor | None, block: BlockState) -> AttentionView:
+        """Append the block into spare slots (k and v None: their slots left for the caller), staged as a block."""
         current = {name: getattr(self, name) for name in self._append.dims}
-        new = dict.fromkeys(self._parts, None)
-        new["key_pos"] = block.positions
-        views = self._append.append(current, new, tokens=1)
+        views = self._append.append(current, dict(zip(self._parts, (k, v)), key_pos=block.positions), block.tokens)
         keys, values, pos = (views[name] for name in (*self._parts, "key_pos"))
-        slot = keys.shape[2] - 1
-        k, v = keys.narrow(2, slot, 1), values.narrow(2, slot, 1)  # what the caller writes
+        if k is None:  # the slots the caller writes
+            k, v = keys.narrow(2, -block.tokens, block.tokens), values.narrow(2, -block.tokens, block.tokens)
         self._staged = ("block", k, v, keys, values, pos, block)
-        return AttentionView(keys, values, block.positions, pos, self.spec), slot
+        return AttentionView(keys, values, block.positions, pos, self.spec)
 
     def _write_slots(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> Any:
         """Write a decode token [B, H, 1, D] into its slots [B, 1] of preallocated storage, in place."""
@@ -257,7 +254,7 @@ class AttentionCacheLayer(CacheLayer):
 
     def _commit_block(self, k, v, keys, values, pos, block: BlockState) -> None:
         if self.static:
-            self._commit_static(k, v, block)
+            attention_static.commit_block(self, k, v, block)
             return
         for side, new, full in zip(SIDES, (k, v), (keys, values)):
             if full is not None and isinstance(self.codec, DenseCodec):
@@ -335,26 +332,6 @@ class AttentionCacheLayer(CacheLayer):
             self.key_pos = self.key_pos.gather(-1, index)
         else:  # a per-row index over per-head positions
             self.key_pos = self.key_pos.gather(-1, index[:, None].expand(-1, self.key_pos.shape[1], -1))
-
-    def _commit_static(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> None:
-        """Write a block's tokens into their slots: per row, the ones `stays_in_slots` keeps (distinct slots)."""
-        size = self.key_pos.shape[1]
-        pos = block.positions  # [B, T]
-        keep = self.spec.stays_in_slots(pos, block.seen_after[:, None]) & (pos >= 0)
-        slots = torch.where(keep, self.spec.slot_of(pos.clamp(min=0)), size)  # [B, T]; size = nowhere
-        source = torch.full((pos.shape[0], size + 1), -1, dtype=torch.long, device=self.device)
-        source.scatter_(1, slots, torch.arange(pos.shape[1], device=self.device).expand_as(slots))
-        source = source[:, :size]  # [B, S]: which block token lands in each slot, -1 for none
-        hit = source >= 0
-        for side, x in zip(SIDES, (k, v)):
-            enc = self.codec.encode(x)
-            for part, dst in self._side(side).items():
-                new = _gather_slots(enc[part], source.clamp(min=0))  # [B, H, S, ...]
-                mask = hit[:, None, :].reshape(*hit.shape[:1], 1, size, *([1] * (dst.dim() - 3)))
-                dst.copy_(torch.where(mask, new, dst))
-        self.key_pos.copy_(torch.where(hit, pos.gather(1, source.clamp(min=0)), self.key_pos))
-        if self._residual:
-            residual_window.commit_static(self, k, v, pos, block.seen_after)
 
     # -- batch operations on offloaded parts ---------------------------------------------------------------------
     def _prepare_index(self, index: Any, same_size: bool) -> torch.Tensor:
