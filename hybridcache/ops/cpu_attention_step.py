@@ -66,6 +66,7 @@ def bind_attention_step(
         s = keys.shape[2] if keys.dim() == 4 else 0
         if (
             not 0 < b <= MAX_ROWS
+            or b * per_row > INT_MAX  # (every size C computes from them stays a C int, as qkv_norm_rope's)
             or not _rotary_ok(cos, sin, b, 1, d)
             or not (_cpu(keys) and _cpu(values) and keys.shape == (b, kv, s, d) and values.shape == keys.shape)
             or not (_dense_last(keys) and _dense_last(values) and keys.numel() <= INT_MAX)
