@@ -178,6 +178,30 @@ class AttentionMixer(nn.Module):
         return self._one_call_step(h, layer, step, norm, tail)
 
     def _one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail=None):
+        got = self._reserve_step(h, layer, step, norm, tail)
+        if got is None:
+            return None, None
+        run, args, reserved = got
+        out = run(h, *args)
+        return (out, None) if out is not None else (None, reserved)
+
+    def step_record(self, x: torch.Tensor, y: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail):
+        """one_call_step's whole-layer call (`tail` bound) as a record for a step that runs many layers in one C
+        call (blocks/decode_stack.py): x [B, 1, D] the layer's input, y [B, 1, D] where its output goes (neither
+        written yet). Returns (hc_decoder_layer's arguments, the tensors they point into: keep them alive until the
+        call), None (nothing reserved: run the layer as usual), or ("reserved", reserved) where the slot is reserved
+        but the kernel does not take these tensors (pass it to the separate path once x holds the input)."""
+        got = None if tail is None else self._reserve_step(x, layer, step, norm, tail)
+        if got is None:
+            return None
+        run, args, reserved = got
+        recorded = run.record(x, y, *args)
+        return recorded if recorded is not None else ("reserved", reserved)
+
+    def _reserve_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail):
+        """(the bound one-call attention, or whole layer with `tail`; its arguments after h; the reservation) with
+        the token's slot reserved in `layer`, or None (nothing reserved) where this mixer, layer or step does not
+        take it."""
         if (
             self.output_gate
             or self.query_hook is not None
@@ -190,24 +214,23 @@ class AttentionMixer(nn.Module):
             or type(self)._project is not AttentionMixer._project  # a subclass that projects its own way (MLA)
             or type(self)._fused_input is not AttentionMixer._fused_input
         ):
-            return None, None
+            return None
         key = (self._input_key(h, norm), self.scale, self.softcap, tensor_key(self.sinks), id(tail))
         if tail is None:
             run = self._step_memo.get(key, lambda: self._bind_step(h.shape[2], norm))
         else:  # (the bound call holds `tail`, so its id is not reused while this entry is kept)
             run = self._step_memo.get(key, lambda: bind_decoder_layer(self._bind_step(h.shape[2], norm), tail))
         if run is None:
-            return None, None
+            return None
         cos, sin = self._tables(h, step)
         if cos is False:
-            return None, None
+            return None
         reserved = layer.decode_slot()
         if reserved is None:
-            return None, None
+            return None
         view, slot = reserved
         qpos, kpos, kind, param = view.pattern()  # (decode_slot: a built-in pattern, positions per row)
-        out = run(h, cos, sin, view.keys, view.values, slot, qpos, kpos, kind, param)
-        return (out, None) if out is not None else (None, reserved)
+        return run, (cos, sin, view.keys, view.values, slot, qpos, kpos, kind, param), reserved
 
     def _bind_step(self, dm: int, norm: nn.Module | None):
         """The one-call attention bound to this mixer's projection, norms, scale, softcap and sinks (None: the

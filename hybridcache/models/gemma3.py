@@ -88,23 +88,39 @@ class Gemma3DecoderLayer(nn.Module):
         self._tail_memo = KernelMemo()  # the bound decoder-tail kernel call of eager decode steps
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        attn, post, pre = self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm
         reserved = None
         if h.shape[1] == 1 and takes(h) and not torch.compiler.is_compiling():  # eager decode: one call per layer
-            width = attn.num_heads * attn.head_dim
-            tail = bound_tail(h.shape[2], width, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm,
-                              self._tail_memo)  # fmt: skip
+            tail = self._bound_tail(h)
             if tail is not None:
-                out, reserved = attn.one_call_step(h, layer, step, self.input_layernorm, tail)
+                out, reserved = self.self_attn.one_call_step(h, layer, step, self.input_layernorm, tail)
                 if out is not None:
                     return out
                 reserved = reserved or False  # tried: the separate path writes a reserved slot
+        return self.separate(h, layer, step, reserved)
+
+    def decode_record(self, x: torch.Tensor, y: torch.Tensor, layer: CacheLayer, step: StepInput):
+        """This layer's eager decode step as a record for one C call over many layers (blocks/decode_stack.py):
+        AttentionMixer.step_record with this layer's input norm and bound tail."""
+        tail = self._bound_tail(x)
+        return None if tail is None else self.self_attn.step_record(x, y, layer, step, self.input_layernorm, tail)
+
+    def separate(self, h: torch.Tensor, layer: CacheLayer, step: StepInput, reserved=None) -> torch.Tensor:
+        """The layer by separate calls; `reserved`: the slot one_call_step / decode_record reserved (False: tried,
+        none), which the attention then writes."""
+        attn, post, pre = self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm
         a = attn(h, layer, step, project=False, norm=self.input_layernorm, reserved=reserved)  # [B, T, Hq * D]
         out = decoder_tail(h, a, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm, self._tail_memo)
         if out is not None:  # a float32 CPU decode step: the rest of the layer in one kernel call
             return out
         h, x = residual_norm(h, attn.o_proj(a), post, pre)
         return residual_norm(h, self.mlp(x), self.post_feedforward_layernorm, None)[0]
+
+    def _bound_tail(self, h: torch.Tensor):
+        attn = self.self_attn
+        return bound_tail(
+            h.shape[2], attn.num_heads * attn.head_dim, attn.o_proj, self.post_attention_layernorm,
+            self.pre_feedforward_layernorm, self.mlp, self.post_feedforward_layernorm, self._tail_memo,
+        )  # fmt: skip
 
 
 @register_family("gemma3_text")

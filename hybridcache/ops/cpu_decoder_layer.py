@@ -19,6 +19,11 @@ from hybridcache.ops.cpu_library import _library
 _F32 = torch.float32
 
 
+def _out(y: torch.Tensor, b: int, dm: int) -> bool:
+    """y is a contiguous float32 CPU [b, 1, dm] the kernel may write."""
+    return y.dtype is _F32 and y.is_cpu and y.shape == (b, 1, dm) and y.is_contiguous() and not y.requires_grad
+
+
 def bind_decoder_layer(step: Callable | None, tail: Callable | None) -> Callable | None:
     """The two bound calls of one layer (bind_attention_step's and bind_decoder_tail's) as one: a function of the
     attention step's arguments (x [B, 1, Dm] being the layer's input, its residual too) -> the layer's output
@@ -33,20 +38,30 @@ def bind_decoder_layer(step: Callable | None, tail: Callable | None) -> Callable
         return None
     fn, prepare, static = lib.hc_decoder_layer, step.prepare, tail.static
 
-    def run(x, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param):
+    def record(x, y, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param):
+        """(hc_decoder_layer's arguments writing the layer's output into y [B, 1, Dm], the tensors they point
+        into: keep them alive until the call), or None when the kernel does not take these (nothing written)."""
+        x_storage = x.untyped_storage().data_ptr()  # (y must not share it: the kernel reads x after writing y)
         prepared = prepare(x, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param)
         if prepared is None:
             return None
-        args, a, _alive = prepared
+        args, a, alive = prepared
         b = x.shape[0]
-        if b * per_row > INT_MAX:
+        if b * per_row > INT_MAX or not _out(y, b, dm) or y.untyped_storage().data_ptr() == x_storage:
             return None
         scratch = torch.empty(b * per_row, dtype=_F32)
-        y = torch.empty(b, 1, dm, dtype=_F32)
-        if fn(*args, a.data_ptr(), *static, scratch.data_ptr(), y.data_ptr()):
+        return (*args, a.data_ptr(), *static, scratch.data_ptr(), y.data_ptr()), (alive, a, scratch, y)
+
+    def run(x, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param):
+        y = torch.empty(x.shape[0], 1, dm, dtype=_F32)
+        recorded = record(x, y, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param)
+        if recorded is None:
+            return None
+        if fn(*recorded[0]):
             raise MemoryError(f"hc_decoder_layer: no memory for the attention's scratch ({keys.shape[2]} slots)")
         return y
 
+    run.record = record  # for a step that runs many layers in one call (cpu_decoder_stack.py)
     run.holds = (step, tail)  # alive while `run` is: C reads their tensors through raw pointers
     return run
 

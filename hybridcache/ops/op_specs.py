@@ -155,6 +155,16 @@ _TAIL_RULES = {
 _TAIL_C = [_P, _I, _P, _P, _P, _F, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _F, _P, _P]
 
 
+# hc_decoder_layer's C arguments; also the record of hc_decoder_stack, which runs many such calls (eager decode,
+# ops/cpu_decoder_stack.py): the library states its record's field types, which must be these (checked at load).
+LAYER_RECORD = _STEP_C + _TAIL_C
+STACK_SIGNATURES: dict[str, tuple[object, list]] = {
+    "hc_layer_record_codes": (ctypes.c_char_p, []),
+    "hc_layer_record_size": (_I, []),
+    "hc_decoder_stack": (_I, [_P, _I, _P]),
+}
+
+
 def _step_where(env: dict) -> str | None:
     heads, kv, hd = env["heads"], env["kv_heads"], env["head_dim"]
     if env["Hkv"] != kv or env["D"] != hd or env.get("Hq", heads) != heads:
@@ -314,14 +324,14 @@ SPECS: tuple[OpSpec, ...] = (
         "decoder_layer",
         f"({_STEP_SCHEMA}, {_TAIL_SCHEMA}) -> Tensor",
         {**_STEP_RULES, **_TAIL_RULES},
-        {"hc_decoder_layer": (_I, _STEP_C + _TAIL_C)},
+        {"hc_decoder_layer": (_I, LAYER_RECORD)},
         _layer_where,
     ),
 )
 
 
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).
-SIGNATURES: dict[str, tuple[object, list]] = {**INFO_SIGNATURES}
+SIGNATURES: dict[str, tuple[object, list]] = {**INFO_SIGNATURES, **STACK_SIGNATURES}
 for _spec in SPECS:
     SIGNATURES.update(_spec.c)
 

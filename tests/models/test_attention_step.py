@@ -9,7 +9,7 @@ import torch
 
 import hybridcache as hc
 from hybridcache.blocks.attention import AttentionMixer
-from hybridcache.models import gemma3
+from hybridcache.models import base, gemma3
 from hybridcache.ops import kernel_status
 from tests.models.conftest import prompts
 
@@ -18,11 +18,18 @@ pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), rea
 
 def _separate(monkeypatch):
     """Every decode step by the separate calls."""
+    _per_layer(monkeypatch)
     monkeypatch.setattr(AttentionMixer, "_one_call_step", lambda self, *a: (None, None))
 
 
+def _per_layer(monkeypatch):
+    """Every decode step layer by layer (not the many-layer call of blocks/decode_stack.py, tested apart)."""
+    monkeypatch.setattr(base, "decode_layers", lambda *a: None)
+
+
 def _counted(monkeypatch) -> list:
-    """Which calls the one-call step served (True) or left to the separate path (False)."""
+    """Which calls the one-call step served (True) or left to the separate path (False), layer by layer."""
+    _per_layer(monkeypatch)
     seen, real = [], AttentionMixer._one_call_step
 
     def counted(self, *a):
@@ -73,6 +80,7 @@ def test_a_failed_block_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
     before = [(e.keys.clone(), e.key_pos.clone(), e.seen.clone()) for e in out.cache.entries]
     last = model.decoder_layers[-1]
     with monkeypatch.context() as m:
+        _per_layer(m)
         m.setattr(type(last), "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("layer failed")))
         with pytest.raises(RuntimeError, match="layer failed"):
             hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)

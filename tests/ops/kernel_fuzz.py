@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import hybridcache.ops.cpu_kernels as ck
-from hybridcache.ops import cpu_attention_step, cpu_decoder_layer, cpu_fused
+from hybridcache.ops import cpu_attention_step, cpu_decoder_layer, cpu_decoder_stack, cpu_fused
 from hybridcache.ops.attention import masked_attention
 from hybridcache.ops.selective_scan import _selective_scan_torch
 
@@ -422,8 +422,9 @@ def _unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
     return torch.equal(t.nan_to_num(), before.nan_to_num()) if t.is_floating_point() else torch.equal(t, before)
 
 
-def case_attention_step(f: Fuzz, tail: bool = False):
-    """The one-call attention (tail=False) or the whole layer (tail=True: the decoder tail after it)."""
+def case_attention_step(f: Fuzz, tail: bool = False, stack: bool = False):
+    """The one-call attention (tail=False) or the whole layer (tail=True: the decoder tail after it; stack=True:
+    as a record run by the many-layer call, ops/cpu_decoder_stack.py)."""
     b, dm, s = f.pick(0, 1, 1, 2, 2, 17), f.pick(0, 1, 16, 16), f.pick(0, 1, 5, 40, 40, 40)
     hkv, group, hd = f.pick(1, 1, 2), f.pick(1, 2, 3), f.pick(1, 2, 8, 9)
     hq = hkv * group
@@ -456,7 +457,9 @@ def case_attention_step(f: Fuzz, tail: bool = False):
     def run():
         step = ((w, bias, wscale), hq, hkv, hd, q_norm, k_norm, interleaved, in_norm, scale, softcap, sinks)
         per_call = (cos, sin, keys, values, slot, qpos, kpos, name, param)
-        if tail:
+        if stack:
+            out = _stacked(x, step, (o, norms[0], norms[1], gu, dn, act, norms[2]), per_call)
+        elif tail:
             out = cpu_decoder_layer.decoder_layer(x, step, (o, norms[0], norms[1], gu, dn, act, norms[2]), per_call)
         else:
             out = cpu_attention_step.attention_step(
@@ -484,13 +487,32 @@ def case_attention_step(f: Fuzz, tail: bool = False):
         return out, qk[1][:, :, 0], v_new[:, :, 0]
 
     return (
-        f"{'decoder_layer' if tail else 'attention_step'} i={i} {act} x{tuple(x.shape)} {x.dtype} "
+        f"{'decoder_stack' if stack else 'decoder_layer' if tail else 'attention_step'} i={i} {act} "
+        f"x{tuple(x.shape)} {x.dtype} "
         f"heads={hq},{hkv},{hd} {w.dtype} s={s} slot={slot} {name} "
         f"{param} r={r} in_norm={in_norm is not None} softcap={softcap} sinks={sinks is not None}",
         run,
         ref,
         max(dm, s, hd, i, hq * hd),
     )
+
+
+def _stacked(x, step_args: tuple, tail_args: tuple, per_call: tuple):
+    """The whole layer bound as the model binds it, its record run by hc_decoder_stack into a fresh output."""
+    if x.dim() != 3:
+        return None
+    qkv, heads, kv_heads, head_dim, *rest = step_args
+    step = cpu_attention_step.bind_attention_step(qkv, heads, kv_heads, head_dim, x.shape[2], *rest)
+    tail = cpu_fused.bind_decoder_tail(x.shape[2], heads * head_dim, *tail_args) if step is not None else None
+    run = cpu_decoder_layer.bind_decoder_layer(step, tail)
+    if run is None:
+        return None
+    y = torch.empty(x.shape[0], 1, x.shape[2])
+    recorded = run.record(x, y, *per_call)
+    if recorded is None:
+        return None
+    cpu_decoder_stack.run_records([recorded[0]])
+    return y
 
 
 CASES = {
@@ -508,6 +530,7 @@ CASES = {
     "decoder_tail": case_decoder_tail,
     "attention_step": case_attention_step,
     "decoder_layer": lambda f: case_attention_step(f, tail=True),
+    "decoder_stack": lambda f: case_attention_step(f, tail=True, stack=True),
 }
 
 

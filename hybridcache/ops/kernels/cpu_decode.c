@@ -954,6 +954,58 @@ int hc_decoder_layer(const float *x, int B, int Dm, const void *w, int wtype, co
   return 0;
 }
 
+/* ---- a decode step's decoder layers in one call -------------------------------------------------------------
+   hc_decoder_layer's arguments as a record, one per layer, and one call that runs the records in order: no
+   interpreter between layers, whose gaps left the second thread asleep and the caches cold (measured on a 2-core
+   Xeon: 18 int8 Gemma 3 layers 3.3 ms back to back, 5.1 ms with the interpreter between them). The record's fields
+   are hc_decoder_layer's parameters in order, listed once here (X: a field's C type, name and ctypes code); the
+   codes let the loader check the record against the op's declared signature (op_specs.py) before any call. */
+#define HC_LAYER_RECORD(X, SEP)                                                                                    \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(const void *, w, P) SEP()                 \
+  X(int, wtype, I) SEP() X(const float *, wscale, P) SEP() X(const float *, bias, P) SEP() X(int, Hq, I) SEP()     \
+  X(int, Hkv, I) SEP() X(int, D, I) SEP() X(float *, qkv, P) SEP() X(const float *, q_scale, P) SEP()               \
+  X(float, q_eps, F) SEP() X(const float *, k_scale, P) SEP() X(float, k_eps, F) SEP()                             \
+  X(const float *, cos_t, P) SEP() X(const float *, sin_t, P) SEP() X(int, rot, I) SEP() X(int, interleaved, I)     \
+  SEP() X(float *, q_out, P) SEP() X(float *, k_new, P) SEP() X(const float *, in_scale, P) SEP()                   \
+  X(float, in_eps, F) SEP() X(float *, xn, P) SEP() X(float *, keys, P) SEP() X(float *, values, P) SEP()           \
+  X(long, slot, L) SEP() X(int, S, I) SEP() X(long, ksb, L) SEP() X(long, ksh, L) SEP() X(long, kss, L) SEP()      \
+  X(long, vsb, L) SEP() X(long, vsh, L) SEP() X(long, vss, L) SEP() X(const int64_t *, qpos, P) SEP()              \
+  X(const int64_t *, kpos, P) SEP() X(int, pattern, I) SEP() X(long, param, L) SEP() X(float, scale, F) SEP()      \
+  X(float, softcap, F) SEP() X(const float *, sinks, P) SEP() X(float *, a, P) SEP() X(const void *, w_o, P)       \
+  SEP() X(int, o_type, I) SEP() X(const float *, o_scale, P) SEP() X(const float *, o_bias, P) SEP()               \
+  X(const float *, post_attn, P) SEP() X(float, post_attn_eps, F) SEP() X(const float *, pre_mlp, P) SEP()         \
+  X(float, pre_mlp_eps, F) SEP() X(int, I, I) SEP() X(const void *, w_gu, P) SEP() X(int, gu_type, I) SEP()        \
+  X(const float *, gu_scale, P) SEP() X(const float *, gu_bias, P) SEP() X(const void *, w_dn, P) SEP()            \
+  X(int, dn_type, I) SEP() X(const float *, dn_scale, P) SEP() X(const float *, dn_bias, P) SEP() X(int, act, I)   \
+  SEP() X(const float *, post_mlp, P) SEP() X(float, post_mlp_eps, F) SEP() X(float *, tail_scratch, P) SEP()      \
+  X(float *, y, P)
+#define HC_REC_FIELD(T, N, C) T N
+#define HC_REC_ARG(T, N, C) r->N
+#define HC_REC_CODE(T, N, C) #C
+#define HC_REC_SEMI() ;
+#define HC_REC_COMMA() ,
+#define HC_REC_NONE()
+typedef struct {
+  HC_LAYER_RECORD(HC_REC_FIELD, HC_REC_SEMI);
+} hc_layer_record;
+
+const char *hc_layer_record_codes(void) { return HC_LAYER_RECORD(HC_REC_CODE, HC_REC_NONE); }
+int hc_layer_record_size(void) { return (int)sizeof(hc_layer_record); }
+
+/* The n records in order (each one's x the previous one's y: the caller sets the pointers). Returns 0, or the
+   first failing layer's hc_decoder_layer code with its index in *failed (the layers before it ran). */
+int hc_decoder_stack(const hc_layer_record *layers, int n, int *failed) {
+  for (int i = 0; i < n; i++) {
+    const hc_layer_record *r = layers + i;
+    int err = hc_decoder_layer(HC_LAYER_RECORD(HC_REC_ARG, HC_REC_COMMA));
+    if (err) {
+      *failed = i;
+      return err;
+    }
+  }
+  return 0;
+}
+
 /* ---- prefill projections: x [M, K] @ w [N, K]^T for many rows (a real GEMM) ---------------------------------------
    Outer products on a packed panel: each thread takes panels of NR = 2 VW weight rows, widens them (bfloat16 / int8:
    once per panel, not per row of x) into [K, NR] floats (per-thread scratch, kept), then sweeps x MR rows at a time,

@@ -1,0 +1,68 @@
+"""An eager decode step's decoder layers with one C call per run of layers (ops/cpu_decoder_stack.py).
+
+A layer that offers `decode_record(x, y, cache_layer, step)` (Gemma3DecoderLayer: its whole layer as one
+hc_decoder_layer call) reserves its token's cache slot and hands back its call's arguments instead of running it;
+consecutive such layers then run in one call, layer i + 1 reading the buffer layer i writes. Any other layer, a
+layer with module hooks, or a layer whose kernel declines after reserving ends the run: the pending layers run
+first, then that layer as a module call (its separate path writing the slot it reserved). The same kernels in the
+same order as the per-layer calls, so the same numbers; a failure raises inside the Cache's open block, which the
+caller aborts (every reservation dropped, nothing the cache holds changed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+from hybridcache.ops.cpu_decoder_stack import record_type, run_records
+from hybridcache.ops.kernel_calls import takes
+
+
+def _hooked(block: nn.Module) -> bool:
+    """Whether calling `block` would run hooks that a record's C call would skip."""
+    return bool(
+        block._forward_hooks
+        or block._forward_pre_hooks
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+    )
+
+
+def decode_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
+    """h [B, 1, D] through every layer of an eager decode step (blocks[i] with cache layer entries[i]), runs of
+    recording layers in one C call each; None (nothing reserved, nothing run) where no layer here records or the
+    step is not one the kernels take (the caller's loop then runs it)."""
+    if (
+        h.dim() != 3
+        or h.shape[1] != 1
+        or not takes(h)
+        or torch.compiler.is_compiling()
+        or not any(hasattr(type(b), "decode_record") for b in blocks)
+        or record_type() is None
+    ):
+        return None
+    bufs = (torch.empty(h.shape, dtype=h.dtype), torch.empty(h.shape, dtype=h.dtype))  # the layers' outputs, in turn
+    pending: list[tuple] = []  # recorded calls not yet run, and the tensors they point into
+    x = h
+    for block, entry in zip(blocks, entries, strict=True):
+        record = getattr(type(block), "decode_record", None)
+        got = None
+        if record is not None and not _hooked(block):
+            y = bufs[1] if x is bufs[0] else bufs[0]
+            got = record(block, x, y, entry, step)
+            if got is not None and got[0] != "reserved":
+                pending.append(got)
+                x = y
+                continue
+        _flush(pending)
+        x = block(x, entry, step) if got is None else block.separate(x, entry, step, got[1])
+    _flush(pending)
+    return x
+
+
+def _flush(pending: list[tuple]) -> None:
+    if pending:
+        calls = [args for args, _alive in pending]
+        run_records(calls)  # (the `_alive` tensors stay referenced by `pending` until it returns)
+        pending.clear()

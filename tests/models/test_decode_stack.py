@@ -1,0 +1,162 @@
+"""An eager decode step's decoder layers in one C call (blocks/decode_stack.py, ops/cpu_decoder_stack.py,
+kernels/cpu_decode.c hc_decoder_stack). The call runs each layer's hc_decoder_layer with the arguments the per-layer
+call would pass, in the same order, so logits, tokens and the cache must be bit-identical to the per-layer calls
+and to the separate ones; hooks, declining kernels and failures split or abort the run without changing that."""
+
+import ctypes
+
+import pytest
+import torch
+
+import hybridcache as hc
+from hybridcache.blocks import decode_stack
+from hybridcache.blocks.attention import AttentionMixer
+from hybridcache.models import base
+from hybridcache.ops import cpu_decoder_stack, kernel_status
+from tests.models.conftest import prompts
+
+pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
+
+
+def _calls(monkeypatch) -> list[int]:
+    """How many layers each many-layer call ran."""
+    sizes, real = [], cpu_decoder_stack.run_records
+
+    def counted(records):
+        sizes.append(len(records))
+        return real(records)
+
+    monkeypatch.setattr(decode_stack, "run_records", counted)
+    return sizes
+
+
+def _run(model, ids, mask, new, cache_config=None):
+    out = hc.generate(model, ids, attention_mask=mask, max_new_tokens=new, cache_config=cache_config)
+    cache = [(e.keys.clone(), e.values.clone(), e.key_pos.clone()) for e in out.cache.entries]
+    return out.sequences, out.logits, cache
+
+
+def _same(got, want):
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    for g, w in zip(got[2], want[2], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+
+
+@pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
+def test_the_stack_is_the_per_layer_and_the_separate_calls(checkpoints, monkeypatch, weights):
+    model = hc.from_pretrained(checkpoints("gemma3"), weights=weights)
+    ids = prompts(2, 7, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with monkeypatch.context() as m:
+        sizes = _calls(m)
+        got = _run(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
+    assert sizes == [len(model.decoder_layers)] * 11  # every decode step: all layers in one call
+    with monkeypatch.context() as m:
+        m.setattr(base, "decode_layers", lambda *a: None)
+        per_layer = _run(model, ids, mask, 12)
+        m.setattr(AttentionMixer, "_reserve_step", lambda self, *a: None)
+        separate = _run(model, ids, mask, 12)
+    _same(got, per_layer)
+    _same(got, separate)
+
+
+def test_a_hooked_layer_splits_the_run_and_its_hook_runs(checkpoints, monkeypatch):
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids, n = prompts(1, 6, seed=3), len(model.decoder_layers)
+    want = _run(model, ids, None, 6)
+    seen = []
+    handle = model.decoder_layers[1].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    try:
+        with monkeypatch.context() as m:
+            sizes = _calls(m)
+            got = _run(model, ids, None, 6)
+    finally:
+        handle.remove()
+    assert len(seen) == 6  # the prompt's block and the 5 decode steps: the hook saw every call of its layer
+    assert sizes == [1, n - 2] * 5  # layer 0, then (layer 1 as a module call) layers 2..n-1
+    _same(got, want)
+
+
+def test_a_layer_whose_kernel_declines_after_reserving_runs_apart(checkpoints, monkeypatch):
+    """The slot is reserved, then the record declines: the run so far goes first, then the layer's separate path
+    writes the slot, then the rest in one call. The same numbers."""
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids, n = prompts(2, 6, seed=4), len(model.decoder_layers)
+    want = _run(model, ids, None, 5)
+    declining = model.decoder_layers[2].self_attn
+    real = AttentionMixer._reserve_step
+
+    def reserve(self, *a):
+        got = real(self, *a)
+        if got is None or self is not declining:
+            return got
+        run, args, reserved = got
+
+        class Declines:  # the bound call, whose record declines (its own call is never reached here)
+            record = staticmethod(lambda *a: None)
+
+        return Declines, args, reserved
+
+    with monkeypatch.context() as m:
+        m.setattr(AttentionMixer, "_reserve_step", reserve)
+        sizes = _calls(m)
+        got = _run(model, ids, None, 5)
+    assert sizes == [2, n - 3] * 4
+    _same(got, want)
+
+
+def test_a_failed_call_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
+    """The C call ran some layers (their slots written), then failed: the block is aborted, the cache holds what
+    it held, and the next steps equal a fresh run."""
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids = prompts(1, 5, seed=2)
+    out = hc.generate(model, ids, max_new_tokens=2)
+    before = [(e.keys.clone(), e.key_pos.clone(), e.seen.clone()) for e in out.cache.entries]
+    real = cpu_decoder_stack.run_records
+
+    def fails(records):
+        real(records[:3])  # the first layers ran and wrote their reserved slots
+        raise MemoryError("hc_decoder_stack: layer 3 found no memory for its attention's scratch")
+
+    with monkeypatch.context() as m:
+        m.setattr(decode_stack, "run_records", fails)
+        with pytest.raises(MemoryError, match="layer 3"):
+            hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
+    for e, (keys, pos, seen) in zip(out.cache.entries, before, strict=True):
+        assert torch.equal(e.keys, keys) and torch.equal(e.key_pos, pos) and torch.equal(e.seen, seen)
+    again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits
+    fresh = hc.generate(model, ids, max_new_tokens=5).logits  # [B, T_new, V]
+    assert torch.equal(again, fresh[:, 2:])
+
+
+def test_layers_without_records_run_as_module_calls(checkpoints, monkeypatch):
+    """A cache type whose layers do not reserve slots (int8 storage): no many-layer call, every layer its usual
+    call, the same numbers as the loop."""
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids, config = prompts(2, 5, seed=1), {"attention": {"storage": "int8"}}
+    with monkeypatch.context() as m:
+        sizes = _calls(m)
+        got = hc.generate(model, ids, max_new_tokens=4, cache_config=config)
+    assert sizes == []
+    with monkeypatch.context() as m:
+        m.setattr(base, "decode_layers", lambda *a: None)
+        want = hc.generate(model, ids, max_new_tokens=4, cache_config=config)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_a_library_whose_record_is_not_the_declared_one_is_not_called(checkpoints, monkeypatch):
+    """The library states its record's field types; other than the declared ones, the per-layer calls run."""
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids = prompts(1, 5, seed=6)
+    want = hc.generate(model, ids, max_new_tokens=4)
+    assert cpu_decoder_stack.record_type() is not None
+    with monkeypatch.context() as m:
+        m.setattr(cpu_decoder_stack, "LAYER_RECORD", cpu_decoder_stack.LAYER_RECORD[:-1] + [ctypes.c_float])
+        m.setattr(cpu_decoder_stack, "_state", {})
+        assert cpu_decoder_stack.record_type() is None
+        sizes = _calls(m)
+        got = hc.generate(model, ids, max_new_tokens=4)
+    assert sizes == []
+    assert torch.equal(got.logits, want.logits)
