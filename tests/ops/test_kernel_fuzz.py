@@ -14,7 +14,7 @@ import hybridcache.ops.cpu_kernels as ck
 from tests.ops.kernel_fuzz import CASES
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES_PER_RUN = int(os.environ.get("HYBRIDCACHE_FUZZ_CASES", "750"))  # 50 per wrapper
+CASES_PER_RUN = int(os.environ.get("HYBRIDCACHE_FUZZ_CASES", "800"))  # 50 per wrapper, 100 per whole-layer wrapper
 
 
 @pytest.fixture(autouse=True)
