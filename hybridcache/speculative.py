@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hybridcache.blocks.decode_stack import run_layers
 from hybridcache.cache import Cache, CacheConfigError
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.decoding import DEFAULT_PREFILL_CHUNK, GenerationState
@@ -213,9 +214,7 @@ class EarlyExitDraft(torch.nn.Module):
         cache.begin_block(valid, input_ids.shape[1], check=check, ids=input_ids)
         try:
             block = cache.current_block
-            h = self.target.embed(input_ids)
-            for layer, entry in zip(self.decoder_layers, cache.entries, strict=True):
-                h = layer(h, entry, block)
+            h = run_layers(self.decoder_layers, cache.entries, self.target.embed(input_ids), block)
             logits = self.target.head(h[:, -1:] if last_only else h)
         except BaseException:
             cache.abort_block()

@@ -29,6 +29,17 @@ def _hooked(block: nn.Module) -> bool:
     )
 
 
+def run_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor:
+    """h [B, T, D] through every layer (blocks[i] with cache layer entries[i]): a decode step by `decode_layers`
+    where it applies, else one module call per layer."""
+    out = decode_layers(blocks, entries, h, step) if h.dim() == 3 and h.shape[1] == 1 else None
+    if out is None:
+        for block, entry in zip(blocks, entries, strict=True):
+            h = block(h, entry, step)
+        return h
+    return out
+
+
 def decode_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
     """h [B, 1, D] through every layer of an eager decode step (blocks[i] with cache layer entries[i]), runs of
     recording layers in one C call each; None (nothing reserved, nothing run) where no layer here records or the

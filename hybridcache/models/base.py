@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks.decode_stack import decode_layers
+from hybridcache.blocks.decode_stack import run_layers
 from hybridcache.cache import Cache, CacheError, CacheGroup, NativeGroup, get_layer_class
 from hybridcache.cache.plan import Native
 from hybridcache.cache.sequence import check_valid_mask
@@ -267,12 +267,7 @@ class HybridLM(nn.Module):
         """The model body for the cache's open block (no validation; what the compiled decode step runs)."""
         step = cache.current_block
         h = self.embed(input_ids)
-        out = decode_layers(self.decoder_layers, cache.entries, h, step) if input_ids.shape[1] == 1 else None
-        if out is None:
-            for block, entry in zip(self.decoder_layers, cache.entries, strict=True):
-                h = block(h, entry, step)
-        else:
-            h = out  # an eager decode step: runs of layers in one C call each (blocks/decode_stack.py)
+        h = run_layers(self.decoder_layers, cache.entries, h, step)  # (eager decode: few C calls, decode_stack.py)
         return self.head(h[:, -1:] if last_only else h)
 
 

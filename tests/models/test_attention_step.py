@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import hybridcache as hc
+from hybridcache.blocks import decode_stack
 from hybridcache.blocks.attention import AttentionMixer
-from hybridcache.models import base, gemma3
+from hybridcache.models import gemma3
 from hybridcache.ops import kernel_status
 from tests.models.conftest import prompts
 
@@ -24,7 +25,7 @@ def _separate(monkeypatch):
 
 def _per_layer(monkeypatch):
     """Every decode step layer by layer (not the many-layer call of blocks/decode_stack.py, tested apart)."""
-    monkeypatch.setattr(base, "decode_layers", lambda *a: None)
+    monkeypatch.setattr(decode_stack, "decode_layers", lambda *a: None)
 
 
 def _counted(monkeypatch) -> list:

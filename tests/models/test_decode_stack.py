@@ -11,7 +11,6 @@ import torch
 import hybridcache as hc
 from hybridcache.blocks import decode_stack
 from hybridcache.blocks.attention import AttentionMixer
-from hybridcache.models import base
 from hybridcache.ops import cpu_decoder_stack, kernel_status
 from tests.models.conftest import prompts
 
@@ -54,7 +53,7 @@ def test_the_stack_is_the_per_layer_and_the_separate_calls(checkpoints, monkeypa
         got = _run(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
     assert sizes == [len(model.decoder_layers)] * 11  # every decode step: all layers in one call
     with monkeypatch.context() as m:
-        m.setattr(base, "decode_layers", lambda *a: None)
+        m.setattr(decode_stack, "decode_layers", lambda *a: None)
         per_layer = _run(model, ids, mask, 12)
         m.setattr(AttentionMixer, "_reserve_step", lambda self, *a: None)
         separate = _run(model, ids, mask, 12)
@@ -141,7 +140,7 @@ def test_layers_without_records_run_as_module_calls(checkpoints, monkeypatch):
         got = hc.generate(model, ids, max_new_tokens=4, cache_config=config)
     assert sizes == []
     with monkeypatch.context() as m:
-        m.setattr(base, "decode_layers", lambda *a: None)
+        m.setattr(decode_stack, "decode_layers", lambda *a: None)
         want = hc.generate(model, ids, max_new_tokens=4, cache_config=config)
     assert torch.equal(got.logits, want.logits)
 
@@ -159,4 +158,22 @@ def test_a_library_whose_record_is_not_the_declared_one_is_not_called(checkpoint
         sizes = _calls(m)
         got = hc.generate(model, ids, max_new_tokens=4)
     assert sizes == []
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_an_early_exit_draft_runs_its_layers_in_one_call(checkpoints, monkeypatch):
+    """The self-speculative draft (the target's first layers) decodes through the same call: its logits equal its
+    per-layer calls."""
+    from hybridcache.speculative import EarlyExitDraft
+
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    draft = EarlyExitDraft(model, 3)
+    ids = prompts(2, 6, seed=8)
+    with monkeypatch.context() as m:
+        sizes = _calls(m)
+        got = hc.generate(draft, ids, max_new_tokens=5)
+    assert sizes == [3] * 4
+    with monkeypatch.context() as m:
+        m.setattr(decode_stack, "decode_layers", lambda *a: None)
+        want = hc.generate(draft, ids, max_new_tokens=5)
     assert torch.equal(got.logits, want.logits)
