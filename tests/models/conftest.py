@@ -58,3 +58,32 @@ def models(checkpoints):
         return loaded[family, dtype]
 
     return get
+
+
+def failed_step_changes_nothing(model, ids: torch.Tensor, failing) -> None:
+    """Two tokens generated from `ids`, then a step under `failing` (a context in which it raises): the cache holds
+    what it held (keys, positions, counts), and the next steps equal a fresh run's."""
+    out = hc.generate(model, ids, max_new_tokens=2)
+    before = [(e.keys.clone(), e.key_pos.clone(), e.seen.clone()) for e in out.cache.entries]
+    with failing():
+        hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
+    for e, (keys, pos, seen) in zip(out.cache.entries, before, strict=True):
+        assert torch.equal(e.keys, keys) and torch.equal(e.key_pos, pos) and torch.equal(e.seen, seen)
+    again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits
+    fresh = hc.generate(model, ids, max_new_tokens=5).logits  # [B, T_new, V]
+    assert torch.equal(again, fresh[:, 2:])
+
+
+def left_padded(batch: int, length: int, seed: int, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts and a mask whose last row starts with `pad` padding tokens."""
+    ids = prompts(batch, length, seed)
+    mask = torch.ones_like(ids)
+    mask[-1, :pad] = 0
+    return ids, mask
+
+
+def generate_with_cache(model, ids: torch.Tensor, mask: torch.Tensor | None, new: int) -> tuple:
+    """(sequences, logits, each cache layer's keys, values and key positions) of a greedy generation."""
+    out = hc.generate(model, ids, attention_mask=mask, max_new_tokens=new)
+    cache = [(e.keys.clone(), e.values.clone(), e.key_pos.clone()) for e in out.cache.entries]
+    return out.sequences, out.logits, cache

@@ -4,6 +4,8 @@ the token's keys and values written by the kernel straight into the slot the cac
 the cache's append, the attention kernel), so logits, tokens and the cache itself must be bit-identical to them,
 past the sliding window, with left padding, and after a block that failed."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from hybridcache.blocks import decode_stack
 from hybridcache.blocks.attention import AttentionMixer
 from hybridcache.models import gemma3
 from hybridcache.ops import kernel_status
-from tests.models.conftest import prompts
+from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
@@ -42,30 +44,22 @@ def _counted(monkeypatch) -> list:
     return seen
 
 
-def _run(model, ids, mask, new):
-    out = hc.generate(model, ids, attention_mask=mask, max_new_tokens=new)
-    cache = [(e.keys.clone(), e.values.clone(), e.key_pos.clone()) for e in out.cache.entries]
-    return out.sequences, out.logits, cache
-
-
 @pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
 def test_one_call_step_is_the_separate_calls(checkpoints, monkeypatch, weights):
     model = hc.from_pretrained(checkpoints("gemma3"), weights=weights)
-    ids = prompts(2, 7, seed=5)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
+    ids, mask = left_padded(2, 7, seed=5)
     tails = []
     with monkeypatch.context() as m:
         served = _counted(m)
         real_tail = gemma3.decoder_tail
         m.setattr(gemma3, "decoder_tail", lambda h, *a: tails.append(h.shape[1]) or real_tail(h, *a))
-        seqs, logits, cache = _run(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
+        seqs, logits, cache = generate_with_cache(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
     layers = len(model.decoder_layers)
     assert served == [True] * (11 * layers)  # every layer of every decode step, in one call
     assert 1 not in tails  # ... the decoder tail included (the prompt's block runs it apart)
     with monkeypatch.context() as m:
         _separate(m)
-        want_seqs, want_logits, want_cache = _run(model, ids, mask, 12)
+        want_seqs, want_logits, want_cache = generate_with_cache(model, ids, mask, 12)
     assert torch.equal(seqs, want_seqs)
     assert torch.equal(logits, want_logits)
     for got, want in zip(cache, want_cache, strict=True):
@@ -76,20 +70,16 @@ def test_a_failed_block_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
     """The kernel wrote a reserved slot of the first layers, then a later layer failed: the block is aborted and
     the next step runs as if the failed one never happened."""
     model = hc.from_pretrained(checkpoints("gemma3"))
-    ids = prompts(1, 5, seed=2)
-    out = hc.generate(model, ids, max_new_tokens=2)
-    before = [(e.keys.clone(), e.key_pos.clone(), e.seen.clone()) for e in out.cache.entries]
     last = model.decoder_layers[-1]
-    with monkeypatch.context() as m:
-        _per_layer(m)
-        m.setattr(type(last), "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("layer failed")))
-        with pytest.raises(RuntimeError, match="layer failed"):
-            hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
-    for e, (keys, pos, seen) in zip(out.cache.entries, before, strict=True):
-        assert torch.equal(e.keys, keys) and torch.equal(e.key_pos, pos) and torch.equal(e.seen, seen)
-    again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits
-    fresh = hc.generate(model, ids, max_new_tokens=5).logits  # [B, T_new, V]
-    assert torch.equal(again, fresh[:, 2:])
+
+    @contextmanager
+    def failing():
+        with monkeypatch.context() as m, pytest.raises(RuntimeError, match="layer failed"):
+            _per_layer(m)
+            m.setattr(type(last), "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("layer failed")))
+            yield
+
+    failed_step_changes_nothing(model, prompts(1, 5, seed=2), failing)
 
 
 def test_a_reserved_slot_the_kernel_declines_is_written_by_the_separate_path(checkpoints, monkeypatch):

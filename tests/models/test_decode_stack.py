@@ -4,6 +4,7 @@ call would pass, in the same order, so logits, tokens and the cache must be bit-
 and to the separate ones; hooks, declining kernels and failures split or abort the run without changing that."""
 
 import ctypes
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import hybridcache as hc
 from hybridcache.blocks import decode_stack
 from hybridcache.blocks.attention import AttentionMixer
 from hybridcache.ops import cpu_decoder_stack, kernel_status
-from tests.models.conftest import prompts
+from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
@@ -29,12 +30,6 @@ def _calls(monkeypatch) -> list[int]:
     return sizes
 
 
-def _run(model, ids, mask, new, cache_config=None):
-    out = hc.generate(model, ids, attention_mask=mask, max_new_tokens=new, cache_config=cache_config)
-    cache = [(e.keys.clone(), e.values.clone(), e.key_pos.clone()) for e in out.cache.entries]
-    return out.sequences, out.logits, cache
-
-
 def _same(got, want):
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1], want[1])
@@ -45,18 +40,16 @@ def _same(got, want):
 @pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
 def test_the_stack_is_the_per_layer_and_the_separate_calls(checkpoints, monkeypatch, weights):
     model = hc.from_pretrained(checkpoints("gemma3"), weights=weights)
-    ids = prompts(2, 7, seed=5)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
+    ids, mask = left_padded(2, 7, seed=5)
     with monkeypatch.context() as m:
         sizes = _calls(m)
-        got = _run(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
+        got = generate_with_cache(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
     assert sizes == [len(model.decoder_layers)] * 11  # every decode step: all layers in one call
     with monkeypatch.context() as m:
         m.setattr(decode_stack, "decode_layers", lambda *a: None)
-        per_layer = _run(model, ids, mask, 12)
+        per_layer = generate_with_cache(model, ids, mask, 12)
         m.setattr(AttentionMixer, "_reserve_step", lambda self, *a: None)
-        separate = _run(model, ids, mask, 12)
+        separate = generate_with_cache(model, ids, mask, 12)
     _same(got, per_layer)
     _same(got, separate)
 
@@ -64,13 +57,13 @@ def test_the_stack_is_the_per_layer_and_the_separate_calls(checkpoints, monkeypa
 def test_a_hooked_layer_splits_the_run_and_its_hook_runs(checkpoints, monkeypatch):
     model = hc.from_pretrained(checkpoints("gemma3"))
     ids, n = prompts(1, 6, seed=3), len(model.decoder_layers)
-    want = _run(model, ids, None, 6)
+    want = generate_with_cache(model, ids, None, 6)
     seen = []
     handle = model.decoder_layers[1].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     try:
         with monkeypatch.context() as m:
             sizes = _calls(m)
-            got = _run(model, ids, None, 6)
+            got = generate_with_cache(model, ids, None, 6)
     finally:
         handle.remove()
     assert len(seen) == 6  # the prompt's block and the 5 decode steps: the hook saw every call of its layer
@@ -83,7 +76,7 @@ def test_a_layer_whose_kernel_declines_after_reserving_runs_apart(checkpoints, m
     writes the slot, then the rest in one call. The same numbers."""
     model = hc.from_pretrained(checkpoints("gemma3"))
     ids, n = prompts(2, 6, seed=4), len(model.decoder_layers)
-    want = _run(model, ids, None, 5)
+    want = generate_with_cache(model, ids, None, 5)
     declining = model.decoder_layers[2].self_attn
     real = AttentionMixer._reserve_step
 
@@ -101,7 +94,7 @@ def test_a_layer_whose_kernel_declines_after_reserving_runs_apart(checkpoints, m
     with monkeypatch.context() as m:
         m.setattr(AttentionMixer, "_reserve_step", reserve)
         sizes = _calls(m)
-        got = _run(model, ids, None, 5)
+        got = generate_with_cache(model, ids, None, 5)
     assert sizes == [2, n - 3] * 4
     _same(got, want)
 
@@ -110,24 +103,19 @@ def test_a_failed_call_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
     """The C call ran some layers (their slots written), then failed: the block is aborted, the cache holds what
     it held, and the next steps equal a fresh run."""
     model = hc.from_pretrained(checkpoints("gemma3"))
-    ids = prompts(1, 5, seed=2)
-    out = hc.generate(model, ids, max_new_tokens=2)
-    before = [(e.keys.clone(), e.key_pos.clone(), e.seen.clone()) for e in out.cache.entries]
     real = cpu_decoder_stack.run_records
 
     def fails(records):
         real(records[:3])  # the first layers ran and wrote their reserved slots
         raise MemoryError("hc_decoder_stack: layer 3 found no memory for its attention's scratch")
 
-    with monkeypatch.context() as m:
-        m.setattr(decode_stack, "run_records", fails)
-        with pytest.raises(MemoryError, match="layer 3"):
-            hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
-    for e, (keys, pos, seen) in zip(out.cache.entries, before, strict=True):
-        assert torch.equal(e.keys, keys) and torch.equal(e.key_pos, pos) and torch.equal(e.seen, seen)
-    again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits
-    fresh = hc.generate(model, ids, max_new_tokens=5).logits  # [B, T_new, V]
-    assert torch.equal(again, fresh[:, 2:])
+    @contextmanager
+    def failing():
+        with monkeypatch.context() as m, pytest.raises(MemoryError, match="layer 3"):
+            m.setattr(decode_stack, "run_records", fails)
+            yield
+
+    failed_step_changes_nothing(model, prompts(1, 5, seed=2), failing)
 
 
 def test_layers_without_records_run_as_module_calls(checkpoints, monkeypatch):
