@@ -882,20 +882,49 @@ void hc_qkv_norm_rope(const float *x, int B, int T, int Dm, const void *w, int w
   hc_norm_rope(qkv + (size_t)Hq * D, W * T, D, W, k_scale, k_eps, cos_t, sin_t, k_out, B, Hkv, T, D, rot, interleaved);
 }
 
+/* ---- a decode step's attention / decoder layer in one call, and many layers in one call --------------------
+   The parameters of hc_attention_step (HC_STEP_FIELDS) and hc_decoder_layer (those, then HC_TAIL_FIELDS), listed
+   once (X: a parameter's C type, name and ctypes code). hc_decoder_stack takes hc_decoder_layer's arguments as a
+   record, one per layer, and runs the records in order: no interpreter between layers, whose Python ran with the
+   caches cold after each layer's weights (measured on a 2-core Xeon, Gemma 3 270M with int8 weights: the layers'
+   Python 4.4 -> 1.9 ms a step, the step 16.8 -> ~13.7 ms). The record's type codes let the loader check it against
+   the op's declared signature (op_specs.py) before any call. */
+#define HC_STEP_FIELDS(X, SEP)                                                                                     \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(const void *, w, P) SEP()                 \
+  X(int, wtype, I) SEP() X(const float *, wscale, P) SEP() X(const float *, bias, P) SEP() X(int, Hq, I) SEP()     \
+  X(int, Hkv, I) SEP() X(int, D, I) SEP() X(float *, qkv, P) SEP() X(const float *, q_scale, P) SEP()               \
+  X(float, q_eps, F) SEP() X(const float *, k_scale, P) SEP() X(float, k_eps, F) SEP()                             \
+  X(const float *, cos_t, P) SEP() X(const float *, sin_t, P) SEP() X(int, rot, I) SEP() X(int, interleaved, I)     \
+  SEP() X(float *, q_out, P) SEP() X(float *, k_new, P) SEP() X(const float *, in_scale, P) SEP()                   \
+  X(float, in_eps, F) SEP() X(float *, xn, P) SEP() X(float *, keys, P) SEP() X(float *, values, P) SEP()           \
+  X(long, slot, L) SEP() X(int, S, I) SEP() X(long, ksb, L) SEP() X(long, ksh, L) SEP() X(long, kss, L) SEP()      \
+  X(long, vsb, L) SEP() X(long, vsh, L) SEP() X(long, vss, L) SEP() X(const int64_t *, qpos, P) SEP()              \
+  X(const int64_t *, kpos, P) SEP() X(int, pattern, I) SEP() X(long, param, L) SEP() X(float, scale, F) SEP()      \
+  X(float, softcap, F) SEP() X(const float *, sinks, P) SEP() X(float *, a, P)
+#define HC_TAIL_FIELDS(X, SEP)                                                                                     \
+  X(const void *, w_o, P) SEP() X(int, o_type, I) SEP() X(const float *, o_scale, P) SEP()                         \
+  X(const float *, o_bias, P) SEP() X(const float *, post_attn, P) SEP() X(float, post_attn_eps, F) SEP()          \
+  X(const float *, pre_mlp, P) SEP() X(float, pre_mlp_eps, F) SEP() X(int, I, I) SEP() X(const void *, w_gu, P)    \
+  SEP() X(int, gu_type, I) SEP() X(const float *, gu_scale, P) SEP() X(const float *, gu_bias, P) SEP()            \
+  X(const void *, w_dn, P) SEP() X(int, dn_type, I) SEP() X(const float *, dn_scale, P) SEP()                      \
+  X(const float *, dn_bias, P) SEP() X(int, act, I) SEP() X(const float *, post_mlp, P) SEP()                      \
+  X(float, post_mlp_eps, F) SEP() X(float *, tail_scratch, P) SEP() X(float *, y, P)
+#define HC_LAYER_RECORD(X, SEP) HC_STEP_FIELDS(X, SEP) SEP() HC_TAIL_FIELDS(X, SEP)
+#define HC_REC_FIELD(T, N, C) T N
+#define HC_REC_ARG(T, N, C) r->N
+#define HC_REC_NAME(T, N, C) N
+#define HC_REC_CODE(T, N, C) #C
+#define HC_REC_SEMI() ;
+#define HC_REC_COMMA() ,
+#define HC_REC_NONE()
 /* A decode step's attention in one call: one token per row, B rows. hc_qkv_norm_rope (T = 1; k into k_new
    [B, Hkv, D]), then the token's keys and values written into slot `slot` of every row of the cache's keys / values
    [B, Hkv, S, D] (strides in elements, contiguous last dim; the slot past the ones held, which the cache reserved),
    then hc_decode_attention of q over all S slots by positions (kpos [B, S] already holds the token's position):
-   out [B, Hq, D], which is [B, Hq * D] as the output projection reads it. The same kernels in the same order as
+   a [B, Hq, D], which is [B, Hq * D] as the output projection reads it. The same kernels in the same order as
    the separate calls. Returns 0; -3 (nothing done) for a slot outside [0, S) or Hkv < 1 or Hq not a multiple of it;
    else hc_decode_attention's code. */
-int hc_attention_step(const float *x, int B, int Dm, const void *w, int wtype, const float *wscale, const float *bias,
-                      int Hq, int Hkv, int D, float *qkv, const float *q_scale, float q_eps, const float *k_scale,
-                      float k_eps, const float *cos_t, const float *sin_t, int rot, int interleaved, float *q_out,
-                      float *k_new, const float *in_scale, float in_eps, float *xn, float *keys, float *values,
-                      long slot, int S, long ksb, long ksh, long kss, long vsb, long vsh, long vss,
-                      const int64_t *qpos, const int64_t *kpos, int pattern, long param, float scale, float softcap,
-                      const float *sinks, float *out) {
+int hc_attention_step(HC_STEP_FIELDS(HC_REC_FIELD, HC_REC_COMMA)) {
   if (slot < 0 || slot >= S || Hkv < 1 || Hq < 1 || Hq % Hkv || B < 1 || D < 1) return -3;
   hc_qkv_norm_rope(x, B, 1, Dm, w, wtype, wscale, bias, Hq, Hkv, D, qkv, q_scale, q_eps, k_scale, k_eps, cos_t, sin_t,
                    rot, interleaved, q_out, k_new, in_scale, in_eps, xn);
@@ -906,7 +935,7 @@ int hc_attention_step(const float *x, int B, int Dm, const void *w, int wtype, c
       const float *ks = k_new + ((size_t)b * Hkv + h) * D, *vs = qkv + b * W + (size_t)(Hq + Hkv + h) * D;
       for (int d = 0; d < D; d++) kd[d] = ks[d], vd[d] = vs[d];
     }
-  return hc_decode_attention(q_out, keys, values, NULL, qpos, kpos, pattern, param, out, B, Hq, Hkv, S, D, ksb, ksh,
+  return hc_decode_attention(q_out, keys, values, NULL, qpos, kpos, pattern, param, a, B, Hq, Hkv, S, D, ksb, ksh,
                              kss, vsb, vsh, vss, scale, softcap, sinks);
 }
 
@@ -932,60 +961,13 @@ void hc_decoder_tail(const float *h, const float *a, int M, int D, int A, const 
 /* A decode step's whole decoder layer in one call: hc_attention_step (its output into `a` [B, Hq * D]), then
    hc_decoder_tail of the layer input x (the residual) and a into y [B, Dm] (tail_scratch: [B, 4 Dm + 3 I] floats).
    The same kernels in the same order as the two calls. Returns hc_attention_step's code (the tail runs on 0). */
-int hc_decoder_layer(const float *x, int B, int Dm, const void *w, int wtype, const float *wscale, const float *bias,
-                     int Hq, int Hkv, int D, float *qkv, const float *q_scale, float q_eps, const float *k_scale,
-                     float k_eps, const float *cos_t, const float *sin_t, int rot, int interleaved, float *q_out,
-                     float *k_new, const float *in_scale, float in_eps, float *xn, float *keys, float *values,
-                     long slot, int S, long ksb, long ksh, long kss, long vsb, long vsh, long vss,
-                     const int64_t *qpos, const int64_t *kpos, int pattern, long param, float scale, float softcap,
-                     const float *sinks, float *a, const void *w_o, int o_type, const float *o_scale,
-                     const float *o_bias, const float *post_attn, float post_attn_eps, const float *pre_mlp,
-                     float pre_mlp_eps, int I, const void *w_gu, int gu_type, const float *gu_scale,
-                     const float *gu_bias, const void *w_dn, int dn_type, const float *dn_scale,
-                     const float *dn_bias, int act, const float *post_mlp, float post_mlp_eps, float *tail_scratch,
-                     float *y) {
-  int err = hc_attention_step(x, B, Dm, w, wtype, wscale, bias, Hq, Hkv, D, qkv, q_scale, q_eps, k_scale, k_eps,
-                              cos_t, sin_t, rot, interleaved, q_out, k_new, in_scale, in_eps, xn, keys, values, slot,
-                              S, ksb, ksh, kss, vsb, vsh, vss, qpos, kpos, pattern, param, scale, softcap, sinks, a);
+int hc_decoder_layer(HC_LAYER_RECORD(HC_REC_FIELD, HC_REC_COMMA)) {
+  int err = hc_attention_step(HC_STEP_FIELDS(HC_REC_NAME, HC_REC_COMMA));
   if (err) return err;
-  hc_decoder_tail(x, a, B, Dm, Hq * D, w_o, o_type, o_scale, o_bias, post_attn, post_attn_eps, pre_mlp, pre_mlp_eps,
-                  I, w_gu, gu_type, gu_scale, gu_bias, w_dn, dn_type, dn_scale, dn_bias, act, post_mlp, post_mlp_eps,
-                  tail_scratch, y);
+  hc_decoder_tail(x, a, B, Dm, Hq * D, HC_TAIL_FIELDS(HC_REC_NAME, HC_REC_COMMA));
   return 0;
 }
 
-/* ---- a decode step's decoder layers in one call -------------------------------------------------------------
-   hc_decoder_layer's arguments as a record, one per layer, and one call that runs the records in order: no
-   interpreter between layers, whose Python ran with the caches cold after each layer's weights (measured on a
-   2-core Xeon, Gemma 3 270M with int8 weights: the layers' Python 4.4 -> 1.9 ms a step, the step 16.8 -> ~13.7 ms).
-   The record's fields are hc_decoder_layer's parameters in order, listed once here (X: a field's C type, name and
-   ctypes code); the codes let the loader check the record against the op's declared signature (op_specs.py)
-   before any call. */
-#define HC_LAYER_RECORD(X, SEP)                                                                                    \
-  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(const void *, w, P) SEP()                 \
-  X(int, wtype, I) SEP() X(const float *, wscale, P) SEP() X(const float *, bias, P) SEP() X(int, Hq, I) SEP()     \
-  X(int, Hkv, I) SEP() X(int, D, I) SEP() X(float *, qkv, P) SEP() X(const float *, q_scale, P) SEP()               \
-  X(float, q_eps, F) SEP() X(const float *, k_scale, P) SEP() X(float, k_eps, F) SEP()                             \
-  X(const float *, cos_t, P) SEP() X(const float *, sin_t, P) SEP() X(int, rot, I) SEP() X(int, interleaved, I)     \
-  SEP() X(float *, q_out, P) SEP() X(float *, k_new, P) SEP() X(const float *, in_scale, P) SEP()                   \
-  X(float, in_eps, F) SEP() X(float *, xn, P) SEP() X(float *, keys, P) SEP() X(float *, values, P) SEP()           \
-  X(long, slot, L) SEP() X(int, S, I) SEP() X(long, ksb, L) SEP() X(long, ksh, L) SEP() X(long, kss, L) SEP()      \
-  X(long, vsb, L) SEP() X(long, vsh, L) SEP() X(long, vss, L) SEP() X(const int64_t *, qpos, P) SEP()              \
-  X(const int64_t *, kpos, P) SEP() X(int, pattern, I) SEP() X(long, param, L) SEP() X(float, scale, F) SEP()      \
-  X(float, softcap, F) SEP() X(const float *, sinks, P) SEP() X(float *, a, P) SEP() X(const void *, w_o, P)       \
-  SEP() X(int, o_type, I) SEP() X(const float *, o_scale, P) SEP() X(const float *, o_bias, P) SEP()               \
-  X(const float *, post_attn, P) SEP() X(float, post_attn_eps, F) SEP() X(const float *, pre_mlp, P) SEP()         \
-  X(float, pre_mlp_eps, F) SEP() X(int, I, I) SEP() X(const void *, w_gu, P) SEP() X(int, gu_type, I) SEP()        \
-  X(const float *, gu_scale, P) SEP() X(const float *, gu_bias, P) SEP() X(const void *, w_dn, P) SEP()            \
-  X(int, dn_type, I) SEP() X(const float *, dn_scale, P) SEP() X(const float *, dn_bias, P) SEP() X(int, act, I)   \
-  SEP() X(const float *, post_mlp, P) SEP() X(float, post_mlp_eps, F) SEP() X(float *, tail_scratch, P) SEP()      \
-  X(float *, y, P)
-#define HC_REC_FIELD(T, N, C) T N
-#define HC_REC_ARG(T, N, C) r->N
-#define HC_REC_CODE(T, N, C) #C
-#define HC_REC_SEMI() ;
-#define HC_REC_COMMA() ,
-#define HC_REC_NONE()
 typedef struct {
   HC_LAYER_RECORD(HC_REC_FIELD, HC_REC_SEMI);
 } hc_layer_record;
