@@ -32,7 +32,7 @@ def _hooked(block: nn.Module) -> bool:
 def run_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor:
     """h [B, T, D] through every layer (blocks[i] with cache layer entries[i]): a decode step by `decode_layers`
     where it applies, else one module call per layer."""
-    out = decode_layers(blocks, entries, h, step) if h.dim() == 3 and h.shape[1] == 1 else None
+    out = decode_layers(blocks, entries, h, step)  # (None for a block of more than one token)
     if out is None:
         for block, entry in zip(blocks, entries, strict=True):
             h = block(h, entry, step)
