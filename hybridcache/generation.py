@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybridcache.blocks.decode_stack import steady, unhooked
 from hybridcache.cache import Cache
 from hybridcache.decoding import (  # noqa: F401  (re-exported: the names generation.py always had)
     DEFAULT_PREFILL_CHUNK,
@@ -112,7 +114,11 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
     chooser = TokenChooser(chooser_hooks, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, generator)
     stop = StoppingCriteriaList([*([EosCriteria(eos)] if eos.numel() else []), *stopping_criteria])
-    logits = run_loop(source, chooser, stop, as_streamer(streamer), state, pad_id, cfg.output_logits)
+    streamer = as_streamer(streamer)
+    # no code but ours between the steps (no processors, criteria, streamer or hooks): the modules stay as they are
+    ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
+    with steady() if ours and unhooked(model, draft_model) else nullcontext():
+        logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
     out = GenerateOutput(state.sequences(), logits, source.cache)
     out.stats = source.finish(out, state)
     if out.cache is not None:

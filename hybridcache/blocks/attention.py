@@ -185,13 +185,18 @@ class AttentionMixer(nn.Module):
         out = run(h, *args)
         return (out, None) if out is not None else (None, reserved)
 
-    def step_record(self, x: torch.Tensor, y: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail):
+    def step_record(
+        self, x: torch.Tensor, y: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail, run=None
+    ):
         """one_call_step's whole-layer call (`tail` bound) as a record for a step that runs many layers in one C
         call (blocks/decode_stack.py): x [B, 1, D] the layer's input, y [B, 1, D] where its output goes (neither
-        written yet). Returns (hc_decoder_layer's arguments, the tensors they point into: keep them alive until the
-        call), None (nothing reserved: run the layer as usual), or ("reserved", reserved) where the slot is reserved
-        but the kernel does not take these tensors (pass it to the separate path once x holds the input)."""
-        got = None if tail is None else self._reserve_step(x, layer, step, norm, tail)
+        written yet); `run`: the call `step_binding` gave for these modules (None: bind it here). Returns
+        (hc_decoder_layer's arguments, the tensors they point into: keep them alive until the call), None (nothing
+        reserved: run the layer as usual), or ("reserved", reserved) where the slot is reserved but the kernel does
+        not take these tensors (pass it to the separate path once x holds the input)."""
+        if run is None:
+            run = self.step_binding(x, layer, norm, tail)
+        got = None if run is None else self._reserve_with(run, x, layer, step)
         if got is None:
             return None
         run, args, reserved = got
@@ -202,6 +207,13 @@ class AttentionMixer(nn.Module):
         """(the bound one-call attention, or whole layer with `tail`; its arguments after h; the reservation) with
         the token's slot reserved in `layer`, or None (nothing reserved) where this mixer, layer or step does not
         take it."""
+        run = self.step_binding(h, layer, norm, tail)
+        return None if run is None else self._reserve_with(run, h, layer, step)
+
+    def step_binding(self, h: torch.Tensor, layer, norm: nn.Module | None, tail):
+        """The one-call attention (whole layer with `tail`) bound to this mixer's modules for inputs like h, or None
+        where they, h or `layer` do not take it. Depends on the modules and h's shape and dtype only: a decode that
+        knows the modules stay as they are may keep it across steps (blocks/decode_stack.py `steady`)."""
         if (
             self.output_gate
             or self.query_hook is not None
@@ -217,10 +229,14 @@ class AttentionMixer(nn.Module):
             return None
         key = (self._input_key(h, norm), self.scale, self.softcap, tensor_key(self.sinks), id(tail))
         if tail is None:
-            run = self._step_memo.get(key, lambda: self._bind_step(h.shape[2], norm))
-        else:  # (the bound call holds `tail`, so its id is not reused while this entry is kept)
-            run = self._step_memo.get(key, lambda: bind_decoder_layer(self._bind_step(h.shape[2], norm), tail))
-        if run is None:
+            return self._step_memo.get(key, lambda: self._bind_step(h.shape[2], norm))
+        # (the bound call holds `tail`, so its id is not reused while this entry is kept)
+        return self._step_memo.get(key, lambda: bind_decoder_layer(self._bind_step(h.shape[2], norm), tail))
+
+    def _reserve_with(self, run, h: torch.Tensor, layer, step: StepInput):
+        """_reserve_step's reservation for a bound call: (run, its arguments after h, the reservation), or None
+        (nothing reserved)."""
+        if not isinstance(layer, AttentionCacheLayer):
             return None
         cos, sin = self._tables(h, step)
         if cos is False:

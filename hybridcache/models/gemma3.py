@@ -98,11 +98,17 @@ class Gemma3DecoderLayer(nn.Module):
                 reserved = reserved or False  # tried: the separate path writes a reserved slot
         return self.separate(h, layer, step, reserved)
 
-    def decode_record(self, x: torch.Tensor, y: torch.Tensor, layer: CacheLayer, step: StepInput):
-        """This layer's eager decode step as a record for one C call over many layers (blocks/decode_stack.py):
-        AttentionMixer.step_record with this layer's input norm and bound tail."""
+    def decode_binding(self, x: torch.Tensor, layer: CacheLayer):
+        """This layer's whole decode step bound to its modules for inputs like x [B, 1, D] (AttentionMixer.step_binding
+        with its input norm and bound tail), or None where the kernels do not take them."""
         tail = self._bound_tail(x)
-        return None if tail is None else self.self_attn.step_record(x, y, layer, step, self.input_layernorm, tail)
+        return None if tail is None else self.self_attn.step_binding(x, layer, self.input_layernorm, tail)
+
+    def decode_record(self, x: torch.Tensor, y: torch.Tensor, layer: CacheLayer, step: StepInput, binding=None):
+        """This layer's eager decode step as a record for one C call over many layers (blocks/decode_stack.py):
+        AttentionMixer.step_record by `binding` (decode_binding's, for these modules; None: bind it here)."""
+        run = self.decode_binding(x, layer) if binding is None else binding
+        return None if run is None else self.self_attn.step_record(x, y, layer, step, None, None, run)
 
     def separate(self, h: torch.Tensor, layer: CacheLayer, step: StepInput, reserved=None) -> torch.Tensor:
         """The layer by separate calls; `reserved`: the slot one_call_step / decode_record reserved (False: tried,

@@ -3,6 +3,7 @@ kernels/cpu_decode.c hc_decoder_stack). The call runs each layer's hc_decoder_la
 call would pass, in the same order, so logits, tokens and the cache must be bit-identical to the per-layer calls
 and to the separate ones; hooks, declining kernels and failures split or abort the run without changing that."""
 
+import copy
 import ctypes
 from contextlib import contextmanager
 
@@ -48,7 +49,7 @@ def test_the_stack_is_the_per_layer_and_the_separate_calls(checkpoints, monkeypa
     with monkeypatch.context() as m:
         m.setattr(decode_stack, "decode_layers", lambda *a: None)
         per_layer = generate_with_cache(model, ids, mask, 12)
-        m.setattr(AttentionMixer, "_reserve_step", lambda self, *a: None)
+        m.setattr(AttentionMixer, "_reserve_with", lambda self, *a: None)
         separate = generate_with_cache(model, ids, mask, 12)
     _same(got, per_layer)
     _same(got, separate)
@@ -78,7 +79,7 @@ def test_a_layer_whose_kernel_declines_after_reserving_runs_apart(checkpoints, m
     ids, n = prompts(2, 6, seed=4), len(model.decoder_layers)
     want = generate_with_cache(model, ids, None, 5)
     declining = model.decoder_layers[2].self_attn
-    real = AttentionMixer._reserve_step
+    real = AttentionMixer._reserve_with
 
     def reserve(self, *a):
         got = real(self, *a)
@@ -92,7 +93,7 @@ def test_a_layer_whose_kernel_declines_after_reserving_runs_apart(checkpoints, m
         return Declines, args, reserved
 
     with monkeypatch.context() as m:
-        m.setattr(AttentionMixer, "_reserve_step", reserve)
+        m.setattr(AttentionMixer, "_reserve_with", reserve)
         sizes = _calls(m)
         got = generate_with_cache(model, ids, None, 5)
     assert sizes == [2, n - 3] * 4
@@ -165,3 +166,97 @@ def test_an_early_exit_draft_runs_its_layers_in_one_call(checkpoints, monkeypatc
         m.setattr(decode_stack, "decode_layers", lambda *a: None)
         want = hc.generate(draft, ids, max_new_tokens=5)
     assert torch.equal(got.logits, want.logits)
+
+
+def _bindings(monkeypatch) -> list[int]:
+    """The layer of each decode_binding call."""
+    from hybridcache.models.gemma3 import Gemma3DecoderLayer
+
+    made, real = [], Gemma3DecoderLayer.decode_binding
+
+    def counted(self, x, layer):
+        made.append(self)
+        return real(self, x, layer)
+
+    monkeypatch.setattr(Gemma3DecoderLayer, "decode_binding", counted)
+    return made
+
+
+def test_a_generation_without_callbacks_binds_each_layer_once(checkpoints, monkeypatch):
+    """No code of the user's runs between the steps: each layer is bound at the first decode step and kept, with
+    the same numbers as binding it every step (a streamer: the user's code runs between the steps)."""
+    model = hc.from_pretrained(checkpoints("gemma3"), weights="int8")
+    ids, mask = left_padded(2, 7, seed=9)
+    n = len(model.decoder_layers)
+    with monkeypatch.context() as m:
+        made = _bindings(m)
+        got = generate_with_cache(model, ids, mask, 10)
+    assert len(made) == n  # 9 decode steps, one binding per layer
+    with monkeypatch.context() as m:
+        made = _bindings(m)
+        out = hc.generate(model, ids, attention_mask=mask, max_new_tokens=10, streamer=lambda tokens: None)
+    assert len(made) == n * 9  # every step
+    cache = [(e.keys.clone(), e.values.clone(), e.key_pos.clone()) for e in out.cache.entries]
+    _same(got, (out.sequences, out.logits, cache))
+
+
+def _edits(model, at: int):
+    """A streamer that, after `at` tokens, edits what the layers' bindings read: a norm's weight in place, a
+    projection's weight by a .data swap, an MLP module replaced."""
+    seen = []
+
+    def edit(tokens):
+        seen.append(tokens)
+        if len(seen) == at:
+            with torch.no_grad():
+                model.decoder_layers[0].input_layernorm.weight.add_(0.5)
+                o = model.decoder_layers[1].self_attn.o_proj
+                o.weight.data = o.weight.data.flip(0).contiguous()
+                mlp = model.decoder_layers[2].mlp
+                mlp.down_proj = copy.deepcopy(mlp.down_proj)
+                mlp.down_proj.weight.data.mul_(-1)
+
+    return edit
+
+
+@pytest.mark.parametrize("how", ["streamer", "hook"])
+def test_an_edit_between_steps_is_seen_at_the_next_step(checkpoints, monkeypatch, how):
+    """The user's code between the steps (a streamer, or a forward hook anywhere in the model) may change what a
+    layer was bound to: then each step binds again, and the edit counts from the next step on, as in the per-layer
+    calls (which check their keys every call)."""
+    ids = prompts(2, 6, seed=10)
+
+    def run(stack: bool):
+        model = hc.from_pretrained(checkpoints("gemma3"))
+        edit = _edits(model, 3)
+        with monkeypatch.context() as m:
+            if not stack:
+                m.setattr(decode_stack, "decode_layers", lambda *a: None)
+            if how == "streamer":
+                return hc.generate(model, ids, max_new_tokens=8, streamer=edit)
+            handle = model.model.embed_tokens.register_forward_hook(lambda mod, a, out: edit(None))
+            try:
+                return hc.generate(model, ids, max_new_tokens=8)
+            finally:
+                handle.remove()
+
+    got, want = run(True), run(False)
+    assert torch.equal(got.logits, want.logits)
+    unedited = hc.generate(hc.from_pretrained(checkpoints("gemma3")), ids, max_new_tokens=8)
+    assert not torch.equal(got.logits[:, 3:], unedited.logits[:, 3:])  # the edit did change the numbers
+
+
+def test_an_edit_between_two_generations_is_seen(checkpoints):
+    """Kept bindings last one generate call: an edit before the next (continuing the same cache) is seen."""
+    ids = prompts(1, 6, seed=11)
+    results = []
+    for stack in (True, False):
+        model = hc.from_pretrained(checkpoints("gemma3"), weights="bfloat16")
+        first = hc.generate(model, ids, max_new_tokens=4)
+        with torch.no_grad():
+            model.decoder_layers[1].post_feedforward_layernorm.weight.mul_(3.0)
+        with pytest.MonkeyPatch.context() as m:
+            if not stack:
+                m.setattr(decode_stack, "decode_layers", lambda *a: None)
+            results.append(hc.generate(model, first.sequences, max_new_tokens=4, cache=first.cache))
+    assert torch.equal(results[0].logits, results[1].logits)

@@ -162,7 +162,7 @@ def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoin
     fused = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
     assert calls and all(out is not None for out in calls)  # every layer of the prompt's block took the kernel
     monkeypatch.setattr(gemma3, "decoder_tail", lambda *a: None)
-    monkeypatch.setattr(AttentionMixer, "_reserve_step", lambda self, *a: None)  # decode: separate too
+    monkeypatch.setattr(AttentionMixer, "_reserve_with", lambda self, *a: None)  # decode: separate too
     separate = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
     assert torch.equal(fused.sequences, separate.sequences)
     assert torch.equal(fused.logits, separate.logits)
