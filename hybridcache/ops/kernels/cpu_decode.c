@@ -491,6 +491,18 @@ static float *grow(float **buf, size_t *have, size_t n) { /* at least n floats i
 
 static float *scratch(size_t n) { return grow(&scratch_f, &scratch_n, n); }
 
+/* Keys and values are rows of D floats KV_AHEAD slots apart in the order attention reads them: their lines are
+   prefetched that far ahead (the hardware prefetcher stops at each 4 KiB page, i.e. every few rows; the values are
+   read in column blocks, so the first block's pass brings each whole row in for the others). Measured on a 2-core
+   Xeon, Gemma 3 270M decode at 128-192 slots: the 18 layers' attention 0.49 -> 0.40 ms a step (16 ahead: no
+   better). */
+#ifndef KV_AHEAD
+#define KV_AHEAD 8
+#endif
+static inline void prefetch_row(const float *row, int D) {
+  for (int b = 0; b < D; b += 16) __builtin_prefetch(row + b, 0, 3);
+}
+
 /* Attention of the G query heads q [G, D] sharing one kv head over slots [s0, s1): unnormalized output acc [G, D],
    per head the max score mx [G] (NaN scores ignored) and the sum of exp(score - mx) total [G]. Returns the number
    of visible slots (0: acc, total 0 and mx -inf), or -1 when scratch memory could not be allocated. When every
@@ -519,6 +531,7 @@ static int attend_range(const float *qh, const float *kb, const float *vb, long 
   for (; i0 + 4 <= nv; i0 += 4) {
     const float *k0 = kb + idx[i0] * kss, *k1 = kb + idx[i0 + 1] * kss, *k2 = kb + idx[i0 + 2] * kss,
                 *k3 = kb + idx[i0 + 3] * kss;
+    for (int j = i0 + KV_AHEAD; j < i0 + KV_AHEAD + 4 && j < nv; j++) prefetch_row(kb + idx[j] * kss, D);
     for (int g0 = 0; g0 < G; g0 += 4) {
       int gn = G - g0 < 4 ? G - g0 : 4;
       vf a[16];
@@ -597,6 +610,7 @@ static int attend_range(const float *qh, const float *kb, const float *vb, long 
     }
     total[g] = t;
   }
+  for (int i = 0; i < KV_AHEAD && i < nv; i++) prefetch_row(vb + idx[i] * vss, D);
   int d = 0;
 #if VW > 1
   /* the weighted sum of values by blocks of 4 vectors of D and 4 heads: the 16 sums stay in registers over all
@@ -609,6 +623,7 @@ static int attend_range(const float *qh, const float *kb, const float *vb, long 
         for (int j = 0; j < 4; j++) a[g][j] = vzero();
       for (int i = 0; i < nv; i++) {
         const float *vs = vb + idx[i] * vss + d;
+        if (d == 0 && g0 == 0 && i + KV_AHEAD < nv) prefetch_row(vb + idx[i + KV_AHEAD] * vss, D);
         vf v0 = vload_f32(vs), v1 = vload_f32(vs + VW), v2 = vload_f32(vs + 2 * VW), v3 = vload_f32(vs + 3 * VW);
         for (int g = 0; g < 4; g++) {
           if (g >= gn) break;
