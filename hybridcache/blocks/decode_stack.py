@@ -1,18 +1,18 @@
 """An eager decode step's decoder layers with one C call per run of layers (ops/cpu_decoder_stack.py).
 
-A layer that offers `decode_record(x, y, cache_layer, step, binding)` (Gemma3DecoderLayer: its whole layer as one
-hc_decoder_layer call) reserves its token's cache slot and hands back its call's arguments instead of running it;
-consecutive such layers then run in one call, layer i + 1 reading the buffer layer i writes. Any other layer, a
-layer with module hooks, or a layer whose kernel declines after reserving ends the run: the pending layers run
-first, then that layer as a module call (its separate path writing the slot it reserved). The same kernels in the
-same order as the per-layer calls, so the same numbers; a failure raises inside the Cache's open block, which the
-caller aborts (every reservation dropped, nothing the cache holds changed).
+A layer that offers `decode_binding(x, cache_layer)` and `decode_record(x, y, cache_layer, step, binding)`
+(Gemma3DecoderLayer: its whole layer as one hc_decoder_layer call) reserves its token's cache slot and hands back
+its call's arguments instead of running it; consecutive such layers then run in one call, layer i + 1 reading the
+buffer layer i writes. Any other layer, a layer with module hooks, or a layer whose kernel declines after reserving
+ends the run: the pending layers run first, then that layer as a module call (its separate path writing the slot it
+reserved). The same kernels in the same order as the per-layer calls, so the same numbers; a failure raises inside
+the Cache's open block, which the caller aborts (every reservation dropped, nothing the cache holds changed).
 
 A layer's record starts from its binding (`decode_binding(x, cache_layer)`: the checks of its modules and the memo
 keys over every weight and norm it reads, ~1 ms a step on Gemma 3 270M with int8 weights, ~8% of the step). Inside
 `steady()`, a stretch of steps between which no code but ours runs (generate without the user's logits processors,
-stopping criteria or streamer), the modules cannot change, so each layer is bound at its first step and the binding
-kept; everything that depends on the step (hooks, the cache's slot, the tensors' checks) is still checked each step.
+stopping criteria, streamer or forward hooks), the modules cannot change, so each layer is bound at its first step
+and the binding kept; what depends on the step (hooks, the cache's slot, the tensors' checks) is checked each step.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _UNSET = object()
 @contextmanager
 def steady() -> Iterator[None]:
     """Decode steps between which the modules stay as they are (no code but ours runs between them): each layer's
-    binding is made once and kept until the block exits. Anything that may change a module (a weight, a norm, a
+    binding is made once and kept until the `with` exits. Anything that may change a module (a weight, a norm, a
     projection, a hook's target) must run outside it."""
     token = _STEADY.set({})
     try:
