@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybridcache.blocks.decode_stack import steady, unhooked
 from hybridcache.cache import Cache
 from hybridcache.decoding import DecodeSource, GenerationState, Step, check_real_rows
 from hybridcache.generation import run_loop
@@ -101,7 +103,9 @@ def beam_search(
         mask.repeat_interleave(nb, 0),
         input_ids.new_full((batch * nb, max_new_tokens), pad_id),
     )
-    run_loop(source, chooser, stop, None, beams, pad_id, False)
+    # no code but ours between the steps (as generate): each layer's kernel binding is made once (decode_stack.py)
+    with steady() if not chooser.processors and not stop and unhooked(model) else nullcontext():
+        run_loop(source, chooser, stop, None, beams, pad_id, False)
     return source.result(beams, pad_id)
 
 

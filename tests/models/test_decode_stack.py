@@ -260,3 +260,19 @@ def test_an_edit_between_two_generations_is_seen(checkpoints):
                 m.setattr(decode_stack, "decode_layers", lambda *a: None)
             results.append(hc.generate(model, first.sequences, max_new_tokens=4, cache=first.cache))
     assert torch.equal(results[0].logits, results[1].logits)
+
+
+def test_beam_search_binds_each_layer_once(checkpoints, monkeypatch):
+    """Beam search's loop has no code of the user's between steps either (no processor or criterion given): one
+    binding per layer, the same sequences and scores as the per-layer calls."""
+    model = hc.from_pretrained(checkpoints("gemma3"))
+    ids = prompts(2, 6, seed=12)
+    with monkeypatch.context() as m:
+        made = _bindings(m)
+        got = hc.beam_search(model, ids, num_beams=3, max_new_tokens=6)
+    assert len(made) == len(model.decoder_layers)
+    with monkeypatch.context() as m:
+        m.setattr(decode_stack, "decode_layers", lambda *a: None)
+        want = hc.beam_search(model, ids, num_beams=3, max_new_tokens=6)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(got.sequences_scores, want.sequences_scores)
