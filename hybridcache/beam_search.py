@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridcache.blocks.decode_stack import steady, unhooked
+from hybridcache.blocks.decode_stack import steady_unless_hooked
 from hybridcache.cache import Cache
 from hybridcache.decoding import DecodeSource, GenerationState, Step, check_real_rows
 from hybridcache.generation import run_loop
@@ -104,7 +103,7 @@ def beam_search(
         input_ids.new_full((batch * nb, max_new_tokens), pad_id),
     )
     # no code but ours between the steps (as generate): each layer's kernel binding is made once (decode_stack.py)
-    with steady() if not chooser.processors and not stop and unhooked(model) else nullcontext():
+    with steady_unless_hooked(not chooser.processors and not stop, model):
         run_loop(source, chooser, stop, None, beams, pad_id, False)
     return source.result(beams, pad_id)
 

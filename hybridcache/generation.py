@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridcache.blocks.decode_stack import steady, unhooked
+from hybridcache.blocks.decode_stack import steady_unless_hooked
 from hybridcache.cache import Cache
 from hybridcache.decoding import (  # noqa: F401  (re-exported: the names generation.py always had)
     DEFAULT_PREFILL_CHUNK,
@@ -117,7 +116,7 @@ def generate(
     streamer = as_streamer(streamer)
     # no code but ours between the steps (no processors, criteria, streamer or hooks): the modules stay as they are
     ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
-    with steady() if ours and unhooked(model, draft_model) else nullcontext():
+    with steady_unless_hooked(ours, model, draft_model):
         logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
     out = GenerateOutput(state.sequences(), logits, source.cache)
     out.stats = source.finish(out, state)

@@ -18,7 +18,7 @@ and the binding kept; what depends on the step (hooks, the cache's slot, the ten
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -44,7 +44,14 @@ def steady() -> Iterator[None]:
         _STEADY.reset(token)
 
 
-def unhooked(*models: nn.Module | None) -> bool:
+def steady_unless_hooked(ours: bool, *models: nn.Module | None) -> AbstractContextManager:
+    """`steady()` for a loop that runs no code of the user's between its steps (`ours`: no processor, criterion
+    or streamer) when no forward hook of these models (None: none) or global hook would run any either; else a
+    context that does nothing (every step binds)."""
+    return steady() if ours and _unhooked(*models) else nullcontext()
+
+
+def _unhooked(*models: nn.Module | None) -> bool:
     """Whether no module of these models (None: none) and no global hook would run the user's code in a step."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
