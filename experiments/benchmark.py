@@ -13,6 +13,7 @@ import resource
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from experiments.benchmark_table import print_tables, summarize, timed_row
 from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
 from experiments.figure_style import cfg_context
 from experiments.plots import log_benchmark, scaling_lines, throughput_bars
-from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
+from experiments.roofline import BandwidthProbe, roofline_row, weight_read_bytes
 from experiments.run_context import RunContext
 from experiments.timing import MIN_REPEATS, judge, time_phases
 from hybridcache.ops.cpu_kernels import kernel_status
@@ -41,6 +42,7 @@ from hybridcache.tiny_models import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_SPREAD = 0.25  # experiment.max_spread: a relative interquartile spread above this makes a timing unreliable
+PROBE_PASSES = 2  # read-bandwidth passes after each timing round (~35 ms each over 1 GiB)
 MAX_REPEATS_FACTOR = 3  # experiment.max_repeats defaults to 3 x repeats (more rounds while a spread is too wide)
 SMOKE = {
     "batch_sizes": [1],
@@ -67,13 +69,22 @@ def variant_label(weights: str | None, compiled: bool) -> str:
 
 
 def throughput(
-    cfg: DictConfig, model, checkpoint: str, cache_config, b: DictConfig, runner, progress, llamacpp=None
+    cfg: DictConfig,
+    model,
+    checkpoint: str,
+    cache_config,
+    b: DictConfig,
+    runner,
+    progress,
+    llamacpp=None,
+    probe: BandwidthProbe | None = None,
 ) -> tuple[list, dict]:
     """Ours (each weight format of `experiment.weights`, eager and optionally compiled) and HF, per batch size:
     prefill and decode timed apart, the systems taking turns within each round, repeated until stable
     (experiments/timing.py) or marked unreliable. Then vLLM or llama.cpp (`llamacpp`: batch 1 and the largest
     other batch size, each precision matching one of our formats; experiments/benchmark_llamacpp.py), each in its
-    own process."""
+    own process. `probe`: sampled after every round (PROBE_PASSES passes), under the batch size, so each row's
+    roofline divides by the bandwidth of the minutes its own timings ran in."""
     import transformers
 
     formats = list(dict.fromkeys([cfg.model.get("weights"), *b.get("weights", [])]))  # the model's own first
@@ -126,6 +137,7 @@ def throughput(
             on_round=lambda i, label, batch=batch: progress.update(
                 task, description=f"batch {batch}: {label} (round {i})"
             ),
+            after_round=None if probe is None else partial(_sample, probe, batch),
         )
         for label, t in timings.items():
             rows.append({**timed_row(label, batch, b.prompt_tokens, new, t["prefill"], t["decode"]), **extra[label]})
@@ -172,28 +184,39 @@ def vllm_rates(runner, b: DictConfig, vocab: int, max_spread: float) -> list[dic
     return rows
 
 
-def roofline(model, rows: list[dict], b: DictConfig, progress) -> dict:
+def _sample(probe: BandwidthProbe, batch: int) -> None:
+    for _ in range(PROBE_PASSES):
+        probe.sample(batch)
+
+
+def roofline(model, rows: list[dict], probe: BandwidthProbe) -> dict:
     """Adds roofline tok/s and the fraction reached to every row of ours/HF: each row's own weight bytes (packed
-    formats read fewer) plus the cache bytes its decode steps read."""
-    task = progress.add_task("measuring read bandwidth", total=None)
-    probe = int(b.get("bandwidth_probe_mib", 1024))
-    bandwidth = read_bandwidth(probe << 20)
-    progress.remove_task(task)
+    formats read fewer) plus the cache bytes its decode steps read, over the bandwidth sampled between the timing
+    rounds of its batch size (all samples where that batch has none)."""
+    if probe.median() is None:  # no round ran (nothing timed): a few passes now, so the roofline still has one
+        for _ in range(5):
+            probe.sample()
+    bandwidth = probe.median()
     for r in rows:
         if r.get("cache_bytes_read") is None or r.get("weights_bytes") is None:
             continue
+        own = probe.median(r["batch"]) or bandwidth
         # an unreliable decode timing (None) still gets its roofline, but no fraction of it
         row = roofline_row(
-            r["system"], r["batch"], r["decode_tok_s"] or 0.0, r["weights_bytes"], r["cache_bytes_read"], bandwidth
+            r["system"], r["batch"], r["decode_tok_s"] or 0.0, r["weights_bytes"], r["cache_bytes_read"], own
         )
         r.update(
             bytes_per_token=row["bytes_per_token"],
             roofline_tok_s=row["roofline_tok_s"],
             roofline_fraction=row["fraction"] if r["decode_tok_s"] is not None else None,
         )
+    rates = [r for rs in probe.samples.values() for r in rs]
     return {
         "read_bandwidth_gb_s": bandwidth / 1e9,
-        "probe_mib": probe,
+        "read_bandwidth_range_gb_s": [min(rates) / 1e9, max(rates) / 1e9],
+        "read_bandwidth_by_batch_gb_s": {str(k): probe.median(k) / 1e9 for k in probe.samples if k is not None},
+        "probe_passes": len(rates),
+        "probe_mib": probe.nbytes >> 20,
         **weight_read_bytes(model),
         "dtype": str(model.dtype).removeprefix("torch."),
         "cpu_kernels": kernel_status(),
@@ -257,8 +280,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ops, ops_cfg = None, (OmegaConf.to_container(b.cache_ops) if "cache_ops" in b else {})
     with Progress(console=console, transient=True) as progress:
         compile_start = time.perf_counter()
-        rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress, llamacpp)
-        roof = roofline(model, rows, b, progress)
+        task = progress.add_task("allocating the read-bandwidth probe", total=None)
+        probe = BandwidthProbe(int(b.get("bandwidth_probe_mib", 1024)) << 20)  # sampled between timing rounds
+        progress.remove_task(task)
+        rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress, llamacpp, probe)
+        roof = roofline(model, rows, probe)
+        probe = None  # (its buffer freed before the long-context points)
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
         seconds = time.perf_counter() - compile_start
         if ops_cfg.pop("enabled", True):  # speculative decoding, prefix reuse (experiments/benchmark_cache_ops.py)

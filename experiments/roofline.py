@@ -4,11 +4,14 @@ Batch-B decode is memory-bound on CPU: every step reads every weight once (the t
 included) and every cache byte, and produces B tokens. So tokens/s <= B * bandwidth / (weights + cache bytes).
 The bandwidth is a streaming *read-only* reduction over a buffer far larger than the CPU caches, on 2 MiB pages
 where the system allows, like the weights (a copy benchmark counts both directions and is the wrong yardstick for
-a read-dominated workload).
+a read-dominated workload). A shared host's bandwidth drifts by 10% and more within minutes, so the benchmark takes
+it between its timing rounds (`BandwidthProbe`), under the conditions the decode timings saw, not once before or
+after them.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -17,17 +20,38 @@ from torch import nn
 from hybridcache.ops.huge_pages import collapse
 
 
+class BandwidthProbe:
+    """The read bandwidth, sampled when asked: `sample(key)` times one pass over the buffer (allocated and warmed
+    once) and files the rate under `key` (the benchmark: the batch size whose timing round just ended)."""
+
+    def __init__(self, nbytes: int = 1 << 30) -> None:
+        if nbytes < 4:
+            raise ValueError(f"the bandwidth probe needs at least 4 bytes, got {nbytes}")
+        self.nbytes = nbytes // 4 * 4
+        self._buf = torch.ones(nbytes // 4, dtype=torch.float32)  # [N]: far beyond any L3: every pass is from DRAM
+        collapse([self._buf])  # on 2 MiB pages where the system allows, as from_pretrained puts the weights
+        self._buf.sum()
+        self.samples: dict[object, list[float]] = {}
+
+    def sample(self, key: object = None) -> float:
+        start = time.perf_counter()
+        self._buf.sum()
+        rate = self.nbytes / (time.perf_counter() - start)
+        self.samples.setdefault(key, []).append(rate)
+        return rate
+
+    def median(self, key: object = None) -> float | None:
+        """The median rate sampled under `key` (None: every sample); None before any sample."""
+        got = self.samples.get(key, []) if key is not None else [r for rs in self.samples.values() for r in rs]
+        return statistics.median(got) if got else None
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of a `sum` over a `nbytes` float32 buffer (median of `repeats`, after one warm-up pass)."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)  # [N]: far beyond any L3, so every pass streams from DRAM
-    collapse([buf])  # on 2 MiB pages where the system allows, as from_pretrained puts the weights
-    buf.sum()
-    times = []
+    probe = BandwidthProbe(nbytes)
     for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - start)
-    return nbytes / sorted(times)[len(times) // 2]
+        probe.sample()
+    return probe.median()
 
 
 def weight_read_bytes(model: nn.Module) -> dict[str, int]:

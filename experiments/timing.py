@@ -81,9 +81,12 @@ def time_phases(
     max_spread: float,
     clock: Clock = time.perf_counter,
     on_round: Callable[[int, str], None] | None = None,
+    after_round: Callable[[], object] | None = None,
 ) -> dict[str, dict[str, Timing]]:
     """{label: {"prefill": Timing, "decode": Timing}} after at least max(repeats, MIN_REPEATS) rounds, more (up to
-    `max_repeats`) while any spread is above `max_spread`. `on_round(round, label)` reports progress."""
+    `max_repeats`) while any spread is above `max_spread`. `on_round(round, label)` reports progress;
+    `after_round()` runs after each round's systems (a measurement that must see the same conditions as theirs,
+    e.g. the read bandwidth)."""
     for phases in systems.values():
         phases.warmup()
     samples: dict[str, dict[str, list[float]]] = {label: {"prefill": [], "decode": []} for label in systems}
@@ -96,6 +99,8 @@ def time_phases(
                 on_round(rounds, label)
             samples[label]["prefill"].append(phases.prefill(clock))
             samples[label]["decode"].append(phases.decode(clock))
+        if after_round is not None:
+            after_round()
         out = {label: {p: judge(s, max_spread) for p, s in ph.items()} for label, ph in samples.items()}
         spread_out = any(t.spread is not None and t.spread > max_spread for ph in out.values() for t in ph.values())
         if rounds >= least and (not spread_out or rounds >= max(max_repeats, least)):

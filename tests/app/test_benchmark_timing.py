@@ -70,6 +70,18 @@ def test_a_wide_round_that_settles_stops_early():
     assert out["ours"]["decode"].reliable and math.isclose(out["ours"]["decode"].median_s, 1.0)
 
 
+def test_after_round_runs_once_after_each_rounds_systems():
+    """The benchmark samples the read bandwidth there: after every system's turn in that round, before the next."""
+    clock, log = FakeClock(), []
+    systems = {
+        "ours": scripted(clock, log, "ours", [0.1] * 5, [1.0, 1.0, 3.0, 1.0, 1.0]),
+        "hf": scripted(clock, log, "hf", [0.2] * 5, [2.0] * 5),
+    }
+    time_phases(systems, 3, 9, 0.25, clock=clock, after_round=lambda: log.append(("probe", "round")))
+    turns = [("ours", "prefill"), ("ours", "decode"), ("hf", "prefill"), ("hf", "decode"), ("probe", "round")]
+    assert log[2:] == turns * 5  # (rounds 4 and 5 because ours' spread was wide after 3)
+
+
 def test_judge_reasons():
     assert "not positive" in judge([0.5, -0.01, 0.5], 0.25).reason
     assert "too few" in judge([0.5], 0.25).reason

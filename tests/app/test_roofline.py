@@ -1,9 +1,11 @@
 """The benchmark's roofline arithmetic against hand counts (no timing assertions)."""
 
+import pytest
 import torch
 from torch import nn
 
-from experiments.roofline import read_bandwidth, roofline_row, weight_read_bytes
+from experiments.benchmark import roofline
+from experiments.roofline import BandwidthProbe, read_bandwidth, roofline_row, weight_read_bytes
 
 
 class Toy(nn.Module):
@@ -33,3 +35,45 @@ def test_roofline_row():
 def test_read_bandwidth_is_positive_and_finite():
     bw = read_bandwidth(8 << 20, repeats=3)
     assert 0 < bw < float("inf")
+
+
+def test_probe_files_each_pass_under_its_key():
+    probe = BandwidthProbe(4 << 20)
+    rates = [probe.sample(1) for _ in range(3)] + [probe.sample(8)]
+    assert all(0 < r < float("inf") for r in rates)
+    assert probe.samples == {1: rates[:3], 8: rates[3:]}
+    assert probe.median(1) == sorted(rates[:3])[1] and probe.median(8) == rates[3]
+    assert probe.median() == sorted(rates)[1] + (sorted(rates)[2] - sorted(rates)[1]) / 2  # all 4 samples
+    assert probe.median(2) is None and BandwidthProbe(4096).median() is None
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        BandwidthProbe(2)
+
+
+class ForgedProbe:
+    """Rates as given (bytes/s), so the roofline's arithmetic is checked against hand counts."""
+
+    def __init__(self, samples: dict):
+        self.samples, self.nbytes = samples, 1 << 20
+
+    def median(self, key=None):
+        got = self.samples.get(key, []) if key is not None else [r for rs in self.samples.values() for r in rs]
+        return sorted(got)[len(got) // 2] if got else None
+
+
+def test_each_batch_divides_by_the_bandwidth_of_its_own_rounds():
+    rows = [
+        {"system": "ours", "batch": 1, "decode_tok_s": 5.0, "weights_bytes": 1000, "cache_bytes_read": 0},
+        {"system": "ours", "batch": 8, "decode_tok_s": 40.0, "weights_bytes": 1000, "cache_bytes_read": 1000},
+        {"system": "hf", "batch": 4, "decode_tok_s": None, "weights_bytes": 1000, "cache_bytes_read": 0},
+        {"system": "vllm", "batch": 1, "decode_tok_s": 9.0},  # no byte counts: no roofline
+    ]
+    model = Toy(tied=True)
+    model.dtype = torch.float32  # (what roofline reports the weights' dtype from, as a HybridLM has)
+    roof = roofline(model, rows, ForgedProbe({1: [9e3, 10e3, 30e3], 8: [20e3, 20e3]}))
+    assert rows[0]["roofline_tok_s"] == 1 * 10e3 / 1000 and rows[0]["roofline_fraction"] == 5.0 / 10.0
+    assert rows[1]["roofline_tok_s"] == 8 * 20e3 / 2000 and rows[1]["roofline_fraction"] == 40.0 / 80.0
+    # a batch size without rounds of its own (none here): every sample's median, and no fraction of no rate
+    assert rows[2]["roofline_tok_s"] == 4 * 20e3 / 1000 and rows[2]["roofline_fraction"] is None
+    assert "roofline_tok_s" not in rows[3]
+    assert roof["read_bandwidth_gb_s"] == 20e3 / 1e9 and roof["read_bandwidth_range_gb_s"] == [9e3 / 1e9, 30e3 / 1e9]
+    assert roof["read_bandwidth_by_batch_gb_s"] == {"1": 10e3 / 1e9, "8": 20e3 / 1e9} and roof["probe_passes"] == 5
