@@ -42,7 +42,7 @@ from hybridcache.tiny_models import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_SPREAD = 0.25  # experiment.max_spread: a relative interquartile spread above this makes a timing unreliable
-PROBE_PASSES = 2  # read-bandwidth passes after each timing round (~35 ms each over 1 GiB)
+PROBE_PASSES = 2  # timed read-bandwidth passes after each timing round (~35 ms each over 1 GiB), after one untimed
 MAX_REPEATS_FACTOR = 3  # experiment.max_repeats defaults to 3 x repeats (more rounds while a spread is too wide)
 SMOKE = {
     "batch_sizes": [1],
@@ -83,7 +83,7 @@ def throughput(
     prefill and decode timed apart, the systems taking turns within each round, repeated until stable
     (experiments/timing.py) or marked unreliable. Then vLLM or llama.cpp (`llamacpp`: batch 1 and the largest
     other batch size, each precision matching one of our formats; experiments/benchmark_llamacpp.py), each in its
-    own process. `probe`: sampled after every round (PROBE_PASSES passes), under the batch size, so each row's
+    own process. `probe`: sampled after every round (`BandwidthProbe.round`), under the batch size, so each row's
     roofline divides by the bandwidth of the minutes its own timings ran in."""
     import transformers
 
@@ -137,7 +137,7 @@ def throughput(
             on_round=lambda i, label, batch=batch: progress.update(
                 task, description=f"batch {batch}: {label} (round {i})"
             ),
-            after_round=None if probe is None else partial(_sample, probe, batch),
+            after_round=None if probe is None else partial(probe.round, batch, PROBE_PASSES),
         )
         for label, t in timings.items():
             rows.append({**timed_row(label, batch, b.prompt_tokens, new, t["prefill"], t["decode"]), **extra[label]})
@@ -182,11 +182,6 @@ def vllm_rates(runner, b: DictConfig, vocab: int, max_spread: float) -> list[dic
         row = timed_row("vllm", t["batch"], b.prompt_tokens, int(b.new_tokens), prefill, decode)
         rows.append({**row, "engine_start_s": runner.engine_seconds})
     return rows
-
-
-def _sample(probe: BandwidthProbe, batch: int) -> None:
-    for _ in range(PROBE_PASSES):
-        probe.sample(batch)
 
 
 def roofline(model, rows: list[dict], probe: BandwidthProbe) -> dict:

@@ -40,6 +40,13 @@ class BandwidthProbe:
         self.samples.setdefault(key, []).append(rate)
         return rate
 
+    def round(self, key: object, passes: int) -> None:
+        """`passes` samples under `key` after one untimed pass: right after other work the first pass measured up
+        to ~15% low (another thread pool's workers still spinning, the buffer's pages out of the TLB)."""
+        self._buf.sum()
+        for _ in range(passes):
+            self.sample(key)
+
     def median(self, key: object = None) -> float | None:
         """The median rate sampled under `key` (None: every sample); None before any sample."""
         got = self.samples.get(key, []) if key is not None else [r for rs in self.samples.values() for r in rs]

@@ -47,6 +47,8 @@ def test_probe_files_each_pass_under_its_key():
     assert probe.median(2) is None and BandwidthProbe(4096).median() is None
     with pytest.raises(ValueError, match="at least 4 bytes"):
         BandwidthProbe(2)
+    probe.round(8, 2)  # one untimed pass, then two filed
+    assert len(probe.samples[8]) == 3 and len(probe.samples[1]) == 3
 
 
 class ForgedProbe:
