@@ -189,8 +189,7 @@ def roofline(model, rows: list[dict], probe: BandwidthProbe) -> dict:
     formats read fewer) plus the cache bytes its decode steps read, over the bandwidth sampled between the timing
     rounds of its batch size (all samples where that batch has none)."""
     if probe.median() is None:  # no round ran (nothing timed): a few passes now, so the roofline still has one
-        for _ in range(5):
-            probe.sample()
+        probe.round(None, 5)
     bandwidth = probe.median()
     for r in rows:
         if r.get("cache_bytes_read") is None or r.get("weights_bytes") is None:
@@ -275,12 +274,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ops, ops_cfg = None, (OmegaConf.to_container(b.cache_ops) if "cache_ops" in b else {})
     with Progress(console=console, transient=True) as progress:
         compile_start = time.perf_counter()
-        task = progress.add_task("allocating the read-bandwidth probe", total=None)
-        probe = BandwidthProbe(int(b.get("bandwidth_probe_mib", 1024)) << 20)  # sampled between timing rounds
-        progress.remove_task(task)
-        rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress, llamacpp, probe)
-        roof = roofline(model, rows, probe)
-        probe = None  # (its buffer freed before the long-context points)
+        task = progress.add_task("starting the read-bandwidth probe (its own process)", total=None)
+        # sampled between the timing rounds; its buffer lives in its worker, so it is not in this peak RSS
+        with BandwidthProbe(int(b.get("bandwidth_probe_mib", 1024)) << 20) as probe:
+            progress.remove_task(task)
+            rows, memory = throughput(cfg, model, checkpoint, cache_config, b, runner, progress, llamacpp, probe)
+            roof = roofline(model, rows, probe)
         scaling = long_context(cfg.model, checkpoint, b, cfg, progress)
         seconds = time.perf_counter() - compile_start
         if ops_cfg.pop("enabled", True):  # speculative decoding, prefix reuse (experiments/benchmark_cache_ops.py)

@@ -5,60 +5,110 @@ included) and every cache byte, and produces B tokens. So tokens/s <= B * bandwi
 The bandwidth is a streaming *read-only* reduction over a buffer far larger than the CPU caches, on 2 MiB pages
 where the system allows, like the weights (a copy benchmark counts both directions and is the wrong yardstick for
 a read-dominated workload). A shared host's bandwidth drifts by 10% and more within minutes, so the benchmark takes
-it between its timing rounds (`BandwidthProbe`), under the conditions the decode timings saw, not once before or
-after them.
+it between its timing rounds (`BandwidthProbe`, in a worker process holding the buffer), under the conditions the
+decode timings saw, not once before or after them.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
-import time
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from hybridcache.ops.huge_pages import collapse
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class BandwidthProbe:
-    """The read bandwidth, sampled when asked: `sample(key)` times one pass over the buffer (allocated and warmed
-    once) and files the rate under `key` (the benchmark: the batch size whose timing round just ended)."""
+    """The read bandwidth, sampled when asked, in a worker process of its own (experiments/bandwidth_worker.py) that
+    holds the buffer: the benchmark's peak RSS does not count it. `round(key, passes)` has the worker read the
+    buffer once untimed, then `passes` times, and files the rates under `key` (the benchmark: the batch size whose
+    timing round just ended). Close it (or use it as a context manager) to end the worker."""
 
-    def __init__(self, nbytes: int = 1 << 30) -> None:
+    def __init__(self, nbytes: int = 1 << 30, threads: int | None = None) -> None:
         if nbytes < 4:
             raise ValueError(f"the bandwidth probe needs at least 4 bytes, got {nbytes}")
         self.nbytes = nbytes // 4 * 4
-        self._buf = torch.ones(nbytes // 4, dtype=torch.float32)  # [N]: far beyond any L3: every pass is from DRAM
-        collapse([self._buf])  # on 2 MiB pages where the system allows, as from_pretrained puts the weights
-        self._buf.sum()
         self.samples: dict[object, list[float]] = {}
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}  # idle between rounds: its threads must not spin then
+        cmd = [
+            sys.executable,
+            "-m",
+            "experiments.bandwidth_worker",
+            str(self.nbytes),
+            str(threads or torch.get_num_threads()),
+        ]
+        self._worker = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._expect("ready")
 
-    def sample(self, key: object = None) -> float:
-        start = time.perf_counter()
-        self._buf.sum()
-        rate = self.nbytes / (time.perf_counter() - start)
-        self.samples.setdefault(key, []).append(rate)
-        return rate
-
-    def round(self, key: object, passes: int) -> None:
-        """`passes` samples under `key` after one untimed pass: right after other work the first pass measured up
-        to ~15% low (another thread pool's workers still spinning, the buffer's pages out of the TLB)."""
-        self._buf.sum()
-        for _ in range(passes):
-            self.sample(key)
+    def round(self, key: object, passes: int) -> list[float]:
+        """`passes` (>= 1) timed reads of the buffer after one untimed one, filed under `key`; their rates."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"a probe round needs at least one timed pass, got {passes!r}")
+        if self._worker is None:
+            raise RuntimeError("the bandwidth probe was closed")
+        self._worker.stdin.write(f"{passes}\n")
+        self._worker.stdin.flush()
+        rates = [float(r) for r in self._expect(None).split()]
+        if len(rates) != passes or not all(math.isfinite(r) and r > 0 for r in rates):
+            self.close()
+            raise RuntimeError(f"the bandwidth probe's worker answered {rates!r} for {passes} passes")
+        self.samples.setdefault(key, []).extend(rates)
+        return rates
 
     def median(self, key: object = None) -> float | None:
         """The median rate sampled under `key` (None: every sample); None before any sample."""
         got = self.samples.get(key, []) if key is not None else [r for rs in self.samples.values() for r in rs]
         return statistics.median(got) if got else None
 
+    def close(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stdin.close()  # (its loop ends at the end of stdin)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+            worker.stdout.close()
+            worker.stderr.close()
+
+    def __enter__(self) -> BandwidthProbe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _expect(self, first: str | None) -> str:
+        """The worker's next line (which must start with `first`, when given); its stderr in a RuntimeError if it
+        ended (or said something else) instead."""
+        line = self._worker.stdout.readline()
+        if line and (first is None or line.startswith(first)):
+            return line
+        worker, self._worker = self._worker, None
+        worker.stdin.close()  # (a worker still running ends at the end of stdin)
+        err = worker.stderr.read()
+        worker.wait()
+        worker.stdout.close()
+        worker.stderr.close()
+        raise RuntimeError(
+            f"the bandwidth probe's worker ({self.nbytes >> 20} MiB) ended with code {worker.returncode}: "
+            f"{(err or line).strip().splitlines()[-1][-2000:] if (err or line).strip() else 'no output'}"
+        )
+
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a `sum` over a `nbytes` float32 buffer (median of `repeats`, after one warm-up pass)."""
-    probe = BandwidthProbe(nbytes)
-    for _ in range(repeats):
-        probe.sample()
-    return probe.median()
+    """Bytes/s of a `sum` over a `nbytes` float32 buffer (the median of `repeats` passes after one untimed)."""
+    with BandwidthProbe(nbytes) as probe:
+        probe.round(None, repeats)
+        return probe.median()
 
 
 def weight_read_bytes(model: nn.Module) -> dict[str, int]:

@@ -1,5 +1,7 @@
 """The benchmark's roofline arithmetic against hand counts (no timing assertions)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -37,18 +39,38 @@ def test_read_bandwidth_is_positive_and_finite():
     assert 0 < bw < float("inf")
 
 
-def test_probe_files_each_pass_under_its_key():
-    probe = BandwidthProbe(4 << 20)
-    rates = [probe.sample(1) for _ in range(3)] + [probe.sample(8)]
-    assert all(0 < r < float("inf") for r in rates)
-    assert probe.samples == {1: rates[:3], 8: rates[3:]}
-    assert probe.median(1) == sorted(rates[:3])[1] and probe.median(8) == rates[3]
-    assert probe.median() == sorted(rates)[1] + (sorted(rates)[2] - sorted(rates)[1]) / 2  # all 4 samples
-    assert probe.median(2) is None and BandwidthProbe(4096).median() is None
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_probe_files_each_round_under_its_key_and_holds_its_buffer_in_its_own_process():
+    before = _rss_kib()
+    with BandwidthProbe(256 << 20, threads=1) as probe:
+        assert _rss_kib() - before < 64 << 10  # (the 256 MiB buffer is the worker's, not this process's)
+        ones = probe.round(1, 3)
+        eights = probe.round(8, 1)
+        assert all(0 < r < float("inf") for r in ones + eights)
+        assert probe.samples == {1: ones, 8: eights}
+        assert probe.median(1) == sorted(ones)[1] and probe.median(8) == eights[0]
+        both = sorted(ones + eights)
+        assert probe.median() == (both[1] + both[2]) / 2  # all 4 samples
+        assert probe.median(2) is None
+        for bad in (0, -1, True, 1.5):
+            with pytest.raises(ValueError, match="at least one timed pass"):
+                probe.round(1, bad)
+        assert probe.samples == {1: ones, 8: eights}  # (a refused round files nothing)
+    with pytest.raises(RuntimeError, match="closed"):
+        probe.round(1, 1)
     with pytest.raises(ValueError, match="at least 4 bytes"):
         BandwidthProbe(2)
-    probe.round(8, 2)  # one untimed pass, then two filed
-    assert len(probe.samples[8]) == 3 and len(probe.samples[1]) == 3
+
+
+def test_a_probe_whose_worker_cannot_start_says_why():
+    with pytest.raises(RuntimeError, match="worker .* ended with code"):
+        BandwidthProbe(1 << 62)  # 4 EiB: the worker cannot allocate it
 
 
 class ForgedProbe:
