@@ -11,11 +11,13 @@ decode timings saw, not once before or after them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -43,8 +45,9 @@ class BandwidthProbe:
             str(self.nbytes),
             str(threads or torch.get_num_threads()),
         ]
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # (a file, not a pipe: a chatty worker never blocks on it)
         self._worker = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True
         )
         self._expect("ready")
 
@@ -54,8 +57,11 @@ class BandwidthProbe:
             raise ValueError(f"a probe round needs at least one timed pass, got {passes!r}")
         if self._worker is None:
             raise RuntimeError("the bandwidth probe was closed")
-        self._worker.stdin.write(f"{passes}\n")
-        self._worker.stdin.flush()
+        try:
+            self._worker.stdin.write(f"{passes}\n")
+            self._worker.stdin.flush()
+        except BrokenPipeError:  # the worker died: _expect reads its end and says why
+            pass
         rates = [float(r) for r in self._expect(None).split()]
         if len(rates) != passes or not all(math.isfinite(r) and r > 0 for r in rates):
             self.close()
@@ -78,7 +84,7 @@ class BandwidthProbe:
                 worker.kill()
                 worker.wait()
             worker.stdout.close()
-            worker.stderr.close()
+            self._stderr.close()
 
     def __enter__(self) -> BandwidthProbe:
         return self
@@ -93,11 +99,13 @@ class BandwidthProbe:
         if line and (first is None or line.startswith(first)):
             return line
         worker, self._worker = self._worker, None
-        worker.stdin.close()  # (a worker still running ends at the end of stdin)
-        err = worker.stderr.read()
+        with contextlib.suppress(BrokenPipeError):
+            worker.stdin.close()  # (a worker still running ends at the end of stdin)
         worker.wait()
         worker.stdout.close()
-        worker.stderr.close()
+        self._stderr.seek(0)
+        err = self._stderr.read()
+        self._stderr.close()
         raise RuntimeError(
             f"the bandwidth probe's worker ({self.nbytes >> 20} MiB) ended with code {worker.returncode}: "
             f"{(err or line).strip().splitlines()[-1][-2000:] if (err or line).strip() else 'no output'}"

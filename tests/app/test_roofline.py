@@ -68,6 +68,18 @@ def test_probe_files_each_round_under_its_key_and_holds_its_buffer_in_its_own_pr
         BandwidthProbe(2)
 
 
+def test_a_probe_whose_worker_dies_says_so_and_closes():
+    probe = BandwidthProbe(4 << 20, threads=1)
+    probe._worker.kill()  # (as the OOM killer would)
+    probe._worker.wait()
+    with pytest.raises(RuntimeError, match="worker .* ended with code -9"):
+        probe.round(1, 2)
+    assert probe.samples == {}
+    with pytest.raises(RuntimeError, match="closed"):
+        probe.round(1, 2)
+    probe.close()  # (closing again does nothing)
+
+
 def test_a_probe_whose_worker_cannot_start_says_why():
     with pytest.raises(RuntimeError, match="worker .* ended with code"):
         BandwidthProbe(1 << 62)  # 4 EiB: the worker cannot allocate it
