@@ -133,10 +133,12 @@ def print_tables(console: Console, rows, memory, scaling, summary) -> None:
         console.print(f"[yellow]{note}[/] (no rate or ratio is given from it)", soft_wrap=True)
     roof = summary.get("roofline")
     if roof:
+        lo, hi = roof["read_bandwidth_range_gb_s"]
         console.print(
             f"roofline: read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s (a streaming read-only sum "
             f"over {roof['probe_mib']} MiB: the median of {roof['probe_passes']} passes taken between the timing "
-            f"rounds, {_range(roof)}; each batch size's rows use its own rounds' median); a decode step reads "
+            f"rounds, ranging {lo:.1f}-{hi:.1f} GB/s; each batch size's rows use its own rounds' median); a "
+            "decode step reads "
             f"{format_bytes(roof['weights'])} "
             f"of {roof['dtype']} weights (tied head included, untied input embeddings excluded; packed "
             "formats: their own bytes) + the cache; roofline tok/s = batch x bandwidth / (weights + cache "
@@ -164,8 +166,3 @@ def print_tables(console: Console, rows, memory, scaling, summary) -> None:
         )
     if scaling:
         console.print(s)
-
-
-def _range(roof: dict) -> str:
-    lo, hi = roof.get("read_bandwidth_range_gb_s") or (None, None)
-    return f"ranging {lo:.1f}-{hi:.1f} GB/s" if lo is not None else "no range"

@@ -112,13 +112,6 @@ class BandwidthProbe:
         )
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a `sum` over a `nbytes` float32 buffer (the median of `repeats` passes after one untimed)."""
-    with BandwidthProbe(nbytes) as probe:
-        probe.round(None, repeats)
-        return probe.median()
-
-
 def weight_read_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of weights one decode step reads: every parameter once (shared ones once; packed projections in their
     packed bytes, with their scales), except input embeddings that no output projection shares (a step reads only B
