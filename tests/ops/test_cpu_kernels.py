@@ -241,6 +241,37 @@ def test_decode_attention_split_over_slots_equals_the_reference(visible):
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    visible=st.integers(1, 700),
+    before=st.integers(0, 300),
+    after=st.integers(0, 40),
+    kind=st.sampled_from(["full", "sliding"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@torch.no_grad()
+def test_decode_attention_depends_on_the_visible_slots_only(b, visible, before, after, kind, seed):
+    """The same visible keys with hidden slots around them (older positions out of a window, padding, slots
+    reserved ahead with later positions) give the same bits: what lets a decode that reserved slots ahead, or
+    whose cache evicts later, match one step at a time exactly. Long rows split over threads by visible count."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 4, 1, 64, generator=g)
+    k, v = torch.randn(b, 1, visible, 64, generator=g), torch.randn(b, 1, visible, 64, generator=g)
+    qpos = torch.full((b, 1), 5000)
+    kpos = torch.arange(5000 - visible + 1, 5001).expand(b, visible).contiguous()
+    window = visible if kind == "sliding" else 0
+    plain = dl.decode_attention(q, k, v, None, 0.125, None, positions=(qpos, kpos, kind, window))
+    noise = lambda n: torch.randn(b, 1, n, 64, generator=g) * 1e3  # noqa: E731
+    k2, v2 = torch.cat([noise(before), k, noise(after)], 2), torch.cat([noise(before), v, noise(after)], 2)
+    old = 5000 - visible - torch.arange(before, 0, -1) if kind == "sliding" else torch.full((before,), -1)
+    kpos2 = torch.cat([old.expand(b, before), kpos, torch.arange(5001, 5001 + after).expand(b, after)], 1)
+    padded = dl.decode_attention(q, k2, v2, None, 0.125, None, positions=(qpos, kpos2.contiguous(), kind, window))
+    assert plain is not None and padded is not None and torch.equal(plain, padded)
+    every = torch.ones(b, 1, visible, dtype=torch.bool)
+    torch.testing.assert_close(plain.double(), naive_attention(q, k, v, every, 0.125), rtol=1e-5, atol=1e-5)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     b=st.integers(1, 3),

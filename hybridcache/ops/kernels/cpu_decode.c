@@ -503,23 +503,26 @@ static inline void prefetch_row(const float *row, int D) {
   for (int b = 0; b < D; b += 16) __builtin_prefetch(row + b, 0, 3);
 }
 
-/* Attention of the G query heads q [G, D] sharing one kv head over slots [s0, s1): unnormalized output acc [G, D],
-   per head the max score mx [G] (NaN scores ignored) and the sum of exp(score - mx) total [G]. Returns the number
-   of visible slots (0: acc, total 0 and mx -inf), or -1 when scratch memory could not be allocated. When every
-   visible score of a head is -inf, the exponentials are taken against 0 (total 0: a weight of 0 next to other
-   ranges' finite scores); a NaN or +inf score makes total NaN, as softmax would. The visible slots are listed first,
-   so the exponentials run vectorized over them and hidden slots are never read. */
-static int attend_range(const float *qh, const float *kb, const float *vb, long kss, long vss, int s0, int s1, int D,
-                        int G, const uint8_t *mrow, const int64_t *kprow, long qp, int pattern, long param,
-                        float scale, float softcap, float *acc, float *mx, float *total) {
-  int n = s1 > s0 ? s1 - s0 : 0;
-  float *buf = scratch((size_t)n * (G + 1) + 1);
-  if (!buf) return -1;
-  int *idx = (int *)buf; /* [n] visible slots, then scores [G, n] */
-  float *sc = buf + n;
+/* The visible slots of [s0, s1) for one row's query (qp < 0: none) into idx, in order; returns their count. */
+static int list_visible(int *idx, int s0, int s1, const uint8_t *mrow, const int64_t *kprow, long qp, int pattern,
+                        long param) {
   int nv = 0;
   for (int s = s0; s < s1; s++)
     if (mrow ? mrow[s] : (qp >= 0 && visible(qp, kprow[s], pattern, param))) idx[nv++] = s;
+  return nv;
+}
+
+/* Attention of the G query heads q [G, D] sharing one kv head over the nv slots idx (visible ones, in order):
+   unnormalized output acc [G, D], per head the max score mx [G] (NaN scores ignored) and the sum of
+   exp(score - mx) total [G]. Returns nv (0: acc, total 0 and mx -inf), or -1 when scratch memory could not be
+   allocated. When every score of a head is -inf, the exponentials are taken against 0 (total 0: a weight of 0
+   next to other ranges' finite scores); a NaN or +inf score makes total NaN, as softmax would. The numbers depend
+   on the listed slots only: slots around them (hidden ones, or ones a cache evicted) change nothing. */
+static int attend_list(const float *qh, const float *kb, const float *vb, long kss, long vss, const int *idx, int nv,
+                       int D, int G, float scale, float softcap, float *acc, float *mx, float *total) {
+  int n = nv;
+  float *sc = scratch((size_t)n * G + 1); /* scores [G, n] */
+  if (!sc) return -1;
   for (int g = 0; g < G; g++) {
     mx[g] = -INFINITY, total[g] = 0.0f;
     for (int d = 0; d < D; d++) acc[(size_t)g * D + d] = 0.0f;
@@ -651,6 +654,20 @@ static int attend_range(const float *qh, const float *kb, const float *vb, long 
   return nv;
 }
 
+/* Per-thread list of visible slots (attend_range's; ints in a float buffer: the same size). */
+static __thread float *index_f = NULL;
+static __thread size_t index_n = 0;
+
+/* attend_list over the visible slots of [s0, s1). */
+static int attend_range(const float *qh, const float *kb, const float *vb, long kss, long vss, int s0, int s1, int D,
+                        int G, const uint8_t *mrow, const int64_t *kprow, long qp, int pattern, long param,
+                        float scale, float softcap, float *acc, float *mx, float *total) {
+  int *idx = (int *)grow(&index_f, &index_n, (size_t)(s1 > s0 ? s1 - s0 : 0) + 1);
+  if (!idx) return -1;
+  int nv = list_visible(idx, s0, s1, mrow, kprow, qp, pattern, param);
+  return attend_list(qh, kb, vb, kss, vss, idx, nv, D, G, scale, softcap, acc, mx, total);
+}
+
 /* The softmax-weighted sums of one (row, kv head) from `parts` ranges' attend_range results (range t: acc [G, D],
    mx [G], total [G] at part + t * stride, and its count of visible slots) into o [G, D]: each range rescaled to the
    common max. No visible slot anywhere: zeros. A NaN / +inf score anywhere, or only -inf scores: NaN, as softmax
@@ -696,9 +713,9 @@ static void combine_ranges(const float *part, const int *count, int parts, size_
    and key positions kpos [B, S] by `pattern` / `param` (see visible()); a padding query (qpos < 0) sees nothing.
    out [B, Hq, D]. Hidden slots are never read (garbage in them cannot reach the output); a row that sees nothing
    gets zeros. softcap <= 0: none. `sinks` [Hq] (or NULL): a learned logit per query head in every softmax
-   denominator, weighting no value (see combine_ranges). Each key and value is read once for the G query heads that share it. Work is
-   split over threads by (row, kv head) when there are enough of those, else by ranges of slots, whose partial
-   softmax sums are then combined (as flash-decoding does). Returns 0, or -1 when scratch memory could not be
+   denominator, weighting no value (see combine_ranges). Each key and value is read once for the G query heads
+   that share it. Work is split over threads by (row, kv head) when there are enough of those, else each pair's
+   visible slots by ranges of equal count; either way the output depends on the visible slots only. Returns 0, or -1 when scratch memory could not be
    allocated (out is then incomplete). Hkv < 1 or Hq not a multiple of it: -2, nothing done. */
 int hc_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const int64_t *qpos,
                         const int64_t *kpos, int pattern, long param, float *out, int B, int Hq, int Hkv, int S,
@@ -707,55 +724,61 @@ int hc_decode_attention(const float *q, const float *k, const float *v, const ui
   if (Hkv < 1 || Hq < 0 || Hq % Hkv || B < 0 || S < 0 || D < 0) return -2;
   int G = Hq / Hkv, pairs = B * Hkv, failed = 0;
   int threads = omp_get_max_threads();
-  /* threads pay off above ~64k multiply-adds (scores and weighted sums); below that, waking one costs more */
-  int wide = (size_t)pairs * S * G * D >= (1 << 16);
-  int split = wide && pairs < threads && (size_t)S * G * D >= (1 << 16) ? threads : 1; /* slot ranges */
   size_t stride = (size_t)G * (D + 2);
-  float *part = (float *)malloc(sizeof(float) * (size_t)split * stride + 1);
-  int *count = (int *)malloc(sizeof(int) * (size_t)split);
-  if (!part || !count) {
-    free(part), free(count);
-    return -1;
-  }
-  for (int bk0 = 0; bk0 < pairs; bk0 += (split > 1 ? 1 : pairs)) {
-    int bk1 = split > 1 ? bk0 + 1 : pairs;
-    _Pragma("omp parallel num_threads(split > 1 ? split : threads) if(wide)") {
-      if (split > 1) { /* range t of the slots of (row, kv head) bk0; every range done even with fewer threads */
-        int b = bk0 / Hkv, kvh = bk0 % Hkv, chunk = (S + split - 1) / split;
+  if (pairs < threads) {
+    /* fewer (row, kv head) pairs than threads: each pair's visible slots, listed once, split into one range per
+       thread when there are enough of them (threads pay off above ~64k multiply-adds; below, waking one costs
+       more), whose partial softmax sums are then combined (as flash-decoding does). Split by the count of visible
+       slots, so the numbers depend on those slots only: a cache that holds hidden slots around them (evicted
+       later, or reserved ahead by a multi-step decode) gives the same output. */
+    int *vis = (int *)malloc(sizeof(int) * (size_t)S + 1);
+    float *part = (float *)malloc(sizeof(float) * (size_t)threads * stride + 1);
+    int *count = (int *)malloc(sizeof(int) * (size_t)threads);
+    if (!vis || !part || !count) {
+      free(vis), free(part), free(count);
+      return -1;
+    }
+    for (int bk = 0; bk < pairs && !failed; bk++) {
+      int b = bk / Hkv, kvh = bk % Hkv;
+      const float *qh = q + ((size_t)b * Hq + (size_t)kvh * G) * D, *kb = k + b * ksb + kvh * ksh,
+                  *vb = v + b * vsb + kvh * vsh;
+      const float *sink = sinks ? sinks + (size_t)kvh * G : NULL;
+      float *o = out + ((size_t)b * Hq + (size_t)kvh * G) * D;
+      int nv = list_visible(vis, 0, S, mask ? mask + (size_t)b * S : NULL, kpos ? kpos + (size_t)b * S : NULL,
+                            qpos ? qpos[b] : 0, pattern, param);
+      int split = (size_t)nv * G * D >= (1 << 16) ? threads : 1, chunk = (nv + split - 1) / split;
+      _Pragma("omp parallel num_threads(split) if(split > 1)") {
         for (int t = omp_get_thread_num(); t < split; t += omp_get_num_threads()) {
-          int s0 = (long)t * chunk < S ? t * chunk : S, s1 = (long)s0 + chunk < S ? s0 + chunk : S;
+          int i0 = t * chunk < nv ? t * chunk : nv, i1 = i0 + chunk < nv ? i0 + chunk : nv;
           float *p = part + (size_t)t * stride;
-          count[t] = attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
-                                  v + b * vsb + kvh * vsh, kss, vss, s0, s1, D, G, mask ? mask + (size_t)b * S : NULL,
-                                  kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale,
-                                  softcap, p, p + (size_t)G * D, p + (size_t)G * D + G);
+          count[t] = attend_list(qh, kb, vb, kss, vss, vis + i0, i1 - i0, D, G, scale, softcap, p,
+                                 p + (size_t)G * D, p + (size_t)G * D + G);
           if (count[t] < 0) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         }
-      } else {
-        float *a = (float *)malloc(sizeof(float) * stride + 1);
-        if (!a) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-        _Pragma("omp for schedule(static)") for (int bk = bk0; bk < bk1; bk++) {
-          if (!a) continue;
-          int b = bk / Hkv, kvh = bk % Hkv;
-          int nv = attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
-                                v + b * vsb + kvh * vsh, kss, vss, 0, S, D, G, mask ? mask + (size_t)b * S : NULL,
-                                kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale,
-                                softcap, a, a + (size_t)G * D, a + (size_t)G * D + G);
-          if (nv < 0) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-          else combine_ranges(a, &nv, 1, stride, G, D, sinks ? sinks + (size_t)kvh * G : NULL,
-                              out + ((size_t)b * Hq + (size_t)kvh * G) * D);
-        }
-        free(a);
       }
+      if (!failed) combine_ranges(part, count, split, stride, G, D, sink, o);
     }
-    if (split > 1 && !failed) {
-      int b = bk0 / Hkv, kvh = bk0 % Hkv;
-      combine_ranges(part, count, split, stride, G, D, sinks ? sinks + (size_t)kvh * G : NULL,
-                     out + ((size_t)b * Hq + (size_t)kvh * G) * D);
-    }
-    if (failed) break;
+    free(vis), free(part), free(count);
+    return failed ? -1 : 0;
   }
-  free(part), free(count);
+  /* a pair per thread at least: each pair's visible slots in one range */
+  int wide = (size_t)pairs * S * G * D >= (1 << 16);
+  _Pragma("omp parallel if(wide)") {
+    float *a = (float *)malloc(sizeof(float) * stride + 1);
+    if (!a) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+    _Pragma("omp for schedule(static)") for (int bk = 0; bk < pairs; bk++) {
+      if (!a) continue;
+      int b = bk / Hkv, kvh = bk % Hkv;
+      int nv = attend_range(q + ((size_t)b * Hq + (size_t)kvh * G) * D, k + b * ksb + kvh * ksh,
+                            v + b * vsb + kvh * vsh, kss, vss, 0, S, D, G, mask ? mask + (size_t)b * S : NULL,
+                            kpos ? kpos + (size_t)b * S : NULL, qpos ? qpos[b] : 0, pattern, param, scale, softcap,
+                            a, a + (size_t)G * D, a + (size_t)G * D + G);
+      if (nv < 0) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      else combine_ranges(a, &nv, 1, stride, G, D, sinks ? sinks + (size_t)kvh * G : NULL,
+                          out + ((size_t)b * Hq + (size_t)kvh * G) * D);
+    }
+    free(a);
+  }
   return failed ? -1 : 0;
 }
 
