@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hybridcache.blocks.decode_run import RUN_TOKENS, DecodeRun
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.models.base import GenerationError, HybridLM, check_cached_columns
@@ -29,6 +30,7 @@ from hybridcache.models.base import GenerationError, HybridLM, check_cached_colu
 # full-length [T, T] mask or score matrix is ever built (sliding/chunked/recurrent memory stays flat in T).
 DEFAULT_PREFILL_CHUNK = 1024
 
+_BODY = HybridLM.forward_block  # what a decode run does a step of
 Step = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (token [B], the logits [B, V] it was chosen from)
 
 
@@ -120,6 +122,11 @@ class DecodeSource:
         self.model, self.cache, self.cache_config, self.chunk_size = model, cache, cache_config, prefill_chunk_size
         self.continues = continues  # the cache was handed in: input_ids must start with what it saw
         self.decode = compiled_decode_step(model) if compile else model.forward_block
+        # decode runs (blocks/decode_run.py): only for a caller that changes nothing between steps but through
+        # this source (generate's plain decoding: not beam search, which reorders the cache) and says so by
+        # `runs = True`; False once one did not apply in this generation
+        self.runs = False
+        self._run: DecodeRun | None = None
 
     def steps(self, choose: Callable[[torch.Tensor], torch.Tensor], state: GenerationState) -> Step:
         logits = self.prefill(state)
@@ -155,9 +162,49 @@ class DecodeSource:
         if self.cache is None:  # recompute the whole sequence so far
             mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], n)], dim=1)
             return model(state.sequences(), model.make_cache(mask.shape[0], self.cache_config), mask)[:, -1]
-        return model.run_block(state.generated[:, n - 1 : n], self.cache, None, step=self.decode, check=False)[:, -1]
+        ids = state.generated[:, n - 1 : n]
+        logits = self._run_step(ids, state) if self.runs else None
+        if logits is not None:
+            return logits
+        return model.run_block(ids, self.cache, None, step=self.decode, check=False)[:, -1]
+
+    def _run_step(self, ids: torch.Tensor, state: GenerationState) -> torch.Tensor | None:
+        """Logits [B, V] of a decode run's step (blocks/decode_run.py: the cache's bookkeeping once per run), or
+        None where runs do not apply (then every later step goes step by step too)."""
+        model, run = self.model, self._run
+        if run is not None and run.full:
+            self._close_run()
+            run = None
+        if run is None:
+            # (not compiled, and a model whose body is embed -> layers -> head)
+            if self.decode != model.forward_block or getattr(type(model), "forward_block", None) is not _BODY:
+                self.runs = False
+                return None
+            h = model.embed(ids)
+            run = DecodeRun.start(model, self.cache, min(RUN_TOKENS, state.generated.shape[1] - state.count), ids, h)
+            if run is None:
+                self.runs = False
+                return None
+            self._run = run
+        else:
+            h = model.embed(ids)
+        return model.head(run.step(ids, h))[:, -1]
+
+    def _close_run(self) -> None:
+        """Feed the open run's tokens to the cache."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.finish()
+
+    def abandon(self) -> None:
+        """The generation failed: let go of the cache without feeding an open run's tokens (it keeps what it held
+        when that run started)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.abandon()
 
     def finish(self, out: Any, state: GenerationState) -> dict[str, Any] | None:
+        self._close_run()
         return None
 
 
@@ -170,4 +217,5 @@ class PrefixSource(DecodeSource):
         self.store = store
 
     def finish(self, out: Any, state: GenerationState) -> dict[str, Any] | None:
+        self._close_run()
         return self.store.finish(self.model, out, self.request)

@@ -116,8 +116,14 @@ def generate(
     streamer = as_streamer(streamer)
     # no code but ours between the steps (no processors, criteria, streamer or hooks): the modules stay as they are
     ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
-    with steady_unless_hooked(ours, model, draft_model):
-        logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
+    if isinstance(source, DecodeSource) and ours:
+        source.runs = True  # decode runs (blocks/decode_run.py) where the steps are steady
+    try:
+        with steady_unless_hooked(ours, model, draft_model):
+            logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
+    except BaseException:
+        getattr(source, "abandon", lambda: None)()
+        raise
     out = GenerateOutput(state.sequences(), logits, source.cache)
     out.stats = source.finish(out, state)
     if out.cache is not None:

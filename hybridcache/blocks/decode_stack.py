@@ -44,6 +44,11 @@ def steady() -> Iterator[None]:
         _STEADY.reset(token)
 
 
+def steady_bindings() -> dict | None:
+    """The bindings kept inside `steady()` (None outside it: the modules may change between steps)."""
+    return _STEADY.get()
+
+
 def steady_unless_hooked(ours: bool, *models: nn.Module | None) -> AbstractContextManager:
     """`steady()` for a loop that runs no code of the user's between its steps (`ours`: no processor, criterion
     or streamer) when no forward hook of these models (None: none) or global hook would run any either; else a

@@ -80,6 +80,20 @@ class AppendBuffers:
         names = list(current)
         if tokens is None:
             tokens = new[names[0]].shape[self.dims[names[0]]]
+        start, end = self._room(current, tokens)
+        out = {}
+        for name in names:
+            buf, dim = self.buffers[name], self.dims[name]
+            if new[name] is not None:
+                buf.narrow(dim, end, tokens).copy_(new[name])
+            out[name] = buf.narrow(dim, start, end - start + tokens)
+        self._last = (out, (start, end + tokens))
+        return out
+
+    def _room(self, current: dict[str, torch.Tensor], tokens: int) -> tuple[int, int]:
+        """(start, end) of the held slots in buffers with at least `tokens` slots after them: the current ones, or
+        new ones holding a copy of the held slots first."""
+        names = list(current)
         win = self.window(current)
         if win is not None and win[0] == win[1]:
             win = (0, 0)  # nothing held (a chunk just ended): the buffers start over
@@ -93,15 +107,17 @@ class AppendBuffers:
                 buf.narrow(dim, 0, held).copy_(t)
                 self.buffers[name] = buf
             win = (0, held)
-        start, end = win
-        out = {}
-        for name in names:
-            buf, dim = self.buffers[name], self.dims[name]
-            if new[name] is not None:
-                buf.narrow(dim, end, tokens).copy_(new[name])
-            out[name] = buf.narrow(dim, start, end - start + tokens)
-        self._last = (out, (start, end + tokens))
-        return out
+        return win
+
+    def reserve(self, current: dict[str, torch.Tensor], tokens: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Room for `tokens` slots right after the held ones, which a later `append` of that many tokens (or fewer)
+        with None for the new values hands out unwritten, as they are: views of the held slots (the same values;
+        in new buffers when these had no room) to hold from now on, and the held slots' start in the buffers
+        (`self.buffers`)."""
+        start, end = self._room(current, tokens)
+        out = {name: self.buffers[name].narrow(self.dims[name], start, end - start) for name in current}
+        self._last = (out, (start, end))
+        return out, start
 
     def drop_oldest(self, current: dict[str, torch.Tensor], drop: int) -> dict[str, torch.Tensor]:
         """Views of `current` without their first `drop` slots (an eviction that keeps the newest)."""

@@ -110,6 +110,11 @@ class Gemma3DecoderLayer(nn.Module):
         run = self.decode_binding(x, layer) if binding is None else binding
         return None if run is None else self.self_attn.step_record(x, y, layer, step, None, None, run)
 
+    def decode_rotary(self):
+        """The rotary embedding whose tables decode_record's call reads (None: none): a decode that runs many steps
+        on one record (blocks/decode_run.py) computes them for each step's positions."""
+        return self.self_attn.rotary
+
     def separate(self, h: torch.Tensor, layer: CacheLayer, step: StepInput, reserved=None) -> torch.Tensor:
         """The layer by separate calls; `reserved`: the slot one_call_step / decode_record reserved (False: tried,
         none), which the attention then writes."""

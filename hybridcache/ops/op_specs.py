@@ -160,6 +160,7 @@ _TAIL_C = [_P, _I, _P, _P, _P, _F, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _
 LAYER_RECORD = _STEP_C + _TAIL_C
 STACK_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_layer_record_codes": (ctypes.c_char_p, []),
+    "hc_layer_record_names": (ctypes.c_char_p, []),
     "hc_layer_record_size": (_I, []),
     "hc_decoder_stack": (_I, [_P, _I, _P]),
 }

@@ -952,6 +952,8 @@ void hc_qkv_norm_rope(const float *x, int B, int T, int Dm, const void *w, int w
 #define HC_REC_ARG(T, N, C) r->N
 #define HC_REC_NAME(T, N, C) N
 #define HC_REC_CODE(T, N, C) #C
+#define HC_REC_NAME_STR(T, N, C) #N
+#define HC_REC_NAME_SEP() ","
 #define HC_REC_SEMI() ;
 #define HC_REC_COMMA() ,
 #define HC_REC_NONE()
@@ -1012,6 +1014,7 @@ typedef struct {
 
 const char *hc_layer_record_codes(void) { return HC_LAYER_RECORD(HC_REC_CODE, HC_REC_NONE); }
 int hc_layer_record_size(void) { return (int)sizeof(hc_layer_record); }
+const char *hc_layer_record_names(void) { return HC_LAYER_RECORD(HC_REC_NAME_STR, HC_REC_NAME_SEP); }
 
 /* The n records in order (each one's x the previous one's y: the caller sets the pointers). Returns 0, or the
    first failing layer's hc_decoder_layer code with its index in *failed (the layers before it ran). */

@@ -1,0 +1,178 @@
+"""Decode steps whose cache bookkeeping runs once per run of steps instead of once per layer and step.
+
+An eager decode step of a model whose layers all record (decode_stack.py: Gemma 3's whole layer in one C call)
+still pays, per layer and step, the cache's reservation of the token's slot, its commit, and the checks that build
+the layer's record: ~2 ms of Python a step on Gemma 3 270M (a sixth of an int8 step), run with the caches cold
+after each step's weights. A run pays them once. The cache reserves room for up to `capacity` tokens after every
+layer's held slots and stays held (Cache.reserve_decode); the first step builds each layer's record by its checked
+call (`run.record`, as decode_stack does); each later step changes only what moves with the step in those records
+(the slot and slot count, the rotary tables, the query position, the input), and the kernels write each token's
+keys and values into the next reserved slot. When the run ends the tokens are fed as one block
+(Cache.feed_reserved), which leaves the cache as that many one-token blocks would.
+
+The same kernels on the same inputs: the attention reads the same visible slots (its output depends on those only,
+so older slots that a step-by-step decode would have evicted meanwhile change nothing), so the same logits bit for
+bit and the same cache after (tests/models/test_decode_run.py). Only inside `decode_stack.steady()` (no code but
+ours between the steps, so nothing else can read or change the cache or the modules meanwhile), one row, every
+layer recording; anything else decodes step by step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridcache.blocks.decode_stack import _binding, _hooked, steady_bindings
+from hybridcache.cache.group import CacheGroup
+from hybridcache.ops._checks import INT_MAX
+from hybridcache.ops.cpu_decoder_stack import record_table, record_type, run_table
+from hybridcache.ops.kernel_calls import takes
+
+RUN_TOKENS = 128  # steps per run at most: the spare slots it reserves in every layer
+_F32 = torch.float32
+
+
+class DecodeRun:
+    """Up to `capacity` decode steps of one model on one held cache (`start`), fed to the cache by `finish`."""
+
+    def __init__(self, cache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
+        self.cache, self.capacity, self.pos0 = cache, capacity, pos0  # pos0 [B]: the first step's positions
+        self.ids = ids  # [B, capacity]: the tokens fed, in order
+        self.steps = 0
+        self.closed = False
+
+    @classmethod
+    def start(cls, model, cache, capacity: int, ids: torch.Tensor, h: torch.Tensor) -> DecodeRun | None:
+        """A run of up to `capacity` steps from the cache's state, its first step's tokens `ids` [B, 1] embedded as
+        h [B, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step."""
+        kept = steady_bindings()
+        blocks, entries = list(model.decoder_layers), list(cache.entries)
+        if (
+            kept is None
+            or capacity < 1
+            or h.dim() != 3
+            or h.shape[:2] != (1, 1)
+            or ids.shape != (1, 1)
+            or not takes(h)
+            or not h.is_contiguous()
+            or torch.compiler.is_compiling()
+            or record_type() is None
+            or len(blocks) != len(entries)
+            or cache.seq.block is not None
+            or any(isinstance(e, CacheGroup) for e in entries)
+            or not all(hasattr(type(b), "decode_record") and hasattr(type(b), "decode_rotary") for b in blocks)
+            or any(_hooked(b) for b in blocks)
+        ):
+            return None
+        bindings = [_binding(b, e, h, kept) for b, e in zip(blocks, entries, strict=True)]
+        if any(b is None for b in bindings):
+            return None
+        rotaries = [b.decode_rotary() for b in blocks]
+        pos0 = cache.seq.seen.clone()  # [B]: each row's next position (every step is all real tokens)
+        reserved = cache.reserve_decode(capacity)
+        if reserved is None:
+            return None
+        by_layer = dict(zip(map(id, cache.layers), reserved, strict=True))
+        run = cls(cache, capacity, pos0, ids.new_zeros(ids.shape[0], capacity))
+        try:
+            if not run._build(h, entries, bindings, rotaries, [by_layer[id(e)] for e in entries]):
+                run.abandon()
+                return None
+        except BaseException:
+            run.abandon()
+            raise
+        return run
+
+    def _build(self, h, entries, bindings, rotaries, reserved) -> bool:
+        """The first step's records (False: some layer's call does not take them; nothing written)."""
+        b = h.shape[0]
+        ahead = self.pos0[:, None] + torch.arange(self.capacity)  # [B, capacity]: the reserved slots' positions
+        for r in reserved:
+            r.key_pos.narrow(1, r.end, self.capacity).copy_(ahead)  # (not the layer's until fed)
+        self.bufs = (torch.empty_like(h), torch.empty_like(h))  # the layers' outputs, in turn
+        self.tables = {}  # id(rotary) -> (rotary, this step's cos, sin)
+        self.q_pos = self.pos0.view(b, 1)
+        records, alive, pointers, x = [], [], [], h
+        for i, (entry, run, rotary, r) in enumerate(zip(entries, bindings, rotaries, reserved, strict=True)):
+            form = entry.spec.kernel_pattern()
+            cos, sin = self._rope(rotary, self.q_pos)
+            if form is None or (rotary is not None and not rotary.kernel_tables(h, cos)):
+                return False
+            held = r.end - r.start
+            keys, values = r.keys.narrow(2, r.start, held + 1), r.values.narrow(2, r.start, held + 1)
+            k_pos = r.key_pos.narrow(1, r.start, held + 1)
+            y = self.bufs[i % 2]
+            if r.keys.numel() > INT_MAX or r.values.numel() > INT_MAX:
+                return False
+            got = run.record(x, y, cos, sin, keys, values, held, self.q_pos, k_pos, *form)
+            if got is None:
+                return False
+            records.append(got[0])
+            pointers.append((x.data_ptr(), keys.data_ptr(), values.data_ptr(), k_pos.data_ptr()))
+            alive.append(got[1])
+            x = y
+        self.table, self.alive, self.bindings, self.reserved = record_table(records), alive, bindings, reserved
+        self.rotaries, self.out = rotaries, x
+        # the record fields that move with the step, checked once: the same tensors' pointers, the count and slot
+        # (the record points into these very tensors, not copies: what later steps write there, it reads)
+        for rec, rotary, r, ptrs in zip(self.table, rotaries, reserved, pointers, strict=True):
+            cos, sin = self.tables.get(id(rotary), (None, None, None))[1:]
+            want = (self.q_pos.data_ptr(), r.end - r.start, r.end - r.start + 1, _ptr(cos), _ptr(sin), *ptrs)
+            got = (rec.qpos, rec.slot, rec.S, rec.cos_t or 0, rec.sin_t or 0, rec.x, rec.keys, rec.values, rec.kpos)
+            if got != want:
+                return False
+        return True
+
+    def _rope(self, rotary, positions: torch.Tensor):
+        """cos, sin [B, 1, 1, R] for positions [B, 1], once per rotary and step ((None, None): no rotary), by the
+        rotary's own tables (the step-by-step decode computes them so, for its block's positions)."""
+        if rotary is None:
+            return None, None
+        got = self.tables.get(id(rotary))
+        if got is None:
+            cos, sin = rotary.tables(positions, _F32)
+            got = self.tables[id(rotary)] = (rotary, cos, sin)
+        return got[1], got[2]
+
+    @property
+    def full(self) -> bool:
+        return self.steps >= self.capacity
+
+    def step(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One decode step: tokens `ids` [B, 1] embedded as h [B, 1, D] through every layer, their keys and values
+        written into the next reserved slots. Returns the last layer's output [B, 1, D] (a buffer the next step
+        overwrites: read it first)."""
+        j, table = self.steps, self.table
+        if self.closed or j >= self.capacity:
+            raise RuntimeError("DecodeRun.step: the run is over (finished, abandoned or full)")
+        if ids.shape != (self.ids.shape[0], 1) or h.shape != self.out.shape or not takes(h) or not h.is_contiguous():
+            raise ValueError(f"DecodeRun.step: ids [B, 1] and h {tuple(self.out.shape)} float32, got {tuple(h.shape)}")
+        if j:
+            self.q_pos = (self.pos0 + j).view(-1, 1)
+            self.tables = {}
+            q = self.q_pos.data_ptr()
+            for rec, rotary, r in zip(table, self.rotaries, self.reserved, strict=True):
+                cos, sin = self._rope(rotary, self.q_pos)
+                slot = r.end - r.start + j
+                rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t = q, slot, slot + 1, _ptr(cos), _ptr(sin)
+        table[0].x = h.data_ptr()
+        self.step_alive = (h, self.q_pos, self.tables)  # what the records point into, until the next step
+        run_table(table)
+        self.ids[:, j] = ids[:, 0]
+        self.steps = j + 1
+        return self.out
+
+    def finish(self) -> None:
+        """Feed the run's tokens to the cache as one block (nothing when it ran no step) and let go of it."""
+        if not self.closed:
+            self.closed = True
+            self.cache.feed_reserved(self.ids[:, : self.steps] if self.steps else None)
+
+    def abandon(self) -> None:
+        """Let go of the cache without feeding anything (what it held is unchanged)."""
+        if not self.closed:
+            self.closed = True
+            self.cache.feed_reserved(None)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()

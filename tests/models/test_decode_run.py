@@ -1,0 +1,198 @@
+"""Decode runs (blocks/decode_run.py): generate's steady decoding of one row feeds the cache once per run of steps.
+
+The oracle is the step-by-step decode (the same model with runs turned off): the same sequences and logits bit for
+bit, and the same cache after (keys, values, key positions, counts, the token fingerprint and its history), past
+the sliding window, over several runs, with an early eos, sampled, and in a continuation. A failure mid-run leaves
+the cache as it was when the run began, and free; a held cache refuses other feeds and operations."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import hybridcache as hc
+from hybridcache import decoding
+from hybridcache.blocks import decode_run
+from hybridcache.cache.errors import CacheError, CacheThreadError
+from hybridcache.ops import kernel_status
+from tests.models.conftest import prompts
+
+pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
+
+
+@pytest.fixture(scope="module")
+def gemma(checkpoints):
+    loaded = {}
+
+    def get(weights=None):
+        if weights not in loaded:
+            loaded[weights] = hc.from_pretrained(checkpoints("gemma3"), weights=weights)
+        return loaded[weights]
+
+    return get
+
+
+def _starts(monkeypatch) -> list[int]:
+    """The capacity of each run started."""
+    started, real = [], decode_run.DecodeRun.start.__func__
+
+    def start(cls, model, cache, capacity, ids, h):
+        run = real(cls, model, cache, capacity, ids, h)
+        if run is not None:
+            started.append(capacity)
+        return run
+
+    monkeypatch.setattr(decode_run.DecodeRun, "start", classmethod(start))
+    return started
+
+
+def _step_by_step(monkeypatch) -> None:
+    monkeypatch.setattr(decoding.DecodeSource, "_run_step", lambda self, ids, state: None)
+
+
+def _state(cache) -> list[torch.Tensor]:
+    seq = cache.seq
+    out = [seq.seen.clone(), torch.tensor(seq.columns), seq.fingerprint.clone(), seq.history()]
+    for e in cache.entries:
+        out += [e.keys.clone(), e.values.clone(), e.key_pos.clone()]
+    return out
+
+
+def _same_state(got, want) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def _generate(model, ids, monkeypatch, runs: bool, **kw):
+    with monkeypatch.context() as m:
+        if not runs:
+            _step_by_step(m)
+        started = _starts(m)
+        out = hc.generate(model, ids, **kw)
+    return out, started
+
+
+@pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("run_tokens, runs", [(128, [19]), (5, [5, 5, 5, 4])])
+def test_a_run_is_the_step_by_step_decode(gemma, monkeypatch, weights, run_tokens, runs):
+    model = gemma(weights)
+    ids = prompts(1, 7, seed=5)
+    monkeypatch.setattr(decoding, "RUN_TOKENS", run_tokens)
+    got, started = _generate(model, ids, monkeypatch, True, max_new_tokens=20)  # 7 + 20: past the window of 8
+    want, none = _generate(model, ids, monkeypatch, False, max_new_tokens=20)
+    assert started == runs and none == []  # 19 tokens fed after the prompt
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.logits, want.logits)
+    _same_state(_state(got.cache), _state(want.cache))
+    # a continuation of each cache, by a run and step by step: the same again
+    more, started = _generate(model, got.sequences, monkeypatch, True, max_new_tokens=6, cache=got.cache)
+    again, _ = _generate(model, want.sequences, monkeypatch, False, max_new_tokens=6, cache=want.cache)
+    assert started == [min(5, run_tokens)]
+    assert torch.equal(more.sequences, again.sequences) and torch.equal(more.logits, again.logits)
+    _same_state(_state(more.cache), _state(again.cache))
+
+
+def test_sampled_and_stopped_by_eos(gemma, monkeypatch):
+    model, ids = gemma(), prompts(1, 6, seed=7)
+    want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=12, do_sample=True, seed=3)
+    eos = int(want.sequences[0, 6 + 5])  # the 6th token: the generation stops there
+    first = int((want.sequences[0, 6:] == eos).nonzero()[0])
+    kw = {"max_new_tokens": 12, "do_sample": True, "seed": 3, "eos_token_id": eos}
+    got, started = _generate(model, ids, monkeypatch, True, **kw)
+    stopped, _ = _generate(model, ids, monkeypatch, False, **kw)
+    assert started == [11] and first <= 5
+    assert torch.equal(got.sequences, stopped.sequences) and torch.equal(got.logits, stopped.logits)
+    assert got.logits.shape[1] == first + 1
+    _same_state(_state(got.cache), _state(stopped.cache))
+
+
+def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch):
+    model, ids = gemma("int8"), prompts(1, 6, seed=9)
+    out = hc.generate(model, ids, max_new_tokens=3)
+    began = copy.deepcopy(out.cache)  # the run begins after the continuation's first block (the uncached token)
+    hc.generate(model, out.sequences, max_new_tokens=1, cache=began)
+    calls, real = [], decode_run.run_table
+
+    def failing(table):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("no memory (test)")
+        real(table)
+
+    with monkeypatch.context() as m:
+        m.setattr(decode_run, "run_table", failing)
+        with pytest.raises(MemoryError, match="test"):
+            hc.generate(model, out.sequences, max_new_tokens=8, cache=out.cache)
+    assert len(calls) == 3
+    _same_state(_state(out.cache), _state(began))  # the two steps that ran were never fed
+    fresh = hc.generate(model, ids, max_new_tokens=7)
+    again, started = _generate(model, fresh.sequences[:, :10], monkeypatch, True, max_new_tokens=3, cache=out.cache)
+    assert started == [2] and torch.equal(again.sequences, fresh.sequences[:, :13])
+    assert torch.equal(again.logits, fresh.logits[:, 4:7])
+
+
+def test_a_held_cache_refuses_other_feeds_and_operations(gemma):
+    model, ids = gemma(), prompts(1, 6, seed=11)
+    cache = hc.generate(model, ids, max_new_tokens=2).cache
+    before = _state(cache)
+    reserved = cache.reserve_decode(4)
+    assert reserved is not None and all(r.end - r.start == e.keys.shape[2] for r, e in zip(reserved, cache.entries))
+    with pytest.raises(CacheError, match="being fed"):
+        cache.crop(3)
+    with pytest.raises(CacheError, match="being fed"):
+        cache.begin_block(None, 1)
+    with pytest.raises(CacheError, match="being fed"):
+        cache.reserve_decode(2)
+    errors = []
+    thread = threading.Thread(target=lambda: _catch(errors, lambda: cache.feed_reserved(None)))
+    thread.start(), thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], CacheError)  # another thread cannot end it
+    thread = threading.Thread(target=lambda: _catch(errors, lambda: cache.crop(3)))
+    thread.start(), thread.join()
+    assert isinstance(errors[1], CacheThreadError)
+    for bad in (torch.zeros(1, 5, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 1)):
+        with pytest.raises(CacheError, match="ids must be"):
+            cache.feed_reserved(bad)  # more tokens than reserved, another batch, not ids: refused, still held
+    cache.feed_reserved(None)
+    _same_state(_state(cache), before)
+    with pytest.raises(CacheError, match="holds no reserve_decode"):
+        cache.feed_reserved(None)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(CacheError, match="positive integer"):
+            cache.reserve_decode(bad)
+    cache.crop(3)  # free again
+
+
+def _catch(errors: list, fn) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        errors.append(e)
+
+
+def test_runs_only_where_nothing_else_runs_between_steps(gemma, monkeypatch):
+    """Two rows, a streamer, a logits processor, storage the kernels do not write, a hook, beam search: step by
+    step (the same tokens as with runs turned off)."""
+    model = gemma()
+    one, two = prompts(1, 6, seed=2), prompts(2, 6, seed=2)
+    cases = [
+        (two, {}),
+        (one, {"streamer": lambda tokens: None}),
+        (one, {"logits_processor": [lambda ids, scores: scores]}),
+        (one, {"cache_config": {"attention": {"type": "full", "storage": "int8"}}}),
+    ]
+    for ids, kw in cases:
+        got, started = _generate(model, ids, monkeypatch, True, max_new_tokens=5, **kw)
+        want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=5, **kw)
+        assert started == [] and torch.equal(got.sequences, want.sequences), kw
+    handle = model.decoder_layers[0].register_forward_pre_hook(lambda mod, args: None)
+    try:
+        _, started = _generate(model, one, monkeypatch, True, max_new_tokens=5)
+    finally:
+        handle.remove()
+    assert started == []
+    with monkeypatch.context() as m:
+        started = _starts(m)
+        hc.beam_search(model, one, num_beams=2, max_new_tokens=4)
+    assert started == []
