@@ -127,11 +127,16 @@ class DecodeSource:
         # `runs = True`; False once one did not apply in this generation
         self.runs = False
         self._run: DecodeRun | None = None
+        # greedy runs (DecodeRun.greedy: many steps in one C call): (eos ids, keep logits) from a caller whose
+        # tokens are plain greedy choices stopped by eos only, with runs on; None: off
+        self.greedy: tuple[list[int], bool] | None = None
 
     def steps(self, choose: Callable[[torch.Tensor], torch.Tensor], state: GenerationState) -> Step:
         logits = self.prefill(state)
         while True:
             yield choose(logits), logits
+            if self.greedy is not None:
+                yield from self._greedy_steps(state)  # (returns where a greedy run does not apply)
             logits = self.next_logits(state)
 
     def prefill(self, state: GenerationState) -> torch.Tensor:
@@ -168,6 +173,42 @@ class DecodeSource:
             return logits
         return model.run_block(ids, self.cache, None, step=self.decode, check=False)[:, -1]
 
+    def _greedy_steps(self, state: GenerationState) -> Step:
+        """(token [1], logits [1, V]) pairs from greedy runs, many steps per C call (DecodeRun.greedy), until the
+        loop stops taking them; returns (greedy runs off) where they do not apply. Each pair is what steps() would
+        have yielded; the run counts as fed only the tokens before the last one the loop took."""
+        eos, keep = self.greedy
+        while self.runs:
+            ids, run = state.generated[:, state.count - 1 : state.count], self._run
+            if run is not None and run.full:
+                self._close_run()
+                run = None
+            if run is None:
+                run = self._start_run(ids, state)
+                if run is None:
+                    break
+            base, k = run.steps, min(run.capacity - run.steps, state.generated.shape[1] - state.count)
+            try:
+                tokens, logits = run.greedy(self.model, int(ids[0, 0]), k, eos, keep)
+            except NotImplementedError:
+                break
+            for i in range(tokens.shape[0]):
+                run.steps = base + i + 1  # what the loop took so far was fed: the tokens before this one
+                yield tokens[i : i + 1], logits[i : i + 1] if keep else logits
+        self.greedy = None
+
+    def _start_run(self, ids: torch.Tensor, state: GenerationState) -> DecodeRun | None:
+        """A decode run from the cache's state, its first step's tokens `ids` [B, 1]; None (runs off) where they do
+        not apply: not compiled, a model whose body is embed -> layers -> head, see DecodeRun.start."""
+        model, run = self.model, None
+        if self.decode == model.forward_block and getattr(type(model), "forward_block", None) is _BODY:
+            capacity = min(RUN_TOKENS, state.generated.shape[1] - state.count)
+            run = DecodeRun.start(model, self.cache, capacity, ids, model.embed(ids))
+        if run is None:
+            self.runs = False
+        self._run = run
+        return run
+
     def _run_step(self, ids: torch.Tensor, state: GenerationState) -> torch.Tensor | None:
         """Logits [B, V] of a decode run's step (blocks/decode_run.py: the cache's bookkeeping once per run), or
         None where runs do not apply (then every later step goes step by step too)."""
@@ -175,20 +216,9 @@ class DecodeSource:
         if run is not None and run.full:
             self._close_run()
             run = None
-        if run is None:
-            # (not compiled, and a model whose body is embed -> layers -> head)
-            if self.decode != model.forward_block or getattr(type(model), "forward_block", None) is not _BODY:
-                self.runs = False
-                return None
-            h = model.embed(ids)
-            run = DecodeRun.start(model, self.cache, min(RUN_TOKENS, state.generated.shape[1] - state.count), ids, h)
-            if run is None:
-                self.runs = False
-                return None
-            self._run = run
-        else:
-            h = model.embed(ids)
-        return model.head(run.step(ids, h))[:, -1]
+        if run is None and self._start_run(ids, state) is None:
+            return None
+        return model.head(self._run.step(ids, model.embed(ids)))[:, -1]
 
     def _close_run(self) -> None:
         """Feed the open run's tokens to the cache."""

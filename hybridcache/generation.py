@@ -118,6 +118,8 @@ def generate(
     ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
     if isinstance(source, DecodeSource) and ours:
         source.runs = True  # decode runs (blocks/decode_run.py) where the steps are steady
+        if not cfg.do_sample:  # plain greedy choices, stopped by eos only: many steps per C call
+            source.greedy = (eos.tolist(), cfg.output_logits)
     try:
         with steady_unless_hooked(ours, model, draft_model):
             logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)

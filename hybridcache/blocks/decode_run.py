@@ -19,13 +19,20 @@ layer recording; anything else decodes step by step.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+from torch import nn
 
 from hybridcache.blocks.decode_stack import _binding, _hooked, steady_bindings
+from hybridcache.blocks.linear import DecodeLinear, PackedEmbedding
+from hybridcache.blocks.norms import RMSNorm
 from hybridcache.cache.group import CacheGroup
-from hybridcache.ops._checks import INT_MAX
+from hybridcache.ops._checks import INT_MAX, _real, _vec
 from hybridcache.ops.cpu_decoder_stack import record_table, record_type, run_table
+from hybridcache.ops.cpu_library import _library
 from hybridcache.ops.kernel_calls import takes
+from hybridcache.ops.op_specs import WEIGHT_TYPES
 
 RUN_TOKENS = 128  # steps per run at most: the spare slots it reserves in every layer
 _F32 = torch.float32
@@ -37,7 +44,7 @@ class DecodeRun:
     def __init__(self, cache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
         self.cache, self.capacity, self.pos0 = cache, capacity, pos0  # pos0 [B]: the first step's positions
         self.ids = ids  # [B, capacity]: the tokens fed, in order
-        self.steps = 0
+        self.steps = self.table_step = 0  # steps run; the step the records' moving fields are set for
         self.closed = False
 
     @classmethod
@@ -155,11 +162,75 @@ class DecodeRun:
                 slot = r.end - r.start + j
                 rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t = q, slot, slot + 1, _ptr(cos), _ptr(sin)
         table[0].x = h.data_ptr()
+        self.table_step = j  # the step the records' moving fields are set for
         self.step_alive = (h, self.q_pos, self.tables)  # what the records point into, until the next step
         run_table(table)
         self.ids[:, j] = ids[:, 0]
         self.steps = j + 1
         return self.out
+
+    def greedy(self, model, first: int, k: int, eos: list[int], keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to k greedy steps in one C call (kernels/cpu_decode.c hc_decode_steps: no interpreter between steps)
+        from token `first`: each step embeds its token, runs the layers, the final norm and the head, and takes the
+        first largest logit (the same kernels, in the same order, as `step` followed by model.head and
+        greedy_next). Stops after a token in `eos`. Returns (the n tokens [n], their logits [n, V] when `keep`,
+        else [1, V]); the run has then fed n tokens (`first` and the first n - 1 of those). NotImplementedError
+        (nothing run) where the model's embedding or head is not a form the loop computes."""
+        embedding, head = model.decode_embedding(), model.decode_head()
+        j, d = self.steps, self.out.shape[-1]
+        if embedding is None or head is None or self.closed:
+            raise NotImplementedError("DecodeRun.greedy: the model's embedding or head is not one the loop computes")
+        table_w, table_rs, multiplier = embedding
+        norm, eps, w_head, head_rs, head_bias = head
+        vocab, v = table_w.shape[0], w_head.shape[0]
+        if (
+            not 0 < k <= self.capacity - j
+            or table_w.shape[1] != d
+            or w_head.shape[1] != d
+            or not 0 <= first < vocab
+            or v > INT_MAX
+            or vocab > 2**62
+            or (norm is not None and not _vec(norm, d))
+            or not (_vec(table_rs, vocab) and _vec(head_rs, v) and _vec(head_bias, v))
+        ):
+            raise ValueError(f"DecodeRun.greedy: {k} steps from token {first} do not fit this run or model")
+        positions = self.pos0[0] + j + torch.arange(k)  # [k] (one row)
+        ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        index = []
+        for rec, rotary in zip(self.table, self.rotaries, strict=True):
+            if rotary is None:
+                index.append(-1)
+                continue
+            if id(rotary) not in ropes:  # each position's tables as a step computes them, row by row
+                rows = [rotary.tables(p.view(1, 1), _F32) for p in positions]  # [1, 1, 1, R] each
+                ropes[id(rotary)] = tuple(torch.cat([t[i].reshape(1, -1) for t in rows]) for i in (0, 1))
+            if ropes[id(rotary)][0].shape[1] != rec.rot:
+                raise ValueError("DecodeRun.greedy: a layer's rotary tables changed width")
+            index.append(list(ropes).index(id(rotary)))
+        cos = (ctypes.c_void_p * max(len(ropes), 1))(*(c.data_ptr() for c, _ in ropes.values()))
+        sin = (ctypes.c_void_p * max(len(ropes), 1))(*(s.data_ptr() for _, s in ropes.values()))
+        rope = (ctypes.c_int * len(index))(*index)
+        stops = torch.tensor(sorted(set(eos)) or [-1], dtype=torch.int64)
+        x, normed = torch.empty(d), torch.empty(d)
+        logits, tokens, done = torch.empty(k if keep else 1, v), torch.empty(k, dtype=torch.int64), ctypes.c_int(0)
+        n = _library().hc_decode_steps(
+            ctypes.addressof(self.table), len(self.table), j - self.table_step, rope, cos, sin, positions.data_ptr(), k,
+            table_w.data_ptr(), WEIGHT_TYPES[table_w.dtype], _ptr(table_rs), vocab, multiplier,
+            _ptr(norm), eps, w_head.data_ptr(), WEIGHT_TYPES[w_head.dtype], _ptr(head_rs), _ptr(head_bias), v,
+            x.data_ptr(), normed.data_ptr(), logits.data_ptr(), int(keep), stops.data_ptr(), len(eos), first,
+            tokens.data_ptr(), ctypes.addressof(done),
+        )  # fmt: skip
+        ran = done.value
+        self.ids[0, j] = first
+        self.ids[0, j + 1 : j + ran] = tokens[: ran - 1]
+        self.steps = j + ran
+        if n < 0:
+            raise (
+                MemoryError("hc_decode_steps: a layer found no memory for its attention's scratch")
+                if n == -1
+                else (ValueError("hc_decode_steps: a token outside the embedding"))
+            )
+        return tokens[:n], logits[:n] if keep else logits
 
     def finish(self) -> None:
         """Feed the run's tokens to the cache as one block (nothing when it ran no step) and let go of it."""
@@ -176,3 +247,34 @@ class DecodeRun:
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def embedding_form(e: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(table [V, D], row scale [V] or None) where e(ids) is the table's rows widened to float32 (times their row
+    scale): a plain float32 nn.Embedding, or a PackedEmbedding (bfloat16 / int8) to float32. None otherwise."""
+    w = getattr(e, "weight", None)
+    if type(e) is nn.Embedding:
+        ok, scale = w.dtype == _F32, None
+    elif type(e) is PackedEmbedding:
+        ok, scale = e.out_dtype == _F32 and w.dtype in WEIGHT_TYPES, e._buffers.get("scale")
+    else:
+        return None
+    if not ok or e.max_norm is not None or w.dim() != 2 or not w.is_cpu or not w.is_contiguous():
+        return None
+    return (w, scale) if _vec(scale, w.shape[0]) else None
+
+
+def head_form(norm: nn.Module, linear: nn.Module):
+    """(norm scale [D] and eps, weight [V, D], row scale [V] or None, bias [V] or None) where head(h) =
+    linear(norm(h)) runs the RMSNorm kernel, then the decode_linear kernel. None otherwise."""
+    if type(norm) is not RMSNorm or norm.weight.dtype != _F32 or not _real(norm.eps):
+        return None
+    if type(linear) is not DecodeLinear:
+        return None
+    w, scale, bias = linear.weight, linear._buffers.get("scale"), linear.bias
+    if w.dtype not in WEIGHT_TYPES or w.dim() != 2 or not w.is_cpu or not w.is_contiguous():
+        return None
+    scale_n = norm.kernel_scale()
+    if not (_vec(scale_n, w.shape[1]) and _vec(scale, w.shape[0]) and _vec(bias, w.shape[0])):
+        return None
+    return scale_n, float(norm.eps), w, scale, bias

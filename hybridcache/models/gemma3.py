@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.blocks.decode_run import embedding_form, head_form
 from hybridcache.blocks.decoder_tail import bound_tail, decoder_tail
 from hybridcache.blocks.kernel_memo import KernelMemo
 from hybridcache.blocks.rotary import rope_frequencies
@@ -180,3 +181,18 @@ class Gemma3LM(StackLM):
         logits = super().head(h)
         cap = self.cfg.final_logit_softcapping
         return cap * torch.tanh(logits / cap) if cap else logits
+
+    def decode_embedding(self):
+        """`embed` as data, for a decode run that embeds in C (blocks/decode_run.py): (the table, its row scale, the
+        multiplier; see embedding_form), or None."""
+        form = embedding_form(self.model.embed_tokens) if type(self).embed is Gemma3LM.embed else None
+        if form is None:
+            return None
+        return (*form, float(torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=torch.float32)))
+
+    def decode_head(self):
+        """`head` as data, for a decode run that computes it in C (blocks/decode_run.py head_form), or None (a
+        softcap, or another head)."""
+        if type(self).head is not Gemma3LM.head or self.cfg.final_logit_softcapping:
+            return None
+        return head_form(getattr(self.model, self.final_norm_name), self.lm_head)

@@ -163,6 +163,12 @@ STACK_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_layer_record_names": (ctypes.c_char_p, []),
     "hc_layer_record_size": (_I, []),
     "hc_decoder_stack": (_I, [_P, _I, _P]),
+    # blocks/decode_run.py: greedy decode steps of one row over a stack's records, its embedding and head
+    "hc_decode_steps": (
+        _I,
+        [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _L, _F, _P, _F, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _L]
+        + [_P, _P],
+    ),
 }
 
 

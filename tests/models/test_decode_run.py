@@ -13,7 +13,7 @@ import torch
 
 import hybridcache as hc
 from hybridcache import decoding
-from hybridcache.blocks import decode_run
+from hybridcache.blocks import decode_run, decode_stack
 from hybridcache.cache.errors import CacheError, CacheThreadError
 from hybridcache.ops import kernel_status
 from tests.models.conftest import prompts
@@ -48,7 +48,12 @@ def _starts(monkeypatch) -> list[int]:
 
 
 def _step_by_step(monkeypatch) -> None:
-    monkeypatch.setattr(decoding.DecodeSource, "_run_step", lambda self, ids, state: None)
+    """Runs off: every step through model.run_block, the cache fed once per step."""
+
+    def never(self, ids, state):
+        self.runs = False
+
+    monkeypatch.setattr(decoding.DecodeSource, "_start_run", never)
 
 
 def _state(cache) -> list[torch.Tensor]:
@@ -93,12 +98,15 @@ def test_a_run_is_the_step_by_step_decode(gemma, monkeypatch, weights, run_token
     _same_state(_state(more.cache), _state(again.cache))
 
 
-def test_sampled_and_stopped_by_eos(gemma, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_stopped_by_eos(gemma, monkeypatch, sampled):
+    """Greedy (many steps per C call) and sampled (one C call per step) runs stop where step-by-step does."""
     model, ids = gemma(), prompts(1, 6, seed=7)
-    want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=12, do_sample=True, seed=3)
+    draw = {"do_sample": True, "seed": 3} if sampled else {}
+    want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=12, **draw)
     eos = int(want.sequences[0, 6 + 5])  # the 6th token: the generation stops there
     first = int((want.sequences[0, 6:] == eos).nonzero()[0])
-    kw = {"max_new_tokens": 12, "do_sample": True, "seed": 3, "eos_token_id": eos}
+    kw = {"max_new_tokens": 12, "eos_token_id": [eos, 1], **draw}
     got, started = _generate(model, ids, monkeypatch, True, **kw)
     stopped, _ = _generate(model, ids, monkeypatch, False, **kw)
     assert started == [11] and first <= 5
@@ -107,9 +115,28 @@ def test_sampled_and_stopped_by_eos(gemma, monkeypatch):
     _same_state(_state(got.cache), _state(stopped.cache))
 
 
-def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch):
+class _FailingLibrary:
+    """The library, with hc_decode_steps running 2 steps and then reporting a failed allocation."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def hc_decode_steps(self, *args):
+        args = list(args)
+        args[7] = min(2, args[7])  # steps
+        self.lib.hc_decode_steps(*args)
+        return -1
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch, sampled):
+    """Greedy: the C loop fails after 2 steps; sampled: the third step's stack call fails."""
     model, ids = gemma("int8"), prompts(1, 6, seed=9)
-    out = hc.generate(model, ids, max_new_tokens=3)
+    kw = {"do_sample": True, "seed": 1} if sampled else {}
+    out = hc.generate(model, ids, max_new_tokens=3, **kw)
     began = copy.deepcopy(out.cache)  # the run begins after the continuation's first block (the uncached token)
     hc.generate(model, out.sequences, max_new_tokens=1, cache=began)
     calls, real = [], decode_run.run_table
@@ -122,14 +149,42 @@ def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(decode_run, "run_table", failing)
-        with pytest.raises(MemoryError, match="test"):
-            hc.generate(model, out.sequences, max_new_tokens=8, cache=out.cache)
-    assert len(calls) == 3
-    _same_state(_state(out.cache), _state(began))  # the two steps that ran were never fed
-    fresh = hc.generate(model, ids, max_new_tokens=7)
-    again, started = _generate(model, fresh.sequences[:, :10], monkeypatch, True, max_new_tokens=3, cache=out.cache)
-    assert started == [2] and torch.equal(again.sequences, fresh.sequences[:, :13])
-    assert torch.equal(again.logits, fresh.logits[:, 4:7])
+        lib = _FailingLibrary(decode_run._library())
+        m.setattr(decode_run, "_library", lambda: lib)
+        with pytest.raises(MemoryError, match="test" if sampled else "no memory"):
+            hc.generate(model, out.sequences, max_new_tokens=8, cache=out.cache, **kw)
+    assert len(calls) == (3 if sampled else 0)
+    _same_state(_state(out.cache), _state(began))  # the steps that ran were never fed
+    fresh = hc.generate(model, ids, max_new_tokens=7, **kw)
+    more = fresh.sequences[:, :10]
+    again, started = _generate(model, more, monkeypatch, True, max_new_tokens=3, cache=out.cache, **kw)
+    if not sampled:  # (sampling draws from the seed anew: the same tokens only from the same start)
+        assert torch.equal(again.sequences, fresh.sequences[:, :13])
+        assert torch.equal(again.logits, fresh.logits[:, 4:7])
+    assert started == [2] and torch.equal(again.sequences[:, :10], more)
+
+
+def test_one_run_stepped_then_greedy(gemma, monkeypatch):
+    """A run's steps by `step` (one C call each) then by `greedy` (many per call) continue one another: the
+    tokens, logits and cache of the step-by-step decode."""
+    model, ids = gemma("bfloat16"), prompts(1, 6, seed=13)
+    want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=12)
+    out = hc.generate(model, ids, max_new_tokens=1)
+    cache, tokens, logits = out.cache, [int(out.sequences[0, -1])], [out.logits[:, 0]]
+    with torch.no_grad(), decode_stack.steady():
+        first = torch.tensor([[tokens[0]]])
+        run = decode_run.DecodeRun.start(model, cache, 11, first, model.embed(first))
+        assert run is not None
+        for _ in range(3):
+            t = torch.tensor([[tokens[-1]]])
+            logits.append(model.head(run.step(t, model.embed(t)))[:, -1])
+            tokens.append(int(logits[-1].argmax()))
+        more, rows = run.greedy(model, tokens[-1], 8, [], True)
+        run.finish()
+    assert run.steps == 11 and more.shape == (8,)
+    assert torch.equal(torch.tensor(tokens[1:] + more.tolist()), want.sequences[0, 7:])
+    assert torch.equal(torch.cat([*logits, rows]), want.logits[0])
+    _same_state(_state(cache), _state(want.cache))
 
 
 def test_a_held_cache_refuses_other_feeds_and_operations(gemma):

@@ -1030,6 +1030,71 @@ int hc_decoder_stack(const hc_layer_record *layers, int n, int *failed) {
   return 0;
 }
 
+/* Greedy decode steps of one row in one call (blocks/decode_run.py): no interpreter between steps. From token
+   `first`, step j embeds its token (row of `embed` [vocab, Dm] of embed_type, widened, times its row scale
+   embed_rs [vocab] when given, times embed_scale: as the model's embedding) into x [Dm], runs the n layer records (hc_decoder_stack's, as built for the run's first step: step j moves each one's
+   slot and slot count on by j, its query position to qpos[j] and its rotary tables to row j of [steps, rot]
+   tables cos_tabs / sin_tabs[rope[i]] (rope[i] < 0: none); layer 0 reads x), the final RMSNorm (norm_w [Dm],
+   NULL: none) into normed [Dm], the head (w_head [V, Dm] of head_type, head_scale / head_bias or NULL) into a row
+   of logits, and takes its first largest value as the next token (hc_argmax_rows, as greedy decoding does).
+   tokens [steps] gets the tokens, logits [steps, V] each step's logits (keep = 0: every step reuses row 0). Stops
+   after `steps` tokens or after a token in eos [n_eos]. Returns the count of tokens; on failure -1 (a layer found
+   no memory for its attention's scratch) or -2 (a token outside the embedding: nothing run for it), with the
+   count of tokens before it in *done. The caller checked every size and pointer (the records as hc_decoder_stack's;
+   the tables, positions and buffers for `steps`). */
+int hc_decode_steps(const hc_layer_record *layers, int n, int from, const int *rope, const float *const *cos_tabs,
+                    const float *const *sin_tabs, const int64_t *qpos, int steps, const void *embed, int embed_type,
+                    const float *embed_rs, long vocab, float embed_scale, const float *norm_w, float norm_eps, const void *w_head, int head_type,
+                    const float *head_scale, const float *head_bias, int V, float *x, float *normed, float *logits,
+                    int keep, const int64_t *eos, int n_eos, int64_t first, int64_t *tokens, int *done) {
+  *done = 0;
+  if (n < 1 || steps < 1) return 0;
+  int Dm = layers[0].Dm;
+  const float *last = layers[n - 1].y;
+  int64_t tok = first;
+  for (int j = 0; j < steps; j++) {
+    if (tok < 0 || tok >= vocab) return -2;
+    size_t at = (size_t)tok * Dm;
+    if (embed_type == 2) { /* int8 rows widened, times their scale, then the multiplier (two roundings, as torch) */
+      const int8_t *row = (const int8_t *)embed + at;
+      float rs = embed_rs ? embed_rs[tok] : 1.0f;
+      for (int d = 0; d < Dm; d++) x[d] = embed_rs ? ((float)row[d] * rs) * embed_scale : (float)row[d] * embed_scale;
+    } else if (embed_type == 1) { /* bfloat16 rows widened (exact) */
+      const uint16_t *row = (const uint16_t *)embed + at;
+      for (int d = 0; d < Dm; d++) {
+        union { uint32_t u; float f; } w = {(uint32_t)row[d] << 16};
+        x[d] = w.f * embed_scale;
+      }
+    } else {
+      const float *row = (const float *)embed + at;
+      for (int d = 0; d < Dm; d++) x[d] = row[d] * embed_scale;
+    }
+    for (int i = 0; i < n; i++) {
+      hc_layer_record rec = layers[i], *r = &rec;
+      if (i == 0) rec.x = x;
+      rec.slot += from + j, rec.S += from + j, rec.qpos = qpos + j;
+      if (rope[i] >= 0) {
+        rec.cos_t = cos_tabs[rope[i]] + (size_t)j * rec.rot;
+        rec.sin_t = sin_tabs[rope[i]] + (size_t)j * rec.rot;
+      }
+      if (hc_decoder_layer(HC_LAYER_RECORD(HC_REC_ARG, HC_REC_COMMA))) return -1;
+    }
+    float *out = logits + (keep ? (size_t)j * V : 0);
+    const float *h = last;
+    if (norm_w) {
+      hc_rms_norm(last, norm_w, normed, 1, Dm, norm_eps);
+      h = normed;
+    }
+    linear_any(head_type, h, w_head, out, head_scale, head_bias, 1, V, Dm);
+    hc_argmax_rows(out, &tok, 1, V);
+    tokens[j] = tok;
+    *done = j + 1;
+    for (int e = 0; e < n_eos; e++)
+      if (eos[e] == tok) return j + 1;
+  }
+  return steps;
+}
+
 /* ---- prefill projections: x [M, K] @ w [N, K]^T for many rows (a real GEMM) ---------------------------------------
    Outer products on a packed panel: each thread takes panels of NR = 2 VW weight rows, widens them (bfloat16 / int8:
    once per panel, not per row of x) into [K, NR] floats (per-thread scratch, kept), then sweeps x MR rows at a time,
