@@ -217,7 +217,7 @@ class DecodeRun:
             ctypes.addressof(self.table), len(self.table), j - self.table_step, rope, cos, sin, positions.data_ptr(), k,
             table_w.data_ptr(), WEIGHT_TYPES[table_w.dtype], _ptr(table_rs), vocab, multiplier,
             _ptr(norm), eps, w_head.data_ptr(), WEIGHT_TYPES[w_head.dtype], _ptr(head_rs), _ptr(head_bias), v,
-            x.data_ptr(), normed.data_ptr(), logits.data_ptr(), int(keep), stops.data_ptr(), len(eos), first,
+            x.data_ptr(), normed.data_ptr(), logits.data_ptr(), int(keep), stops.data_ptr(), len(set(eos)), first,
             tokens.data_ptr(), ctypes.addressof(done),
         )  # fmt: skip
         ran = done.value
