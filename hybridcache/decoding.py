@@ -199,9 +199,11 @@ class DecodeSource:
 
     def _start_run(self, ids: torch.Tensor, state: GenerationState) -> DecodeRun | None:
         """A decode run from the cache's state, its first step's tokens `ids` [B, 1]; None (runs off) where they do
-        not apply: not compiled, a model whose body is embed -> layers -> head, see DecodeRun.start."""
+        not apply: no cache (the recompute oracle), compiled, a model whose body is not embed -> layers -> head, or
+        see DecodeRun.start."""
         model, run = self.model, None
-        if self.decode == model.forward_block and getattr(type(model), "forward_block", None) is _BODY:
+        body = getattr(type(model), "forward_block", None) is _BODY
+        if self.cache is not None and self.decode == model.forward_block and body:
             capacity = min(RUN_TOKENS, state.generated.shape[1] - state.count)
             run = DecodeRun.start(model, self.cache, capacity, ids, model.embed(ids))
         if run is None:

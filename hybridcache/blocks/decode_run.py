@@ -176,15 +176,20 @@ class DecodeRun:
         greedy_next). Stops after a token in `eos`. Returns (the n tokens [n], their logits [n, V] when `keep`,
         else [1, V]); the run has then fed n tokens (`first` and the first n - 1 of those). NotImplementedError
         (nothing run) where the model's embedding or head is not a form the loop computes."""
+        if self.closed:
+            raise RuntimeError("DecodeRun.greedy: the run is over (finished or abandoned)")
         embedding, head = model.decode_embedding(), model.decode_head()
         j, d = self.steps, self.out.shape[-1]
-        if embedding is None or head is None or self.closed:
+        if embedding is None or head is None:
             raise NotImplementedError("DecodeRun.greedy: the model's embedding or head is not one the loop computes")
         table_w, table_rs, multiplier = embedding
         norm, eps, w_head, head_rs, head_bias = head
         vocab, v = table_w.shape[0], w_head.shape[0]
         if (
-            not 0 < k <= self.capacity - j
+            type(k) is not int
+            or type(first) is not int
+            or not 0 < k <= self.capacity - j
+            or not all(type(e) is int and 0 <= e < 2**63 for e in eos)
             or table_w.shape[1] != d
             or w_head.shape[1] != d
             or not 0 <= first < vocab
@@ -193,7 +198,10 @@ class DecodeRun:
             or (norm is not None and not _vec(norm, d))
             or not (_vec(table_rs, vocab) and _vec(head_rs, v) and _vec(head_bias, v))
         ):
-            raise ValueError(f"DecodeRun.greedy: {k} steps from token {first} do not fit this run or model")
+            raise ValueError(
+                f"DecodeRun.greedy: {k!r} steps from token {first!r} (eos {eos!r}) do not fit this run ({j} of "
+                f"{self.capacity} steps run) or model (vocabulary {vocab})"
+            )
         positions = self.pos0[0] + j + torch.arange(k)  # [k] (one row)
         ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         index = []

@@ -187,6 +187,34 @@ def test_one_run_stepped_then_greedy(gemma, monkeypatch):
     _same_state(_state(cache), _state(want.cache))
 
 
+def test_a_run_refuses_what_does_not_fit(gemma):
+    """Named errors before any C call, and the cache as it was once the run is abandoned."""
+    model, ids = gemma("int8"), prompts(1, 6, seed=17)
+    cache = hc.generate(model, ids, max_new_tokens=2).cache
+    before, first = _state(cache), torch.tensor([[5]])
+    with torch.no_grad():
+        assert decode_run.DecodeRun.start(model, cache, 4, first, model.embed(first)) is None  # not steady
+        with decode_stack.steady():
+            for capacity in (0, -3):
+                assert decode_run.DecodeRun.start(model, cache, capacity, first, model.embed(first)) is None
+            run = decode_run.DecodeRun.start(model, cache, 4, first, model.embed(first))
+            h = model.embed(first)
+            for bad in ((-1, 2, []), (model.vocab_size, 2, []), (5, 0, []), (5, 5, []), (5, 2, [-1]), (5, 2.0, [])):
+                with pytest.raises(ValueError, match="do not fit"):
+                    run.greedy(model, *bad, False)
+            for bad_ids, bad_h in ((torch.tensor([[5, 6]]), h), (first, h[..., :-1]), (first, h.double())):
+                with pytest.raises(ValueError, match="DecodeRun.step"):
+                    run.step(bad_ids, bad_h)
+            assert run.steps == 0
+            run.abandon()
+            with pytest.raises(RuntimeError, match="over"):
+                run.step(first, h)
+            with pytest.raises(RuntimeError, match="over"):
+                run.greedy(model, 5, 1, [], False)
+    _same_state(_state(cache), before)
+    cache.crop(4)  # free
+
+
 def test_a_held_cache_refuses_other_feeds_and_operations(gemma):
     model, ids = gemma(), prompts(1, 6, seed=11)
     cache = hc.generate(model, ids, max_new_tokens=2).cache
