@@ -515,6 +515,71 @@ def _stacked(x, step_args: tuple, tail_args: tuple, per_call: tuple):
     return y
 
 
+_MODELS: dict = {}
+
+
+def _gemma(weights):
+    """A tiny random Gemma 3 (its every layer records: decode runs apply), built once per weight format into a
+    temporary directory."""
+    if weights not in _MODELS:
+        import tempfile
+
+        import hybridcache as hc
+        from hybridcache.tiny_models import tiny_checkpoint
+
+        root = _MODELS.setdefault("root", tempfile.mkdtemp(prefix="hc_fuzz_"))
+        _MODELS[weights] = hc.from_pretrained(tiny_checkpoint("gemma3", root=root), weights=weights)
+    return _MODELS[weights]
+
+
+def case_decode_steps(f: Fuzz):
+    """DecodeRun.greedy (kernels/cpu_decode.c hc_decode_steps: many greedy steps in one call) on a run of a random
+    capacity (<= 0: no run, declined), from odd first tokens, step counts and eos ids; the reference: the same
+    tokens fed one block at a time through the model's forward on a copy of the cache, argmax each."""
+    import copy
+
+    import hybridcache as hc
+    from hybridcache.blocks import decode_run, decode_stack
+
+    weights = f.pick(None, "bfloat16", "int8")
+    model = _gemma(weights)
+    vocab = model.vocab_size
+    prompt = torch.randint(3, vocab, (1, f.rng.randint(1, 12)), generator=f.gen)
+    cache = hc.generate(model, prompt, max_new_tokens=1, output_logits=False).cache
+    capacity = f.pick(-1, 0, 1, 2, 5, 17, 17)
+    first = int(torch.randint(0, vocab, (1,), generator=f.gen))
+    if f.chance(0.3):
+        first = f.pick(-1, vocab, vocab + 7, True, 2.5)
+    k = f.pick(1, 2, 4, capacity, capacity) if f.chance(0.75) else f.pick(capacity + 1, 0, -2, 1.0)
+    eos = [f.rng.randrange(vocab) if f.chance(0.8) else f.pick(-1, 2**63, 7.0) for _ in range(f.rng.randint(0, 3))]
+    keep = f.chance(0.5)
+    desc = f"decode_steps {weights} capacity={capacity} first={first!r} k={k!r} eos={eos!r} keep={keep}"
+    twin = copy.deepcopy(cache)
+
+    def call():
+        with decode_stack.steady():
+            ids = torch.tensor([[first if type(first) is int and 0 <= first < vocab else 3]])
+            run = decode_run.DecodeRun.start(model, cache, capacity, ids, model.embed(ids))
+            if run is None:
+                return None
+            try:
+                return run.greedy(model, first, k, eos, keep)[0]
+            finally:
+                run.abandon()  # (the cache as it was: the next case's reference starts from there)
+
+    def ref():
+        tokens, token = [], first
+        for _ in range(k):
+            logits = model(torch.tensor([[token]]), twin)[:, -1]
+            token = int(logits.argmax(-1))
+            tokens.append(token)
+            if token in eos:
+                break
+        return torch.tensor(tokens, dtype=torch.int64)
+
+    return desc, call, ref
+
+
 CASES = {
     "decode_linear": case_linear,
     "rms_norm": case_rms_norm,
@@ -532,6 +597,9 @@ CASES = {
     "decoder_layer": lambda f: case_attention_step(f, tail=True),
     "decoder_stack": lambda f: case_attention_step(f, tail=True, stack=True),
 }
+# Run on their own (`--only`: a model per case is slower than a kernel call; apart, they leave the cycle above and
+# its random stream as they were)
+MODEL_CASES = {"decode_steps": case_decode_steps}
 
 TURNS = {"decoder_layer": 2, "decoder_stack": 2}
 
@@ -579,7 +647,7 @@ def run(seed: int, cases: int, only: str | None, start: int = 0) -> dict:
         for i in range(cases):
             name = names[i % len(names)]
             f.special = f.chance(0.3)
-            desc, call, ref, *terms = CASES[name](f)
+            desc, call, ref, *terms = {**CASES, **MODEL_CASES}[name](f)
             desc = f"#{i} {desc}{' specials' if f.special else ''}"
             if i < start:  # generated (the same random stream), not run: resume after a case that killed a run
                 continue
@@ -615,7 +683,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=720)
-    parser.add_argument("--only", choices=sorted(CASES))
+    parser.add_argument("--only", choices=sorted({**CASES, **MODEL_CASES}))
     parser.add_argument("--start", type=int, default=0, help="run cases from this index on")
     args = parser.parse_args()
     print(json.dumps(run(args.seed, args.cases, args.only, args.start)), flush=True)

@@ -47,6 +47,16 @@ def test_fuzz_every_wrapper_in_a_subprocess(seed):
     assert result["per_wrapper"]["decode_attention"]["named"] >= 1  # chunk 0, window -1, unknown patterns
 
 
+def test_fuzz_decode_runs_in_a_subprocess():
+    """DecodeRun.greedy (hc_decode_steps) from odd first tokens, step counts, eos ids and run capacities: no signal
+    deaths; each case declined (no run), a named error, or the tokens of the model's own step-by-step forward."""
+    proc = run_python(["-m", "tests.ops.kernel_fuzz", "--seed", "3", "--cases", "60", "--only", "decode_steps"])
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["failures"] == [], "\n".join(result["failures"][:20])
+    counts = result["per_wrapper"]["decode_steps"]
+    assert result["cases"] == 60 and counts["equal"] >= 5 and counts["declined"] >= 1 and counts["named"] >= 5
+
+
 def test_the_reported_crashes_are_gone():
     """Issue 21: a selective scan with a large state size overflowed a stack array (SIGSEGV); a chunk size of 0
     divided by zero (SIGFPE). Now: the scan equals the reference; chunk 0 is a KernelArgumentError."""
