@@ -132,7 +132,10 @@ class DecodeSource:
         self.greedy: tuple[list[int], bool] | None = None
 
     def steps(self, choose: Callable[[torch.Tensor], torch.Tensor], state: GenerationState) -> Step:
-        logits = self.prefill(state)
+        first = self._one_uncached(state) if self.greedy is not None else None
+        if first is not None:  # a continuation of one new token: it is the greedy run's first step
+            yield from self._greedy_steps(state, first)
+        logits = self.prefill(state) if state.count == 0 else self.next_logits(state)
         while True:
             yield choose(logits), logits
             if self.greedy is not None:
@@ -173,13 +176,25 @@ class DecodeSource:
             return logits
         return model.run_block(ids, self.cache, None, step=self.decode, check=False)[:, -1]
 
-    def _greedy_steps(self, state: GenerationState) -> Step:
+    def _one_uncached(self, state: GenerationState) -> torch.Tensor | None:
+        """The one token [1, 1] a continuation has not fed yet (None: a prompt, more tokens or rows, or a cache
+        that takes its prompt its own way): the step that feeds it may be a decode run's."""
+        cache = self.cache
+        if not self.continues or cache is None or state.input_ids.shape[0] != 1 or awaiting_prompt(cache):
+            return None
+        tokens = continuation(state.input_ids, state.mask, cache)
+        return tokens if tokens.shape[1] == 1 and bool(state.mask[0, -1]) else None
+
+    def _greedy_steps(self, state: GenerationState, first: torch.Tensor | None = None) -> Step:
         """(token [1], logits [1, V]) pairs from greedy runs, many steps per C call (DecodeRun.greedy), until the
         loop stops taking them; returns (greedy runs off) where they do not apply. Each pair is what steps() would
-        have yielded; the run counts as fed only the tokens before the last one the loop took."""
+        have yielded; the run counts as fed only the tokens before the last one the loop took. The first step
+        feeds `first` [1, 1] when nothing was generated yet (a continuation's one new token), else the last token
+        generated."""
         eos, keep = self.greedy
         while self.runs:
-            ids, run = state.generated[:, state.count - 1 : state.count], self._run
+            ids = first if state.count == 0 else state.generated[:, state.count - 1 : state.count]
+            run = self._run
             if run is not None and run.full:
                 self._close_run()
                 run = None

@@ -93,7 +93,7 @@ def test_a_run_is_the_step_by_step_decode(gemma, monkeypatch, weights, run_token
     # a continuation of each cache, by a run and step by step: the same again
     more, started = _generate(model, got.sequences, monkeypatch, True, max_new_tokens=6, cache=got.cache)
     again, _ = _generate(model, want.sequences, monkeypatch, False, max_new_tokens=6, cache=want.cache)
-    assert started == [min(5, run_tokens)]
+    assert started == ([6] if run_tokens > 6 else [5, 1])  # the uncached token and 5 more, in runs of 5 at most
     assert torch.equal(more.sequences, again.sequences) and torch.equal(more.logits, again.logits)
     _same_state(_state(more.cache), _state(again.cache))
 
@@ -137,8 +137,9 @@ def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch, 
     model, ids = gemma("int8"), prompts(1, 6, seed=9)
     kw = {"do_sample": True, "seed": 1} if sampled else {}
     out = hc.generate(model, ids, max_new_tokens=3, **kw)
-    began = copy.deepcopy(out.cache)  # the run begins after the continuation's first block (the uncached token)
-    hc.generate(model, out.sequences, max_new_tokens=1, cache=began)
+    began = copy.deepcopy(out.cache)
+    if sampled:  # its run begins after the continuation's first block (the uncached token); greedy's feeds it
+        hc.generate(model, out.sequences, max_new_tokens=1, cache=began, **kw)
     calls, real = [], decode_run.run_table
 
     def failing(table):
@@ -156,12 +157,13 @@ def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch, 
     assert len(calls) == (3 if sampled else 0)
     _same_state(_state(out.cache), _state(began))  # the steps that ran were never fed
     fresh = hc.generate(model, ids, max_new_tokens=7, **kw)
-    more = fresh.sequences[:, :10]
+    held = out.cache.columns  # (greedy: 8, the prompt and 2 tokens; sampled: 9)
+    more = fresh.sequences[:, : held + 1]  # one token it has not seen
     again, started = _generate(model, more, monkeypatch, True, max_new_tokens=3, cache=out.cache, **kw)
     if not sampled:  # (sampling draws from the seed anew: the same tokens only from the same start)
-        assert torch.equal(again.sequences, fresh.sequences[:, :13])
-        assert torch.equal(again.logits, fresh.logits[:, 4:7])
-    assert started == [2] and torch.equal(again.sequences[:, :10], more)
+        assert torch.equal(again.sequences, fresh.sequences[:, : held + 4])
+        assert torch.equal(again.logits, fresh.logits[:, held - 5 : held - 2])
+    assert started == [2 if sampled else 3] and torch.equal(again.sequences[:, : held + 1], more)
 
 
 def test_one_run_stepped_then_greedy(gemma, monkeypatch):
