@@ -79,10 +79,11 @@ def generate(
 
     Settings (GenerationConfig's fields, as keywords or in `generation_config=`): max_new_tokens, do_sample,
     temperature, top_k, top_p, seed, eos_token_id, pad_token_id, use_cache, prefill_chunk_size, compile,
-    num_draft_tokens, output_logits. `compile=True` runs the decode step through `torch.compile` over a
+    num_draft_tokens, output_logits, decode_runs. `compile=True` runs the decode step through `torch.compile` over a
     preallocated (static-shape) cache. `draft_model=` decodes speculatively (greedy; speculative.py): the tokens
     are those of plain greedy decoding, `out.stats` has the acceptance rate. `prefix_cache=` (a `PrefixStore`)
     starts from the longest stored prefix of the prompt. `output_logits=False` keeps only the tokens.
+    `decode_runs=False` feeds the cache at every decode step (blocks/decode_run.py: the same tokens and logits).
     `logits_processor`: callables (input_ids [B, T], scores [B, V]) -> scores, before the sampler;
     `stopping_criteria`: callables (input_ids, scores) -> BoolTensor [B] (rows to finish); `streamer`: an object
     with put(tokens [B]) and end(), or a callable fn(tokens [B]).
@@ -116,7 +117,7 @@ def generate(
     streamer = as_streamer(streamer)
     # no code but ours between the steps (no processors, criteria, streamer or hooks): the modules stay as they are
     ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
-    if isinstance(source, DecodeSource) and ours:
+    if isinstance(source, DecodeSource) and ours and cfg.decode_runs:
         source.runs = True  # decode runs (blocks/decode_run.py) where the steps are steady
         if not cfg.do_sample:  # plain greedy choices, stopped by eos only: many steps per C call
             source.greedy = (eos.tolist(), cfg.output_logits)

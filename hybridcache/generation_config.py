@@ -46,6 +46,7 @@ class GenerationConfig:
     compile: bool = False  # torch.compile the decode step over a preallocated cache
     num_draft_tokens: int = 4  # speculative decoding: tokens the draft proposes per round
     output_logits: bool = True  # False: keep only the tokens (logits are B x V floats per new token)
+    decode_runs: bool = True  # False: every decode step feeds the cache itself (no decode runs: blocks/decode_run.py)
 
     def update(self, **kwargs: Any) -> GenerationConfig:
         """A copy with `kwargs` replacing fields; an unknown name is a GenerationConfigError naming it."""
@@ -69,7 +70,7 @@ class GenerationConfig:
             check_sampling(self.temperature, self.top_k, self.top_p)
         except GenerationError as e:
             raise GenerationConfigError(str(e)) from None
-        for name in ("do_sample", "use_cache", "compile", "output_logits"):
+        for name in ("do_sample", "use_cache", "compile", "output_logits", "decode_runs"):
             if not isinstance(getattr(self, name), bool):
                 raise GenerationConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         seed = self.seed

@@ -65,8 +65,8 @@ def failed_step_changes_nothing(model, ids: torch.Tensor, failing) -> None:
     what it held (keys, positions, counts), and the next steps equal a fresh run's."""
     out = hc.generate(model, ids, max_new_tokens=2)
     before = [(e.keys.clone(), e.key_pos.clone(), e.seen.clone()) for e in out.cache.entries]
-    with failing():
-        hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
+    with failing():  # (step by step: the step's own path fails, not a decode run's)
+        hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache, decode_runs=False)
     for e, (keys, pos, seen) in zip(out.cache.entries, before, strict=True):
         assert torch.equal(e.keys, keys) and torch.equal(e.key_pos, pos) and torch.equal(e.seen, seen)
     again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits

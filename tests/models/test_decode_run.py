@@ -47,15 +47,6 @@ def _starts(monkeypatch) -> list[int]:
     return started
 
 
-def _step_by_step(monkeypatch) -> None:
-    """Runs off: every step through model.run_block, the cache fed once per step."""
-
-    def never(self, ids, state):
-        self.runs = False
-
-    monkeypatch.setattr(decoding.DecodeSource, "_start_run", never)
-
-
 def _state(cache) -> list[torch.Tensor]:
     seq = cache.seq
     out = [seq.seen.clone(), torch.tensor(seq.columns), seq.fingerprint.clone(), seq.history()]
@@ -72,10 +63,8 @@ def _same_state(got, want) -> None:
 
 def _generate(model, ids, monkeypatch, runs: bool, **kw):
     with monkeypatch.context() as m:
-        if not runs:
-            _step_by_step(m)
         started = _starts(m)
-        out = hc.generate(model, ids, **kw)
+        out = hc.generate(model, ids, decode_runs=runs, **kw)  # (False: every step through model.run_block)
     return out, started
 
 

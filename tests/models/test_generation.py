@@ -47,6 +47,7 @@ def test_bad_requests_fail_clearly(model):
         (lambda: hc.generate(model, ids, eos_token_id=[1, 10**9]), "eos_token_id"),
         (lambda: hc.generate(model, ids, eos_token_id=-1), "eos_token_id"),
         (lambda: hc.generate(model, ids, output_logits=None), "output_logits must be True or False"),
+        (lambda: hc.generate(model, ids, decode_runs=1), "decode_runs must be True or False"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
