@@ -21,11 +21,11 @@ for batch operations, and parks them after each, so about one layer's parts are 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
-from hybridcache.cache import attention_crop, attention_static, grouped_layer, residual_window
+from hybridcache.cache import attention_crop, attention_slots, attention_static, grouped_layer, residual_window
 from hybridcache.cache.append_buffer import AppendBuffers
 from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.attention_static import SIDES
@@ -35,17 +35,6 @@ from hybridcache.cache.errors import CacheError
 from hybridcache.cache.kv_codecs import DenseCodec
 from hybridcache.cache.registry import register_cache_layer
 from hybridcache.cache.sequence import BlockState
-
-
-class Reserved(NamedTuple):
-    """AttentionCacheLayer.reserve_slots: the buffers behind the layer's keys, values [B, H, S', D] and key_pos
-    [B, S'], its held slots [start, end) in them, and room for the reserved tokens from `end` on."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_pos: torch.Tensor
-    start: int
-    end: int
 
 
 class AttentionCacheLayer(CacheLayer):
@@ -208,62 +197,24 @@ class AttentionCacheLayer(CacheLayer):
         self._staged = ("block", k, v, None if offloaded else keys, None if offloaded else values, pos, block)
         return AttentionView(keys, values, block.positions, pos, self.spec)
 
+    # -- slots a kernel writes itself (attention_slots.py) -------------------------------------------------------
     def decode_slot(self) -> tuple[AttentionView, int] | None:
-        """For a kernel that writes a decode token's keys and values itself (blocks/attention.py): the view the
-        Cache's open block attends to and the slot (along dim 2 of its keys / values) left for the caller to write,
-        the token's position already in the view's key positions. The caller must write that slot of every row
-        before the view is read (or the block is aborted: the slot is never part of what the layer holds until the
-        commit). None, changing nothing, where the layer needs `update`: a block that is not one real token per
-        row, any storage but dense float32 appended in place, a pattern the decode kernel does not evaluate, a layer
-        that reads attention weights or feeds its own way."""
-        block = self.seq.block
-        if block is None or block.tokens != 1 or not self.writes_slots():
-            return None
-        view = self._append_block(None, None, block)
-        return view, view.keys.shape[2] - 1
+        """The open one-token block's view and the slot a kernel writes the token's keys and values into (None,
+        changing nothing: feed the layer through `update`); see attention_slots.decode_slot."""
+        return attention_slots.decode_slot(self)
 
     def writes_slots(self) -> bool:
-        """Whether a kernel may write decode tokens' keys and values into this layer's slots itself (decode_slot,
-        reserve_slots): dense float32 storage appended in place, a pattern the decode kernel evaluates, nothing
-        staged, no attention weights read, no subclass feeding its own way. A block must be all real tokens too."""
-        block = self.seq.block
-        return not (
-            self._append is None
-            or self._staged is not None
-            or (block is not None and not block.all_real)
-            or self.spec.dtype != torch.float32
-            or self.spec.kernel_pattern() is None
-            or self.wants_attention_weights
-            or type(self).update is not AttentionCacheLayer.update  # (a subclass that feeds its own way)
-            or type(self)._write is not AttentionCacheLayer._write
-        )
+        """Whether a kernel may write decode tokens' keys and values into this layer's slots itself."""
+        return attention_slots.writes_slots(self)
 
-    def reserve_slots(self, tokens: int) -> Reserved | None:
-        """For a decode that runs up to `tokens` steps before it feeds them as one block (blocks/decode_run.py):
-        room for them right after the held slots. Returns the buffers (keys / values [B, H, S', D], key_pos
-        [B, S']) and the held slots' start and end in them, or None (nothing changed) where the layer needs
-        `update` (see `writes_slots`) or a block is open. What the layer holds does not change (its tensors may
-        become views of new buffers with the same values). The caller writes slots [end, end + n) of every row and
-        then feeds a block of those n tokens, which `decode_block` hands out as written; anything else the layer
-        does before (a block fed through `update`, a crop, a restore) ends the reservation (they never become
-        visible: a later append starts over from what the layer holds)."""
-        if self.seq.block is not None or not self.writes_slots() or tokens < 1:
-            return None
-        current = {name: getattr(self, name) for name in self._append.dims}
-        views, start = self._append.reserve(current, tokens)
-        for name, t in views.items():
-            setattr(self, name, t)
-        (keys, values), buffers = self._parts, self._append.buffers  # (dense storage: one part per side)
-        return Reserved(buffers[keys], buffers[values], buffers["key_pos"], start, start + self.key_pos.shape[1])
+    def reserve_slots(self, tokens: int) -> attention_slots.Reserved | None:
+        """Room for `tokens` decode tokens after the held slots, for a decode run (blocks/decode_run.py); see
+        attention_slots.reserve_slots."""
+        return attention_slots.reserve_slots(self, tokens)
 
     def decode_block(self) -> AttentionView | None:
-        """The open block's view with its tokens' slots taken as they are: the n slots after the held ones that the
-        caller of `reserve_slots` wrote (the tokens' positions written into key_pos here). None, changing nothing,
-        where the layer needs `update`."""
-        block = self.seq.block
-        if block is None or not self.writes_slots():
-            return None
-        return self._append_block(None, None, block)
+        """The open block's view with its tokens' reserved slots taken as the caller wrote them."""
+        return attention_slots.decode_block(self)
 
     def _append_block(self, k: torch.Tensor | None, v: torch.Tensor | None, block: BlockState) -> AttentionView:
         """Append the block into spare slots (k and v None: their slots left for the caller), staged as a block."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.cache import persistence
+from hybridcache.cache import decode_feed, persistence
 from hybridcache.cache.base import CacheLayer, check_positive_int
 from hybridcache.cache.errors import CacheError, CacheIndexError, CacheIndexTypeError, CacheThreadError
 from hybridcache.cache.group import CacheGroup, Entry
@@ -238,63 +238,16 @@ class Cache:
         self.seq.block = None
         self._release()
 
-    # -- a decode that feeds its tokens after running them (blocks/decode_run.py) -------------------------------
+    # -- a decode that feeds its tokens after running them (decode_feed.py, blocks/decode_run.py) ---------------
     def reserve_decode(self, tokens: int) -> list[Any] | None:
-        """Hold this cache (as an open block does: no other feed or operation until `feed_reserved`) and reserve
-        room for `tokens` decode tokens after every layer's held slots, for a caller that runs up to that many
-        steps, writing each token's keys and values into the slots itself, and feeds them as one block after: per
-        layer its buffers and held slots (AttentionCacheLayer.reserve_slots' `Reserved`). None (the cache not
-        held) where some layer cannot (what it holds unchanged either way)."""
-        check_positive_int("Cache.reserve_decode", "tokens", tokens)
-        self._acquire("reserve_decode")
-        try:
-            got = [getattr(layer, "reserve_slots", lambda n: None)(tokens) for layer in self.layers]
-        except BaseException:
-            self._release()
-            raise
-        if any(g is None for g in got):
-            self._release()
-            return None
-        self._reserved = tokens
-        return got
+        """Hold this cache, with room for `tokens` decode tokens the caller writes itself and then feeds by
+        `feed_reserved` (None: not held, a layer cannot); decode_feed.reserve_decode."""
+        return decode_feed.reserve_decode(self, tokens)
 
     def feed_reserved(self, ids: torch.Tensor | None) -> None:
-        """End a `reserve_decode`: feed `ids` [B, n] (n >= 1: the tokens whose keys and values the caller wrote
-        into the first n reserved slots of every layer, with their positions: the next n of each row) as one
-        all-real block, committed in every layer; or, with None, feed nothing. Either way the cache is free
-        again; a failure drops the block (the layers keep what they held)."""
-        reserved = self._reserved
-        if reserved is None or self._holder != threading.get_ident():
-            raise CacheError("feed_reserved: this thread holds no reserve_decode of this cache")
-        if ids is not None and not (
-            isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == self.batch_size
-            and 0 < ids.shape[1] <= reserved and not ids.is_floating_point()
-        ):  # fmt: skip
-            raise CacheError(
-                f"feed_reserved: ids must be [{self.batch_size}, n] token ids with 1 <= n <= {reserved} (the slots "
-                f"reserved), got {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}"
-            )
-        self._reserved = None
-        try:
-            if ids is None:
-                return
-            block = self.seq.make_block(None, ids.shape[1], "Cache", check=False, ids=ids)
-            for layer in self.layers:
-                layer.check_block(block)
-            self.seq.block = block
-            try:
-                if any(getattr(layer, "decode_block", lambda: None)() is None for layer in self.layers):
-                    raise CacheError("feed_reserved: a layer no longer takes the slots written for it")
-                for layer in self.layers:
-                    layer.commit_block()
-                self.seq.commit()
-            except BaseException:
-                for layer in self.layers:
-                    layer.abort_block()
-                self.seq.block = None
-                raise
-        finally:
-            self._release()
+        """End a `reserve_decode`: feed `ids` [B, n], whose keys and values the caller wrote into the first n
+        reserved slots, as one block (None: nothing), and let go of the cache. See decode_feed.feed_reserved."""
+        decode_feed.feed_reserved(self, ids)
 
     @contextmanager
     def block(self, valid: torch.Tensor | None = None, tokens: int | None = None) -> Iterator[BlockState]:
