@@ -205,7 +205,7 @@ class AttentionCacheLayer(CacheLayer):
 
     def writes_slots(self) -> bool:
         """Whether a kernel may write decode tokens' keys and values into this layer's slots itself."""
-        return attention_slots.writes_slots(self)
+        return attention_slots.writes_slots(self, AttentionCacheLayer)
 
     def reserve_slots(self, tokens: int) -> attention_slots.Reserved | None:
         """Room for `tokens` decode tokens after the held slots, for a decode run (blocks/decode_run.py); see

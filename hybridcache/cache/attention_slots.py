@@ -26,12 +26,10 @@ class Reserved(NamedTuple):
     end: int
 
 
-def writes_slots(layer: Any) -> bool:
+def writes_slots(layer: Any, base: type) -> bool:
     """Whether a kernel may write decode tokens' keys and values into the layer's slots itself: dense float32
     storage appended in place, a pattern the decode kernel evaluates, nothing staged, no attention weights read, no
-    subclass feeding its own way. An open block must be all real tokens too."""
-    from hybridcache.cache.attention import AttentionCacheLayer  # (attention.py imports this module)
-
+    subclass of `base` (AttentionCacheLayer) feeding its own way. An open block must be all real tokens too."""
     block = layer.seq.block
     return not (
         layer._append is None
@@ -40,8 +38,8 @@ def writes_slots(layer: Any) -> bool:
         or layer.spec.dtype != torch.float32
         or layer.spec.kernel_pattern() is None
         or layer.wants_attention_weights
-        or type(layer).update is not AttentionCacheLayer.update  # (a subclass that feeds its own way)
-        or type(layer)._write is not AttentionCacheLayer._write
+        or type(layer).update is not base.update  # (a subclass that feeds its own way)
+        or type(layer)._write is not base._write
     )
 
 
@@ -52,7 +50,7 @@ def decode_slot(layer: Any) -> tuple[Any, int] | None:
     read (or the block is aborted: the slot is never part of what the layer holds until the commit). None, changing
     nothing, where the layer needs `update`: a block that is not one real token per row, or see `writes_slots`."""
     block = layer.seq.block
-    if block is None or block.tokens != 1 or not writes_slots(layer):
+    if block is None or block.tokens != 1 or not layer.writes_slots():
         return None
     view = layer._append_block(None, None, block)
     return view, view.keys.shape[2] - 1
@@ -65,7 +63,7 @@ def reserve_slots(layer: Any, tokens: int) -> Reserved | None:
     caller writes slots [end, end + n) of every row and then feeds a block of those n tokens, which `decode_block`
     hands out as written; anything else the layer does before (a block fed through `update`, a crop, a restore)
     ends the reservation (the written slots never become visible: a later append starts from what it holds)."""
-    if layer.seq.block is not None or not writes_slots(layer) or tokens < 1:
+    if layer.seq.block is not None or not layer.writes_slots() or tokens < 1:
         return None
     current = {name: getattr(layer, name) for name in layer._append.dims}
     views, start = layer._append.reserve(current, tokens)
@@ -80,6 +78,6 @@ def decode_block(layer: Any) -> Any | None:
     caller of `reserve_slots` wrote (the tokens' positions written into key_pos here). None, changing nothing,
     where the layer needs `update`."""
     block = layer.seq.block
-    if block is None or not writes_slots(layer):
+    if block is None or not layer.writes_slots():
         return None
     return layer._append_block(None, None, block)
