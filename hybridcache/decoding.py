@@ -192,7 +192,10 @@ class DecodeSource:
         feeds `first` [1, 1] when nothing was generated yet (a continuation's one new token), else the last token
         generated."""
         eos, keep = self.greedy
-        while self.runs:
+        model = self.model
+        forms = getattr(model, "decode_embedding", None) is not None  # the embedding and head the C loop computes
+        forms = forms and model.decode_embedding() is not None and model.decode_head() is not None
+        while self.runs and forms:
             ids = first if state.count == 0 else state.generated[:, state.count - 1 : state.count]
             run = self._run
             if run is not None and run.full:
@@ -204,23 +207,25 @@ class DecodeSource:
                     break
             base, k = run.steps, min(run.capacity - run.steps, state.generated.shape[1] - state.count)
             try:
-                tokens, logits = run.greedy(self.model, int(ids[0, 0]), k, eos, keep)
+                tokens, logits = run.greedy(model, int(ids[0, 0]), k, eos, keep)
             except NotImplementedError:
+                if run.steps == 0:  # nothing fed: let go (the step-by-step path feeds the cache itself)
+                    self.abandon()
                 break
             for i in range(tokens.shape[0]):
                 run.steps = base + i + 1  # what the loop took so far was fed: the tokens before this one
                 yield tokens[i : i + 1], logits[i : i + 1] if keep else logits
         self.greedy = None
 
-    def _start_run(self, ids: torch.Tensor, state: GenerationState) -> DecodeRun | None:
+    def _start_run(self, ids: torch.Tensor, state: GenerationState, h: torch.Tensor | None = None) -> DecodeRun | None:
         """A decode run from the cache's state, its first step's tokens `ids` [B, 1]; None (runs off) where they do
         not apply: no cache (the recompute oracle), compiled, a model whose body is not embed -> layers -> head, or
-        see DecodeRun.start."""
+        see DecodeRun.start. h: model.embed(ids), when the caller has it."""
         model, run = self.model, None
         body = getattr(type(model), "forward_block", None) is _BODY
         if self.cache is not None and self.decode == model.forward_block and body:
             capacity = min(RUN_TOKENS, state.generated.shape[1] - state.count)
-            run = DecodeRun.start(model, self.cache, capacity, ids, model.embed(ids))
+            run = DecodeRun.start(model, self.cache, capacity, ids, model.embed(ids) if h is None else h)
         if run is None:
             self.runs = False
         self._run = run
@@ -233,9 +238,10 @@ class DecodeSource:
         if run is not None and run.full:
             self._close_run()
             run = None
-        if run is None and self._start_run(ids, state) is None:
+        h = model.embed(ids)
+        if run is None and self._start_run(ids, state, h) is None:
             return None
-        return model.head(self._run.step(ids, model.embed(ids)))[:, -1]
+        return model.head(self._run.step(ids, h))[:, -1]
 
     def _close_run(self) -> None:
         """Feed the open run's tokens to the cache."""

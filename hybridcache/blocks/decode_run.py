@@ -28,7 +28,7 @@ from hybridcache.blocks.decode_stack import _binding, _hooked, steady_bindings
 from hybridcache.blocks.linear import DecodeLinear, PackedEmbedding
 from hybridcache.blocks.norms import RMSNorm
 from hybridcache.cache.group import CacheGroup
-from hybridcache.ops._checks import INT_MAX, _real, _vec
+from hybridcache.ops._checks import INT_MAX, _ptr, _real, _vec
 from hybridcache.ops.cpu_decoder_stack import record_table, record_type, run_table
 from hybridcache.ops.cpu_library import _library
 from hybridcache.ops.kernel_calls import takes
@@ -96,7 +96,7 @@ class DecodeRun:
         for r in reserved:
             r.key_pos.narrow(1, r.end, self.capacity).copy_(ahead)  # (not the layer's until fed)
         self.bufs = (torch.empty_like(h), torch.empty_like(h))  # the layers' outputs, in turn
-        self.tables = {}  # id(rotary) -> (rotary, this step's cos, sin)
+        self.tables = {}  # id(rotary) -> this step's (cos, sin)
         self.q_pos = self.pos0.view(b, 1)
         records, alive, pointers, x = [], [], [], h
         for i, (entry, run, rotary, r) in enumerate(zip(entries, bindings, rotaries, reserved, strict=True)):
@@ -117,14 +117,15 @@ class DecodeRun:
             pointers.append((x.data_ptr(), keys.data_ptr(), values.data_ptr(), k_pos.data_ptr()))
             alive.append(got[1])
             x = y
+        # the C array, and what its pointers point into (the bindings hold the weights and norms alive)
         self.table, self.alive, self.bindings, self.reserved = record_table(records), alive, bindings, reserved
         self.rotaries, self.out = rotaries, x
         # the record fields that move with the step, checked once: the same tensors' pointers, the count and slot
         # (the record points into these very tensors, not copies: what later steps write there, it reads)
         for rec, rotary, r, ptrs in zip(self.table, rotaries, reserved, pointers, strict=True):
-            cos, sin = self.tables.get(id(rotary), (None, None, None))[1:]
+            cos, sin = self.tables.get(id(rotary), (None, None))
             want = (self.q_pos.data_ptr(), r.end - r.start, r.end - r.start + 1, _ptr(cos), _ptr(sin), *ptrs)
-            got = (rec.qpos, rec.slot, rec.S, rec.cos_t or 0, rec.sin_t or 0, rec.x, rec.keys, rec.values, rec.kpos)
+            got = (rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t, rec.x, rec.keys, rec.values, rec.kpos)
             if got != want:
                 return False
         return True
@@ -134,11 +135,10 @@ class DecodeRun:
         rotary's own tables (the step-by-step decode computes them so, for its block's positions)."""
         if rotary is None:
             return None, None
-        got = self.tables.get(id(rotary))
+        got = self.tables.get(id(rotary))  # (the rotaries are held by self.rotaries: no id is reused meanwhile)
         if got is None:
-            cos, sin = rotary.tables(positions, _F32)
-            got = self.tables[id(rotary)] = (rotary, cos, sin)
-        return got[1], got[2]
+            got = self.tables[id(rotary)] = rotary.tables(positions, _F32)
+        return got
 
     @property
     def full(self) -> bool:
@@ -251,10 +251,6 @@ class DecodeRun:
         if not self.closed:
             self.closed = True
             self.cache.feed_reserved(None)
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def embedding_form(e: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -178,6 +178,25 @@ def test_one_run_stepped_then_greedy(gemma, monkeypatch):
     _same_state(_state(cache), _state(want.cache))
 
 
+@pytest.mark.parametrize("how", ["no head form", "greedy declines"])
+def test_no_greedy_loop_falls_back_to_runs_a_step(gemma, monkeypatch, how):
+    """A model whose head the C loop does not compute (checked before a run starts), or a greedy call that declines
+    once a run has started (that run let go, nothing fed): runs of one C call a step, the same tokens and cache."""
+    model, ids = gemma(), prompts(1, 6, seed=19)
+    first = hc.generate(model, ids, max_new_tokens=3)
+    want, _ = _generate(model, first.sequences, monkeypatch, False, max_new_tokens=6, cache=copy.deepcopy(first.cache))
+    with monkeypatch.context() as m:
+        if how == "no head form":
+            m.setattr(type(model), "decode_head", lambda self: None)
+        else:
+            m.setattr(decode_run.DecodeRun, "greedy", lambda *a: (_ for _ in ()).throw(NotImplementedError("test")))
+        got, started = _generate(model, first.sequences, m, True, max_new_tokens=6, cache=first.cache)
+    # greedy declines: its run (6 slots, nothing fed) is let go; the prefill, then runs of a C call a step (5)
+    assert started == ([5] if how == "no head form" else [6, 5])
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.logits, want.logits)
+    _same_state(_state(got.cache), _state(want.cache))
+
+
 def test_a_run_refuses_what_does_not_fit(gemma):
     """Named errors before any C call, and the cache as it was once the run is abandoned."""
     model, ids = gemma("int8"), prompts(1, 6, seed=17)
