@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (layer, module prefixes), lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("hybridcache.paths", "hybridcache.quiet")),
+    ("base", ("hybridcache.paths", "hybridcache.quiet", "hybridcache.atomic_files")),
     ("cache", ("hybridcache.cache",)),
     ("ops", ("hybridcache.ops",)),
     ("blocks", ("hybridcache.blocks",)),

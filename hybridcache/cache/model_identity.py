@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from hybridcache.cache.errors import CacheError
+from hybridcache.cache.tensor_bytes import byte_view
 
 # -- the model's identity -------------------------------------------------------------------------------------
 # model -> (stamp, digest): hashing every byte of a 270M model takes ~0.5 s, so it is done once per model object
@@ -55,7 +56,7 @@ def weights_sha256(model: torch.nn.Module) -> str:
             continue
         first[alias] = name
         if t.numel():  # a byte view of the tensor itself: no copy for a contiguous CPU tensor (bf16 included)
-            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            h.update(byte_view(t))
     digest = h.hexdigest()
     if stamp is not None:
         _WEIGHTS[model] = (stamp, digest)

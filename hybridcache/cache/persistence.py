@@ -28,8 +28,6 @@ import hashlib
 import hmac
 import json
 import os
-import stat
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from hybridcache.atomic_files import check_replaceable, write_atomically
 from hybridcache.cache.base import LayerSnapshot
 from hybridcache.cache.errors import CacheError
 from hybridcache.cache.file_header import CacheFileError, header_field, layer_plans, no_json_constants, sequence_tensors
@@ -47,6 +46,7 @@ from hybridcache.cache.plan import CachePlan
 from hybridcache.cache.registry import get_layer_class
 from hybridcache.cache.snapshot import CacheSnapshot
 from hybridcache.cache.snapshot_check import check_snapshot_shapes
+from hybridcache.cache.tensor_bytes import byte_view, dense
 
 
 class SavedCache(Protocol):
@@ -99,7 +99,7 @@ def payload_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            h.update(byte_view(t))
     return h.hexdigest()
 
 
@@ -124,6 +124,7 @@ def save_cache(cache: SavedCache, path: str | os.PathLike, model: torch.nn.Modul
     if cache.plan is None:
         raise CacheError("Cache.save: this cache was assembled by hand (no plan); build it with model.make_cache")
     key, path = check_key(key), Path(path)
+    check_replaceable(path, CacheError, "Cache.save")  # before any work: a FIFO, a device, a missing directory
     with cache._operation("save"):
         tensors: dict[str, torch.Tensor] = {"sequence.seen": cache.seq.seen}
         if cache.seq.fingerprint is not None:
@@ -147,7 +148,7 @@ def save_cache(cache: SavedCache, path: str | os.PathLike, model: torch.nn.Modul
                     "tensors": sorted(layer._state_tensors()),
                 }
             )
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        tensors = {k: dense(v) for k, v in tensors.items()}
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -162,33 +163,8 @@ def save_cache(cache: SavedCache, path: str | os.PathLike, model: torch.nn.Modul
             header["signature"] = {"alg": SIGNATURE_ALG, "value": header_signature(header, key)}
         header["header_sha256"] = header_sha256(header)
         data = st_save(tensors, metadata={"hybridcache": json.dumps(header)})
-    _write_atomically(path, data)
+    write_atomically(path, data, CacheError, "Cache.save")
     return path
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """A temp file created exclusively (random name, O_EXCL | O_NOFOLLOW, same directory: a symlink planted there
-    is never followed), synced, then renamed onto `path`; on any failure the temp file is removed and `path` is
-    unchanged. A new file gets mode 0600 (mkstemp), an existing regular file keeps its mode."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            try:
-                old = os.stat(path, follow_symlinks=False)
-                if stat.S_ISREG(old.st_mode):
-                    os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))
-            except FileNotFoundError:
-                pass
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # -- load ---------------------------------------------------------------------------------------------------------
