@@ -165,6 +165,8 @@ class AttentionCacheLayer(CacheLayer):
         try:
             self._fetch()
             view = self._write(k, v, block)
+            if self._tier is not None and not self.static:  # offload: room now for what the commit will park
+                self._tier.check_room(dict(zip(self._parts, (view.keys, view.values))))
         except BaseException:
             self._close(opened, failed=True)
             self._release()

@@ -18,6 +18,14 @@ last one of a block links to the first one of the next), so any model order and 
 prefetched copy is dropped whenever its layer parks (it may be stale). `nbytes()` counts the parked parts (the
 dense bytes), not the transient copies. Not for `generation.compile` (the compiled step would capture the parked
 tensors).
+
+A full disk (or a quota, a file size limit): each file is written with write(2), which reports ENOSPC / EFBIG /
+EDQUOT, before it is mapped (writing a sparse file through its mapping would kill the process with SIGBUS instead),
+and a file that cannot be written is removed. A layer's update checks first that the directory has room for what
+its commit will park (`check_room`: the block is refused with a CacheError, the cache unchanged); a part that still
+cannot be parked at the commit (a shortfall the directory did not show in advance) stays in memory on the layer's
+device, with an OffloadNotice, so that a commit never fails half way. A layer's construction that cannot park
+fails with a CacheError.
 """
 
 from __future__ import annotations
@@ -25,18 +33,68 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from hybridcache.cache.errors import CacheError
 from hybridcache.cache.kv_codecs import DenseCodec, register_kv_codec
 
 _LAST: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()  # sequence state -> last fetched
+# sequence state -> (the open block, bytes its layers' updates have claimed so far in check_room)
+_CLAIMED: weakref.WeakKeyDictionary[Any, tuple[Any, int]] = weakref.WeakKeyDictionary()
+
+
+class OffloadNotice(UserWarning):
+    """A part that could not be parked on the slow tier at a commit stays in memory on the layer's device."""
 
 
 def offload_dir() -> str:
     return os.environ.get("HYBRIDCACHE_OFFLOAD_DIR") or tempfile.gettempdir()
+
+
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _why(e: BaseException) -> str:
+    """The OS's reason, lower case ("no space left on device"), or the first line of torch's message."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror[0].lower() + e.strerror[1:]
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+def _file_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of CPU tensor `t` in a fresh memory-mapped file under offload_dir(), unlinked once mapped. The bytes
+    are written with write(2) first, so a full disk is an OSError here, never a SIGBUS through the mapping; on any
+    failure the file is removed."""
+    directory = offload_dir()
+    path = os.path.join(directory, f"hybridcache-offload-{uuid.uuid4().hex}.bin")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    data = memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    fd = None
+    try:
+        fd = os.open(path, flags, 0o600)
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])  # a short write, then ENOSPC (or EFBIG, EDQUOT) on the next
+        mapped = torch.from_file(path, shared=True, size=t.numel(), dtype=t.dtype)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CacheError(
+            f"offload storage: cannot park {len(data)} bytes in {directory}: {_why(e)} (set HYBRIDCACHE_OFFLOAD_DIR "
+            "to a directory with room)"
+        ) from None
+    finally:
+        if fd is not None:  # ours (O_EXCL): mapped, or failed; either way the name goes
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return mapped.view(t.shape)
 
 
 class OffloadTier:
@@ -51,17 +109,46 @@ class OffloadTier:
         self.stream: Any = None  # CUDA: the side stream prefetches run on
         self.next: weakref.ref | None = None  # the tier fetched after this one (learned)
         self.prefetch_hits = 0  # fetches served by a prefetched copy
+        self.started = False  # parked once: from then on a park is part of a commit, which must not fail
 
     def _slow(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of `t` on the slow tier."""
+        """A copy of `t` on the slow tier (CacheError, nothing left behind, where it cannot be made)."""
         if self.cuda:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+            try:
+                return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+            except RuntimeError as e:
+                nbytes = t.numel() * t.element_size()
+                raise CacheError(f"offload storage: cannot pin {nbytes} bytes of CPU memory: {_why(e)}") from None
         if t.numel() == 0:
             return t.detach().clone()
-        path = os.path.join(offload_dir(), f"hybridcache-offload-{uuid.uuid4().hex}.bin")
-        mapped = torch.from_file(path, shared=True, size=t.numel(), dtype=t.dtype)
-        os.unlink(path)  # the mapping stays valid; the file disappears with it
-        return mapped.view(t.shape).copy_(t)
+        return _file_copy(t)
+
+    def check_room(self, parts: Mapping[str, torch.Tensor]) -> None:
+        """Refuse (CacheError) an update whose commit will park `parts` (attribute -> the tensor it becomes) where the
+        offload directory has no room for them, counting what this block's other layers claimed; called before the
+        update changes anything. (Pinned CPU memory, the GPU case, is not checked here.)"""
+        sizes = [t.numel() * t.element_size() for a, t in parts.items() if not _same_layout(self.parked.get(a), t)]
+        if self.cuda or not any(sizes):
+            return
+        directory = offload_dir()
+        try:
+            st = os.statvfs(directory)
+            if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+                raise NotADirectoryError(0, "not a directory this process can write to")
+        except (OSError, ValueError) as e:
+            raise CacheError(f"offload storage: the offload directory {directory} is unusable ({_why(e)})") from None
+        unit = st.f_frsize or st.f_bsize or 1
+        need = sum(-(-n // unit) * unit for n in sizes)  # whole blocks per file
+        seq = self.layer().seq
+        block, claimed = _CLAIMED.get(seq, (None, 0))
+        claimed = claimed if block is not None and block is seq.block else 0
+        free = st.f_bavail * st.f_frsize
+        if claimed + need > free:
+            raise CacheError(
+                f"offload storage: no space left on device at {directory}: this block's keys and values need "
+                f"{claimed + need} bytes there, {free} are free (set HYBRIDCACHE_OFFLOAD_DIR to a directory with room)"
+            )
+        _CLAIMED[seq] = (seq.block, claimed + need)
 
     def _load(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.to(device, non_blocking=True) if self.cuda else t.clone()
@@ -72,15 +159,26 @@ class OffloadTier:
             self.event.synchronize()
             self.event = None
         self.prefetched = None
+        fresh = {}  # every new slow-tier copy first: a failure leaves the parked parts as they were
+        for attr in layer._parts:
+            t = getattr(layer, attr)
+            if t is not self.parked.get(attr) and not _same_layout(self.parked.get(attr), t):
+                try:
+                    fresh[attr] = self._slow(t)
+                except CacheError as e:
+                    if not self.started:  # the layer's construction: it fails as a whole
+                        raise
+                    # a commit (the other layers may have committed already): keep this part where it is
+                    warnings.warn(f"hybridcache: {e}; it stays in memory on {t.device}", OffloadNotice, stacklevel=2)
+                    fresh[attr] = t
         for attr in layer._parts:
             t, old = getattr(layer, attr), self.parked.get(attr)
-            if t is old:
-                continue
-            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+            if attr in fresh:
+                self.parked[attr] = fresh[attr]
+            elif t is not old:
                 old.copy_(t)  # same layout (preallocated storage): write back in place
-            else:
-                self.parked[attr] = self._slow(t)
             setattr(layer, attr, self.parked[attr])
+        self.started = True
 
     def release(self) -> None:
         """Drop the fetched copy without writing it back (the layer changed nothing since `fetch`)."""

@@ -1,0 +1,243 @@
+"""What a failure leaves behind (issue "Reliability, second pass", item 8): offload files on a full disk, killed
+kernel builds, a kernel build on a full disk, Cache.load onto a device that cannot hold data, sampling from
+non-finite logits. Each failure is a named error (or, where the call cannot fail any more, a named notice), nothing
+is left on disk and the cache is unchanged.
+
+A full disk is real where the suite runs as root (a small tmpfs is mounted); the file size limit (RLIMIT_FSIZE)
+variants run as any user. Both run in a subprocess: a process that hits a full disk through a memory mapping dies of
+SIGBUS, and a file size limit is process-wide."""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridcache.cache import Cache, CacheError, NativeLayer, offload_storage
+from tests.cache.helpers import state_equal
+from tests.hostile.kit import report, run_cases
+
+ROOT = Path(__file__).resolve().parents[2]
+H, D = 2, 8
+TOKEN_BYTES = H * D * 4  # one token's keys (or values) in one layer, float32: 64 bytes
+
+
+# -- a. offload storage on a full disk ------------------------------------------------------------------------------
+def offload_pair(layers=2, **build):
+    native = [NativeLayer("full", {"num_kv_heads": H, "head_dim": D})] * layers
+    return [Cache.build(native, 1, {"attention": {"storage": s}}, **build) for s in ("offload", "dense")]
+
+
+def feed(cache, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, 1, H, tokens, D, generator=g)
+    with cache.block(None, tokens):
+        for layer in cache.layers:
+            layer.update(kv[0], kv[1])
+
+
+def same_keys(a, b):
+    return all(
+        torch.equal(x.keys_data, y.keys_data) and torch.equal(x.values_data, y.values_data)
+        for x, y in zip(a.layers, b.layers)
+    )
+
+
+def attempt(call):
+    """(error class name, message) of what call() raised, or None."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - reported to the parent process
+        return [type(e).__name__, str(e)]
+    return None
+
+
+def scenario_full_disk():
+    """Run in a subprocess with HYBRIDCACHE_OFFLOAD_DIR on a 64 KiB tmpfs (16 pages of 4 KiB)."""
+    import warnings
+
+    directory = os.environ["HYBRIDCACHE_OFFLOAD_DIR"]
+    out = {}
+    out["static"] = attempt(lambda: offload_pair(max_length=2000))  # 2 x 2 x 128000 bytes at construction
+    out["after_static"] = os.listdir(directory)
+    cache, dense = offload_pair()
+    for c in (cache, dense):
+        feed(c, 4, 0)  # 4 files of one page each: 48 KiB free
+    before = cache.snapshot()
+    out["big"] = attempt(lambda: feed(cache, 2000, 1))  # 2 x 128256 bytes in layer 0 alone
+    out["big_unchanged"] = state_equal(cache.snapshot(), before) and cache.columns == 4
+    # 320 tokens: 20480 bytes (5 pages) a part, 40 KiB a layer: each layer alone fits in 48 KiB, both do not
+    out["two_layers"] = attempt(lambda: feed(cache, 316, 2))
+    out["two_layers_unchanged"] = state_equal(cache.snapshot(), before) and cache.columns == 4
+    out["after_refusals"] = os.listdir(directory)
+    for c in (cache, dense):
+        feed(c, 1, 3)  # fits: the cache goes on as the dense one does
+    out["continues_exactly"] = same_keys(cache, dense) and cache.columns == 5
+    # a full disk at a batch operation's commit (no update before it to check room): the part stays in memory
+    filler = os.path.join(directory, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:  # ENOSPC: the disk is full
+        pass
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["repeat"] = attempt(lambda: cache.repeat(3))
+    dense.repeat(3)
+    out["repeat_notices"] = sorted({str(w.message) for w in caught if w.category is offload_storage.OffloadNotice})
+    out["repeat_exact"] = same_keys(cache, dense) and cache.batch_size == 3
+    os.unlink(filler)
+    out["left"] = os.listdir(directory)
+    print(json.dumps(out))
+
+
+def scenario_file_size_limit():
+    """Run in a subprocess under RLIMIT_FSIZE = 64 KiB (a file size limit: EFBIG, which the free space does not show
+    in advance)."""
+    import warnings
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    directory = os.environ["HYBRIDCACHE_OFFLOAD_DIR"]
+    out = {"static": attempt(lambda: offload_pair(max_length=2000))}
+    out["after_static"] = os.listdir(directory)
+    cache, dense = offload_pair()
+    for c in (cache, dense):
+        feed(c, 4, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["big"] = attempt(lambda: feed(cache, 2000, 1))  # 128256-byte files: over the limit, at the commit
+    feed(dense, 2000, 1)
+    out["notices"] = sorted({str(w.message) for w in caught if w.category is offload_storage.OffloadNotice})
+    out["exact"] = same_keys(cache, dense) and cache.columns == 2004
+    for c in (cache, dense):
+        feed(c, 1, 2)
+    out["continues_exactly"] = same_keys(cache, dense)
+    out["left"] = os.listdir(directory)
+    print(json.dumps(out))
+
+
+def run_scenario(name, env):
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import tests.hostile.test_leftovers as t; t.{name}()"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"the scenario died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 64 KiB tmpfs mounted at tmp_path/small (root only: mount(2) needs it)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 64 KiB tmpfs needs root; the RLIMIT_FSIZE and statvfs tests cover the same code")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not allowed here ({done.stderr.decode().strip()[:200]})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_offload_on_a_full_disk_is_refused_by_name_and_leaves_nothing(small_tmpfs):
+    out = run_scenario("scenario_full_disk", {"HYBRIDCACHE_OFFLOAD_DIR": str(small_tmpfs)})
+    assert out["static"][0] == "CacheError" and "no space left on device" in out["static"][1], out["static"]
+    assert out["after_static"] == []
+    need_one_layer = 2 * 2004 * TOKEN_BYTES  # 256512 bytes, in whole pages: 2 x 32 x 4096
+    assert out["big"] == [
+        "CacheError",
+        f"offload storage: no space left on device at {small_tmpfs}: this block's keys and values need "
+        f"{2 * 32 * 4096} bytes there, {12 * 4096} are free (set HYBRIDCACHE_OFFLOAD_DIR to a directory with room)",
+    ], (out["big"], need_one_layer)
+    assert out["big_unchanged"]
+    two_layers = 2 * 2 * 320 * TOKEN_BYTES  # 81920: the claim of the whole block, not of its last layer
+    assert out["two_layers"][0] == "CacheError" and f"need {two_layers} bytes there" in out["two_layers"][1]
+    assert out["two_layers_unchanged"] and out["after_refusals"] == []
+    assert out["continues_exactly"]
+    assert out["repeat"] is None and out["repeat_exact"]
+    assert out["repeat_notices"] and all("no space left on device" in n for n in out["repeat_notices"])
+    assert out["left"] == []
+
+
+def test_offload_over_a_file_size_limit_fails_by_name_and_leaves_nothing(tmp_path):
+    out = run_scenario("scenario_file_size_limit", {"HYBRIDCACHE_OFFLOAD_DIR": str(tmp_path)})
+    assert out["static"][0] == "CacheError" and "file too large" in out["static"][1], out["static"]
+    assert out["after_static"] == []
+    # a limit the directory's free space does not show: the commit cannot fail half way, the parts stay in memory
+    assert out["big"] is None and out["exact"] and out["continues_exactly"]
+    assert out["notices"] == [
+        f"hybridcache: offload storage: cannot park {2004 * TOKEN_BYTES} bytes in {tmp_path}: file too large (set "
+        "HYBRIDCACHE_OFFLOAD_DIR to a directory with room); it stays in memory on cpu"
+    ]
+    assert out["left"] == []
+
+
+def test_offload_checks_room_before_the_block_changes_anything(tmp_path, monkeypatch):
+    """As a nearly full disk shows itself (statvfs), without filling one: any user."""
+    monkeypatch.setenv("HYBRIDCACHE_OFFLOAD_DIR", str(tmp_path))
+    cache, dense = offload_pair()
+    for c in (cache, dense):
+        feed(c, 3, 0)
+    real = os.statvfs
+
+    def nearly_full(path):
+        st = real(path)
+        fields = list(st)
+        fields[4] = fields[3] = 2  # f_bfree, f_bavail: two blocks
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", nearly_full)
+    before = cache.snapshot()
+    unit = real(tmp_path).f_frsize
+    with pytest.raises(CacheError, match=f"no space left on device at {tmp_path}: .* {2 * unit} are free"):
+        feed(cache, -(-unit // TOKEN_BYTES) * 4, 1)  # two blocks a part
+    assert state_equal(cache.snapshot(), before) and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(os, "statvfs", real)
+    for c in (cache, dense):
+        feed(c, 2, 2)
+    assert same_keys(cache, dense)
+
+
+def test_unusable_offload_directories_are_named(tmp_path, monkeypatch):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    bad = {
+        "missing": tmp_path / "missing",
+        "a regular file": a_file,
+        "below a regular file": a_file / "sub",
+        "a dangling link": dangling,
+        "a too long name": tmp_path / ("x" * 300),
+    }
+    cache, _ = offload_pair()
+    feed(cache, 2, 0)
+    before = cache.snapshot()
+
+    def case(directory):
+        def call():
+            monkeypatch.setenv("HYBRIDCACHE_OFFLOAD_DIR", str(directory))
+            feed(cache, 3, 1)
+
+        return call
+
+    def unchanged():
+        monkeypatch.setenv("HYBRIDCACHE_OFFLOAD_DIR", str(tmp_path))
+        return None if state_equal(cache.snapshot(), before) else "the cache changed"
+
+    problems = run_cases("offload directory", [(f"offload dir {k}", case(v)) for k, v in bad.items()], unchanged)
+    assert not problems, report(problems, len(bad))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling"]
