@@ -15,6 +15,10 @@ A library that is missing, truncated or does not match its manifest (or has none
 into a private temporary directory in the kernel directory, compiled there, hashed, then moved over the old name
 (os.replace, atomic) and its manifest written the same way, under a file lock so that concurrent processes build
 once. A directory or file that fails the ownership / permission checks is never rebuilt or loaded: torch path.
+A build directory is named `.build-<name>-<key>-p<pid>-*`; one left by a build that was killed is removed by the next
+build (under the lock, so no build is running): its pid is dead, or it is older than any build can take
+(STALE_BUILD_S). A build that fails for want of room says "no space left on device at <dir>" (from the compiler's
+or the OS's error, or from the free space where it writes), not the linker's last words.
 
 Portability: x86-64 only (AVX2 / AVX-512 code, scalar otherwise); other machines (ARM: no NEON code yet) get the
 torch path with a one-line notice, as does a system without a C compiler. A compiler that refuses -fopenmp (Apple
@@ -24,16 +28,19 @@ clang) builds the kernels without OpenMP (one thread each), and says so once.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +54,11 @@ LIBS = ["-lm"]
 X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 MANIFEST_FORMAT = 1
 _MAX_MANIFEST_BYTES = 1 << 16
+COMPILE_TIMEOUT_S = 600
+STALE_BUILD_S = 3600  # a build directory this old is no build's: a build holds the lock COMPILE_TIMEOUT_S at most
+_BUILD_DIR = re.compile(r"\.build-[A-Za-z0-9_.]+-[0-9a-f]{16}-(?:p(\d+)-)?[A-Za-z0-9_]+")  # ours, pid or not
+_SHORT_OF_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+_LOW_ROOM_BYTES = 1 << 20  # less than this free where a build writes: it failed for want of room
 
 
 class KernelNotice(UserWarning):
@@ -225,7 +237,7 @@ def _verify(build: _Build, dir_fd: int, kdir: Path) -> tuple[int | None, str | N
 
 def _compile(build: _Build, dir_fd: int, kdir: Path) -> None:
     """Compile into a private temp directory in kdir, hash, then os.replace the library and its manifest."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".build-{build.stem}-", dir=kdir))
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{build.stem}-p{os.getpid()}-", dir=kdir))  # pid: see _remove_stale
     try:
         src = tmp / f"{build.name}.c"
         src.write_bytes(build.source)  # exactly the bytes digested, whatever happens to the checkout meanwhile
@@ -234,7 +246,7 @@ def _compile(build: _Build, dir_fd: int, kdir: Path) -> None:
             [*build.compiler, *build.flags, str(src), "-o", str(out), *LIBS],
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=COMPILE_TIMEOUT_S,
             check=False,
         )
         if proc.returncode != 0:
@@ -366,6 +378,72 @@ def _load(name: str, source: Path, symbols: list[str], disabled: bool) -> Loaded
         os.close(dir_fd)
 
 
+def _pid_alive(pid: int) -> bool | None:
+    """Whether process `pid` lives (None: no such pid can exist, e.g. too large)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, ValueError, OSError):
+        return None
+    return True
+
+
+def _remove_stale(dir_fd: int) -> list[str]:
+    """Under the build lock (no build runs): remove the build directories killed builds left, i.e. our
+    `.build-*` directories (real directories owned by this user; links are never followed) whose pid is dead or
+    that are older than STALE_BUILD_S; never this process's own. Returns their names."""
+    if not shutil.rmtree.avoids_symlink_attacks:  # rmtree by descriptor only
+        return []
+    removed = []
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:  # housekeeping: never a reason not to build
+        return []
+    for name in names:
+        match = _BUILD_DIR.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        pid = int(match.group(1)) if match.group(1) else None
+        if pid == os.getpid():
+            continue
+        if (pid is not None and _pid_alive(pid) is False) or time.time() - st.st_mtime > STALE_BUILD_S:
+            shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _short_of_room(kdir: Path, texts: list[str], codes: list[int | None]) -> str | None:
+    """ "no space left on device at <dir> (N bytes free)" where a failed build ran out of room, as the OS's error
+    code or the compiler's or linker's message says, or as less than _LOW_ROOM_BYTES free shows in the kernel
+    directory or the compiler's temporary directory (the first of them that low is named, else the kernel
+    directory); None otherwise."""
+    said = [_SHORT_OF_ROOM[c] for c in codes if c in _SHORT_OF_ROOM]
+    said += [w for w in _SHORT_OF_ROOM.values() for t in texts if w in t.lower()]
+    places = []
+    for place in dict.fromkeys([str(kdir), tempfile.gettempdir()]):
+        try:
+            st = os.statvfs(place)
+        except OSError:
+            continue
+        places.append((place, st.f_bavail * st.f_frsize))
+    low = [(place, free) for place, free in places if free < _LOW_ROOM_BYTES]
+    if not said and not low:
+        return None
+    place, free = (low or places or [(str(kdir), None)])[0]
+    return f"{said[0] if said else 'no space left on device'} at {place}" + (
+        f" ({free} bytes free)" if free is not None else ""
+    )
+
+
 def _build_locked(builds: list[_Build], dir_fd: int, kdir: Path) -> tuple[int, _Build, str | None]:
     """Under the build lock: what another process built meanwhile, else a fresh build (OpenMP first)."""
     reasons = []
@@ -379,7 +457,8 @@ def _build_locked(builds: list[_Build], dir_fd: int, kdir: Path) -> tuple[int, _
     if reasons:  # something was there and did not verify: say so, then replace it
         note = f"rebuilt: {'; '.join(reasons)}"
         warnings.warn(f"hybridcache: in {kdir}, {'; '.join(reasons)}: rebuilding it", KernelNotice, stacklevel=5)
-    errors = []
+    _remove_stale(dir_fd)
+    errors, codes = [], []
     for build in builds:
         try:
             _compile(build, dir_fd, kdir)
@@ -388,6 +467,7 @@ def _build_locked(builds: list[_Build], dir_fd: int, kdir: Path) -> tuple[int, _
             continue
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(str(e))
+            codes.append(getattr(e, "errno", None))
             continue
         fd, why = _verify(build, dir_fd, kdir)
         if fd is None:
@@ -395,4 +475,7 @@ def _build_locked(builds: list[_Build], dir_fd: int, kdir: Path) -> tuple[int, _
         return fd, build, note
     lines = errors[0].splitlines() if errors else []
     first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "unknown error")
+    room = _short_of_room(kdir, errors, codes)
+    if room is not None:  # the linker's "collect2: error: ld returned 1" would hide the cause
+        raise _Refused(f"the C kernels did not build: {room}")
     raise _Refused(f"the C kernels did not build ({first.strip()[:300]})")

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import hybridcache.ops.cpu_kernels as ck
+import hybridcache.ops.cpu_library as cpu_library
 from hybridcache.cache import Cache, CacheError, NativeLayer, offload_storage
+from hybridcache.ops import _native
 from tests.cache.helpers import state_equal
 from tests.hostile.kit import report, run_cases
+from tests.ops.test_native_build import FAST, status_and_notices
 
 ROOT = Path(__file__).resolve().parents[2]
 H, D = 2, 8
@@ -241,3 +245,166 @@ def test_unusable_offload_directories_are_named(tmp_path, monkeypatch):
     problems = run_cases("offload directory", [(f"offload dir {k}", case(v)) for k, v in bad.items()], unchanged)
     assert not problems, report(problems, len(bad))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling"]
+
+
+# -- b. build directories a killed kernel build left ----------------------------------------------------------------
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """As tests/ops/test_native_build.py's: a loader that has loaded nothing, building into tmp_path/kernels."""
+    monkeypatch.setattr(cpu_library, "_state", {})
+    monkeypatch.setattr(_native, "BASE_FLAGS", list(FAST))
+    monkeypatch.setenv("HYBRIDCACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("HYBRIDCACHE_DISABLE_KERNELS", raising=False)
+    return tmp_path / "kernels"
+
+
+STEM = "cpu_decode-0123456789abcdef"
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def planted(kdir, name, age_s=0.0, inside=True):
+    path = kdir / name
+    path.mkdir()
+    if inside:
+        (path / "out.so").write_bytes(b"\x7fELF half a library")
+    if age_s:
+        t = os.stat(path).st_mtime - age_s
+        os.utime(path, (t, t))
+    return path
+
+
+def test_stale_build_directories_are_removed_by_the_next_build_and_only_they(fresh, tmp_path):
+    fresh.mkdir(mode=0o700, parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        dead = dead_pid()
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "keep.txt").write_text("not the kernel directory's")
+        gone = {
+            "dead pid": planted(fresh, f".build-{STEM}-p{dead}-a1b2c3"),
+            "dead pid, empty": planted(fresh, f".build-{STEM}-p{dead}-d4e5", inside=False),
+            "no pid, 2 hours old (before pids were recorded)": planted(fresh, f".build-{STEM}-x8y9z0", 7200),
+            "a live pid, 2 hours old (no build takes that long)": planted(
+                fresh, f".build-{STEM}-p{sleeper.pid}-q1", 7200
+            ),
+        }
+        kept = {
+            "this process's": planted(fresh, f".build-{STEM}-p{os.getpid()}-mine1", 7200),
+            "a live process's": planted(fresh, f".build-{STEM}-p{sleeper.pid}-live1"),
+            "no pid, fresh": planted(fresh, f".build-{STEM}-fresh1"),
+            "not ours (no build key)": planted(fresh, f".build-p{dead}-other", 7200),
+            "not ours (another prefix)": planted(fresh, f".builder-{STEM}-p{dead}-x", 7200),
+            "an absurd pid, fresh": planted(fresh, f".build-{STEM}-p{10**30}-big"),
+        }
+        link = fresh / f".build-{STEM}-p{dead}-link"
+        link.symlink_to(outside, target_is_directory=True)
+        a_file = fresh / f".build-{STEM}-p{dead}-file"
+        a_file.write_text("a file, not a build directory")
+        kept.update({"a link to a directory (never followed)": link, "a regular file": a_file})
+        if os.geteuid() == 0:  # another user's directory: never touched
+            other = planted(fresh, f".build-{STEM}-p{dead}-uid", 7200)
+            os.chown(other, 12345, 12345)
+            kept["another user's"] = other
+        status, _ = status_and_notices()
+        assert status.startswith("C kernels: "), status
+        left = [what for what, path in gone.items() if os.path.lexists(path)]
+        lost = [what for what, path in kept.items() if not os.path.lexists(path)]
+        assert not left and not lost, f"left: {left}; removed: {lost}"
+        assert (outside / "keep.txt").read_text() == "not the kernel directory's" and link.is_symlink()
+        assert (kept["a live process's"] / "out.so").exists()  # untouched inside too
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_build_names_its_own_directory_by_pid(fresh, monkeypatch):
+    """The pid the cleanup reads is in the name of every build directory (seen while the compiler runs)."""
+    seen = []
+    real = _native.subprocess.run
+
+    def spy(argv, **kw):
+        if "-o" in argv:
+            seen.extend(p.name for p in fresh.glob(".build-*"))
+        return real(argv, **kw)
+
+    monkeypatch.setattr(_native.subprocess, "run", spy)
+    assert ck.kernel_status().startswith("C kernels: ")
+    assert seen and all(_native._BUILD_DIR.fullmatch(n) and f"-p{os.getpid()}-" in n for n in seen), seen
+    assert not list(fresh.glob(".build-*"))
+
+
+# -- c. a kernel build on a full disk --------------------------------------------------------------------------------
+LD_ENOSPC = "/usr/bin/ld: final link failed: No space left on device\ncollect2: error: ld returned 1 exit status\n"
+
+
+def fake_compiler(tmp_path, stderr):
+    cc = tmp_path / "fakecc"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --version) echo "fakecc 1.0"; exit 0;; -dumpmachine) echo x86_64-linux-gnu; exit 0;; esac\n'
+        f"cat >&2 <<'EOF'\n{stderr}EOF\nexit 1\n"
+    )
+    cc.chmod(0o755)
+    return str(cc)
+
+
+def test_a_linker_out_of_space_is_reported_as_no_space(fresh, tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", fake_compiler(tmp_path, LD_ENOSPC))
+    status, notices = status_and_notices()
+    prefix = f"torch path: the C kernels did not build: no space left on device at {fresh}"
+    assert status.startswith(prefix), status
+    assert len(notices) == 1 and not list(fresh.glob(".build-*"))
+
+
+def test_a_failed_build_on_a_nearly_full_disk_names_the_disk(fresh, monkeypatch):
+    """The compiler's message does not say why (any failure), the free space does: less than 1 MiB."""
+    monkeypatch.setattr(_native, "BASE_FLAGS", [*FAST, "-include", "/nonexistent/header.h"])
+    real = os.statvfs
+
+    def kernel_dir_full(path):
+        fields = list(real(path))
+        if os.path.realpath(path) == os.path.realpath(fresh):
+            fields[3] = fields[4] = 0  # f_bfree, f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", kernel_dir_full)
+    status, _ = status_and_notices()
+    assert status == f"torch path: the C kernels did not build: no space left on device at {fresh} (0 bytes free)"
+
+
+def test_an_ordinary_compile_error_is_still_the_compilers(fresh, tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", fake_compiler(tmp_path, "k.c:1:1: error: expected ';' before 'int'\n"))
+    status, _ = status_and_notices()
+    assert status == "torch path: the C kernels did not build (k.c:1:1: error: expected ';' before 'int')"
+
+
+@pytest.mark.parametrize(
+    "size,what", [("160k", "the source fits, the linked library does not"), ("32k", "not even the source copy fits")]
+)
+def test_a_kernel_build_on_a_real_full_disk(fresh, monkeypatch, tmp_path, size, what):
+    home = tmp_path / "home"
+    home.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; the two tests above cover the same code")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(home)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not allowed here ({done.stderr.decode().strip()[:200]})")
+    try:
+        monkeypatch.setenv("HYBRIDCACHE_HOME", str(home))
+        kdir = home / "kernels"
+        status, notices = status_and_notices()
+        assert status.startswith(f"torch path: the C kernels did not build: no space left on device at {kdir} ("), (
+            what,
+            status,
+        )
+        assert len(notices) == 1 and sorted(p.name for p in kdir.iterdir()) == [".lock"]
+        with torch.no_grad():
+            assert ck.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6) is None  # the torch path runs
+    finally:
+        subprocess.run(["umount", "-l", str(home)], check=False)
