@@ -17,6 +17,7 @@ the processed log-probabilities and reorders the rows (and the cache) before eac
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -104,34 +105,36 @@ def generate(
     eos = torch.tensor(eos_ids(cfg.eos_token_id, model.vocab_size), dtype=torch.long, device=device)
     pad_id = pad_token(model.config, cfg.pad_token_id, eos)
     batch, width = input_ids.shape
-    if cache is not None:
-        model.check_cache(cache, batch)
-    check_generation_memory(
-        model, cache, cache_config, batch, width + cfg.max_new_tokens, cfg.max_new_tokens, cfg.output_logits
-    )
-    state = GenerationState(input_ids, full_mask, input_ids.new_full((batch, cfg.max_new_tokens), pad_id))
-    source = _source(model, cfg, state, cache, cache_config, draft_model, draft_cache_config, prefix_cache)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
-    chooser = TokenChooser(chooser_hooks, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, generator)
-    stop = StoppingCriteriaList([*([EosCriteria(eos)] if eos.numel() else []), *stopping_criteria])
-    streamer = as_streamer(streamer)
-    # no code but ours between the steps (no processors, criteria, streamer or hooks): the modules stay as they are
-    ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
-    if isinstance(source, DecodeSource) and ours and cfg.decode_runs:
-        source.runs = True  # decode runs (blocks/decode_run.py) where the steps are steady
-        if not cfg.do_sample:  # plain greedy choices, stopped by eos only: many steps per C call
-            source.greedy = (eos.tolist(), cfg.output_logits)
-    try:
-        with steady_unless_hooked(ours, model, draft_model):
-            logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
-    except BaseException:
-        getattr(source, "abandon", lambda: None)()
-        raise
-    out = GenerateOutput(state.sequences(), logits, source.cache)
-    out.stats = source.finish(out, state)
-    if out.cache is not None:
-        out.cache.owner = weakref.ref(model)  # what `cache.save(path)` records the identity of
-    return out
+    # the cache belongs to this thread for the whole call: another thread's reset or feed between two steps raises
+    with cache.claimed() if isinstance(cache, Cache) else contextlib.nullcontext():
+        if cache is not None:
+            model.check_cache(cache, batch)
+        check_generation_memory(
+            model, cache, cache_config, batch, width + cfg.max_new_tokens, cfg.max_new_tokens, cfg.output_logits
+        )
+        state = GenerationState(input_ids, full_mask, input_ids.new_full((batch, cfg.max_new_tokens), pad_id))
+        source = _source(model, cfg, state, cache, cache_config, draft_model, draft_cache_config, prefix_cache)
+        generator = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
+        chooser = TokenChooser(chooser_hooks, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+        stop = StoppingCriteriaList([*([EosCriteria(eos)] if eos.numel() else []), *stopping_criteria])
+        streamer = as_streamer(streamer)
+        # no code but ours between the steps (no processors, criteria, streamer or hooks): the modules stay as they are
+        ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
+        if isinstance(source, DecodeSource) and ours and cfg.decode_runs:
+            source.runs = True  # decode runs (blocks/decode_run.py) where the steps are steady
+            if not cfg.do_sample:  # plain greedy choices, stopped by eos only: many steps per C call
+                source.greedy = (eos.tolist(), cfg.output_logits)
+        try:
+            with steady_unless_hooked(ours, model, draft_model):
+                logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
+        except BaseException:
+            getattr(source, "abandon", lambda: None)()
+            raise
+        out = GenerateOutput(state.sequences(), logits, source.cache)
+        out.stats = source.finish(out, state)
+        if out.cache is not None:
+            out.cache.owner = weakref.ref(model)  # what `cache.save(path)` records the identity of
+        return out
 
 
 def run_loop(source, chooser: TokenChooser, stop: StoppingCriteriaList, streamer, state, pad_id, keep_logits: bool):

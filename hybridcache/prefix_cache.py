@@ -16,6 +16,7 @@ Requests are single rows without padding (a batch of prompts would share one cac
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -72,6 +73,9 @@ class PrefixStore:
         self.paths: OrderedDict[bytes, None] = OrderedDict()  # boundary keys of earlier prompts (no states)
         self.max_paths = max_paths
         self._owner: tuple[Any, Any] | None = None
+        # Threads may share a store: each request's prepare and finish run whole under this lock (a lookup, restore
+        # and admission interleaved with another thread's eviction would restore a half-replaced entry).
+        self._lock = threading.RLock()
         self.counters = {
             "requests": 0,
             "hits": 0,
@@ -88,6 +92,12 @@ class PrefixStore:
     ) -> tuple[Cache, dict[str, Any]]:
         """A cache holding the longest stored prefix of the prompt, fed on to the admitted boundaries (at least one
         prompt token is left for generate to feed)."""
+        with self._lock:
+            return self._prepare(model, input_ids, mask, cache_config)
+
+    def _prepare(
+        self, model, input_ids: torch.Tensor, mask: torch.Tensor, cache_config: Mapping[str, Any] | None
+    ) -> tuple[Cache, dict[str, Any]]:
         if input_ids.shape[0] != 1 or not bool(mask.all()):
             raise ValueError("prefix_cache= serves one request at a time: input_ids [1, T] without padding")
         cache = model.make_cache(1, cache_config)
@@ -122,12 +132,13 @@ class PrefixStore:
 
     def finish(self, model, out, request: dict[str, Any]) -> dict[str, Any]:
         """Admit the state at the end of the request (prompt + output), then report."""
-        cache = out.cache
-        held = out.sequences[0, : cache.columns].tolist()
-        key = _prefix_keys(held)[-1]
-        if key not in self.entries:
-            self._admit(key, len(held), cache, model)
-        return {**request, **self.stats()}
+        with self._lock:
+            cache = out.cache
+            held = out.sequences[0, : cache.columns].tolist()
+            key = _prefix_keys(held)[-1]
+            if key not in self.entries:
+                self._admit(key, len(held), cache, model)
+            return {**request, **self.stats()}
 
     # -- bookkeeping -----------------------------------------------------------------------------------------------
     def _bind(self, model, cache: Cache) -> None:
@@ -178,9 +189,14 @@ class PrefixStore:
 
     def nbytes(self) -> int:
         """Bytes of snapshots held."""
-        return sum(e.nbytes for e in self.entries.values())
+        with self._lock:
+            return sum(e.nbytes for e in self.entries.values())
 
     def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         c = self.counters
         return {
             **c,

@@ -8,13 +8,16 @@ the model's mixers feed their layers (writes are staged); `end_block` commits ev
 
 Threading: a Cache is not shared between threads. Using one from two threads at once raises `CacheThreadError`
 instead of corrupting it (one operation at a time holds the cache's lock; a block holds it from begin to end, and
-belongs to the thread that opened it: another thread can neither feed, commit nor abort it).
+belongs to the thread that opened it: another thread can neither feed, commit nor abort it). A call made of many
+operations (`generate`, beam search, speculative decoding) claims the cache for its thread from start to end
+(`claimed()`), so another thread cannot reset, crop or feed it between two decode steps either.
 """
 
 from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -25,10 +28,11 @@ from hybridcache.cache import decode_feed, persistence
 from hybridcache.cache.base import CacheLayer, check_positive_int
 from hybridcache.cache.errors import CacheError, CacheIndexError, CacheIndexTypeError, CacheThreadError
 from hybridcache.cache.group import CacheGroup, Entry
-from hybridcache.cache.limits import check_new_cache, check_rows_fit
+from hybridcache.cache.limits import check_new_cache, check_rows_fit, device_problem
+from hybridcache.cache.model_identity import model_identity
 from hybridcache.cache.plan import CachePlan, Native, resolve_plan
 from hybridcache.cache.registry import get_layer_class
-from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, crop_seen
+from hybridcache.cache.sequence import BlockState, SequenceState, check_crop_length, crop_seen, thread_name
 from hybridcache.cache.snapshot import CacheSnapshot, check_cache_snapshot
 from hybridcache.cache.snapshot_check import check_snapshot_shapes
 
@@ -65,12 +69,14 @@ class Cache:
             layer.seq, layer.standalone = self.seq, False
         self.entries, self.layers, self.plan = entries, layers, plan
         self._lock, self._holder = threading.Lock(), None
+        self._claim: int | None = None  # the thread that claimed the cache for a whole call (claimed())
+        self.owner: weakref.ref | None = None  # the model that last fed it (what `save` records the identity of)
         self._reserved: int | None = None  # the tokens a reserve_decode holds the cache for
 
     def __getstate__(self) -> dict[str, Any]:  # copy / deepcopy / pickle: a fresh lock, not the held one
         state = dict(self.__dict__)
         state.pop("_lock", None)
-        state["_holder"], state["_reserved"] = None, None
+        state["_holder"], state["_reserved"], state["_claim"], state["owner"] = None, None, None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -177,14 +183,35 @@ class Cache:
 
     # -- feeding a block ---------------------------------------------------------------------------------------
     def _acquire(self, what: str) -> None:
+        me = threading.get_ident()
         if not self._lock.acquire(blocking=False):
-            if self._holder == threading.get_ident():  # this thread is feeding a block
+            if self._holder == me:  # this thread is feeding a block
                 raise CacheError(f"Cache.{what}: a block is being fed; finish it (commit or abort) first")
             raise CacheThreadError(
                 f"Cache.{what}: the cache is in use by another thread (a Cache belongs to one thread "
                 "at a time; give each thread its own cache, or hand it over when one is done)"
             )
-        self._holder = threading.get_ident()
+        if self._claim is not None and self._claim != me:  # set and cleared under the lock: no race with this read
+            self._lock.release()
+            raise CacheThreadError(
+                f"Cache.{what}: the cache is claimed by a call running in thread {thread_name(self._claim)} "
+                "(generate, beam search); it belongs to that thread until the call returns"
+            )
+        self._holder = me
+
+    @contextmanager
+    def claimed(self) -> Iterator[None]:
+        """Claim this cache for the calling thread for a whole call made of many operations (what `generate` does):
+        until the block exits, any feed or operation from another thread raises `CacheThreadError`. Re-entrant."""
+        self._acquire("claim")
+        outer, self._claim = self._claim, threading.get_ident()
+        self._release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()  # uncontended unless another thread is between its acquire and its refusal
+            self._claim = outer
+            self._lock.release()
 
     def _release(self) -> None:
         self._holder = None
@@ -349,10 +376,19 @@ class Cache:
         """Write this cache to `path` (safetensors + JSON header + payload sha256; never pickle). `model` is the
         model that filled it (default: the one `generate` last ran with this cache); its identity is recorded so
         the file only loads into the same model."""
-        owner = getattr(self, "owner", None)
-        model = model if model is not None else (owner() if owner is not None else None)
+        filled_by = self.owner() if self.owner is not None else None
+        if model is None:
+            model = filled_by
         if model is None:
             raise CacheError("Cache.save: pass model= (the model that filled this cache)")
+        if not isinstance(model, torch.nn.Module):
+            raise CacheError(f"Cache.save: model must be the model that filled this cache, got {type(model).__name__}")
+        if filled_by is not None and model is not filled_by and model_identity(model) != model_identity(filled_by):
+            raise CacheError(
+                f"Cache.save: this cache was filled by another model (a {type(filled_by).__name__} whose config or "
+                f"weights differ from model='s {type(model).__name__}); a saved cache only loads into the model that "
+                "filled it: pass that model, or none"
+            )
         return persistence.save_cache(self, path, model, key=key)
 
     @classmethod
@@ -368,6 +404,12 @@ class Cache:
     ) -> Cache:
         """Load a saved cache for `model`; a corrupted file, another model, batch size or cache config is a
         `CacheFileError` naming what differs. The round trip is bit-exact (token fingerprint included)."""
+        if device is not None:  # before any work: a device that cannot hold the saved values (meta: shapes only)
+            problem = device_problem(device)
+            if problem is None and torch.device(device).type == "meta":
+                problem = f"device {device!r} holds shapes, not the saved values (load onto 'cpu' or a GPU)"
+            if problem:
+                raise CacheError(f"Cache.load: {problem}")
         saved = persistence.read_saved_cache(path, model, batch_size, cache_config, key=key)
         cache = cls.from_plan(saved.plan, saved.batch_size, device if device is not None else saved.device)
         persistence.fill_saved_cache(cache, saved, model)

@@ -141,8 +141,8 @@ class SequenceState:
         block = self._block
         if block is not None and not torch.compiler.is_compiling() and block.thread != threading.get_ident():
             raise CacheThreadError(
-                f"a block of this cache is open in thread {_thread_name(block.thread)}; thread "
-                f"{_thread_name(threading.get_ident())} cannot feed, commit or abort it (a block belongs to the thread "
+                f"a block of this cache is open in thread {thread_name(block.thread)}; thread "
+                f"{thread_name(threading.get_ident())} cannot feed, commit or abort it (a block belongs to the thread "
                 "that opened it: give each thread its own cache, or hand the cache over once the block is closed)"
             )
         return block
@@ -253,7 +253,7 @@ class SequenceState:
         self.set_tokens(torch.zeros_like(self.seen))
 
 
-def _thread_name(ident: int) -> str:
+def thread_name(ident: int) -> str:
     for t in threading.enumerate():
         if t.ident == ident:
             return f"{t.name!r} ({ident})"

@@ -9,6 +9,7 @@ never takes positions, and it validates everything before the first cache layer 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -261,6 +262,8 @@ class HybridLM(nn.Module):
             cache.abort_block()
             raise
         cache.end_block()
+        if cache.owner is None or cache.owner() is not self:  # the model that fed it: whose identity `save` records
+            cache.owner = weakref.ref(self)
         return logits
 
     def forward_block(self, input_ids: torch.Tensor, cache: Cache, last_only: bool = False) -> torch.Tensor:
