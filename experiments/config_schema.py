@@ -240,6 +240,7 @@ class TrainSchema:
     recall_seq_len: int = 512
     recall_batch_size: int = 4
     recall_max_pairs: int = 24
+    attention_window: int | None = None
     eval_len: int = 512
     eval_windows: int = 64
     probe_windows: int = 8

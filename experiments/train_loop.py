@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+import transformers
 
 from experiments import mqar
 from experiments.train_data import BYTE_OFFSET, Corpus, batch, recall_batch, windows
@@ -64,6 +65,9 @@ class TrainSettings:
     recall_seq_len: int = 512
     recall_batch_size: int = 4
     recall_max_pairs: int = 32
+    # Attention restricted to the last `attention_window` bytes (sliding, q - W < kv <= q) in training and
+    # evaluation, so whatever lies further back must reach the model through its recurrent state. None: full.
+    attention_window: int | None = None
 
     @property
     def total_steps(self) -> int:
@@ -77,6 +81,8 @@ class TrainSettings:
             d.pop(k)
         if not self.recall_steps:
             d = {k: v for k, v in d.items() if not k.startswith("recall_")}
+        if self.attention_window is None:  # runs keyed before the setting existed keep their keys
+            d.pop("attention_window")
         return d
 
     def text_phase(self) -> TrainSettings:
@@ -112,9 +118,24 @@ def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Adam
     )
 
 
+def model_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of `ids` [B, T]; with `config.attention_window` = W, every attention layer sees only the
+    last W positions (a [B, 1, T, T] boolean band: HF's Bamba takes it as is; equal to our Bamba with a sliding
+    cache of window W, checked in tests/app/test_train.py)."""
+    window = getattr(getattr(model, "config", None), "attention_window", None)
+    # HF models: use_cache=False (training needs no cache, and HF's needs an attention layer to count tokens)
+    hf = {"use_cache": False} if isinstance(model, transformers.PreTrainedModel) else {}
+    if not window:
+        return model(ids, **hf).logits
+    t = ids.shape[1]
+    q, kv = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    band = (kv <= q) & (q - kv < window)  # [T, T]
+    return model(ids, attention_mask=band.expand(ids.shape[0], 1, t, t), **hf).logits
+
+
 def next_byte_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-byte cross-entropy (nats) of a [B, T + 1] batch."""
-    logits = model(ids[:, :-1]).logits  # [B, T, V]
+    logits = model_logits(model, ids[:, :-1])  # [B, T, V]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
@@ -123,7 +144,7 @@ def recall_losses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean next-byte cross-entropy of the text rows, mean cross-entropy of the MQAR answers) of a recall-phase
     batch: [B, T + 1] ids, [B, T] answer mask (rows with any answer are MQAR rows)."""
-    logits = model(ids[:, :-1]).logits.float()  # [B, T, V]
+    logits = model_logits(model, ids[:, :-1]).float()  # [B, T, V]
     ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T]
     recall_rows = answers.any(dim=1)
     text = ce[~recall_rows].mean() if (~recall_rows).any() else ce.new_zeros(())
@@ -140,7 +161,7 @@ def mqar_accuracy(model: torch.nn.Module, pairs: int, examples: int, seed: str =
     for _ in range(examples):
         ex = mqar.example(rng, pairs, pairs)
         ids = torch.tensor([list(ex.text)]) + BYTE_OFFSET
-        pred = model(ids).logits[0].argmax(-1)  # pred[i] predicts ids[i + 1]
+        pred = model_logits(model, ids)[0].argmax(-1)  # pred[i] predicts ids[i + 1]
         for at, _ in ex.answers:
             hit += bool(pred[at - 1] == ids[0, at])
             total += 1
@@ -178,7 +199,7 @@ class TrainState:
 
 
 def fresh_state(s: TrainSettings) -> TrainState:
-    model = hf_model(s.arch, s.size, s.seed)
+    model = hf_model(s.arch, s.size, s.seed, s.attention_window)
     return TrainState(model, make_optimizer(model, s))
 
 

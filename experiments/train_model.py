@@ -1,8 +1,10 @@
 """The two architectures experiment=train compares, as HF configs of our families, on a byte vocabulary.
 
 `hybrid`: Bamba (Mamba2 layers with full attention at `attn_layer_indices`). `attention`: Gemma 3 text with every
-layer full attention, at the same width and depth. Both use ByT5's byte vocabulary (256 bytes + 3 specials + 125
-sentinels = 384 ids, as the tiny checkpoints do), so the embedding stays small and any text tokenizes offline.
+layer full attention, at the same width and depth. `recurrent`: the hybrid's twin without attention (Bamba, every
+layer Mamba2): the other end, where everything before the current byte passes through the recurrent state.
+All use ByT5's byte vocabulary (256 bytes + 3 specials + 125 sentinels = 384 ids, as the tiny checkpoints do), so
+the embedding stays small and any text tokenizes offline.
 Both train with HF transformers' own modules (pure-torch paths on CPU) and export with `save_pretrained`.
 """
 
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 import transformers
 
-ARCHS = ("hybrid", "attention")
+ARCHS = ("hybrid", "attention", "recurrent")
 VOCAB = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 
@@ -37,13 +39,13 @@ def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
         tie_word_embeddings=True,
         attn_implementation="sdpa",
     )
-    if arch == "hybrid":
+    if arch in ("hybrid", "recurrent"):
         every = int(size["attention_every"])
         mamba_heads = int(size["mamba_heads"])
         if (2 * d) % mamba_heads:
             raise ArchError(f"2 * hidden ({2 * d}) must be a multiple of mamba_heads ({mamba_heads})")
         # attention in the middle of each group of `every` layers, e.g. every=4, n=8: M M A M M M A M
-        attn = [i for i in range(n) if i % every == every // 2]
+        attn = [i for i in range(n) if i % every == every // 2] if arch == "hybrid" else []
         return transformers.BambaConfig(
             **common,
             attn_layer_indices=attn,
@@ -70,10 +72,17 @@ def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
     raise ArchError(f"experiment.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
-def hf_model(arch: str, size: dict[str, Any], seed: int) -> transformers.PreTrainedModel:
-    """A freshly initialised HF model (HF's own init, seeded) in float32, in training mode."""
+def hf_model(
+    arch: str, size: dict[str, Any], seed: int, attention_window: int | None = None
+) -> transformers.PreTrainedModel:
+    """A freshly initialised HF model (HF's own init, seeded) in float32, in training mode. `attention_window`
+    (recorded in its config, so the export carries it) restricts its attention in training (train_loop.model_logits)."""
     config = hf_config(arch, size)
-    cls = transformers.BambaForCausalLM if arch == "hybrid" else transformers.Gemma3ForCausalLM
+    if attention_window is not None:
+        if isinstance(attention_window, bool) or not isinstance(attention_window, int) or attention_window < 1:
+            raise ArchError(f"attention_window must be a positive integer or null, got {attention_window!r}")
+        config.attention_window = attention_window
+    cls = transformers.Gemma3ForCausalLM if arch == "attention" else transformers.BambaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).to(torch.float32)

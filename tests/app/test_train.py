@@ -196,3 +196,28 @@ def test_the_recall_phase_continues_a_finished_text_run_exactly(corpus, tmp_path
     train(s.text_phase(), corpus, tmp_path / "half", stop_at=3)
     fresh = train(s, corpus, tmp_path / "fresh", text_phase_dir=tmp_path / "half").history
     assert [r["loss"] for r in fresh] == [r["loss"] for r in whole]
+
+
+def test_a_windowed_run_trains_what_our_sliding_cache_computes(corpus, tmp_path):
+    """experiment=train_window: HF's Bamba with the training band mask gives the logits of our Bamba with a sliding
+    cache of the same window (the independent oracle: our cache's pattern, q - W < kv <= q), and not those of full
+    attention; the recurrent twin has no attention layer; the window is part of the run's key."""
+    from experiments.train_loop import model_logits
+
+    state = train(settings(steps=3, attention_window=8), corpus, tmp_path / "w")
+    model = state.model.eval()
+    assert model.config.attention_window == 8
+    model.save_pretrained(tmp_path / "hf")
+    ours = hc.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = model_logits(model, ids)
+        full = model(ids).logits
+    sliding = ours(ids, ours.make_cache(2, {"attention": {"type": "sliding", "window": 8}}))
+    torch.testing.assert_close(sliding, trained, atol=1e-4, rtol=1e-4)
+    assert (full[:, 8:] - trained[:, 8:]).abs().max() > 1e-2  # the window changes what the model computes
+    assert settings(attention_window=8).key() != settings().key() and "attention_window" not in settings().key()
+    twin = train(settings("recurrent", steps=1), corpus, tmp_path / "r").model
+    twin.save_pretrained(tmp_path / "twin")
+    natives = hc.from_pretrained(tmp_path / "twin", dtype=torch.float32).native_layers()
+    assert [n.type for n in natives] == ["mamba2"] * TINY["layers"]
