@@ -66,20 +66,54 @@ def pad_token(model_config: Any, pad_token_id: int | None, eos: torch.Tensor) ->
     return int(eos[0]) if pad is None and eos.numel() else int(pad or 0)
 
 
-def greedy_next(logits: torch.Tensor) -> torch.Tensor:
+def check_finite(top: torch.Tensor, where: str = "", blocked: bool = True) -> None:
+    """GenerationError where a row's largest score `top` [B] is NaN (some score is: max and argmax propagate it), +inf
+    or, with `blocked`, -inf (every token is -inf: none can be chosen); any other -inf is a masked token. A
+    model's non-finite logits (weights loaded with allow_nonfinite=True, an overflow in a low precision) have no
+    next token: greedy would take the first NaN's index (token 0 for an all-NaN row), sampling fails in torch."""
+    if bool(torch.isfinite(top).all()):  # the hot path: one reduction over [B]
+        return
+    bad = ~torch.isfinite(top) if blocked else torch.isnan(top) | (top == float("inf"))
+    if not bool(bad.any()):
+        return
+    rows = bad.nonzero()[:, 0].tolist()
+    v = float(top[rows[0]])
+    kind = "NaN" if v != v else ("+inf" if v > 0 else "-inf for every token")
+    which = f"row {rows[0]}" + (f" (and {len(rows) - 1} more)" if len(rows) > 1 else "")
+    raise GenerationError(
+        f"{where}the logits are not finite ({which}: {kind}): the model's output has no next token (weights "
+        "loaded with allow_nonfinite=True, or an overflow in this dtype?); a logits processor that replaces them "
+        "(e.g. transformers' InfNanRemoveLogitsProcessor) lets generation go on"
+    )
+
+
+def greedy_next(logits: torch.Tensor, where: str | None = None) -> torch.Tensor:
     """logits [B, V].argmax(-1): by the CPU kernel for float32 (torch's answer, ~20x faster on a 262k vocabulary,
-    where torch's argmax takes 2% of a decode step), by torch otherwise."""
+    where torch's argmax takes 2% of a decode step), by torch otherwise. With `where` (the error's prefix), a
+    GenerationError where a row's chosen score is not finite (check_finite: O(B), the argmax found it); None
+    checks nothing (a draft's proposal, which the target verifies)."""
     out = argmax_rows(logits)
-    return out if out is not None else logits.argmax(-1)
+    out = out if out is not None else logits.argmax(-1)
+    if where is not None:
+        check_finite(logits.gather(-1, out[:, None])[:, 0], where)
+    return out
 
 
 def sample_next(
-    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    where: str = "",
 ) -> torch.Tensor:
-    """One token per row [B] from logits [B, V] after temperature, top-k and top-p filtering."""
+    """One token per row [B] from logits [B, V] after temperature, top-k and top-p filtering (GenerationError first
+    where a row is not finite: check_finite)."""
     scores = logits.float()
+    top = scores.amax(-1, keepdim=True)  # [B, 1]
+    check_finite(top[:, 0], where)
     if temperature < 1:  # dividing amplifies: shift each row's maximum to 0 first, so no score overflows to +inf
-        scores = scores - scores.amax(-1, keepdim=True)
+        scores = scores - top
     scores = scores / temperature
     if top_k is not None and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
@@ -107,6 +141,7 @@ class TokenChooser:
         self.processors = list(processors)
         self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
         self.generator = generator
+        self.steps = 0  # logits chosen from so far (the step an error names; greedy decode runs choose their own)
 
     def process(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The logits after every processor, in order."""
@@ -120,9 +155,11 @@ class TokenChooser:
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         scores = self.process(input_ids, logits)
+        self.steps += 1
+        where = f"generation step {self.steps}: "
         if self.do_sample:
-            return sample_next(scores, self.temperature, self.top_k, self.top_p, self.generator)
-        return greedy_next(scores)
+            return sample_next(scores, self.temperature, self.top_k, self.top_p, self.generator, where)
+        return greedy_next(scores, where)
 
     def bind(self, history: Callable[[], torch.Tensor]) -> BoundChooser:
         """This chooser reading the tokens so far from `history()` (what a token source is handed)."""
@@ -140,4 +177,9 @@ class BoundChooser:
         return self.chooser(self.history(), logits)
 
     def process(self, scores: torch.Tensor) -> torch.Tensor:
-        return self.chooser.process(self.history(), scores)
+        """The processed scores (beam search's log-probabilities): GenerationError where a row holds NaN or +inf
+        (a row of -inf is a beam with nothing left to add, not an error)."""
+        scores = self.chooser.process(self.history(), scores)
+        self.chooser.steps += 1
+        check_finite(scores.amax(-1), f"generation step {self.chooser.steps}: ", blocked=False)
+        return scores

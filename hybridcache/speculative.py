@@ -23,7 +23,7 @@ from hybridcache.cache import Cache, CacheConfigError
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.decoding import DEFAULT_PREFILL_CHUNK, GenerationState
 from hybridcache.models.base import GenerationError
-from hybridcache.sampling import greedy_next
+from hybridcache.sampling import check_finite, greedy_next
 
 
 def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
@@ -127,7 +127,7 @@ class SpeculativeSource:
             "draft_calls": 1,
             "rollback": {"target": t_roll.mode, "draft": d_roll.mode},
         }
-        last = greedy_next(logits)  # [B]
+        last = greedy_next(logits, "generation step 1: ")  # [B]
         yield last, logits
         while True:  # the loop stops this generator after its last token
             r = min(k, max_new - state.count - 1)
@@ -155,7 +155,8 @@ class SpeculativeSource:
             else:  # everything accepted: the draft has not seen the last accepted token yet
                 draft_model.run_block(block[:, r:].to(draft_model.device), draft, None, last_only=True)
                 stats["draft_calls"] += 1
-            for j in range(a + 1):
+            for j in range(a + 1):  # the target's own choices: not from logits that are not finite (sampling.py)
+                check_finite(verify[:, j].gather(-1, best[:, j, None])[:, 0], f"generation step {state.count + 1}: ")
                 yield best[:, j], verify[:, j]
             last = best[:, a]
 
