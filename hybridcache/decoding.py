@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from hybridcache.blocks.decode_run import RUN_TOKENS, DecodeRun
+from hybridcache.blocks.decode_run import RUN_TOKENS, DecodeRun, NonFiniteLogits
 from hybridcache.cache import Cache
 from hybridcache.cache.sequence import token_fingerprint
 from hybridcache.models.base import GenerationError, HybridLM, check_cached_columns
+from hybridcache.sampling import greedy_next
 
 # Prompts longer than this are prefilled in pieces of this size unless prefill_chunk_size says otherwise, so no
 # full-length [T, T] mask or score matrix is ever built (sliding/chunked/recurrent memory stays flat in T).
@@ -206,15 +207,21 @@ class DecodeSource:
                 if run is None:
                     break
             base, k = run.steps, min(run.capacity - run.steps, state.generated.shape[1] - state.count)
+            bad = None
             try:
                 tokens, logits = run.greedy(model, int(ids[0, 0]), k, eos, keep)
             except NotImplementedError:
                 if run.steps == 0:  # nothing fed: let go (the step-by-step path feeds the cache itself)
                     self.abandon()
                 break
+            except NonFiniteLogits as e:  # the tokens chosen before it first, then the step's error, as greedy_next's
+                tokens, logits, bad = e.tokens, e.logits, e
             for i in range(tokens.shape[0]):
                 run.steps = base + i + 1  # what the loop took so far was fed: the tokens before this one
                 yield tokens[i : i + 1], logits[i : i + 1] if keep else logits
+            if bad is not None:
+                greedy_next(bad.row[None], f"generation step {state.count + 1}: ")  # raises GenerationError
+                raise AssertionError("hc_decode_steps reported a finite row as not finite")
         self.greedy = None
 
     def _start_run(self, ids: torch.Tensor, state: GenerationState, h: torch.Tensor | None = None) -> DecodeRun | None:

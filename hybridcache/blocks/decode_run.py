@@ -230,8 +230,10 @@ class DecodeRun:
         )  # fmt: skip
         ran = done.value
         self.ids[0, j] = first
-        self.ids[0, j + 1 : j + ran] = tokens[: ran - 1]
+        self.ids[0, j + 1 : j + ran] = tokens[: max(ran - 1, 0)]  # (none when the first step failed)
         self.steps = j + ran
+        if n == -3:
+            raise NonFiniteLogits(tokens[:ran], logits[:ran] if keep else logits, logits[ran] if keep else logits[0])
         if n < 0:
             raise (
                 MemoryError("hc_decode_steps: a layer found no memory for its attention's scratch")
@@ -251,6 +253,15 @@ class DecodeRun:
         if not self.closed:
             self.closed = True
             self.cache.feed_reserved(None)
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A greedy run's step whose chosen logit is not finite (hc_decode_steps -3): the tokens [n] and logits chosen
+    before it, which the caller hands on before it reports the step, and that step's row of logits `row` [V]."""
+
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, row: torch.Tensor) -> None:
+        super().__init__(f"the logits after {tokens.shape[0]} greedy steps are not finite")
+        self.tokens, self.logits, self.row = tokens, logits, row
 
 
 def embedding_form(e: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -22,6 +22,7 @@ import torch
 import hybridcache as hc
 import hybridcache.ops.cpu_kernels as ck
 import hybridcache.ops.cpu_library as cpu_library
+from hybridcache.blocks.decode_run import DecodeRun
 from hybridcache.cache import Cache, CacheError, NativeLayer, offload_storage
 from hybridcache.ops import _native
 from tests.cache.helpers import state_equal
@@ -572,12 +573,32 @@ def test_what_a_logits_processor_makes_of_the_scores_is_checked(poisoned):
     assert int(ban.sequences[0, -1]) != 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="greedy decode runs (batch 1, no processors) choose tokens in C (hc_decode_steps), past the chooser: a "
-    "NaN first seen after step 1 still yields the first NaN's index there (kernel source not in this change)",
-)
 def test_greedy_decode_runs_check_the_logits_too(poisoned):
+    """Greedy decode runs (batch 1, no processors) choose tokens in C (hc_decode_steps); a NaN first seen after step
+    1 is reported there too, after the tokens before it, and the run's cache is let go unchanged."""
     model, step = poisoned("nan-embedding")
     with pytest.raises(hc.models.base.GenerationError, match=f"generation step {step}: the logits are not finite"):
         hc.generate(model, PROMPT, max_new_tokens=4)
+    # a continuation: the greedy C loop takes every step of it (its first token included); the cache is unchanged
+    cache = model.make_cache(1)
+    model(PROMPT[:, :-1], cache)
+    before = cache.snapshot()
+    calls = []
+    real = DecodeRun.greedy
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    DecodeRun.greedy = counted
+    try:
+        with pytest.raises(
+            hc.models.base.GenerationError, match=f"step {step}: the logits are not finite \\(row 0: NaN"
+        ):
+            hc.generate(model, PROMPT, cache=cache, max_new_tokens=4)
+    finally:
+        DecodeRun.greedy = real
+    assert calls, "the greedy C loop did not run"
+    after = cache.snapshot()
+    assert after.columns == before.columns and torch.equal(after.fingerprint, before.fingerprint)
+    assert all(torch.equal(a.tensors[n], b.tensors[n]) for a, b in zip(after.layers, before.layers) for n in a.tensors)

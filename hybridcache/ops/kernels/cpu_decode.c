@@ -1039,8 +1039,9 @@ int hc_decoder_stack(const hc_layer_record *layers, int n, int *failed) {
    of logits, and takes its first largest value as the next token (hc_argmax_rows, as greedy decoding does).
    tokens [steps] gets the tokens, logits [steps, V] each step's logits (keep = 0: every step reuses row 0). Stops
    after `steps` tokens or after a token in eos [n_eos]. Returns the count of tokens; on failure -1 (a layer found
-   no memory for its attention's scratch) or -2 (a token outside the embedding: nothing run for it), with the
-   count of tokens before it in *done. The caller checked every size and pointer (the records as hc_decoder_stack's;
+   no memory for its attention's scratch), -2 (a token outside the embedding: nothing run for it) or -3 (the step's
+   chosen logit is not finite: its row holds a NaN or +inf, or is -inf everywhere), with the count of tokens before
+   it in *done. The caller checked every size and pointer (the records as hc_decoder_stack's;
    the tables, positions and buffers for `steps`). */
 int hc_decode_steps(const hc_layer_record *layers, int n, int from, const int *rope, const float *const *cos_tabs,
                     const float *const *sin_tabs, const int64_t *qpos, int steps, const void *embed, int embed_type,
@@ -1087,6 +1088,7 @@ int hc_decode_steps(const hc_layer_record *layers, int n, int from, const int *r
     }
     linear_any(head_type, h, w_head, out, head_scale, head_bias, 1, V, Dm);
     hc_argmax_rows(out, &tok, 1, V);
+    if (!isfinite(out[tok])) return -3; /* a NaN (argmax takes the first), +inf, or -inf everywhere: no next token */
     tokens[j] = tok;
     *done = j + 1;
     for (int e = 0; e < n_eos; e++)
