@@ -28,7 +28,6 @@ if __name__ == "__main__":
     from experiments.usage import exit_on_usage_error
 
     exit_on_usage_error(sys.argv[1:], CONFIGS)  # a usage error: one line, exit status 2, before torch is imported
-    main()
-    from experiments import EXIT
+    from experiments import run_cli
 
-    sys.exit(EXIT.code)
+    sys.exit(run_cli(main))  # the worst status of the run(s); an OS refusal around them is one line too

@@ -9,6 +9,7 @@ the model was built.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sys
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 
 # re-exported: experiments import these from here
 from experiments.cache_config import cache_config_from_hydra, cache_config_with_notes  # noqa: F401
-from experiments.errors import ReferenceFailed, UserError  # noqa: F401
+from experiments.errors import EnvironmentFailure, ReferenceFailed, UserError, environment_failure, show_path  # noqa: F401
 from experiments.reference_setup import check_reference, identity, make_reference  # noqa: F401
 from experiments.run_context import output_dir, run_title, sweep_group, task_overrides, write_error_result  # noqa: F401
 
@@ -260,6 +261,8 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
         hf_config, native = native_layers_of(Path(checkpoint))
     except (FileNotFoundError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
         raise UserError(f"model: {real_checkpoint_missing(e) or e}") from None
+    except OSError as e:  # the OS refused to read it (a name too long, permission denied): status 4
+        raise (environment_failure(e, "model.checkpoint") or e) from None
     try:
         cache_config, preallocate, notes = cache_config_with_notes(cfg.cache)
         resolve_plan(native, cache_config)  # cache mistakes first, before the tokenizer
@@ -295,7 +298,26 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
         raise UserError(str(e)) from None
     if with_prompts:
         check_reference(cfg, prepared)
+        check_record_path(cfg.get("record"))
     return prepared
+
+
+def check_record_path(record: Any) -> None:
+    """+record=PATH, before any work: a directory, or a path the OS cannot create a file at (under a file, a name too
+    long), is refused now rather than after the run (a full disk can only show when the record is written)."""
+    if record in (None, ""):
+        return
+    if not isinstance(record, str):
+        raise UserError(f"record must be a file path (+record=PATH.jsonl), got {record!r}")
+    path = Path(record).expanduser()
+    try:
+        if path.is_dir():
+            raise UserError(f"record={show_path(record)} is a directory; give a file path ({path / 'refs.jsonl'})")
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+    except OSError as e:
+        raise (environment_failure(e, "record") or e) from None
 
 
 def check_weights(weights: Any, dtype: torch.dtype) -> None:

@@ -18,6 +18,7 @@ from experiments.common import (
     Prepared,
     ReferenceFailed,
     UserError,
+    environment_failure,
     identity,
     load_model,
     make_console,
@@ -27,6 +28,7 @@ from experiments.common import (
 )
 from experiments.correctness_table import prompt_row
 from experiments.report import print_summary, type_bytes, verdict
+from experiments.results import write_text
 from experiments.run_context import RunContext
 
 
@@ -152,8 +154,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         _measure(cfg, ctx, prep, console, tracker, result)
     except BaseException as e:
         result.update(status="crashed", error=f"{type(e).__name__}: {e}", exit_code=1)
-        ctx.write(result)
-        (ctx.out_dir / "console.log").write_text(console.export_text(clear=False))
+        try:  # what it got to; run_experiment records a user error, a failed reference or an OS refusal over it
+            ctx.write(result)
+            write_text(ctx.out_dir / "console.log", console.export_text(clear=False))
+        except OSError:  # a full disk refuses these too: the error itself matters more
+            pass
         tracker.finish()
         raise
     tracker.finish()
@@ -172,7 +177,10 @@ def _checked(cfg, ctx) -> Prepared:
     except UserError:
         raise
     except BaseException as e:
-        ctx.write({**ctx.base("crashed"), "error": f"{type(e).__name__}: {e}", "exit_code": 1})
+        try:
+            ctx.write({**ctx.base("crashed"), "error": f"{type(e).__name__}: {e}", "exit_code": 1})
+        except OSError:  # a full disk: the error itself matters more
+            pass
         raise
 
 
@@ -288,7 +296,10 @@ def _record(cfg, prep: Prepared, checkpoint, reference, refs, ours, plan_records
     }
     if meta["source"] == "hybridcache":
         meta.update(cache=cfg.cache_name, plan=plan_records)
-    recorded = write_jsonl(record, refs if refs is not None and reference.name != "file" else ours, meta)
+    try:
+        recorded = write_jsonl(record, refs if refs is not None and reference.name != "file" else ours, meta)
+    except OSError as e:  # a full disk, /dev/full: one line, status 4; the file is whole or absent (write_jsonl)
+        raise (environment_failure(e, "record", record) or e) from None
     console.print(f"recorded {len(prep.prompts)} generations ({meta['source']}) to {recorded}")
 
 
@@ -334,7 +345,7 @@ def _reference_summary(comparisons, refs, reference, ref_info: dict) -> dict[str
 def _report(ctx, console, tracker, rows, summary, ref_info, lines, plan_records) -> None:
     """The console summary and its log, then W&B: the prompts and plan tables, the summary, the files."""
     print_summary(console, ctx.title, rows, summary, ref_info, lines, tracker, ctx.results_path)
-    (ctx.out_dir / "console.log").write_text(console.export_text(clear=False))
+    write_text(ctx.out_dir / "console.log", console.export_text(clear=False))
     tracker.config({"cache_plan": plan_records})
     columns = list(rows[0])
     tracker.table("prompts", columns, [[r.get(c) for c in columns] for r in rows])

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 from experiments.figure_style import byte_unit, strategy_color  # noqa: E402
+from experiments.results import save_figure  # noqa: E402
 
 SYSTEMS = ("ours (compiled)", "ours (eager)", "hf", "vllm")
 
@@ -86,7 +87,7 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
     legend_rows = -(-len(labels) // columns)
     fig.suptitle("Throughput, ours vs references" + (f"\n{context}" if context else ""), fontsize=9)
     fig.tight_layout(rect=(0, 0.02 + 0.055 * legend_rows, 1, 1))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -126,7 +127,7 @@ def scaling_lines(rows: list[dict], path: Path, context: str = "") -> Path:
         ax.legend(fontsize=8, loc="best")
     fig.suptitle("Long context: each point in its own process" + (f"\n{context}" if context else ""), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

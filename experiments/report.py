@@ -14,6 +14,8 @@ from hydra.experimental.callback import Callback
 from rich.console import Console
 from rich.table import Table
 
+from experiments.results import write_text
+
 
 def format_bytes(n: int | None) -> str:
     from hybridcache.cache.plan import format_bytes as fmt
@@ -271,7 +273,7 @@ class SweepSummary(Callback):
         group = config.logger.get("group") or f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
         console.print(sweep_table(rows, f"sweep {group}: {len(rows)} runs ({sweep_dir})"))
         path = sweep_dir / "sweep_summary.json"
-        path.write_text(json.dumps(rows, indent=2, default=str))
+        write_text(path, json.dumps(rows, indent=2, default=str))
         failed = [r for r in rows if r["status"] != "ok"]
         if any(r.get("same_as") for r in rows):
             console.print(

@@ -1,9 +1,11 @@
-"""The one writer of every experiment's results file (results.json, and the benchmark's / study's own json).
+"""The one writer of every experiment's results file (results.json, and the benchmark's / study's own json), and of
+the other files a run leaves (console.log, figures, the sweep summary).
 
-Each write is atomic: the JSON goes to a temporary file in the same directory, which then replaces the old file with
-`os.replace` (one rename on the same filesystem), so a reader (a sweep summary, a script polling a run) sees either
-the old results or the new ones, never half a file, and a failure mid-write (a value that cannot be serialised, a
-full disk, an interrupt) leaves the old file as it was.
+Each write is atomic (hybridcache.paths.write_atomically): the bytes go to a temporary file in the same directory,
+which then replaces the old file with `os.replace` (one rename on the same filesystem), so a reader (a sweep summary,
+a script polling a run) sees either the old results or the new ones, never half a file, and a failure mid-write (a
+value that cannot be serialised, a full disk, an interrupt) leaves the old file as it was and no temporary file. A new
+file gets the mode a plain open() gives it (0666 & ~umask), an existing one keeps its mode.
 
 Every file carries `"schema_version"` (SCHEMA_VERSION, first key). Its history:
   1: the first versioned schema. Common keys: status (starting | running | ok | failed | error | crashed, by
@@ -13,11 +15,12 @@ A reader that meets a newer version than it knows should say so rather than gues
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from hybridcache.paths import write_atomically
 
 SCHEMA_VERSION = 1
 RESULTS = "results.json"
@@ -26,21 +29,22 @@ RESULTS = "results.json"
 def write_results(out_dir: str | Path, result: dict[str, Any], name: str = RESULTS) -> Path:
     """Write `result` (with schema_version first) to `out_dir/name` atomically; return the path."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / name
     body = {"schema_version": SCHEMA_VERSION, **{k: v for k, v in result.items() if k != "schema_version"}}
     text = json.dumps(body, indent=2, default=str)  # serialised before any file is touched
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_atomically(out_dir / name, text)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """A run's other text output (console.log, a summary), atomically."""
+    return write_atomically(path, text)
+
+
+def save_figure(fig, path: str | Path, **kwargs: Any) -> Path:
+    """`fig.savefig(path, **kwargs)`, drawn in memory first and written atomically (the format from the suffix)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or None, **kwargs)
+    return write_atomically(path, buffer.getvalue())
 
 
 def read_results(path: str | Path) -> dict[str, Any]:

@@ -220,6 +220,7 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
     import matplotlib.pyplot as plt
 
     from experiments.figure_style import place_labels, strategy_color
+    from experiments.results import save_figure
 
     ok = [r for r in rows if not r.get("error")]
     longest = str(max(lengths))
@@ -286,7 +287,7 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
         span = (max(ys) - min(ys)) or abs(max(ys)) or 1.0
         groups = _label_groups(xs, ys, [r["name"] for r in shown], span)
         place_labels(ax, [(x, y) for x, y, _ in groups], [t for _, _, t in groups])
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

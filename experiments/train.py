@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from experiments.common import UserError, quiet_libraries
+from experiments.results import write_text
 from experiments.run_context import RunContext
 from experiments.train_data import DataError, bigram_bits_per_byte, cached_corpus
 from experiments.train_loop import TrainError, TrainSettings, describe, final_eval, mqar_accuracy, train
@@ -151,8 +152,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         result["safetensors_bytes"] = (run_dir / "hf" / "model.safetensors").stat().st_size
     # over the whole run (every session): what a shared machine actually gave, not the last steps' rate
     result["tokens_per_s"] = state.step * s.batch_size * s.seq_len / max(state.seconds, 1e-9)
-    (run_dir / HISTORY).write_text(
-        json.dumps({"arch": s.arch, "history": state.history, "probes": state.probes, "result": result}, default=str)
+    write_text(
+        run_dir / HISTORY,
+        json.dumps({"arch": s.arch, "history": state.history, "probes": state.probes, "result": result}, default=str),
     )
     sibling = settings_from(e, arch=next(a for a in ARCHS if a != s.arch))
     curves = {s.arch: run_dir / HISTORY, sibling.arch: default_run_dir(sibling) / HISTORY}

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.figure_style import strategy_color  # noqa: E402
+from experiments.results import save_figure  # noqa: E402
 
 # what the title line says beyond the caller's (model, data, machine): the weights and the dtype trained in
 TRAINED = "weights: trained by this run from a random init · float32"
@@ -65,7 +66,7 @@ def loss_curve(histories: dict[str, Path], path: Path, title: str) -> Path:
     ax.legend(fontsize=8, ncol=2)
     ax.set_title(f"{title}\n{TRAINED}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hybridcache.paths import write_atomically
 from hybridcache.reference.base import Generation, ReferenceRunner
 
 IDENTITY = ("model_type", "weights", "dtype", "packed_weights")
@@ -21,13 +22,16 @@ class RecordingMismatch(ValueError):
 
 
 def write_jsonl(path: str | Path, generations: list[Generation], meta: dict | None = None) -> Path:
+    """One JSON line per generation, each with `meta`, written whole or not at all (hybridcache.paths.write_atomically:
+    a full disk leaves no partial recording; a new file gets 0666 & ~umask like a plain open)."""
     path = Path(path).expanduser()
+    rows = []
+    for g in generations:
+        row = g.to_json()
+        row["meta"] = {**row.get("meta", {}), **(meta or {})}
+        rows.append(json.dumps(row) + "\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for g in generations:
-            row = g.to_json()
-            row["meta"] = {**row.get("meta", {}), **(meta or {})}
-            f.write(json.dumps(row) + "\n")
+    write_atomically(path, "".join(rows))
     return path
 
 

@@ -40,7 +40,7 @@ def test_a_failure_mid_write_leaves_the_old_file_intact(tmp_path, monkeypatch, b
     if broken == "dumps":
         monkeypatch.setattr(results_module.json, "dumps", boom)
     elif broken == "replace":
-        monkeypatch.setattr(results_module.os, "replace", boom)
+        monkeypatch.setattr(os, "replace", boom)
     else:  # the temporary file's write itself fails after part of the text went out
         real_fdopen = os.fdopen
 
@@ -58,7 +58,7 @@ def test_a_failure_mid_write_leaves_the_old_file_intact(tmp_path, monkeypatch, b
                 self.f.write(text[: len(text) // 2])
                 raise OSError("disk full")
 
-        monkeypatch.setattr(results_module.os, "fdopen", lambda fd, mode: Half(real_fdopen(fd, mode)))
+        monkeypatch.setattr(os, "fdopen", lambda fd, mode: Half(real_fdopen(fd, mode)))
     with pytest.raises(OSError, match="disk full"):
         write_results(tmp_path, {"status": "ok", "step": 2})
     assert path.read_bytes() == before
@@ -123,3 +123,62 @@ def test_every_experiment_writes_through_the_shared_writer():
             if isinstance(n, ast.Call)
         }
         assert "RunContext" in source and calls & {"write", "write_results"}, name
+
+
+# -- modes: a plain open()'s, not mkstemp's 0600 (issue "Reliability, second pass", item 9) -------------------------
+UMASK_SCRIPT = r"""
+import json, os, stat, sys
+from pathlib import Path
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from experiments.results import save_figure, write_results, write_text
+from hybridcache.paths import current_umask
+from hybridcache.reference import Generation, write_jsonl
+
+out = Path(sys.argv[1])
+(out / "kept.json").write_text("{}")
+os.chmod(out / "kept.json", 0o604)  # an existing file keeps its mode, as open(path, "w") keeps it
+os.symlink("target.json", out / "link.json")
+write_results(out, {"status": "ok"})
+write_results(out, {"status": "ok"}, name="kept.json")
+write_results(out, {"status": "ok"}, name="link.json")
+write_text(out / "console.log", "text")
+write_jsonl(out / "rec" / "r.jsonl", [Generation([1], [2], [-0.5], [{2: -0.5}])])
+fig = plt.figure()
+save_figure(fig, out / "figure.png")
+write_results(Path("/dev"), {"status": "ok"}, name="null")  # a device is written in place
+files = [p for p in out.rglob("*") if p.is_file() and not p.is_symlink()]
+modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in files}
+print(json.dumps({"umask": current_umask(), "modes": modes, "link": os.readlink(out / "link.json")}))
+"""
+
+
+@pytest.mark.parametrize("umask", [0o027, 0o002])
+def test_outputs_get_the_mode_a_plain_open_gives_under_the_umask(tmp_path, umask):
+    import stat
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", UMASK_SCRIPT, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.umask(umask),
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["umask"] == umask  # read from /proc/self/status, the process's own
+    new = 0o666 & ~umask
+    assert seen["modes"] == {
+        "results.json": new,
+        "kept.json": 0o604,
+        "target.json": new,  # written through the link, which stays a link
+        "console.log": new,
+        "rec/r.jsonl": new,
+        "figure.png": new,
+    }
+    assert seen["link"] == "target.json"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
