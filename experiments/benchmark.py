@@ -31,7 +31,7 @@ from experiments.benchmark_llamacpp import (
 )
 from experiments.benchmark_systems import hf_phases, ours_phases
 from experiments.benchmark_table import print_tables, summarize, timed_row
-from experiments.common import UserError, cache_config_from_hydra, load_model, make_console, preflight
+from experiments.common import ReferenceFailed, UserError, cache_config_from_hydra, load_model, make_console, preflight
 from experiments.figure_style import cfg_context
 from experiments.plots import log_benchmark, scaling_lines, throughput_bars
 from experiments.roofline import BandwidthProbe, roofline_row, weight_read_bytes
@@ -176,8 +176,14 @@ def vllm_rates(runner, b: DictConfig, vocab: int, max_spread: float) -> list[dic
     times each phase on its own (to every request's first token, then to the last) in at least MIN_REPEATS runs;
     each phase is judged like ours (median, spread, unreliable with a reason)."""
     batches = [prompt_ids(vocab, batch, int(b.prompt_tokens)).tolist() for batch in b.batch_sizes]
+    from hybridcache.reference import ReferenceAnswerError
+
     rows = []
-    for t in runner.time_batches(batches, int(b.new_tokens), max(int(b.repeats), MIN_REPEATS)):
+    try:
+        timings = runner.time_batches(batches, int(b.new_tokens), max(int(b.repeats), MIN_REPEATS))
+    except (RuntimeError, TimeoutError, ReferenceAnswerError) as e:  # the engine's own failure: status 3, one line
+        raise ReferenceFailed(f"the vllm reference failed: {e}") from None
+    for t in timings:
         prefill, decode = judge(t["prefill_samples"], max_spread), judge(t["decode_samples"], max_spread)
         row = timed_row("vllm", t["batch"], b.prompt_tokens, int(b.new_tokens), prefill, decode)
         rows.append({**row, "engine_start_s": runner.engine_seconds})

@@ -95,6 +95,8 @@ def _run_prompts(model, cfg, prep: Prepared, console) -> tuple[list, list, list,
 def _run_reference(reference, prep: Prepared, cfg, console):
     from rich.progress import Progress
 
+    from hybridcache.reference import ReferenceAnswerError
+
     if reference is None:
         return None
     if hasattr(reference, "warmup"):
@@ -105,7 +107,7 @@ def _run_reference(reference, prep: Prepared, cfg, console):
             return reference.generate(
                 prep.prompts, cfg.max_new_tokens, cfg.top_k, progress=lambda: progress.advance(task)
             )
-        except (RuntimeError, TimeoutError) as e:  # the reference's own failure, its root cause first
+        except (RuntimeError, TimeoutError, ReferenceAnswerError) as e:  # its own failure, its root cause first
             raise ReferenceFailed(f"the {reference.name} reference failed: {e}") from None
 
 

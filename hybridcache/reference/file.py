@@ -2,7 +2,9 @@
 
 Every line's `meta` carries the recording's identity: the model type, a fingerprint of the weights (and config),
 the dtype, max_new_tokens, top_k and eos, plus where the generations came from (`source`: hf, vllm, or hybridcache
-with its cache plan). A replay checks that identity and every prompt's token ids before anything is compared.
+with its cache plan). A replay checks every line before anything is compared: each is a well-formed generation
+(`Generation.from_json`), its meta fields have their types, every line has the first line's identity and settings,
+and the identity and every prompt's token ids are this run's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridcache.paths import write_atomically
-from hybridcache.reference.base import Generation, ReferenceRunner
+from hybridcache.reference.base import Generation, MalformedGeneration, ReferenceRunner
 
 IDENTITY = ("model_type", "weights", "dtype", "packed_weights")
 
@@ -33,6 +35,37 @@ def write_jsonl(path: str | Path, generations: list[Generation], meta: dict | No
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, "".join(rows))
     return path
+
+
+#: The types of the meta fields a replay reads (int fields: not bools); other fields are kept as they are.
+META_TYPES: dict[str, tuple[type, ...]] = {
+    "model_type": (str,),
+    "weights": (str,),
+    "dtype": (str,),
+    "packed_weights": (str, type(None)),
+    "max_new_tokens": (int,),
+    "top_k": (int,),
+    "eos_token_id": (int, type(None)),
+    "source": (str,),
+    "checkpoint": (str,),
+    "cache": (str, type(None)),
+    "plan": (list, type(None)),
+}
+
+
+def check_meta(meta: dict[str, Any]) -> None:
+    """Each field a replay reads has its type (a string where an int goes is named here, not met later)."""
+    for key, types in META_TYPES.items():
+        if key not in meta:
+            continue
+        value = meta[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise MalformedGeneration(f"meta.{key} must be {want}, got {type(value).__name__} {value!r:.40}")
+        if key in ("max_new_tokens", "top_k") and value < 1:
+            raise MalformedGeneration(f"meta.{key} must be >= 1, got {value}")
+        if key == "plan" and value is not None and not all(isinstance(r, dict) for r in value):
+            raise MalformedGeneration("meta.plan must be a list of cache-layer records (JSON objects)")
 
 
 def check_identity(path: Path, recorded: dict[str, Any], expect: dict[str, Any]) -> None:
@@ -76,17 +109,39 @@ class FileRunner(ReferenceRunner):
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise FileNotFoundError(f"reference file {self.path} does not exist (record one with +record=PATH.jsonl)")
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise MalformedGeneration(f"{self.path} is not UTF-8 text (byte {e.start}); not a recording") from None
         self.records: dict[tuple[int, ...], Generation] = {}
-        for n, line in enumerate(self.path.read_text().splitlines(), 1):
+        lines: dict[tuple[int, ...], int] = {}
+        first: tuple[int, dict[str, Any]] | None = None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 g = Generation.from_json(json.loads(line))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{self.path}:{n}: not a recorded generation ({e})") from None
-            self.records[tuple(g.prompt)] = g
+                check_meta(g.meta)
+            except (ValueError, RecursionError) as e:  # JSONDecodeError and MalformedGeneration are ValueErrors
+                raise MalformedGeneration(f"{self.path}:{n}: not a recorded generation ({e})") from None
+            if first is None:
+                first = n, g.meta
+            else:  # every line was recorded by the same run: the same identity and settings as the first
+                for key in (*IDENTITY, "max_new_tokens", "top_k", "eos_token_id", "source"):
+                    if g.meta.get(key) != first[1].get(key):
+                        raise RecordingMismatch(
+                            f"{self.path}:{n} was recorded with {key} {g.meta.get(key)!r:.60}, line {first[0]} with "
+                            f"{first[1].get(key)!r:.60}: one recording holds one run's generations"
+                        )
+            key = tuple(g.prompt)
+            if key in self.records and self.records[key].to_json() != g.to_json():
+                raise RecordingMismatch(
+                    f"{self.path}:{n} records prompt {list(key[:8])}... again with another generation than line "
+                    f"{lines[key]}; which one to compare with is not clear"
+                )
+            self.records[key], lines[key] = g, lines.get(key, n)
         if not self.records:
-            raise ValueError(f"{self.path} holds no recorded generations")
+            raise MalformedGeneration(f"{self.path} holds no recorded generations")
         self.meta: dict[str, Any] = dict(next(iter(self.records.values())).meta)
         if expect is not None:
             check_identity(self.path, self.meta, expect)

@@ -8,6 +8,7 @@ memory after we give up on it. A failure is reported by its root cause (the engi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hybridcache.reference.base import Generation, ReferenceRunner
+from hybridcache.reference.base import Generation, MalformedGeneration, ReferenceAnswerError, ReferenceRunner
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 GRACE_SECONDS = 5.0
@@ -210,8 +211,8 @@ class VLLMRunner(ReferenceRunner):
             "engine_args": self.engine_args,
         }
         answer = self._ask(request)
-        self.engine_seconds = answer["engine_seconds"]
-        out = [Generation.from_json(r) for r in answer["results"]]
+        out = generations_from_answer(answer, prompts, max_new_tokens)
+        self.engine_seconds = _seconds(answer, "engine_seconds")
         if progress is not None:
             for _ in out:
                 progress()
@@ -234,8 +235,9 @@ class VLLMRunner(ReferenceRunner):
             "timing": [{"prompts": b} for b in batches],
         }
         answer = self._ask(request)
-        self.engine_seconds = answer["engine_seconds"]
-        return answer["timings"]
+        timings = timings_from_answer(answer, batches, repeats)
+        self.engine_seconds = _seconds(answer, "engine_seconds")
+        return timings
 
     def _ask(self, request: dict) -> dict:
         """Run the worker on one request in its own process group; its answer, or the root cause of its failure."""
@@ -247,7 +249,76 @@ class VLLMRunner(ReferenceRunner):
             )
             if not ans.exists():
                 raise RuntimeError(f"the vLLM subprocess failed (exit {code}): {root_cause(stderr, stdout)}")
-            answer = json.loads(ans.read_text())
+            answer = read_answer(ans.read_bytes(), code)
         if "error" in answer:
             raise RuntimeError(f"vLLM reference: {answer['error']}")
         return answer
+
+
+# -- the worker's answer, checked like any file we read ------------------------------------------------------------
+def read_answer(data: bytes, code: int | None = None) -> dict:
+    """The worker's answer file as a JSON object; anything else (cut short, not JSON) is a ReferenceAnswerError."""
+    exit_note = f", worker exit status {code}" if code is not None else ""
+    try:
+        answer = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ReferenceAnswerError(
+            f"the vLLM worker's answer is not JSON ({len(data)} bytes{exit_note}: {str(e)[:120]}); cut short?"
+        ) from None
+    if not isinstance(answer, dict):
+        raise ReferenceAnswerError(f"the vLLM worker's answer is a JSON {type(answer).__name__}, not an object")
+    if "error" in answer and not isinstance(answer["error"], str):
+        raise ReferenceAnswerError(f"the vLLM worker's error is a {type(answer['error']).__name__}, not a message")
+    return answer
+
+
+def generations_from_answer(answer: dict, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+    """One checked Generation per prompt, in order: as many results as prompts, each for its own prompt, with at
+    most max_new_tokens tokens (Generation.from_json checks types, finite logprobs and lengths)."""
+    results = answer.get("results")
+    if not isinstance(results, list):
+        raise ReferenceAnswerError(f"the vLLM worker's answer has no results list (keys: {sorted(answer)[:8]})")
+    if len(results) != len(prompts):
+        raise ReferenceAnswerError(f"the vLLM worker answered {len(results)} results for {len(prompts)} prompts")
+    out = []
+    for i, (result, prompt) in enumerate(zip(results, prompts)):
+        try:
+            g = Generation.from_json(result)
+        except MalformedGeneration as e:
+            raise ReferenceAnswerError(f"the vLLM worker's result {i}: {e}") from None
+        if g.prompt != list(prompt):
+            raise ReferenceAnswerError(f"the vLLM worker's result {i} is for another prompt than prompt {i}")
+        if len(g.tokens) > max_new_tokens:
+            raise ReferenceAnswerError(
+                f"the vLLM worker's result {i} has {len(g.tokens)} tokens, more than max_new_tokens={max_new_tokens}"
+            )
+        out.append(g)
+    return out
+
+
+def timings_from_answer(answer: dict, batches: list[list[list[int]]], repeats: int) -> list[dict]:
+    """The timing answer checked: one entry per batch, its size, `repeats` finite seconds per phase."""
+    timings = answer.get("timings")
+    if not isinstance(timings, list) or len(timings) != len(batches):
+        got = f"{len(timings)} entries" if isinstance(timings, list) else f"no timings list ({type(timings).__name__})"
+        raise ReferenceAnswerError(f"the vLLM worker's timing answer has {got} for {len(batches)} batches")
+    for i, (t, batch) in enumerate(zip(timings, batches)):
+        if not isinstance(t, dict) or t.get("batch") != len(batch) or isinstance(t.get("batch"), bool):
+            raise ReferenceAnswerError(f"the vLLM worker's timing {i} is not for a batch of {len(batch)} prompts")
+        for phase in ("prefill_samples", "decode_samples"):
+            samples = t.get(phase)
+            if not isinstance(samples, list) or len(samples) != repeats:
+                raise ReferenceAnswerError(f"the vLLM worker's timing {i} needs {repeats} {phase}, got {samples!r:.60}")
+            for j in range(len(samples)):
+                _seconds(samples, j, f"timing {i} {phase}")
+    return timings
+
+
+def _seconds(container, key, what: str | None = None) -> float:
+    value = container[key] if isinstance(container, list) or key in container else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ReferenceAnswerError(
+            f"the vLLM worker's {what or key}{f'[{key}]' if what else ''} must be a finite number of seconds >= 0, "
+            f"got {value!r:.40}"
+        )
+    return float(value)

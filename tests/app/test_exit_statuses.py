@@ -165,3 +165,30 @@ def test_other_errors_are_still_reported_by_hydra(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "Traceback" in err and err.rstrip().endswith("RuntimeError: a bug") and "error: " not in err
     assert "HYDRA_FULL_ERROR" not in os.environ  # put back as it was
+
+
+# -- reference answers (item 7): a live reference answering garbage is status 3; a malformed recording, status 2 -----
+def test_a_live_reference_answering_garbage_is_status_3(app, tmp_path):  # noqa: F811
+    """reference=vllm whose worker answers a truncated JSON (the interpreter is a script that writes one): one line,
+    status 3 (before: a JSONDecodeError traceback, status 1)."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nprintf \'{"results": [{"prompt": [1, 2], "tok\' > "$3"\n')  # argv: worker req ans
+    fake.chmod(0o755)
+    code, results, out, err = app(
+        "model=mamba2", *SHORT[:-1], "reference=vllm", f"reference.python={fake}", "reference.platform=cpu"
+    )
+    assert code == 3 and err.startswith("error: the vllm reference failed: the vLLM worker's answer is not JSON (")
+    assert err.count("\n") == 1 and "Traceback" not in out + err, err
+    assert results["status"] == "error" and results["exit_code"] == 3
+
+
+def test_a_malformed_recording_is_status_2_before_the_model_loads(app, monkeypatch, tmp_path):  # noqa: F811
+    from hybridcache.reference import Generation
+
+    no_model_load(monkeypatch)
+    line = Generation([1, 2], [3], [-0.5], [{3: -0.5}]).to_json()
+    path = tmp_path / "refs.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "tokens": ["3"]}) + "\n")
+    code, _, out, err = app("model=jamba", "reference=file", f"reference.path={path}")
+    assert code == 2 and err.startswith(f"error: {path}:2: not a recorded generation (tokens[0] must be a token id")
+    assert err.count("\n") == 1 and "Traceback" not in out + err, err

@@ -15,8 +15,18 @@ from pathlib import Path
 from hybridcache.cache.errors import CacheError
 from hybridcache.models import ArgumentError, CheckpointError, ConfigError
 from hybridcache.models.base import GenerationError
+from hybridcache.reference import MalformedGeneration, RecordingMismatch, ReferenceAnswerError
 
-NAMED = (CacheError, GenerationError, ConfigError, ArgumentError, CheckpointError)
+NAMED = (
+    CacheError,
+    GenerationError,
+    ConfigError,
+    ArgumentError,
+    CheckpointError,
+    MalformedGeneration,
+    RecordingMismatch,
+    ReferenceAnswerError,
+)
 #: Inputs run per category in this session (conftest.py prints them; HYBRIDCACHE_HOSTILE_COUNTS=<file> writes JSON).
 COUNTS: collections.Counter = collections.Counter()
 SEED = 22  # issue 22; every generator derives its own random.Random from this and its name
