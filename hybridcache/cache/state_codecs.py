@@ -10,6 +10,8 @@ new state is stored encoded, so a lossy format's error enters once per block and
     float8_e4m3fn / float8_e5m2    fp8 values times a float32 scale per group (absmax maps to the format's max)
     int8 / int4            symmetric absmax integers (127 / 7 levels) times a float32 scale per group; int4 packs two
                            values per byte (low nibble first) over the state flattened per row
+    zero                   nothing: the state is dropped after every block (the next block starts from zeros). Not
+                           a format but the control of a study: what the model loses without that state
 
 Groups (`state_group`): `channel` gives one scale per vector along the state's last axis (mamba2 ssm [H, P, N]:
 scales [H, P]); `head` one per index of its first axis (mamba2 / gated_delta: per head; mamba [D, N] and conv
@@ -102,6 +104,21 @@ class DenseStateCodec(StateCodec):
 
     def decode(self, parts, shape, dtype):
         return parts[""]
+
+
+@register_state_codec("zero")
+class ZeroStateCodec(StateCodec):
+    """The ablation: holds nothing (a [B, *lead, 0] placeholder keeps the row count), decodes to zeros."""
+
+    def fields(self, shape, dtype):
+        return {"": ((0,), dtype)}
+
+    def encode(self, x, shape):
+        return {"": x.new_zeros((*x.shape[: x.dim() - len(shape)], 0))}
+
+    def decode(self, parts, shape, dtype):
+        held = parts[""]
+        return held.new_zeros((*held.shape[:-1], *shape), dtype=dtype)
 
 
 class CastStateCodec(StateCodec):

@@ -226,3 +226,24 @@ def test_sensitivity_runs_and_float32_costs_nothing():
             assert r["kl"] == 0 and r["nll_increase"] == 0 and r["max_abs_dlogit"] == 0
         else:
             assert r["kl"] >= 0 and math.isfinite(r["nll_increase"]) and r["max_abs_dlogit"] > 0
+
+
+@pytest.mark.parametrize("family", ["mamba2", "mamba", "recurrentgemma", "qwen3_next", "lfm2"])
+def test_the_zero_codec_drops_every_recurrent_state_after_each_block(family):
+    """`state_codec: zero` (+ quantize_conv: configs/cache/ablate_state.yaml), the control of state studies: a
+    sequence fed in blocks of 4 gives, for each block, the logits the model computes from a fresh cache for the
+    recurrent layers (the independent oracle: that block's states start from zeros) while attention layers keep
+    their keys; on an all-recurrent model, exactly a fresh model run on each block alone. It holds 0 bytes."""
+    model = hc.from_pretrained(tiny_checkpoint(family))
+    ids = torch.randint(3, model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    ablate = {"recurrent": {"state_codec": "zero", "quantize_conv": True}}
+    cache = model.make_cache(2, ablate)
+    got = torch.cat([model(ids[:, i : i + 4], cache) for i in range(0, 12, 4)], dim=1)
+    recurrent = [layer for layer in cache.layers if layer.kind == "recurrent"]
+    assert recurrent and all(layer.nbytes() == 0 for layer in recurrent)
+    if all(n.type != "full" and n.type != "sliding" for n in model.native_layers()):  # no attention: blocks alone
+        alone = torch.cat([model(ids[:, i : i + 4]) for i in range(0, 12, 4)], dim=1)
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    first = model(ids[:, :4])
+    torch.testing.assert_close(got[:, :4], first, atol=1e-5, rtol=1e-5)  # the first block has nothing to lose
+    assert (got[:, 4:] - model(ids)[:, 4:]).abs().max() > 1e-3  # later blocks lose what their states carried
