@@ -65,22 +65,22 @@ def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
     place: there is nothing to rename onto it."""
     path = Path(path)
     data = data.encode() if isinstance(data, str) else data
-    target = Path(os.path.realpath(path)) if path.is_symlink() else path
     try:
-        st = os.stat(target)
+        st = os.stat(path)  # what a plain open() would reach, through any link
     except FileNotFoundError:
         st = None
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    if st is not None and not stat.S_ISREG(st.st_mode):
+    if st is not None and (not stat.S_ISREG(st.st_mode) or _via_dev_or_proc(path)):  # e.g. /dev/stdout to a file
         try:
-            with open(target, "wb") as f:
+            with open(path, "wb") as f:
                 f.write(data)
         except OSError as e:
             if e.errno is not None and e.filename is None:  # a failed write names no file: name the one meant
                 e.filename = str(path)
             raise
         return path
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path  # a link stays; its file is replaced
     mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~current_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:64]}.", suffix=".tmp", dir=target.parent)
     try:
@@ -96,3 +96,16 @@ def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
             e.filename = str(path)
         raise
     return path
+
+
+def _via_dev_or_proc(path: Path) -> bool:
+    """Whether `path` or a link on its way is under /dev or /proc (/dev/stdout -> /proc/self/fd/1 -> a redirected
+    log): such a file is another process's open stream, written in place, never replaced by a new file."""
+    for _ in range(40):  # the kernel's own limit on links followed
+        text = os.path.abspath(path)
+        if text.startswith(("/dev/", "/proc/")):
+            return True
+        if not os.path.islink(text):
+            return False
+        path = Path(os.path.join(os.path.dirname(text), os.readlink(text)))
+    return False

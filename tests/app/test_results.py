@@ -182,3 +182,25 @@ def test_outputs_get_the_mode_a_plain_open_gives_under_the_umask(tmp_path, umask
     }
     assert seen["link"] == "target.json"
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_stream_is_written_in_place_not_replaced(tmp_path):
+    """+record=/dev/stdout: /dev/stdout is a link to /proc/self/fd/1 (a pipe here, a redirected log elsewhere): written
+    through as open() would, never a temporary file beside the link's target (6045e46 failed with ENOENT there)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from hybridcache.paths import write_atomically\n"
+        "print('console', flush=True)\n"
+        "write_atomically('/dev/stdout', 'record\\n')\n"
+        "print('after', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "console\nrecord\nafter\n"
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:  # a redirected log: a regular file reached through /proc, truncated like open() does
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=out, timeout=300, check=True)
+    assert log.read_bytes().endswith(b"after\n") and b"record\n" in log.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt"]  # not replaced: no new file, no temp file
