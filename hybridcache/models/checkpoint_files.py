@@ -1,17 +1,20 @@
 """Where a Hugging Face checkpoint is and what it holds: the directory (or hub download), config.json, the
 safetensors headers (names, shapes, dtypes; sharded too) and the tensors, read without memory-mapping. Every file
-must be inside the checkpoint directory (links out and `..` shard names are refused)."""
+must be inside the checkpoint directory (links out and `..` shard names are refused) and a regular file: a FIFO,
+device, socket or directory under a checkpoint file's name is refused by name before it is opened for reading (a FIFO
+would block the open forever)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -31,6 +34,7 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+MAX_JSON_BYTES = 64 << 20  # config.json is a few KB, the index of a 1T-parameter checkpoint a few MB
 
 
 class CheckpointError(ValueError):
@@ -73,8 +77,14 @@ def resolve_checkpoint(path_or_id: str | Path) -> Path:
 
 def read_json_object(file: Path) -> dict[str, Any]:
     """A JSON file that must hold an object; invalid JSON names the file, line and column."""
+    with open_regular(file, str(file)) as handle:
+        data = handle.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(
+            f"{file} is larger than {MAX_JSON_BYTES >> 20} MiB, more than any JSON file of a checkpoint"
+        )
     try:
-        text = file.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
@@ -86,6 +96,67 @@ def read_json_object(file: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CheckpointError(f"{file} must hold a JSON object, it holds a JSON {type(value).__name__}")
     return value
+
+
+# -- reading only regular files -----------------------------------------------------------------------------------
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str | None:
+    """None for a regular file, else what the file is."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def check_regular(path: Path, what: str) -> Path:
+    """`path` (links followed: check_inside judges where they lead) when it is a regular file; a FIFO, device,
+    socket or directory is a CheckpointError naming `what`, a missing file a FileNotFoundError naming it."""
+    try:
+        kind = _kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} does not exist") from None
+    except OSError as e:  # a link loop, no permission, a name too long
+        raise CheckpointError(f"{what} cannot be read ({e.strerror or type(e).__name__})") from None
+    if kind:
+        raise CheckpointError(f"{what} is {kind}, not a regular file; checkpoint files must be regular files")
+    return path
+
+
+def open_regular(path: Path, what: str) -> BinaryIO:
+    """`path` opened for reading, once it is a regular file: checked by name first, then opened with O_NONBLOCK (a
+    FIFO put there since cannot block the open) and checked again on the descriptor, so the file read is the file
+    checked."""
+    check_regular(path, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointError(f"{what} cannot be opened ({e.strerror or type(e).__name__})") from None
+    try:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind:
+            raise CheckpointError(f"{what} is {kind}, not a regular file (it changed while being opened)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def descriptor_path(handle: BinaryIO, path: Path) -> str:
+    """A name that opens the very file `handle` has open (/proc/self/fd/N, /dev/fd/N) for libraries that take a path
+    (safetensors' safe_open): whatever is put at `path` meanwhile, they read the checked file; `path` where the
+    system has neither."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return f"{folder}/{handle.fileno()}"
+    return str(path)
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -120,9 +191,9 @@ def shard_path(directory: Path, shard: Any, index: Path) -> Path:
             "shards must be relative file names inside it"
         )
     path = Path(inside)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{directory}: shard {shard} listed in {index.name} is missing")
-    return check_inside(directory, path, f"{index}: shard {shard!r}")
+    return check_regular(check_inside(directory, path, f"{index}: shard {shard!r}"), f"{index}: shard {shard!r}")
 
 
 def check_inside(directory: Path, path: Path, what: str) -> Path:
@@ -155,7 +226,8 @@ def checkpoint_files(directory: Path) -> tuple[list[Path], dict[str, Path]]:
     single = directory / "model.safetensors"
     if not single.exists():
         raise FileNotFoundError(f"{directory} has no model.safetensors (or sharded index); only safetensors are read")
-    return [check_inside(directory, single, f"{directory}: model.safetensors")], {}
+    what = f"{directory}: model.safetensors"
+    return [check_regular(check_inside(directory, single, what), what)], {}
 
 
 def read_header(files: list[Path], weight_map: Mapping[str, Path] | None = None) -> dict[str, TensorInfo]:
@@ -163,7 +235,10 @@ def read_header(files: list[Path], weight_map: Mapping[str, Path] | None = None)
     infos: dict[str, TensorInfo] = {}
     for file in files:
         try:
-            with safe_open(file, framework="pt") as handle:
+            with (
+                open_regular(file, str(file)) as held,
+                safe_open(descriptor_path(held, file), framework="pt") as handle,
+            ):
                 for name in handle.keys():
                     sl = handle.get_slice(name)
                     if name in infos:
@@ -182,9 +257,11 @@ def read_header(files: list[Path], weight_map: Mapping[str, Path] | None = None)
     return infos
 
 
-def _data_offsets(file: Path, handle: Any) -> tuple[int, dict[str, tuple[int, int]]]:
+def _data_offsets(file: Path, handle: Any, length: int) -> tuple[int, dict[str, tuple[int, int]]]:
     """Where the data starts in a safetensors file, and each tensor's [begin, end) byte range after it."""
     (size,) = struct.unpack("<Q", handle.read(8))
+    if size > length - 8:  # the file changed since its header was checked
+        raise CheckpointError(f"{file}: header length {size} exceeds the file ({length} bytes)")
     header = json.loads(handle.read(size))
     return 8 + size, {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
 
@@ -201,9 +278,9 @@ def read_tensors(infos: Mapping[str, TensorInfo], names: list[str] | None = None
         by_file.setdefault(infos[name].file, []).append(name)
     state = {}
     for file, names_in_file in by_file.items():
-        length = file.stat().st_size
-        with open(file, "rb") as handle:
-            start, offsets = _data_offsets(file, handle)
+        with open_regular(file, str(file)) as handle:
+            length = os.fstat(handle.fileno()).st_size
+            start, offsets = _data_offsets(file, handle, length)
             for name in names_in_file:
                 info = infos[name]
                 if not isinstance(info.dtype, torch.dtype):
