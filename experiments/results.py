@@ -1,7 +1,7 @@
 """The one writer of every experiment's results file (results.json, and the benchmark's / study's own json), and of
 the other files a run leaves (console.log, figures, the sweep summary).
 
-Each write is atomic (hybridcache.paths.write_atomically): the bytes go to a temporary file in the same directory,
+Each write is atomic (hybridcache.atomic_files.write_output): the bytes go to a temporary file in the same directory,
 which then replaces the old file with `os.replace` (one rename on the same filesystem), so a reader (a sweep summary,
 a script polling a run) sees either the old results or the new ones, never half a file, and a failure mid-write (a
 value that cannot be serialised, a full disk, an interrupt) leaves the old file as it was and no temporary file. A new
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridcache.paths import write_atomically
+from hybridcache.atomic_files import write_output
 
 SCHEMA_VERSION = 1
 RESULTS = "results.json"
@@ -32,19 +32,19 @@ def write_results(out_dir: str | Path, result: dict[str, Any], name: str = RESUL
     body = {"schema_version": SCHEMA_VERSION, **{k: v for k, v in result.items() if k != "schema_version"}}
     text = json.dumps(body, indent=2, default=str)  # serialised before any file is touched
     out_dir.mkdir(parents=True, exist_ok=True)
-    return write_atomically(out_dir / name, text)
+    return write_output(out_dir / name, text)
 
 
 def write_text(path: str | Path, text: str) -> Path:
     """A run's other text output (console.log, a summary), atomically."""
-    return write_atomically(path, text)
+    return write_output(path, text)
 
 
 def save_figure(fig, path: str | Path, **kwargs: Any) -> Path:
     """`fig.savefig(path, **kwargs)`, drawn in memory first and written atomically (the format from the suffix)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or None, **kwargs)
-    return write_atomically(path, buffer.getvalue())
+    return write_output(path, buffer.getvalue())
 
 
 def read_results(path: str | Path) -> dict[str, Any]:

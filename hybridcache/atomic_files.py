@@ -1,5 +1,7 @@
-"""Writing a file the way a careful tool does: all or nothing, never over something that is not a regular file, with
-the mode a plain `open()` would give, and no temp file left behind by a process that was killed mid-write.
+"""Writing a file the way a careful tool does: all or nothing, with the mode a plain `open()` would give, and no temp
+file left behind by a process that was killed mid-write. Two entry points: `write_atomically` for files we own (a
+saved cache: never over anything but a regular file, never through a link) and `write_output` for outputs the user
+names (results, records, figures: as `open(path, "w")` would, /dev/stdout and /dev/full included).
 
 A write goes to a temp file beside the target (same filesystem: the final rename is atomic), created exclusively and
 without following symlinks; it is synced, then renamed onto the target. Temp names are short and fixed in form,
@@ -10,6 +12,7 @@ during a write) and remove them.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -22,19 +25,24 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
 _TEMP = re.compile(r"^\.hc-([0-9a-f]{6})-([0-9]{1,10})-[0-9a-f]{8}\.tmp$")
 
 
-def user_file_mode() -> int:
-    """The mode a new file gets from `open()` under this process's umask (0o666 & ~umask). Read from
-    /proc/self/status on Linux: setting the umask to read it would race with other threads creating files."""
+def current_umask() -> int:
+    """The process's umask, read without changing it (/proc/self/status on Linux). Elsewhere it is set and put back,
+    which a file created by another thread at that instant would see: the fallback only."""
     try:
         with open("/proc/self/status", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
+                    return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
-    mask = os.umask(0o022)
+    mask = os.umask(0o077)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+def user_file_mode() -> int:
+    """The mode a new file gets from `open()` under this process's umask."""
+    return 0o666 & ~current_umask()
 
 
 def check_replaceable(path: Path, error: type[Exception], what: str) -> None:
@@ -101,30 +109,24 @@ def remove_stale_temps(directory: Path) -> list[str]:
     return removed
 
 
-def write_atomically(path: Path, data: bytes | memoryview, error: type[Exception], what: str) -> None:
-    """Write `data` to `path` all or nothing: on any failure (a full disk, an interrupt) the temp file is removed and
-    `path` is unchanged. A new file gets the umask's mode, an existing regular file keeps its own. A refused target
-    raises `error` (`what` names the caller); the OS's own failures (no space, read-only) propagate as OSError."""
-    path = Path(path)
-    check_replaceable(path, error, what)
-    remove_stale_temps(path.parent)
-    tmp = path.parent / f".hc-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+def _replace(target: Path, data: bytes | memoryview, mode: int, recheck=None) -> None:
+    """The temp file beside `target` (our short name, exclusive, never through a link), `mode`, the bytes, synced,
+    renamed onto `target`; on any failure it is removed and `target` is unchanged. `recheck()` runs just before the
+    rename (a target swapped meanwhile)."""
+    remove_stale_temps(target.parent)
+    tmp = target.parent / f".hc-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, 0o600)
     try:
-        try:
-            old = os.stat(path, follow_symlinks=False)
-            mode = stat.S_IMODE(old.st_mode) if stat.S_ISREG(old.st_mode) else user_file_mode()
-        except FileNotFoundError:
-            mode = user_file_mode()
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             fd = -1
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        check_replaceable(path, error, what)  # again: something may have been put there meanwhile
-        os.replace(tmp, path)
+        if recheck is not None:
+            recheck()
+        os.replace(tmp, target)
     except BaseException:
         if fd >= 0:
             os.close(fd)
@@ -133,3 +135,59 @@ def write_atomically(path: Path, data: bytes | memoryview, error: type[Exception
         except FileNotFoundError:
             pass
         raise
+
+
+def write_atomically(path: Path, data: bytes | memoryview, error: type[Exception], what: str) -> None:
+    """Write a file we own (a saved cache) all or nothing: a target that is not a regular file is refused with
+    `error` (`what` names the caller) before anything is written, a symlink at the target is replaced, never
+    followed; a new file gets the umask's mode, an existing regular file keeps its own. The OS's own failures (no
+    space, read-only) propagate as OSError, with nothing left behind."""
+    path = Path(path)
+    check_replaceable(path, error, what)
+    try:
+        old = os.stat(path, follow_symlinks=False)
+        mode = stat.S_IMODE(old.st_mode) if stat.S_ISREG(old.st_mode) else user_file_mode()
+    except FileNotFoundError:
+        mode = user_file_mode()
+    _replace(path, data, mode, lambda: check_replaceable(path, error, what))
+
+
+def write_output(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write an output the user named (results, recordings, figures) as `open(path, "w")` would (a new file gets
+    0666 & ~umask, an existing file keeps its mode, a symlink's target is written) but atomically: a reader sees the
+    old bytes or all the new ones, and a failure (a full disk, an interrupt) leaves the old file as it was and no
+    temp file behind. A path that is not a regular file (/dev/stdout, /dev/full, a pipe) is written in place: there
+    is nothing to rename onto it. OS failures propagate as OSError naming the path."""
+    path = Path(path)
+    data = data.encode() if isinstance(data, str) else data
+    try:
+        st = os.stat(path)  # what a plain open() would reach, through any link
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    try:
+        if st is not None and (not stat.S_ISREG(st.st_mode) or _via_dev_or_proc(path)):  # e.g. /dev/stdout to a file
+            with open(path, "wb") as f:
+                f.write(data)
+            return path
+        target = Path(os.path.realpath(path)) if path.is_symlink() else path  # a link stays; its file is replaced
+        _replace(target, data, stat.S_IMODE(st.st_mode) if st is not None else user_file_mode())
+    except OSError as e:
+        if e.errno is not None and e.filename is None:  # a failed write names no file: name the one meant
+            e.filename = str(path)
+        raise
+    return path
+
+
+def _via_dev_or_proc(path: Path) -> bool:
+    """Whether `path` or a link on its way is under /dev or /proc (/dev/stdout -> /proc/self/fd/1 -> a redirected
+    log): such a file is another process's open stream, written in place, never replaced by a new file."""
+    for _ in range(40):  # the kernel's own limit on links followed
+        text = os.path.abspath(path)
+        if text.startswith(("/dev/", "/proc/")):
+            return True
+        if not os.path.islink(text):
+            return False
+        path = Path(os.path.join(os.path.dirname(text), os.readlink(text)))
+    return False

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridcache.paths import write_atomically
+from hybridcache.atomic_files import write_output
 from hybridcache.reference.base import Generation, MalformedGeneration, ReferenceRunner
 
 IDENTITY = ("model_type", "weights", "dtype", "packed_weights")
@@ -24,7 +24,7 @@ class RecordingMismatch(ValueError):
 
 
 def write_jsonl(path: str | Path, generations: list[Generation], meta: dict | None = None) -> Path:
-    """One JSON line per generation, each with `meta`, written whole or not at all (hybridcache.paths.write_atomically:
+    """One JSON line per generation, each with `meta`, written whole or not at all (atomic_files.write_output:
     a full disk leaves no partial recording; a new file gets 0666 & ~umask like a plain open)."""
     path = Path(path).expanduser()
     rows = []
@@ -33,7 +33,7 @@ def write_jsonl(path: str | Path, generations: list[Generation], meta: dict | No
         row["meta"] = {**row.get("meta", {}), **(meta or {})}
         rows.append(json.dumps(row) + "\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, "".join(rows))
+    write_output(path, "".join(rows))
     return path
 
 

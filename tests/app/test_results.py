@@ -133,7 +133,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from experiments.results import save_figure, write_results, write_text
-from hybridcache.paths import current_umask
+from hybridcache.atomic_files import current_umask
 from hybridcache.reference import Generation, write_jsonl
 
 out = Path(sys.argv[1])
@@ -191,9 +191,9 @@ def test_a_stream_is_written_in_place_not_replaced(tmp_path):
     import sys
 
     code = (
-        "from hybridcache.paths import write_atomically\n"
+        "from hybridcache.atomic_files import write_output\n"
         "print('console', flush=True)\n"
-        "write_atomically('/dev/stdout', 'record\\n')\n"
+        "write_output('/dev/stdout', 'record\\n')\n"
         "print('after', flush=True)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
