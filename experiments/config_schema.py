@@ -241,6 +241,7 @@ class TrainSchema:
     recall_batch_size: int = 4
     recall_max_pairs: int = 24
     attention_window: int | None = None
+    ssm_init: str = "hf"
     eval_len: int = 512
     eval_windows: int = 64
     probe_windows: int = 8

@@ -68,6 +68,9 @@ class TrainSettings:
     # Attention restricted to the last `attention_window` bytes (sliding, q - W < kv <= q) in training and
     # evaluation, so whatever lies further back must reach the model through its recurrent state. None: full.
     attention_window: int | None = None
+    # How the Mamba2 time steps and decays start: "hf" (HF's Bamba init: the state forgets within a few bytes) or
+    # "mamba" (the Mamba2 reference's: dt in [1e-3, 0.1], A in [1, 16]; train_model.mamba_ssm_init).
+    ssm_init: str = "hf"
 
     @property
     def total_steps(self) -> int:
@@ -81,8 +84,10 @@ class TrainSettings:
             d.pop(k)
         if not self.recall_steps:
             d = {k: v for k, v in d.items() if not k.startswith("recall_")}
-        if self.attention_window is None:  # runs keyed before the setting existed keep their keys
+        if self.attention_window is None:  # runs keyed before these settings existed keep their keys
             d.pop("attention_window")
+        if self.ssm_init == "hf":
+            d.pop("ssm_init")
         return d
 
     def text_phase(self) -> TrainSettings:
@@ -199,7 +204,7 @@ class TrainState:
 
 
 def fresh_state(s: TrainSettings) -> TrainState:
-    model = hf_model(s.arch, s.size, s.seed, s.attention_window)
+    model = hf_model(s.arch, s.size, s.seed, s.attention_window, s.ssm_init)
     return TrainState(model, make_optimizer(model, s))
 
 

@@ -10,6 +10,7 @@ Both train with HF transformers' own modules (pure-torch paths on CPU) and expor
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -72,11 +73,36 @@ def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
     raise ArchError(f"experiment.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
+SSM_INITS = ("hf", "mamba")
+
+
+def mamba_ssm_init(model: torch.nn.Module, seed: int) -> int:
+    """Re-initialise every Mamba2 mixer's time steps and decays as the Mamba2 reference does (mamba_ssm's
+    Mamba2.__init__): dt = exp(U(log 1e-3, log 0.1)) floored at 1e-4, dt_bias = softplus^-1(dt); A = U(1, 16),
+    A_log = log A. HF's Bamba init sets dt_bias = 1 (softplus 1.31) and A = 1..H, so a state decays by
+    exp(-A * 1.31) per byte, 0.27 at best: it forgets within a few bytes, and a model trained from it learns to do
+    without its SSM state (measured: zeroing it costs 1e-4 bits/byte). Returns the number of mixers changed."""
+    g = torch.Generator().manual_seed(seed + 7919)
+    mixers = [m for m in model.modules() if hasattr(m, "dt_bias") and hasattr(m, "A_log")]
+    with torch.no_grad():
+        for m in mixers:
+            h = m.dt_bias.shape[0]
+            dt = torch.exp(torch.rand(h, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            dt = dt.clamp(min=1e-4)
+            m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            m.A_log.copy_(torch.log(torch.empty(h).uniform_(1, 16, generator=g)))
+    return len(mixers)
+
+
 def hf_model(
-    arch: str, size: dict[str, Any], seed: int, attention_window: int | None = None
+    arch: str, size: dict[str, Any], seed: int, attention_window: int | None = None, ssm_init: str = "hf"
 ) -> transformers.PreTrainedModel:
     """A freshly initialised HF model (HF's own init, seeded) in float32, in training mode. `attention_window`
-    (recorded in its config, so the export carries it) restricts its attention in training (train_loop.model_logits)."""
+    (recorded in its config, so the export carries it) restricts its attention in training (train_loop.model_logits).
+    `ssm_init="mamba"` re-initialises the Mamba2 time steps and decays as the Mamba2 reference does
+    (mamba_ssm_init)."""
+    if ssm_init not in SSM_INITS:
+        raise ArchError(f"ssm_init must be one of {', '.join(SSM_INITS)}, got {ssm_init!r}")
     config = hf_config(arch, size)
     if attention_window is not None:
         if isinstance(attention_window, bool) or not isinstance(attention_window, int) or attention_window < 1:
@@ -86,6 +112,8 @@ def hf_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).to(torch.float32)
+    if ssm_init == "mamba":
+        mamba_ssm_init(model, seed)
     return model.train()
 
 

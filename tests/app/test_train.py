@@ -221,3 +221,27 @@ def test_a_windowed_run_trains_what_our_sliding_cache_computes(corpus, tmp_path)
     twin.save_pretrained(tmp_path / "twin")
     natives = hc.from_pretrained(tmp_path / "twin", dtype=torch.float32).native_layers()
     assert [n.type for n in natives] == ["mamba2"] * TINY["layers"]
+
+
+def test_the_mamba_ssm_init_gives_states_that_remember():
+    """ssm_init="mamba" (experiment=train_window): every Mamba2 mixer's time step and decay drawn as the Mamba2
+    reference draws them (dt in [1e-3, 0.1], A in [1, 16]), so a state keeps most of itself for many bytes; HF's
+    Bamba init decays each state by exp(-A * softplus(1)) <= 0.27 per byte. Seeded: the same seed, the same init."""
+    from experiments.train_model import hf_model
+
+    def mixer(model):
+        mixers = [m for m in model.modules() if hasattr(m, "dt_bias")]
+        assert len(mixers) == 1  # TINY: attention_every 2, layers 2 -> M A
+        return mixers[0]
+
+    def decays(m):  # per-byte decay of each head at a zero input-dependent time step: exp(A * softplus(dt_bias))
+        return torch.exp(-m.A_log.detach().exp() * torch.nn.functional.softplus(m.dt_bias.detach()))
+
+    assert float(decays(mixer(hf_model("hybrid", TINY, 0))).max()) < 0.28
+    a, b = hf_model("hybrid", TINY, 0, ssm_init="mamba"), hf_model("hybrid", TINY, 0, ssm_init="mamba")
+    m = mixer(a)
+    dt, A = torch.nn.functional.softplus(m.dt_bias.detach()), -m.A_log.detach().exp()
+    assert bool(((dt >= 1e-4 * 0.999) & (dt <= 0.1 * 1.001)).all()) and bool(((A <= -1) & (A >= -16)).all())
+    assert float(decays(m).max()) > 0.9  # at least one head keeps 90% of itself per byte
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert "ssm_init" not in settings().key() and settings(ssm_init="mamba").key()["ssm_init"] == "mamba"
