@@ -187,6 +187,8 @@ class StudySchema:
     name: str = "study"
     smoke: bool = False
     reference: str = "native"
+    controls: bool = True
+    insensitive_kl: float = 1.0e-3
     only: list[str] | None = None  # null: every strategy
     text: str = "pydoc"
     documents: int = 1

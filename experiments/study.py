@@ -44,7 +44,15 @@ from experiments.study_eval import (
     teacher_forced,
 )
 from experiments.study_report import log_study, pareto_plot, print_ruler_table, print_table, verdict
-from experiments.study_strategies import compresses_after_prefill, plan_or_error, probed, references, strategy_configs
+from experiments.study_strategies import (
+    CONTROLS,
+    compresses_after_prefill,
+    control_for,
+    plan_or_error,
+    probed,
+    references,
+    strategy_configs,
+)
 from experiments.study_summary import mqar_samples, mqar_summary, peak_bytes, ruler_samples, ruler_summary, summarize
 from hybridcache.tracking import Tracker
 
@@ -98,6 +106,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             rows[name] = {"name": name, "config": config, "error": error}
     native_plan = plans[ref_name]
     same = {n for n, p in plans.items() if p is not None and n != ref_name and not p.changed(native_plan)}
+    for name in same & set(CONTROLS.values()):  # a control of a part this model lacks (no recurrent layers)
+        del configs[name], plans[name]
+    same -= set(CONTROLS.values())
     compute = [n for n in configs if n not in rows and n not in same]
     after_prefill = {n for n in compute if n != ref_name and compresses_after_prefill(plans[n])}
     blockwise = [n for n in compute if n not in after_prefill]
@@ -226,9 +237,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for name in same:
         rows[name] = {**rows[ref_name], "name": name, "config": configs[name], "same_plan": True}
     ordered = [rows[n] for n in configs]
+    insensitive = float(e.get("insensitive_kl", 1e-3))
     for r in ordered:
         r.update(references(e, r["name"]))
-        r["verdict"] = verdict(r, rows[ref_name], random_weights)
+        control = control_for(plans[r["name"]], native_plan) if plans.get(r["name"]) is not None else None
+        control_row = rows.get(control) if control not in (None, r["name"]) else None
+        if control_row is not None and not control_row.get("error"):
+            r["control"] = control
+        r["verdict"] = verdict(r, rows[ref_name], random_weights, control_row, insensitive)
 
     title = (
         f"study: {cfg.model.family}{' (random weights)' if random_weights else ''}, text '{e.text}', "

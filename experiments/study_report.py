@@ -26,8 +26,43 @@ def headline(row: dict[str, Any]) -> tuple[str, float, float, str]:
     return longest, row["continuation_kl"][longest], row["continuation_ppl"][longest], f"after a {longest}-token prompt"
 
 
-def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -> str:
-    """A one-line, conservative reading of a strategy's numbers against native's."""
+PARTS = {
+    "ablate_state": "recurrent states",
+    "ablate_ssm": "SSM / LRU / delta-rule states",
+    "ablate_attention": "attention beyond the current block",
+}
+
+
+def control_reading(row: dict[str, Any], control: dict[str, Any], kl: float, insensitive_kl: float) -> tuple[str, bool]:
+    """(what the strategy's KL means next to its control's, whether the model is insensitive to that part): the
+    control drops the part of the cache the strategy changes; below `insensitive_kl` the model barely uses it, and a
+    small effect there is no evidence that the strategy is free."""
+    part = PARTS.get(control["name"], control["name"])
+    key = "kl" if row["ppl"] and control["ppl"] else "continuation_kl"
+    values = control.get(key) or {}
+    longest = str(max(int(k) for k in values)) if values else None
+    ckl = values.get(longest) if longest else None
+    if ckl is None or not math.isfinite(ckl):
+        return f"control {control['name']} not measured", False
+    row["control_kl"] = ckl
+    if ckl < insensitive_kl:
+        return (
+            f"NO CONCLUSION: the model barely uses its {part} (dropping them, {control['name']}, costs KL "
+            f"{ckl:.2g} < {insensitive_kl:g}), so a small effect here does not show the strategy is free"
+        ), True
+    share = kl / ckl if ckl > 0 else float("inf")
+    return f"{share:.1%} of the KL of dropping its {part} ({control['name']}: KL {ckl:.3g})", False
+
+
+def verdict(
+    row: dict[str, Any],
+    native: dict[str, Any],
+    random_weights: bool,
+    control: dict[str, Any] | None = None,
+    insensitive_kl: float = 1e-3,
+) -> str:
+    """A one-line, conservative reading of a strategy's numbers against native's, and against its control's (the
+    ablation of the part of the cache it changes), when there is one."""
     if row.get("error"):
         return f"unavailable: {row['error']}"
     if row["name"] == native["name"]:
@@ -38,9 +73,12 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
         return "compresses after the prefill: measured by kvpress's protocol, which is off (experiment.continuation=0)"
     longest, kl, ppl, where = headline(row)
     d_ppl = ppl / (native["ppl"] if row["ppl"] else native["continuation_ppl"])[longest] - 1
+    reading, insensitive = control_reading(row, control, kl, insensitive_kl) if control else ("", False)
     pk, pk_native = row["passkey_acc"], native["passkey_acc"]
     diverged = [int(L) for L, step in row["greedy_diverges_at"].items() if step is not None]
     parts = ["compresses after the prefill (kvpress's protocol)"] if row.get("protocol") == "prefill" else []
+    if insensitive:
+        parts.insert(0, reading)
     if kl < EXACT_KL and not diverged and (pk is None or pk >= pk_native):
         parts.append(
             "exact: same as native (up to float rounding)"
@@ -72,6 +110,8 @@ def verdict(row: dict[str, Any], native: dict[str, Any], random_weights: bool) -
             parts.append(f"keeps MQAR recall ({row['mqar_acc']:.0%} vs native {native['mqar_acc']:.0%})")
     if row.get("ruler_mean") is not None and native.get("ruler_mean") is not None and not random_weights:
         parts.append(f"RULER {row['ruler_mean']:.0f} vs native {native['ruler_mean']:.0f}")
+    if reading and not insensitive:
+        parts.append(reading)
     if row["bytes_ratio"] < 0.999:
         parts.append(f"holds {row['bytes_ratio']:.0%} of native's bytes")
     elif row["bytes_ratio"] > 1.001:

@@ -7,13 +7,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybridcache.cache import resolve_plan
+from hybridcache.cache import get_layer_class, resolve_plan
+
+#: The controls (issue 40): each drops one part of the cache, so a strategy's effect on that part can be read against
+#: what the model loses without it. Which part a strategy touches is read from its plan (`control_for`).
+CONTROLS = {"recurrent": "ablate_state", "ssm": "ablate_ssm", "attention": "ablate_attention"}
 
 
 def strategy_configs(e: DictConfig) -> dict[str, dict[str, Any]]:
-    """Name -> cache config, the reference strategy first (added as the native `{}` when not listed)."""
+    """Name -> cache config, the reference strategy first (added as the native `{}` when not listed); with
+    `controls` on, the control strategies too (those the model has no layers for are dropped later, by plan)."""
     raw = OmegaConf.to_container(e.strategies, resolve=True) or {}
     only = list(e.only) if e.get("only") else None
+    if only is not None and e.get("controls", True):
+        only += [c for c in CONTROLS.values() if c in raw and c not in only]
     if only:
         unknown = [n for n in only if n not in raw and n != e.reference]
         if unknown:
@@ -24,6 +31,20 @@ def strategy_configs(e: DictConfig) -> dict[str, dict[str, Any]]:
         if name != ref and (only is None or name in only):
             out[name] = config or {}
     return out
+
+
+def control_for(plan, native_plan) -> str | None:
+    """The control of a strategy: the ablation of the part of the cache its plan changes: attention, the recurrent
+    states without the conv states (a state codec that leaves them dense: ablate_ssm), or all recurrent states;
+    None when it changes both kinds or neither."""
+    changed = [b for a, b in zip(native_plan.layers, plan.layers) if a != b]
+    kinds = {get_layer_class(b.type).kind for b in changed}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind == "recurrent" and not any(getattr(b.spec, "quantize_conv", True) for b in changed):
+        return CONTROLS["ssm"]
+    return CONTROLS[kind]
 
 
 def probed(e: DictConfig, section: str, compute: list[str]) -> list[str]:

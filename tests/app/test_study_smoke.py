@@ -60,7 +60,16 @@ def test_study_smoke(tmp_path):
         "int4_first2_dense",
         "snapkv_50",
         "no_such_type",
+        "ablate_attention",  # the control of attention strategies (no recurrent layers: no state controls)
     }
+    # the control: attention limited to the current block (smoke: 32 tokens) is a different model past it; a
+    # strategy changing attention reads its KL against it
+    assert rows["ablate_attention"]["config"] == {"attention": {"type": "chunked", "chunk_size": 32}}
+    assert rows["ablate_attention"]["kl"][str(max(data["lengths"]))] > 1e-3
+    assert (
+        rows["sliding_16"]["control"] == "ablate_attention"
+        and "of the KL of dropping its attention" in (rows["sliding_16"]["verdict"])
+    )
     assert "unavailable" in rows["no_such_type"]["verdict"] and "no_such_type" in rows["no_such_type"]["error"]
     native, longest = rows["native"], str(max(data["lengths"]))
     assert native["kl"][longest] == 0 and native["bytes_ratio"] == 1 and native["passkey_trials"] == 4
@@ -128,3 +137,34 @@ def test_study_smoke(tmp_path):
     assert sum(n for _, n in native["mqar_by_distance"].values()) == 8 and "MQAR" in result.stdout
     assert (out / "study_pareto.png").stat().st_size > 1000
     assert data["wandb_dir"] and Path(data["wandb_dir"]).is_dir()
+
+
+def _study(tmp_path, model, only, *extra):
+    env = {**os.environ, "WANDB_MODE": "offline", "HYBRIDCACHE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / f"out-{model}"
+    result = subprocess.run(
+        [sys.executable, "run.py", "experiment=study", f"model={model}", "experiment.smoke=true",
+         f"experiment.only=[{','.join(only)}]", "experiment.ruler.tasks=[]", "experiment.passkey.lengths=[]",
+         "experiment.mqar.pairs=[]", f"hydra.run.dir={out}", *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {r["name"]: r for r in json.loads((out / "study.json").read_text())["strategies"]}
+
+
+def test_a_model_that_ignores_its_ssm_state_gets_no_conclusion_from_a_state_codec(tmp_path):
+    """The controls run by default. The shipped trained_hybrid does not use its Mamba2 SSM states (dropping them
+    after every block costs KL ~1e-7): its int8 states look free, and the study says that is no conclusion. A tiny
+    random jamba loses ~3e-5 without its SSM states: above a threshold set below that, the same strategy is read
+    against its control, not flagged."""
+    rows = _study(tmp_path, "trained_hybrid", ["native", "state_int8"])
+    assert {"ablate_state", "ablate_ssm", "ablate_attention"} <= set(rows)
+    assert rows["state_int8"]["control"] == "ablate_ssm" and rows["state_int8"]["control_kl"] < 1e-3
+    assert rows["state_int8"]["verdict"].startswith("NO CONCLUSION: the model barely uses its SSM")
+    assert rows["ablate_state"]["kl"]["160"] > 1e-3  # the conv states (last 3 bytes) it does use
+    rows = _study(tmp_path, "jamba", ["native", "state_int8"], "experiment.insensitive_kl=1e-6")
+    assert rows["state_int8"]["control"] == "ablate_ssm" and rows["state_int8"]["control_kl"] > 1e-6
+    assert (
+        "NO CONCLUSION" not in rows["state_int8"]["verdict"]
+        and "of the KL of dropping its SSM" in (rows["state_int8"]["verdict"])
+    )
