@@ -55,6 +55,10 @@ def scaled_options(scale: int) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 METRICS = ("kl", "nll_increase")
+#: Per-layer controls (issue 40): the ablation of the part a layer's options change. A layer whose control costs
+#: less than INSENSITIVE_KL is one the model barely uses: cheap options there are no evidence that they are free.
+CONTROL = {"recurrent": {"state_codec": "zero"}, "attention": {"type": "sliding", "window": 1}}
+INSENSITIVE_KL = 1e-3
 
 
 def _progress(console: Console | None) -> Progress:
@@ -90,9 +94,15 @@ def measure_costs(
     rows, out = [], []
     todo = [(t, o) for t in tables for o in t.options if o.entry]
     with _progress(console) as progress:
-        task = progress.add_task("per-layer sensitivity (one layer changed per run)", total=len(todo))
+        task = progress.add_task("per-layer sensitivity (one layer changed per run)", total=len(todo) + len(tables))
         for t in tables:
             costs = {}
+            # the layer's control: what the model loses without this part of the cache (its recurrent state dropped
+            # after every block; its attention limited to the token itself), beside every option's cost
+            control = compare_logits(
+                ref, stepwise_logits(model, ids, prompt_len, {"layers": {t.address: CONTROL[t.kind]}}), targets
+            )
+            progress.advance(task)
             for o in t.options:
                 if not o.entry:  # the native option: the reference itself
                     m = {"kl": 0.0, "nll_increase": 0.0, "max_abs_dlogit": 0.0}
@@ -101,7 +111,17 @@ def measure_costs(
                     m = compare_logits(ref, got, targets)
                     progress.advance(task)
                 costs[o.name] = m[metric]
-                rows.append({"layer": t.address, "kind": t.kind, "option": o.name, "bytes": o.nbytes, **m})
+                rows.append(
+                    {
+                        "layer": t.address,
+                        "kind": t.kind,
+                        "option": o.name,
+                        "bytes": o.nbytes,
+                        **m,
+                        "control_kl": control["kl"],
+                        "insensitive": control["kl"] < INSENSITIVE_KL,  # its costs say nothing about the options
+                    }
+                )
             out.append(t.with_costs(costs))
     return out, rows
 
@@ -266,6 +286,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for name, why in t.skipped.items():
             console.print(f"layer {t.address}: option {name} skipped: {why}")
     tables, sens = measure_costs(model, ids, args.prompt, tables, args.metric, console)
+    for layer, kl in sorted({(r["layer"], r["control_kl"]) for r in sens if r["insensitive"]}):
+        console.print(
+            f"layer {layer}: dropping its cache (the control) costs KL {kl:.2g} < {INSENSITIVE_KL:g}: the model "
+            "barely uses it, so its options' low costs say nothing about them"
+        )
     rows = evaluate(model, ids, args.prompt, tables, budget_sweep(tables, args.budgets), console)
     steps = args.tokens - args.prompt - 1
     title = f"{Path(args.model).name} ({args.text} text): {args.prompt}-token prompt + {steps} decode steps"

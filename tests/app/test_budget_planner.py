@@ -130,3 +130,24 @@ def test_end_to_end_on_tiny_jamba():
     assert any(r["on_front"] for r in rows)
     with pytest.raises(BudgetTooSmall, match=str(front.min_nbytes)):
         plan_budget(tables, front.min_nbytes - 1)
+
+
+def test_every_layer_is_measured_beside_its_control():
+    """Each (layer, option) row carries the layer's control (its recurrent state dropped after every block, its
+    attention limited to the token itself). The shipped trained_hybrid barely uses its Mamba2 SSM states, so those
+    layers are flagged insensitive; its attention layers are not (the control there is the independent oracle of
+    what a layer's cache matters: the same stepwise feeding with that layer ablated)."""
+    from hybridcache.real_checkpoints import real_checkpoint
+
+    model = hc.from_pretrained(real_checkpoint("trained_hybrid"))
+    text = b"The quick brown fox jumps over the lazy dog. " * 2
+    ids = torch.tensor([[b + 3 for b in text]])  # ByT5: byte + 3
+    options = {
+        "attention": {"sliding4": {"type": "sliding", "window": 4}},
+        "recurrent": {"int8": {"state_codec": "int8"}},
+    }
+    tables = build_tables(model.native_layers(), options, Scenario(1, 48, ids.shape[1] - 1))
+    _, rows = measure_costs(model, ids, 48, tables)
+    by_kind = {k: [r for r in rows if r["kind"] == k] for k in ("recurrent", "attention")}
+    assert by_kind["recurrent"] and all(r["insensitive"] and r["control_kl"] < 1e-3 for r in by_kind["recurrent"])
+    assert by_kind["attention"] and all(not r["insensitive"] for r in by_kind["attention"])
