@@ -69,7 +69,10 @@ class GatedDeltaNetMixer(nn.Module):
             self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, padding=conv_kernel - 1, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, num_v_heads + 1, dtype=torch.float32)))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, dtype=torch.float32))  # a factory: on meta at loading
+        if not self.A_log.is_meta:
+            with torch.no_grad():
+                self.A_log.copy_(torch.arange(1, num_v_heads + 1, dtype=torch.float32).log())
         self.norm = GatedHeadNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
 

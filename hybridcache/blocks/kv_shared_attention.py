@@ -34,7 +34,9 @@ def layer_rotary(hf_config: dict, params: dict, head_dim: int) -> RotaryEmbeddin
         return RotaryEmbedding(*rope_frequencies(hf_config, params, head_dim))
     rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
     inv_freq = 1.0 / params["rope_theta"] ** (torch.arange(0, 2 * rotated, 2).float() / head_dim)
-    return RotaryEmbedding(torch.cat([inv_freq, torch.zeros(head_dim // 2 - rotated)]) / params.get("factor", 1.0))
+    return RotaryEmbedding(
+        torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - rotated)]) / params.get("factor", 1.0)
+    )
 
 
 class KVSharedAttention(nn.Module):

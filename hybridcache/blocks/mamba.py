@@ -51,8 +51,12 @@ class MambaMixer(nn.Module):
         )
         self.x_proj = nn.Linear(intermediate, dt_rank + 2 * state_size, bias=False)
         self.dt_proj = nn.Linear(dt_rank, intermediate, bias=True)
-        a = torch.arange(1, state_size + 1, dtype=torch.float32).repeat(intermediate, 1)  # [Di, N]
-        self.A_log = nn.Parameter(torch.log(a))
+        # made by a factory (so a load builds it on the meta device: [Di, N] may be gigabytes from a forged config),
+        # then S4D-real initialised, log(1..N) per channel, where it is real
+        self.A_log = nn.Parameter(torch.empty(intermediate, state_size, dtype=torch.float32))
+        if not self.A_log.is_meta:
+            with torch.no_grad():
+                self.A_log.copy_(torch.arange(1, state_size + 1, dtype=torch.float32).log().expand(intermediate, -1))
         self.D = nn.Parameter(torch.ones(intermediate))
         self.out_proj = nn.Linear(intermediate, hidden, bias=proj_bias)
         if inner_norms:

@@ -85,7 +85,7 @@ def layer_rotary(cfg: Lfm3Config, kind: str) -> RotaryEmbedding:
         return RotaryEmbedding(*rope_frequencies(cfg.to_dict(), params, hd))
     rotated = int(params.get("partial_rotary_factor", 1.0) * hd // 2)
     inv_freq = 1.0 / params["rope_theta"] ** (torch.arange(0, 2 * rotated, 2).float() / hd)
-    inv_freq = torch.cat([inv_freq, torch.zeros(hd // 2 - rotated)]) / params.get("factor", 1.0)
+    inv_freq = torch.cat([inv_freq, inv_freq.new_zeros(hd // 2 - rotated)]) / params.get("factor", 1.0)
     return RotaryEmbedding(inv_freq)
 
 
