@@ -13,9 +13,8 @@ from hybridcache.models.base import HybridLM
 from hybridcache.models.family_config import ArgumentError, ConfigError, FamilyConfig, flag_problems
 from hybridcache.models.loading import (
     CheckpointError,
-    check_checkpoint,
+    build_for_checkpoint,
     check_load_arguments,
-    empty_model,
     load_checkpoint,
     read_config,
     resolve_checkpoint,
@@ -40,10 +39,11 @@ def from_pretrained(
     """Load a Hugging Face checkpoint (local directory, or hub id where reachable) into our implementation.
 
     The config is validated (ConfigError names every bad field), the model is built without allocating its
-    weights and checked against the checkpoint's tensor names and shapes (CheckpointError) before any tensor is
-    read. Tensors with NaN/Inf values or of a non-float dtype where floats are expected are refused unless
-    `allow_nonfinite` / `allow_dtype_cast`. Arguments are checked first (flags must be bools, the device must be
-    usable here): an `ArgumentError` (a ConfigError) lists every bad one before anything is read.
+    weights, within what the checkpoint's headers hold (a config describing more is a ConfigError naming the
+    fields), and checked against the checkpoint's tensor names and shapes and the memory there is (CheckpointError)
+    before any tensor is read. Tensors with NaN/Inf values or of a non-float dtype where floats are expected are
+    refused unless `allow_nonfinite` / `allow_dtype_cast`. Arguments are checked first (flags must be bools, the
+    device must be usable here): an `ArgumentError` (a ConfigError) lists every bad one before anything is read.
 
     Speed (hybridcache/blocks/linear.py): q/k/v and gate/up projections run as one matmul each; with
     `decode_kernel` every projection of a few float32 rows on CPU (a decode step) runs on a weight-streaming kernel
@@ -71,11 +71,7 @@ def from_pretrained(
     directory = resolve_checkpoint(path_or_hub_id)
     config = read_config(directory)
     cls = model_class(config.get("model_type"))
-    typed = cls.config_class.from_hf(config, source=str(directory / "config.json"))
-    model, on_meta = empty_model(lambda: cls(typed))
-    if not on_meta:  # something the checkpoint cannot fill would stay on meta: check first, then build for real
-        check_checkpoint(model, directory, allow_dtype_cast)
-        model = cls(typed)
+    model = build_for_checkpoint(cls, config, directory, allow_dtype_cast)  # bounded by the checkpoint's headers
     load_checkpoint(model, directory, dtype, device, allow_nonfinite, allow_dtype_cast)
     model = model.to(device=device, dtype=dtype).eval()
     model.fuse_projections()

@@ -65,12 +65,15 @@ def param(
     aliases: tuple[str, ...] = (),
 ) -> Any:
     """A config field: its HF default (none = required), `positive` / `nonnegative` for numbers (and for every
-    entry of a list), `choices` allowed for a string (or every entry of a list), `aliases` other HF key names."""
+    entry of a list), `choices` allowed for a string (or every entry of a list), `aliases` other HF key names.
+    Infinite floats are refused unless the default holds one (time_step_limit's [0, inf])."""
+    defaults = default if isinstance(default, (list, tuple)) else [default]
     meta = {
         "positive": positive,
         "nonnegative": nonnegative,
         "choices": tuple(choices) if choices else None,
         "aliases": tuple(aliases),
+        "infinite": any(isinstance(v, float) and math.isinf(v) for v in defaults),
     }
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -157,6 +160,8 @@ def _constraint_problem(name: str, value: Any, meta: Mapping[str, Any]) -> str |
         return f"{name} must be >= 0, got {value!r}"
     if any(isinstance(v, float) and math.isnan(v) for v in numbers):
         return f"{name} is NaN"
+    if not meta.get("infinite") and any(isinstance(v, float) and math.isinf(v) for v in numbers):
+        return f"{name} must be finite, got {value!r}"
     if any(isinstance(v, int) and not -(2**63) <= v < 2**63 for v in numbers):  # torch sizes and ids are int64
         return f"{name} is out of the int64 range, got {value!r}"
     return None
@@ -260,6 +265,25 @@ class FamilyConfig:
         """Plain dict for model code: the HF keys we do not model (extras) overlaid with the typed fields."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {**getattr(self, "extras", {}), **{k: list(v) if isinstance(v, list) else v for k, v in fields.items()}}
+
+
+def limit_problems(cls: type[FamilyConfig], config: Any, limits: Mapping[str, tuple[int, str]]) -> list[str]:
+    """Fields of a raw HF config (under their aliases too, and in a nested text_config) whose int value exceeds
+    its limit in `limits` (field name -> (largest allowed value, why)). Checked before `from_hf`, whose derived
+    values (a layer list per num_hidden_layers) would otherwise be built first."""
+    if not isinstance(config, Mapping):
+        return []
+    levels = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), Mapping) else [])
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for name, (limit, why) in limits.items():
+        keys = (name, *(fields[name].metadata.get("aliases", ()) if name in fields else ()))
+        for raw in levels:
+            for key in keys:
+                value = raw.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                    out.append(f"{key}={value} exceeds {limit}: {why}")
+    return out
 
 
 def attention_problems(cfg: Any) -> list[str]:

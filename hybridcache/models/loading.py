@@ -12,14 +12,14 @@ done on the converted tensors instead).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from hybridcache.cache.limits import available_bytes, format_nbytes
 from hybridcache.models.base import HybridLM
 from hybridcache.models.checkpoint_files import (  # noqa: F401 - re-exported: loading's public names
     CHECKPOINT_FILES,
@@ -38,61 +38,25 @@ from hybridcache.models.checkpoint_files import (  # noqa: F401 - re-exported: l
     resolve_checkpoint,
     shard_path,
 )
+from hybridcache.models.family_config import ConfigError, limit_problems
+from hybridcache.models.meta_build import (  # noqa: F401 - re-exported: loading's public names
+    BuildLimit,
+    CheckpointSize,
+    counted_model,
+    empty_model,
+    fields_behind,
+    layer_limits,
+    meta_leftovers,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+ALWAYS_FITS = 64 << 20  # bytes any machine running this has: below them, memory is not asked for
 
 
 def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
     files, weight_map = checkpoint_files(directory)
     return read_tensors(read_header(files, weight_map))
-
-
-# -- building without allocating ----------------------------------------------------------------------------------
-_META_FACTORIES = {
-    torch.empty,
-    torch.empty_strided,
-    torch.zeros,
-    torch.ones,
-    torch.full,
-    torch.rand,
-    torch.randn,
-    torch.randint,
-    torch.eye,
-}
-
-
-class _FactoriesOnMeta(TorchFunctionMode):
-    """Tensors made by empty/zeros/ones/full/rand* without a device go to the meta device (parameters are made
-    this way); computed tensors (arange, tensor, math on CPU tensors: rotary frequencies) stay real."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = dict(kwargs or {})
-        if func in _META_FACTORIES and kwargs.get("device") is None:
-            kwargs["device"] = "meta"
-        return func(*args, **kwargs)
-
-
-def meta_leftovers(model: nn.Module) -> list[str]:
-    """Tensors on the meta device that the checkpoint cannot fill: non-persistent buffers, plain attributes."""
-    persistent = set(model.state_dict())
-    out = [n for n, b in model.named_buffers() if b.is_meta and n not in persistent]
-    for module_name, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and value.is_meta:
-                out.append(f"{module_name}.{attr}" if module_name else attr)
-    return out
-
-
-def empty_model(build: Callable[[], HybridLM]) -> tuple[HybridLM, bool]:
-    """`build()` with parameters on the meta device: (model, True); (model, False) when it had to be built for
-    real because something it needs (a plain tensor attribute) would otherwise stay on the meta device."""
-    try:
-        with _FactoriesOnMeta():
-            model = build()
-    except (RuntimeError, NotImplementedError):  # an op in a constructor that meta tensors cannot run
-        return build(), False
-    return model, not meta_leftovers(model)
 
 
 # -- matching and assigning ---------------------------------------------------------------------------------------
@@ -137,15 +101,26 @@ def match_names(
         raise CheckpointError(
             f"checkpoint has {len(unexpected)} tensors the {model.family} model does not use: {_names(unexpected)}"
         )
+    mismatched = [hf for hf, name in by_hf.items() if name not in tied and tuple(shapes[hf]) != tuple(ours[name].shape)]
+    if mismatched:
+        hf, name = mismatched[0], by_hf[mismatched[0]]
+        largest = max((max(shape, default=1) for shape in shapes.values()), default=1)
+        fields = fields_behind(
+            model.config,
+            [(ours[by_hf[k]].shape, shapes[k]) for k in mismatched],
+            CheckpointSize(len(shapes), 0, largest),
+        )
+        verb = "disagrees" if len(fields) == 1 else "disagree"
+        why = f"its {', '.join(fields)} {verb} with the weights" if fields else "does config.json match the weights?"
+        more = f"; {len(mismatched) - 1} more tensors differ" if len(mismatched) > 1 else ""
+        raise CheckpointError(
+            f"tensor {hf} has shape {tuple(shapes[hf])} in the checkpoint, the model expects "
+            f"{tuple(ours[name].shape)} (as built from the config: {why}){more}"
+        )
     mapping = {}
     for hf, name in by_hf.items():
         if name in tied:
             continue
-        if tuple(shapes[hf]) != tuple(ours[name].shape):
-            raise CheckpointError(
-                f"tensor {hf} has shape {tuple(shapes[hf])} in the checkpoint, the model expects "
-                f"{tuple(ours[name].shape)} (as built from the config: does config.json match the weights?)"
-            )
         if dtypes is not None and not allow_dtype_cast:
             problem = _dtype_problem(hf, dtypes[hf], ours[name].dtype)
             if problem:
@@ -231,6 +206,72 @@ def check_load_arguments(dtype: Any, device: Any) -> None:
             raise ValueError(f"device {device!r} is not a device torch knows ({str(e).splitlines()[0]})") from None
 
 
+def check_memory(
+    model: HybridLM,
+    infos: Mapping[str, TensorInfo],
+    dtype: torch.dtype | None,
+    device: str | torch.device | None,
+    directory: Path,
+) -> None:
+    """Before any tensor is read: the tensors `infos` (those to be read) fit in the memory there is. They are read
+    into CPU memory in their stored dtype and become the model's at `dtype` on `device`; a lower bound (CPU: the
+    larger of the two), so a refusal could never have loaded."""
+    read = final = 0
+    for info in infos.values():
+        n = math.prod(info.shape)
+        stored = info.dtype.itemsize if isinstance(info.dtype, torch.dtype) else 1
+        floating = isinstance(info.dtype, torch.dtype) and info.dtype.is_floating_point
+        read += n * stored
+        final += n * (dtype.itemsize if dtype is not None and floating else stored)
+    device = torch.device(device if device is not None else "cpu")
+    on_cpu = device.type == "cpu"
+    needs = [(torch.device("cpu"), max(read, final) if on_cpu else read)] + ([] if on_cpu else [(device, final)])
+    for where, nbytes in needs:
+        free = available_bytes(where) if nbytes > ALWAYS_FITS else None
+        if free is not None and nbytes > free:
+            raise CheckpointError(
+                f"{directory}: the {model.family} model's {len(infos)} tensors need at least {format_nbytes(nbytes)} "
+                f"of memory on {where}, only {format_nbytes(free)} is available; nothing was read"
+            )
+
+
+def build_for_checkpoint(
+    cls: type[HybridLM], config: Mapping[str, Any], directory: Path, allow_dtype_cast: bool = False
+) -> HybridLM:
+    """The family's model for `directory`'s weights, on the meta device where it can be. Its size is bounded by the
+    checkpoint's headers before anything is built (hybridcache/models/meta_build.py): num_hidden_layers by the tensor
+    count, then the build by the tensors and bytes it makes; a config that needs more is a ConfigError naming its
+    fields. A model that cannot stay on the meta device is checked against the checkpoint first, then built for
+    real (under the same bounds)."""
+    source = str(directory / "config.json")
+    infos = read_header(*checkpoint_files(directory))
+    size = CheckpointSize.of(infos)
+    family = cls.config_class.family
+    problems = limit_problems(cls.config_class, config, layer_limits(size))
+    if problems:
+        raise ConfigError(family, problems, source)
+    typed = cls.config_class.from_hf(config, source=source)
+    problems = limit_problems(cls.config_class, {"num_hidden_layers": typed.num_hidden_layers}, layer_limits(size))
+    if problems:  # a layer count derived from a list (nemotron_h's pattern)
+        raise ConfigError(family, [f"its layer list gives {p}" for p in problems], source)
+    limit = BuildLimit(size, family, typed.to_dict(), source)
+
+    def build() -> HybridLM:
+        try:
+            return cls(typed)
+        except (ValueError, ArithmeticError) as e:  # a block refusing its sizes, or sizes that overflow: the config's
+            if type(e) not in (ValueError, ZeroDivisionError, OverflowError):  # (our named errors pass as they are)
+                raise
+            raise ConfigError(family, [f"the model cannot be built from it: {e}"], source) from None
+
+    model, on_meta = empty_model(build, limit)
+    if on_meta:
+        return model
+    check_checkpoint(model, directory, allow_dtype_cast)  # the weights agree with it: building it costs their size
+    check_memory(model, infos, None, "cpu", directory)
+    return counted_model(build, limit)
+
+
 def load_checkpoint(
     model: HybridLM,
     directory: Path,
@@ -249,8 +290,10 @@ def load_checkpoint(
         checked = match_names(
             model, {k: i.shape for k, i in infos.items()}, {k: i.dtype for k, i in infos.items()}, allow_dtype_cast
         )
+        check_memory(model, {k: infos[k] for k in checked[0]}, dtype, device, directory)
         state = read_tensors(infos, list(checked[0]))
     else:
+        check_memory(model, infos, dtype, device, directory)
         state = convert(read_tensors(infos))
         if not isinstance(state, dict):
             raise TypeError(f"{type(model).__name__}.convert_checkpoint must return a dict, got {type(state).__name__}")
