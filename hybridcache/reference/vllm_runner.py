@@ -186,13 +186,14 @@ class VLLMRunner(ReferenceRunner):
         platform: str = "auto",
         worker: str | Path = WORKER,
     ) -> None:
+        from hybridcache.models.checkpoint_files import read_config  # (regular files inside the directory only)
         from hybridcache.reference.vllm_families import vllm_engine_args
 
         resolved = find_interpreter(python)
         self.python, self.checkpoint, self.dtype = resolved, str(checkpoint), dtype
         self.max_model_len, self.eos_token_id, self.timeout = max_model_len, eos_token_id, timeout
         self.worker = Path(worker)
-        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        config = read_config(Path(checkpoint))
         self.architectures = config.get("architectures") or []
         # the family's engine arguments (checked: raises VLLMIncompatible when vLLM cannot run it here)
         self.engine_args = vllm_engine_args(config, dtype, dict(engine_args or {}), platform, resolved)

@@ -207,3 +207,12 @@ def test_a_config_json_of_a_terabyte_is_refused_after_64_mib(original, tmp_path)
         f.truncate(1 << 40)
     with pytest.raises(CheckpointError, match=r"config.json is larger than 64 MiB"):
         hc.from_pretrained(d)
+
+
+def test_the_vllm_runner_reads_config_json_only_as_a_regular_file(tmp_path):
+    """The vLLM reference reads the checkpoint's config.json in our process (its family's engine arguments)."""
+    from hybridcache.reference.vllm_runner import VLLMRunner
+
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=r"config.json is a FIFO \(named pipe\), not a regular file"):
+        without_blocking(lambda: VLLMRunner(sys.executable, str(tmp_path), platform="cpu"), [tmp_path / "config.json"])
