@@ -150,21 +150,29 @@ def weights_fingerprint(directory: str | Path) -> str:
 
 
 def native_layers_of(directory: Path) -> tuple[dict[str, Any], list]:
-    """The checkpoint's config.json and its model's native cache layers, built on the meta device (no weights)."""
+    """The checkpoint's config.json and its model's native cache layers, built on the meta device (no weights) within
+    the bounds its tensor headers set (a config bomb is a named error here too, before anything large is built)."""
     from hybridcache.models import model_class
-    from hybridcache.models.loading import empty_model, read_config
+    from hybridcache.models.loading import build_for_checkpoint, read_config
 
     config = read_config(directory)
     cls = model_class(config.get("model_type"))
-    typed = cls.config_class.from_hf(config, source=str(directory / "config.json"))
-    model, _ = empty_model(lambda: cls(typed))
-    return config, model.native_layers()
+    return config, build_for_checkpoint(cls, config, directory).native_layers()
 
 
 def load_tokenizer(checkpoint: str):
     """The checkpoint's own tokenizer when it has one, else the offline byte-level ByT5 tokenizer."""
     import transformers
 
+    from hybridcache.models.checkpoint_files import check_regular
+
+    if Path(checkpoint).is_dir():  # transformers opens tokenizer files blindly: a FIFO there would block it forever
+        for entry in os.scandir(checkpoint):
+            if not entry.is_dir(follow_symlinks=False):
+                try:
+                    check_regular(Path(entry.path), f"{checkpoint}/{entry.name}")
+                except FileNotFoundError:  # a dangling link: transformers says so if it needs that file
+                    pass
     if (Path(checkpoint) / "tokenizer_config.json").exists() or not Path(checkpoint).is_dir():
         try:
             return transformers.AutoTokenizer.from_pretrained(checkpoint)

@@ -216,3 +216,22 @@ def test_the_vllm_runner_reads_config_json_only_as_a_regular_file(tmp_path):
     os.mkfifo(tmp_path / "config.json")
     with pytest.raises(CheckpointError, match=r"config.json is a FIFO \(named pipe\), not a regular file"):
         without_blocking(lambda: VLLMRunner(sys.executable, str(tmp_path), platform="cpu"), [tmp_path / "config.json"])
+
+
+def test_the_apps_tokenizer_and_native_layer_reads_refuse_special_files_and_bombs(original, tmp_path):
+    """The app reads a checkpoint before loading it: its tokenizer files (transformers opens them blindly) and its
+    native cache layers (the cache plan, built from config.json alone). A FIFO named tokenizer.json is a named
+    error, not a hang; a layer-count bomb in config.json is a ConfigError before anything large is built."""
+    from experiments.common import load_tokenizer, native_layers_of
+    from hybridcache.models import ConfigError
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(original, directory)
+    os.mkfifo(directory / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=r"tokenizer.json is a FIFO"):
+        without_blocking(lambda: load_tokenizer(str(directory)), [directory / "tokenizer.json"])
+    os.unlink(directory / "tokenizer.json")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**6}))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        without_blocking(lambda: native_layers_of(directory), [])
