@@ -159,7 +159,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     sibling = settings_from(e, arch=next(a for a in ARCHS if a != s.arch))
     curves = {s.arch: run_dir / HISTORY, sibling.arch: default_run_dir(sibling) / HISTORY}
     curves = {a: p for a, p in curves.items() if p.is_file()}
-    names = {"hybrid": "Bamba hybrid (Mamba2 + attention)", "attention": "all-attention Gemma 3"}
+    names = {
+        "hybrid": "Bamba hybrid (Mamba2 + attention)",
+        "attention": "all-attention Gemma 3",
+        "recurrent": "Bamba without attention (Mamba2 only)",
+    }
     title = (
         f"{' vs '.join(names[a] for a in sorted(curves, reverse=True))}: byte-level LMs, "
         f"{info['parameters'] / 1e6:.1f}M parameters, batch {s.batch_size} x {s.seq_len} bytes\n"
