@@ -47,6 +47,9 @@ PALETTE = {
     "state_fp8": "#bcbd22",
     "state_int8": "#393b79",
     "state_int4": "#ad494a",
+    "ablate_state": "#000000",  # the controls (study.yaml) in greys: what a part of the cache is worth
+    "ablate_ssm": "#525252",
+    "ablate_attention": "#a1a1a1",
     "recurrent": "#b15928",
     "hybrid": "#1f77b4",
     "attention": "#ff7f0e",
