@@ -292,8 +292,24 @@ def pareto_plot(rows: list[dict[str, Any]], lengths: list[int], path: Path, titl
     drawn = []
     for ax, (label, shown, ys, lower_better) in zip(axes.flat, panels):
         xs = [100 * r["bytes_ratio"] for r in shown]
-        ax.scatter(xs, ys, s=40, zorder=3, c=[strategy_color(r["name"]) for r in shown], edgecolors="black", lw=0.4)
-        front = sorted(pareto_front([(x, y if lower_better else -y) for x, y in zip(xs, ys)]), key=lambda i: xs[i])
+        control = [r["name"] in PARTS for r in shown]  # the controls: what a part is worth, not options to pick
+        for is_control, marker in ((False, "o"), (True, "s")):
+            idx = [i for i, c in enumerate(control) if c == is_control]
+            if idx:
+                ax.scatter(
+                    [xs[i] for i in idx],
+                    [ys[i] for i in idx],
+                    s=40,
+                    marker=marker,
+                    zorder=3,
+                    c=[strategy_color(shown[i]["name"]) for i in idx],
+                    edgecolors="black",
+                    lw=0.4,
+                    label="control (a part of the cache dropped; not on the front)" if is_control else None,
+                )
+        options = [i for i, c in enumerate(control) if not c]
+        points = [(xs[i], ys[i] if lower_better else -ys[i]) for i in options]
+        front = sorted((options[i] for i in pareto_front(points)), key=lambda i: xs[i])
         ax.plot(
             [xs[i] for i in front],
             [ys[i] for i in front],
