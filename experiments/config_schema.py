@@ -215,6 +215,7 @@ class TrainSize:
     mamba_heads: int = 8
     state: int = 64
     chunk: int = 64
+    conv: int = 4  # Mamba2 conv kernel (bytes each conv sees, itself included)
     max_positions: int = 4096
 
 

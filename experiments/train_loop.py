@@ -88,6 +88,8 @@ class TrainSettings:
             d.pop("attention_window")
         if self.ssm_init == "hf":
             d.pop("ssm_init")
+        if d["size"].get("conv", 4) == 4:  # likewise runs keyed before the conv kernel was a setting
+            d["size"] = {k: v for k, v in d["size"].items() if k != "conv"}
         return d
 
     def text_phase(self) -> TrainSettings:

@@ -26,7 +26,7 @@ class ArchError(ValueError):
 
 def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
     """The HF config of `arch` at `size` (hidden, layers, heads, kv_heads, head_dim, intermediate, attention_every,
-    mamba_heads, state, chunk, max_positions)."""
+    mamba_heads, state, chunk, max_positions; conv: the Mamba2 conv kernel, 4 if absent)."""
     d, n = int(size["hidden"]), int(size["layers"])
     common = dict(
         VOCAB,
@@ -54,7 +54,7 @@ def hf_config(arch: str, size: dict[str, Any]) -> transformers.PretrainedConfig:
             mamba_d_head=2 * d // mamba_heads,
             mamba_n_groups=1,
             mamba_d_state=int(size["state"]),
-            mamba_d_conv=4,
+            mamba_d_conv=int(size.get("conv", 4)),
             mamba_expand=2,
             mamba_chunk_size=int(size["chunk"]),
             rope_theta=10000.0,

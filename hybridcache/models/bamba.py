@@ -38,6 +38,10 @@ class BambaConfig(AttentionFields, Mamba2Fields):
     max_position_embeddings: int = param(262144, positive=True)
     attn_layer_indices: list[int] | None = param(None, nonnegative=True)
     mlp_bias: bool = False
+    # Not an HF field: a Bamba trained by experiment=train_window with its attention restricted to the last W tokens
+    # (itself included). Its native attention cache is then sliding(W); HF's Bamba ignores the field, so it matches
+    # HF only under that band mask (experiments/train_loop.model_logits).
+    attention_window: int | None = param(None, positive=True)
     rope_defaults: ClassVar[dict[str, Any]] = {"partial_rotary_factor": 0.5}
 
     def problems(self) -> list[str]:
@@ -100,4 +104,9 @@ class BambaLM(StackLM):
         c = self.cfg
         attn = {"num_kv_heads": c.num_key_value_heads, "head_dim": c.attention_head_dim, "dtype": self.dtype}
         mamba = {**c.mamba2_cache_params(), "dtype": self.dtype}
-        return [NativeLayer("full", attn) if k == "attention" else NativeLayer("mamba2", mamba) for k in self.kinds]
+        full = (
+            NativeLayer("sliding", {**attn, "window": c.attention_window})
+            if c.attention_window
+            else NativeLayer("full", attn)
+        )
+        return [full if k == "attention" else NativeLayer("mamba2", mamba) for k in self.kinds]

@@ -215,6 +215,9 @@ def test_a_windowed_run_trains_what_our_sliding_cache_computes(corpus, tmp_path)
         full = model(ids).logits
     sliding = ours(ids, ours.make_cache(2, {"attention": {"type": "sliding", "window": 8}}))
     torch.testing.assert_close(sliding, trained, atol=1e-4, rtol=1e-4)
+    # the exported config carries the window, so our model's native cache is that sliding one
+    assert [n.type for n in ours.native_layers()] == ["mamba2", "sliding"]
+    torch.testing.assert_close(ours(ids, ours.make_cache(2)), trained, atol=1e-4, rtol=1e-4)
     assert (full[:, 8:] - trained[:, 8:]).abs().max() > 1e-2  # the window changes what the model computes
     assert settings(attention_window=8).key() != settings().key() and "attention_window" not in settings().key()
     twin = train(settings("recurrent", steps=1), corpus, tmp_path / "r").model
