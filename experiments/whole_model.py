@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from experiments import whole_model_configs as production
 from experiments.whole_model_bytes import CONV, KV_PREFIX, SSM, kv_bytes, part_bytes, saving, state_bytes
-from experiments.whole_model_plot import short_name
+from experiments.whole_model_labels import gib, pct, short_name, tokens_label
 from hybridcache.cache.plan import resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,18 +126,6 @@ def layer_counts(native: Sequence[Any]) -> dict[str, int]:
 
 
 # -- the markdown ---------------------------------------------------------------------------------------------------
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
-
-
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def tokens_label(t: int) -> str:
-    return f"{t // 1024}k" if t % 1024 == 0 else str(t)
-
-
 PATTERNS = ("full", "sliding", "chunked")
 
 

@@ -9,12 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.whole_model_bytes import CONV, SSM, kv_bytes
+from experiments.whole_model_labels import gib, short_name, tokens_label
 
 COLORS = {"kv": "#1f77b4", CONV: "#fdae6b", SSM: "#e6550d"}
-
-
-def short_name(model_id: str) -> str:
-    return model_id.split("/")[-1].removesuffix("-Instruct").removesuffix("-Base-8K")
 
 
 def plot(result: Mapping[str, Any], path: Path, strategies: Mapping[str, tuple[str, Any]]) -> Path:
@@ -24,7 +21,6 @@ def plot(result: Mapping[str, Any], path: Path, strategies: Mapping[str, tuple[s
     import matplotlib.pyplot as plt
 
     from experiments.results import save_figure
-    from experiments.whole_model import gib, tokens_label
 
     tokens, rows = result["tokens"], result["rows"]
     names = [m["name"] for m in result["models"]]
