@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hybridcache.reference",
             "hybridcache.testing",
             "hybridcache.tracking",
+            "hybridcache.hf",  # the HF bridge: our cache behind transformers' Cache interfaces
         ),
     ),
     ("experiments", ("experiments", "run")),

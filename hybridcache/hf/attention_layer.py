@@ -1,0 +1,129 @@
+"""One attention cache of an HF decoder layer, served by our attention cache layer behind HF's `CacheLayerMixin`.
+
+`update(k, v)` feeds the block's keys and values [B, H, T, D] to our layer (its pattern, storage and eviction are
+ours) and returns what the block attends to: our view's keys and values, whose slots and positions are ours, not
+HF's column layout. So HF's mask (built from `get_mask_sizes` for HF's own layouts) does not describe them; the
+bridge's attention function (attention_fn.py) masks them with the view's own mask instead. Keys and values of
+different widths (multi-head latent attention) are zero-padded to the layer's width on the way in and sliced back.
+
+HF's whole-cache operations (crop, reorder, batch repeat / select, reset) act on our `Cache` as one transaction
+(bridge_cache.py); the per-layer forms are not used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import CacheLayerMixin
+
+from hybridcache.hf.errors import BridgeError
+from hybridcache.hf.layout import AttentionShape
+
+
+def _widen(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    x = x if x.dtype == dtype else x.to(dtype)
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+class BridgeAttentionLayer(CacheLayerMixin):
+    """HF's view of one of our attention cache layers (decoder layer `index`, group member `member` or None)."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False  # storage is ours, allocated when the first block's batch is known
+
+    def __init__(self, bridge: Any, index: int, shape: AttentionShape, native_type: str, member=None):
+        # bridge: the BridgeCache (bridge_cache.py) owning this adapter
+        self.bridge, self.index, self.shape, self.attention_member = bridge, index, shape, member
+        self.is_sliding = native_type != "full"
+        self.is_initialized = True
+        self.device = shape.device
+
+    def __repr__(self) -> str:
+        return f"BridgeAttentionLayer({self.index}: {self.bridge.layer_type(self.index, self.attention_member)})"
+
+    def _attention_layer(self):
+        return self.bridge.cache_layer(self.index, self.attention_member)
+
+    # -- HF's CacheLayerMixin --------------------------------------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The held keys [B, H, S, Dk] (decoded), or None before the first block."""
+        if self.bridge.hybrid is None:
+            return None
+        return self._attention_layer().keys[..., : self.shape.key_dim]
+
+    @keys.setter
+    def keys(self, value) -> None:  # CacheLayerMixin.__init__ and HF's resets assign None: nothing to do
+        if value is not None:
+            raise BridgeError("the bridge's cache layers hold their keys themselves; they cannot be assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self.bridge.hybrid is None:
+            return None
+        return self._attention_layer().values[..., : self.shape.value_dim]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise BridgeError("the bridge's cache layers hold their values themselves; they cannot be assigned")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: our layer was allocated with the cache, on the device the model's keys arrive on."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        layer = self._attention_layer()
+        width, dtype = layer.spec.head_dim, layer.spec.dtype
+        view = layer.update(_widen(key_states, width, dtype), _widen(value_states, width, dtype))
+        keys, values = view.keys, view.values
+        if keys.shape[-1] != self.shape.key_dim:
+            keys = keys[..., : self.shape.key_dim]
+        if values.shape[-1] != self.shape.value_dim:
+            values = values[..., : self.shape.value_dim]
+        if keys.dtype != key_states.dtype:
+            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+        self.bridge.record_view(keys, view, layer)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The slots `update` will return (held + the block), offset 0: HF's mask for them is replaced by the view's
+        own in the bridge's attention function; these sizes only keep HF's mask code in bounds."""
+        if self.bridge.hybrid is None:
+            return query_length, 0
+        return int(self._attention_layer().key_positions().shape[-1]) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Columns fed so far, padding included (what HF's generate slices new input ids by)."""
+        return self.bridge.columns
+
+    def get_max_length(self) -> int:
+        limit = getattr(self.bridge.plan_spec(self.index, self.attention_member), "max_length", None)
+        return -1 if limit is None else int(limit)
+
+    # -- per-layer operations: the bridge runs them on the whole cache at once ----------------------------------
+    def _whole(self, what: str):
+        raise BridgeError(f"{what} acts on the whole cache at once: call it on the BridgeCache, not on one layer")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._whole("crop")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._whole("reorder_cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._whole("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._whole("batch_select_indices")
+
+    def reset(self) -> None:
+        self._whole("reset")
+
+    def offload(self) -> None:
+        """Offloading is a storage choice of ours (`storage: offload`), not HF's per-layer offload."""
+
+    def prefetch(self) -> None:
+        """See `offload`."""

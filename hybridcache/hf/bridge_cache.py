@@ -1,0 +1,220 @@
+"""`BridgeCache`: a `transformers.Cache` whose layers are our cache layers, for HF's own modeling code.
+
+It holds one of our `Cache`s (`.hybrid`, built from the resolved plan when the first block's batch size is known,
+or at once when `batch_size` is given) and one HF-facing adapter per HF decoder layer (attention_layer.py,
+state_layer.py, hybrid_layer.py; HF's `DummyLayer` for layers that cache nothing).
+
+A forward of the model is one block of our cache: the bridge's forward hooks (install.py) open it before the model
+runs (the block's real-token mask is the last T columns of HF's 2-D attention mask; positions exclude left padding
+as HF's generate computes them) and commit it after (every layer fed, or nothing changes: a forward that raises
+leaves the cache as it was). HF's whole-cache operations map onto ours: `crop(-n)` drops the last n columns
+(recurrent layers through their checkpoints), `reorder_cache` is `reorder` (beam search), `batch_repeat_interleave`
+is `repeat`, `batch_select_indices` is `select`, `reset` is `reset`; each is one transaction over every layer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache as HFCache
+from transformers.cache_utils import DummyLayer
+
+from hybridcache.cache import Cache, CacheGroup, CachePlan
+from hybridcache.hf.attention_layer import BridgeAttentionLayer
+from hybridcache.hf.errors import BridgeError
+from hybridcache.hf.hybrid_layer import BridgeHybridLayer
+from hybridcache.hf.layout import ModelLayout
+from hybridcache.hf.native import BridgePlan
+from hybridcache.hf.state_layer import BridgeStateLayer
+
+
+class BridgeCache(HFCache):
+    """A `transformers.Cache` backed by a hybridcache `Cache` (see the module docstring)."""
+
+    def __init__(
+        self, model: Any, layout: ModelLayout, bridge: BridgePlan, plan: CachePlan, batch_size: int | None = None
+    ) -> None:
+        self._model = weakref.ref(model)
+        self.layout, self.bridge, self.plan = layout, bridge, plan
+        self.hybrid: Cache | None = None
+        self.block_open = False
+        self._depth = 0  # nested hooked modules of one forward (the CausalLM and its decoder)
+        self._views: dict[int, tuple[torch.Tensor, Any, Any, list[bool]]] = {}  # id(keys) -> (keys, view, layer, seen)
+        self._device = _one_device(layout)
+        layers: list[Any] = []
+        for info in layout.layers:
+            if not info.cached:
+                layers.append(DummyLayer())
+            elif info.attention is not None and info.states is not None:
+                layers.append(
+                    BridgeHybridLayer(self, info.index, info.attention, info.states, bridge.state_type[info.index])
+                )
+            elif info.attention is not None:
+                native_type = self._native(info.index).type
+                layers.append(BridgeAttentionLayer(self, info.index, info.attention, native_type))
+            else:
+                layers.append(BridgeStateLayer(self, info.index, info.states))
+        super().__init__(layers=layers)
+        if batch_size is not None:
+            self._build(batch_size)
+
+    def __repr__(self) -> str:
+        return f"BridgeCache({self.layout.model_type}; {self.hybrid!r})"
+
+    # -- our cache -------------------------------------------------------------------------------------------------
+    def _native(self, index: int):
+        return self.bridge.native[self.bridge.entry_of[index]]
+
+    def _build(self, batch_size: int) -> None:
+        self.hybrid = Cache.from_plan(self.plan, batch_size, self._device)
+
+    def cache_layer(self, index: int, member: str | None):
+        """Our cache layer serving HF decoder layer `index` (group member `member`); needs the cache built."""
+        if self.hybrid is None:
+            raise BridgeError("the cache holds no layers yet: its first forward builds them for that batch size")
+        entry = self.hybrid[self.bridge.entry_of[index]]
+        return entry[member] if isinstance(entry, CacheGroup) else entry
+
+    def _plan_of(self, index: int, member: str | None):
+        entry = self.bridge.entry_of[index]
+        for p in self.plan.layers:
+            if p.index == entry and (member is None or p.member == member):
+                return p
+        raise BridgeError(f"decoder layer {index} has no cache member {member!r}")
+
+    def plan_spec(self, index: int, member: str | None):
+        return self._plan_of(index, member).spec
+
+    def layer_type(self, index: int, member: str | None) -> str:
+        return self._plan_of(index, member).type
+
+    @property
+    def columns(self) -> int:
+        return 0 if self.hybrid is None else self.hybrid.columns
+
+    # -- blocks (opened and closed by the forward hooks, install.py) -----------------------------------------------
+    def begin(self, tokens: int, valid: torch.Tensor | None, ids: torch.Tensor | None, batch: int) -> None:
+        if self.block_open:
+            raise BridgeError("a forward of this cache is already running (one forward at a time)")
+        if self.hybrid is None:
+            self._build(batch)
+        if valid is not None:
+            valid = valid.to(self.hybrid.device)
+            if bool(valid.all()):
+                valid = None  # every token real: our layers skip the masking work
+        self.hybrid.begin_block(valid, tokens, ids=None if ids is None else ids.to(self.hybrid.device))
+        self.block_open = True
+
+    def end(self, failed: bool) -> None:
+        if not self.block_open:
+            return
+        try:
+            if failed:
+                self.hybrid.abort_block()
+                return
+            try:
+                for layer in self.layers:
+                    if isinstance(layer, BridgeStateLayer):
+                        layer.flush()
+                unread = [id_ for id_, (_, _, _, seen) in self._views.items() if not seen[0]]
+                if unread:
+                    raise BridgeError(
+                        f"{self.layout.model_type}: {len(unread)} attention layer(s) updated the cache but never ran "
+                        "HF's attention interface, so the bridge could not mask what they attended to; this family "
+                        "computes attention outside transformers' AttentionInterface and cannot be bridged"
+                    )
+                self.hybrid.end_block()
+            except BaseException:
+                self.hybrid.abort_block()
+                raise
+        finally:
+            self.block_open = False
+            self._views.clear()
+            for layer in self.layers:
+                if isinstance(layer, BridgeStateLayer):
+                    layer.end_block()
+
+    # -- views for the attention function (attention_fn.py) -------------------------------------------------------
+    def record_view(self, keys: torch.Tensor, view: Any, layer: Any) -> None:
+        self._views[id(keys)] = (keys, view, layer, [False])
+
+    def view_for(self, keys: torch.Tensor) -> tuple[Any, Any, bool] | None:
+        """(view, our layer, first use) for keys an `update` of this block returned, else None."""
+        found = self._views.get(id(keys))
+        if found is None or found[0] is not keys:
+            return None
+        _, view, layer, seen = found
+        first, seen[0] = not seen[0], True
+        return view, layer, first
+
+    # -- HF's Cache API ---------------------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    @property
+    def batch_size(self) -> int:  # type: ignore[override]
+        return -1 if self.hybrid is None else self.hybrid.batch_size
+
+    @property
+    def is_compileable(self) -> bool:  # type: ignore[override]
+        return False
+
+    def _operation(self, what: str) -> None:
+        if self.block_open:
+            raise BridgeError(f"BridgeCache.{what}: a forward is running")
+
+    def reset(self) -> None:
+        self._operation("reset")
+        if self.hybrid is not None:
+            self.hybrid.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF's convention: crop(-n) removes the last n columns; crop(0) changes nothing."""
+        self._operation("crop")
+        if tokens_to_remove > 0:
+            raise BridgeError(
+                f"crop({tokens_to_remove}): HF's caches take a negative count of columns to remove; to keep the "
+                "first n columns call cache.hybrid.crop(n)"
+            )
+        if tokens_to_remove and self.hybrid is not None:
+            self.hybrid.crop(self.hybrid.columns + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._operation("reorder_cache")
+        if self.hybrid is not None:
+            self.hybrid.reorder(beam_idx.to(self.hybrid.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._operation("batch_repeat_interleave")
+        if self.hybrid is not None:
+            self.hybrid.repeat(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._operation("batch_select_indices")
+        if self.hybrid is not None:
+            self.hybrid.select(indices.to(self.hybrid.device))
+
+    def activate_past_recording(self) -> None:
+        raise BridgeError(
+            "HF's past recording (assisted decoding) is not supported by the bridge; roll back with cache.crop and "
+            "our recurrent checkpoints ({'recurrent': {'checkpoints': k}})"
+        )
+
+    def model_is(self, model: Any) -> bool:
+        return self._model() is model
+
+
+def _one_device(layout: ModelLayout) -> torch.device:
+    devices = {info.attention.device for info in layout.layers if info.attention is not None}
+    devices |= {info.states.device for info in layout.layers if info.states is not None}
+    if len(devices) > 1:
+        raise BridgeError(
+            f"{layout.model_type}: its cache layers live on several devices ({', '.join(sorted(map(str, devices)))}); "
+            "a hybridcache Cache keeps one device for now, so the bridge needs a model on one device"
+        )
+    return devices.pop() if devices else layout.input_device

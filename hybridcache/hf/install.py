@@ -1,0 +1,131 @@
+"""What `cache_for` installs on an HF model, once: the bridge's attention implementation and two forward hooks.
+
+- The attention implementation: `model.set_attn_implementation("hybridcache_<base>")` (HF's documented way to plug
+  a custom attention function, attention_fn.py), which behaves exactly as `<base>` for every call whose keys are
+  not from a BridgeCache.
+- A pre-hook and an always-called post-hook on the model and on its decoder (whichever a caller enters first owns
+  the forward): when the call's cache is a BridgeCache built for this model, the pre-hook opens one block of our
+  cache (tokens, real-token mask, token ids) and the post-hook commits it (or drops it when the forward raised).
+  Calls with any other cache, or none, pass through untouched.
+
+`uninstall(model)` removes both (the model's attention implementation goes back to what it was).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridcache.hf.attention_fn import active_stack, register
+from hybridcache.hf.errors import BridgeError
+
+_ATTR = "_hybridcache_bridge"
+
+
+def _find_cache(args: tuple, kwargs: dict) -> Any:
+    from hybridcache.hf.bridge_cache import BridgeCache
+
+    for key in ("cache", "past_key_values"):
+        if isinstance(kwargs.get(key), BridgeCache):
+            return kwargs[key]
+    for a in args:
+        if isinstance(a, BridgeCache):
+            return a
+    return None
+
+
+def _block_inputs(args: tuple, kwargs: dict) -> tuple[int, torch.Tensor | None, torch.Tensor | None, int]:
+    """(tokens, real-token mask [B, T] or None, ids [B, T] or None, batch) of a forward's inputs."""
+    ids = kwargs.get("input_ids")
+    if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+        ids = args[0]
+    embeds = kwargs.get("inputs_embeds")
+    x = ids if ids is not None else embeds
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise BridgeError("the bridge needs input_ids [B, T] or inputs_embeds [B, T, D] to feed its cache")
+    batch, tokens = int(x.shape[0]), int(x.shape[1])
+    mask = kwargs.get("attention_mask")
+    valid = None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        if mask.shape[-1] < tokens:
+            raise BridgeError(
+                f"attention_mask has {mask.shape[-1]} columns, fewer than the {tokens} input tokens (HF's convention: "
+                "one column per token seen, past and new)"
+            )
+        valid = mask[:, -tokens:]
+    return tokens, valid, (ids if ids is not None and ids.dim() == 2 else None), batch
+
+
+def _pre_hook(model: torch.nn.Module):
+    def hook(module, args, kwargs):
+        cache = _find_cache(args, kwargs)
+        if cache is None:
+            return None
+        if not cache.model_is(model):
+            raise BridgeError("this BridgeCache was built for another model: call hybridcache.hf.cache_for(model)")
+        if cache._depth == 0:
+            tokens, valid, ids, batch = _block_inputs(args, kwargs)
+            cache.begin(tokens, valid, ids, batch)
+            active_stack().append(cache)
+        cache._depth += 1
+        return None
+
+    return hook
+
+
+def _post_hook(module, args, kwargs, output):
+    cache = _find_cache(args, kwargs)
+    if cache is None or cache._depth == 0:
+        return None
+    cache._depth -= 1
+    if cache._depth == 0:
+        stack = active_stack()
+        if stack and stack[-1] is cache:
+            stack.pop()
+        cache.end(failed=output is None)
+    return None
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - models without a separable decoder
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else None
+
+
+def install(model: torch.nn.Module) -> None:
+    """Install the bridge on `model` (idempotent)."""
+    if getattr(model, _ATTR, None) is not None:
+        return
+    base = model.config._attn_implementation or "eager"
+    if base.startswith("hybridcache_"):
+        base = base.removeprefix("hybridcache_")
+    name = register(base)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise BridgeError(
+            f"{type(model).__name__} does not let HF switch its attention implementation (it does not follow "
+            "transformers' AttentionInterface), so the bridge cannot mask its attention"
+        )
+    handles = []
+    for m in (model, _decoder(model)):
+        if m is None:
+            continue
+        handles.append(m.register_forward_pre_hook(_pre_hook(model), with_kwargs=True))
+        handles.append(m.register_forward_hook(_post_hook, with_kwargs=True, always_call=True))
+    setattr(model, _ATTR, (base, handles))
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Remove the bridge from `model`: its hooks, and its attention implementation back to the original."""
+    installed = getattr(model, _ATTR, None)
+    if installed is None:
+        return
+    base, handles = installed
+    for h in handles:
+        h.remove()
+    model.set_attn_implementation(base)
+    delattr(model, _ATTR)

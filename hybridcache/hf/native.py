@@ -1,0 +1,153 @@
+"""An HF model's layout as our native cache layers: which of our types serves each HF cache, with which shapes.
+
+Attention: HF's pattern (full / sliding(W) / chunked(C), the same conventions as ours: W and C count the current
+token) with the stored heads and width. Keys and values of different widths (multi-head latent attention) are held
+at the larger width, the narrower one zero-padded by the bridge and sliced back (exact for dense storage).
+
+Linear-attention states map onto our recurrent types by their shapes: conv [C, K] alone is `conv`; with a recurrent
+state [D, N] and C == D, `mamba`; [H, P, N] with C = H*P + 2*G*N, `mamba2`; [Hv, Dk, Dv] with C = 2*Hk*Dk + Hv*Dv,
+`gated_delta` (families known to be gated delta-rule layers are tried as that first). Our conv state keeps the last
+K-1 inputs (what a width-K causal conv needs); HF keeps K and never reads the oldest one (its decode step
+concatenates the new input and keeps the last K outputs' window), so the bridge drops it on the way in and puts back
+a zero column on the way out (checked against HF's own cache on every covered family).
+
+A decoder layer with both (HF's "hybrid" layers: FalconH1, Zamba2's shared attention) is a `NativeGroup`
+{"attention": ..., <state type>: ...}. Layers that cache nothing get no entry; `entry_of` maps HF layer indices to
+our cache entries and `translate_config` rewrites a config's `layers:` keys accordingly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridcache.cache import NativeGroup, NativeLayer
+from hybridcache.hf.errors import BridgeConfigError, BridgeError
+from hybridcache.hf.layout import LayerInfo, ModelLayout, StateShape
+
+GATED_DELTA_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid")
+
+
+@dataclass(frozen=True)
+class BridgePlan:
+    """Our native layers for the cached HF layers, and where each HF layer's cache lives among them."""
+
+    native: tuple[NativeLayer | NativeGroup, ...]
+    entry_of: Mapping[int, int]  # HF layer index -> our cache entry index (cached layers only)
+    state_type: Mapping[int, str]  # HF layer index -> our recurrent type (layers with states)
+
+
+def attention_native(info: LayerInfo) -> NativeLayer:
+    a = info.attention
+    params: dict[str, Any] = dict(num_kv_heads=a.num_kv_heads, head_dim=max(a.key_dim, a.value_dim), dtype=a.dtype)
+    if a.pattern == "sliding":
+        return NativeLayer("sliding", {**params, "window": a.size})
+    if a.pattern == "chunked":
+        return NativeLayer("chunked", {**params, "chunk_size": a.size})
+    return NativeLayer("full", params)
+
+
+def _mamba2_groups(c: int, h: int, p: int, n: int) -> int | None:
+    rest = c - h * p
+    if rest <= 0 or rest % (2 * n):
+        return None
+    g = rest // (2 * n)
+    return g if h % g == 0 else None
+
+
+def _delta_k_heads(c: int, hv: int, dk: int, dv: int) -> int | None:
+    rest = c - hv * dv
+    if rest <= 0 or rest % (2 * dk):
+        return None
+    hk = rest // (2 * dk)
+    return hk if hv % hk == 0 else None
+
+
+def state_native(model_type: str, index: int, s: StateShape) -> NativeLayer:
+    """Our recurrent type and shapes for one HF layer's states (a `BridgeError` naming the shapes if none fits)."""
+    where = f"{model_type}: layer {index}"
+    if len(s.conv) != 1 or len(s.recurrent) > 1 or 0 not in s.conv:
+        raise BridgeError(
+            f"{where} keeps {len(s.conv)} conv and {len(s.recurrent)} recurrent states; the bridge maps one conv "
+            "state (and at most one recurrent state) per layer"
+        )
+    (c, k), conv_dtype = s.conv[0]
+    common = dict(conv_kernel=k, dtype=conv_dtype)
+    if not s.recurrent:
+        return NativeLayer("conv", dict(channels=c, **common))
+    shape, state_dtype = s.recurrent[0]
+    common["state_dtype"] = state_dtype
+    if len(shape) == 2 and shape[0] == c:
+        return NativeLayer("mamba", dict(intermediate_size=c, state_size=shape[1], **common))
+    if len(shape) == 3:
+        h, p, n = shape
+        as_mamba2 = _mamba2_groups(c, h, p, n)
+        as_delta = _delta_k_heads(c, h, p, n)
+        mamba2 = NativeLayer("mamba2", dict(num_heads=h, head_dim=p, state_size=n, n_groups=as_mamba2 or 1, **common))
+        delta = NativeLayer(
+            "gated_delta", dict(num_k_heads=as_delta or 1, num_v_heads=h, head_k_dim=p, head_v_dim=n, **common)
+        )
+        if as_delta and (model_type in GATED_DELTA_FAMILIES or not as_mamba2):
+            return delta
+        if as_mamba2:
+            return mamba2
+    raise BridgeError(
+        f"{where}: no hybridcache recurrent type holds a conv state [{c}, {k}] with a recurrent state "
+        f"{list(shape)} (mamba: [C, N]; mamba2: [H, P, N] with C = H*P + 2*G*N; gated_delta: [Hv, Dk, Dv] with "
+        "C = 2*Hk*Dk + Hv*Dv)"
+    )
+
+
+def bridge_plan(layout: ModelLayout) -> BridgePlan:
+    native: list[NativeLayer | NativeGroup] = []
+    entry_of: dict[int, int] = {}
+    state_type: dict[int, str] = {}
+    for info in layout.layers:
+        if not info.cached:
+            continue
+        attn = attention_native(info) if info.attention is not None else None
+        state = state_native(layout.model_type, info.index, info.states) if info.states is not None else None
+        if state is not None:
+            state_type[info.index] = state.type
+        entry_of[info.index] = len(native)
+        if attn is not None and state is not None:
+            native.append(NativeGroup({"attention": attn, state.type: state}))
+        else:
+            native.append(attn or state)
+    if not native:
+        raise BridgeError(f"{layout.model_type}: no layer of this model keeps a cache")
+    return BridgePlan(tuple(native), entry_of, state_type)
+
+
+def translate_config(config: Mapping[str, Any] | None, plan: BridgePlan, layout: ModelLayout) -> dict[str, Any]:
+    """The cache config with its `layers:` keys (HF decoder-layer indices) rewritten to our cache entries."""
+    if config is None:
+        return {}
+    if not isinstance(config, Mapping):
+        raise BridgeConfigError(f"cache config must be a mapping, got {type(config).__name__}")
+    out = dict(config)
+    layers = config.get("layers")
+    if layers is None:
+        return out
+    if not isinstance(layers, Mapping):
+        raise BridgeConfigError(f"cache config: 'layers' must be a mapping, got {layers!r}")
+    n = len(layout.layers)
+    moved: dict[Any, Any] = {}
+    for key, entry in layers.items():
+        index_text, dot, member = str(key).partition(".")
+        try:
+            i = int(index_text)
+        except ValueError:
+            raise BridgeConfigError(
+                f"cache config: layers.{key}: layer keys are indices like 3 or 3.attention"
+            ) from None
+        if not 0 <= i < n:
+            raise BridgeConfigError(f"cache config: layers.{key}: layer index out of range (the model has {n} layers)")
+        if i not in plan.entry_of:
+            raise BridgeConfigError(
+                f"cache config: layers.{key}: decoder layer {i} ({layout.layers[i].hf_type}) keeps no cache"
+            )
+        moved[f"{plan.entry_of[i]}{dot}{member}"] = entry
+    out["layers"] = moved
+    return out

@@ -1,0 +1,140 @@
+"""Tiny random checkpoints of any HF causal LM family, built with HF's own classes (for the bridge's tests and its
+coverage table): the family's default config with every size field shrunk, seeded weights, float32.
+
+`tiny_config(model_type)` starts from the config class's defaults and overrides, among the fields that class has,
+the generic sizes below (a field the class lacks is left alone), then a family's own fixes (`FAMILY_FIXES`: fields
+whose defaults are tied to others, e.g. Mamba2's heads x head_dim = expand x hidden). Composite configs (a text
+config inside a multimodal one) get the same treatment on their text config and the smallest vision sizes.
+`tiny_model` builds it on the meta device first and refuses one above `MAX_PARAMS` before allocating anything.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from hybridcache.tiny_models import reinit_weights_
+
+MAX_PARAMS = 20_000_000  # a tiny model stays tiny: a shrink that missed a field is refused before allocation
+
+VOCAB = 384
+GENERIC: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    # mixture of experts
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    expert_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    # multi-head latent attention
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    # state-space and linear-attention layers
+    mamba_d_state=8,
+    mamba_expand=2,
+    mamba_dt_rank=8,
+    state_size=8,
+    time_step_rank=8,
+    n_groups=1,
+    mamba_n_groups=1,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    # untied heads: a tiny random model with tied embeddings mostly predicts its own input token
+    tie_word_embeddings=False,
+    pad_token_id=0,
+)
+WINDOWED = dict(sliding_window=8, attention_chunk_size=8)  # only where the default is not None (on by default)
+
+# Fields of a family whose defaults are tied to the sizes above (found by building each family; the coverage table
+# names families that still do not build).
+FAMILY_FIXES: dict[str, dict[str, Any]] = {
+    "mamba2": dict(num_heads=8, head_dim=16, expand=2, chunk_size=8),
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=16),
+    "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128),
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1),
+    "zamba2": dict(mamba_headdim=16, mamba_ngroups=1),
+}
+
+
+def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
+    kw = {k: v for k, v in GENERIC.items() if k in defaults}
+    kw.update({k: v for k, v in WINDOWED.items() if defaults.get(k) is not None})
+    return kw
+
+
+def our_family(model_type: str) -> str | None:
+    """The hybridcache family (hybridcache.tiny_models) whose tiny HF config is `model_type`'s, if any."""
+    import transformers
+
+    from hybridcache.tiny_specs import FAMILY_SPECS
+
+    for family, (config_name, _, _) in FAMILY_SPECS.items():
+        cls = getattr(transformers, config_name, None)
+        if cls is not None and getattr(cls, "model_type", None) == model_type:
+            return family
+    return None
+
+
+def tiny_config(model_type: str, **overrides: Any):
+    """A tiny config of `model_type` (a key of transformers' CONFIG_MAPPING); `overrides` win. Families hybridcache
+    implements get their own tiny config (hybridcache.tiny_models: every cache-relevant path of the family)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    family = our_family(model_type)
+    if family is not None:
+        from hybridcache.tiny_models import tiny_config as our_tiny_config
+
+        return our_tiny_config(family, **overrides)
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    fixes = FAMILY_FIXES.get(model_type, {})
+    kw = _shrink(defaults)
+    kw.update(fixes)
+    for sub in ("text_config",):  # composite configs: shrink the text config in place
+        if isinstance(defaults.get(sub), dict):
+            text = copy.deepcopy(defaults[sub])
+            text.update(_shrink(text))
+            text.update(FAMILY_FIXES.get(text.get("model_type", ""), {}))
+            kw[sub] = text
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def tiny_model(model_type: str, seed: int = 0, causal_lm_class: str | None = None, **overrides: Any):
+    """A tiny random `model_type` causal LM (float32, eval mode, seeded; weights drawn as hybridcache's tiny
+    checkpoints draw them), built with HF's own classes."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = tiny_config(model_type, **overrides)
+    cls = getattr(transformers, causal_lm_class or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    with torch.device("meta"):
+        probe = cls(config)
+    n = sum(p.numel() for p in probe.parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"tiny {model_type}: {n:,} parameters after shrinking (more than {MAX_PARAMS:,})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config).to(torch.float32).eval()
+    reinit_weights_(model, config.get_text_config(decoder=True), seed)  # peaky logits: no near-ties in greedy tests
+    return model
