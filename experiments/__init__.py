@@ -20,6 +20,7 @@ EXPERIMENTS = {
     "correctness": "experiments.correctness",
     "benchmark": "experiments.benchmark",
     "study": "experiments.study",
+    "long_context": "experiments.long_context",
     "press_check": "experiments.press_check",
     "train": "experiments.train",
 }

@@ -14,7 +14,7 @@ Registered (`register()`, run at `import experiments`, idempotent; no torch):
                         chunked share ONE entry type
   schema/model          every model
   schema/logger, schema/generation
-  schema/<experiment>   correctness, benchmark, study, press_check, train
+  schema/<experiment>   correctness, benchmark, study, long_context, press_check, train
 """
 
 from __future__ import annotations
@@ -204,6 +204,30 @@ class StudySchema:
 
 
 @dataclass
+class Niah:
+    """The needle-in-a-haystack grid of experiment=long_context: one RULER needle task at depth x length."""
+
+    task: str = "niah_single_2"
+    lengths: list[int] = field(default_factory=list)
+    depths: list[float] = field(default_factory=list)
+    trials: int = 1
+    max_new_tokens: int | None = None  # null: RULER's own
+    strategies: list[str] | None = None  # null: every strategy
+    seed: int = 0
+
+
+@dataclass
+class LongContextSchema(StudySchema):
+    """experiment=long_context: the study's strategies (its YAML composes the study first) at long prompt lengths."""
+
+    name: str = "long_context"
+    chunk: int = 1024  # prefill chunk in tokens (a compress-after-prefill strategy gets its prompt in one block)
+    threads: int = 1  # torch threads of each worker process
+    niah: Niah = field(default_factory=Niah)
+    reference_scoring: str | None = None  # a RULER checkout whose own scoring code re-scores every answer
+
+
+@dataclass
 class TrainSize:
     hidden: int = 256
     layers: int = 6
@@ -262,6 +286,7 @@ SCHEMAS = {
     ("schema", "benchmark"): BenchmarkSchema,
     ("schema", "press_check"): PressCheckSchema,
     ("schema", "study"): StudySchema,
+    ("schema", "long_context"): LongContextSchema,
     ("schema", "train"): TrainSchema,
 }
 #: Config groups that hold schemas, not choices a user makes.

@@ -1,7 +1,14 @@
-"""One long-context measurement in a fresh process (so peak RSS is its own): prefill L tokens in chunks, decode N.
+"""Long-context measurements in a fresh process (so peak RSS is its own).
 
     python -m experiments.long_context_probe CHECKPOINT '{"attention": ...}' TOKENS DECODE CHUNK
-prints one JSON line: prefill seconds, ms per decode token, peak RSS, cache bytes held.
+prefills TOKENS random tokens in chunks and decodes DECODE; prints one JSON line: prefill seconds, ms per decode
+token, peak RSS, cache bytes held (experiment=benchmark).
+
+    python -m experiments.long_context_probe --job JOB.json
+answers a group of prompts (experiment=long_context: one cache config, one prompt length) greedily, each prefilled
+in chunks of `chunk` tokens; prints one JSON line per prompt as it finishes (its new tokens, seconds), then one with
+the process's peak RSS. The job: {checkpoint, dtype, device, weights, config, chunk, threads, prompts: [{ids,
+max_new_tokens}]}.
 """
 
 import json
@@ -57,6 +64,38 @@ def main(checkpoint: str, cache_config: str, tokens: int, decode: int, chunk: in
     }
 
 
+def run_job(job: dict) -> None:
+    """Each prompt of the job under its cache config, one JSON line each, then the peak RSS line (see above)."""
+    torch.set_num_threads(int(job.get("threads") or 1))
+    model = hc.from_pretrained(
+        job["checkpoint"],
+        dtype=getattr(torch, job.get("dtype") or "float32"),
+        device=job.get("device") or "cpu",
+        weights=job.get("weights"),
+    )
+    print(json.dumps({"loaded_rss_mib": peak_rss_kib() / 1024}), flush=True)
+    for prompt in job["prompts"]:
+        ids = torch.tensor([prompt["ids"]], device=model.device)  # [1, L]
+        chunk = int(job["chunk"]) or ids.shape[1]  # 0: the whole prompt in one block
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hc.generate(
+                model,
+                ids,
+                max_new_tokens=int(prompt["max_new_tokens"]),
+                cache_config=job["config"] or None,
+                prefill_chunk_size=chunk,
+                output_logits=False,
+            )
+        seconds = time.perf_counter() - start
+        new = out.sequences[0, ids.shape[1] :].tolist()
+        print(json.dumps({"tokens": new, "seconds": seconds, "cache_bytes": out.cache.nbytes()}), flush=True)
+    print(json.dumps({"peak_rss_mib": peak_rss_kib() / 1024}), flush=True)
+
+
 if __name__ == "__main__":
     a = sys.argv[1:]
-    print(json.dumps(main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]))))
+    if a[:1] == ["--job"]:
+        run_job(json.loads(Path(a[1]).read_text()))
+    else:
+        print(json.dumps(main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]))))
