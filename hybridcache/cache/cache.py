@@ -65,8 +65,8 @@ class Cache:
         self.seq.seen, self.seq.columns = first.seen.clone(), first.columns
         if first.columns:  # layers fed on their own: which tokens they saw is not known
             self.seq.set_tokens(None)
-        for layer in layers:
-            layer.seq, layer.standalone = self.seq, False
+        for i, layer in enumerate(layers):  # cache_index keys a layer's stochastic rounding (state_layout.py)
+            layer.seq, layer.standalone, layer.cache_index = self.seq, False, i
         self.entries, self.layers, self.plan = entries, layers, plan
         self._lock, self._holder = threading.Lock(), None
         self._claim: int | None = None  # the thread that claimed the cache for a whole call (claimed())

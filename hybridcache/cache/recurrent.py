@@ -20,6 +20,10 @@ after every block, so a lossy codec's error accumulates over a generation. The c
 columns), it is not an accumulator whose error matters less, and a `conv`-only layer (LFM2) then keeps its exact
 default under a kind-wide `recurrent: {state_codec: ...}`. `offload: true` keeps the held parts off the compute
 device between blocks. Checkpoint trails, snapshots and saved files hold the encoded parts as they are.
+
+Remedies for the drift of re-encoded states (state_layout.py, docs/state_drift.md): `rounding: stochastic`
+(unbiased rounding, uniforms seeded by `rounding_seed` and keyed by column) and `error_feedback: true` (the
+quantization residual is held as one more part, in `residual_codec`, and added back before the next encode).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from hybridcache.cache.base import CacheLayer, LayerSpec, check_float_dtype, check_positive_int, tunable
 from hybridcache.cache.errors import CacheCropError, CacheError
 from hybridcache.cache.registry import register_cache_layer
-from hybridcache.cache.state_codecs import get_state_codec
+from hybridcache.cache.state_codecs import ROUNDINGS, get_state_codec
 from hybridcache.cache.state_layout import StateLayout
 from hybridcache.cache.state_offload import state_tier
 
@@ -46,16 +50,46 @@ class RecurrentSpec(LayerSpec):
     state_group: str = tunable("channel")  # scale axis of scaled codecs: "channel" (last axis) or "head" (first)
     quantize_conv: bool = tunable(False)  # the codec also holds the conv state (else: dense)
     offload: bool = tunable(False)  # held parts off the compute device between blocks (state_offload.py)
+    rounding: str = tunable("nearest")  # "nearest" or "stochastic" (unbiased; state_codecs.py)
+    rounding_seed: int = tunable(0)  # seed of stochastic rounding's uniforms (state_layout.py)
+    error_feedback: bool = tunable(False)  # hold the quantization residual and add it back before the next encode
+    residual_codec: str | None = tunable(None)  # how that residual is held (None: dense, the state's dtype)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         owner, k = type(self).__name__, self.checkpoints
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise CacheError(f"{owner}: checkpoints must be an integer >= 0, got {k!r}")
-        get_state_codec(self.state_codec, self.state_group)  # unknown names fail here, with the known ones
-        for name in ("quantize_conv", "offload"):
+        codec = get_state_codec(self.state_codec, self.state_group)  # unknown names fail here, with the known ones
+        for name in ("quantize_conv", "offload", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise CacheError(f"{owner}: {name} must be true or false, got {getattr(self, name)!r}")
+        self._check_remedies(owner, codec)
+
+    def _check_remedies(self, owner: str, codec: Any) -> None:
+        """rounding / rounding_seed / error_feedback / residual_codec: valid values, and only with a codec they
+        change (a remedy that cannot do anything is a mistake in the config, not a silent no-op)."""
+        if self.rounding not in ROUNDINGS:
+            raise CacheError(f"{owner}: rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
+        seed = self.rounding_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise CacheError(f"{owner}: rounding_seed must be an integer in [0, 2^63), got {seed!r}")
+        if self.rounding == "stochastic" and not codec.rounds:
+            raise CacheError(
+                f"{owner}: rounding: stochastic needs a state_codec that rounds (bfloat16, float16, float8_*, int8, "
+                f"int4); state_codec {self.state_codec} does not"
+            )
+        if self.residual_codec is not None:
+            if not self.error_feedback:
+                raise CacheError(f"{owner}: residual_codec only applies with error_feedback: true")
+            get_state_codec(self.residual_codec, self.state_group)  # unknown names fail with the known ones
+            if self.residual_codec == "zero":
+                raise CacheError(f"{owner}: residual_codec zero drops the residual (that is error_feedback: false)")
+        if self.error_feedback and not codec.rounds:
+            raise CacheError(
+                f"{owner}: error_feedback needs a lossy state_codec (bfloat16, float16, float8_*, int8, int4); "
+                f"state_codec {self.state_codec} has no rounding error to feed back"
+            )
 
     def layout(self) -> StateLayout:
         """Codecs and stored parts of the states (built once per spec)."""
@@ -76,7 +110,8 @@ class RecurrentSpec(LayerSpec):
             check_positive_int(type(self).__name__, name, getattr(self, name))
 
     def min_nbytes(self, batch: int, tokens: int) -> int:
-        """Bytes held: every state's stored parts (codes + scales), plus the kept checkpoints."""
+        """Bytes held: every state's stored parts (codes + scales + error-feedback residuals), plus the kept
+        checkpoints."""
         return batch * self.layout().row_nbytes() * (1 + self.checkpoints)
 
 
@@ -264,20 +299,26 @@ class RecurrentCacheLayer(CacheLayer):
 
     def _commit_staged(self, staged: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> None:
         new_states, trail = staged
-        k = self.spec.checkpoints
-        new = self.layout.encode(new_states)
-        if k:  # keep the states after the last k columns: older checkpoints, the state before the block, the trail
+        k, layout = self.spec.checkpoints, self.layout
+        old, end = self.seq.columns, self.seq.columns + self.seq.block.tokens
+        if k or layout.feedback:
             self._fetch()
-            old, end = self.seq.columns, self.seq.columns + self.seq.block.tokens
+        held = self._held() if layout.feedback else None  # the residuals to feed back
+        stream = getattr(self, "cache_index", 0)  # keys stochastic rounding's uniforms per layer (Cache sets it)
+        new = layout.encode(new_states, held, end if layout.stochastic else None, stream)
+        if k:  # keep the states after the last k columns: older checkpoints, the state before the block, the trail
             m = 0 if trail is None else next(iter(trail.values())).shape[1]
+            # [B, m, ...] each, encoded as a block ending there would have been (the same residual fed back, the
+            # uniforms of its column), so crop(c) then continuing equals feeding the block split at c
+            trail_keys = list(range(end - m, end)) if layout.stochastic else None
+            trail_parts = layout.encode(trail, held, trail_keys, stream) if m else {}
             columns = self.trail_columns.tolist() + [old] + list(range(end - m, end))
             keep = [i for i, c in enumerate(columns) if c >= 0 and c >= end - k][-k:]
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.trail_columns.fill_(-1)
             self.trail_columns[k - len(keep) :] = torch.tensor([columns[i] for i in keep], dtype=torch.long)
-            trail_parts = self.layout.encode(trail) if m else {}  # [B, m, ...] each, encoded like any state
-            for attr, held in self._held().items():
-                parts = [getattr(self, f"{attr}_trail"), held[:, None]] + ([trail_parts[attr]] if m else [])
+            for attr, current in self._held().items():
+                parts = [getattr(self, f"{attr}_trail"), current[:, None]] + ([trail_parts[attr]] if m else [])
                 picked = torch.cat(parts, dim=1).index_select(1, index)
                 getattr(self, f"{attr}_trail")[:, k - len(keep) :] = picked
         for attr, t in new.items():

@@ -18,6 +18,12 @@ scales [H, P]); `head` one per index of its first axis (mamba2 / gated_delta: pe
 [C, K-1]: per channel, as `channel`). A 1-d state (rglru's [W]) gets one scale per row either way. Error per element:
 int <= scale / 2; fp8 <= half an fp8 step of x / scale, times scale. A new format is one class:
 `@register_state_codec("name")`.
+
+Rounding (`rounding`, see docs/state_drift.md): `nearest` (default) rounds to the nearest code; `stochastic` rounds
+down or up at random with the probability that makes the expected code equal the value (floor(y + u), u ~ U[0, 1),
+in units of the grid step there), so the error has mean zero and the per-element error stays below one step. A codec
+takes the uniforms as `encode(x, shape, noise)`; the layout draws them (state_layout.py: seeded per cache, keyed by
+the column, so a rewound or restored cache draws the same ones again).
 """
 
 from __future__ import annotations
@@ -35,13 +41,39 @@ from hybridcache.cache.kv_codecs import registrar
 Shape = tuple[int, ...]
 Fields = dict[str, tuple[Shape, torch.dtype]]  # part name ("" for a single part) -> (shape per row, dtype)
 GROUPS = ("channel", "head")
+ROUNDINGS = ("nearest", "stochastic")
 SCALE_DTYPE = torch.float32
+
+
+def float_grid_step(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s finite values at each |y| (a power of two): 2^floor(log2|y|) * eps for normal
+    magnitudes, the subnormal step below; computed in y's dtype (float32 or wider)."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(y)  # |y| = m * 2^exponent, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(y), exponent - 1).clamp(min=info.smallest_normal) * info.eps
+
+
+def stochastic_round(y: torch.Tensor, step: torch.Tensor | float, noise: torch.Tensor) -> torch.Tensor:
+    """floor(y / step + u) * step: one of the two grid points around y, the upper one with probability equal to the
+    fraction of the step y is past the lower one, so E[result] = y."""
+    return torch.floor(y / step + noise.to(y.dtype)) * step
+
+
+def round_to_float(y: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor | None) -> torch.Tensor:
+    """y cast to `dtype`: to nearest (noise None) or stochastically onto its grid (finite values stay finite where
+    the nearest cast keeps them: a draw past the largest value is clamped to it; beyond it, the nearest cast)."""
+    if noise is None:
+        return y.to(dtype)
+    top = torch.finfo(dtype).max
+    rounded = stochastic_round(y, float_grid_step(y, dtype), noise).clamp(-top, top)
+    return torch.where(y.abs() > top, y, rounded).to(dtype)
 
 
 class StateCodec(ABC):
     """A storage format for one state tensor of shape `shape` (without batch) whose mixer-side dtype is `dtype`."""
 
     name: ClassVar[str] = "?"
+    rounds: ClassVar[bool] = True  # whether encode rounds (so `rounding: stochastic` means something)
 
     def __init__(self, group: str = "channel") -> None:
         if group not in GROUPS:
@@ -57,8 +89,10 @@ class StateCodec(ABC):
         """The parts held per row, e.g. {"": (shape, dtype)} for dense storage."""
 
     @abstractmethod
-    def encode(self, x: torch.Tensor, shape: Shape) -> dict[str, torch.Tensor]:
-        """x [B, *lead, *shape] -> parts [B, *lead, *part shape] (lead: e.g. the checkpoint axis of a trail)."""
+    def encode(self, x: torch.Tensor, shape: Shape, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """x [B, *lead, *shape] -> parts [B, *lead, *part shape] (lead: e.g. the checkpoint axis of a trail).
+        `noise`: uniforms in [0, 1) broadcastable to x ([*lead, *shape], shared by the rows) for stochastic
+        rounding; None rounds to nearest."""
 
     @abstractmethod
     def decode(self, parts: dict[str, torch.Tensor], shape: Shape, dtype: torch.dtype) -> torch.Tensor:
@@ -93,13 +127,15 @@ def get_state_codec(name: str, group: str = "channel") -> StateCodec:
 class DenseStateCodec(StateCodec):
     """The state in its own dtype."""
 
+    rounds = False
+
     def exact_for(self, dtype):
         return True
 
     def fields(self, shape, dtype):
         return {"": (shape, dtype)}
 
-    def encode(self, x, shape):
+    def encode(self, x, shape, noise=None):
         return {"": x}
 
     def decode(self, parts, shape, dtype):
@@ -110,10 +146,12 @@ class DenseStateCodec(StateCodec):
 class ZeroStateCodec(StateCodec):
     """The ablation: holds nothing (a [B, *lead, 0] placeholder keeps the row count), decodes to zeros."""
 
+    rounds = False
+
     def fields(self, shape, dtype):
         return {"": ((0,), dtype)}
 
-    def encode(self, x, shape):
+    def encode(self, x, shape, noise=None):
         return {"": x.new_zeros((*x.shape[: x.dim() - len(shape)], 0))}
 
     def decode(self, parts, shape, dtype):
@@ -122,7 +160,7 @@ class ZeroStateCodec(StateCodec):
 
 
 class CastStateCodec(StateCodec):
-    """The state cast to `storage_dtype` (round to nearest)."""
+    """The state cast to `storage_dtype` (to nearest, or stochastically onto its grid)."""
 
     storage_dtype: ClassVar[torch.dtype]
     holds: ClassVar[tuple[torch.dtype, ...]] = ()  # state dtypes it represents exactly
@@ -133,8 +171,11 @@ class CastStateCodec(StateCodec):
     def fields(self, shape, dtype):
         return {"": (shape, self.storage_dtype)}
 
-    def encode(self, x, shape):
-        return {"": x.to(self.storage_dtype)}
+    def encode(self, x, shape, noise=None):
+        if noise is None:
+            return {"": x.to(self.storage_dtype)}
+        work = x.to(torch.promote_types(x.dtype, torch.float32))
+        return {"": round_to_float(work, self.storage_dtype, noise)}
 
     def decode(self, parts, shape, dtype):
         return parts[""].to(dtype)
@@ -189,23 +230,28 @@ class ScaledStateCodec(StateCodec):
 
 
 class IntStateCodec(ScaledStateCodec):
-    """Symmetric absmax integers in [-levels, levels]: q = round(x / scale), scale = absmax / levels."""
+    """Symmetric absmax integers in [-levels, levels]: q = round(x / scale) (stochastic: floor(x / scale + u)),
+    scale = absmax / levels."""
 
     levels: ClassVar[int] = 127
 
     def fields(self, shape, dtype):
         return {"q": (shape, torch.int8), "scale": (self.scale_shape(shape), SCALE_DTYPE)}
 
-    def quantize(self, x: torch.Tensor, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(
+        self, x: torch.Tensor, shape: Shape, noise: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.scales(x, shape, self.levels)
-        q = torch.round(self.scaled(x, shape, scale)).clamp(-self.levels, self.levels)
+        y = self.scaled(x, shape, scale)  # [.., *scale_shape, group]
+        q = torch.round(y) if noise is None else stochastic_round(y, 1.0, self._grouped(noise, shape))
+        q = q.clamp(-self.levels, self.levels)
         return self.ungrouped(q, shape).to(torch.int8), scale  # [.., *shape], [.., *scale_shape]
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         return self.unscaled(self._grouped(q, shape), scale, shape, dtype)
 
-    def encode(self, x, shape):
-        q, scale = self.quantize(x, shape)
+    def encode(self, x, shape, noise=None):
+        q, scale = self.quantize(x, shape, noise)
         return {"q": q, "scale": scale}
 
     def decode(self, parts, shape, dtype):
@@ -226,8 +272,8 @@ class Int4StateCodec(IntStateCodec):
     def fields(self, shape, dtype):
         return {"q": (((math.prod(shape) + 1) // 2,), torch.uint8), "scale": (self.scale_shape(shape), SCALE_DTYPE)}
 
-    def encode(self, x, shape):
-        q, scale = self.quantize(x, shape)
+    def encode(self, x, shape, noise=None):
+        q, scale = self.quantize(x, shape, noise)
         flat = (q.flatten(q.dim() - len(shape)) + 8).to(torch.uint8)  # [.., n] in [1, 15]
         if flat.shape[-1] % 2:
             flat = torch.nn.functional.pad(flat, (0, 1), value=8)
@@ -249,10 +295,11 @@ class Fp8StateCodec(ScaledStateCodec):
     def fields(self, shape, dtype):
         return {"q": (shape, self.fp8), "scale": (self.scale_shape(shape), SCALE_DTYPE)}
 
-    def encode(self, x, shape):
+    def encode(self, x, shape, noise=None):
         top = torch.finfo(self.fp8).max
         scale = self.scales(x, shape, top)
-        values = self.scaled(x, shape, scale).clamp(-top, top).to(self.fp8)
+        values = self.scaled(x, shape, scale).clamp(-top, top)  # [.., *scale_shape, group]
+        values = round_to_float(values, self.fp8, None if noise is None else self._grouped(noise, shape))
         return {"q": self.ungrouped(values, shape), "scale": scale}
 
     def decode(self, parts, shape, dtype):
