@@ -60,13 +60,9 @@ def check_real_rows(mask: torch.Tensor) -> None:
 
 
 def awaiting_prompt(cache: Cache) -> bool:
-    """Whether a layer of `cache` compresses the next block it sees as the prompt (score-based, mode: prefill)."""
-    return any(
-        getattr(layer, "spec", None) is not None
-        and getattr(layer.spec, "mode", None) == "prefill"
-        and not getattr(layer, "compressed", True)
-        for layer in cache.layers
-    )
+    """Whether a layer of `cache` treats the next block it sees as the prompt (score-based, modes prefill, decoding,
+    prefill_decoding: the prompt goes in as one block, as kvpress's prefill)."""
+    return any(getattr(layer, "awaits_prompt", False) for layer in cache.layers)
 
 
 _COMPILE_LOCK = threading.Lock()

@@ -28,6 +28,7 @@ from typing import Any
 from hybridcache.cache.base import LayerSpec
 from hybridcache.cache.errors import CacheError
 from hybridcache.cache.plan import format_bytes, resolve_plan
+from hybridcache.cache.press_schedule import tokens_held
 
 NATIVE = "native"
 
@@ -97,9 +98,8 @@ def spec_nbytes(spec: LayerSpec, s: Scenario) -> int:
 
 
 def _nbytes_at(spec: LayerSpec, s: Scenario, tokens: int) -> int:
-    if getattr(spec, "mode", None) == "prefill" and hasattr(spec, "kept_of"):
-        kept = spec.kept_of(spec.pattern_needed(s.prompt_len)) + (tokens - s.prompt_len)
-        needed = min(int(spec.pattern_needed(tokens)), kept)
+    if getattr(spec, "mode", None) in ("prefill", "decoding", "prefill_decoding") and hasattr(spec, "kept_of"):
+        needed = tokens_held(spec, s.prompt_len, tokens, peak=True)  # scored eviction: its schedule from the prompt
         return s.batch * (needed * spec.token_nbytes + min(needed, spec.residual or 0) * spec.dense_token_nbytes)
     held = spec.held_nbytes(s.batch, tokens)
     return max(held, spec.max_nbytes(s.batch, tokens)) if hasattr(spec, "max_nbytes") else held  # hf_quantized

@@ -2,7 +2,8 @@
 
 Each is a `ScoredEvictionLayer` (scored_eviction.py: targets, modes, per-head storage) with its score. Defaults are
 the published ones; `mode` defaults to the method's published semantics (kvpress's presses compress the prompt once:
-`prefill`; TOVA and H2O evict while decoding: `continuous`).
+`prefill`; TOVA and H2O evict while decoding: `continuous`). knorm, tova and streaming_llm also take kvpress's
+decoding-time modes `decoding` / `prefill_decoding` (DecodingPress / PrefillDecodingPress, press_schedule.py).
 
 | type | score (higher is kept) | heads |
 |---|---|---|
@@ -47,6 +48,7 @@ def _block_queries(ctx: ScoreContext, last: int | None) -> torch.Tensor:
 class StreamingLLMSpec(ScoredSpec):
     n_sink: int = tunable(4)
     per_head_positions = False
+    decodes = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -69,7 +71,7 @@ class StreamingLLMLayer(ScoredEvictionLayer):
 # -- knorm ---------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class KnormSpec(ScoredSpec):
-    pass
+    decodes = True
 
 
 @register_cache_layer("knorm")
@@ -171,19 +173,21 @@ class PyramidKVLayer(SnapKVLayer):
 class TovaSpec(ScoredSpec):
     mode: str = tunable("continuous")
     per_head_positions = False
+    decodes = True
 
 
 @register_cache_layer("tova")
 class TovaLayer(ScoredEvictionLayer):
     """TOVA (Oren et al. 2024): the tokens the last query attends to most, averaged over all heads. Continuous (the
-    paper's): the current token competes too. Prefill (kvpress TOVAPress): the last token is always kept."""
+    paper's): the current token competes too. The other modes (kvpress TOVAPress, also inside its DecodingPress):
+    the last token is always kept."""
 
     spec_cls = TovaSpec
     example_params = {"budget": 6}
 
     def score(self, ctx):
         last = ctx.weights[:, :, -1, :].mean(1, keepdim=True).double()  # [B, 1, S]
-        if self.spec.mode == "prefill":
+        if self.spec.mode != "continuous":
             return _force(last, ctx.slot_positions() == ctx.seen[:, None, None] - 1)
         return last
 

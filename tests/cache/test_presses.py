@@ -239,3 +239,179 @@ def test_bad_parameters_are_named():
     ):
         with pytest.raises(CacheConfigError, match=words.replace("[", r"\[").replace(")", r"\)")):
             build(params)
+
+
+# -- kvpress's decoding-time presses: DecodingPress / PrefillDecodingPress ------------------------------------------
+
+
+def kvpress_decoding_run(name, q, k, prompt, ratio, budget, interval, n_sink=2):
+    """kvpress 0.5.5's DecodingPress (PrefillDecodingPress when `ratio`) around `name`'s scorer, transcribed with
+    none of our code: a plain list of held positions per kv head; the prompt compressed by `ratio` (or kept); then
+    per one-token step: append, count, and at the interval-th step keep the top `n_kept` by the scorer, n_kept from
+    the bisected ratio (kvpress's _find_target_compression_ratio then compute_n_kept). Positions, not slots, order
+    StreamingLLM's window (kvpress's own slot order drifts after one compression: docs/presses_decoding.md).
+    Returns the held positions [Hkv, n] (ascending) after every step."""
+
+    def n_kept_of(k_len):
+        if k_len <= budget:
+            return k_len
+        r, lo, hi = 1.0 - budget / k_len, 0.0, 1.0
+        for _ in range(20):
+            n = int(k_len * (1 - r))
+            if n == budget:
+                break
+            lo, r, hi = (r, (r + hi) / 2, hi) if n > budget else (lo, (lo + r) / 2, r)
+        return max(1, int(k_len * (1 - r)))
+
+    def scores(held, step):  # [Hkv, len(held)] for the keys at `held` positions; step: the current token
+        keys = torch.stack([k[0, h, held[h]] for h in range(HKV)])  # [Hkv, n, D]
+        if name == "knorm":
+            return -keys.norm(dim=-1)
+        if name == "tova":  # the current query over every held key, softmax, mean over all query heads
+            att = torch.stack(
+                [torch.softmax(q[0, j, step] @ keys[j // GROUP].T / math.sqrt(D), -1) for j in range(HQ)]
+            ).mean(0)
+            out = att.expand(HKV, -1).clone()
+            out[:, -1] = out.max() + 1  # the last slot (the current token) kept
+            return out
+        pos = torch.tensor(held, dtype=torch.float64)  # streaming_llm: the sinks, then the most recent
+        return torch.where(pos < n_sink, math.inf, pos)
+
+    held = [list(range(prompt)) for _ in range(HKV)]
+    if ratio is not None:  # the prefill press: the prompt's own scores (reference() above: kvpress's)
+        kept = reference(name, q[:, :, :prompt], k[:, :, :prompt], k[:, :, :prompt], ratio, n_sink=n_sink)
+        held = [kept[h].tolist() for h in range(HKV)]
+    history, count = [], 0
+    for step in range(prompt, k.shape[2]):
+        held = [h + [step] for h in held]
+        count += 1
+        if count >= interval:
+            s, n = scores(held, step), n_kept_of(len(held[0]))
+            held = [sorted(held[h][i] for i in s[h].topk(n).indices.tolist()) for h in range(HKV)]
+            count = 0
+        history.append(torch.tensor(held))
+    return history
+
+
+DECODING_CASES = [
+    ("knorm", {}),
+    ("tova", {}),
+    ("streaming_llm", {"n_sink": 2}),
+]
+
+
+@pytest.mark.parametrize("name,kw", DECODING_CASES)
+@pytest.mark.parametrize("mode,ratio", [("decoding", None), ("prefill_decoding", 0.5)])
+@pytest.mark.parametrize("budget,interval", [(12, 4), (9, 1), (20, 7)])
+def test_decoding_modes_keep_what_kvpress_decoding_press_would(name, kw, mode, ratio, budget, interval):
+    prompt, steps = 16, 30
+    q, k, v = data(prompt + steps, seed=budget * 10 + interval + len(name))
+    params = {"type": name, "mode": mode, "budget": budget, "compression_interval": interval, **kw}
+    if ratio is not None:
+        params["compression_ratio"] = ratio
+    cache = build(params)
+    feed(cache, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
+    want = kvpress_decoding_run(name, q, k, prompt, ratio, budget, interval, **({"n_sink": 2} if kw else {}))
+    for step in range(steps):
+        t = prompt + step
+        feed(cache, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        pos = cache[0].key_positions()[0]
+        got = pos if pos.dim() == 2 else pos[None].expand(HKV, -1)
+        assert torch.equal(got, want[step]), f"step {step}: {got.tolist()} != {want[step].tolist()}"
+
+
+def test_decoding_leaves_the_prompt_whole_and_counts_a_long_block_as_due():
+    """kvpress: no compression in the prefill forward, even one longer than target_size; a later forward of at
+    least target_size tokens compresses at once (q_len >= target_size), whatever the step count."""
+    q, k, v = data(40, seed=3)
+    cache = build({"type": "knorm", "mode": "decoding", "budget": 8, "compression_interval": 100})
+    feed(cache, q[:, :, :20], k[:, :, :20], v[:, :, :20])
+    assert cache[0].key_positions().shape[-1] == 20 and cache[0].compressed
+    feed(cache, q[:, :, 20:27], k[:, :, 20:27], v[:, :, 20:27])  # 7 < budget tokens: counted, kept
+    assert cache[0].key_positions().shape[-1] == 27
+    feed(cache, q[:, :, 27:35], k[:, :, 27:35], v[:, :, 27:35])  # 8 = budget tokens: compressed now
+    want = (-k[0, :, :35].norm(dim=-1)).topk(8).indices.sort(-1).values
+    assert torch.equal(cache[0].key_positions()[0], want)
+
+
+def test_decoding_rows_of_a_padded_batch_keep_what_they_keep_alone():
+    prompt, steps, pad = 14, 12, 5
+    params = {"type": "tova", "mode": "decoding", "budget": 10, "compression_interval": 3}
+    q, k, v = data(prompt + steps, seed=11)
+    alone = build(params)
+    feed(alone, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
+    other = data(prompt + pad + steps, seed=12)
+    qb, kb, vb = (
+        torch.cat([torch.cat([x.new_zeros(*x.shape[:2], pad, D), x], 2), y]) for x, y in zip((q, k, v), other)
+    )
+    mask = torch.ones(2, prompt + pad, dtype=torch.bool)
+    mask[0, :pad] = False
+    batch = build(params, batch=2)
+    feed(batch, qb[:, :, : prompt + pad], kb[:, :, : prompt + pad], vb[:, :, : prompt + pad], mask)
+    for step in range(steps):
+        t = prompt + step
+        feed(alone, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        feed(batch, qb[:, :, t + pad : t + pad + 1], kb[:, :, t + pad : t + pad + 1], vb[:, :, t + pad : t + pad + 1])
+        mine, together = alone[0].key_positions()[0], batch[0].key_positions()[0]
+        assert torch.equal(mine, together[together >= 0]), f"step {step}"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"type": "knorm", "mode": "decoding", "budget": 5, "compression_interval": 2, "compression_ratio": None},
+        {"type": "tova", "mode": "prefill_decoding", "compression_ratio": 0.4, "budget": 6, "compression_interval": 3},
+        {"type": "streaming_llm", "mode": "decoding", "budget": 6, "compression_interval": 1, "n_sink": 2},
+    ],
+)
+def test_decoding_modes_pass_the_conformance_kit(params):
+    from hybridcache.testing import check_cache_type
+
+    name = params.pop("type")
+    counts = check_cache_type(name, params=params, cases=8)
+    assert counts["split == one-shot"] == 8 and counts["snapshot / restore"] > 0 and counts["atomic failures"] > 0
+
+
+def test_tokens_held_is_what_a_decoding_layer_holds():
+    """The planner's count (press_schedule.tokens_held) against a layer fed that scenario: the most it held
+    between two blocks, and what it holds at the end (exact under full attention, a bound under a window)."""
+    from hybridcache.cache.press_schedule import tokens_held
+
+    for params in (
+        {"type": "knorm", "mode": "decoding", "budget": 10, "compression_interval": 4},
+        {"type": "knorm", "mode": "prefill_decoding", "compression_ratio": 0.5, "budget": 6, "compression_interval": 5},
+        {"type": "knorm", "mode": "decoding", "budget": 7, "compression_interval": 3, "window": 9},
+        {"type": "knorm", "compression_ratio": 0.5},
+    ):
+        prompt, total = 15, 40
+        q, k, v = data(total, seed=2)
+        cache = build(params)
+        feed(cache, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
+        most = held = (cache[0].key_positions()[0] >= 0).sum(-1).max().item()
+        for t in range(prompt, total):
+            feed(cache, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            held = (cache[0].key_positions()[0] >= 0).sum(-1).max().item()
+            most = max(most, held)
+            assert cache[0].nbytes() <= cache[0].min_nbytes(), params
+        spec = cache[0].spec
+        if spec.window is None:
+            assert tokens_held(spec, prompt, total) == held, params
+            assert tokens_held(spec, prompt, total, peak=True) == most, params
+        else:  # kept tokens leave a window as it moves on: the count is a bound there
+            assert tokens_held(spec, prompt, total) >= held and tokens_held(spec, prompt, total, peak=True) >= most
+
+
+def test_decoding_modes_refuse_bad_parameters_by_name():
+    for params, words in (
+        ({"type": "snapkv", "mode": "decoding", "budget": 8}, "offered for knorm, tova and streaming_llm only"),
+        ({"type": "h2o", "mode": "decoding", "budget": 8}, "offered for knorm, tova and streaming_llm only"),
+        ({"type": "knorm", "mode": "decoding"}, "give budget"),
+        ({"type": "knorm", "mode": "decoding", "budget": 8, "compression_ratio": 0.5}, "prefill_decoding"),
+        ({"type": "knorm", "mode": "prefill_decoding", "budget": 8}, "give both"),
+        ({"type": "knorm", "mode": "decoding", "budget": 8, "compression_interval": 0}, "positive integer"),
+        ({"type": "knorm", "mode": "decoding", "budget": 8, "compression_interval": True}, "positive integer"),
+        ({"type": "knorm", "compression_ratio": 0.5, "compression_interval": 4}, "applies to modes decoding"),
+        ({"type": "tova", "budget": 4, "compression_interval": 4}, "not 'continuous'"),
+    ):
+        with pytest.raises(CacheConfigError, match=words):
+            build(params)
