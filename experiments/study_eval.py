@@ -26,6 +26,7 @@ import torch
 
 import hybridcache as hc
 from experiments import mqar, ruler
+from experiments.whole_model_bytes import kind_bytes
 from hybridcache.cache import Cache
 
 
@@ -42,6 +43,7 @@ class Strategy:
     greedy: dict[int, list[int]] = field(default_factory=dict)  # context length -> N greedy tokens
     passkey: list[dict[str, Any]] = field(default_factory=list)
     nbytes_after: int = 0
+    nbytes_after_split: dict[str, int] = field(default_factory=dict)  # {"kv", "state"}: the same bytes by part
 
 
 def block_edges(total: int, block: int, lengths: list[int]) -> list[int]:
@@ -88,7 +90,13 @@ def teacher_forced(
         del native_logp
     for s in strategies:
         s.nbytes_after = s.cache.nbytes()
+        s.nbytes_after_split = held_by_part(s.cache)
         s.cache = None
+
+
+def held_by_part(cache: Cache) -> dict[str, int]:
+    """{"kv": ..., "state": ...}: the bytes the Cache holds (`cache.nbytes()`), by the kind of its cache layers."""
+    return kind_bytes(cache.layers, lambda layer: layer.nbytes())
 
 
 def continue_greedily(model, prefix: torch.Tensor, last_logp: torch.Tensor, cache: Cache, n: int) -> list[int]:
@@ -117,6 +125,7 @@ class Continuation:
     top1: dict[int, torch.Tensor] = field(default_factory=dict)  # L -> [N] bool
     greedy: dict[int, list[int]] = field(default_factory=dict)  # L -> greedy tokens after the prompt
     nbytes_after_prompt: dict[int, int] = field(default_factory=dict)
+    nbytes_after_prompt_split: dict[int, dict[str, int]] = field(default_factory=dict)  # L -> {"kv", "state"}
 
 
 @torch.no_grad()
@@ -143,6 +152,7 @@ def continuation(
             cache = model.make_cache(1, s.config)
             last = model.run_block(ids[:, :L], cache, last_only=True)[0, -1].float()  # [V]; compressed after
             s.nbytes_after_prompt[L] = cache.nbytes()
+            s.nbytes_after_prompt_split[L] = held_by_part(cache)
             if s.name in greedy_for and greedy_tokens > 0:
                 s.greedy[L] = continue_greedily(model, ids[:, :L], last, cache, greedy_tokens)
             logp = torch.log_softmax(model(ids[:, L : L + n], cache=cache)[0].float(), dim=-1)  # [n, V]

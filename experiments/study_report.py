@@ -113,12 +113,40 @@ def verdict(
     if reading and not insensitive:
         parts.append(reading)
     if row["bytes_ratio"] < 0.999:
-        parts.append(f"holds {row['bytes_ratio']:.0%} of native's bytes")
+        parts.append(f"holds {row['bytes_ratio']:.0%} of native's bytes" + saved_where(row))
     elif row["bytes_ratio"] > 1.001:
         parts.append(f"holds MORE than native ({row['bytes_ratio']:.0%})")
     if random_weights:
         parts.append("random weights: only exactness is meaningful")
     return "; ".join(parts)
+
+
+def saved_where(row: dict[str, Any]) -> str:
+    """Where a smaller cache's saving comes from, on the whole cache: ", saving 24% of the whole cache (its states
+    -70%, KV unchanged)"."""
+    if row.get("saving") is None:
+        return ""
+    what = []
+    for part, key in (("KV", "kv_saving"), ("states", "state_saving")):
+        x = row.get(key)
+        if x is not None:
+            what.append(f"{part} unchanged" if abs(x) < 5e-4 else f"its {part} {-x:+.0%}")
+    return f", saving {row['saving']:.0%} of the whole cache" + (f" ({', '.join(what)})" if what else "")
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def split_cells(row: dict[str, Any]) -> list[str]:
+    """The row's bytes as keys/values and recurrent states, and its saving on the whole cache next to the saving on
+    each part (a part native does not hold: "-")."""
+    if row.get("kv_bytes") is None:  # a row written before the split existed
+        return ["-", "-"]
+    return [
+        f"{format_bytes(row['kv_bytes'])} / {format_bytes(row['state_bytes'])}",
+        f"{_share(row['saving'])} ({_share(row['kv_saving'])}, {_share(row['state_saving'])})",
+    ]
 
 
 def _cell(values: dict[str, float], key: str, fmt: str) -> str:
@@ -132,6 +160,8 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
     t.add_column("strategy", style="bold")
     t.add_column(f"peak bytes ≤{longest}", justify="right")
     t.add_column("vs native", justify="right")
+    t.add_column("KV / states", justify="right")
+    t.add_column("saved: whole cache (KV, states)", justify="right")
     for L in lengths:
         t.add_column(f"ppl @{L}", justify="right")
     t.add_column(f"KL @{longest}", justify="right")
@@ -143,7 +173,7 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
     t.add_column("RULER", justify="right")
     for r in rows:
         if r.get("error"):
-            t.add_row(r["name"], *["-"] * (8 + len(lengths)))
+            t.add_row(r["name"], *["-"] * (10 + len(lengths)))
             continue
         greedy = " ".join(f"{v:.0%}" for v in r["greedy_agreement"].values()) or "-"
         cells = r.get("passkey_by_length") or {}
@@ -153,6 +183,7 @@ def print_table(console: Console, rows: list[dict[str, Any]], lengths: list[int]
             r["name"] + ("*" if prefill else ""),
             format_bytes(r["bytes"]),
             f"{r['bytes_ratio']:.0%}",
+            *split_cells(r),
             *[_cell(r["ppl"], str(L), ".4g") for L in lengths],
             _cell(r["kl"], longest, ".2e"),
             _cell(r["top1"], longest, ".1%"),

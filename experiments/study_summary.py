@@ -13,6 +13,7 @@ from experiments import mqar
 from experiments.ruler import has_depth, ruler_sample
 from experiments.study_eval import Continuation, Strategy, agreement, prefix_max, prefix_mean
 from experiments.study_report import finite
+from experiments.whole_model_bytes import kind_bytes, saving
 
 
 def ruler_samples(r: DictConfig, tokenizer, vocab_size: int) -> tuple[list, list[str]]:
@@ -136,6 +137,9 @@ def summarize(
         cell[1] += 1
     peak = peak_bytes(plan, max(lengths))
     after = docs[0].nbytes_after if docs else cont[0].nbytes_after_prompt[max(lengths)] if cont else None
+    after_split = (
+        docs[0].nbytes_after_split if docs else cont[0].nbytes_after_prompt_split[max(lengths)] if cont else {}
+    )
     return {
         "name": name,
         "config": config,
@@ -143,7 +147,10 @@ def summarize(
         "changed_layers": plan.changed(native_plan),
         "bytes": peak,
         "bytes_ratio": peak / native_bytes if native_bytes else float("nan"),
+        **whole_cache_columns(plan, native_plan, max(lengths)),
         "bytes_after": after,
+        "bytes_after_kv": after_split.get("kv"),
+        "bytes_after_state": after_split.get("state"),
         "planned_bytes": {str(L): plan.held_nbytes(1, L) for L in lengths},
         "peak_bytes": {str(L): peak_bytes(plan, L) for L in lengths},
         "ppl": ppl,
@@ -170,3 +177,26 @@ def peak_bytes(plan, tokens: int) -> int:
     """The most bytes the cache holds between blocks at batch 1 over a sequence of `tokens` tokens (from the specs;
     a chunked cache is empty right after a chunk boundary, so its bytes after the run say little)."""
     return max(plan.held_nbytes(1, t) for t in range(1, tokens + 1))
+
+
+def peak_by_part(plan, tokens: int) -> dict[str, int]:
+    """`peak_bytes`'s bytes split into keys/values and recurrent states ({"kv", "state"}), at the token count where
+    the whole cache peaks (the last such count)."""
+    at = max(range(1, tokens + 1), key=lambda t: (plan.held_nbytes(1, t), t))
+    return kind_bytes(plan.layers, lambda p: p.spec.held_nbytes(1, at))
+
+
+def whole_cache_columns(plan, native_plan, tokens: int) -> dict[str, Any]:
+    """The row's bytes split into KV and recurrent state, native's beside them, and the saving on the WHOLE cache
+    (what a user pays for) next to the saving on each part (what the strategy touches); a part native does not hold
+    has no saving (None)."""
+    ours, native = peak_by_part(plan, tokens), peak_by_part(native_plan, tokens)
+    return {
+        "kv_bytes": ours["kv"],
+        "state_bytes": ours["state"],
+        "native_kv_bytes": native["kv"],
+        "native_state_bytes": native["state"],
+        "saving": saving(ours["kv"] + ours["state"], native["kv"] + native["state"]),
+        "kv_saving": saving(ours["kv"], native["kv"]),
+        "state_saving": saving(ours["state"], native["state"]),
+    }

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -95,6 +97,11 @@ def test_study_smoke(tmp_path):
         for r in rows.values()
         if not r.get("error") and r["protocol"] == "blockwise"
     )
+    # every row's bytes split into KV and states (Gemma 3: keys and values only), the Cache's own total too
+    for r in (r for r in rows.values() if not r.get("error")):
+        assert r["kv_bytes"] == r["bytes"] and r["state_bytes"] == 0 and r["state_saving"] is None
+        assert (r["bytes_after_kv"], r["bytes_after_state"]) == (r["bytes_after"], 0)
+        assert r["saving"] == 1 - r["bytes_ratio"]
     # kvpress's protocol: every strategy, 16 tokens after each prompt length; native is its own KL reference, and a
     # strategy that is exact within the context stays exact there too
     assert data["continuation"] == 16 and native["continuation_kl"][longest] == 0
@@ -168,3 +175,27 @@ def test_a_model_that_ignores_its_ssm_state_gets_no_conclusion_from_a_state_code
         "NO CONCLUSION" not in rows["state_int8"]["verdict"]
         and "of the KL of dropping its SSM" in (rows["state_int8"]["verdict"])
     )
+
+
+def test_every_row_splits_its_bytes_into_kv_and_states_and_saves_on_the_whole_cache(tmp_path):
+    """Issue 40 item 6: a study row says what part of the cache a strategy changes and what it saves on the WHOLE
+    cache. FalconH1 holds attention and Mamba2 caches side by side in every layer (cache groups): the split of the
+    specs' peak adds up to the row's bytes, the split of the Cache's layers after the run to what the Cache reports
+    (and, native growing to its end, both splits agree); a state-only strategy leaves KV bytes as they are, a
+    KV-only one the states, and each saves less of the whole cache than of the part it changes."""
+    rows = _study(tmp_path, "falcon_h1", ["native", "state_int8", "int8"])
+    native = rows["native"]
+    for r in rows.values():
+        assert r["kv_bytes"] + r["state_bytes"] == r["bytes"], r["name"]
+        assert r["bytes_after_kv"] + r["bytes_after_state"] == r["bytes_after"], r["name"]
+        assert (r["native_kv_bytes"], r["native_state_bytes"]) == (native["kv_bytes"], native["state_bytes"])
+        assert r["saving"] == pytest.approx(1 - r["bytes"] / native["bytes"], abs=1e-12)
+    assert native["kv_bytes"] > 0 and native["state_bytes"] > 0 and native["saving"] == 0
+    assert (native["bytes_after_kv"], native["bytes_after_state"]) == (native["kv_bytes"], native["state_bytes"])
+    state = rows["state_int8"]
+    assert state["kv_bytes"] == native["kv_bytes"] and state["bytes_after_kv"] == native["bytes_after_kv"]
+    assert state["kv_saving"] == 0 and 0 < state["saving"] < state["state_saving"] < 1
+    assert "of the whole cache (KV unchanged, its states -" in state["verdict"]
+    kv = rows["int8"]
+    assert kv["state_bytes"] == native["state_bytes"] and kv["state_saving"] == 0
+    assert 0 < kv["saving"] < kv["kv_saving"] < 1 and "states unchanged" in kv["verdict"]
