@@ -24,6 +24,7 @@ from rich.table import Table
 
 from experiments.common import make_console
 from experiments.state_sensitivity import compare_logits, stepwise_logits
+from experiments.whole_model_bytes import kind_bytes, saving
 from hybridcache.planner import NATIVE, Choice, LayerTable, Scenario, build_tables, pareto_front, uniform_choices
 
 ATTENTION_OPTIONS: dict[str, dict[str, Any]] = {
@@ -150,13 +151,19 @@ def evaluate(
         task = progress.add_task("planned and uniform configs (all layers at once)", total=len(cases))
         for label, (kind, budget, choice) in cases.items():
             logits, cache = run_config(model, ids, prompt_len, choice.config)
+            split, held = choice_by_part(choice), kind_bytes(cache.layers, lambda layer: layer.nbytes())
             rows.append(
                 {
                     "config": label,
                     "kind": kind,
                     "budget": budget,
                     "bytes": choice.nbytes,
+                    "kv_bytes": split["kv"],
+                    "state_bytes": split["state"],
+                    "saving": saving(choice.nbytes, native_nbytes(tables)),  # on the whole cache
                     "held_after_run": cache.nbytes(),
+                    "held_after_run_kv": held["kv"],
+                    "held_after_run_state": held["state"],
                     "predicted_cost": choice.cost,
                     **compare_logits(ref, logits, targets),
                     "choice": choice.names,
@@ -167,6 +174,15 @@ def evaluate(
     return rows
 
 
+def choice_by_part(choice: Choice) -> dict[str, int]:
+    """A plan's bytes as keys/values and recurrent states ({"kv", "state"}), by its layers' kinds."""
+    return kind_bytes(zip(choice.tables, choice.options), lambda pair: pair[1].nbytes, kind=lambda pair: pair[0].kind)
+
+
+def native_nbytes(tables: Sequence[LayerTable]) -> int:
+    return sum(t.option(NATIVE).nbytes for t in tables)
+
+
 def mark_front(rows: list[dict], metric: str = "kl") -> None:
     """`on_front`: no other row has at most its bytes and a lower measured cost."""
     for r in rows:
@@ -175,12 +191,15 @@ def mark_front(rows: list[dict], metric: str = "kl") -> None:
 
 def render_table(rows: Sequence[dict], title: str) -> Table:
     table = Table(title=title)
-    for c in ("config", "bytes", "held after run", "predicted KL", "measured KL", "ΔNLL", "front"):
+    columns = ("config", "bytes", "KV / states", "saved (whole cache)", "held after run", "predicted KL")
+    for c in (*columns, "measured KL", "ΔNLL", "front"):
         table.add_column(c, justify="left" if c == "config" else "right")
     for r in sorted(rows, key=lambda r: (r["bytes"], r["kl"])):
         table.add_row(
             r["config"],
             str(r["bytes"]),
+            f"{r['kv_bytes']} / {r['state_bytes']}",
+            "-" if r["saving"] is None else f"{r['saving']:.1%}",
             str(r["held_after_run"]),
             f"{r['predicted_cost']:.2e}",
             f"{r['kl']:.2e}",
@@ -236,7 +255,7 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
 def budget_sweep(tables: Sequence[LayerTable], n: int) -> list[int]:
     """n budgets spread evenly from the smallest plan's bytes to the native plan's."""
     lo = pareto_front(tables).min_nbytes
-    hi = sum(t.option(NATIVE).nbytes for t in tables)
+    hi = native_nbytes(tables)
     return sorted({lo + (hi - lo) * i // max(1, n - 1) for i in range(n)})
 
 

@@ -73,12 +73,15 @@ def state_bytes(parts: Mapping[str, int]) -> int:
     return sum(n for k, n in parts.items() if k.startswith(STATE_PREFIX))
 
 
-def kind_bytes(layers: Iterable[Any], nbytes: Any) -> dict[str, int]:
-    """{"kv": ..., "state": ...}: `nbytes(layer)` summed over layers by their kind (attention / recurrent); for a
-    plan's LayerPlans or a Cache's layers alike."""
+def kind_bytes(layers: Iterable[Any], nbytes: Any, kind: Any = lambda layer: layer.kind) -> dict[str, int]:
+    """{"kv": ..., "state": ...}: `nbytes(layer)` summed over layers by `kind(layer)` (attention / recurrent); for a
+    plan's LayerPlans, a Cache's layers or a planner's choices alike."""
     out = {"kv": 0, "state": 0}
     for layer in layers:
-        out["kv" if layer.kind == "attention" else "state"] += int(nbytes(layer))
+        k = kind(layer)
+        if k not in ("attention", "recurrent"):
+            raise AccountingError(f"a cache layer of kind {k!r}: neither attention (KV) nor recurrent (states)")
+        out["kv" if k == "attention" else "state"] += int(nbytes(layer))
     return out
 
 
