@@ -272,6 +272,7 @@ class TrainSchema:
     eval_len: int = 512
     eval_windows: int = 64
     probe_windows: int = 8
+    control_windows: int = 8
     eval_every: int = 50
     checkpoint_every: int = 25
     sizes: dict[str, TrainSize] = field(default_factory=dict)

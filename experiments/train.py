@@ -27,11 +27,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+import hybridcache as hc
 from experiments.common import UserError, quiet_libraries
 from experiments.results import write_text
 from experiments.run_context import RunContext
+from experiments.state_control import control_table, state_controls
 from experiments.train_data import DataError, bigram_bits_per_byte, cached_corpus
-from experiments.train_loop import TrainError, TrainSettings, describe, final_eval, mqar_accuracy, train
+from experiments.train_loop import TrainError, TrainSettings, describe, eval_splits, final_eval, mqar_accuracy, train
 from experiments.train_model import ARCHS, ArchError
 from experiments.train_plot import log_loss_curve, loss_curve
 from hybridcache.paths import home_dir
@@ -150,6 +152,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 result["mqar_accuracy"] = {str(n): mqar_accuracy(state.model, n, 16) for n in (8, 16, 32, 48)}
         result["export"] = str(export_hf(state.model, run_dir / "hf"))
         result["safetensors_bytes"] = (run_dir / "hf" / "model.safetensors").stat().st_size
+        if s.arch != "attention" and s.control_windows > 0:  # does the model use its states at all?
+            ours = hc.from_pretrained(run_dir / "hf", dtype=torch.float32)
+            result["state_control"] = state_controls(ours, eval_splits(corpus), s.eval_len, s.control_windows, console)
     # over the whole run (every session): what a shared machine actually gave, not the last steps' rate
     result["tokens_per_s"] = state.step * s.batch_size * s.seq_len / max(state.seconds, 1e-9)
     write_text(
@@ -207,6 +212,13 @@ def report(console: Console, result: dict[str, Any]) -> None:
         console.print(
             "MQAR recall (held-out examples, share of queries): "
             + ", ".join(f"{n} pairs {v:.0%}" for n, v in result["mqar_accuracy"].items())
+        )
+    if result.get("state_control"):
+        console.print(
+            control_table(
+                result["state_control"],
+                f"the control: recurrent states dropped after every byte ({result['eval_len']}-byte windows)",
+            )
         )
     if "export" in result:
         console.print(f"HF-format checkpoint: {result['export']} ({result['safetensors_bytes'] / 1e6:.1f} MB)")

@@ -53,6 +53,7 @@ class TrainSettings:
     eval_len: int = 512
     eval_windows: int = 64  # per split, at the end
     probe_windows: int = 8  # per split, every eval_every steps (the curve)
+    control_windows: int = 8  # per split, at the end: states dropped after every byte (experiments/state_control.py)
     eval_every: int = 100
     checkpoint_every: int = 50
     # The recall phase: `recall_steps` more steps after `steps`, each batch `recall_batch_size` windows of
@@ -80,7 +81,7 @@ class TrainSettings:
         """What the weights depend on (not how often we look at them). Without a recall phase the recall settings
         are left out, so the text-only phase of a run is keyed as a text-only run is (and can be continued)."""
         d = asdict(self)
-        for k in ("eval_windows", "probe_windows", "eval_every", "checkpoint_every", "eval_len"):
+        for k in ("eval_windows", "probe_windows", "eval_every", "checkpoint_every", "eval_len", "control_windows"):
             d.pop(k)
         if not self.recall_steps:
             d = {k: v for k, v in d.items() if not k.startswith("recall_")}
