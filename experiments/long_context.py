@@ -43,7 +43,7 @@ from hybridcache.cache import resolve_plan
 SMOKE = {  # a tiny random model on ByT5 bytes: RULER's templates alone take ~600 bytes; 4 worker processes
     "chunk": 256,
     "controls": False,
-    "only": ["native", "snapkv_50"],
+    "only": ["native", "snapkv_50", "state_int8"],  # state_int8: Gemma 3 has no recurrent states, not rerun
     "ruler": {"tasks": ["niah_single_1", "vt"], "lengths": [1800], "depths": [0.5], "trials": 1, "max_new_tokens": 4},
     "niah": {"task": "niah_single_1", "lengths": [1000, 1800], "depths": [0.0, 1.0], "trials": 1, "max_new_tokens": 4},
 }

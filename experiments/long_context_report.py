@@ -114,3 +114,43 @@ def niah_heatmaps(rows: list[dict[str, Any]], path: Path, title: str) -> Path | 
 def _k(L: str) -> str:
     n = int(L)
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def merged(paths: list[Path]) -> list[dict[str, Any]]:
+    """The strategies of several long_context.json files (runs of different strategies), the first of a name kept."""
+    import json
+
+    rows: dict[str, dict] = {}
+    for p in paths:
+        for r in json.loads(Path(p).read_text())["strategies"]:
+            rows.setdefault(r["name"], r)
+    return list(rows.values())
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """RULER per task and length (one column per strategy), then peak RSS and mean seconds per prompt per length."""
+    ran = [r for r in rows if r.get("trials")]
+    tasks = list(dict.fromkeys(t for r in ran for t in r.get("ruler", {})))
+    lengths = _lengths(ran, "ruler")
+    out = ["| task | tokens | " + " | ".join(r["name"] for r in ran) + " |", "|---|---:|" + "---:|" * len(ran)]
+    for task in tasks:
+        for L in lengths:
+            out.append(f"| {task} | {L} | " + " | ".join(_cell(r["ruler"].get(task, {}).get(L)) for r in ran) + " |")
+    groups = sorted({L for r in ran for L in r["groups"]}, key=int)
+    out += ["", "| strategy | " + " | ".join(f"{L} tokens" for L in groups) + " |", "|---|" + "---:|" * len(groups)]
+    for r in ran:
+        cells = []
+        for L in groups:
+            g = r["groups"].get(L)
+            secs = [x["seconds"] for x in r["trials"] if str(x["length"]) == L]
+            cells.append("-" if g is None else f"{g['peak_rss_mib']:.0f} MiB, {_mean(secs):.0f} s/prompt")
+        out.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m experiments.long_context_report FIGURE.png TITLE RUN/long_context.json ...
+    import sys
+
+    rows = merged([Path(p) for p in sys.argv[3:]])
+    print(markdown(rows))
+    print(niah_heatmaps(rows, Path(sys.argv[1]), sys.argv[2]))
