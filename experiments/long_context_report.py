@@ -70,7 +70,7 @@ def _cell(v: float | None) -> str:
 
 def niah_heatmaps(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     """One panel per strategy with NIAH cells: rows the needle's depth (0 = start of the haystack), columns the
-    prompt length, colour and text the mean RULER score (0-100); a cell not run is blank."""
+    prompt length, colour and text the mean RULER score (0-100); a cell not run is grey."""
     import matplotlib.pyplot as plt
 
     ran = [r for r in rows if r.get("niah")]
@@ -87,7 +87,7 @@ def niah_heatmaps(rows: list[dict[str, Any]], path: Path, title: str) -> Path | 
         squeeze=False,
         layout="constrained",
     )
-    cmap = plt.get_cmap("RdYlGn")
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#e0e0e0")  # a cell not run: grey
     image = None
     for ax, r in zip(axes.flat, ran):
         grid = [[r["niah"].get(d, {}).get(L, math.nan) for L in lengths] for d in depths]  # [depths, lengths]
