@@ -198,12 +198,7 @@ def read_answer(
             raise KvpressUnavailable(f"{error}; create the environment with: {install_commands()}")
         if kind != "reference":
             raise KvpressWorkerError(f"the kvpress worker refused the request: {error}")
-    version = (meta.get("versions") or {}).get("kvpress")
-    if meta.get("versions") is not None and version not in SUPPORTED_KVPRESS:
-        raise KvpressUnavailable(
-            f"this environment has kvpress {version}, not {' or '.join(SUPPORTED_KVPRESS)}; "
-            f"create one with: {install_commands()}"
-        )
+    check_version(meta)
     tensors = _load_tensors(result_path) if result_path.exists() else {}
     layers, heads = (
         int(config["num_hidden_layers"]),
@@ -235,6 +230,16 @@ def read_answer(
     return KvpressResult(
         press, dict(sorted(kept.items())), dict(sorted(slots.items())), nll, meta, context_len, error, wall_s
     )
+
+
+def check_version(meta: dict) -> None:
+    """The worker's kvpress must be the one our checks were written against."""
+    version = (meta.get("versions") or {}).get("kvpress")
+    if meta.get("versions") is not None and version not in SUPPORTED_KVPRESS:
+        raise KvpressUnavailable(
+            f"this environment has kvpress {version}, not {' or '.join(SUPPORTED_KVPRESS)}; "
+            f"create one with: {install_commands()}"
+        )
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:

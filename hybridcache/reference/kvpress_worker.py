@@ -11,6 +11,14 @@ forward (`per_token`, as it decodes). The kept original positions per layer and 
 compressed (key, value) row bit for bit to the uncompressed cache (a gather copies rows exactly), and checked by
 re-gathering. answer.json holds {"meta": ...} or {"error", "kind"}: kind "reference" when kvpress itself raised (its
 prefill kept positions are still written), "unavailable" when kvpress does not import, "worker" for our own bugs.
+
+A request with "decoding" ({"compression_interval", "target_size", "prefill"}) runs kvpress's decoding-time press
+instead: DecodingPress around the press (PrefillDecodingPress with the press, at compression_ratio, for the prefill
+when "prefill" is true), and the continuation one token per forward INSIDE the press (it compresses while decoding).
+Each layer's slots are followed to their original positions across compressions (kvpress reorders slots: a gather
+in topk order); written: `held.{layer}` (what each layer holds at the end), `event.{layer}.{k}` (what it held after
+its k-th compression; meta "events" gives the continuation step of each, -1 for the prefill), and with "greedy": N,
+`greedy` (N tokens decoded greedily from the context in a second run under a fresh press).
 """
 
 import os
@@ -143,6 +151,127 @@ def record_kept(press, records: dict):
     press.forward_hook = recording_hook
 
 
+DECODING_PRESSES = ("knorm", "tova", "streaming_llm")  # the ones our decoding modes offer
+
+
+def make_decoding_press(kvpress, name: str, kwargs: dict, decoding: dict):
+    """DecodingPress(name's press) with the request's interval and target size, inside a PrefillDecodingPress whose
+    prefilling press is name's press at kwargs' compression_ratio when decoding["prefill"]."""
+    base = {k: v for k, v in kwargs.items() if k != "compression_ratio"}  # DecodingPress sets the base's ratio
+    inner = kvpress.DecodingPress(
+        base_press=make_press(kvpress, name, base),
+        compression_interval=int(decoding["compression_interval"]),
+        target_size=int(decoding["target_size"]),
+        **({"hidden_states_buffer_size": int(decoding["buffer"])} if decoding.get("buffer") is not None else {}),
+    )
+    if not decoding.get("prefill"):
+        return inner
+    return kvpress.PrefillDecodingPress(prefilling_press=make_press(kvpress, name, kwargs), decoding_press=inner)
+
+
+def follow_positions(press, current: list, held: dict, events: dict):
+    """Wrap the press's forward hook: each layer's slots -> original positions ([Hkv, S], the forward's positions
+    `current[0]` appended as attention wrote them), re-mapped through every compression (recovered bit for bit as
+    kept_slots does); events[layer] gets (current[1], positions after it) per compression."""
+    import torch
+
+    hook = press.forward_hook
+
+    def following_hook(module, args, kwargs, output):
+        i = module.layer_idx
+        layer = kwargs["past_key_values"].layers[i]
+        new = current[0][None].expand(layer.keys.shape[1], -1)  # [Hkv, T]
+        held[i] = torch.cat([held[i], new], 1) if i in held else new.clone()
+        if held[i].shape[1] != layer.keys.shape[2]:
+            raise PositionsUnrecoverable(f"layer {i}: {layer.keys.shape[2]} slots but {held[i].shape[1]} positions")
+        original, before = layer.keys, (layer.keys.clone(), layer.values.clone())
+        result = hook(module, args, kwargs, output)
+        if layer.keys is not original or layer.keys.shape != before[0].shape:
+            slots = kept_slots(before, (layer.keys, layer.values))  # [Hkv, n_kept]
+            held[i] = held[i].gather(1, slots)
+            events.setdefault(i, []).append((current[1], held[i].sort(dim=-1).values))
+        return result
+
+    press.forward_hook = following_hook
+
+
+def run_decoding(request: dict, result_path: str, kvpress, model, meta: dict) -> dict:
+    """The decoding-time press: prefill and teacher-forced continuation (one token per forward) under it, then
+    optionally a greedy generation under a fresh one."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DynamicCache
+
+    name, kwargs, decoding = request["press"], dict(request.get("press_kwargs") or {}), request["decoding"]
+    if name not in DECODING_PRESSES:
+        known = ", ".join(DECODING_PRESSES)
+        return {"error": f"press {name!r} has no decoding check (known: {known})", "kind": "worker"}
+    context = torch.tensor([request["context_ids"]], dtype=torch.long)  # [1, T_ctx]
+    continuation = torch.tensor([request["continuation_ids"]], dtype=torch.long)  # [1, T_cont]
+    t_ctx, t_cont = context.shape[1], continuation.shape[1]
+    try:
+        press = make_decoding_press(kvpress, name, kwargs, decoding)
+    except Exception as e:  # noqa: BLE001 - kvpress refused its arguments
+        return {"error": f"reference failed: {type(e).__name__}: {e}", "kind": "reference", "meta": meta}
+    meta["press_class"] = type(press).__name__
+    meta["decoding"] = decoding
+    current, held, events, tensors = [None, -1], {}, {}, {}
+    follow_positions(press, current, held, events)
+    cache, stage = DynamicCache(), "prefill"
+    try:
+        started = time.perf_counter()
+        with torch.no_grad(), press(model):
+            current[:] = [torch.arange(t_ctx), -1]
+            first = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+            stage, logits = "continuation", []
+            for t in range(t_cont):
+                current[:] = [torch.tensor([t_ctx + t]), t]
+                positions = torch.tensor([[t_ctx + t]])
+                out = model(input_ids=continuation[:, t : t + 1], past_key_values=cache, position_ids=positions)
+                logits.append(out.logits[:, -1])
+        meta["timings"]["prefill_and_continuation_s"] = time.perf_counter() - started
+        meta["cache_lengths"] = [int(layer.keys.shape[2]) for layer in cache.layers]
+        meta["events"] = {str(i): [step for step, _ in ev] for i, ev in sorted(events.items())}
+        for i, positions in sorted(held.items()):
+            tensors[f"held.{i}"] = positions.sort(dim=-1).values.contiguous()
+        for i, ev in events.items():
+            for k, (_, positions) in enumerate(ev):
+                tensors[f"event.{i}.{k}"] = positions.contiguous()
+        predicting = torch.cat([first[:, None], torch.stack(logits[:-1], 1)], dim=1).float()  # [1, T_cont, V]
+        nll = -torch.log_softmax(predicting, dim=-1).gather(-1, continuation[..., None])[0, :, 0]  # [T_cont]
+        tensors["nll"] = nll.contiguous()
+        meta["mean_nll"] = float(nll.mean())
+        greedy = int(request.get("greedy") or 0)
+        if greedy:
+            stage = "greedy"
+            fresh = make_decoding_press(kvpress, name, kwargs, decoding)  # its step counts start again
+            tensors["greedy"] = greedy_tokens(model, fresh, context, greedy)
+    except PositionsUnrecoverable:
+        raise
+    except Exception as e:  # noqa: BLE001 - kvpress asserts and raises many kinds
+        return _failed(e, stage, meta, tensors, result_path, save_file)
+    save_file(tensors, result_path)
+    return {"meta": meta}
+
+
+def greedy_tokens(model, press, context, n: int):
+    """[n] int64: the tokens greedy decoding picks after `context`, one per forward under `press` (as kvpress's
+    pipeline decodes: position_ids continue from the context, the cache holds fewer slots than positions)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache, t_ctx, out = DynamicCache(), context.shape[1], []
+    with torch.no_grad(), press(model):
+        token = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1)  # [1]
+        for t in range(n):
+            out.append(token)
+            if t + 1 < n:
+                positions = torch.tensor([[t_ctx + t]])
+                logits = model(input_ids=token[:, None], past_key_values=cache, position_ids=positions).logits
+                token = logits[:, -1].argmax(-1)
+    return torch.cat(out).contiguous()
+
+
 def run(request: dict, result_path: str) -> dict:
     import torch
     import transformers
@@ -202,6 +331,8 @@ def run(request: dict, result_path: str) -> dict:
         "timings": {"load_s": load_s},
     }
 
+    if request.get("decoding") is not None:
+        return run_decoding(request, result_path, kvpress, model, meta)
     tensors, records = {}, {}
     try:
         press = make_press(kvpress, name, kwargs)
