@@ -9,7 +9,7 @@ whose layers are hybridcache cache layers (docs/hf_bridge.md).
 from hybridcache.hf.bridge_cache import BridgeCache
 from hybridcache.hf.build import cache_for, layout_of, plan_for
 from hybridcache.hf.errors import BridgeConfigError, BridgeError
-from hybridcache.hf.install import install, uninstall
+from hybridcache.hf.installer import install, uninstall
 
 __all__ = [
     "BridgeCache",

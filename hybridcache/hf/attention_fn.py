@@ -52,7 +52,8 @@ def _base(name: str, module: torch.nn.Module) -> Callable:
 
 def view_mask(view: Any, query: torch.Tensor) -> torch.Tensor:
     """The view's visibility as a bool mask [B, 1 or Hq, T, S] for HF's attention functions. A query that sees
-    nothing (left padding) attends to every slot instead, as HF's padded rows do, so no row is NaN."""
+    nothing (left padding) keeps an all-False row, as in HF's own masks: eager then spreads it uniformly, sdpa gives
+    zeros; both as HF does, which matters where padding outputs reach a recurrent state (RecurrentGemma)."""
     mask = view.mask  # [B, T, S] or [B, Hkv, T, S]
     q_len = query.shape[2]
     if mask.shape[-2] != q_len:  # the model dropped queries it does not need (KV-shared layers keep the last ones)
@@ -61,7 +62,7 @@ def view_mask(view: Any, query: torch.Tensor) -> torch.Tensor:
         mask = mask[:, None]
     elif mask.shape[1] != query.shape[1]:
         mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
-    return mask | ~mask.any(-1, keepdim=True)
+    return mask
 
 
 def make_attention(base_name: str) -> Callable:

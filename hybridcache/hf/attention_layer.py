@@ -75,6 +75,7 @@ class BridgeAttentionLayer(CacheLayerMixin):
         """Nothing to do: our layer was allocated with the cache, on the device the model's keys arrive on."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        self.bridge.open_block(key_states.shape[-2])
         layer = self._attention_layer()
         width, dtype = layer.spec.head_dim, layer.spec.dtype
         view = layer.update(_widen(key_states, width, dtype), _widen(value_states, width, dtype))
@@ -89,11 +90,14 @@ class BridgeAttentionLayer(CacheLayerMixin):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """The slots `update` will return (held + the block), offset 0: HF's mask for them is replaced by the view's
-        own in the bridge's attention function; these sizes only keep HF's mask code in bounds."""
+        """(slots `update` will return, the column of the first): held + the block, starting at columns - held.
+        Exact for dynamic storage of the built-in patterns, whose held slots are the last columns in order (what HF's
+        masks need in families that mask attention themselves); elsewhere the bridge's attention function replaces
+        HF's mask with the view's own and these sizes only keep HF's mask code in bounds."""
         if self.bridge.hybrid is None:
             return query_length, 0
-        return int(self._attention_layer().key_positions().shape[-1]) + query_length, 0
+        held = int(self._attention_layer().key_positions().shape[-1])
+        return held + query_length, max(self.bridge.columns - held, 0)
 
     def get_seq_length(self) -> int:
         """Columns fed so far, padding included (what HF's generate slices new input ids by)."""

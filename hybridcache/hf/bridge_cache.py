@@ -4,7 +4,7 @@ It holds one of our `Cache`s (`.hybrid`, built from the resolved plan when the f
 or at once when `batch_size` is given) and one HF-facing adapter per HF decoder layer (attention_layer.py,
 state_layer.py, hybrid_layer.py; HF's `DummyLayer` for layers that cache nothing).
 
-A forward of the model is one block of our cache: the bridge's forward hooks (install.py) open it before the model
+A forward of the model is one block of our cache: the bridge's forward hooks (installer.py) open it before the model
 runs (the block's real-token mask is the last T columns of HF's 2-D attention mask; positions exclude left padding
 as HF's generate computes them) and commit it after (every layer fed, or nothing changes: a forward that raises
 leaves the cache as it was). HF's whole-cache operations map onto ours: `crop(-n)` drops the last n columns
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache as HFCache
-from transformers.cache_utils import DummyLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer
 
 from hybridcache.cache import Cache, CacheGroup, CachePlan
 from hybridcache.hf.attention_layer import BridgeAttentionLayer
-from hybridcache.hf.errors import BridgeError
+from hybridcache.hf.errors import BridgeConfigError, BridgeError
 from hybridcache.hf.hybrid_layer import BridgeHybridLayer
 from hybridcache.hf.layout import ModelLayout
 from hybridcache.hf.native import BridgePlan
@@ -34,19 +34,33 @@ class BridgeCache(HFCache):
     """A `transformers.Cache` backed by a hybridcache `Cache` (see the module docstring)."""
 
     def __init__(
-        self, model: Any, layout: ModelLayout, bridge: BridgePlan, plan: CachePlan, batch_size: int | None = None
+        self,
+        model: Any,
+        layout: ModelLayout,
+        bridge: BridgePlan,
+        plan: CachePlan,
+        batch_size: int | None = None,
+        hf_masks: bool = False,
     ) -> None:
+        if hf_masks:
+            check_hf_maskable(layout, plan)
+        self.hf_masks = hf_masks
         self._model = weakref.ref(model)
         self.layout, self.bridge, self.plan = layout, bridge, plan
         self.hybrid: Cache | None = None
-        self.block_open = False
+        self.block_open = False  # a forward is running (begin .. end)
+        self._block_ready = False  # its block is open in our cache (open_block)
+        self._pending: tuple = ()
         self._depth = 0  # nested hooked modules of one forward (the CausalLM and its decoder)
         self._views: dict[int, tuple[torch.Tensor, Any, Any, list[bool]]] = {}  # id(keys) -> (keys, view, layer, seen)
+        self._last: tuple[torch.Tensor, Any, Any, list[bool]] | None = None  # the block's latest update
         self._device = _one_device(layout)
         layers: list[Any] = []
         for info in layout.layers:
-            if not info.cached:
+            if info.dummy:
                 layers.append(DummyLayer())
+            elif not info.cached:
+                layers.append(UnusedLayer(info.index))
             elif info.attention is not None and info.states is not None:
                 layers.append(
                     BridgeHybridLayer(self, info.index, info.attention, info.states, bridge.state_type[info.index])
@@ -94,21 +108,46 @@ class BridgeCache(HFCache):
     def columns(self) -> int:
         return 0 if self.hybrid is None else self.hybrid.columns
 
-    # -- blocks (opened and closed by the forward hooks, install.py) -----------------------------------------------
+    # -- blocks (opened and closed by the forward hooks, installer.py) -----------------------------------------------
     def begin(self, tokens: int, valid: torch.Tensor | None, ids: torch.Tensor | None, batch: int) -> None:
+        """A forward starts: its block opens when a layer first uses the cache (`open_block`)."""
         if self.block_open:
             raise BridgeError("a forward of this cache is already running (one forward at a time)")
+        self._pending = (tokens, valid, ids, batch)
+        self.block_open = True
+
+    def open_block(self, tokens: int | None = None) -> None:
+        """Open this forward's block in our cache (once), for `tokens` columns: what the layers receive, which is
+        the input's length except in models that add tokens of their own (CPM-Ant's prompt) or feed fewer."""
+        if not self.block_open:
+            raise BridgeError(
+                "the cache is used outside a forward the bridge saw: run the model (or its decoder) that cache_for was "
+                "given, with this cache as its `cache` argument"
+            )
+        if self._block_ready:
+            return
+        n, valid, ids, batch = self._pending
         if self.hybrid is None:
             self._build(batch)
         if valid is not None:
             valid = valid.to(self.hybrid.device)
             if bool(valid.all()):
                 valid = None  # every token real: our layers skip the masking work
-        self.hybrid.begin_block(valid, tokens, ids=None if ids is None else ids.to(self.hybrid.device))
-        self.block_open = True
+        if tokens is not None and tokens != n:
+            if valid is not None:
+                raise BridgeError(
+                    f"{self.layout.model_type}: the model fed {tokens} tokens to its cache for {n} input tokens, so "
+                    "the attention mask's padding cannot be placed"
+                )
+            ids, n = None, tokens
+        self.hybrid.begin_block(valid, n, ids=None if ids is None else ids.to(self.hybrid.device))
+        self._block_ready = True
 
     def end(self, failed: bool) -> None:
         if not self.block_open:
+            return
+        if not self._block_ready:  # the forward never used its cache
+            self.block_open = False
             return
         try:
             if failed:
@@ -119,7 +158,7 @@ class BridgeCache(HFCache):
                     if isinstance(layer, BridgeStateLayer):
                         layer.flush()
                 unread = [id_ for id_, (_, _, _, seen) in self._views.items() if not seen[0]]
-                if unread:
+                if unread and not self.hf_masks:
                     raise BridgeError(
                         f"{self.layout.model_type}: {len(unread)} attention layer(s) updated the cache but never ran "
                         "HF's attention interface, so the bridge could not mask what they attended to; this family "
@@ -130,21 +169,32 @@ class BridgeCache(HFCache):
                 self.hybrid.abort_block()
                 raise
         finally:
-            self.block_open = False
+            self.block_open = self._block_ready = False
             self._views.clear()
+            self._last = None
             for layer in self.layers:
                 if isinstance(layer, BridgeStateLayer):
                     layer.end_block()
 
     # -- views for the attention function (attention_fn.py) -------------------------------------------------------
     def record_view(self, keys: torch.Tensor, view: Any, layer: Any) -> None:
-        self._views[id(keys)] = (keys, view, layer, [False])
+        self._views[id(keys)] = self._last = (keys, view, layer, [False])
 
     def view_for(self, keys: torch.Tensor) -> tuple[Any, Any, bool] | None:
-        """(view, our layer, first use) for keys an `update` of this block returned, else None."""
+        """(view, our layer, first use) for the keys an attention call receives: the very tensor an `update` of this
+        block returned, or else keys the module derived from the latest update's (multi-head latent attention
+        expands its cached latents; JetMoE repeats heads), recognised by their slot count."""
         found = self._views.get(id(keys))
         if found is None or found[0] is not keys:
-            return None
+            last = self._last
+            if last is None or last[3][0] or last[1].keys.shape[-2] != keys.shape[-2]:
+                return None
+            if last[1].key_positions.dim() == 3:
+                raise BridgeError(
+                    f"{self.layout.model_type}: its attention transforms the cached keys before attending, so a "
+                    f"pattern that keeps different tokens per kv head ({last[2].type_name}) cannot be mapped onto them"
+                )
+            found = last
         _, view, layer, seen = found
         first, seen[0] = not seen[0], True
         return view, layer, first
@@ -207,6 +257,48 @@ class BridgeCache(HFCache):
 
     def model_is(self, model: Any) -> bool:
         return self._model() is model
+
+
+class UnusedLayer(DynamicLayer):
+    """An HF cache layer the probe saw the model leave empty (Mllama's cross-attention without an image): HF reads it
+    as uninitialized; an update is refused (the bridge serves the layers the model caches in a text forward)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise BridgeError(
+            f"decoder layer {self.index} kept no cache in the bridge's probe (a text-only forward), so the bridge does "
+            "not serve it (cross-attention to images is not bridged)"
+        )
+
+
+# Storage formats whose slots stay one per column, in column order (HF's masks describe them)
+COLUMN_STORAGES = ("dense", "int8", "int4", "offload")
+
+
+def check_hf_maskable(layout: ModelLayout, plan: CachePlan) -> None:
+    """For a family that masks its attention itself (HF's masks from `get_mask_sizes`, no AttentionInterface): every
+    attention layer must keep its native pattern with dynamic storage whose slots are the last columns in order,
+    which is what HF's masks describe. Anything else is refused here, before any work."""
+    for p in plan.layers:
+        if p.kind != "attention":
+            continue
+        spec = p.spec
+        ok = (
+            p.type == p.native_type
+            and p.type in ("full", "sliding", "chunked")
+            and getattr(spec, "max_length", None) is None
+            and getattr(spec, "storage", "dense") in COLUMN_STORAGES
+        )
+        if not ok:
+            raise BridgeConfigError(
+                f"{layout.model_type} computes attention in its own code (it predates transformers' "
+                f"AttentionInterface) with HF's masks, which only describe its native patterns; cache layer "
+                f"{p.address} ({p.type}, {spec.params()}) cannot be served: keep the native type with dynamic storage "
+                f"({', '.join(COLUMN_STORAGES)})"
+            )
 
 
 def _one_device(layout: ModelLayout) -> torch.device:

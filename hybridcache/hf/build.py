@@ -4,7 +4,7 @@ our cache layers, configured with our cache configs.
 Steps: read the model's layout once (layout.py: HF's layer types and one probe forward), map it onto our native
 cache types (native.py), resolve the cache config against them (the same schema and errors as everywhere:
 `attention:`, `recurrent:`, native type names, `layers: {i: ...}` with HF's decoder-layer indices), install the
-bridge on the model (install.py: its attention implementation and forward hooks; idempotent), and return a
+bridge on the model (installer.py: its attention implementation and forward hooks; idempotent), and return a
 `BridgeCache` (built at once for `batch_size` rows, or by its first forward).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from hybridcache.cache import resolve_plan
 from hybridcache.hf.bridge_cache import BridgeCache
 from hybridcache.hf.errors import BridgeError
-from hybridcache.hf.install import install
+from hybridcache.hf.installer import install
 from hybridcache.hf.layout import ModelLayout, read_layout
 from hybridcache.hf.native import BridgePlan, bridge_plan, translate_config
 
@@ -55,8 +55,8 @@ def cache_for(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise BridgeError(f"cache_for: batch_size must be a positive integer or None, got {batch_size!r}")
     layout, bridge, plan = plan_for(model, cache_config)
-    install(model)
-    return BridgeCache(model, layout, bridge, plan, batch_size)
+    ours = install(model)
+    return BridgeCache(model, layout, bridge, plan, batch_size, hf_masks=not ours)
 
 
 __all__ = ["BridgePlan", "cache_for", "layout_of", "plan_for"]

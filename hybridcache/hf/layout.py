@@ -50,6 +50,7 @@ class LayerInfo:
     hf_type: str
     attention: AttentionShape | None = None
     states: StateShape | None = None
+    dummy: bool = False  # HF's DummyLayer (no cache by design); else an empty layer is one the probe left unused
 
     @property
     def cached(self) -> bool:
@@ -83,11 +84,24 @@ def read_layout(model: Any) -> ModelLayout:
     from transformers.cache_utils import (
         CacheLayerMixin,
         DummyLayer,
-        DynamicIndexedLayer,
         DynamicLayer,
         DynamicSlidingWindowLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
         LinearAttentionCacheLayerMixin,
+        LinearAttentionLayer,
         get_layer_types_and_kwargs,
+    )
+
+    # HF's plain layer classes: keys and values, conv and recurrent states, nothing else. Others (DSA indexer keys,
+    # DeepSeek-V4's compressed caches, a family's own layer class) store more than the bridge can hold.
+    KNOWN = (
+        DummyLayer,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
     )
 
     config = decoder_config(model)
@@ -111,14 +125,10 @@ def read_layout(model: Any) -> ModelLayout:
     for i, layer in enumerate(cache.layers):
         hf_type = hf_types[i] if i < len(hf_types) else "full_attention"
         attention = states = None
-        if isinstance(layer, DummyLayer):
-            pass
-        elif isinstance(layer, DynamicIndexedLayer) or not isinstance(
-            layer, (DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer)
-        ):
+        if type(layer) not in KNOWN:
             raise BridgeError(
-                f"{model_type}: layer {i} uses HF's {type(layer).__name__} ({hf_type}), whose extra stored tensors "
-                "(indexer keys, compressed KV) have no hybridcache counterpart yet"
+                f"{model_type}: layer {i} uses HF's {type(layer).__name__} ({hf_type}), which stores more than keys, "
+                "values and states (DSA indexer keys, compressed KV); it has no hybridcache counterpart yet"
             )
         if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None and layer.keys.numel():
             k, v = layer.keys, layer.values
@@ -143,7 +153,7 @@ def read_layout(model: Any) -> ModelLayout:
             if conv or rec:
                 some = next(iter(layer.conv_states.values() if conv else layer.recurrent_states.values()))
                 states = StateShape(conv, rec, some.device)
-        layers.append(LayerInfo(i, hf_type, attention, states))
+        layers.append(LayerInfo(i, hf_type, attention, states, dummy=isinstance(layer, DummyLayer)))
     return ModelLayout(model_type, tuple(layers), device)
 
 

@@ -5,11 +5,11 @@ token) with the stored heads and width. Keys and values of different widths (mul
 at the larger width, the narrower one zero-padded by the bridge and sliced back (exact for dense storage).
 
 Linear-attention states map onto our recurrent types by their shapes: conv [C, K] alone is `conv`; with a recurrent
-state [D, N] and C == D, `mamba`; [H, P, N] with C = H*P + 2*G*N, `mamba2`; [Hv, Dk, Dv] with C = 2*Hk*Dk + Hv*Dv,
-`gated_delta` (families known to be gated delta-rule layers are tried as that first). Our conv state keeps the last
-K-1 inputs (what a width-K causal conv needs); HF keeps K and never reads the oldest one (its decode step
-concatenates the new input and keeps the last K outputs' window), so the bridge drops it on the way in and puts back
-a zero column on the way out (checked against HF's own cache on every covered family).
+state [D, N] and C == D, `mamba` (Zamba's [H, D/H, N] too, reshaped); [H, P, N] with C = H*P + 2*G*N, `mamba2`;
+[Hv, Dk, Dv] with C = 2*Hk*Dk + Hv*Dv, `gated_delta` (families known to be gated delta-rule layers are tried as that
+first). Our conv state keeps the last K-1 inputs (what a width-K causal conv needs); HF keeps K and never reads the
+oldest one (its decode step concatenates the new input and keeps the last K outputs' window), so the bridge drops it
+on the way in and puts back a zero column on the way out (checked against HF's own cache on every covered family).
 
 A decoder layer with both (HF's "hybrid" layers: FalconH1, Zamba2's shared attention) is a `NativeGroup`
 {"attention": ..., <state type>: ...}. Layers that cache nothing get no entry; `entry_of` maps HF layer indices to
@@ -80,6 +80,8 @@ def state_native(model_type: str, index: int, s: StateShape) -> NativeLayer:
     common["state_dtype"] = state_dtype
     if len(shape) == 2 and shape[0] == c:
         return NativeLayer("mamba", dict(intermediate_size=c, state_size=shape[1], **common))
+    if len(shape) == 3 and shape[0] * shape[1] == c:  # Zamba's multi-head Mamba1: [H, D/H, N] is [D, N] by heads
+        return NativeLayer("mamba", dict(intermediate_size=c, state_size=shape[2], **common))
     if len(shape) == 3:
         h, p, n = shape
         as_mamba2 = _mamba2_groups(c, h, p, n)

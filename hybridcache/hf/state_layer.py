@@ -126,18 +126,16 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
     def _working(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This block's working states in HF's layout, made from our held states on first access."""
         if self._conv is None:
-            if self.bridge.hybrid is None or not self.bridge.block_open:
-                raise BridgeError(
-                    f"decoder layer {self.index}: its states are read outside a forward the bridge opened (run the "
-                    "model whose cache_for built this cache)"
-                )
+            self.bridge.open_block()
             conv_name, rec_name = self._names
             held = self._state_layer().states
             (_, k), conv_dtype = self.state_shape.conv[0][0], self.state_shape.conv[0][1]
             conv = held[conv_name].to(conv_dtype)
             self._conv = F.pad(conv, (k - conv.shape[-1], 0))  # [B, C, K]: a zero column first (never read)
             if rec_name is not None:
-                self._rec = held[rec_name].to(self.state_shape.recurrent[0][1], copy=True)
+                shape, dtype = self.state_shape.recurrent[0]
+                rec = held[rec_name]
+                self._rec = rec.to(dtype, copy=True).reshape(rec.shape[0], *shape)  # our layout may group dims
         return self._conv, self._rec
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
@@ -164,7 +162,10 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
 
     # -- the block's end (bridge_cache.py) --------------------------------------------------------------------
     def flush(self) -> None:
-        """Feed this block's states to our layer (HF layout -> ours)."""
+        """Feed this block's states to our layer (HF layout -> ours). A layer the model never touched in this block
+        is not fed (our cache then refuses to commit the block and says which)."""
+        if self._conv is None:
+            return
         layer = self._state_layer()
         conv, rec = self._working()
         shapes = layer.spec.state_shapes()
@@ -172,7 +173,8 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
         (_, keep), conv_dtype = shapes[conv_name][0], shapes[conv_name][1]
         states = {conv_name: conv[..., conv.shape[-1] - keep :].to(conv_dtype)}
         if rec_name is not None:
-            states[rec_name] = rec.to(shapes[rec_name][1])
+            shape, dtype = shapes[rec_name]
+            states[rec_name] = rec.to(dtype).reshape(rec.shape[0], *shape)
         layer.update(**states)
 
     def end_block(self) -> None:

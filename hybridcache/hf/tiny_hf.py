@@ -58,6 +58,29 @@ GENERIC: dict[str, Any] = dict(
     linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
+    # older naming (GPT-2, CodeGen, CTRL, MPT, XGLM, XLM, ...)
+    n_embd=64,
+    n_layer=4,
+    n_head=4,
+    n_inner=128,
+    n_positions=512,
+    n_ctx=512,
+    rotary_dim=8,
+    dff=128,
+    d_model=64,
+    n_layers=4,
+    n_heads=4,
+    num_layers=4,
+    attention_heads=4,
+    ffn_dim=128,
+    emb_dim=64,
+    d_inner=128,
+    n_layer_decoder=4,
+    decoder_layers=4,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    # a causal LM, also where the architecture is an encoder's (BERT-style *ForCausalLM need is_decoder)
+    is_decoder=True,
     # untied heads: a tiny random model with tied embeddings mostly predicts its own input token
     tie_word_embeddings=False,
     pad_token_id=0,
@@ -79,7 +102,36 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
 def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
     kw = {k: v for k, v in GENERIC.items() if k in defaults}
     kw.update({k: v for k, v in WINDOWED.items() if defaults.get(k) is not None})
+    layers = kw.get("num_hidden_layers", 4)
+    if "kv_lora_rank" in defaults:  # multi-head latent attention: keys expanded per head, rope on head_dim
+        if "num_key_value_heads" in defaults:
+            kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+        if "head_dim" in defaults:
+            kw["head_dim"] = kw["qk_rope_head_dim"]
+        if "qk_head_dim" in defaults:
+            kw["qk_head_dim"] = kw["qk_rope_head_dim"] + kw["qk_nope_head_dim"]
+    if isinstance(defaults.get("layer_types"), list):  # re-derived from the layer count (or cut to it)
+        kw["layer_types"] = _cut_list(defaults["layer_types"], layers)
+    if isinstance(defaults.get("per_layer_config"), dict):  # per-layer overrides beyond the layer count go
+        kw["per_layer_config"] = {k: v for k, v in defaults["per_layer_config"].items() if int(k) < layers}
+    for key in ("activation_sparsity_pattern",):  # per-layer lists
+        if isinstance(defaults.get(key), list):
+            kw[key] = _cut_list(defaults[key], layers)
+    if isinstance(defaults.get("num_kv_shared_layers"), int) and defaults["num_kv_shared_layers"]:
+        kw["num_kv_shared_layers"] = 2
+    if isinstance(defaults.get("vocab_size_per_layer_input"), int):
+        kw["vocab_size_per_layer_input"] = VOCAB
     return kw
+
+
+def _cut_list(values: list, n: int) -> list:
+    """The first n entries, keeping every distinct value (a hybrid keeps each layer kind) by putting the kinds the
+    first n miss at the end."""
+    head = list(values[:n])
+    missing = [v for v in dict.fromkeys(values) if v not in head]
+    if missing and len(missing) < n:
+        head = head[: n - len(missing)] + missing
+    return head
 
 
 def our_family(model_type: str) -> str | None:
@@ -136,5 +188,8 @@ def tiny_model(model_type: str, seed: int = 0, causal_lm_class: str | None = Non
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).to(torch.float32).eval()
-    reinit_weights_(model, config.get_text_config(decoder=True), seed)  # peaky logits: no near-ties in greedy tests
+    text = config.get_text_config(decoder=True)
+    if not hasattr(text, "pad_token_id"):  # reinit_weights_ zeroes the pad row when there is one
+        text.pad_token_id = None
+    reinit_weights_(model, text, seed)  # peaky logits: no near-ties in greedy tests
     return model

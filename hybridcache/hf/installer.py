@@ -2,7 +2,8 @@
 
 - The attention implementation: `model.set_attn_implementation("hybridcache_<base>")` (HF's documented way to plug
   a custom attention function, attention_fn.py), which behaves exactly as `<base>` for every call whose keys are
-  not from a BridgeCache.
+  not from a BridgeCache. Families that predate HF's AttentionInterface keep their own attention code and HF's
+  masks; the bridge then serves only cache layouts those masks describe (bridge_cache.py, `hf_masks`).
 - A pre-hook and an always-called post-hook on the model and on its decoder (whichever a caller enters first owns
   the forward): when the call's cache is a BridgeCache built for this model, the pre-hook opens one block of our
   cache (tokens, real-token mask, token ids) and the post-hook commits it (or drops it when the forward raised).
@@ -96,27 +97,26 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
     return decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else None
 
 
-def install(model: torch.nn.Module) -> None:
-    """Install the bridge on `model` (idempotent)."""
-    if getattr(model, _ATTR, None) is not None:
-        return
+def install(model: torch.nn.Module) -> bool:
+    """Install the bridge on `model` (idempotent). Returns whether the bridge's attention function runs (True), or
+    the model computes attention in its own code with HF's masks (False: families that predate HF's
+    AttentionInterface; bridge_cache.py then serves only layouts HF's masks describe)."""
+    installed = getattr(model, _ATTR, None)
+    if installed is not None:
+        return installed[2]
     base = model.config._attn_implementation or "eager"
-    if base.startswith("hybridcache_"):
-        base = base.removeprefix("hybridcache_")
     name = register(base)
-    model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
-        raise BridgeError(
-            f"{type(model).__name__} does not let HF switch its attention implementation (it does not follow "
-            "transformers' AttentionInterface), so the bridge cannot mask its attention"
-        )
+    if type(model)._can_set_attn_implementation():
+        model.set_attn_implementation(name)
+    ours = model.config._attn_implementation == name
     handles = []
     for m in (model, _decoder(model)):
         if m is None:
             continue
         handles.append(m.register_forward_pre_hook(_pre_hook(model), with_kwargs=True))
         handles.append(m.register_forward_hook(_post_hook, with_kwargs=True, always_call=True))
-    setattr(model, _ATTR, (base, handles))
+    setattr(model, _ATTR, (base, handles, ours))
+    return ours
 
 
 def uninstall(model: torch.nn.Module) -> None:
@@ -124,8 +124,9 @@ def uninstall(model: torch.nn.Module) -> None:
     installed = getattr(model, _ATTR, None)
     if installed is None:
         return
-    base, handles = installed
+    base, handles, ours = installed
     for h in handles:
         h.remove()
-    model.set_attn_implementation(base)
+    if ours:
+        model.set_attn_implementation(base)
     delattr(model, _ATTR)
