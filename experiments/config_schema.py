@@ -142,6 +142,17 @@ class BenchmarkSchema:
 
 
 @dataclass
+class DecodingPressCase:
+    """One decoding-time case of press_check: ours in `mode` vs kvpress's DecodingPress / PrefillDecodingPress."""
+
+    method: str = "tova"
+    mode: str = "decoding"  # decoding | prefill_decoding
+    budget: int = 256  # kvpress's target_size
+    compression_interval: int = 16
+    compression_ratio: float | None = None  # the prompt's (prefill_decoding only)
+
+
+@dataclass
 class PressCheckSchema:
     name: str = "press_check"
     methods: list[str] = field(default_factory=list)
@@ -150,6 +161,8 @@ class PressCheckSchema:
     continuation: int = 64
     text: str = "pydoc"
     hf_quantized: list[int] = field(default_factory=list)
+    decoding: list[DecodingPressCase] = field(default_factory=list)
+    decoding_greedy: int = 16  # tokens decoded greedily by both under each decoding-time press
 
 
 @dataclass

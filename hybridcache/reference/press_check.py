@@ -178,6 +178,23 @@ class DecodingCheck:
         return {**asdict(self), "greedy_same": self.greedy_same}
 
 
+def check_decoding_case(method: Any, mode: Any, budget: Any, interval: Any, ratio: Any) -> None:
+    """A ValueError naming what is wrong with one decoding-time case, before any work."""
+    from hybridcache.reference.kvpress_decoding import DECODING_MODES, DECODING_PRESSES
+
+    if method not in DECODING_PRESSES:
+        raise ValueError(f"method {method!r} has no decoding-time check (known: {', '.join(DECODING_PRESSES)})")
+    if mode not in DECODING_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
+    for name, value in (("budget", budget), ("compression_interval", interval)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if (mode == "prefill_decoding") != (ratio is not None):
+        raise ValueError(f"compression_ratio (the prompt's) goes with mode prefill_decoding only; got {ratio!r}")
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1):
+        raise ValueError(f"compression_ratio must be a number in [0, 1), got {ratio!r}")
+
+
 def decoding_config(method: str, mode: str, budget: int, interval: int, ratio: float | None, **press_kwargs) -> dict:
     params = {"type": method, "mode": mode, "budget": budget, "compression_interval": interval, **press_kwargs}
     if ratio is not None:
