@@ -23,6 +23,7 @@ EXPERIMENTS = {
     "long_context": "experiments.long_context",
     "press_check": "experiments.press_check",
     "train": "experiments.train",
+    "drift": "experiments.drift",
 }
 
 

@@ -14,7 +14,7 @@ Registered (`register()`, run at `import experiments`, idempotent; no torch):
                         chunked share ONE entry type
   schema/model          every model
   schema/logger, schema/generation
-  schema/<experiment>   correctness, benchmark, study, long_context, press_check, train
+  schema/<experiment>   correctness, benchmark, study, long_context, press_check, train, drift
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ class RecurrentEntry:
     state_group: str | None = None  # scaled codecs: channel (default) | head
     quantize_conv: bool | None = None  # the codec also holds the conv state (default false)
     offload: bool | None = None  # hold the states off the compute device between blocks
+    rounding: str | None = None  # nearest (default) | stochastic (docs/state_drift.md)
+    rounding_seed: int | None = None  # seed of stochastic rounding (default 0)
+    error_feedback: bool | None = None  # hold the quantization residual and add it back before the next encode
+    residual_codec: str | None = None  # how that residual is held (default: dense)
 
 
 @dataclass
@@ -291,6 +295,21 @@ class TrainSchema:
     sizes: dict[str, TrainSize] = field(default_factory=dict)
 
 
+@dataclass
+class DriftSchema:
+    name: str = "drift"
+    smoke: bool = False
+    text: str = "pydoc"
+    rows: int = 2
+    prompt_tokens: int = 64
+    decode_tokens: int = 2048
+    windows: list[list[int]] = field(default_factory=lambda: [[0, 500], [500, 1000], [1000, 2000]])
+    smooth: int = 64
+    seed: int = 0
+    variants: list[str] = field(default_factory=list)  # codec[+sr][+ef[:residual_codec]]
+    controls: list[str] = field(default_factory=list)  # ablate_ssm | ablate_state
+
+
 SCHEMAS = {
     ("schema", "cache"): CacheSchema,
     ("schema", "model"): ModelSchema,
@@ -302,6 +321,7 @@ SCHEMAS = {
     ("schema", "study"): StudySchema,
     ("schema", "long_context"): LongContextSchema,
     ("schema", "train"): TrainSchema,
+    ("schema", "drift"): DriftSchema,
 }
 #: Config groups that hold schemas, not choices a user makes.
 SCHEMA_GROUPS = {"schema", "cache_schema"}
