@@ -85,8 +85,8 @@ class TrainSettings:
             d.pop(k)
         if not self.recall_steps:
             d = {k: v for k, v in d.items() if not k.startswith("recall_")}
-        if self.attention_window is None:  # runs keyed before these settings existed keep their keys
-            d.pop("attention_window")
+        if self.attention_window is None or self.arch == "recurrent":  # (no attention: the window changes nothing)
+            d.pop("attention_window")  # runs keyed before this setting existed keep their keys
         if self.ssm_init == "hf":
             d.pop("ssm_init")
         if d["size"].get("conv", 4) == 4:  # likewise runs keyed before the conv kernel was a setting

@@ -107,7 +107,8 @@ def hf_model(
     if attention_window is not None:
         if isinstance(attention_window, bool) or not isinstance(attention_window, int) or attention_window < 1:
             raise ArchError(f"attention_window must be a positive integer or null, got {attention_window!r}")
-        config.attention_window = attention_window
+        if arch != "recurrent":  # no attention layer to restrict (HF's Mamba layers ignore a 4D mask)
+            config.attention_window = attention_window
     cls = transformers.Gemma3ForCausalLM if arch == "attention" else transformers.BambaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,6 +1,8 @@
 """experiment=train: the loop learns, resuming is exact, the data step fails clearly offline, and the shipped trained
 hybrid matches HF transformers (tokens equal, |Δlogit| <= 1e-4 in float32)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +12,7 @@ import hybridcache as hc
 from experiments import train_data
 from experiments.train_data import Corpus, DataError, batch, ids
 from experiments.train_loop import TrainError, TrainSettings, mqar_accuracy, train
-from hybridcache.real_checkpoints import available, real_checkpoint
-from tests.models.conftest import hf_generate
+from hybridcache.real_checkpoints import SHIPPED, available, real_checkpoint
 
 TINY = {
     "hidden": 32,
@@ -122,7 +123,7 @@ needs_checkpoint = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=["trained_hybrid", "mqar_hybrid"])
+@pytest.fixture(scope="module", params=["trained_hybrid", "trained_recurrent", "mqar_hybrid"])
 def shipped(request):
     path = real_checkpoint(request.param)
     ours = hc.from_pretrained(path, dtype=torch.float32)
@@ -130,28 +131,52 @@ def shipped(request):
     return path, ours, ref
 
 
+@torch.no_grad()
+def hf_greedy(ref, ids_, steps):
+    """HF's model decoding greedily by recomputing the whole sequence each step under its training mask
+    (model_logits: the band of `config.attention_window` where there is one; HF's Bamba ignores that field, and
+    HF's cache fails on a Bamba with no attention layer): the sequences and each step's logits."""
+    from experiments.train_loop import model_logits
+
+    seq, steps_logits = ids_, []
+    for _ in range(steps):
+        last = model_logits(ref, seq)[:, -1]
+        steps_logits.append(last)
+        seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
+    return seq, torch.stack(steps_logits, 1)
+
+
 @needs_checkpoint
 def test_shipped_checkpoint_matches_hf(shipped):
+    from experiments.train_loop import model_logits
+
     path, ours, ref = shipped
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     prompt = 'The "with" statement is used to wrap the execution of a block with methods'
     ids_ = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
-        assert (ours(ids_) - ref(ids_).logits).abs().max().item() <= 1e-4
+        assert (ours(ids_) - model_logits(ref, ids_)).abs().max().item() <= 1e-4
     out = hc.generate(ours, ids_, max_new_tokens=32)
-    sequences, logits = hf_generate(ref, ids_, None, 32)
+    sequences, logits = hf_greedy(ref, ids_, 32)
     assert torch.equal(out.sequences, sequences)
     assert (out.logits - logits).abs().max().item() <= 1e-4
 
 
 @needs_checkpoint
 def test_shipped_checkpoint_is_a_trained_hybrid(shipped):
-    """Mamba2 and attention layers; trained_hybrid predicts English (far below the 8.6 bits/byte of a uniform
-    guess), mqar_hybrid recalls: on held-out MQAR examples of 8 pairs, well above the 10% of a guess."""
+    """trained_hybrid: Mamba2 layers and attention that sees 8 bytes (its native cache is sliding, as trained);
+    trained_recurrent: Mamba2 only; both predict English (far below the 8.6 bits/byte of a uniform guess).
+    mqar_hybrid recalls: on held-out MQAR examples of 8 pairs, well above the 10% of a guess."""
     path, ours, _ = shipped
     kinds = {layer.type for layer in ours.native_layers()}
-    assert kinds == {"mamba2", "full"}
-    if path.name == "mqar_hybrid":
+    name = next(n for n, (d, _) in SHIPPED.items() if Path(d).name == path.name)
+    expected = {
+        "trained_hybrid": {"mamba2", "sliding"},
+        "trained_recurrent": {"mamba2"},
+        "mqar_hybrid": {"mamba2", "full"},
+    }
+    assert kinds == expected[name]
+    if name == "mqar_hybrid":
         assert mqar_accuracy(ours_as_hf(ours), 8, 16) > 0.5
         return
     text = ids(
@@ -220,6 +245,8 @@ def test_a_windowed_run_trains_what_our_sliding_cache_computes(corpus, tmp_path)
     torch.testing.assert_close(ours(ids, ours.make_cache(2)), trained, atol=1e-4, rtol=1e-4)
     assert (full[:, 8:] - trained[:, 8:]).abs().max() > 1e-2  # the window changes what the model computes
     assert settings(attention_window=8).key() != settings().key() and "attention_window" not in settings().key()
+    # a model without attention trains the same weights whatever the window (HF's Mamba layers ignore a 4D mask)
+    assert settings("recurrent", attention_window=8).key() == settings("recurrent").key()
     twin = train(settings("recurrent", steps=1), corpus, tmp_path / "r").model
     twin.save_pretrained(tmp_path / "twin")
     natives = hc.from_pretrained(tmp_path / "twin", dtype=torch.float32).native_layers()
