@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hybridcache.cache.press_schedule import DECODING_MODES
 from hybridcache.reference.kvpress_runner import (
     WORKER,
     KvpressTimeout,
@@ -41,8 +42,7 @@ from hybridcache.reference.kvpress_runner import (
 )
 from hybridcache.reference.vllm_runner import root_cause, run_worker
 
-DECODING_PRESSES = ("knorm", "tova", "streaming_llm")  # the methods whose decoding modes we offer
-DECODING_MODES = ("decoding", "prefill_decoding")
+DECODING_PRESSES = ("knorm", "tova", "streaming_llm")  # the methods whose decoding modes we offer (spec.decodes)
 _TENSOR_NAME = re.compile(r"^(?:held\.(\d+)|event\.(\d+)\.(\d+)|nll|greedy)$")
 
 
