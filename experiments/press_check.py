@@ -134,7 +134,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         ]
         bad = r["reference_error"] or (r["kept_agreement"] is not None and r["kept_agreement"] < 1)
         table.add_row(*shown, style="red" if bad else None)
-    console.print(table)
+    if rows or not decoding_rows:
+        console.print(table)
     decoding_records = decoding_table(console, decoding_rows, context, continuation)
     for r in rows + decoding_rows:
         if r["reference_error"]:
@@ -150,11 +151,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker.table("press_check", COLUMNS, records)
     if decoding_records:
         tracker.table("press_check_decoding", DECODING_COLUMNS, decoding_records)
-    agreements = [r["kept_agreement"] for r in rows if r["kept_agreement"] is not None]
+    agreements = [r["kept_agreement"] for r in rows + decoding_rows if r["kept_agreement"] is not None]
     tracker.summary(
         {
             "min_kept_agreement": min(agreements) if agreements else None,
-            "max_token_nll_diff": max((r["max_token_nll_diff"] or 0.0) for r in rows),
+            "max_token_nll_diff": max((r["max_token_nll_diff"] or 0.0 for r in rows), default=None),
+            "decoding_not_ties": sum(r["not_ties"] for r in decoding_rows) if decoding_rows else None,
         }
     )
     tracker.finish()
@@ -191,7 +193,8 @@ def decoding_table(console, rows: list[dict], context: int, continuation: int) -
         title=f"decoding-time presses: {context}-token prompt, then {continuation} tokens one per block (NLL)"
     )
     for c in DECODING_COLUMNS:
-        table.add_column(c, justify="left" if c in ("method", "mode", "reference") else "right")
+        left = c in ("method", "mode", "reference")
+        table.add_column(c, justify="left" if left else "right", no_wrap=c in ("method", "mode"), overflow="fold")
     records = []
     for r in rows:
         ratio = "" if r["compression_ratio"] is None else f"prompt {r['compression_ratio']:g}, "

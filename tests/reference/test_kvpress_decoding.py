@@ -274,3 +274,51 @@ def test_press_check_composes_the_decoding_cases_and_refuses_bad_ones_by_name(mo
     ):
         with pytest.raises(UserError, match=words):
             run(cfg("experiment.methods=[]", override))
+
+
+def test_press_check_writes_the_decoding_rows(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    """The app around the check (run.py in this process, a tiny model, the check itself replaced: its numbers are
+    the live tests' business): the decoding table printed, press_check.json holding every case, exit status 0 with
+    no prefill methods at all."""
+    import sys
+    from pathlib import Path
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    import experiments
+    import experiments.press_check as app
+    import run
+    from hybridcache.reference.press_check import DecodingCheck
+
+    seen = []
+
+    def fake_check(model, checkpoint, context, continuation, method, mode, budget, compression_interval, **kw):
+        seen.append((method, mode, budget, compression_interval, kw.get("compression_ratio"), len(context)))
+        return DecodingCheck(
+            method, mode, budget, compression_interval, kw.get("compression_ratio"), "kvpress 0.5.5 (faked)",
+            2.5, 2.5, 1e-6, 1.0, 18, True, 1.0, 0, 0, None, 1e-6, [1, 2], [1, 2],
+        )  # fmt: skip
+
+    monkeypatch.setattr(app, "check_decoding_press", fake_check)
+    monkeypatch.setenv(kvpress_runner.ENV_VAR, sys.executable)  # only its presence is checked before the work
+    home = os.environ.get("HYBRIDCACHE_TEST_HOME") or str(tmp_path_factory.getbasetemp() / "hybridcache-home")
+    monkeypatch.setenv("HYBRIDCACHE_HOME", home)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR", "WANDB_CACHE_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "unused"))
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    GlobalHydra.instance().clear()
+    experiments.EXIT.code = 0
+    out = tmp_path / "out"
+    cases = "[{method: tova, budget: 8, compression_interval: 2},{method: knorm, mode: prefill_decoding, compression_ratio: 0.5, budget: 4, compression_interval: 3}]"  # noqa: E501
+    args = ["experiment=press_check", "model=gemma3", "experiment.methods=[]", f"experiment.decoding={cases}"]
+    monkeypatch.setattr(sys, "argv", ["run.py", *args, "experiment.context=24", "experiment.continuation=8"])
+    sys.argv.append(f"hydra.run.dir={out}")
+    run.main()
+    printed = capsys.readouterr().out
+    assert experiments.EXIT.code == 0, printed[-3000:]
+    assert seen == [("tova", "decoding", 8, 2, None, 24), ("knorm", "prefill_decoding", 4, 3, 0.5, 24)]
+    result = json.loads((out / "press_check.json").read_text())
+    assert [r["method"] for r in result["decoding_rows"]] == ["tova", "knorm"] and result["rows"] == []
+    assert "decoding-time presses" in printed and "│ prefill_decoding │" in printed
+    assert "press_check: gemma3" not in printed  # no prefill methods: no empty table
