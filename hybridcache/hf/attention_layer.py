@@ -38,8 +38,15 @@ class BridgeAttentionLayer(CacheLayerMixin):
         # bridge: the BridgeCache (bridge_cache.py) owning this adapter
         self.bridge, self.index, self.shape, self.attention_member = bridge, index, shape, member
         self.is_sliding = native_type != "full"
-        self.is_initialized = True
         self.device = shape.device
+
+    @property
+    def is_initialized(self) -> bool:  # HF checks it before reading `keys` (Mllama's cross-attention test)
+        return self.bridge.hybrid is not None
+
+    @is_initialized.setter
+    def is_initialized(self, value) -> None:  # the mixin's __init__ assigns it: the cache's state decides
+        pass
 
     def __repr__(self) -> str:
         return f"BridgeAttentionLayer({self.index}: {self.bridge.layer_type(self.index, self.attention_member)})"

@@ -52,6 +52,7 @@ class BridgeCache(HFCache):
         self._block_ready = False  # its block is open in our cache (open_block)
         self._pending: tuple = ()
         self._depth = 0  # nested hooked modules of one forward (the CausalLM and its decoder)
+        self._hf_maskable: set[int] = set()
         self._views: dict[int, tuple[torch.Tensor, Any, Any, list[bool]]] = {}  # id(keys) -> (keys, view, layer, seen)
         self._last: tuple[torch.Tensor, Any, Any, list[bool]] | None = None  # the block's latest update
         self._device = _one_device(layout)
@@ -83,6 +84,8 @@ class BridgeCache(HFCache):
 
     def _build(self, batch_size: int) -> None:
         self.hybrid = Cache.from_plan(self.plan, batch_size, self._device)
+        # our layers whose slots HF's own masks describe (a model may attend to them without the bridge's mask)
+        self._hf_maskable = {id(layer) for layer, p in zip(self.hybrid.layers, self.plan.layers) if hf_maskable(p)}
 
     def cache_layer(self, index: int, member: str | None):
         """Our cache layer serving HF decoder layer `index` (group member `member`); needs the cache built."""
@@ -157,12 +160,17 @@ class BridgeCache(HFCache):
                 for layer in self.layers:
                     if isinstance(layer, BridgeStateLayer):
                         layer.flush()
-                unread = [id_ for id_, (_, _, _, seen) in self._views.items() if not seen[0]]
-                if unread and not self.hf_masks:
+                unread = [
+                    layer
+                    for _, _, layer, seen in self._views.values()
+                    if not seen[0] and id(layer) not in self._hf_maskable
+                ]
+                if unread:
                     raise BridgeError(
-                        f"{self.layout.model_type}: {len(unread)} attention layer(s) updated the cache but never ran "
-                        "HF's attention interface, so the bridge could not mask what they attended to; this family "
-                        "computes attention outside transformers' AttentionInterface and cannot be bridged"
+                        f"{self.layout.model_type}: {len(unread)} attention layer(s) ({unread[0].type_name}, ...) "
+                        "were attended to without the bridge's mask (the model computed attention outside "
+                        "transformers' AttentionInterface, or on keys it rebuilt), and HF's own mask does not "
+                        "describe their layout; keep those layers native with dynamic storage"
                     )
                 self.hybrid.end_block()
             except BaseException:
@@ -278,21 +286,27 @@ class UnusedLayer(DynamicLayer):
 COLUMN_STORAGES = ("dense", "int8", "int4", "offload")
 
 
+def hf_maskable(p) -> bool:
+    """Whether HF's own mask for this layer's native type describes its slots: its native pattern with dynamic
+    storage whose slots are the last columns in order (`get_mask_sizes` gives their count and first column)."""
+    spec = p.spec
+    return (
+        p.kind == "attention"
+        and p.type == p.native_type
+        and p.type in ("full", "sliding", "chunked")
+        and getattr(spec, "max_length", None) is None
+        and getattr(spec, "storage", "dense") in COLUMN_STORAGES
+    )
+
+
 def check_hf_maskable(layout: ModelLayout, plan: CachePlan) -> None:
     """For a family that masks its attention itself (HF's masks from `get_mask_sizes`, no AttentionInterface): every
-    attention layer must keep its native pattern with dynamic storage whose slots are the last columns in order,
-    which is what HF's masks describe. Anything else is refused here, before any work."""
+    attention layer must be `hf_maskable`. Anything else is refused here, before any work."""
     for p in plan.layers:
         if p.kind != "attention":
             continue
         spec = p.spec
-        ok = (
-            p.type == p.native_type
-            and p.type in ("full", "sliding", "chunked")
-            and getattr(spec, "max_length", None) is None
-            and getattr(spec, "storage", "dense") in COLUMN_STORAGES
-        )
-        if not ok:
+        if not hf_maskable(p):
             raise BridgeConfigError(
                 f"{layout.model_type} computes attention in its own code (it predates transformers' "
                 f"AttentionInterface) with HF's masks, which only describe its native patterns; cache layer "

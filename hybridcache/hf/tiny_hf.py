@@ -85,6 +85,17 @@ GENERIC: dict[str, Any] = dict(
     tie_word_embeddings=False,
     pad_token_id=0,
 )
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    depth=1,
+    num_attention_heads=2,
+    num_heads=2,
+    image_size=28,
+    patch_size=14,
+    out_hidden_size=64,
+)
 WINDOWED = dict(sliding_window=8, attention_chunk_size=8)  # only where the default is not None (on by default)
 
 # Fields of a family whose defaults are tied to the sizes above (found by building each family; the coverage table
@@ -96,6 +107,11 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16),
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1),
     "zamba2": dict(mamba_headdim=16, mamba_ngroups=1),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], num_dense_layers=1),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 2]], window_size=8),
+    "zaya": dict(num_experts_per_tok=1),
+    "dots3_note": dict(head_dim=16),
+    "dots3_note_text": dict(head_dim=16),
 }
 
 
@@ -168,6 +184,10 @@ def tiny_config(model_type: str, **overrides: Any):
             text.update(_shrink(text))
             text.update(FAMILY_FIXES.get(text.get("model_type", ""), {}))
             kw[sub] = text
+    if isinstance(defaults.get("vision_config"), dict):  # a vision tower the text-only tests never run: smallest
+        vision = copy.deepcopy(defaults["vision_config"])
+        vision.update({k: v for k, v in VISION.items() if k in vision})
+        kw["vision_config"] = vision
     kw.update(overrides)
     return cls(**kw)
 
@@ -180,6 +200,9 @@ def tiny_model(model_type: str, seed: int = 0, causal_lm_class: str | None = Non
 
     config = tiny_config(model_type, **overrides)
     cls = getattr(transformers, causal_lm_class or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    wanted = getattr(cls, "config_class", None)
+    if isinstance(wanted, type) and not isinstance(config, wanted) and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)  # a composite config's CausalLM takes its text config
     with torch.device("meta"):
         probe = cls(config)
     n = sum(p.numel() for p in probe.parameters())
