@@ -54,8 +54,13 @@ REAL_CHECKPOINTS = {
 SHIPPED = {
     "trained_hybrid": (
         "trained/bamba_bytes",
-        "Bamba (Mamba2 + attention, 6 layers, 5.2M parameters, ByT5 bytes) "
-        "trained by experiment=train on Shakespeare and Python's docs",
+        "Bamba (Mamba2 + attention that sees the last 8 bytes, 6 layers, 5.2M parameters, ByT5 bytes) "
+        "trained by experiment=train_window on Shakespeare and Python's docs: its SSM states carry the context",
+    ),
+    "trained_recurrent": (
+        "trained/bamba_bytes_recurrent",
+        "Bamba without attention (6 Mamba2 layers, ByT5 bytes), the trained hybrid's twin, "
+        "trained by experiment=train_window experiment.arch=recurrent",
     ),
     "mqar_hybrid": (
         "trained/mqar_hybrid",

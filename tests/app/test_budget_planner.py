@@ -132,22 +132,31 @@ def test_end_to_end_on_tiny_jamba():
         plan_budget(tables, front.min_nbytes - 1)
 
 
-def test_every_layer_is_measured_beside_its_control():
+def test_every_layer_is_measured_beside_its_control(tmp_path):
     """Each (layer, option) row carries the layer's control (its recurrent state dropped after every block, its
-    attention limited to the token itself). The shipped trained_hybrid barely uses its Mamba2 SSM states, so those
-    layers are flagged insensitive; its attention layers are not (the control there is the independent oracle of
-    what a layer's cache matters: the same stepwise feeding with that layer ablated)."""
+    attention limited to the token itself). The shipped trained_hybrid with its SSM readout cut (a model built to
+    ignore its SSM states, tests/app/ignored_state.py) gets its Mamba2 layers flagged insensitive and its attention
+    layers not; the shipped model itself, whose states carry its context beyond its 8-byte attention window, gets
+    no layer flagged (the control there is the independent oracle of what a layer's cache matters: the same stepwise
+    feeding with that layer ablated)."""
     from hybridcache.real_checkpoints import real_checkpoint
+    from tests.app.ignored_state import cut_ssm_readout
 
-    model = hc.from_pretrained(real_checkpoint("trained_hybrid"))
-    text = b"The quick brown fox jumps over the lazy dog. " * 2
+    text = b"The quick brown fox jumps over the lazy dog. The lazy dog sleeps. " * 2
     ids = torch.tensor([[b + 3 for b in text]])  # ByT5: byte + 3
     options = {
         "attention": {"sliding4": {"type": "sliding", "window": 4}},
         "recurrent": {"int8": {"state_codec": "int8"}},
     }
-    tables = build_tables(model.native_layers(), options, Scenario(1, 48, ids.shape[1] - 1))
-    _, rows = measure_costs(model, ids, 48, tables)
-    by_kind = {k: [r for r in rows if r["kind"] == k] for k in ("recurrent", "attention")}
-    assert by_kind["recurrent"] and all(r["insensitive"] and r["control_kl"] < 1e-3 for r in by_kind["recurrent"])
-    assert by_kind["attention"] and all(not r["insensitive"] for r in by_kind["attention"])
+
+    def rows_of(model):
+        tables = build_tables(model.native_layers(), options, Scenario(1, 64, ids.shape[1] - 1))
+        _, rows = measure_costs(model, ids, 64, tables)
+        return {k: [r for r in rows if r["kind"] == k] for k in ("recurrent", "attention")}
+
+    shipped = real_checkpoint("trained_hybrid")
+    cut = rows_of(hc.from_pretrained(cut_ssm_readout(shipped, tmp_path / "cut")))
+    assert cut["recurrent"] and all(r["insensitive"] and r["control_kl"] < 1e-3 for r in cut["recurrent"])
+    assert cut["attention"] and all(not r["insensitive"] for r in cut["attention"])
+    real = rows_of(hc.from_pretrained(shipped))
+    assert real["recurrent"] and not any(r["insensitive"] for r in real["recurrent"])

@@ -160,15 +160,24 @@ def _study(tmp_path, model, only, *extra):
 
 
 def test_a_model_that_ignores_its_ssm_state_gets_no_conclusion_from_a_state_codec(tmp_path):
-    """The controls run by default. The shipped trained_hybrid does not use its Mamba2 SSM states (dropping them
-    after every block costs KL ~1e-7): its int8 states look free, and the study says that is no conclusion. A tiny
-    random jamba loses ~3e-5 without its SSM states: above a threshold set below that, the same strategy is read
-    against its control, not flagged."""
-    rows = _study(tmp_path, "trained_hybrid", ["native", "state_int8"])
+    """The controls run by default. The shipped trained_hybrid with its SSM readout cut (tests/app/ignored_state.py:
+    its Mamba2 states are computed but nothing reads them) gets int8 states that look free, and the study says that
+    is no conclusion; its conv states still matter (ablate_state). The shipped model itself (its attention sees 8
+    bytes, its states carry the rest) has its int8 states read against the control of dropping them, not flagged.
+    A tiny random jamba loses ~3e-5 without its SSM states: above a threshold set below that, the same strategy is
+    read against its control."""
+    from hybridcache.real_checkpoints import real_checkpoint
+    from tests.app.ignored_state import cut_ssm_readout
+
+    cut = cut_ssm_readout(real_checkpoint("trained_hybrid"), tmp_path / "cut")
+    rows = _study(tmp_path, "bamba", ["native", "state_int8"], f"model.checkpoint={cut}")
     assert {"ablate_state", "ablate_ssm", "ablate_attention"} <= set(rows)
     assert rows["state_int8"]["control"] == "ablate_ssm" and rows["state_int8"]["control_kl"] < 1e-3
     assert rows["state_int8"]["verdict"].startswith("NO CONCLUSION: the model barely uses its SSM")
-    assert rows["ablate_state"]["kl"]["160"] > 1e-3  # the conv states (last 3 bytes) it does use
+    assert rows["ablate_state"]["kl"]["160"] > 1e-3  # the conv states (last bytes) it does use
+    rows = _study(tmp_path, "trained_hybrid", ["native", "state_int8"])
+    assert rows["state_int8"]["control"] == "ablate_ssm" and rows["state_int8"]["control_kl"] > 1e-3
+    assert "NO CONCLUSION" not in rows["state_int8"]["verdict"]
     rows = _study(tmp_path, "jamba", ["native", "state_int8"], "experiment.insensitive_kl=1e-6")
     assert rows["state_int8"]["control"] == "ablate_ssm" and rows["state_int8"]["control_kl"] > 1e-6
     assert (
