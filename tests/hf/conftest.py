@@ -26,15 +26,16 @@ def prompts(batch: int, length: int, seed: int, pad: int = 0) -> tuple[torch.Ten
 def hf_kwargs(new: int = NEW, **kw):
     """HF generate settings: greedy unless told, no eos stopping (eos_token_id=None rather than min_new_tokens, which
     bans eos from the argmax), raw logits."""
-    return dict(
+    settings = dict(
         max_new_tokens=new,
         eos_token_id=None,
         pad_token_id=0,
         do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,
-        **kw,
     )
+    settings.update(kw)
+    return settings
 
 
 @torch.no_grad()

@@ -1,0 +1,104 @@
+"""cache_for's contract: what it builds (the plan from HF's layout, our cache config schema with HF's layer
+indices), named errors before any work (the model left untouched), the installation (HF's attention implementation
+switched to the bridge's and back), where storage lives, and the cache refusing another model."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hybridcache.cache import CacheConfigError, CacheError
+from hybridcache.hf import BridgeCache, BridgeConfigError, BridgeError, cache_for, uninstall
+from tests.hf.conftest import hf_generate, max_diff, prompts
+
+
+def test_native_plan_follows_hf_layer_types(pair):
+    hf, _ = pair("gemma3")
+    cache = cache_for(hf)
+    hf_types = hf.config.get_text_config().layer_types
+    assert [p.type for p in cache.plan.layers] == [t.split("_")[0] for t in hf_types]
+    window = hf.config.get_text_config().sliding_window
+    assert all(p.spec.window == window for p in cache.plan.layers if p.type == "sliding")
+    hf2, _ = pair("falcon_h1")
+    assert cache_for(hf2).plan.structure[0] == ("attention", "mamba2")  # HF's hybrid layer: a group
+
+
+def test_layers_keys_are_hf_decoder_layer_indices(hf_tiny):
+    """Nemotron-H has MLP-only decoder layers (no cache): `layers:` still counts HF's decoder layers."""
+    hf = hf_tiny("nemotron_h")
+    types = hf.config.layer_types
+    attn = types.index("full_attention") if "full_attention" in types else types.index("attention")
+    cache = cache_for(hf, {"layers": {attn: {"type": "sliding", "window": 4}}})
+    assert [p.type for p in cache.plan.layers].count("sliding") == 1
+    empty = next(i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "DummyLayer")
+    with pytest.raises(BridgeConfigError, match=f"decoder layer {empty} .* keeps no cache"):
+        cache_for(hf, {"layers": {empty: {"type": "sliding", "window": 4}}})
+    with pytest.raises(BridgeConfigError, match="out of range"):
+        cache_for(hf, {"layers": {len(types): {"type": "sliding", "window": 4}}})
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"attention": {"type": "nope"}}, "unknown cache type"),
+        ({"attention": {"type": "sliding", "window": 0}}, "window"),
+        ({"recurrent": {"type": "full"}}, "cannot use the attention cache type"),
+        ({"attention": {"window": 4, "bogus": 1}}, "bogus"),
+        ({"layers": {"x": {}}}, "indices"),
+    ],
+)
+def test_bad_configs_are_named_errors_before_any_work(hf_tiny, config, match):
+    hf = hf_tiny("jamba")
+    before = hf.config._attn_implementation
+    with pytest.raises(CacheConfigError, match=match):
+        cache_for(hf, config)
+    assert hf.config._attn_implementation == before  # nothing installed
+
+
+def test_bad_arguments(hf_tiny):
+    with pytest.raises(BridgeError, match="PreTrainedModel"):
+        cache_for(torch.nn.Linear(2, 2))
+    with pytest.raises(BridgeError, match="batch_size"):
+        cache_for(hf_tiny("llama"), batch_size=0)
+
+
+def test_install_and_uninstall(hf_tiny):
+    hf = hf_tiny("llama")
+    base = hf.config._attn_implementation
+    ids, mask = prompts(2, 6, seed=15, pad=1)
+    ref = hf_generate(hf, ids, mask)
+    cache_for(hf)
+    assert hf.config._attn_implementation == f"hybridcache_{base}"
+    other = hf_generate(hf, ids, mask, cache=DynamicCache(config=hf.config))  # not ours: HF's own path
+    assert torch.equal(other[0], ref[0]) and max_diff(other[1], ref[1]) == 0
+    uninstall(hf)
+    assert hf.config._attn_implementation == base
+    assert not hf._forward_pre_hooks and not hf.model._forward_pre_hooks
+
+
+def test_a_cache_serves_only_its_model(hf_tiny):
+    a, b = hf_tiny("llama"), hf_tiny("llama", seed=1)
+    cache = cache_for(a)
+    cache_for(b)
+    ids, mask = prompts(1, 4, seed=16)
+    with pytest.raises(BridgeError, match="another model"), torch.no_grad():
+        b(input_ids=ids, attention_mask=mask, cache=cache)
+
+
+def test_batch_size_builds_now_and_storage_lives_where_keys_arrive(hf_tiny):
+    hf = hf_tiny("qwen3_next")
+    cache = cache_for(hf, batch_size=2)
+    assert isinstance(cache, BridgeCache) and cache.hybrid is not None and cache.hybrid.batch_size == 2
+    device = hf.get_input_embeddings().weight.device
+    assert cache.hybrid.device == device
+    for layer in cache.hybrid.layers:
+        assert all(t.device == device for t in layer.snapshot().tensors.values())
+    lazy = cache_for(hf)
+    assert lazy.hybrid is None and lazy.batch_size == -1  # built by the first forward, for its batch
+
+
+def test_a_mask_with_padding_after_tokens_is_refused(hf_tiny):
+    hf = hf_tiny("llama")
+    ids, mask = prompts(1, 5, seed=17)
+    mask[0, 2] = 0  # a hole: not left padding
+    with pytest.raises(CacheError, match="left padding"), torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask, cache=cache_for(hf))
