@@ -300,6 +300,7 @@ class DriftSchema:
     name: str = "drift"
     smoke: bool = False
     text: str = "pydoc"
+    feed: str = "greedy"  # greedy | text
     rows: int = 2
     prompt_tokens: int = 64
     decode_tokens: int = 2048

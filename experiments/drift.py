@@ -1,7 +1,8 @@
 """experiment=drift: drift of lossy recurrent states over a long greedy decode, with and without the remedies.
 
 The reference (the app's cache; native unless `cache=` says otherwise) greedy-decodes `decode_tokens` tokens from
-`rows` prompts of `prompt_tokens` tokens; every variant (`codec[+sr][+ef[:residual_codec]]`) and control is fed the
+`rows` prompts of `prompt_tokens` tokens (`feed: text`: is fed the text that follows each prompt instead, for models
+whose greedy text falls into a loop); every variant (`codec[+sr][+ef[:residual_codec]]`) and control is fed the
 same tokens one per block, so its states are re-encoded after every token (experiments/drift_measure.py). Reports,
 per variant, the mean KL(reference || variant) and top-1 agreement in each of `windows` (decoded positions), the
 recurrent-state bytes per row, and the seconds its cache took; writes drift.json and drift.png (curves per codec:
@@ -63,6 +64,8 @@ def settings(e: DictConfig) -> dict[str, Any]:
         s.update(SMOKE)
     for name in ("decode_tokens", "prompt_tokens", "rows", "smooth"):
         _positive(name, s.get(name))
+    if s.get("feed") not in ("greedy", "text"):
+        raise UserError(f"experiment.feed must be greedy or text, got {s.get('feed')!r}")
     seed = s.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise UserError(f"experiment.seed must be an integer in [0, 2^63), got {seed!r}")
@@ -134,15 +137,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with console.status(f"[bold]loading {cfg.model.family}[/]"):
         checkpoint, model = load_model(cfg)
         tokenizer = load_tokenizer(checkpoint)
-    try:
-        docs = documents(tokenizer, s["text"], s["prompt_tokens"], s["rows"], model.vocab_size)
+    n, length = s["decode_tokens"], s["prompt_tokens"]
+    try:  # with feed: text, each document continues past its prompt (n - 1 tokens are fed after it)
+        docs = documents(tokenizer, s["text"], length + (n if s["feed"] == "text" else 0), s["rows"], model.vocab_size)
     except ValueError as err:
         raise UserError(f"experiment.text: {err}") from None
-    prompts = torch.tensor(docs, dtype=torch.long)
-    n = s["decode_tokens"]
+    ids = torch.tensor(docs, dtype=torch.long)
+    prompts, text = ids[:, :length], (ids[:, length:] if s["feed"] == "text" else None)
+    what = "greedy tokens" if text is None else "text tokens (teacher-forced)"
     console.print(
-        f"drift: {prepared.checkpoint_note}; {s['rows']} prompt(s) of {s['prompt_tokens']} tokens, {n} greedy "
-        f"tokens, {len(configs)} variants fed one token per block"
+        f"drift: {prepared.checkpoint_note}; {s['rows']} prompt(s) of {length} tokens, {n} {what}, "
+        f"{len(configs)} variants fed one token per block"
     )
     columns = [
         TextColumn("{task.description}"),
@@ -154,7 +159,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"decoding ({len(configs) + 1} caches in lockstep)", total=n)
         record = measure_drift(
-            model, prompts, n, configs, prepared.cache_config, on_step=lambda p: progress.advance(task)
+            model, prompts, n, configs, prepared.cache_config, lambda p: progress.advance(task), text
         )
     windows = windows_of(s["windows"], n)
     summary = summarize(record, windows)
@@ -174,7 +179,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
     reference_bytes = state_bytes(model, dict(prepared.cache_config), tokens)
     wall = time.perf_counter() - start
-    table = Table(title=f"drift over {n} greedy tokens (mean over {s['rows']} row(s)); reference: the app's cache")
+    table = Table(title=f"drift over {n} {what} (mean over {s['rows']} row(s)); reference: the app's cache")
     table.add_column("variant", justify="left")
     table.add_column("state bytes/row", justify="right")
     for a, b in windows:
@@ -195,10 +200,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         s["parsed"],
         s["smooth"],
         ctx.out_dir / "drift.png",
-        f"Drift of re-encoded recurrent states over {n} greedy tokens ({s['rows']} prompt(s) of {s['prompt_tokens']})",
+        f"Drift of re-encoded recurrent states over {n} {what} ({s['rows']} prompt(s) of {length})",
         figure_context(cfg, checkpoint),
     )
-    text = tokenizer.decode(record.tokens[0].tolist()) if hasattr(tokenizer, "decode") else None
+    decoded = tokenizer.decode(record.tokens[0].tolist()) if hasattr(tokenizer, "decode") else None
     result = {
         **ctx.base("ok"),
         "checkpoint": checkpoint,
@@ -208,7 +213,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "rows": rows,
         "curves": curves(record, s["smooth"]),
         "per_position": raw_curves(record),
-        "decoded_text_row0": text,
+        "tokens_text_row0": decoded,
         "figure": str(figure),
         "wall_s": wall,
     }

@@ -1,10 +1,11 @@
 """The measurement of experiment=drift: how a lossy recurrent state drifts when it is re-encoded after every token.
 
-The reference cache (the app's cache, native by default) greedy-decodes `decode_tokens` tokens from each prompt; in
-lockstep, every variant's cache is fed the same tokens one per block (so its states are re-encoded after every token,
-as in decoding), and at each position p (the distribution of decoded token p) we record, per row,
+The reference cache (the app's cache, native by default) greedy-decodes `decode_tokens` tokens from each prompt
+(or, `feed: text`, is fed the text that follows the prompt); in lockstep, every variant's cache is fed the same tokens
+one per block (so its states are re-encoded after every token, as in decoding), and at each position p (the
+distribution of token p after the prompt) we record, per row,
     kl    KL(reference || variant) of the next-token distributions (nats)
-    top1  whether the variant's most likely token is the reference's (greedy) one.
+    top1  whether the variant's most likely token is the reference's (its greedy choice).
 Lockstep keeps one step of logits per cache in memory whatever the vocabulary and length.
 
 A variant is written `codec[+sr][+ef[:residual_codec]]` (int8, int8+sr, int4+ef, int8+sr+ef:int4, ...): sr is
@@ -96,9 +97,11 @@ def measure_drift(
     configs: Mapping[str, Mapping[str, Any]],
     reference: Mapping[str, Any] | None = None,
     on_step: Callable[[int], None] | None = None,
+    text: torch.Tensor | None = None,
 ) -> DriftRecord:
-    """prompts [B, P]: the reference greedy-decodes `decode_tokens` tokens; each config in `configs` is fed them
-    one per block. Returns the per-position KL and top-1 agreement of each config against the reference."""
+    """prompts [B, P]: the reference greedy-decodes `decode_tokens` tokens (or is fed `text` [B, >= N - 1], the
+    tokens after the prompt); each config in `configs` is fed the same tokens one per block. Returns the per-position
+    KL and top-1 agreement of each config against the reference, and the tokens fed."""
     batch, n = prompts.shape[0], decode_tokens
     prompts = prompts.to(model.device)
     names = ["reference", *configs]
@@ -119,12 +122,13 @@ def measure_drift(
         record.top1[name] = torch.empty(n, batch, dtype=torch.bool)
     for p in range(n):
         ref = logits["reference"].log_softmax(-1)  # [B, V]
-        token = ref.argmax(-1)  # [B] greedy
+        best = ref.argmax(-1)  # [B] the reference's greedy choice
+        token = best if text is None else text[:, p].to(best.device)
         record.tokens[:, p] = token.cpu()
         for name in configs:
             got = logits[name].log_softmax(-1)
             record.kl[name][p] = (ref.exp() * (ref - got)).sum(-1).clamp(min=0).double().cpu()
-            record.top1[name][p] = (got.argmax(-1) == token).cpu()
+            record.top1[name][p] = (got.argmax(-1) == best).cpu()
         if p + 1 < n:
             logits = {name: step(name, token[:, None]) for name in names}
         if on_step is not None:

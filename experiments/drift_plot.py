@@ -1,5 +1,5 @@
-"""The figure of experiment=drift: one column per state codec, KL(reference || variant) against the decoded
-position on a log scale (top) and top-1 agreement (bottom), both smoothed; a line style per remedy, the controls
+"""The figure of experiment=drift: one column per state codec, KL(reference || variant) against the position after
+the prompt on a log scale (top) and top-1 agreement (bottom), both smoothed; a line style per remedy, the controls
 (states dropped after every token) in grey in every column."""
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ def drift_figure(
                 style = {"color": strategy_color(v.name), "linestyle": "-", "linewidth": 1.2, "alpha": 0.8}
                 label = f"{v.name} (control)"
             else:
-                cheap_residual = ":" in v.remedy  # the residual held in another codec: its own dash pattern
+                cheap_residual = ":" in v.remedy  # the residual held in another codec: a thin pale solid line
                 style = {
                     "color": CODEC_COLOURS.get(codec, "#333333"),
-                    "linestyle": (0, (6, 1, 1, 1, 1, 1)) if cheap_residual else STYLES.get(base, "-"),
-                    "linewidth": 1.6,
+                    "linestyle": "-" if cheap_residual else STYLES.get(base, "-"),
+                    "linewidth": 1.0 if cheap_residual else 1.6,
+                    "alpha": 0.45 if cheap_residual else 1.0,
                 }
                 label = remedy_label(v.remedy)
             kl_ax.plot(x.numpy(), kl_s.clamp(min=KL_FLOOR).numpy(), label=label, **style)
@@ -67,7 +68,7 @@ def drift_figure(
         kl_ax.set_title(f"state_codec {codec}" if codec else "controls", fontsize=10)
         kl_ax.grid(True, which="major", alpha=0.3)
         top_ax.grid(True, alpha=0.3)
-        top_ax.set_xlabel("decoded position (token)")
+        top_ax.set_xlabel("position after the prompt (token)")
         top_ax.set_xlim(0, n)
         top_ax.set_ylim(-3, 103)
         handles, labels = kl_ax.get_legend_handles_labels()

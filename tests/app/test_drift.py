@@ -62,22 +62,25 @@ def test_drift_smoke_writes_numbers_curves_and_a_figure(tmp_path):
     assert (out / "drift.png").stat().st_size > 10_000 and "wall time" in proc.stdout
 
 
-def test_measurement_equals_an_independent_recompute():
-    """Per position, KL(native || int8) and top-1 agreement equal those computed from two separate teacher-forced
-    runs over the tokens the reference decoded (the prompt in one block, then one token per block), and those
-    tokens are the native run's greedy choices."""
+@pytest.mark.parametrize("feed", ["greedy", "text"])
+def test_measurement_equals_an_independent_recompute(feed):
+    """Per position, KL(native || int4+sr+ef) and top-1 agreement equal those computed from two separate
+    teacher-forced runs over the tokens fed (the prompt in one block, then one token per block); greedy: those tokens
+    are the native run's greedy choices; text: they are the given text."""
     model = hc.from_pretrained(tiny_checkpoint("bamba"))
-    prompts = torch.randint(0, model.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.vocab_size, (2, 5), generator=g)
+    text = torch.randint(0, model.vocab_size, (2, 12), generator=g) if feed == "text" else None
     variant = parse_variant("int4+sr+ef", seed=3)
     config = variant_config(None, variant)
-    record = measure_drift(model, prompts, 12, {variant.name: config})
+    record = measure_drift(model, prompts, 12, {variant.name: config}, text=text)
     ids = torch.cat([prompts, record.tokens], 1)  # [B, 5 + 12]
-    native = stepwise_logits(model, ids, 5).log_softmax(-1)[:, :12]  # [B, 12, V]: predicting decoded token p
+    native = stepwise_logits(model, ids, 5).log_softmax(-1)[:, :12]  # [B, 12, V]: predicting token p
     lossy = stepwise_logits(model, ids, 5, config).log_softmax(-1)[:, :12]
-    assert torch.equal(native.argmax(-1), record.tokens)
+    assert torch.equal(native.argmax(-1) if text is None else text, record.tokens)
     kl = (native.exp() * (native - lossy)).sum(-1).clamp(min=0).double().T  # [12, B]
     assert torch.allclose(record.kl[variant.name], kl, rtol=1e-6, atol=1e-12) and float(kl.max()) > 0
-    assert torch.equal(record.top1[variant.name], (lossy.argmax(-1) == record.tokens).T)
+    assert torch.equal(record.top1[variant.name], (lossy.argmax(-1) == native.argmax(-1)).T)
     summary = summarize(record, windows_of([[0, 4], [4, 100]], 12))[variant.name]
     assert summary["windows"][1]["end"] == 12
     assert summary["windows"][0]["kl_mean"] == pytest.approx(float(kl[:4].mean()))
@@ -102,6 +105,7 @@ def test_measurement_equals_an_independent_recompute():
         ({"windows": []}, "windows must be a list"),
         ({"seed": -1}, "seed must be an integer"),
         ({"smoke": "yes"}, "smoke must be true or false"),
+        ({"feed": "sampled"}, "feed must be greedy or text"),
     ],
 )
 def test_bad_settings_are_named(override, message):
