@@ -68,11 +68,23 @@ def _cell(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def niah_heatmaps(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+def grid_of(run: dict[str, Any], task: str) -> dict[str, dict[str, float]]:
+    """depth -> length -> mean score over every trial of `task` (RULER's or the heatmap's: the same prompts)."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    for t in run.get("trials", []):
+        if t["task"] == task and t["depth"] is not None:
+            cells.setdefault(str(t["depth"]), {}).setdefault(str(t["length"]), []).append(t["score"])
+    return {d: {L: sum(v) / len(v) for L, v in by.items()} for d, by in cells.items()}
+
+
+def niah_heatmaps(rows: list[dict[str, Any]], path: Path, title: str, task: str | None = None) -> Path | None:
     """One panel per strategy with NIAH cells: rows the needle's depth (0 = start of the haystack), columns the
-    prompt length, colour and text the mean RULER score (0-100); a cell not run is grey."""
+    prompt length, colour and text the mean RULER score (0-100); a cell not run is grey. With `task`, the cells
+    come from every trial of that task (the RULER part's too), else from the heatmap part."""
     import matplotlib.pyplot as plt
 
+    if task:
+        rows = [{**r, "niah": grid_of(r, task)} for r in rows]
     ran = [r for r in rows if r.get("niah")]
     if not ran:
         return None
@@ -148,9 +160,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":  # python -m experiments.long_context_report FIGURE.png TITLE RUN/long_context.json ...
+if __name__ == "__main__":  # python -m experiments.long_context_report FIGURE.png TITLE TASK RUN/long_context.json ...
     import sys
 
-    rows = merged([Path(p) for p in sys.argv[3:]])
+    rows = merged([Path(p) for p in sys.argv[4:]])
     print(markdown(rows))
-    print(niah_heatmaps(rows, Path(sys.argv[1]), sys.argv[2]))
+    print(niah_heatmaps(rows, Path(sys.argv[1]), sys.argv[2], sys.argv[3]))

@@ -162,3 +162,25 @@ def test_the_paper_setting_composes_with_the_studys_strategies():
 def test_bad_settings_are_named_before_any_work(override, message):
     with pytest.raises(LongContextSettingError, match=message):
         check_settings(compose_experiment(override))
+
+
+def test_heatmap_cells_from_every_trial_of_a_task(tmp_path):
+    """A strategy run only in the RULER part still gets a panel: its cells come from the task's trials."""
+    from experiments.long_context_report import grid_of, niah_heatmaps
+
+    def trial(task, length, depth, score, part="ruler"):
+        return {"task": task, "length": length, "depth": depth, "score": score, "parts": [part]}
+
+    run = {
+        "name": "int4",
+        "trials": [
+            trial("niah_single_2", 4096, 0.5, 100.0),
+            trial("niah_single_2", 4096, 0.5, 0.0, "niah"),
+            trial("niah_single_2", 8192, 0.5, 0.0),
+            trial("niah_single_1", 4096, 0.5, 100.0),
+            trial("vt", 4096, None, 100.0),
+        ],
+    }
+    assert grid_of(run, "niah_single_2") == {"0.5": {"4096": 50.0, "8192": 0.0}}
+    assert niah_heatmaps([run], tmp_path / "a.png", "t") is None  # no heatmap part
+    assert niah_heatmaps([run], tmp_path / "b.png", "t", "niah_single_2").is_file()
