@@ -293,11 +293,7 @@ def kvpress_decoding_run(name, q, k, prompt, ratio, budget, interval, n_sink=2):
     return history
 
 
-DECODING_CASES = [
-    ("knorm", {}),
-    ("tova", {}),
-    ("streaming_llm", {"n_sink": 2}),
-]
+DECODING_CASES = [("knorm", {}), ("tova", {}), ("streaming_llm", {"n_sink": 2})]
 
 
 @pytest.mark.parametrize("name,kw", DECODING_CASES)
