@@ -53,6 +53,7 @@ class BridgeCache(HFCache):
         self._pending: tuple = ()
         self._depth = 0  # nested hooked modules of one forward (the CausalLM and its decoder)
         self._hf_maskable: set[int] = set()
+        self._by_address: dict[tuple[int, str | None], Any] = {}
         self._views: dict[int, tuple[torch.Tensor, Any, Any, list[bool]]] = {}  # id(keys) -> (keys, view, layer, seen)
         self._last: tuple[torch.Tensor, Any, Any, list[bool]] | None = None  # the block's latest update
         self._device = _one_device(layout)
@@ -84,15 +85,19 @@ class BridgeCache(HFCache):
 
     def _build(self, batch_size: int) -> None:
         self.hybrid = Cache.from_plan(self.plan, batch_size, self._device)
+        self._by_address: dict[tuple[int, str | None], Any] = {}  # (HF layer, member) -> our layer (entries are fixed)
         # our layers whose slots HF's own masks describe (a model may attend to them without the bridge's mask)
         self._hf_maskable = {id(layer) for layer, p in zip(self.hybrid.layers, self.plan.layers) if hf_maskable(p)}
 
     def cache_layer(self, index: int, member: str | None):
         """Our cache layer serving HF decoder layer `index` (group member `member`); needs the cache built."""
-        if self.hybrid is None:
-            raise BridgeError("the cache holds no layers yet: its first forward builds them for that batch size")
-        entry = self.hybrid[self.bridge.entry_of[index]]
-        return entry[member] if isinstance(entry, CacheGroup) else entry
+        layer = self._by_address.get((index, member))
+        if layer is None:
+            if self.hybrid is None:
+                raise BridgeError("the cache holds no layers yet: its first forward builds them for that batch size")
+            entry = self.hybrid[self.bridge.entry_of[index]]
+            layer = self._by_address[index, member] = entry[member] if isinstance(entry, CacheGroup) else entry
+        return layer
 
     def _plan_of(self, index: int, member: str | None):
         entry = self.bridge.entry_of[index]

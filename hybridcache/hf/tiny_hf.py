@@ -112,6 +112,7 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1),
     "dots3_note": dict(head_dim=16),
     "dots3_note_text": dict(head_dim=16),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8),
 }
 
 
@@ -134,7 +135,10 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
         if isinstance(defaults.get(key), list):
             kw[key] = _cut_list(defaults[key], layers)
     if isinstance(defaults.get("num_kv_shared_layers"), int) and defaults["num_kv_shared_layers"]:
-        kw["num_kv_shared_layers"] = 2
+        kw["num_kv_shared_layers"] = 2  # the last 2 layers read earlier ones' keys: each kind must come before
+        if isinstance(defaults.get("layer_types"), list):
+            kinds = list(dict.fromkeys(defaults["layer_types"]))
+            kw["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
     if isinstance(defaults.get("vocab_size_per_layer_input"), int):
         kw["vocab_size_per_layer_input"] = VOCAB
     return kw
