@@ -129,13 +129,15 @@ def _k(L: str) -> str:
 
 
 def merged(paths: list[Path]) -> list[dict[str, Any]]:
-    """The strategies of several long_context.json files (runs of different strategies), the first of a name kept."""
+    """The strategies of several long_context.json files (runs of different strategies): of a name, the first that
+    ran a prompt (a stopped run lists strategies it never reached)."""
     import json
 
     rows: dict[str, dict] = {}
     for p in paths:
         for r in json.loads(Path(p).read_text())["strategies"]:
-            rows.setdefault(r["name"], r)
+            if r["name"] not in rows or (r.get("trials") and not rows[r["name"]].get("trials")):
+                rows[r["name"]] = r
     return list(rows.values())
 
 
