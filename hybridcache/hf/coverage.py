@@ -113,7 +113,7 @@ def check_family(model_type: str, model_class: str) -> Row:
             row.note = "encoder-decoder (not a decoder-only family)"
             return row
     except Exception as e:  # noqa: BLE001 - the default config itself does not build
-        row.note = f"default config does not build: {_short(e)}"
+        row.note = f"{NOT_RUN}: its default config does not build: {_short(e)}"
         return row
     try:
         model = tiny_model(model_type, causal_lm_class=model_class)
