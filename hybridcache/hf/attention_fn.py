@@ -1,16 +1,17 @@
-"""The attention functions the bridge registers in HF's `AttentionInterface`, one per base implementation.
+"""The bridge's wrappers of HF's attention functions: each implementation a bridged model uses (`sdpa`, `eager`, ...)
+is wrapped in place in HF's `AttentionInterface` (installer.py), once per process, keeping its name.
 
-HF builds one mask per layer type before its layers run, from the first layer of each type; our layers return
-their own slots (rings, evicted tokens, per-head positions), so that mask cannot describe them. HF's attention call
-comes right after `cache.update` in every modeling file that follows HF's AttentionInterface, with the very key
-tensor `update` returned; so `hybridcache_<base>` looks that tensor up among the block's views (bridge_cache.py)
-and attends with the view's own mask ([B, T, S], or [B, H, T, S] per kv head), through HF's own functions: the
-modeling file's `eager_attention_forward` where the model runs eager (softcapping, sinks and scalings stay the
-model's) or where a score-based layer needs the attention weights, HF's sdpa otherwise. Keys that are not from a
-bridge view (another cache, no cache, a vision tower) go to the base implementation with HF's own mask, unchanged.
-
-Also registered: the same names in HF's `AttentionMaskInterface`, as the base's mask function, so HF keeps building
-its masks for every call that is not ours.
+HF builds one mask per layer type before its layers run, from the first layer of each type. A layer that keeps its
+native pattern in dynamic storage holds HF's own layout (its slots are the last columns, in order), so HF's mask is
+exact there and is used as is: it also carries what our patterns do not know (a multimodal model's bidirectional
+image blocks, a sparse-attention selection). Other layers return their own slots (rings, evicted tokens, per-head
+positions), which that mask cannot describe. HF's attention call comes right after `cache.update` in every modeling
+file that follows the interface, with the very key tensor `update` returned; the wrapper looks that tensor up among
+the running block's views (bridge_cache.py) and attends with the view's own mask ([B, T, S], or [B, H, T, S] per
+kv head) through HF's own functions: the modeling file's `eager_attention_forward` where the model runs eager
+(softcapping, sinks and scalings stay the model's) or where a score-based layer needs the attention weights, HF's
+sdpa otherwise. Every other call (another cache, no cache, another thread, a vision tower) goes to HF's function
+with HF's mask, unchanged.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 
 from hybridcache.hf.errors import BridgeError
 
-PREFIX = "hybridcache_"
 _ACTIVE = threading.local()  # the BridgeCaches whose forward runs in this thread (a stack)
+_ORIGINAL: dict[str, Callable | None] = {}  # implementation -> HF's function it wraps (None: the modeling file's eager)
 
 
 def active_stack() -> list:
@@ -40,14 +41,12 @@ def _eager_of(module: torch.nn.Module) -> Callable | None:
 
 
 def _base(name: str, module: torch.nn.Module) -> Callable:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name == "eager":
+    fn = _ORIGINAL.get(name)
+    if fn is None:  # eager: the modeling file's own function (its softcapping, sinks, scalings)
         fn = _eager_of(module)
         if fn is None:
             raise BridgeError(f"{type(module).__name__}: its modeling file has no eager_attention_forward")
-        return fn
-    return ALL_ATTENTION_FUNCTIONS[name]
+    return fn
 
 
 def view_mask(view: Any, query: torch.Tensor) -> torch.Tensor:
@@ -66,7 +65,7 @@ def view_mask(view: Any, query: torch.Tensor) -> torch.Tensor:
 
 
 def make_attention(base_name: str) -> Callable:
-    """`hybridcache_<base_name>`: the view's mask for bridge keys, `base_name` for everything else."""
+    """The wrapper of HF's `base_name`: the view's mask for bridge keys, HF's function unchanged for everything else."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         stack = active_stack()
@@ -74,6 +73,8 @@ def make_attention(base_name: str) -> Callable:
         if found is None:
             return _base(base_name, module)(module, query, key, value, attention_mask, **kwargs)
         view, layer, first = found
+        if stack[-1].attends_with_hf_mask(layer):  # a native layout: HF's own mask is exact (and knows more)
+            return _base(base_name, module)(module, query, key, value, attention_mask, **kwargs)
         mask = view_mask(view, query)
         wants_weights = first and getattr(layer, "wants_attention_weights", False)
         if first and getattr(layer, "wants_queries", False):
@@ -93,18 +94,18 @@ def make_attention(base_name: str) -> Callable:
 
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
-    attention.__name__ = f"{PREFIX}{base_name}"
+    attention.__name__ = f"hybridcache_{base_name}"
+    attention.__wrapped__ = _ORIGINAL.get(base_name)
     return attention
 
 
-def register(base_name: str) -> str:
-    """Register `hybridcache_<base_name>` in HF's attention and mask interfaces (once); returns the name."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+def wrap(name: str) -> None:
+    """Wrap HF's attention implementation `name` in its AttentionInterface (once per process): a pass-through for
+    every call without a running BridgeCache. Implementations HF resolves elsewhere (kernels from the hub) are left
+    alone: a bridged layer whose calls the bridge never sees is refused at the block's end (bridge_cache.py)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    name = f"{PREFIX}{base_name}"
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, make_attention(base_name))
-        if base_name in ALL_MASK_ATTENTION_FUNCTIONS:
-            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base_name])
-    return name
+    if name in _ORIGINAL or (name != "eager" and name not in ALL_ATTENTION_FUNCTIONS):
+        return
+    _ORIGINAL[name] = None if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+    AttentionInterface.register(name, make_attention(name))

@@ -57,7 +57,10 @@ class BridgeAttentionLayer(CacheLayerMixin):
     # -- HF's CacheLayerMixin --------------------------------------------------------------------------------------
     @property
     def keys(self) -> torch.Tensor | None:
-        """The held keys [B, H, S, Dk] (decoded), or None before the first block."""
+        """As HF's layers: after this forward's `update`, what it returned (held + the block); else the held keys
+        [B, H, S, Dk] (decoded); None before the first block."""
+        if self._returned is not None:
+            return self._returned[0]
         if self.bridge.hybrid is None:
             return None
         return self._attention_layer().keys[..., : self.shape.key_dim]
@@ -69,6 +72,8 @@ class BridgeAttentionLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
+        if self._returned is not None:
+            return self._returned[1]
         if self.bridge.hybrid is None:
             return None
         return self._attention_layer().values[..., : self.shape.value_dim]
@@ -94,7 +99,13 @@ class BridgeAttentionLayer(CacheLayerMixin):
         if keys.dtype != key_states.dtype:
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
         self.bridge.record_view(keys, view, layer)
+        self._returned = (keys, values)  # dropped when the block ends (bridge_cache.py)
         return keys, values
+
+    _returned: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def end_block(self) -> None:
+        self._returned = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(slots `update` will return, the column of the first): held + the block, starting at columns - held.
@@ -107,8 +118,10 @@ class BridgeAttentionLayer(CacheLayerMixin):
         return held + query_length, max(self.bridge.columns - held, 0)
 
     def get_seq_length(self) -> int:
-        """Columns fed so far, padding included (what HF's generate slices new input ids by)."""
-        return self.bridge.columns
+        """Columns fed so far, padding included (what HF's generate slices new input ids by); after this layer's
+        `update` in a forward, the block's columns included, as HF's layers count them (GLM5-Next's indexer reads
+        it there)."""
+        return self.bridge.columns + (self.bridge.block_tokens if self._returned is not None else 0)
 
     def get_max_length(self) -> int:
         limit = getattr(self.bridge.plan_spec(self.index, self.attention_member), "max_length", None)

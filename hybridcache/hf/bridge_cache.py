@@ -21,10 +21,11 @@ import torch
 from transformers.cache_utils import Cache as HFCache
 from transformers.cache_utils import DummyLayer, DynamicLayer
 
-from hybridcache.cache import Cache, CacheGroup, CachePlan
+from hybridcache.cache import Cache, CacheGroup, CachePlan, NativeGroup
 from hybridcache.hf.attention_layer import BridgeAttentionLayer
 from hybridcache.hf.errors import BridgeConfigError, BridgeError
 from hybridcache.hf.hybrid_layer import BridgeHybridLayer
+from hybridcache.hf.indexed_layer import BridgeIndexedLayer
 from hybridcache.hf.layout import ModelLayout
 from hybridcache.hf.native import BridgePlan
 from hybridcache.hf.state_layer import BridgeStateLayer
@@ -42,8 +43,7 @@ class BridgeCache(HFCache):
         batch_size: int | None = None,
         hf_masks: bool = False,
     ) -> None:
-        if hf_masks:
-            check_hf_maskable(layout, plan)
+        check_hf_maskable(layout, bridge, plan, only=None if hf_masks else _indexed_entries(layout, bridge))
         self.hf_masks = hf_masks
         self._model = weakref.ref(model)
         self.layout, self.bridge, self.plan = layout, bridge, plan
@@ -63,6 +63,8 @@ class BridgeCache(HFCache):
                 layers.append(DummyLayer())
             elif not info.cached:
                 layers.append(UnusedLayer(info.index))
+            elif info.indexer_dim is not None:
+                layers.append(BridgeIndexedLayer(self, info.index, info.attention, info.indexer_dim))
             elif info.attention is not None and info.states is not None:
                 layers.append(
                     BridgeHybridLayer(self, info.index, info.attention, info.states, bridge.state_type[info.index])
@@ -87,7 +89,11 @@ class BridgeCache(HFCache):
         self.hybrid = Cache.from_plan(self.plan, batch_size, self._device)
         self._by_address: dict[tuple[int, str | None], Any] = {}  # (HF layer, member) -> our layer (entries are fixed)
         # our layers whose slots HF's own masks describe (a model may attend to them without the bridge's mask)
-        self._hf_maskable = {id(layer) for layer, p in zip(self.hybrid.layers, self.plan.layers) if hf_maskable(p)}
+        self._hf_maskable = {
+            id(layer)
+            for layer, p in zip(self.hybrid.layers, self.plan.layers)
+            if hf_maskable(p, native_params(self.bridge, p))
+        }
 
     def cache_layer(self, index: int, member: str | None):
         """Our cache layer serving HF decoder layer `index` (group member `member`); needs the cache built."""
@@ -186,10 +192,14 @@ class BridgeCache(HFCache):
             self._views.clear()
             self._last = None
             for layer in self.layers:
-                if isinstance(layer, BridgeStateLayer):
+                if isinstance(layer, (BridgeStateLayer, BridgeAttentionLayer)):
                     layer.end_block()
 
     # -- views for the attention function (attention_fn.py) -------------------------------------------------------
+    def attends_with_hf_mask(self, layer: Any) -> bool:
+        """Whether our `layer` attends with HF's own mask (its layout is HF's: `hf_maskable`)."""
+        return id(layer) in self._hf_maskable
+
     def record_view(self, keys: torch.Tensor, view: Any, layer: Any) -> None:
         self._views[id(keys)] = self._last = (keys, view, layer, [False])
 
@@ -213,11 +223,43 @@ class BridgeCache(HFCache):
         return view, layer, first
 
     # -- HF's Cache API ---------------------------------------------------------------------------------------------
+    @property
+    def block_tokens(self) -> int:
+        """Columns of the block being fed (0 outside a forward)."""
+        return self.hybrid.current_block.tokens if self._block_ready else 0
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.columns
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        return layer.get_seq_length() if isinstance(layer, BridgeAttentionLayer) else self.columns
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """HF sizes one mask per layer type from the first layer of that type (`layer_idx`). The bridge answers for
+        the first layer of that native type that HF's masks describe (`hf_maskable`: those layers attend with HF's
+        mask), so a re-typed first layer does not size the mask of native ones."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if not isinstance(layer, BridgeAttentionLayer):
+            return super().get_mask_sizes(query_length, layer_idx)
+        native = self.bridge_native_type(layer_idx)
+        for other in self.layers:
+            if (
+                isinstance(other, BridgeAttentionLayer)
+                and self.bridge_native_type(other.index) == native
+                and self.maskable(other.index, other.attention_member)
+            ):
+                return other.get_mask_sizes(query_length)
+        return layer.get_mask_sizes(query_length)
+
+    def bridge_native_type(self, index: int) -> str:
+        p = self._plan_of(index, "attention" if isinstance(self._native(index), NativeGroup) else None)
+        return p.native_type
+
+    def maskable(self, index: int, member: str | None) -> bool:
+        """Whether HF's own mask for this layer's native type describes its slots (see `hf_maskable`)."""
+        p = self._plan_of(index, member)
+        return hf_maskable(p, native_params(self.bridge, p))
 
     @property
     def batch_size(self) -> int:  # type: ignore[override]
@@ -291,30 +333,48 @@ class UnusedLayer(DynamicLayer):
 COLUMN_STORAGES = ("dense", "int8", "int4", "offload")
 
 
-def hf_maskable(p) -> bool:
-    """Whether HF's own mask for this layer's native type describes its slots: its native pattern with dynamic
-    storage whose slots are the last columns in order (`get_mask_sizes` gives their count and first column)."""
+def native_params(bridge: BridgePlan, p) -> dict[str, Any]:
+    """The native parameters (shapes, window, chunk size) of plan layer `p`."""
+    entry = bridge.native[p.index]
+    return dict((entry.members[p.member] if p.member is not None else entry).params)
+
+
+def hf_maskable(p, native: dict[str, Any]) -> bool:
+    """Whether HF's own mask for this layer's native type describes its slots: its native pattern (type, window,
+    chunk size) with dynamic storage whose slots are the last columns in order (`get_mask_sizes` gives their count
+    and first column)."""
     spec = p.spec
     return (
         p.kind == "attention"
         and p.type == p.native_type
-        and p.type in ("full", "sliding", "chunked")
+        and p.type in ("full", "sliding")  # (HF's chunked layers keep a sliding window, ours the current chunk)
+        and all(getattr(spec, k, None) == native[k] for k in ("window", "chunk_size") if k in native)
         and getattr(spec, "max_length", None) is None
         and getattr(spec, "storage", "dense") in COLUMN_STORAGES
     )
 
 
-def check_hf_maskable(layout: ModelLayout, plan: CachePlan) -> None:
-    """For a family that masks its attention itself (HF's masks from `get_mask_sizes`, no AttentionInterface): every
-    attention layer must be `hf_maskable`. Anything else is refused here, before any work."""
+def _indexed_entries(layout: ModelLayout, bridge: BridgePlan) -> set[int]:
+    """Our cache entries serving DSA layers (their index selection reaches attention inside HF's mask)."""
+    return {bridge.entry_of[info.index] for info in layout.layers if info.indexer_dim is not None}
+
+
+def check_hf_maskable(layout: ModelLayout, bridge: BridgePlan, plan: CachePlan, only: set[int] | None = None) -> None:
+    """Layers that attend with HF's masks (every attention layer of a family that masks its attention itself, no
+    AttentionInterface; or, `only`, the entries of DSA layers) must be `hf_maskable`. Anything else is refused here,
+    before any work."""
     for p in plan.layers:
-        if p.kind != "attention":
+        if p.kind != "attention" or (only is not None and p.index not in only):
             continue
         spec = p.spec
-        if not hf_maskable(p):
+        if not hf_maskable(p, native_params(bridge, p)):
+            why = (
+                "its sparse attention selects keys inside HF's mask"
+                if only is not None
+                else "it computes attention in its own code (it predates transformers' AttentionInterface)"
+            )
             raise BridgeConfigError(
-                f"{layout.model_type} computes attention in its own code (it predates transformers' "
-                f"AttentionInterface) with HF's masks, which only describe its native patterns; cache layer "
+                f"{layout.model_type}: {why}, and HF's masks only describe native patterns; cache layer "
                 f"{p.address} ({p.type}, {spec.params()}) cannot be served: keep the native type with dynamic storage "
                 f"({', '.join(COLUMN_STORAGES)})"
             )

@@ -29,6 +29,10 @@ class BridgeHybridLayer(BridgeStateLayer, BridgeAttentionLayer):
     def is_croppable(self) -> bool:  # type: ignore[override]
         return BridgeStateLayer.is_croppable.fget(self)
 
+    def end_block(self) -> None:
+        BridgeStateLayer.end_block(self)
+        BridgeAttentionLayer.end_block(self)
+
     def crop(self, tokens_to_remove: int) -> None:
         self._whole("crop")
 

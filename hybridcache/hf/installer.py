@@ -1,15 +1,18 @@
-"""What `cache_for` installs on an HF model, once: the bridge's attention implementation and two forward hooks.
+"""What `cache_for` installs on an HF model, once: two forward hooks, and (process-wide, once) the bridge's wrappers
+of HF's attention functions.
 
-- The attention implementation: `model.set_attn_implementation("hybridcache_<base>")` (HF's documented way to plug
-  a custom attention function, attention_fn.py), which behaves exactly as `<base>` for every call whose keys are
-  not from a BridgeCache. Families that predate HF's AttentionInterface keep their own attention code and HF's
-  masks; the bridge then serves only cache layouts those masks describe (bridge_cache.py, `hf_masks`).
+- The attention functions: HF's `AttentionInterface` entries of every implementation a bridged model uses (`sdpa`,
+  `eager`, ...) are wrapped in place (attention_fn.py). A wrapper is an exact pass-through for every call whose keys
+  are not from a running BridgeCache (another cache, no cache, another thread, a vision tower), so the model keeps
+  its attention implementation and its name: modeling code that branches on `_attn_implementation == "sdpa"` (mask
+  formats) sees what it always saw. Families that predate HF's AttentionInterface keep their own attention code and
+  HF's masks; the bridge then serves only cache layouts those masks describe (bridge_cache.py, `hf_masks`).
 - A pre-hook and an always-called post-hook on the model and on its decoder (whichever a caller enters first owns
   the forward): when the call's cache is a BridgeCache built for this model, the pre-hook opens one block of our
   cache (tokens, real-token mask, token ids) and the post-hook commits it (or drops it when the forward raised).
   Calls with any other cache, or none, pass through untouched.
 
-`uninstall(model)` removes both (the model's attention implementation goes back to what it was).
+`uninstall(model)` removes the hooks (the pass-through wrappers stay: they change nothing without a BridgeCache).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.hf.attention_fn import active_stack, register
+from hybridcache.hf.attention_fn import active_stack, wrap
 from hybridcache.hf.errors import BridgeError
 
 _ATTR = "_hybridcache_bridge"
@@ -98,35 +101,41 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def install(model: torch.nn.Module) -> bool:
-    """Install the bridge on `model` (idempotent). Returns whether the bridge's attention function runs (True), or
-    the model computes attention in its own code with HF's masks (False: families that predate HF's
-    AttentionInterface; bridge_cache.py then serves only layouts HF's masks describe)."""
+    """Install the bridge on `model` (idempotent). Returns whether the model attends through HF's AttentionInterface
+    (True: the bridge's wrappers see its attention calls), or computes attention in its own code with HF's masks
+    (False: families that predate the interface; bridge_cache.py then serves only layouts HF's masks describe)."""
     installed = getattr(model, _ATTR, None)
     if installed is not None:
-        return installed[2]
-    base = model.config._attn_implementation or "eager"
-    name = register(base)
-    if type(model)._can_set_attn_implementation():
-        model.set_attn_implementation(name)
-    ours = model.config._attn_implementation == name
+        return installed[1]
+    for config in _configs(model):
+        wrap(config._attn_implementation or "eager")
+    ours = type(model)._can_set_attn_implementation()  # HF's own test: does its modeling file use the interface?
     handles = []
     for m in (model, _decoder(model)):
         if m is None:
             continue
         handles.append(m.register_forward_pre_hook(_pre_hook(model), with_kwargs=True))
         handles.append(m.register_forward_hook(_post_hook, with_kwargs=True, always_call=True))
-    setattr(model, _ATTR, (base, handles, ours))
+    setattr(model, _ATTR, (handles, ours))
     return ours
 
 
+def _configs(model: torch.nn.Module) -> list:
+    """The model's config and its sub-configs (a multimodal model's text and vision towers)."""
+    out, todo = [], [model.config]
+    while todo:
+        config = todo.pop()
+        out.append(config)
+        todo += [getattr(config, key) for key in getattr(config, "sub_configs", {}) if getattr(config, key, None)]
+    return out
+
+
 def uninstall(model: torch.nn.Module) -> None:
-    """Remove the bridge from `model`: its hooks, and its attention implementation back to the original."""
+    """Remove the bridge's hooks from `model`."""
     installed = getattr(model, _ATTR, None)
     if installed is None:
         return
-    base, handles, ours = installed
+    handles, _ = installed
     for h in handles:
         h.remove()
-    if ours:
-        model.set_attn_implementation(base)
     delattr(model, _ATTR)

@@ -50,6 +50,7 @@ class LayerInfo:
     hf_type: str
     attention: AttentionShape | None = None
     states: StateShape | None = None
+    indexer_dim: int | None = None  # DeepSeek sparse attention: the width of the indexer keys [S, D] it caches
     dummy: bool = False  # HF's DummyLayer (no cache by design); else an empty layer is one the probe left unused
 
     @property
@@ -84,6 +85,7 @@ def read_layout(model: Any) -> ModelLayout:
     from transformers.cache_utils import (
         CacheLayerMixin,
         DummyLayer,
+        DynamicIndexedLayer,
         DynamicLayer,
         DynamicSlidingWindowLayer,
         LinearAttentionAndFullAttentionLayer,
@@ -93,10 +95,11 @@ def read_layout(model: Any) -> ModelLayout:
         get_layer_types_and_kwargs,
     )
 
-    # HF's plain layer classes: keys and values, conv and recurrent states, nothing else. Others (DSA indexer keys,
-    # DeepSeek-V4's compressed caches, a family's own layer class) store more than the bridge can hold.
+    # HF's plain layer classes: keys and values (and DSA's indexer keys), conv and recurrent states. Others
+    # (DeepSeek-V4's compressed caches, a family's own layer class) store more than the bridge can hold.
     KNOWN = (
         DummyLayer,
+        DynamicIndexedLayer,
         DynamicLayer,
         DynamicSlidingWindowLayer,
         LinearAttentionLayer,
@@ -128,7 +131,7 @@ def read_layout(model: Any) -> ModelLayout:
         if type(layer) not in KNOWN:
             raise BridgeError(
                 f"{model_type}: layer {i} uses HF's {type(layer).__name__} ({hf_type}), which stores more than keys, "
-                "values and states (DSA indexer keys, compressed KV); it has no hybridcache counterpart yet"
+                "values and states (compressed KV); it has no hybridcache counterpart yet"
             )
         if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None and layer.keys.numel():
             k, v = layer.keys, layer.values
@@ -153,7 +156,9 @@ def read_layout(model: Any) -> ModelLayout:
             if conv or rec:
                 some = next(iter(layer.conv_states.values() if conv else layer.recurrent_states.values()))
                 states = StateShape(conv, rec, some.device)
-        layers.append(LayerInfo(i, hf_type, attention, states, dummy=isinstance(layer, DummyLayer)))
+        indexer = getattr(layer, "indexer_keys", None)
+        indexer_dim = int(indexer.shape[-1]) if isinstance(indexer, torch.Tensor) and indexer.numel() else None
+        layers.append(LayerInfo(i, hf_type, attention, states, indexer_dim, dummy=isinstance(layer, DummyLayer)))
     return ModelLayout(model_type, tuple(layers), device)
 
 

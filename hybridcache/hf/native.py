@@ -11,6 +11,9 @@ first). Our conv state keeps the last K-1 inputs (what a width-K causal conv nee
 oldest one (its decode step concatenates the new input and keeps the last K outputs' window), so the bridge drops it
 on the way in and puts back a zero column on the way out (checked against HF's own cache on every covered family).
 
+DeepSeek sparse attention (HF's DynamicIndexedLayer) caches indexer keys [S, D] beside its keys and values: a group
+{"attention": full, "indexer": full with one head}, as hybridcache's GLM5-Next holds them.
+
 A decoder layer with both (HF's "hybrid" layers: FalconH1, Zamba2's shared attention) is a `NativeGroup`
 {"attention": ..., <state type>: ...}. Layers that cache nothing get no entry; `entry_of` maps HF layer indices to
 our cache entries and `translate_config` rewrites a config's `layers:` keys accordingly.
@@ -113,7 +116,10 @@ def bridge_plan(layout: ModelLayout) -> BridgePlan:
         if state is not None:
             state_type[info.index] = state.type
         entry_of[info.index] = len(native)
-        if attn is not None and state is not None:
+        if info.indexer_dim is not None:  # DSA: the indexer keys are one more full-attention cache of one head
+            index = NativeLayer("full", dict(num_kv_heads=1, head_dim=info.indexer_dim, dtype=info.attention.dtype))
+            native.append(NativeGroup({"attention": attn, "indexer": index}))
+        elif attn is not None and state is not None:
             native.append(NativeGroup({"attention": attn, state.type: state}))
         else:
             native.append(attn or state)

@@ -68,9 +68,12 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
 
     @property
     def _names(self) -> tuple[str, str | None]:
-        names = list(self._state_layer().spec.state_shapes())
-        rest = [n for n in names if n != "conv"]
-        return "conv", (rest[0] if rest else None)
+        """Our layer's state names: ("conv", the recurrent state's name or None); fixed by the plan."""
+        names = self.__dict__.get("_state_names")
+        if names is None:
+            rest = [n for n in self.bridge.plan_spec(self.index, self.state_member).state_shapes() if n != "conv"]
+            names = self.__dict__["_state_names"] = ("conv", rest[0] if rest else None)
+        return names
 
     # -- HF's attributes -----------------------------------------------------------------------------------------
     @property

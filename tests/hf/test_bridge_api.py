@@ -48,10 +48,9 @@ def test_layers_keys_are_hf_decoder_layer_indices(hf_tiny):
 )
 def test_bad_configs_are_named_errors_before_any_work(hf_tiny, config, match):
     hf = hf_tiny("jamba")
-    before = hf.config._attn_implementation
     with pytest.raises(CacheConfigError, match=match):
         cache_for(hf, config)
-    assert hf.config._attn_implementation == before  # nothing installed
+    assert not hf._forward_pre_hooks  # nothing installed
 
 
 def test_bad_arguments(hf_tiny):
@@ -62,16 +61,20 @@ def test_bad_arguments(hf_tiny):
 
 
 def test_install_and_uninstall(hf_tiny):
+    """cache_for keeps the model's attention implementation (and its name: modeling code branches on it) and wraps
+    HF's function in place; the wrapper passes every call without a BridgeCache through unchanged."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     hf = hf_tiny("llama")
     base = hf.config._attn_implementation
     ids, mask = prompts(2, 6, seed=15, pad=1)
     ref = hf_generate(hf, ids, mask)
     cache_for(hf)
-    assert hf.config._attn_implementation == f"hybridcache_{base}"
+    assert hf.config._attn_implementation == base
+    assert ALL_ATTENTION_FUNCTIONS[base].__name__ == f"hybridcache_{base}"
     other = hf_generate(hf, ids, mask, cache=DynamicCache(config=hf.config))  # not ours: HF's own path
     assert torch.equal(other[0], ref[0]) and max_diff(other[1], ref[1]) == 0
     uninstall(hf)
-    assert hf.config._attn_implementation == base
     assert not hf._forward_pre_hooks and not hf.model._forward_pre_hooks
 
 
@@ -102,3 +105,19 @@ def test_a_mask_with_padding_after_tokens_is_refused(hf_tiny):
     mask[0, 2] = 0  # a hole: not left padding
     with pytest.raises(CacheError, match="left padding"), torch.no_grad():
         hf(input_ids=ids, attention_mask=mask, cache=cache_for(hf))
+
+
+def test_sparse_attention_layers_are_served_native_only(pair):
+    """GLM5-Next's DSA layers (keys, values and indexer keys: a group {attention, indexer} of ours) give HF's own
+    cache's tokens natively; re-typing them is refused by name, since the indexer's selection reaches attention inside
+    HF's mask, which only describes the native layout."""
+    hf, ours = pair("glm5_next")
+    ids, mask = prompts(2, 7, seed=18, pad=2)
+    cache = cache_for(hf)
+    assert ("attention", "indexer") in cache.plan.structure
+    seq, logits = hf_generate(hf, ids, mask, cache=cache)
+    ref_seq, ref_logits = hf_generate(hf, ids, mask)
+    assert torch.equal(seq, ref_seq) and max_diff(logits, ref_logits) < 1e-4
+    with pytest.raises(BridgeConfigError, match="sparse attention"):
+        cache_for(hf, {"attention": {"type": "sliding", "window": 4}})
+    assert cache_for(hf, {"attention": {"storage": "int8"}}).plan  # HF's mask still describes int8 slots

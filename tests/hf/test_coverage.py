@@ -13,14 +13,9 @@ from hybridcache.hf.coverage import NOT_RUN, check_family, families
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hf_bridge.md"
 
-DSA = "DynamicIndexedLayer"  # DeepSeek sparse attention's indexer keys: no hybridcache counterpart yet
 GAPS = {
-    "axk2": DSA,
-    "deepseek_v32": DSA,
-    "glm_moe_dsa": DSA,
-    "hy_v4": DSA,
     "deepseek_v4": "DeepseekV4HCACache",  # compressed caches of its own
-    "minimax": "cache of its own",  # MiniMaxCache: not built on HF's layer interfaces
+    "minimax": "MiniMax uses cache",  # MiniMaxCache, its own: not built on HF's layer interfaces
     "cpmant": "fed 39 tokens",  # prepends its own prompt tokens, so left padding cannot be placed
     "inkling_text": "4 conv and 0 recurrent states",  # several conv states per layer
     "zaya": "no hybridcache recurrent type",  # a conv state beside a 1-d state of another width

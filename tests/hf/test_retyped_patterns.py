@@ -23,8 +23,8 @@ PATTERNS = {
     "sink": ({"attention": {"type": "sink", "window": 4, "sinks": 2}}, {"type": "sink", "window": 4, "sinks": 2}),
 }
 STATIC = {"attention": {"max_length": 64}}
-# (mamba, mamba2: no attention layer to re-type; glm5_next: its DSA indexer keys are not bridged yet, see
-# test_coverage.py)
+# (mamba, mamba2: no attention layer to re-type; glm5_next: its sparse-attention layers attend with HF's mask,
+# which carries the indexer's selection, so the bridge serves them native only: test_bridge_api.py)
 ATTENTION_FAMILIES = [f for f in FAMILIES if f not in ("mamba", "mamba2", "glm5_next")]
 # HF-only families with the attention layouts the bridge meets: plain GQA, native sliding / chunked mixes, multi-head
 # latent attention (keys derived from cached latents), JetMoE (heads repeated after the cache), linear-attention
