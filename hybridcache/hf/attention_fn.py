@@ -26,7 +26,7 @@ import torch
 from hybridcache.hf.errors import BridgeError
 
 _ACTIVE = threading.local()  # the BridgeCaches whose forward runs in this thread (a stack)
-_ORIGINAL: dict[str, Callable | None] = {}  # implementation -> HF's function it wraps (None: the modeling file's eager)
+_WRAPPED: set[str] = set()  # interface implementations wrapped so far
 
 
 def active_stack() -> list:
@@ -36,17 +36,16 @@ def active_stack() -> list:
     return stack
 
 
-def _eager_of(module: torch.nn.Module) -> Callable | None:
-    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+def _original(fn: Callable) -> Callable:
+    return getattr(fn, "_hybridcache_base", fn)
 
 
-def _base(name: str, module: torch.nn.Module) -> Callable:
-    fn = _ORIGINAL.get(name)
-    if fn is None:  # eager: the modeling file's own function (its softcapping, sinks, scalings)
-        fn = _eager_of(module)
-        if fn is None:
-            raise BridgeError(f"{type(module).__name__}: its modeling file has no eager_attention_forward")
-    return fn
+def _eager_of(module: torch.nn.Module) -> Callable:
+    """The modeling file's own eager attention (its softcapping, sinks, scalings), unwrapped."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise BridgeError(f"{type(module).__name__}: its modeling file has no eager_attention_forward")
+    return _original(fn)
 
 
 def view_mask(view: Any, query: torch.Tensor) -> torch.Tensor:
@@ -64,17 +63,16 @@ def view_mask(view: Any, query: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def make_attention(base_name: str) -> Callable:
-    """The wrapper of HF's `base_name`: the view's mask for bridge keys, HF's function unchanged for everything else."""
+def make_attention(base: Callable, eager: bool) -> Callable:
+    """A wrapper of HF's attention function `base` (`eager`: a modeling file's eager function): the view's mask for
+    keys of a running BridgeCache's non-native layers, `base` unchanged for everything else."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         stack = active_stack()
         found = stack[-1].view_for(key) if stack else None
-        if found is None:
-            return _base(base_name, module)(module, query, key, value, attention_mask, **kwargs)
+        if found is None or stack[-1].attends_with_hf_mask(found[1]):  # not ours, or a native layout: HF's mask
+            return base(module, query, key, value, attention_mask, **kwargs)
         view, layer, first = found
-        if stack[-1].attends_with_hf_mask(layer):  # a native layout: HF's own mask is exact (and knows more)
-            return _base(base_name, module)(module, query, key, value, attention_mask, **kwargs)
         mask = view_mask(view, query)
         wants_weights = first and getattr(layer, "wants_attention_weights", False)
         if first and getattr(layer, "wants_queries", False):
@@ -82,30 +80,43 @@ def make_attention(base_name: str) -> Callable:
                 f"{layer.type_name}: models future queries from the pre-rotary queries, which HF's attention "
                 "functions never receive; use it through hybridcache's own models"
             )
-        if base_name == "eager" or wants_weights:
-            eager = _base("eager", module)
+        if eager or wants_weights:
+            fn = base if eager else _eager_of(module)
             additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
             additive.masked_fill_(~mask, torch.finfo(query.dtype).min)
-            out, weights = eager(module, query, key, value, additive, **kwargs)
+            out, weights = fn(module, query, key, value, additive, **kwargs)
             if wants_weights:
                 layer.observe_attention(weights)
-            return out, (weights if base_name == "eager" else None)
+            return out, (weights if eager else None)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
-    attention.__name__ = f"hybridcache_{base_name}"
-    attention.__wrapped__ = _ORIGINAL.get(base_name)
+    attention.__name__ = f"hybridcache_{getattr(base, '__name__', 'attention')}"
+    attention._hybridcache_base = base  # (not __wrapped__: HF's own decorators use that name)
     return attention
 
 
 def wrap(name: str) -> None:
-    """Wrap HF's attention implementation `name` in its AttentionInterface (once per process): a pass-through for
-    every call without a running BridgeCache. Implementations HF resolves elsewhere (kernels from the hub) are left
-    alone: a bridged layer whose calls the bridge never sees is refused at the block's end (bridge_cache.py)."""
+    """Wrap HF's attention implementation `name` in its AttentionInterface (once per process; `eager` is each
+    modeling file's own function, wrapped by `wrap_eager`). Implementations HF resolves elsewhere (kernels from the
+    hub) are left alone: a bridged layer whose calls the bridge never sees is refused at the block's end."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    if name in _ORIGINAL or (name != "eager" and name not in ALL_ATTENTION_FUNCTIONS):
+    if name in _WRAPPED or name not in ALL_ATTENTION_FUNCTIONS or name == "eager":
         return
-    _ORIGINAL[name] = None if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
-    AttentionInterface.register(name, make_attention(name))
+    _WRAPPED.add(name)
+    AttentionInterface.register(name, make_attention(ALL_ATTENTION_FUNCTIONS[name], eager=False))
+
+
+def wrap_eager(modules) -> None:
+    """Wrap the eager attention functions of the modeling files that define `modules` (every module-level function
+    named `*eager_attention_forward`: what their attention layers pass HF as the eager default, looked up by name at
+    each call), once per file."""
+    for module in modules:
+        source = sys.modules.get(type(module).__module__)
+        if source is None:
+            continue
+        for attr, fn in list(vars(source).items()):
+            if attr.endswith("eager_attention_forward") and callable(fn) and not hasattr(fn, "_hybridcache_base"):
+                setattr(source, attr, make_attention(fn, eager=True))

@@ -2,11 +2,12 @@
 of HF's attention functions.
 
 - The attention functions: HF's `AttentionInterface` entries of every implementation a bridged model uses (`sdpa`,
-  `eager`, ...) are wrapped in place (attention_fn.py). A wrapper is an exact pass-through for every call whose keys
-  are not from a running BridgeCache (another cache, no cache, another thread, a vision tower), so the model keeps
-  its attention implementation and its name: modeling code that branches on `_attn_implementation == "sdpa"` (mask
-  formats) sees what it always saw. Families that predate HF's AttentionInterface keep their own attention code and
-  HF's masks; the bridge then serves only cache layouts those masks describe (bridge_cache.py, `hf_masks`).
+  flash, ...) and its modeling files' own eager functions are wrapped in place (attention_fn.py). A wrapper is an
+  exact pass-through for every call whose keys are not from a running BridgeCache (another cache, no cache, another
+  thread, a vision tower), so the model keeps its attention implementation and its name: modeling code that branches
+  on `_attn_implementation == "sdpa"` (mask formats) sees what it always saw. Families that predate HF's
+  AttentionInterface keep their own attention code and HF's masks; the bridge then serves only cache layouts those
+  masks describe (bridge_cache.py, `hf_masks`).
 - A pre-hook and an always-called post-hook on the model and on its decoder (whichever a caller enters first owns
   the forward): when the call's cache is a BridgeCache built for this model, the pre-hook opens one block of our
   cache (tokens, real-token mask, token ids) and the post-hook commits it (or drops it when the forward raised).
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.hf.attention_fn import active_stack, wrap
+from hybridcache.hf.attention_fn import active_stack, wrap, wrap_eager
 from hybridcache.hf.errors import BridgeError
 
 _ATTR = "_hybridcache_bridge"
@@ -109,6 +110,7 @@ def install(model: torch.nn.Module) -> bool:
         return installed[1]
     for config in _configs(model):
         wrap(config._attn_implementation or "eager")
+    wrap_eager(model.modules())
     ours = type(model)._can_set_attn_implementation()  # HF's own test: does its modeling file use the interface?
     handles = []
     for m in (model, _decoder(model)):
