@@ -35,10 +35,9 @@ from hybridcache.reference.kvpress_runner import (
     KvpressUnavailable,
     KvpressWorkerError,
     _ids,
-    _load_tensors,
-    check_version,
     find_kvpress_python,
     install_commands,
+    read_worker_files,
 )
 from hybridcache.reference.vllm_runner import root_cause, run_worker
 
@@ -152,21 +151,7 @@ def read_decoding_answer(
     """Parse and check the worker's files: positions int64 [Hkv, n], distinct and ascending per head, below
     context + continuation; compression steps inside the continuation (-1: the prefill, prefill_decoding only),
     increasing, one tensor each; NLL and greedy tokens of the lengths asked."""
-    try:
-        answer = json.loads(answer_path.read_text())
-    except (OSError, ValueError) as e:
-        raise KvpressWorkerError(f"the kvpress answer is not JSON: {e}") from None
-    if not isinstance(answer, dict) or not isinstance(answer.get("meta", {}), dict):
-        raise KvpressWorkerError("the kvpress answer is not an object with a 'meta' object")
-    meta, error = answer.get("meta", {}), answer.get("error")
-    if error is not None:
-        kind = answer.get("kind")
-        if kind == "unavailable":
-            raise KvpressUnavailable(f"{error}; create the environment with: {install_commands()}")
-        if kind != "reference":
-            raise KvpressWorkerError(f"the kvpress worker refused the request: {error}")
-    check_version(meta)
-    tensors = _load_tensors(result_path) if result_path.exists() else {}
+    meta, error, tensors = read_worker_files(answer_path, result_path)
     layers = int(config["num_hidden_layers"])
     heads = int(config.get("num_key_value_heads", config["num_attention_heads"]))
     limit = context_len + continuation_len

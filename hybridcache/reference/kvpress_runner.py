@@ -174,17 +174,9 @@ def run_press(
         return read_answer(ans, res, press, len(context), len(continuation), config, wall_s)
 
 
-def read_answer(
-    answer_path: Path,
-    result_path: Path,
-    press: str,
-    context_len: int,
-    continuation_len: int,
-    config: dict,
-    wall_s: float = 0.0,
-) -> KvpressResult:
-    """Parse and check the worker's files against what was asked (layer count and kv heads from our own read of
-    config.json); anything off raises KvpressWorkerError."""
+def read_worker_files(answer_path: Path, result_path: Path) -> tuple[dict, Any, dict[str, torch.Tensor]]:
+    """The worker's meta, its error (None: it answered) and its tensors, after the checks every kvpress request
+    shares: an object with a 'meta' object, a refusal named (unavailable / refused), kvpress's version."""
     try:
         answer = json.loads(answer_path.read_text())
     except (OSError, ValueError) as e:
@@ -200,6 +192,21 @@ def read_answer(
             raise KvpressWorkerError(f"the kvpress worker refused the request: {error}")
     check_version(meta)
     tensors = _load_tensors(result_path) if result_path.exists() else {}
+    return meta, error, tensors
+
+
+def read_answer(
+    answer_path: Path,
+    result_path: Path,
+    press: str,
+    context_len: int,
+    continuation_len: int,
+    config: dict,
+    wall_s: float = 0.0,
+) -> KvpressResult:
+    """Parse and check the worker's files against what was asked (layer count and kv heads from our own read of
+    config.json); anything off raises KvpressWorkerError."""
+    meta, error, tensors = read_worker_files(answer_path, result_path)
     layers, heads = (
         int(config["num_hidden_layers"]),
         int(config.get("num_key_value_heads", config["num_attention_heads"])),
