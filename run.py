@@ -4,7 +4,7 @@ import os
 import sys
 from pathlib import Path
 
-# Quiet third-party progress bars and advisory warnings before they are imported (see experiments.common.quiet).
+# Quiet third-party progress bars and advisory warnings before they are imported (see experiments.core.common.quiet).
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,7 +25,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from experiments.usage import exit_on_usage_error
+    from experiments.core.usage import exit_on_usage_error
 
     exit_on_usage_error(sys.argv[1:], CONFIGS)  # a usage error: one line, exit status 2, before torch is imported
     from experiments import run_cli

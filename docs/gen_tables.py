@@ -1,4 +1,4 @@
-"""The docs' option tables, generated from configs/ and experiments/config_schema.py so they cannot drift.
+"""The docs' option tables, generated from configs/ and experiments/core/config_schema.py so they cannot drift.
 
 A page asks for a table with a marker pair; this script fills in what lies between them:
 
@@ -8,7 +8,7 @@ A page asks for a table with a marker pair; this script fills in what lies betwe
 
 `python docs/gen_tables.py` rewrites every page under docs/; `--check` changes nothing and exits 1 naming each
 stale table (tests/docs/test_generated_tables.py does the same check). The tables read `configs/`,
-`experiments/config_schema.py` and `pyproject.toml` under `--root` (default: this repository). Nothing is imported
+`experiments/core/config_schema.py` and `pyproject.toml` under `--root` (default: this repository). Nothing is imported
 from hybridcache or experiments (no torch, no Hydra): the YAML files are read with PyYAML and their comments by line,
 the schema's fields and comments from its source with `ast`.
 """
@@ -112,7 +112,7 @@ def flow(value, mappings: bool = False) -> str:
 
 
 def schema_fields(source: Path, cls: str) -> list[tuple[str, str, str, str]]:
-    """(field, type, default, comment) of a dataclass in experiments/config_schema.py, read from its source."""
+    """(field, type, default, comment) of a dataclass in experiments/core/config_schema.py, read from its source."""
     text = source.read_text()
     lines = text.splitlines()
     for node in ast.parse(text).body:
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
     parser.add_argument(
-        "--root", type=Path, default=ROOT, help="read configs/, experiments/config_schema.py, pyproject.toml there"
+        "--root", type=Path, default=ROOT, help="read configs/, experiments/core/config_schema.py, pyproject.toml there"
     )
     args = parser.parse_args(argv)
     stale = stale_pages(ROOT / "docs", args.root / "configs", write=not args.check)

@@ -4,7 +4,7 @@ import torch
 from rich.console import Console
 
 from hybridcache.cache import Cache, NativeLayer
-from hybridcache.report import memory_table
+from hybridcache.tools.report import memory_table
 
 BATCH, PROMPT, DECODE = 2, 4000, 96
 attn = {"num_kv_heads": 8, "head_dim": 64}

@@ -14,16 +14,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config_schema import register as register_schemas
+from experiments.core.config_schema import register as register_schemas
 
 EXPERIMENTS = {
-    "correctness": "experiments.correctness",
-    "benchmark": "experiments.benchmark",
-    "study": "experiments.study",
-    "long_context": "experiments.long_context",
-    "press_check": "experiments.press_check",
-    "train": "experiments.train",
-    "drift": "experiments.drift",
+    "correctness": "experiments.correctness.main",
+    "benchmark": "experiments.benchmark.main",
+    "study": "experiments.study.main",
+    "long_context": "experiments.long_context.main",
+    "press_check": "experiments.press_check.main",
+    "train": "experiments.train.main",
+    "drift": "experiments.drift.main",
 }
 
 
@@ -39,22 +39,23 @@ EXIT = ExitStatus()
 
 
 def _real_checkpoint(name: str, home: str | None = None) -> str:
-    """`${real:NAME,HOME}` (model=gemma3_270m): hybridcache.real_checkpoints' resolver, imported on first use so that
-    `import experiments` stays light (run.py checks the command line before torch is imported; experiments.usage)."""
-    from hybridcache.real_checkpoints import real_checkpoint
+    """`${real:NAME,HOME}` (model=gemma3_270m): hybridcache.checkpoints.real' resolver, imported on first use so that
+    `import experiments` stays light (run.py checks the command line before torch is imported;
+    experiments.core.usage)."""
+    from hybridcache.checkpoints.real import real_checkpoint
 
     return str(real_checkpoint(str(name), root=Path(str(home)).expanduser() / "real" if home else None))
 
 
-register_schemas()  # the structured configs the YAML files extend (experiments/config_schema.py)
+register_schemas()  # the structured configs the YAML files extend (experiments/core/config_schema.py)
 
-if not OmegaConf.has_resolver("real"):  # registered for every experiment (hybridcache.real_checkpoints skips its own)
+if not OmegaConf.has_resolver("real"):  # registered for every experiment (hybridcache.checkpoints.real skips its own)
     OmegaConf.register_new_resolver("real", _real_checkpoint)
 
 
 def run_experiment(cfg: DictConfig):
-    from experiments.common import UserError, real_checkpoint_missing, write_error_result
-    from experiments.errors import environment_failure, one_line
+    from experiments.core.common import UserError, real_checkpoint_missing, write_error_result
+    from experiments.core.errors import environment_failure, one_line
 
     name = cfg.experiment.name
     try:
@@ -91,7 +92,7 @@ def run_cli(main) -> int:
     """Run Hydra's `main()` and return the exit status. An OS refusal before the run or around it (the output
     directory under a file, on a full disk, under /proc) is one line and status 4 like one inside it, not Hydra's
     traceback with status 1; any other error is reported by Hydra as before (HYDRA_FULL_ERROR=1 still shows all)."""
-    from experiments.errors import environment_failure
+    from experiments.core.errors import environment_failure
 
     full = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: an OS refusal is told apart below

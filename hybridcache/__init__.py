@@ -5,10 +5,10 @@ model = hc.from_pretrained(path)
 out = hc.generate(model, input_ids, cache_config={"attention": {"type": "chunked", "chunk_size": 64}})
 """
 
-from hybridcache.beam_search import BeamSearchOutput, beam_search
 from hybridcache.cache import Cache, available_layers, register_cache_layer
-from hybridcache.generation import GenerateOutput, generate
-from hybridcache.generation_config import GenerationConfig
+from hybridcache.generation.config import GenerationConfig
+from hybridcache.generation.loop import GenerateOutput, generate
+from hybridcache.generation.sources.beam import BeamSearchOutput, beam_search
 from hybridcache.models import from_pretrained
 
 __all__ = [

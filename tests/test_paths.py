@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridcache.paths import build_checkpoint_dir
+from hybridcache.util.paths import build_checkpoint_dir
 
 
 def test_builds_into_place_and_reuses_a_complete_one(tmp_path):

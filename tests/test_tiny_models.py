@@ -1,4 +1,4 @@
-"""Tests for hybridcache.tiny_models (tiny random HF checkpoints, CPU, offline)."""
+"""Tests for hybridcache.checkpoints.tiny (tiny random HF checkpoints, CPU, offline)."""
 
 import importlib
 import importlib.util
@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 try:
-    tm = importlib.import_module("hybridcache.tiny_models")
+    tm = importlib.import_module("hybridcache.checkpoints.tiny")
 except ImportError:  # package __init__ not importable (yet): load the module by path
-    _path = Path(__file__).resolve().parents[1] / "hybridcache" / "tiny_models.py"
+    _path = Path(__file__).resolve().parents[1] / "hybridcache" / "checkpoints/tiny.py"
     _spec = importlib.util.spec_from_file_location("hybridcache_tiny_models", _path)
     tm = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(tm)

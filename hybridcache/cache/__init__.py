@@ -6,20 +6,21 @@ a budget), the presses (presses.py); any of them stores tokens with a codec (`st
 tokens. Recurrent types: mamba, mamba2, rglru, conv, gated_delta.
 """
 
-from hybridcache.cache.attention import (
+from hybridcache.cache.attention.layer import (
     AttentionCacheLayer,
     AttentionView,
     ChunkedAttentionLayer,
     FullAttentionLayer,
     SlidingWindowLayer,
 )
-from hybridcache.cache.attention_specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
-from hybridcache.cache.base import CacheLayer, LayerSnapshot, LayerSpec, tunable
-from hybridcache.cache.cache import Cache, CacheGroup, CacheSnapshot
-from hybridcache.cache.errors import CacheConfigError, CacheCropError, CacheError
-from hybridcache.cache.kv_codecs import DenseCodec, KVCodec, available_codecs, get_codec, register_kv_codec
-from hybridcache.cache.plan import CachePlan, LayerPlan, NativeGroup, NativeLayer, resolve_plan
-from hybridcache.cache.recurrent import (
+from hybridcache.cache.attention.specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
+from hybridcache.cache.core.base import CacheLayer, LayerSnapshot, LayerSpec, tunable
+from hybridcache.cache.core.cache import Cache, CacheGroup, CacheSnapshot
+from hybridcache.cache.core.errors import CacheConfigError, CacheCropError, CacheError
+from hybridcache.cache.core.plan import CachePlan, LayerPlan, NativeGroup, NativeLayer, resolve_plan
+from hybridcache.cache.core.registry import available_layers, get_layer_class, load_plugins, register_cache_layer
+from hybridcache.cache.core.sequence import BlockState, SequenceState
+from hybridcache.cache.recurrent.layers import (
     ConvSpec,
     ConvStateLayer,
     Mamba2Spec,
@@ -31,11 +32,13 @@ from hybridcache.cache.recurrent import (
     RGLRUSpec,
     RGLRUStateLayer,
 )
-from hybridcache.cache.registry import available_layers, get_layer_class, load_plugins, register_cache_layer
-from hybridcache.cache.sequence import BlockState, SequenceState
+from hybridcache.cache.storage.codecs import DenseCodec, KVCodec, available_codecs, get_codec, register_kv_codec
 
 # Built-in extensions, written exactly as a user's plugin module would be (one file each).
-from hybridcache.cache import delta_rule, grouped_codecs, int4_storage, int8_storage, offload_storage, presses, sink  # noqa: E402,F401  isort: skip
+from hybridcache.cache.recurrent import delta_rule  # noqa: E402,F401  isort: skip
+from hybridcache.cache.storage import grouped_codecs, int4, int8, offload  # noqa: E402,F401  isort: skip
+from hybridcache.cache.methods import presses  # noqa: E402,F401  isort: skip
+from hybridcache.cache.attention import sink  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "AttentionCacheLayer",

@@ -26,7 +26,7 @@ def load(name: str):
     if name.startswith("tiny:"):
         return tiny_model(name.removeprefix("tiny:"))
     if name == "gemma3_270m":
-        from hybridcache.real_checkpoints import real_checkpoint
+        from hybridcache.checkpoints.real import real_checkpoint
 
         name = str(real_checkpoint("gemma3_270m"))
     return transformers.AutoModelForCausalLM.from_pretrained(Path(name), dtype=torch.float32).eval()

@@ -1,6 +1,6 @@
 """Errors of the HF bridge. ValueError subclasses (through hybridcache.cache's), each with a one-line message."""
 
-from hybridcache.cache.errors import CacheConfigError, CacheError
+from hybridcache.cache.core.errors import CacheConfigError, CacheError
 
 
 class BridgeError(CacheError):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.tiny_models import reinit_weights_
+from hybridcache.checkpoints.tiny import reinit_weights_
 
 MAX_PARAMS = 20_000_000  # a tiny model stays tiny: a shrink that missed a field is refused before allocation
 
@@ -155,10 +155,10 @@ def _cut_list(values: list, n: int) -> list:
 
 
 def our_family(model_type: str) -> str | None:
-    """The hybridcache family (hybridcache.tiny_models) whose tiny HF config is `model_type`'s, if any."""
+    """The hybridcache family (hybridcache.checkpoints.tiny) whose tiny HF config is `model_type`'s, if any."""
     import transformers
 
-    from hybridcache.tiny_specs import FAMILY_SPECS
+    from hybridcache.checkpoints.tiny_specs import FAMILY_SPECS
 
     for family, (config_name, _, _) in FAMILY_SPECS.items():
         cls = getattr(transformers, config_name, None)
@@ -169,12 +169,12 @@ def our_family(model_type: str) -> str | None:
 
 def tiny_config(model_type: str, **overrides: Any):
     """A tiny config of `model_type` (a key of transformers' CONFIG_MAPPING); `overrides` win. Families hybridcache
-    implements get their own tiny config (hybridcache.tiny_models: every cache-relevant path of the family)."""
+    implements get their own tiny config (hybridcache.checkpoints.tiny: every cache-relevant path of the family)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     family = our_family(model_type)
     if family is not None:
-        from hybridcache.tiny_models import tiny_config as our_tiny_config
+        from hybridcache.checkpoints.tiny import tiny_config as our_tiny_config
 
         return our_tiny_config(family, **overrides)
     cls = CONFIG_MAPPING[model_type]

@@ -1,5 +1,5 @@
 """Model families, chosen by the checkpoint's `model_type`. Each family is one module that registers itself
-(`@register_family`, models/registry.py); in-tree ones are imported when needed, plugins through entry points."""
+(`@register_family`, models/core/registry.py); in-tree ones are imported when needed, plugins through entry points."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.blocks.linear import WEIGHT_FORMATS, pack_weights, use_decode_linear
-from hybridcache.cache.limits import device_problem
-from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import ArgumentError, ConfigError, FamilyConfig, flag_problems
-from hybridcache.models.loading import (
+from hybridcache.accel.huge_pages import collapse_module
+from hybridcache.blocks.core.linear import WEIGHT_FORMATS, pack_weights, use_decode_linear
+from hybridcache.cache.core.limits import device_problem
+from hybridcache.models.core.base import HybridLM
+from hybridcache.models.core.family_config import ArgumentError, ConfigError, FamilyConfig, flag_problems
+from hybridcache.models.core.loading import (
     CheckpointError,
     build_for_checkpoint,
     check_load_arguments,
@@ -19,8 +20,7 @@ from hybridcache.models.loading import (
     read_config,
     resolve_checkpoint,
 )
-from hybridcache.models.registry import BUILTIN, available_families, model_class, register_family
-from hybridcache.ops.huge_pages import collapse_module
+from hybridcache.models.core.registry import BUILTIN, available_families, model_class, register_family
 
 MODEL_TYPES = BUILTIN  # the in-tree families (model_type -> module); available_families() adds plugins
 
@@ -45,12 +45,12 @@ def from_pretrained(
     refused unless `allow_nonfinite` / `allow_dtype_cast`. Arguments are checked first (flags must be bools, the
     device must be usable here): an `ArgumentError` (a ConfigError) lists every bad one before anything is read.
 
-    Speed (hybridcache/blocks/linear.py): q/k/v and gate/up projections run as one matmul each; with
+    Speed (hybridcache/blocks/core/linear.py): q/k/v and gate/up projections run as one matmul each; with
     `decode_kernel` every projection of a few float32 rows on CPU (a decode step) runs on a weight-streaming kernel
     (same math, float32 sums in another order). `weights="bfloat16"` or `"int8"` stores the projection matrices
     packed (2x / 4x fewer bytes to read per token; activations and sums stay float32): faster, but a different
     model, so it is opt-in; None keeps them in `dtype`. `huge_pages` moves the weights onto 2 MiB pages where Linux
-    allows (hybridcache/ops/huge_pages.py: same memory, faster streaming; 1-2 s per GB once, at load).
+    allows (hybridcache/accel/huge_pages.py: same memory, faster streaming; 1-2 s per GB once, at load).
     """
     check_load_arguments(dtype, device)
     problems = flag_problems(

@@ -6,10 +6,8 @@ implementations are the default; the CUDA kernels of ``mamba_ssm`` and
 ``causal_conv1d`` are used only for CUDA tensors when those packages import.
 """
 
-from . import registry  # noqa: E402, F401, I001 (registers the hybridcache::<op> torch ops)
 from .attention import masked_attention
 from .conv import causal_conv1d, causal_conv1d_step
-from .cpu_kernels import KernelArgumentError, kernel_status
 from .gated_delta import gated_delta_rule, gated_delta_step
 from .rglru import linear_recurrence
 from .selective_scan import selective_scan, selective_state_update
@@ -26,6 +24,4 @@ __all__ = [
     "ssd_scan",
     "ssd_step",
     "linear_recurrence",
-    "kernel_status",
-    "KernelArgumentError",
 ]

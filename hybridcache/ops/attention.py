@@ -1,5 +1,5 @@
 """Masked (grouped-query) softmax attention, pure torch (a one-query block in float32 on CPU: one kernel call,
-hybridcache/ops/cpu_kernels.py, with the same guarantees; under torch.compile the op that runs it).
+hybridcache/accel/kernels.py, with the same guarantees; under torch.compile the op that runs it).
 
 Robust to arbitrary masks: rows with no visible key return exact zeros, and
 garbage (NaN/inf) stored in masked cache slots never reaches the output.
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from hybridcache.ops.kernel_calls import call, takes
 
 
 def masked_attention(
@@ -58,6 +56,8 @@ def masked_attention(
     heads = mask.dim() == 4
     # a decode step: one kernel call (a mask of one row per batch row)
     if t == 1 and not return_weights and not heads and mask.shape[0] == b and decode_kernel(q, k, v, sinks):
+        from hybridcache.accel.kernel_calls import call  # the fast path, imported when first taken
+
         out = call("decode_attention", q, k, v, mask, None, None, "full", 0, scale, softcap, sinks)
         if out is not None:
             return out
@@ -106,6 +106,8 @@ def masked_attention(
 def decode_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> bool:
     """Whether one query per row [B, Hq, 1, D] attends by the decode kernel (eager: its wrapper; compiled: the
     hybridcache::decode_attention op): float32 keys and values of one shape, float32 sinks [Hq] or none."""
+    from hybridcache.accel.kernel_calls import takes  # imported here: accel imports ops
+
     return (
         takes(q)
         and k.dtype == torch.float32

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridcache.atomic_files import write_output
 from hybridcache.reference.base import Generation, MalformedGeneration, ReferenceRunner
+from hybridcache.util.atomic_files import write_output
 
 IDENTITY = ("model_type", "weights", "dtype", "packed_weights")
 

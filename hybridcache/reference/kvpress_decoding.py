@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.cache.press_schedule import DECODING_MODES
+from hybridcache.cache.methods.press_schedule import DECODING_MODES
 from hybridcache.reference.kvpress_runner import (
     WORKER,
     KvpressTimeout,

@@ -186,7 +186,7 @@ class VLLMRunner(ReferenceRunner):
         platform: str = "auto",
         worker: str | Path = WORKER,
     ) -> None:
-        from hybridcache.models.checkpoint_files import read_config  # (regular files inside the directory only)
+        from hybridcache.models.core.checkpoint_files import read_config  # (regular files inside the directory only)
         from hybridcache.reference.vllm_families import vllm_engine_args
 
         resolved = find_interpreter(python)

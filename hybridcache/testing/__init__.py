@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridcache.cache import get_layer_class
-from hybridcache.cache.kv_codecs import available_codecs, codec_class
+from hybridcache.cache.storage.codecs import available_codecs, codec_class
 from hybridcache.testing.attention_kit import _AttentionKit
 from hybridcache.testing.kit import ATTENTION_SHAPES, EXACT_TOL, ConformanceError  # noqa: F401
 from hybridcache.testing.recurrent_kit import _RecurrentKit

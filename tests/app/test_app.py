@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.common import cache_config_from_hydra
+from experiments.core.common import cache_config_from_hydra
 from hybridcache.cache import CacheConfigError, resolve_plan
-from hybridcache.cache.plan import flatten_native
+from hybridcache.cache.core.plan import flatten_native
+from hybridcache.checkpoints.tiny import FAMILIES, tiny_config
 from hybridcache.models import model_class
-from hybridcache.tiny_models import FAMILIES, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["native", "hybrid", "full", "static", "hybrid_sliding", "hybrid_chunked"]
@@ -106,7 +106,7 @@ def test_every_preset_has_every_documented_field(preset):
 
 
 def test_ignored_fields_are_reported():
-    from experiments.common import cache_config_with_notes
+    from experiments.core.common import cache_config_with_notes
 
     cfg = compose_cfg("model=jamba", "cache=native", "cache.attention.window=16")
     config, _, notes = cache_config_with_notes(cfg.cache)

@@ -47,12 +47,12 @@ def app(tmp_path, tmp_path_factory, monkeypatch, capsys):
 
 
 def no_model_load(monkeypatch):
-    import experiments.correctness
+    import experiments.correctness.main
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the settings were checked")
 
-    monkeypatch.setattr(experiments.correctness, "load_model", refuse)
+    monkeypatch.setattr(experiments.correctness.main, "load_model", refuse)
 
 
 @pytest.mark.parametrize(
@@ -205,8 +205,8 @@ def test_native_vs_native_bytes_are_equal(app):
 
 
 def test_nothing_agreed_prints_na():
-    from hybridcache.compare import compare_generations
     from hybridcache.reference import Generation
+    from hybridcache.tools.compare import compare_generations
 
     a = Generation([1], [5, 6], [-0.1, -0.2], [{5: -0.1, 7: -1.0}, {6: -0.2}])
     b = Generation([1], [7, 6], [-0.3, -0.2], [{7: -0.3, 5: -1.2}, {6: -0.2}])
@@ -241,7 +241,7 @@ def test_sweep_prints_a_summary_and_titles_differ(app, tmp_path):
     titles = [json.loads((tmp_path / "sweep" / r / "results.json").read_text())["title"] for r in ("0", "1")]
     assert len(set(titles)) == 2
     assert f"sweep sweep-{tmp_path.name}-sweep: 2 runs" in out.replace("\n", "")
-    from experiments.report import common_overrides
+    from experiments.core.report import common_overrides
 
     shared = common_overrides(rows)  # said once, in the table's title
     assert {"model=jamba", "max_new_tokens=4", "reference=none"} < set(shared) and len(shared) == 4
@@ -282,7 +282,7 @@ def test_runs_started_together_get_different_directories():
 
 
 def test_console_uses_the_terminal_width(monkeypatch):
-    from experiments.common import make_console
+    from experiments.core.common import make_console
 
     monkeypatch.setenv("COLUMNS", "90")
     assert make_console().width == 90
@@ -293,10 +293,10 @@ def test_readme_sweep_example_has_no_duplicate_runs():
 
     from hydra import compose, initialize_config_dir
 
-    from experiments.common import cache_config_from_hydra
+    from experiments.core.common import cache_config_from_hydra
     from hybridcache.cache import resolve_plan
+    from hybridcache.checkpoints.tiny import tiny_config
     from hybridcache.models import model_class
-    from hybridcache.tiny_models import tiny_config
 
     page = (ROOT / "docs" / "app.md").read_text()  # the sweep example the README's app section moved to
     section = page[page.index("**Sweeps.**") :]
@@ -333,12 +333,12 @@ def test_recurrent_state_dtype_from_the_command_line(app):
 
 def test_results_json_exists_even_when_a_check_crashes(app, monkeypatch, tmp_path):
     """A bug before the model loads (here in the settings checks) still leaves a results.json saying so."""
-    import experiments.correctness
+    import experiments.correctness.main
 
     def crash(cfg):
         raise RuntimeError("a bug in the checks")
 
-    monkeypatch.setattr(experiments.correctness, "preflight", crash)
+    monkeypatch.setattr(experiments.correctness.main, "preflight", crash)
     with pytest.raises(SystemExit):  # Hydra reports the traceback and exits 1
         app("model=jamba", *SHORT)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -349,7 +349,7 @@ def test_results_json_exists_even_when_a_check_crashes(app, monkeypatch, tmp_pat
 def test_plan_bytes_in_results_are_for_what_the_longest_prompt_held(app, monkeypatch):
     """A row that stops early (eos) holds fewer tokens than prompt + max_new_tokens - 1: results.json's plan bytes
     are computed for what it held, so they still add up to the summary's bytes."""
-    import experiments.correctness as correctness
+    import experiments.correctness.main as correctness
 
     generate = correctness._generate_ours
 

@@ -5,8 +5,8 @@ import math
 
 from rich.console import Console
 
-from experiments.benchmark_table import print_tables, summarize, throughput_table, timed_row
-from experiments.timing import Phases, Timing, judge, ratio, time_phases
+from experiments.benchmark.table import print_tables, summarize, throughput_table, timed_row
+from experiments.benchmark.timing import Phases, Timing, judge, ratio, time_phases
 
 
 class FakeClock:

@@ -1,4 +1,5 @@
-"""The byte-budget planner (hybridcache/planner.py, experiments/budget_planner.py): optimal within budget on random
+"""The byte-budget planner (hybridcache/tools/planner.py, experiments/study/budget_planner.py): optimal within budget
+on random
 option tables (against brute force and every uniform choice), and end to end on the tiny Jamba."""
 
 import itertools
@@ -9,10 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hybridcache as hc
-from experiments.budget_planner import evaluate, measure_costs, run_config
-from experiments.state_sensitivity import layer_sensitivity
+from experiments.study.budget_planner import evaluate, measure_costs, run_config
+from experiments.study.state_sensitivity import layer_sensitivity
 from hybridcache.cache import resolve_plan
-from hybridcache.planner import (
+from hybridcache.checkpoints.tiny import tiny_checkpoint
+from hybridcache.tools.planner import (
     BudgetTooSmall,
     LayerTable,
     Option,
@@ -23,7 +25,6 @@ from hybridcache.planner import (
     plan_budget,
     uniform_choices,
 )
-from hybridcache.tiny_models import tiny_checkpoint
 
 
 @st.composite
@@ -139,7 +140,7 @@ def test_every_layer_is_measured_beside_its_control(tmp_path):
     layers not; the shipped model itself, whose states carry its context beyond its 8-byte attention window, gets
     no layer flagged (the control there is the independent oracle of what a layer's cache matters: the same stepwise
     feeding with that layer ablated)."""
-    from hybridcache.real_checkpoints import real_checkpoint
+    from hybridcache.checkpoints.real import real_checkpoint
     from tests.app.ignored_state import cut_ssm_readout
 
     text = b"The quick brown fox jumps over the lazy dog. The lazy dog sleeps. " * 2

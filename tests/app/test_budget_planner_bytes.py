@@ -5,9 +5,9 @@ whole cache, on the tiny Jamba (attention and Mamba layers)."""
 import torch
 
 import hybridcache as hc
-from experiments.budget_planner import evaluate, render_table
-from hybridcache.planner import Scenario, build_tables
-from hybridcache.tiny_models import tiny_checkpoint
+from experiments.study.budget_planner import evaluate, render_table
+from hybridcache.checkpoints.tiny import tiny_checkpoint
+from hybridcache.tools.planner import Scenario, build_tables
 
 
 def test_each_plan_splits_its_bytes_and_saves_on_the_whole_cache():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.usage import usage_error
+from experiments.core.usage import usage_error
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -161,7 +161,7 @@ def test_valid_commands_pass_the_check(argv):
 
 def test_gemma3_270m_without_the_real_extra_names_the_extra(tmp_path):
     """The packages of the `real` extra hidden (importlib.util.find_spec says None, imports fail, as when they are
-    not installed): hybridcache.real_checkpoints' own check raises; the run says which extra to install."""
+    not installed): hybridcache.checkpoints.real' own check raises; the run says which extra to install."""
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text(

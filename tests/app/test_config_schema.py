@@ -1,4 +1,4 @@
-"""Structured configs (experiments/config_schema.py): every setting declared once as a dataclass in Hydra's
+"""Structured configs (experiments/core/config_schema.py): every setting declared once as a dataclass in Hydra's
 ConfigStore; a typo'd key or a value of the wrong type is one line naming the key, exit status 2."""
 
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.config_schema import AttentionEntry, CacheSchema, ModelSchema
+from experiments.core.config_schema import AttentionEntry, CacheSchema, ModelSchema
 from tests.app.test_app import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,9 +5,9 @@ import io
 
 from rich.console import Console
 
-from experiments.correctness_table import print_prompt_table, prompt_row
-from hybridcache.compare import OracleCheck, compare_generations
+from experiments.correctness.table import print_prompt_table, prompt_row
 from hybridcache.reference.base import Generation
+from hybridcache.tools.compare import OracleCheck, compare_generations
 
 MAX_NEW = 8
 EOS = 1

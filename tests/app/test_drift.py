@@ -13,11 +13,11 @@ import torch
 from omegaconf import OmegaConf
 
 import hybridcache as hc
-from experiments.common import UserError
-from experiments.drift import settings
-from experiments.drift_measure import measure_drift, parse_variant, smooth, summarize, variant_config, windows_of
-from experiments.state_sensitivity import stepwise_logits
-from hybridcache.tiny_models import tiny_checkpoint
+from experiments.core.common import UserError
+from experiments.drift.main import settings
+from experiments.drift.measure import measure_drift, parse_variant, smooth, summarize, variant_config, windows_of
+from experiments.study.state_sensitivity import stepwise_logits
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = OmegaConf.load(ROOT / "configs/experiment/drift.yaml")

@@ -103,7 +103,7 @@ def test_a_full_disk_leaves_no_partial_record_and_the_umask_is_kept(tmp_path, tm
     """A record larger than the file size limit (8 KiB: each results.json before it fits): exit 4, one line, no
     record and no temporary file left (before: an 8,192-byte partial record); results.json says why, with the mode
     the umask gives (0o640 under umask 027; mkstemp's 0o600 before)."""
-    from hybridcache.tiny_models import tiny_checkpoint
+    from hybridcache.checkpoints.tiny import tiny_checkpoint
 
     home = tmp_path_factory.getbasetemp() / "hybridcache-home"
     monkeypatch.setenv("HYBRIDCACHE_HOME", str(home))

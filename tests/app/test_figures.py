@@ -17,11 +17,11 @@ from matplotlib.lines import Line2D
 from matplotlib.text import Text
 from omegaconf import OmegaConf
 
-from experiments.figure_style import byte_unit, cfg_context, strategy_color, strategy_key
-from experiments.plots import bar_value, log_benchmark, scaling_lines, throughput_bars
-from experiments.study_report import log_study, pareto_plot
-from experiments.train_plot import log_loss_curve, loss_curve
-from hybridcache.tracking import Tracker
+from experiments.benchmark.plots import bar_value, log_benchmark, scaling_lines, throughput_bars
+from experiments.core.figure_style import byte_unit, cfg_context, strategy_color, strategy_key
+from experiments.study.report import log_study, pareto_plot
+from experiments.train.plot import log_loss_curve, loss_curve
+from hybridcache.tools.tracking import Tracker
 
 matplotlib.use("Agg")
 

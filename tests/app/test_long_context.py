@@ -20,8 +20,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from experiments import ruler
-from experiments.long_context import LongContextSettingError, check_settings
+from experiments.long_context import ruler
+from experiments.long_context.main import LongContextSettingError, check_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_long_context_smoke(tmp_path):
 def test_the_worker_answers_as_generate_does_and_reports_its_peak_rss(tmp_path):
     """The worker's greedy tokens after a chunked prefill are generate's, in this process, with the same settings."""
     import hybridcache as hc
-    from hybridcache.tiny_models import tiny_checkpoint
+    from hybridcache.checkpoints.tiny import tiny_checkpoint
 
     os.environ.setdefault("HYBRIDCACHE_HOME", str(tmp_path / "home"))
     checkpoint = str(tiny_checkpoint("gemma3", seed=0))
@@ -111,7 +111,7 @@ def test_the_worker_answers_as_generate_does_and_reports_its_peak_rss(tmp_path):
     path = tmp_path / "job.json"
     path.write_text(json.dumps({**job, "prompts": prompts}))
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.long_context_probe", "--job", str(path)],
+        [sys.executable, "-m", "experiments.long_context.probe", "--job", str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -166,7 +166,7 @@ def test_bad_settings_are_named_before_any_work(override, message):
 
 def test_heatmap_cells_from_every_trial_of_a_task(tmp_path):
     """A strategy run only in the RULER part still gets a panel: its cells come from the task's trials."""
-    from experiments.long_context_report import grid_of, niah_heatmaps
+    from experiments.long_context.report import grid_of, niah_heatmaps
 
     def trial(task, length, depth, score, part="ruler"):
         return {"task": task, "length": length, "depth": depth, "score": score, "parts": [part]}

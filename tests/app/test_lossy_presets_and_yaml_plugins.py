@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cache_config import cache_config_from_hydra
-from hybridcache.cache.errors import CacheConfigError
-from hybridcache.cache.plan import flatten_native, resolve_plan
-from hybridcache.tiny_models import FAMILIES
+from experiments.core.cache_config import cache_config_from_hydra
+from hybridcache.cache.core.errors import CacheConfigError
+from hybridcache.cache.core.plan import flatten_native, resolve_plan
+from hybridcache.checkpoints.tiny import FAMILIES
 from tests.app.test_app import compose_cfg, native_layers
 from tests.app.test_app_runs import SHORT, app  # noqa: F401 - the in-process app fixture
 

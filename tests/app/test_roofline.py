@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.benchmark import roofline
-from experiments.roofline import BandwidthProbe, roofline_row, weight_read_bytes
+from experiments.benchmark.main import roofline
+from experiments.benchmark.roofline import BandwidthProbe, roofline_row, weight_read_bytes
 
 
 class Toy(nn.Module):

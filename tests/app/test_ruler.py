@@ -1,4 +1,4 @@
-"""experiments/ruler.py: RULER's synthetic tasks at exact token lengths, and RULER's scoring.
+"""experiments/long_context/ruler.py: RULER's synthetic tasks at exact token lengths, and RULER's scoring.
 
 The tokenizer is ByT5's (bytes, no files), so a needle's place in the prompt can be read off the text. The scoring
 examples follow RULER's definitions (scripts/eval/synthetic/constants.py), worked by hand.
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 import transformers
 
-from experiments import ruler
-from experiments.ruler import ruler_sample, string_match_all, string_match_part
+from experiments.long_context import ruler
+from experiments.long_context.ruler import ruler_sample, string_match_all, string_match_part
 
 TOK = transformers.ByT5Tokenizer()
 

@@ -1,4 +1,5 @@
-"""Our RULER scoring (experiments/ruler_constants.py) against independent code, read at test time (never copied):
+"""Our RULER scoring (experiments/long_context/ruler_constants.py) against independent code, read at test time (never
+copied):
 
 - lm-eval's port of RULER (lm_eval/tasks/ruler/*.py of the lm-eval wheel on PyPI; .ci/run downloads it with
   `pip download --no-deps lm-eval==0.4.13 -d /tmp/hybridcache-ci-lm-eval`, or set HYBRIDCACHE_LM_EVAL to a wheel or
@@ -20,9 +21,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from experiments import ruler
-from experiments.ruler_constants import CWE, FWE, NEEDLE, NIAH, REPEAT, TOKENS_TO_GENERATE, VT
-from experiments.ruler_reference import ReferenceScoringError, lm_eval_scoring, ruler_scoring
+from experiments.long_context import ruler
+from experiments.long_context.ruler_constants import CWE, FWE, NEEDLE, NIAH, REPEAT, TOKENS_TO_GENERATE, VT
+from experiments.long_context.ruler_reference import ReferenceScoringError, lm_eval_scoring, ruler_scoring
 
 TOK = transformers.ByT5Tokenizer()
 LM_EVAL_DEFAULT = Path("/tmp/hybridcache-ci-lm-eval")

@@ -1,4 +1,5 @@
-"""experiments/state_control.py, the control each trained recurrent model reports: its bits/byte with its recurrent
+"""experiments/study/state_control.py, the control each trained recurrent model reports: its bits/byte with its
+recurrent
 states dropped after every byte, read through our model, against HF's Bamba fed one byte per call with its own
 cache's states zeroed in place after each call (the independent oracle)."""
 
@@ -11,9 +12,9 @@ import torch.nn.functional as F
 import transformers
 
 import hybridcache as hc
-from experiments.state_control import has_recurrent_layers, state_controls
-from experiments.train_data import windows
-from experiments.train_model import hf_config, mamba_ssm_init
+from experiments.study.state_control import has_recurrent_layers, state_controls
+from experiments.train.data import windows
+from experiments.train.model import hf_config, mamba_ssm_init
 
 SIZE = dict(
     hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=48, attention_every=2, mamba_heads=2,

@@ -166,7 +166,7 @@ def test_a_model_that_ignores_its_ssm_state_gets_no_conclusion_from_a_state_code
     bytes, its states carry the rest) has its int8 states read against the control of dropping them, not flagged.
     A tiny random jamba loses ~3e-5 without its SSM states: above a threshold set below that, the same strategy is
     read against its control."""
-    from hybridcache.real_checkpoints import real_checkpoint
+    from hybridcache.checkpoints.real import real_checkpoint
     from tests.app.ignored_state import cut_ssm_readout
 
     cut = cut_ssm_readout(real_checkpoint("trained_hybrid"), tmp_path / "cut")

@@ -9,10 +9,10 @@ import torch
 import transformers
 
 import hybridcache as hc
-from experiments import train_data
-from experiments.train_data import Corpus, DataError, batch, ids
-from experiments.train_loop import TrainError, TrainSettings, mqar_accuracy, train
-from hybridcache.real_checkpoints import SHIPPED, available, real_checkpoint
+from experiments.train import data as train_data
+from experiments.train.data import Corpus, DataError, batch, ids
+from experiments.train.loop import TrainError, TrainSettings, mqar_accuracy, train
+from hybridcache.checkpoints.real import SHIPPED, available, real_checkpoint
 
 TINY = {
     "hidden": 32,
@@ -136,7 +136,7 @@ def hf_greedy(ref, ids_, steps):
     """HF's model decoding greedily by recomputing the whole sequence each step under its training mask
     (model_logits: the band of `config.attention_window` where there is one; HF's Bamba ignores that field, and
     HF's cache fails on a Bamba with no attention layer): the sequences and each step's logits."""
-    from experiments.train_loop import model_logits
+    from experiments.train.loop import model_logits
 
     seq, steps_logits = ids_, []
     for _ in range(steps):
@@ -148,7 +148,7 @@ def hf_greedy(ref, ids_, steps):
 
 @needs_checkpoint
 def test_shipped_checkpoint_matches_hf(shipped):
-    from experiments.train_loop import model_logits
+    from experiments.train.loop import model_logits
 
     path, ours, ref = shipped
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -227,7 +227,7 @@ def test_a_windowed_run_trains_what_our_sliding_cache_computes(corpus, tmp_path)
     """experiment=train_window: HF's Bamba with the training band mask gives the logits of our Bamba with a sliding
     cache of the same window (the independent oracle: our cache's pattern, q - W < kv <= q), and not those of full
     attention; the recurrent twin has no attention layer; the window is part of the run's key."""
-    from experiments.train_loop import model_logits
+    from experiments.train.loop import model_logits
 
     state = train(settings(steps=3, attention_window=8), corpus, tmp_path / "w")
     model = state.model.eval()
@@ -257,7 +257,7 @@ def test_the_mamba_ssm_init_gives_states_that_remember():
     """ssm_init="mamba" (experiment=train_window): every Mamba2 mixer's time step and decay drawn as the Mamba2
     reference draws them (dt in [1e-3, 0.1], A in [1, 16]), so a state keeps most of itself for many bytes; HF's
     Bamba init decays each state by exp(-A * softplus(1)) <= 0.27 per byte. Seeded: the same seed, the same init."""
-    from experiments.train_model import hf_model
+    from experiments.train.model import hf_model
 
     def mixer(model):
         mixers = [m for m in model.modules() if hasattr(m, "dt_bias")]

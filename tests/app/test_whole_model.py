@@ -1,4 +1,4 @@
-"""The whole-model table (experiments/whole_model.py): production configs built by our family code on meta, bytes
+"""The whole-model table (experiments/whole_model/main.py): production configs built by our family code on meta, bytes
 from our Cache's accounting, checked against hand computations written out from the published shapes (not from our
 files or our code): keys/values 2 x KV heads x head_dim x tokens x 2 bytes (bf16) per attention layer; conv
 states channels x (kernel - 1) x 2 bytes; SSM / delta-rule states in float32; int8 / fp8 states one byte an element
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from experiments import whole_model as wm
-from experiments import whole_model_configs as production
-from experiments.whole_model_bytes import CONV, SSM
+from experiments.whole_model import configs as production
+from experiments.whole_model import main as wm
+from experiments.whole_model.byte_counts import CONV, SSM
 
 T32, T128 = 32768, 131072
 
@@ -107,7 +107,7 @@ def test_the_committed_page_holds_what_the_command_computes_now():
     lines = wm.holds_table(result["rows"])[2:] + wm.savings_table(result["rows"])[2:]
     assert len(lines) == 4 * len(FAST)
     missing = [line for line in lines if line not in page.splitlines()]
-    assert not missing, "regenerate with python -m experiments.whole_model:\n" + "\n".join(missing)
+    assert not missing, "regenerate with python -m experiments.whole_model.main:\n" + "\n".join(missing)
     assert (wm.DOC.parent / "figures" / "whole_model_savings.png").stat().st_size > 10_000
     assert "(figures/whole_model_savings.png)" in page
 

@@ -1,10 +1,10 @@
-"""Dynamic dense attention layers append into spare slots in place (hybridcache/cache/append_buffer.py)."""
+"""Dynamic dense attention layers append into spare slots in place (hybridcache/cache/storage/append_buffer.py)."""
 
 import pytest
 import torch
 
 from hybridcache.cache import Cache, NativeLayer
-from hybridcache.cache.append_buffer import spare_slots
+from hybridcache.cache.storage.append_buffer import spare_slots
 
 
 def _cache(kind, **params):

@@ -4,9 +4,10 @@ failed call changes nothing."""
 import pytest
 import torch
 
-from hybridcache.cache import Cache, limits
-from hybridcache.cache.errors import CacheError, CacheIndexError, CacheIndexTypeError, CacheMemoryError
-from hybridcache.cache.limits import check_fits, device_problem
+from hybridcache.cache import Cache
+from hybridcache.cache.core import limits
+from hybridcache.cache.core.errors import CacheError, CacheIndexError, CacheIndexTypeError, CacheMemoryError
+from hybridcache.cache.core.limits import check_fits, device_problem
 from tests.cache.helpers import NATIVE, feed, hybrid_cache, state_equal
 
 

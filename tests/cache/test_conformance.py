@@ -19,9 +19,9 @@ from hybridcache.cache import (
     register_cache_layer,
     tunable,
 )
-from hybridcache.cache.errors import CacheConfigError
-from hybridcache.cache.kv_codecs import DenseCodec, codec_class, register_kv_codec
-from hybridcache.cache.state_codecs import available_state_codecs
+from hybridcache.cache.core.errors import CacheConfigError
+from hybridcache.cache.recurrent.codecs import available_state_codecs
+from hybridcache.cache.storage.codecs import DenseCodec, codec_class, register_kv_codec
 from hybridcache.testing import ConformanceError, check_cache_type
 
 # recurrent types: every state codec (conv state included), per-head scales, and offload alone and with int8

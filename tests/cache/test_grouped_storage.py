@@ -7,9 +7,9 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import Cache, CacheConfigError, NativeLayer
-from hybridcache.cache.hf_quantized_storage import HFQuantizedStorage
-from hybridcache.cache.kivi_storage import KiviStorage
-from hybridcache.tiny_models import tiny_checkpoint
+from hybridcache.cache.storage.hf_quantized import HFQuantizedStorage
+from hybridcache.cache.storage.kivi import KiviStorage
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 SHAPES = {"num_kv_heads": 2, "head_dim": 8, "dtype": torch.float32}
 KIVI = {"storage": "kivi", "nbits": 2, "q_group_size": 4, "residual": 8}

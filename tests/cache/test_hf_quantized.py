@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from hybridcache.cache.errors import CacheConfigError, CacheCropError, CacheError
-from hybridcache.cache.hf_quantized_storage import HFQuantizedStorage
+from hybridcache.cache.core.errors import CacheConfigError, CacheCropError, CacheError
+from hybridcache.cache.storage.hf_quantized import HFQuantizedStorage
 
 RECORDED = Path(__file__).with_name("data") / "hf_quantized_5.2.safetensors"
 SPLITS = [6, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1]  # 18 tokens: prefill, decode steps and a 3-token block, several flushes

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hybridcache.cache import CacheError
-from hybridcache.cache.errors import CacheConfigError, CacheCropError
-from hybridcache.cache.kivi_storage import KiviStorage
+from hybridcache.cache.core.errors import CacheConfigError, CacheCropError
+from hybridcache.cache.storage.kivi import KiviStorage
 
 
 def fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:

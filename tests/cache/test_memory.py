@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridcache.cache import Cache, NativeLayer
-from hybridcache.report import render_memory
+from hybridcache.tools.report import render_memory
 from tests.cache.helpers import feed, hybrid_cache
 
 H, D = 2, 4

@@ -6,9 +6,9 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import Cache, NativeLayer
-from hybridcache.cache.offload_storage import OffloadTier
+from hybridcache.cache.storage.offload import OffloadTier
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 from hybridcache.testing import check_cache_type
-from hybridcache.tiny_models import tiny_checkpoint
 
 H, D = 2, 8
 

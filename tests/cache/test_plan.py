@@ -5,7 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hybridcache.cache import Cache, CacheConfigError, NativeLayer, resolve_plan
-from hybridcache.report import render_plan
+from hybridcache.tools.report import render_plan
 from tests.cache.helpers import NATIVE
 
 # a Gemma3/Jamba-like mix: 0 mamba, 1 sliding(4), 2 full, 3 sliding(4), 4 full

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridcache.cache import Cache, CacheConfigError, NativeLayer
-from hybridcache.cache.scored_eviction import QueryInputs
+from hybridcache.cache.methods.scored_eviction import QueryInputs
 
 HKV, GROUP, D = 2, 2, 8
 HQ = HKV * GROUP
@@ -129,7 +129,7 @@ def test_prefill_keeps_what_kvpress_would(name, kw, ratio):
 
 def test_pyramidkv_budgets_per_layer_match_kvpress_formula():
     """get_layer_budget, transcribed: layer 0 keeps the most, the last the fewest, their mean the uniform budget."""
-    from hybridcache.cache.presses import PyramidKVSpec
+    from hybridcache.cache.methods.presses import PyramidKVSpec
 
     def budget(q_len, r, w, beta, idx, layers):
         cap = w + q_len * (1 - r)
@@ -371,7 +371,7 @@ def test_decoding_modes_pass_the_conformance_kit(params):
 def test_tokens_held_is_what_a_decoding_layer_holds():
     """The planner's count (press_schedule.tokens_held) against a layer fed that scenario: the most it held
     between two blocks, and what it holds at the end (exact under full attention, a bound under a window)."""
-    from hybridcache.cache.press_schedule import tokens_held
+    from hybridcache.cache.methods.press_schedule import tokens_held
 
     for params in (
         {"type": "knorm", "mode": "decoding", "budget": 10, "compression_interval": 4},

@@ -89,7 +89,7 @@ def test_registration_errors():
 
 
 def test_kv_codec_registration_errors():
-    from hybridcache.cache.kv_codecs import DenseCodec, available_codecs, get_codec, register_kv_codec
+    from hybridcache.cache.storage.codecs import DenseCodec, available_codecs, get_codec, register_kv_codec
 
     with pytest.raises(CacheConfigError, match="already registered"):
         register_kv_codec("dense")(type("OtherDense", (DenseCodec,), {}))
@@ -106,12 +106,12 @@ def test_entry_point_plugins_register_types(tmp_path, monkeypatch):
     configs with no import by the user; a broken entry point names itself."""
     from importlib import metadata
 
-    from hybridcache.cache import registry
+    from hybridcache.cache.core import registry
 
     (tmp_path / "ep_plugin_test.py").write_text(
         "from dataclasses import dataclass\n"
         "from hybridcache.cache import AttentionSpec, register_cache_layer\n"
-        "from hybridcache.cache.attention import SlidingWindowLayer\n"
+        "from hybridcache.cache.attention.layer import SlidingWindowLayer\n"
         "@register_cache_layer('ep_window_test')\n"
         "class EpWindow(SlidingWindowLayer):\n"
         "    pass\n"

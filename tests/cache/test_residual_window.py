@@ -7,8 +7,8 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import Cache, CacheError, NativeLayer, get_codec, resolve_plan
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 from hybridcache.testing import check_cache_type
-from hybridcache.tiny_models import tiny_checkpoint
 
 H, D = 2, 8
 PATTERNS = [

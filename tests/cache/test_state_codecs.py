@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import hybridcache as hc
-from experiments.state_sensitivity import layer_sensitivity, stepwise_logits
+from experiments.study.state_sensitivity import layer_sensitivity, stepwise_logits
 from hybridcache.cache import Cache, NativeLayer
-from hybridcache.cache.errors import CacheConfigError
-from hybridcache.cache.state_codecs import available_state_codecs, get_state_codec
-from hybridcache.tiny_models import tiny_checkpoint
+from hybridcache.cache.core.errors import CacheConfigError
+from hybridcache.cache.recurrent.codecs import available_state_codecs, get_state_codec
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 SHAPES = {"mamba2 ssm": (4, 3, 8), "mamba ssm": (6, 5), "rglru lru": (7,), "conv": (5, 3)}
 FP8 = [c for c in ("float8_e4m3fn", "float8_e5m2") if c in available_state_codecs()]

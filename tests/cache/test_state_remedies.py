@@ -13,9 +13,9 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import Cache, NativeLayer
-from hybridcache.cache.errors import CacheConfigError
-from hybridcache.cache.state_codecs import available_state_codecs, get_state_codec
-from hybridcache.tiny_models import tiny_checkpoint
+from hybridcache.cache.core.errors import CacheConfigError
+from hybridcache.cache.recurrent.codecs import available_state_codecs, get_state_codec
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 MAMBA2 = {"num_heads": 2, "head_dim": 3, "state_size": 8, "n_groups": 1, "conv_kernel": 4}
 SHAPE = (2, 3, 8)  # mamba2 ssm [H, P, N]

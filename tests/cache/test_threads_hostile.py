@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from hybridcache.cache.errors import CacheError, CacheThreadError
+from hybridcache.cache.core.errors import CacheError, CacheThreadError
 from tests.cache.helpers import feed, feed_layer, hybrid_cache, state_equal
 
 

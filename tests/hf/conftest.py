@@ -8,8 +8,8 @@ import torch
 import transformers
 
 import hybridcache as hc
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 from hybridcache.hf.tiny_hf import tiny_model
-from hybridcache.tiny_models import tiny_checkpoint
 
 NEW = 8  # new tokens per generation
 

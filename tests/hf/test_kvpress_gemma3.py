@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridcache.real_checkpoints import missing_packages
+from hybridcache.checkpoints.real import missing_packages
 
 RECORDING = Path(__file__).resolve().parents[1] / "reference" / "data" / "kvpress_gemma3_270m.safetensors"
 METHODS = ("streaming_llm", "snapkv", "knorm", "tova", "observed_attention", "pyramidkv")
@@ -38,7 +38,7 @@ def _recorded():
 def setup():
     import transformers
 
-    from hybridcache.real_checkpoints import real_checkpoint
+    from hybridcache.checkpoints.real import real_checkpoint
 
     if not RECORDING.exists():
         pytest.skip("no recording of kvpress's answers (tests/reference/data) to compare with")

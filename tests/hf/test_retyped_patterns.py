@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import hybridcache as hc
+from hybridcache.checkpoints.tiny import FAMILIES
 from hybridcache.hf import cache_for
-from hybridcache.tiny_models import FAMILIES
 from tests.hf.conftest import NEW, hf_generate, max_diff, prompts
 from tests.hf.oracle import oracle_generate
 

@@ -12,9 +12,9 @@ import os
 import random
 from pathlib import Path
 
-from hybridcache.cache.errors import CacheError
+from hybridcache.cache.core.errors import CacheError
 from hybridcache.models import ArgumentError, CheckpointError, ConfigError
-from hybridcache.models.base import GenerationError
+from hybridcache.models.core.base import GenerationError
 from hybridcache.reference import MalformedGeneration, RecordingMismatch, ReferenceAnswerError
 
 NAMED = (

@@ -1,11 +1,11 @@
 """Generated bad command lines for `python run.py`: misspelt choices, unknown settings, values of the wrong type,
-broken override grammar, unknown flags. In-process, experiments.usage.usage_error must give one line for each;
+broken override grammar, unknown flags. In-process, experiments.core.usage.usage_error must give one line for each;
 a seeded sample of 30 runs the real CLI in subprocesses (tests/app/test_cli_usage.run_cli): exit status 2, one
 line `error: ...`, no run started."""
 
 from concurrent.futures import ThreadPoolExecutor
 
-from experiments.usage import usage_error
+from experiments.core.usage import usage_error
 from tests.app.test_cli_usage import CONFIGS, run_cli
 from tests.hostile.kit import COUNTS, report, rng
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridcache.models.registry import model_class
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.checkpoints.tiny import FAMILIES
+from hybridcache.models.core.registry import model_class
 from tests.hostile.kit import COUNTS, report, rng
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,7 +187,7 @@ def test_a_checkpoint_larger_than_the_memory_there_is_is_refused_before_reading(
     """The weights to read, at the dtype asked for, against the memory available (here made 1 KiB, and every
     size asked about): a CheckpointError saying how much, and no tensor read."""
     import hybridcache as hc
-    import hybridcache.models.loading as loading
+    import hybridcache.models.core.loading as loading
     from hybridcache.models import CheckpointError
 
     monkeypatch.setattr(loading, "ALWAYS_FITS", 0)

@@ -20,11 +20,12 @@ import pytest
 import torch
 
 import hybridcache as hc
-import hybridcache.ops.cpu_kernels as ck
-import hybridcache.ops.cpu_library as cpu_library
-from hybridcache.blocks.decode_run import DecodeRun
-from hybridcache.cache import Cache, CacheError, NativeLayer, offload_storage
-from hybridcache.ops import _native
+import hybridcache.accel.kernels as ck
+import hybridcache.accel.library as cpu_library
+from hybridcache.accel import build as _native
+from hybridcache.blocks.fast.decode_run import DecodeRun
+from hybridcache.cache import Cache, CacheError, NativeLayer
+from hybridcache.cache.storage import offload as offload_storage
 from tests.cache.helpers import state_equal
 from tests.hostile.kit import report, run_cases
 from tests.ops.test_native_build import FAST, status_and_notices

@@ -10,10 +10,10 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import Cache, CacheConfigError, CacheError
-from hybridcache.cache.persistence import CacheFileError
+from hybridcache.cache.io.persistence import CacheFileError
+from hybridcache.generation.sources.speculative import with_checkpoints
 from hybridcache.models import CheckpointError, ConfigError
-from hybridcache.models.base import GenerationError, GenerationTypeError
-from hybridcache.speculative import with_checkpoints
+from hybridcache.models.core.base import GenerationError, GenerationTypeError
 from tests.cache.helpers import feed, hybrid_cache, state_equal
 from tests.models.conftest import prompts
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import hybridcache as hc
-from hybridcache.models.checkpoint_files import CheckpointError, open_regular
+from hybridcache.models.core.checkpoint_files import CheckpointError, open_regular
 from tests.hostile.kit import COUNTS, files_unchanged, report
 from tests.models.test_loading_hostile import shard_in_two
 
@@ -181,7 +181,7 @@ def test_special_files_are_refused_by_name_without_blocking(original, tmp_path):
 def test_a_fifo_swapped_in_after_the_name_check_is_refused_on_the_descriptor(tmp_path, monkeypatch):
     """The name is checked, then a FIFO takes its place before the open: the open does not wait for a writer
     (O_NONBLOCK) and the descriptor's own check refuses it."""
-    import hybridcache.models.checkpoint_files as files
+    import hybridcache.models.core.checkpoint_files as files
 
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
@@ -222,7 +222,7 @@ def test_the_apps_tokenizer_and_native_layer_reads_refuse_special_files_and_bomb
     """The app reads a checkpoint before loading it: its tokenizer files (transformers opens them blindly) and its
     native cache layers (the cache plan, built from config.json alone). A FIFO named tokenizer.json is a named
     error, not a hang; a layer-count bomb in config.json is a ConfigError before anything large is built."""
-    from experiments.common import load_tokenizer, native_layers_of
+    from experiments.core.common import load_tokenizer, native_layers_of
     from hybridcache.models import ConfigError
 
     directory = tmp_path / "ckpt"

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import hybridcache as hc
-from hybridcache.tiny_models import tiny_checkpoint
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 
 def prompts(batch: int, length: int, seed: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.tiny_models import reinit_weights_
+from hybridcache.checkpoints.tiny import reinit_weights_
 
 ROOT = Path(__file__).resolve().parents[2]
 

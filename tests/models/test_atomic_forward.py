@@ -115,7 +115,7 @@ def test_precision_is_a_setting_of_one_model_not_of_the_process(checkpoints):
 
 
 def test_compiled_step_is_created_once_even_from_many_threads(jamba):
-    from hybridcache.generation import compiled_decode_step
+    from hybridcache.generation.loop import compiled_decode_step
 
     jamba.__dict__.pop("_compiled_decode_step", None)
     steps = []

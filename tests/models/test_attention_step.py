@@ -1,4 +1,4 @@
-"""A decode step's attention in one kernel call (ops/cpu_attention_step.py through AttentionMixer._one_call_step):
+"""A decode step's attention in one kernel call (accel/attention_step.py through AttentionMixer._one_call_step):
 the token's keys and values written by the kernel straight into the slot the cache layer reserved
 (AttentionCacheLayer.decode_slot). It runs the same kernels in the same order as the separate calls (q/k/v kernel,
 the cache's append, the attention kernel), so logits, tokens and the cache itself must be bit-identical to them,
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.blocks import decode_stack
-from hybridcache.blocks.attention import AttentionMixer
-from hybridcache.models import gemma3
-from hybridcache.ops import kernel_status
+from hybridcache.accel import kernel_status
+from hybridcache.blocks.attention.mixer import AttentionMixer
+from hybridcache.blocks.fast import decode_stack
+from hybridcache.models.families import gemma3
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -26,7 +26,7 @@ def _separate(monkeypatch):
 
 
 def _per_layer(monkeypatch):
-    """Every decode step layer by layer (not the many-layer call of blocks/decode_stack.py, tested apart)."""
+    """Every decode step layer by layer (not the many-layer call of blocks/fast/decode_stack.py, tested apart)."""
     monkeypatch.setattr(decode_stack, "decode_layers", lambda *a: None)
 
 

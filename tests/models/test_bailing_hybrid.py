@@ -9,8 +9,8 @@ import torch
 import transformers
 
 import hybridcache as hc
-from hybridcache.models.bailing_hybrid import BailingHybridConfig
-from hybridcache.tiny_models import build_tiny_checkpoint
+from hybridcache.checkpoints.tiny import build_tiny_checkpoint
+from hybridcache.models.families.bailing_hybrid import BailingHybridConfig
 from tests.models.conftest import hf_generate, prompts
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.checkpoints.tiny import FAMILIES
 from tests.models.conftest import prompts
 
 

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 import hybridcache as hc
 from hybridcache.cache import Cache, CacheError
-from hybridcache.cache.persistence import CacheFileError, save_cache
+from hybridcache.cache.io.persistence import CacheFileError, save_cache
 from tests.models.conftest import prompts
 from tests.models.saved_cache import forge, read, save_jamba_cache  # noqa: F401  (forge, read: tests/hostile)
 
@@ -328,7 +328,7 @@ def test_a_cache_does_not_load_into_a_model_differing_in_the_middle_of_a_tensor(
 
 
 def test_the_identity_of_a_bf16_model_covers_every_value(checkpoints):
-    from hybridcache.cache.persistence import model_identity
+    from hybridcache.cache.io.persistence import model_identity
 
     a = hc.from_pretrained(checkpoints("mamba"), dtype=torch.bfloat16)
     b = hc.from_pretrained(checkpoints("mamba"), dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Compiled decode runs the C kernels eager decode runs (hybridcache/ops/kernel_calls.py): the compiled graph holds
+"""Compiled decode runs the C kernels eager decode runs (hybridcache/accel/kernel_calls.py): the compiled graph holds
 the hybridcache::<op> calls (counted in the FX graphs torch.compile hands its backend), the logits of a compiled
 decode equal eager decode's bit for bit over the same preallocated cache, and there are no graph breaks.
 
@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import hybridcache as hc
-from hybridcache.ops import kernel_status
+from hybridcache.accel import kernel_status
 from tests.models.conftest import prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

@@ -1,4 +1,4 @@
-"""Decode runs (blocks/decode_run.py): generate's steady decoding of one row feeds the cache once per run of steps.
+"""Decode runs (blocks/fast/decode_run.py): generate's steady decoding of one row feeds the cache once per run of steps.
 
 The oracle is the step-by-step decode (the same model with runs turned off): the same sequences and logits bit for
 bit, and the same cache after (keys, values, key positions, counts, the token fingerprint and its history), past
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache import decoding
-from hybridcache.blocks import decode_run, decode_stack
-from hybridcache.cache.errors import CacheError, CacheThreadError
-from hybridcache.ops import kernel_status
+from hybridcache.accel import kernel_status
+from hybridcache.blocks.fast import decode_run, decode_stack
+from hybridcache.cache.core.errors import CacheError, CacheThreadError
+from hybridcache.generation.sources import cached as decoding
 from tests.models.conftest import prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

@@ -1,4 +1,4 @@
-"""An eager decode step's decoder layers in one C call (blocks/decode_stack.py, ops/cpu_decoder_stack.py,
+"""An eager decode step's decoder layers in one C call (blocks/fast/decode_stack.py, accel/decoder_stack.py,
 kernels/cpu_decode.c hc_decoder_stack). The call runs each layer's hc_decoder_layer with the arguments the per-layer
 call would pass, in the same order, so logits, tokens and the cache must be bit-identical to the per-layer calls
 and to the separate ones; hooks, declining kernels and failures split or abort the run without changing that."""
@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.blocks import decode_stack
-from hybridcache.blocks.attention import AttentionMixer
-from hybridcache.ops import cpu_decoder_stack, kernel_status
+from hybridcache.accel import decoder_stack as cpu_decoder_stack
+from hybridcache.accel import kernel_status
+from hybridcache.blocks.attention.mixer import AttentionMixer
+from hybridcache.blocks.fast import decode_stack
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -153,7 +154,7 @@ def test_a_library_whose_record_is_not_the_declared_one_is_not_called(checkpoint
 def test_an_early_exit_draft_runs_its_layers_in_one_call(checkpoints, monkeypatch):
     """The self-speculative draft (the target's first layers) decodes through the same call: its logits equal its
     per-layer calls."""
-    from hybridcache.speculative import EarlyExitDraft
+    from hybridcache.generation.sources.speculative import EarlyExitDraft
 
     model = hc.from_pretrained(checkpoints("gemma3"))
     draft = EarlyExitDraft(model, 3)
@@ -170,7 +171,7 @@ def test_an_early_exit_draft_runs_its_layers_in_one_call(checkpoints, monkeypatc
 
 def _bindings(monkeypatch) -> list[int]:
     """The layer of each decode_binding call."""
-    from hybridcache.models.gemma3 import Gemma3DecoderLayer
+    from hybridcache.models.families.gemma3 import Gemma3DecoderLayer
 
     made, real = [], Gemma3DecoderLayer.decode_binding
 

@@ -8,7 +8,7 @@ import transformers
 from safetensors.torch import load_file
 
 import hybridcache as hc
-from hybridcache.tiny_models import build_tiny_checkpoint
+from hybridcache.checkpoints.tiny import build_tiny_checkpoint
 from tests.models.conftest import hf_generate, prompts
 
 VARIANT = dict(

@@ -9,9 +9,9 @@ from typing import ClassVar
 import pytest
 import transformers
 
+from hybridcache.checkpoints.tiny import FAMILIES
 from hybridcache.models import MODEL_TYPES, model_class
-from hybridcache.models.family_config import ConfigError, FamilyConfig, param
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.models.core.family_config import ConfigError, FamilyConfig, param
 
 HF_CLASSES = {
     "jamba": "JambaConfig",

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache import real_checkpoints
-from hybridcache.real_checkpoints import RealCheckpointMissing, real_checkpoint, real_root
+from hybridcache.checkpoints import real as real_checkpoints
+from hybridcache.checkpoints.real import RealCheckpointMissing, real_checkpoint, real_root
 
 # Resolved at collection, before tests/models/conftest.py points HYBRIDCACHE_HOME at a temporary directory, so
 # the one-time conversion is shared across sessions.

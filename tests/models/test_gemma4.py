@@ -9,9 +9,9 @@ import torch
 import transformers
 
 import hybridcache as hc
+from hybridcache.checkpoints.tiny import reinit_weights_, tiny_config
 from hybridcache.models import model_class
-from hybridcache.models.family_config import ConfigError
-from hybridcache.tiny_models import reinit_weights_, tiny_config
+from hybridcache.models.core.family_config import ConfigError
 from tests.models.conftest import hf_generate, prompts
 
 PLAIN = dict(  # a dense Gemma 4 (31B's shape): no PLE, no sharing, no experts, values projected
@@ -105,8 +105,8 @@ def test_config_checks(tmp_path, change, message):
 
 
 def test_an_early_exit_draft_stops_at_the_layers_with_cache_entries(tmp_path):
-    from hybridcache.models.base import GenerationError
-    from hybridcache.speculative import EarlyExitDraft
+    from hybridcache.generation.sources.speculative import EarlyExitDraft
+    from hybridcache.models.core.base import GenerationError
 
     save_hf(tmp_path)
     ours = hc.from_pretrained(tmp_path)

@@ -13,8 +13,8 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import Cache
-from hybridcache.cache.errors import CacheThreadError
-from hybridcache.prefix_cache import PrefixStore
+from hybridcache.cache.core.errors import CacheThreadError
+from hybridcache.generation.sources.prefix import PrefixStore
 from tests.models.conftest import prompts
 
 INTRUSIONS = {

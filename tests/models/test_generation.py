@@ -5,7 +5,7 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import CacheConfigError
-from hybridcache.generation import sample_next
+from hybridcache.generation.loop import sample_next
 from tests.models.conftest import prompts
 
 

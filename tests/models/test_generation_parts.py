@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.generation import GenerationConfig, GenerationConfigError
-from hybridcache.generation_config import UnknownGenerationSetting
-from hybridcache.generation_hooks import BaseStreamer
-from hybridcache.models.base import GenerationError, GenerationTypeError
-from hybridcache.speculative import EarlyExitDraft
+from hybridcache.generation.config import UnknownGenerationSetting
+from hybridcache.generation.hooks import BaseStreamer
+from hybridcache.generation.loop import GenerationConfig, GenerationConfigError
+from hybridcache.generation.sources.speculative import EarlyExitDraft
+from hybridcache.models.core.base import GenerationError, GenerationTypeError
 from tests.models.conftest import prompts
 
 

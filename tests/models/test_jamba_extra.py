@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.blocks.moe import SparseMoE
+from hybridcache.blocks.moe.topk import SparseMoE
 from hybridcache.cache import CacheConfigError
 from tests.models.conftest import prompts
 

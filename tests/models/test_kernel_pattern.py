@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.blocks.attention import AttentionMixer
+from hybridcache.accel import kernel_status
+from hybridcache.accel.op_reference import visible
+from hybridcache.blocks.attention.mixer import AttentionMixer
 from hybridcache.cache import AttentionCacheLayer, AttentionSpec, register_cache_layer, tunable
-from hybridcache.cache.attention_specs import ChunkedSpec, FullSpec, SlidingSpec
-from hybridcache.ops import kernel_status
-from hybridcache.ops.op_reference import visible
+from hybridcache.cache.attention.specs import ChunkedSpec, FullSpec, SlidingSpec
 from tests.models.conftest import prompts
 
 ATTN = dict(num_kv_heads=1, head_dim=4)

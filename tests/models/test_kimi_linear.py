@@ -6,8 +6,8 @@ import torch
 import transformers
 
 import hybridcache as hc
-from hybridcache.models.kimi_linear import KimiLinearConfig
-from hybridcache.tiny_models import build_tiny_checkpoint
+from hybridcache.checkpoints.tiny import build_tiny_checkpoint
+from hybridcache.models.families.kimi_linear import KimiLinearConfig
 from tests.models.conftest import hf_generate, prompts
 
 

@@ -106,7 +106,7 @@ def write_config(directory, change):
 
 def test_config_disagreeing_with_weights_fails_before_reading_or_allocating(gemma_dir, monkeypatch):
     """vocab_size 1e9 would be 256 GB of embeddings: the header check names the tensor before anything is built."""
-    import hybridcache.models.loading as loading
+    import hybridcache.models.core.loading as loading
 
     write_config(gemma_dir, lambda c: c.update(vocab_size=10**9))
     monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the shape check"))
@@ -296,7 +296,7 @@ def test_partly_existing_path_is_local_and_hub_ids_still_go_to_the_hub(gemma_dir
 
 
 def test_convert_checkpoint_hook_runs_before_names_are_matched(gemma_dir, monkeypatch, models):
-    from hybridcache.models.gemma3 import Gemma3LM
+    from hybridcache.models.families.gemma3 import Gemma3LM
 
     rewrite(gemma_dir, lambda s: s.update({"model.final_norm.weight": s.pop("model.norm.weight") * 2}))
     with pytest.raises(hc.models.CheckpointError, match="missing 1 tensors the gemma3 model needs: model.norm.weight"):
@@ -313,7 +313,7 @@ def test_convert_checkpoint_hook_runs_before_names_are_matched(gemma_dir, monkey
 
 
 def test_models_with_tensors_the_checkpoint_cannot_fill_are_checked_on_meta_then_built_for_real(gemma_dir, monkeypatch):
-    from hybridcache.models.gemma3 import Gemma3LM
+    from hybridcache.models.families.gemma3 import Gemma3LM
 
     init = Gemma3LM.__init__
     built = []
@@ -333,8 +333,8 @@ def test_models_with_tensors_the_checkpoint_cannot_fill_are_checked_on_meta_then
 
 
 def test_an_identity_convert_hook_on_the_base_class_keeps_the_header_check(gemma_dir, monkeypatch):
-    import hybridcache.models.loading as loading
-    from hybridcache.models.base import HybridLM
+    import hybridcache.models.core.loading as loading
+    from hybridcache.models.core.base import HybridLM
 
     monkeypatch.setattr(HybridLM, "convert_checkpoint", lambda self, state: state, raising=False)
     write_config(gemma_dir, lambda c: c.update(vocab_size=10**9))
@@ -346,7 +346,7 @@ def test_an_identity_convert_hook_on_the_base_class_keeps_the_header_check(gemma
 def test_a_converting_family_that_must_be_built_for_real_is_checked_first(checkpoints, tmp_path, monkeypatch):
     """Zamba2 converts its checkpoints (shared blocks aliased); when its model cannot stay on the meta device the
     converted tensors are matched before it is built for real, so vocab_size 1e9 never allocates 256 GB."""
-    from hybridcache.models.zamba2 import Zamba2LM
+    from hybridcache.models.families.zamba2 import Zamba2LM
 
     directory = tmp_path / "zamba2"
     shutil.copytree(checkpoints("zamba2"), directory)
@@ -377,7 +377,7 @@ def test_a_converting_family_that_must_be_built_for_real_is_checked_first(checkp
     ],
 )
 def test_dtype_and_device_are_checked_before_reading(gemma_dir, monkeypatch, kwargs, message):
-    import hybridcache.models.loading as loading
+    import hybridcache.models.core.loading as loading
 
     monkeypatch.setattr(loading, "read_tensors", lambda *a, **k: pytest.fail("tensors read before the check"))
     with pytest.raises(ValueError, match=message):

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import hybridcache as hc
-from hybridcache.blocks.linear import DecodeLinear, PackedEmbedding, pack_matrix
-from hybridcache.blocks.linear_group import LinearGroup
+from hybridcache.blocks.core.linear import DecodeLinear, PackedEmbedding, pack_matrix
+from hybridcache.blocks.core.linear_group import LinearGroup
 from tests.models.conftest import prompts
 
 
@@ -144,12 +144,12 @@ def test_bad_weight_formats_are_refused(checkpoints):
 
 @pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
 def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoints, monkeypatch, weights):
-    """Gemma 3 runs everything after attention in one kernel call (blocks/decoder_tail.py; a decode step runs it
+    """Gemma 3 runs everything after attention in one kernel call (blocks/fast/decoder_tail.py; a decode step runs it
     inside its whole-layer call, tests/models/test_attention_step.py): the same tokens and bit-identical logits as
     the separate calls, at every weight format, with left padding."""
-    import hybridcache.models.gemma3 as gemma3
-    from hybridcache.blocks.attention import AttentionMixer
-    from hybridcache.ops import kernel_status
+    import hybridcache.models.families.gemma3 as gemma3
+    from hybridcache.accel import kernel_status
+    from hybridcache.blocks.attention.mixer import AttentionMixer
 
     if not kernel_status().startswith("C kernels"):
         pytest.skip("the C kernels are not built")

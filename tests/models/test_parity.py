@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.checkpoints.tiny import FAMILIES
 from tests.models.conftest import hf_generate, prompts
 
 HF_TOL, ORACLE_TOL = 1e-4, 1e-5

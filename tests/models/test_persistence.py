@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 
 import hybridcache as hc
 from hybridcache.cache import Cache
-from hybridcache.cache.persistence import CacheFileError
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.cache.io.persistence import CacheFileError
+from hybridcache.checkpoints.tiny import FAMILIES
 from tests.models.conftest import prompts
 
 
@@ -81,7 +81,7 @@ def test_wrong_model_batch_or_spec_is_a_clear_error(models, tmp_path):
 
 
 def _checkpoint_dir(model):
-    from hybridcache.tiny_models import tiny_checkpoint
+    from hybridcache.checkpoints.tiny import tiny_checkpoint
 
     return tiny_checkpoint(model.family)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from hybridcache.models.registry import BUILTIN
+from hybridcache.models.core.registry import BUILTIN
 from tests.models.plugin_helpers import ROOT, install_plugin, run_fresh, save_tiny
 
 # Runs in a fresh interpreter that has the plugin's install target on its path: nothing imports the plugin by

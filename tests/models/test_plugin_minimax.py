@@ -10,7 +10,7 @@ fresh cache fed fewer columns (rollback); exactness is checked in float64, where
 import pytest
 import transformers
 
-from hybridcache.models.registry import BUILTIN
+from hybridcache.models.core.registry import BUILTIN
 from tests.models.plugin_helpers import ROOT, install_plugin, run_fresh, save_tiny
 from tests.models.test_plugin_families import CHECK
 

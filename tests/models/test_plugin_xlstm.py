@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from hybridcache.models.registry import BUILTIN
+from hybridcache.models.core.registry import BUILTIN
 from tests.models.plugin_helpers import ROOT, install_plugin, run_fresh, save_tiny
 from tests.models.test_plugin_families import CHECK
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.prefix_cache import PrefixStore
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.checkpoints.tiny import FAMILIES
+from hybridcache.generation.sources.prefix import PrefixStore
 from tests.models.conftest import prompts
 
 

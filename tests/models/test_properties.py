@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hybridcache as hc
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.checkpoints.tiny import FAMILIES
 
 F64 = {"recurrent": {"state_dtype": torch.float64}}
 

@@ -11,8 +11,8 @@ import torch
 
 import hybridcache as hc
 from hybridcache.cache import Cache, CacheCropError, NativeLayer
+from hybridcache.checkpoints.tiny import FAMILIES
 from hybridcache.testing import check_cache_type
-from hybridcache.tiny_models import FAMILIES
 from tests.models.conftest import prompts
 
 K = 5

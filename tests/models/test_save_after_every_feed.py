@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.beam_search import beam_search
 from hybridcache.cache import Cache
-from hybridcache.speculative import EarlyExitDraft
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.checkpoints.tiny import FAMILIES
+from hybridcache.generation.sources.beam import beam_search
+from hybridcache.generation.sources.speculative import EarlyExitDraft
 from tests.models.conftest import prompts
 
 FEEDS = ("prefill", "chunked_prefill", "decode_run", "steps", "speculative", "beam")

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache import atomic_files
-from hybridcache.atomic_files import remove_stale_temps
 from hybridcache.cache import Cache, CacheError
-from hybridcache.cache.persistence import CacheFileError
+from hybridcache.cache.io.persistence import CacheFileError
+from hybridcache.util import atomic_files
+from hybridcache.util.atomic_files import remove_stale_temps
 from tests.models.conftest import prompts
 from tests.models.saved_cache import save_jamba_cache
 
@@ -82,7 +82,7 @@ _KILLED_SAVER = textwrap.dedent(
     """
     import os, sys, time, torch
     import hybridcache as hc
-    from hybridcache.tiny_models import tiny_checkpoint
+    from hybridcache.checkpoints.tiny import tiny_checkpoint
     model = hc.from_pretrained(tiny_checkpoint("jamba"), dtype=torch.float32)
     out = hc.generate(model, torch.randint(3, 300, (2, 9)), max_new_tokens=2)
     real_fsync = os.fsync

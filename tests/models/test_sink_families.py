@@ -10,8 +10,8 @@ import torch
 import transformers
 
 import hybridcache as hc
-from hybridcache.tiny_models import reinit_weights_, tiny_config
-from hybridcache.tiny_specs import FAMILY_SPECS
+from hybridcache.checkpoints.tiny import reinit_weights_, tiny_config
+from hybridcache.checkpoints.tiny_specs import FAMILY_SPECS
 from tests.models.conftest import hf_generate, prompts
 
 FAMILIES = ["granite_swa", "gpt_oss"]

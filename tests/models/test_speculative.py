@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.speculative import EarlyExitDraft, rollback_mode
-from hybridcache.tiny_models import FAMILIES
+from hybridcache.checkpoints.tiny import FAMILIES
+from hybridcache.generation.sources.speculative import EarlyExitDraft, rollback_mode
 from tests.models.conftest import prompts
 
 

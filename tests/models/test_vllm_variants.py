@@ -8,8 +8,8 @@ import torch
 import transformers
 
 import hybridcache as hc
-from hybridcache.tiny_models import EAGER, tiny_checkpoint
-from hybridcache.tiny_specs import SIZES
+from hybridcache.checkpoints.tiny import EAGER, tiny_checkpoint
+from hybridcache.checkpoints.tiny_specs import SIZES
 from tests.models.conftest import hf_generate, prompts
 
 

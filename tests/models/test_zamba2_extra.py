@@ -11,8 +11,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import hybridcache as hc
+from hybridcache.checkpoints.tiny import build_tiny_checkpoint
 from hybridcache.models import CheckpointError
-from hybridcache.tiny_models import build_tiny_checkpoint
 from tests.models.conftest import prompts
 
 

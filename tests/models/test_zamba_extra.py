@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from hybridcache.models.zamba import ZambaConfig, ZambaMambaMixer
+from hybridcache.models.families.zamba import ZambaConfig, ZambaMambaMixer
 from tests.models.conftest import prompts
 
 

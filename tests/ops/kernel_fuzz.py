@@ -1,4 +1,4 @@
-"""Randomized driver for every C kernel wrapper (hybridcache/ops/cpu_kernels.py, cpu_fused.py): odd shapes (0, 1,
+"""Randomized driver for every C kernel wrapper (hybridcache/accel/kernels.py, cpu_fused.py): odd shapes (0, 1,
 odd, large state sizes, huge expanded dims), strides (non-contiguous, expanded, strided last dim), wrong dtypes and
 devices (meta), NaN / inf values, bad parameters (chunk 0, unknown patterns, softcap <= 0).
 
@@ -24,8 +24,11 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-import hybridcache.ops.cpu_kernels as ck
-from hybridcache.ops import cpu_attention_step, cpu_decoder_layer, cpu_decoder_stack, cpu_fused
+import hybridcache.accel.kernels as ck
+from hybridcache.accel import attention_step as cpu_attention_step
+from hybridcache.accel import decoder_layer as cpu_decoder_layer
+from hybridcache.accel import decoder_stack as cpu_decoder_stack
+from hybridcache.accel import fused as cpu_fused
 from hybridcache.ops.attention import masked_attention
 from hybridcache.ops.selective_scan import _selective_scan_torch
 
@@ -424,7 +427,7 @@ def _unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
 
 def case_attention_step(f: Fuzz, tail: bool = False, stack: bool = False):
     """The one-call attention (tail=False) or the whole layer (tail=True: the decoder tail after it; stack=True:
-    as a record run by the many-layer call, ops/cpu_decoder_stack.py)."""
+    as a record run by the many-layer call, accel/decoder_stack.py)."""
     b, dm, s = f.pick(0, 1, 1, 2, 2, 17), f.pick(0, 1, 16, 16), f.pick(0, 1, 5, 40, 40, 40)
     hkv, group, hd = f.pick(1, 1, 2), f.pick(1, 2, 3), f.pick(1, 2, 8, 9)
     hq = hkv * group
@@ -525,7 +528,7 @@ def _gemma(weights):
         import tempfile
 
         import hybridcache as hc
-        from hybridcache.tiny_models import tiny_checkpoint
+        from hybridcache.checkpoints.tiny import tiny_checkpoint
 
         root = _MODELS.setdefault("root", tempfile.mkdtemp(prefix="hc_fuzz_"))
         _MODELS[weights] = hc.from_pretrained(tiny_checkpoint("gemma3", root=root), weights=weights)
@@ -539,7 +542,7 @@ def case_decode_steps(f: Fuzz):
     import copy
 
     import hybridcache as hc
-    from hybridcache.blocks import decode_run, decode_stack
+    from hybridcache.blocks.fast import decode_run, decode_stack
 
     weights = f.pick(None, "bfloat16", "int8")
     model = _gemma(weights)

@@ -74,7 +74,7 @@ def test_very_negative_sinks_give_plain_attention():
 
 
 def _kernel_ready() -> bool:
-    from hybridcache.ops import kernel_status
+    from hybridcache.accel import kernel_status
 
     return kernel_status().startswith("C kernels")
 
@@ -86,9 +86,9 @@ def _kernel_ready() -> bool:
 )
 @pytest.mark.parametrize("form", ["mask", "positions"])
 def test_decode_kernel_with_sinks_matches_the_naive_oracle(b, hkv, group, s, d, form):
-    from hybridcache.ops import cpu_kernels as ck
-    from hybridcache.ops import op_reference
-    from hybridcache.ops.registry import op
+    from hybridcache.accel import kernels as ck
+    from hybridcache.accel import op_reference
+    from hybridcache.accel.op_registry import op
 
     g = torch.Generator().manual_seed(b * 1000 + s)
     hq = hkv * group
@@ -121,8 +121,8 @@ def test_decode_kernel_with_sinks_matches_the_naive_oracle(b, hkv, group, s, d, 
 
 def test_masked_attention_with_sinks_decodes_by_the_kernel(monkeypatch):
     """A decode step with sinks (GPT-OSS) calls the decode kernel with them (before: always the torch path)."""
-    import hybridcache.blocks.attention as attention_block
-    from hybridcache.ops.registry import KERNELS
+    import hybridcache.blocks.attention.mixer as attention_block
+    from hybridcache.accel.op_registry import KERNELS
 
     calls = []
     kernel = KERNELS["decode_attention"]

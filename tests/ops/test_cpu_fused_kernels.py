@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hybridcache.ops.cpu_kernels as ck
+import hybridcache.accel.kernels as ck
 from hybridcache.blocks import GatedMLP, RMSNorm, residual_norm
-from hybridcache.blocks.linear_group import LinearGroup
+from hybridcache.blocks.core.linear_group import LinearGroup
 
 
 @pytest.fixture(autouse=True)
@@ -131,8 +131,8 @@ def test_argmax_rows_all_minus_infinity_and_nan_rows():
         assert ck.argmax_rows(x).tolist() == [0, 40_000] == x.argmax(-1).tolist()
 
 
-from hybridcache.blocks.linear import pack_matrix  # noqa: E402
-from hybridcache.ops import cpu_fused  # noqa: E402
+from hybridcache.accel import fused as cpu_fused  # noqa: E402
+from hybridcache.blocks.core.linear import pack_matrix  # noqa: E402
 
 
 def _packed(w, fmt):

@@ -1,4 +1,4 @@
-"""The CPU decode kernels (hybridcache/ops/kernels/cpu_decode.c) against float64 references and the torch paths.
+"""The CPU decode kernels (hybridcache/accel/csrc/cpu_decode.c) against float64 references and the torch paths.
 
 Building and loading: test_native_build.py, test_kernel_tamper.py; odd inputs: test_kernel_fuzz.py."""
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hybridcache.ops.cpu_kernels as dl
-from hybridcache.blocks.linear import linear, pack_matrix, reference_linear
+import hybridcache.accel.kernels as dl
+from hybridcache.blocks.core.linear import linear, pack_matrix, reference_linear
 from tests.ops.test_ops_attention import naive_attention
 
 
@@ -179,7 +179,7 @@ def test_decode_attention_declines_what_it_does_not_take():
 
 @pytest.mark.parametrize("kind, param", [("full", 0), ("sliding", 4), ("chunked", 5)])
 def test_decode_attention_from_positions_equals_the_mask(kind, param):
-    from hybridcache.cache.attention_specs import ChunkedSpec, FullSpec, SlidingSpec
+    from hybridcache.cache.attention.specs import ChunkedSpec, FullSpec, SlidingSpec
 
     spec = {"full": FullSpec, "sliding": SlidingSpec, "chunked": ChunkedSpec}[kind]
     extra = {"window": param} if kind == "sliding" else {"chunk_size": param} if kind == "chunked" else {}
@@ -204,7 +204,7 @@ def test_decode_attention_from_positions_equals_the_mask(kind, param):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rot", [8, 4])
 def test_rope_kernel_matches_the_torch_path(interleaved, rot):
-    from hybridcache.blocks.rotary import RotaryEmbedding
+    from hybridcache.blocks.attention.rotary import RotaryEmbedding
 
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     rotary = RotaryEmbedding(inv, interleaved=interleaved)
@@ -316,8 +316,8 @@ def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, soft
     "norm, rot, interleaved", [(True, 8, False), (True, 4, True), (False, 8, False), (True, 0, False)]
 )
 def test_norm_rope_kernel_matches_the_modules(norm, rot, interleaved):
-    from hybridcache.blocks.norms import RMSNorm
-    from hybridcache.blocks.rotary import RotaryEmbedding
+    from hybridcache.blocks.attention.rotary import RotaryEmbedding
+    from hybridcache.blocks.core.norms import RMSNorm
 
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 3, 5, 8, generator=g)  # [B, T, H, D]: q as a strided view, as the mixer has it

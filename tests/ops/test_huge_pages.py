@@ -2,9 +2,9 @@
 
 import torch
 
-import hybridcache.ops.huge_pages as hp
+import hybridcache.accel.huge_pages as hp
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 from hybridcache.models import from_pretrained
-from hybridcache.tiny_models import tiny_checkpoint
 
 
 def _huge_kb_at(start: int, end: int) -> int:

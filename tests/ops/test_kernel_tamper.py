@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import hybridcache.ops.cpu_kernels as ck
-from hybridcache.tiny_models import tiny_checkpoint
+import hybridcache.accel.kernels as ck
+from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 REBUILT = {

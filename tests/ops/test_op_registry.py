@@ -1,4 +1,4 @@
-"""The registered ops (hybridcache/ops/registry.py, declared in op_specs.py): for every op, on randomized shapes,
+"""The registered ops (hybridcache/accel/op_registry.py, declared in op_specs.py): for every op, on randomized shapes,
 the eager op == the torch.compile'd op (fullgraph, no graph breaks) == the pure-torch reference (op_reference.py,
 up to float32 rounding order), the fake implementation's outputs have the real outputs' shapes, dtypes and
 strides, and arguments that break the declared rules raise KernelArgumentError before any C function is touched."""
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import hybridcache.ops as ops
-import hybridcache.ops.cpu_library as cpu_library
-from hybridcache.ops.op_specs import SPECS
-from hybridcache.ops.registry import KERNELS, REFERENCES, op
+import hybridcache.accel as accel
+import hybridcache.accel.library as cpu_library
+from hybridcache.accel.op_registry import KERNELS, REFERENCES, op
+from hybridcache.accel.op_specs import SPECS
 
 NAMES = [spec.name for spec in SPECS]
 W_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
@@ -258,10 +258,10 @@ def test_broken_rules_raise_before_c(name, monkeypatch):
     for i, bad, words in BAD[name]:
         broken = list(args)
         broken[i] = bad(args[i])
-        with pytest.raises(ops.KernelArgumentError, match=words):
+        with pytest.raises(accel.KernelArgumentError, match=words):
             op(name)(*broken)
 
 
 def test_exports():
-    assert ops.kernel_status().startswith(("C kernels", "torch path"))
-    assert issubclass(ops.KernelArgumentError, ValueError)
+    assert accel.kernel_status().startswith(("C kernels", "torch path"))
+    assert issubclass(accel.KernelArgumentError, ValueError)

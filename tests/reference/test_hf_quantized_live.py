@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hybridcache.cache.hf_quantized_storage import HFQuantizedStorage
+from hybridcache.cache.storage.hf_quantized import HFQuantizedStorage
 from hybridcache.reference.hf_quantized_runner import run_hf_quantized
 from tests.cache.test_hf_quantized import CASES, RECORDED, SPLITS, feed, inputs
 
@@ -52,8 +52,8 @@ def test_identical_to_live_hf_5_2(case, split):
 def _real_model_case():
     from transformers import AutoTokenizer
 
-    from experiments.study_data import encode, text_source, with_bos
-    from hybridcache.real_checkpoints import RealCheckpointMissing, real_checkpoint
+    from experiments.study.data import encode, text_source, with_bos
+    from hybridcache.checkpoints.real import RealCheckpointMissing, real_checkpoint
 
     try:
         path = real_checkpoint("gemma3_270m", quiet=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridcache.real_checkpoints import missing_packages
+from hybridcache.checkpoints.real import missing_packages
 
 RECORDING = Path(__file__).with_name("data") / "kvpress_gemma3_270m.safetensors"
 METHODS = ("streaming_llm", "snapkv", "knorm", "tova", "observed_attention", "expected_attention", "pyramidkv")
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _prompt(path) -> tuple[list[int], list[int]]:
-    from experiments.common import load_tokenizer
-    from experiments.study_data import documents
+    from experiments.core.common import load_tokenizer
+    from experiments.study.data import documents
 
     tokenizer = load_tokenizer(str(path))
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
@@ -58,7 +58,7 @@ def _recorded() -> tuple[list[int], list[int], dict]:
 @pytest.fixture(scope="module")
 def setup():
     import hybridcache as hc
-    from hybridcache.real_checkpoints import real_checkpoint
+    from hybridcache.checkpoints.real import real_checkpoint
 
     path = real_checkpoint("gemma3_270m")
     model = hc.from_pretrained(path, dtype=torch.float32)
@@ -88,7 +88,7 @@ def record() -> None:
     """Run kvpress live for every method and write the recording."""
     from safetensors.torch import save_file
 
-    from hybridcache.real_checkpoints import real_checkpoint
+    from hybridcache.checkpoints.real import real_checkpoint
     from hybridcache.reference.kvpress_runner import run_press
     from hybridcache.reference.press_check import FEED
 

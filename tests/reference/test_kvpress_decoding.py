@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hybridcache.cache.press_schedule import decoding_kept_count
+from hybridcache.cache.methods.press_schedule import decoding_kept_count
 from hybridcache.reference import kvpress_runner
 from hybridcache.reference.kvpress_decoding import DECODING_PRESSES, read_decoding_answer, run_decoding_press
 from hybridcache.reference.kvpress_runner import WORKER, KvpressWorkerError
@@ -140,7 +140,7 @@ KVPRESS_PYTHON = os.environ.get(kvpress_runner.ENV_VAR)
 
 
 def _real_path():
-    from hybridcache.real_checkpoints import _target
+    from hybridcache.checkpoints.real import _target
 
     path = _target("gemma3_270m")
     return path if (path / "config.json").is_file() else None
@@ -185,8 +185,8 @@ def test_the_keep_count_is_kvpress_s_own():
 @pytest.fixture(scope="module")
 def setup():
     import hybridcache as hc
-    from experiments.common import load_tokenizer
-    from experiments.study_data import documents
+    from experiments.core.common import load_tokenizer
+    from experiments.study.data import documents
 
     model = hc.from_pretrained(REAL, dtype=torch.float32)
     tokenizer = load_tokenizer(str(REAL))
@@ -252,8 +252,8 @@ def test_press_check_composes_the_decoding_cases_and_refuses_bad_ones_by_name(mo
 
     from hydra import compose, initialize_config_dir
 
-    from experiments.common import UserError
-    from experiments.press_check import decoding_cases, run
+    from experiments.core.common import UserError
+    from experiments.press_check.main import decoding_cases, run
 
     configs = Path(__file__).resolve().parents[2] / "configs"
 
@@ -286,7 +286,7 @@ def test_press_check_writes_the_decoding_rows(tmp_path, tmp_path_factory, monkey
     from hydra.core.global_hydra import GlobalHydra
 
     import experiments
-    import experiments.press_check as app
+    import experiments.press_check.main as app
     import run
     from hybridcache.reference.press_check import DecodingCheck
 

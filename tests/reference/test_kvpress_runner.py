@@ -284,7 +284,7 @@ KVPRESS_PYTHON = os.environ.get(kvpress_runner.ENV_VAR)
 
 
 def _real_path():
-    from hybridcache.real_checkpoints import _target
+    from hybridcache.checkpoints.real import _target
 
     path = _target("gemma3_270m")
     return path if (path / "config.json").is_file() else None
@@ -304,7 +304,7 @@ CONTEXT, CONTINUATION, RATIO = 400, 64, 0.5
 def text_ids():
     import transformers
 
-    from experiments.study_data import documents
+    from experiments.study.data import documents
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(REAL)
     doc = documents(tokenizer, "pydoc", CONTEXT + CONTINUATION, 1, 262144)[0]  # English prose, bos first

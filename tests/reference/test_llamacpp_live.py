@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hybridcache.real_checkpoints import missing_packages
+from hybridcache.checkpoints.real import missing_packages
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("HYBRIDCACHE_LLAMACPP_PYTHON"), reason="HYBRIDCACHE_LLAMACPP_PYTHON is not set (opt-in)"
@@ -18,9 +18,9 @@ def test_llamacpp_times_the_real_gguf_and_agrees_with_ours_in_float32(tmp_path):
     if missing_packages("gemma3_270m"):
         pytest.skip(f"the real checkpoint needs {missing_packages('gemma3_270m')}")
     import hybridcache as hc
-    from hybridcache.paths import home_dir
-    from hybridcache.real_checkpoints import real_checkpoint
+    from hybridcache.checkpoints.real import real_checkpoint
     from hybridcache.reference.llamacpp_runner import LlamaCppRunner, gemma3_270m_gguf
+    from hybridcache.util.paths import home_dir
 
     cache = home_dir("llamacpp")
     gguf, sha = gemma3_270m_gguf(cache)

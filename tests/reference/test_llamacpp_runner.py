@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.benchmark_llamacpp import (
+from experiments.benchmark.llamacpp import (
     agreement,
     agreement_lines,
     llamacpp_batches,
@@ -18,8 +18,8 @@ from experiments.benchmark_llamacpp import (
     llamacpp_rates,
     make_runner,
 )
-from experiments.benchmark_table import summarize, throughput_table, timed_row
-from experiments.timing import judge
+from experiments.benchmark.table import summarize, throughput_table, timed_row
+from experiments.benchmark.timing import judge
 from hybridcache.reference.llamacpp_runner import (
     ENV,
     LlamaCppRunner,

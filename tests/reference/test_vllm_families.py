@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from hybridcache.checkpoints.tiny import FAMILIES, build_tiny_checkpoint, tiny_checkpoint
 from hybridcache.reference import vllm_families as vf
 from hybridcache.reference.vllm_families import VLLMIncompatible, vllm_engine_args
-from hybridcache.tiny_models import FAMILIES, build_tiny_checkpoint, tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_PREFIX = {"enable_prefix_caching": False}
@@ -248,7 +248,7 @@ def test_app_uses_the_vllm_variant_where_the_default_differs_on_purpose(tmp_path
     the variant's config passes the preflight that refuses the plain tiny default."""
     from hydra import compose, initialize_config_dir
 
-    from experiments.common import checkpoint_path, use_vllm_variant
+    from experiments.core.common import checkpoint_path, use_vllm_variant
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose(config_name="config", overrides=[f"model={family}", "reference=vllm", f"home={tmp_path}"])

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.benchmark import vllm_rates
+from experiments.benchmark.main import vllm_rates
 from hybridcache.reference import vllm_worker
 
 

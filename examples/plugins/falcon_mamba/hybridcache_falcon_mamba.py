@@ -12,11 +12,11 @@ from typing import ClassVar
 
 import torch
 
-from hybridcache.blocks.linear import linear
-from hybridcache.blocks.mamba import MambaMixer
-from hybridcache.models.family_config import param
-from hybridcache.models.mamba import MambaConfig, MambaLM
-from hybridcache.models.registry import register_family
+from hybridcache.blocks.core.linear import linear
+from hybridcache.blocks.recurrent.mamba import MambaMixer
+from hybridcache.models.core.family_config import param
+from hybridcache.models.core.registry import register_family
+from hybridcache.models.families.mamba import MambaConfig, MambaLM
 
 
 @dataclass(kw_only=True)

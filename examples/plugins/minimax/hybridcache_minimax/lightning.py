@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridcache.cache.base import check_float_dtype, tunable
-from hybridcache.cache.recurrent import RecurrentCacheLayer, RecurrentSpec
-from hybridcache.cache.registry import register_cache_layer
+from hybridcache.cache.core.base import check_float_dtype, tunable
+from hybridcache.cache.core.registry import register_cache_layer
+from hybridcache.cache.recurrent.layers import RecurrentCacheLayer, RecurrentSpec
 
 
 def lightning_scan(q, k, v, g, kv, chunk: int = 64):

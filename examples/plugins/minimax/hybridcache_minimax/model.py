@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
-from hybridcache.blocks.mlp import activation
-from hybridcache.blocks.moe import SparseMoE
-from hybridcache.blocks.rotary import rope_frequencies
+from hybridcache.blocks.attention.rotary import rope_frequencies
+from hybridcache.blocks.core.mlp import activation
+from hybridcache.blocks.moe.topk import SparseMoE
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.config_pieces import AttentionFields, MoEFields
-from hybridcache.models.family_config import length_problem, param
-from hybridcache.models.registry import register_family
-from hybridcache.models.stack import StackLM
+from hybridcache.models.core.config_pieces import AttentionFields, MoEFields
+from hybridcache.models.core.family_config import length_problem, param
+from hybridcache.models.core.registry import register_family
+from hybridcache.models.core.stack import StackLM
 from hybridcache_minimax.lightning import lightning_scan
 
 

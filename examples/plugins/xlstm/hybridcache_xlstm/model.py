@@ -16,9 +16,9 @@ from torch import nn
 
 from hybridcache.blocks import RMSNorm, StepInput
 from hybridcache.cache import CacheLayer, NativeLayer
-from hybridcache.models.base import HybridLM
-from hybridcache.models.family_config import FamilyConfig, param
-from hybridcache.models.registry import register_family
+from hybridcache.models.core.base import HybridLM
+from hybridcache.models.core.family_config import FamilyConfig, param
+from hybridcache.models.core.registry import register_family
 from hybridcache_xlstm.state import mlstm_step
 
 

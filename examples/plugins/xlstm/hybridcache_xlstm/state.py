@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridcache.cache.base import check_float_dtype, tunable
-from hybridcache.cache.recurrent import RecurrentCacheLayer, RecurrentSpec
-from hybridcache.cache.registry import register_cache_layer
+from hybridcache.cache.core.base import check_float_dtype, tunable
+from hybridcache.cache.core.registry import register_cache_layer
+from hybridcache.cache.recurrent.layers import RecurrentCacheLayer, RecurrentSpec
 
 
 def mlstm_step(c, n, m, q, k, v, i, f, eps: float = 1e-6):

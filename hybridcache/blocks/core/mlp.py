@@ -1,0 +1,61 @@
+"""Gated MLP: down(act(gate(x)) * up(x))."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridcache.accel.kernel_calls import call, takes
+from hybridcache.accel.op_specs import ACT_MUL
+from hybridcache.blocks.core.linear import DecodeLinear
+from hybridcache.blocks.core.linear_group import LinearGroup
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Nemotron-H)
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation '{name}' (supported: {', '.join(ACTIVATIONS)})") from None
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act, self.act_name = activation(act), act
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)  # one matmul once fused (from_pretrained)
+
+    def projection_groups(self) -> list[LinearGroup]:
+        return [self.gate_up]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        kernel = self.act_name in ACT_MUL and takes(x) and x.dim() > 0
+        parts = self.gate_up.parts() if kernel and isinstance(down, DecodeLinear) else None
+        if parts is not None:  # a decode step on CPU: the whole MLP in one kernel call
+            y = call("gated_mlp", x, *parts, down.weight, down.bias, down._buffers.get("scale"), self.act_name)
+            if y is not None:
+                return y
+        gate_up = self.gate_up.joint(x)  # [..., 2I] once fused
+        if gate_up is None:
+            gate, up = self.gate_up(x)
+        else:
+            out = call("act_mul", gate_up, self.act_name) if kernel else None  # activation x product, one call
+            if out is not None:
+                return self.down_proj(out)
+            gate, up = gate_up.split_with_sizes(self.gate_up.sizes, dim=-1)
+        return self.down_proj(self.act(gate) * up)

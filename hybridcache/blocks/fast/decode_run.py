@@ -1,0 +1,295 @@
+"""Decode steps whose cache bookkeeping runs once per run of steps instead of once per layer and step.
+
+An eager decode step of a model whose layers all record (decode_stack.py: Gemma 3's whole layer in one C call)
+still pays, per layer and step, the cache's reservation of the token's slot, its commit, and the checks that build
+the layer's record: ~2 ms of Python a step on Gemma 3 270M (a sixth of an int8 step), run with the caches cold
+after each step's weights. A run pays them once. The cache reserves room for up to `capacity` tokens after every
+layer's held slots and stays held (Cache.reserve_decode); the first step builds each layer's record by its checked
+call (`run.record`, as decode_stack does); each later step changes only what moves with the step in those records
+(the slot and slot count, the rotary tables, the query position, the input), and the kernels write each token's
+keys and values into the next reserved slot. When the run ends the tokens are fed as one block
+(Cache.feed_reserved), which leaves the cache as that many one-token blocks would.
+
+The same kernels on the same inputs: the attention reads the same visible slots (its output depends on those only,
+so older slots that a step-by-step decode would have evicted meanwhile change nothing), so the same logits bit for
+bit and the same cache after (tests/models/test_decode_run.py). Only inside `decode_stack.steady()` (no code but
+ours between the steps, so nothing else can read or change the cache or the modules meanwhile), one row, every
+layer recording; anything else decodes step by step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from hybridcache.accel.checks import INT_MAX, _ptr, _real, _vec
+from hybridcache.accel.decoder_stack import record_table, record_type, run_table
+from hybridcache.accel.kernel_calls import takes
+from hybridcache.accel.library import _library
+from hybridcache.accel.op_specs import WEIGHT_TYPES
+from hybridcache.blocks.core.linear import DecodeLinear, PackedEmbedding
+from hybridcache.blocks.core.norms import RMSNorm
+from hybridcache.blocks.fast.decode_stack import _binding, _hooked, steady_bindings
+from hybridcache.cache.core.group import CacheGroup
+
+RUN_TOKENS = 128  # steps per run at most: the spare slots it reserves in every layer
+_F32 = torch.float32
+
+
+class DecodeRun:
+    """Up to `capacity` decode steps of one model on one held cache (`start`), fed to the cache by `finish`."""
+
+    def __init__(self, cache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
+        self.cache, self.capacity, self.pos0 = cache, capacity, pos0  # pos0 [B]: the first step's positions
+        self.ids = ids  # [B, capacity]: the tokens fed, in order
+        self.steps = self.table_step = 0  # steps run; the step the records' moving fields are set for
+        self.closed = False
+
+    @classmethod
+    def start(cls, model, cache, capacity: int, ids: torch.Tensor, h: torch.Tensor) -> DecodeRun | None:
+        """A run of up to `capacity` steps from the cache's state, its first step's tokens `ids` [B, 1] embedded as
+        h [B, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step."""
+        kept = steady_bindings()
+        blocks, entries = list(model.decoder_layers), list(cache.entries)
+        if (
+            kept is None
+            or capacity < 1
+            or h.dim() != 3
+            or h.shape[:2] != (1, 1)
+            or ids.shape != (1, 1)
+            or not takes(h)
+            or not h.is_contiguous()
+            or torch.compiler.is_compiling()
+            or record_type() is None
+            or len(blocks) != len(entries)
+            or cache.seq.block is not None
+            or any(isinstance(e, CacheGroup) for e in entries)
+            or not all(hasattr(type(b), "decode_record") and hasattr(type(b), "decode_rotary") for b in blocks)
+            or any(_hooked(b) for b in blocks)
+        ):
+            return None
+        bindings = [_binding(b, e, h, kept) for b, e in zip(blocks, entries, strict=True)]
+        if any(b is None for b in bindings):
+            return None
+        rotaries = [b.decode_rotary() for b in blocks]
+        pos0 = cache.seq.seen.clone()  # [B]: each row's next position (every step is all real tokens)
+        reserved = cache.reserve_decode(capacity)
+        if reserved is None:
+            return None
+        by_layer = dict(zip(map(id, cache.layers), reserved, strict=True))
+        run = cls(cache, capacity, pos0, ids.new_zeros(ids.shape[0], capacity))
+        try:
+            if not run._build(h, entries, bindings, rotaries, [by_layer[id(e)] for e in entries]):
+                run.abandon()
+                return None
+        except BaseException:
+            run.abandon()
+            raise
+        return run
+
+    def _build(self, h, entries, bindings, rotaries, reserved) -> bool:
+        """The first step's records (False: some layer's call does not take them; nothing written)."""
+        b = h.shape[0]
+        ahead = self.pos0[:, None] + torch.arange(self.capacity)  # [B, capacity]: the reserved slots' positions
+        for r in reserved:
+            r.key_pos.narrow(1, r.end, self.capacity).copy_(ahead)  # (not the layer's until fed)
+        self.bufs = (torch.empty_like(h), torch.empty_like(h))  # the layers' outputs, in turn
+        self.tables = {}  # id(rotary) -> this step's (cos, sin)
+        self.q_pos = self.pos0.view(b, 1)
+        records, alive, pointers, x = [], [], [], h
+        for i, (entry, run, rotary, r) in enumerate(zip(entries, bindings, rotaries, reserved, strict=True)):
+            form = entry.spec.kernel_pattern()
+            cos, sin = self._rope(rotary, self.q_pos)
+            if form is None or (rotary is not None and not rotary.kernel_tables(h, cos)):
+                return False
+            held = r.end - r.start
+            keys, values = r.keys.narrow(2, r.start, held + 1), r.values.narrow(2, r.start, held + 1)
+            k_pos = r.key_pos.narrow(1, r.start, held + 1)
+            y = self.bufs[i % 2]
+            if r.keys.numel() > INT_MAX or r.values.numel() > INT_MAX:
+                return False
+            got = run.record(x, y, cos, sin, keys, values, held, self.q_pos, k_pos, *form)
+            if got is None:
+                return False
+            records.append(got[0])
+            pointers.append((x.data_ptr(), keys.data_ptr(), values.data_ptr(), k_pos.data_ptr()))
+            alive.append(got[1])
+            x = y
+        # the C array, and what its pointers point into (the bindings hold the weights and norms alive)
+        self.table, self.alive, self.bindings, self.reserved = record_table(records), alive, bindings, reserved
+        self.rotaries, self.out = rotaries, x
+        # the record fields that move with the step, checked once: the same tensors' pointers, the count and slot
+        # (the record points into these very tensors, not copies: what later steps write there, it reads)
+        for rec, rotary, r, ptrs in zip(self.table, rotaries, reserved, pointers, strict=True):
+            cos, sin = self.tables.get(id(rotary), (None, None))
+            want = (self.q_pos.data_ptr(), r.end - r.start, r.end - r.start + 1, _ptr(cos), _ptr(sin), *ptrs)
+            got = (rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t, rec.x, rec.keys, rec.values, rec.kpos)
+            if got != want:
+                return False
+        return True
+
+    def _rope(self, rotary, positions: torch.Tensor):
+        """cos, sin [B, 1, 1, R] for positions [B, 1], once per rotary and step ((None, None): no rotary), by the
+        rotary's own tables (the step-by-step decode computes them so, for its block's positions)."""
+        if rotary is None:
+            return None, None
+        got = self.tables.get(id(rotary))  # (the rotaries are held by self.rotaries: no id is reused meanwhile)
+        if got is None:
+            got = self.tables[id(rotary)] = rotary.tables(positions, _F32)
+        return got
+
+    @property
+    def full(self) -> bool:
+        return self.steps >= self.capacity
+
+    def step(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One decode step: tokens `ids` [B, 1] embedded as h [B, 1, D] through every layer, their keys and values
+        written into the next reserved slots. Returns the last layer's output [B, 1, D] (a buffer the next step
+        overwrites: read it first)."""
+        j, table = self.steps, self.table
+        if self.closed or j >= self.capacity:
+            raise RuntimeError("DecodeRun.step: the run is over (finished, abandoned or full)")
+        if ids.shape != (self.ids.shape[0], 1) or h.shape != self.out.shape or not takes(h) or not h.is_contiguous():
+            raise ValueError(f"DecodeRun.step: ids [B, 1] and h {tuple(self.out.shape)} float32, got {tuple(h.shape)}")
+        if j:
+            self.q_pos = (self.pos0 + j).view(-1, 1)
+            self.tables = {}
+            q = self.q_pos.data_ptr()
+            for rec, rotary, r in zip(table, self.rotaries, self.reserved, strict=True):
+                cos, sin = self._rope(rotary, self.q_pos)
+                slot = r.end - r.start + j
+                rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t = q, slot, slot + 1, _ptr(cos), _ptr(sin)
+        table[0].x = h.data_ptr()
+        self.table_step = j  # the step the records' moving fields are set for
+        self.step_alive = (h, self.q_pos, self.tables)  # what the records point into, until the next step
+        run_table(table)
+        self.ids[:, j] = ids[:, 0]
+        self.steps = j + 1
+        return self.out
+
+    def greedy(self, model, first: int, k: int, eos: list[int], keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to k greedy steps in one C call (kernels/cpu_decode.c hc_decode_steps: no interpreter between steps)
+        from token `first`: each step embeds its token, runs the layers, the final norm and the head, and takes the
+        first largest logit (the same kernels, in the same order, as `step` followed by model.head and
+        greedy_next). Stops after a token in `eos`. Returns (the n tokens [n], their logits [n, V] when `keep`,
+        else [1, V]); the run has then fed n tokens (`first` and the first n - 1 of those). NotImplementedError
+        (nothing run) where the model's embedding or head is not a form the loop computes."""
+        if self.closed:
+            raise RuntimeError("DecodeRun.greedy: the run is over (finished or abandoned)")
+        embedding, head = model.decode_embedding(), model.decode_head()
+        j, d = self.steps, self.out.shape[-1]
+        if embedding is None or head is None:
+            raise NotImplementedError("DecodeRun.greedy: the model's embedding or head is not one the loop computes")
+        table_w, table_rs, multiplier = embedding
+        norm, eps, w_head, head_rs, head_bias = head
+        vocab, v = table_w.shape[0], w_head.shape[0]
+        if (
+            type(k) is not int
+            or type(first) is not int
+            or not 0 < k <= self.capacity - j
+            or not all(type(e) is int and 0 <= e < 2**63 for e in eos)
+            or table_w.shape[1] != d
+            or w_head.shape[1] != d
+            or not 0 <= first < vocab
+            or v > INT_MAX
+            or vocab > 2**62
+            or (norm is not None and not _vec(norm, d))
+            or not (_vec(table_rs, vocab) and _vec(head_rs, v) and _vec(head_bias, v))
+        ):
+            raise ValueError(
+                f"DecodeRun.greedy: {k!r} steps from token {first!r} (eos {eos!r}) do not fit this run ({j} of "
+                f"{self.capacity} steps run) or model (vocabulary {vocab})"
+            )
+        positions = self.pos0[0] + j + torch.arange(k)  # [k] (one row)
+        ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        index = []
+        for rec, rotary in zip(self.table, self.rotaries, strict=True):
+            if rotary is None:
+                index.append(-1)
+                continue
+            if id(rotary) not in ropes:  # each position's tables as a step computes them, row by row
+                rows = [rotary.tables(p.view(1, 1), _F32) for p in positions]  # [1, 1, 1, R] each
+                ropes[id(rotary)] = tuple(torch.cat([t[i].reshape(1, -1) for t in rows]) for i in (0, 1))
+            if ropes[id(rotary)][0].shape[1] != rec.rot:
+                raise ValueError("DecodeRun.greedy: a layer's rotary tables changed width")
+            index.append(list(ropes).index(id(rotary)))
+        cos = (ctypes.c_void_p * max(len(ropes), 1))(*(c.data_ptr() for c, _ in ropes.values()))
+        sin = (ctypes.c_void_p * max(len(ropes), 1))(*(s.data_ptr() for _, s in ropes.values()))
+        rope = (ctypes.c_int * len(index))(*index)
+        stops = torch.tensor(sorted(set(eos)) or [-1], dtype=torch.int64)
+        x, normed = torch.empty(d), torch.empty(d)
+        logits, tokens, done = torch.empty(k if keep else 1, v), torch.empty(k, dtype=torch.int64), ctypes.c_int(0)
+        n = _library().hc_decode_steps(
+            ctypes.addressof(self.table), len(self.table), j - self.table_step, rope, cos, sin, positions.data_ptr(), k,
+            table_w.data_ptr(), WEIGHT_TYPES[table_w.dtype], _ptr(table_rs), vocab, multiplier,
+            _ptr(norm), eps, w_head.data_ptr(), WEIGHT_TYPES[w_head.dtype], _ptr(head_rs), _ptr(head_bias), v,
+            x.data_ptr(), normed.data_ptr(), logits.data_ptr(), int(keep), stops.data_ptr(), len(set(eos)), first,
+            tokens.data_ptr(), ctypes.addressof(done),
+        )  # fmt: skip
+        ran = done.value
+        self.ids[0, j] = first
+        self.ids[0, j + 1 : j + ran] = tokens[: max(ran - 1, 0)]  # (none when the first step failed)
+        self.steps = j + ran
+        if n == -3:
+            raise NonFiniteLogits(tokens[:ran], logits[:ran] if keep else logits, logits[ran] if keep else logits[0])
+        if n < 0:
+            raise (
+                MemoryError("hc_decode_steps: a layer found no memory for its attention's scratch")
+                if n == -1
+                else (ValueError("hc_decode_steps: a token outside the embedding"))
+            )
+        return tokens[:n], logits[:n] if keep else logits
+
+    def finish(self) -> None:
+        """Feed the run's tokens to the cache as one block (nothing when it ran no step) and let go of it."""
+        if not self.closed:
+            self.closed = True
+            self.cache.feed_reserved(self.ids[:, : self.steps] if self.steps else None)
+
+    def abandon(self) -> None:
+        """Let go of the cache without feeding anything (what it held is unchanged)."""
+        if not self.closed:
+            self.closed = True
+            self.cache.feed_reserved(None)
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A greedy run's step whose chosen logit is not finite (hc_decode_steps -3): the tokens [n] and logits chosen
+    before it, which the caller hands on before it reports the step, and that step's row of logits `row` [V]."""
+
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, row: torch.Tensor) -> None:
+        super().__init__(f"the logits after {tokens.shape[0]} greedy steps are not finite")
+        self.tokens, self.logits, self.row = tokens, logits, row
+
+
+def embedding_form(e: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(table [V, D], row scale [V] or None) where e(ids) is the table's rows widened to float32 (times their row
+    scale): a plain float32 nn.Embedding, or a PackedEmbedding (bfloat16 / int8) to float32. None otherwise."""
+    w = getattr(e, "weight", None)
+    if type(e) is nn.Embedding:
+        ok, scale = w.dtype == _F32, None
+    elif type(e) is PackedEmbedding:
+        ok, scale = e.out_dtype == _F32 and w.dtype in WEIGHT_TYPES, e._buffers.get("scale")
+    else:
+        return None
+    if not ok or e.max_norm is not None or w.dim() != 2 or not w.is_cpu or not w.is_contiguous():
+        return None
+    return (w, scale) if _vec(scale, w.shape[0]) else None
+
+
+def head_form(norm: nn.Module, linear: nn.Module):
+    """(norm scale [D] and eps, weight [V, D], row scale [V] or None, bias [V] or None) where head(h) =
+    linear(norm(h)) runs the RMSNorm kernel, then the decode_linear kernel. None otherwise."""
+    if type(norm) is not RMSNorm or norm.weight.dtype != _F32 or not _real(norm.eps):
+        return None
+    if type(linear) is not DecodeLinear:
+        return None
+    w, scale, bias = linear.weight, linear._buffers.get("scale"), linear.bias
+    if w.dtype not in WEIGHT_TYPES or w.dim() != 2 or not w.is_cpu or not w.is_contiguous():
+        return None
+    scale_n = norm.kernel_scale()
+    if not (_vec(scale_n, w.shape[1]) and _vec(scale, w.shape[0]) and _vec(bias, w.shape[0])):
+        return None
+    return scale_n, float(norm.eps), w, scale, bias

@@ -1,0 +1,138 @@
+"""An eager decode step's decoder layers with one C call per run of layers (accel/decoder_stack.py).
+
+A layer that offers `decode_binding(x, cache_layer)` and `decode_record(x, y, cache_layer, step, binding)`
+(Gemma3DecoderLayer: its whole layer as one hc_decoder_layer call) reserves its token's cache slot and hands back
+its call's arguments instead of running it; consecutive such layers then run in one call, layer i + 1 reading the
+buffer layer i writes. Any other layer, a layer with module hooks, or a layer whose kernel declines after reserving
+ends the run: the pending layers run first, then that layer as a module call (its separate path writing the slot it
+reserved). The same kernels in the same order as the per-layer calls, so the same numbers; a failure raises inside
+the Cache's open block, which the caller aborts (every reservation dropped, nothing the cache holds changed).
+
+A layer's record starts from its binding (`decode_binding(x, cache_layer)`: the checks of its modules and the memo
+keys over every weight and norm it reads, ~1 ms a step on Gemma 3 270M with int8 weights, ~8% of the step). Inside
+`steady()`, a stretch of steps between which no code but ours runs (generate without the user's logits processors,
+stopping criteria, streamer or forward hooks), the modules cannot change, so each layer is bound at its first step
+and the binding kept; what depends on the step (hooks, the cache's slot, the tensors' checks) is checked each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+from hybridcache.accel.decoder_stack import record_type, run_records
+from hybridcache.accel.kernel_calls import takes
+
+_STEADY: ContextVar[dict | None] = ContextVar("hybridcache_steady_decode", default=None)
+_UNSET = object()
+
+
+@contextmanager
+def steady() -> Iterator[None]:
+    """Decode steps between which the modules stay as they are (no code but ours runs between them): each layer's
+    binding is made once and kept until the `with` exits. Anything that may change a module (a weight, a norm, a
+    projection, a hook's target) must run outside it."""
+    token = _STEADY.set({})
+    try:
+        yield
+    finally:
+        _STEADY.reset(token)
+
+
+def steady_bindings() -> dict | None:
+    """The bindings kept inside `steady()` (None outside it: the modules may change between steps)."""
+    return _STEADY.get()
+
+
+def steady_unless_hooked(ours: bool, *models: nn.Module | None) -> AbstractContextManager:
+    """`steady()` for a loop that runs no code of the user's between its steps (`ours`: no processor, criterion
+    or streamer) when no forward hook of these models (None: none) or global hook would run any either; else a
+    context that does nothing (every step binds)."""
+    return steady() if ours and _unhooked(*models) else nullcontext()
+
+
+def _unhooked(*models: nn.Module | None) -> bool:
+    """Whether no module of these models (None: none) and no global hook would run the user's code in a step."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    return not any(
+        m._forward_hooks or m._forward_pre_hooks for model in models if model is not None for m in model.modules()
+    )
+
+
+def _binding(block: nn.Module, entry, x: torch.Tensor, kept: dict | None):
+    """block.decode_binding(x, entry), made once per (block, cache layer, x's shape and dtype) inside `steady()`."""
+    if kept is None:
+        return block.decode_binding(x, entry)
+    key = (id(block), id(entry), x.shape, x.dtype)
+    got = kept.get(key, _UNSET)
+    if got is _UNSET or got[0] is not block or got[1] is not entry:  # (held: neither id is reused while kept)
+        got = kept[key] = (block, entry, block.decode_binding(x, entry))
+    return got[2]
+
+
+def _hooked(block: nn.Module) -> bool:
+    """Whether calling `block` would run hooks that a record's C call would skip."""
+    return bool(
+        block._forward_hooks
+        or block._forward_pre_hooks
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+    )
+
+
+def run_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor:
+    """h [B, T, D] through every layer (blocks[i] with cache layer entries[i]): a decode step by `decode_layers`
+    where it applies, else one module call per layer."""
+    out = decode_layers(blocks, entries, h, step)  # (None for a block of more than one token)
+    if out is None:
+        for block, entry in zip(blocks, entries, strict=True):
+            h = block(h, entry, step)
+        return h
+    return out
+
+
+def decode_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
+    """h [B, 1, D] through every layer of an eager decode step (blocks[i] with cache layer entries[i]), runs of
+    recording layers in one C call each; None (nothing reserved, nothing run) where no layer here records or the
+    step is not one the kernels take (the caller's loop then runs it)."""
+    if (
+        h.dim() != 3
+        or h.shape[1] != 1
+        or not takes(h)
+        or torch.compiler.is_compiling()
+        or not any(hasattr(type(b), "decode_record") for b in blocks)
+        or record_type() is None
+    ):
+        return None
+    bufs = (torch.empty(h.shape, dtype=h.dtype), torch.empty(h.shape, dtype=h.dtype))  # the layers' outputs, in turn
+    pending: list[tuple] = []  # recorded calls not yet run, and the tensors they point into
+    kept, x = _STEADY.get(), h
+    for block, entry in zip(blocks, entries, strict=True):
+        record = getattr(type(block), "decode_record", None)
+        got = None
+        if record is not None and not _hooked(block):
+            binding = _binding(block, entry, x, kept)
+            if binding is not None:
+                y = bufs[1] if x is bufs[0] else bufs[0]
+                got = record(block, x, y, entry, step, binding)
+                if got is not None and got[0] != "reserved":
+                    pending.append(got)
+                    x = y
+                    continue
+        _flush(pending)
+        x = block(x, entry, step) if got is None else block.separate(x, entry, step, got[1])
+    _flush(pending)
+    return x
+
+
+def _flush(pending: list[tuple]) -> None:
+    if pending:
+        calls = [args for args, _alive in pending]
+        run_records(calls)  # (the `_alive` tensors stay referenced by `pending` until it returns)
+        pending.clear()

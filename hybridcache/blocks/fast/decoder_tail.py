@@ -1,0 +1,137 @@
+"""A decoder layer after its attention as one kernel call on CPU: the output projection, the residual add between
+its norms, the gated MLP and its residual add (kernels/cpu_decode.c, hc_decoder_tail). The same kernels in the same
+order as the separate calls (DecodeLinear, residual_norm, GatedMLP), so the same numbers; what goes is the
+interpreter between them, which runs cold after every weight read."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridcache.accel.fused import bind_decoder_tail
+from hybridcache.accel.kernel_calls import call, takes
+from hybridcache.accel.op_specs import ACT_MUL
+from hybridcache.blocks.core.linear import DecodeLinear
+from hybridcache.blocks.core.linear_group import _param
+from hybridcache.blocks.core.mlp import GatedMLP
+from hybridcache.blocks.core.norms import kernel_args, kernel_key, kernel_plain
+from hybridcache.blocks.fast.kernel_memo import KernelMemo, tensor_key
+
+_F32 = torch.float32
+
+
+def decoder_tail(
+    h: torch.Tensor,
+    a: torch.Tensor,
+    o_proj: nn.Module,
+    post_attn: nn.Module | None,
+    pre_mlp: nn.Module | None,
+    mlp: nn.Module,
+    post_mlp: nn.Module | None,
+    memo: KernelMemo | None = None,
+) -> torch.Tensor | None:
+    """h1 + post_mlp(mlp(pre_mlp(h1))) with h1 = h + post_attn(o_proj(a)) (a norm None: none), by one kernel call:
+    h [..., D] the residual stream, a [..., A] the attention's output before o_proj. None (the caller's separate
+    calls) unless this is a float32 CPU decode step the kernel takes: DecodeLinear projections, a GatedMLP whose
+    activation the kernel computes, plain float32 RMSNorms. With `memo` (the layer's), eager calls are bound once
+    to these modules' weights and norms (blocks/fast/kernel_memo.py)."""
+    if not (takes(a) and h.dtype is _F32):
+        return None
+    if memo is None or torch.compiler.is_compiling():
+        return _call(h, a, o_proj, post_attn, pre_mlp, mlp, post_mlp)
+    run = bound_tail(h.shape[-1], a.shape[-1], o_proj, post_attn, pre_mlp, mlp, post_mlp, memo)
+    return None if run is None else run(h, a)
+
+
+def bound_tail(
+    d: int,
+    width: int,
+    o_proj: nn.Module,
+    post_attn: nn.Module | None,
+    pre_mlp: nn.Module | None,
+    mlp: nn.Module,
+    post_mlp: nn.Module | None,
+    memo: KernelMemo,
+):
+    """decoder_tail's call bound to these modules (accel/fused.py bind_decoder_tail) for a residual of width d
+    and an attention output of `width`, kept in `memo`; None: the kernel does not take them. A decoder layer that
+    runs its whole decode step in one call (accel/decoder_layer.py) ends with it."""
+    down = mlp._modules.get("down_proj") if type(mlp) is GatedMLP else None
+    f = mlp.gate_up._fused if down is not None else None
+    key = (
+        d,
+        width,
+        id(o_proj),
+        type(o_proj),
+        *(tensor_key(t) for t in _linear(o_proj)),
+        id(mlp),
+        type(mlp),
+        None if f is None else (id(f[0]), id(f[1]), id(f[2]), f[3] == mlp.gate_up._pointers()),  # held by the call
+        type(down),
+        *(tensor_key(t) for t in _linear(down)),
+        getattr(mlp, "act_name", None),
+        kernel_key(post_attn),
+        kernel_key(pre_mlp),
+        kernel_key(post_mlp),
+    )
+    return memo.get(key, lambda: _bind(d, width, o_proj, post_attn, pre_mlp, mlp, post_mlp))
+
+
+def _linear(lin: nn.Module | None) -> tuple[torch.Tensor | None, ...]:
+    """A projection's weight, bias and per-row scale (int8), as the kernels take them."""
+    if lin is None:
+        return None, None, None
+    return _param(lin, "weight"), _param(lin, "bias"), lin._buffers.get("scale")
+
+
+def _takes(o_proj, post_attn, pre_mlp, mlp, post_mlp) -> tuple | None:
+    """(gate / up parts, down projection) when the kernel computes these modules, else None."""
+    if not (
+        type(mlp) is GatedMLP
+        and type(o_proj) is DecodeLinear
+        and mlp.act_name in ACT_MUL
+        and kernel_plain(post_attn)
+        and kernel_plain(pre_mlp)
+        and kernel_plain(post_mlp)
+    ):
+        return None
+    down = mlp._modules["down_proj"]
+    parts = mlp.gate_up.parts() if type(down) is DecodeLinear else None
+    return None if parts is None else (parts, down)
+
+
+def _bind(d, width, o_proj, post_attn, pre_mlp, mlp, post_mlp):
+    taken = _takes(o_proj, post_attn, pre_mlp, mlp, post_mlp)
+    if taken is None:
+        return None
+    parts, down = taken
+    return bind_decoder_tail(
+        d,
+        width,
+        _linear(o_proj),
+        *(None if n is None else kernel_args(n) for n in (post_attn, pre_mlp)),
+        parts,
+        _linear(down),
+        mlp.act_name,
+        None if post_mlp is None else kernel_args(post_mlp),
+    )
+
+
+def _call(h, a, o_proj, post_attn, pre_mlp, mlp, post_mlp) -> torch.Tensor | None:
+    """The op on its flat arguments (what torch.compile traces)."""
+    taken = _takes(o_proj, post_attn, pre_mlp, mlp, post_mlp)
+    if taken is None:
+        return None
+    parts, down = taken
+    return call(
+        "decoder_tail",
+        h,
+        a,
+        *_linear(o_proj),
+        *kernel_args(post_attn),
+        *kernel_args(pre_mlp),
+        *parts,
+        *_linear(down),
+        mlp.act_name,
+        *kernel_args(post_mlp),
+    )

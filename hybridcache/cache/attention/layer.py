@@ -1,0 +1,384 @@
+"""Attention cache layers: `full`, `sliding`, `chunked` (and the base that new patterns subclass).
+
+Storage is per slot: the codec's parts of keys and values [B, H, S, ...] plus `key_pos`, the position each slot
+holds (-1: empty or padding): [B, S] shared by a row's heads, or [B, H, S] per kv head for patterns that keep
+different tokens per head (`spec.per_head`: kvpress's scorer presses). Masks come from the spec's pattern and
+these positions alone.
+
+Dynamic (max_length None): `update` returns cat(held, new); at commit only what some row's next query can still
+see is kept (sliding: the last W-1 tokens, chunked: the current chunk), or what an eviction policy picks.
+Preallocated (max_length set): static buffers whose slots the spec assigns (`slot_of`: linear for `full`, a ring of
+W / C slots for `sliding` / `chunked`). A one-token decode block is written in place and the buffer itself is
+returned: no roll, no copy of the window. Longer blocks attend over a copy and are written at commit.
+
+Storage options on every pattern: the codec (`storage`, with `q_group_size` for quantized formats), a residual window
+of dense recent tokens next to a quantized storage (`residual`, residual_window.py; layer-level storages such as
+`kivi` and `hf_quantized` own keys and values instead: grouped_layer.py), and a storage tier that keeps
+the parts off the compute device (`storage: offload`, offload_storage.py): the layer fetches them for its update
+(and drops that copy once the view is built: it stages only the block's new keys/values), again for its commit and
+for batch operations, and parks them after each, so about one layer's parts are on the compute device at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from hybridcache.cache.attention import crop as attention_crop
+from hybridcache.cache.attention import grouped_layer, residual_window
+from hybridcache.cache.attention import slots as attention_slots
+from hybridcache.cache.attention import static as attention_static
+from hybridcache.cache.attention.specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
+from hybridcache.cache.attention.static import SIDES
+from hybridcache.cache.attention.view import _BUILT_IN, AttentionView, _gather_slots, _per_row, _slot_index, check_kv
+from hybridcache.cache.core.base import CacheLayer
+from hybridcache.cache.core.errors import CacheError
+from hybridcache.cache.core.registry import register_cache_layer
+from hybridcache.cache.core.sequence import BlockState
+from hybridcache.cache.storage.append_buffer import AppendBuffers
+from hybridcache.cache.storage.codecs import DenseCodec
+
+
+class AttentionCacheLayer(CacheLayer):
+    """Keys and values under a visibility pattern given by the spec, stored by the spec's codec.
+
+    Subclasses change the pattern through their spec, and which tokens a dynamic layer keeps through `_evict`.
+    A layer that sets `wants_attention_weights` gets the block's attention weights in `observe_attention`
+    (score-based eviction such as H2O / TOVA).
+    """
+
+    kind = "attention"
+    spec_cls = AttentionSpec
+    evicts: ClassVar[bool] = True  # False for patterns where every earlier token stays visible
+    wants_attention_weights: ClassVar[bool] = False
+    supports_preallocation: ClassVar[bool] = True  # False: the spec refuses max_length (data-dependent slots)
+    spec: AttentionSpec
+
+    # -- storage -----------------------------------------------------------------------------------------------
+    def _allocate(self, batch_size: int) -> None:
+        s = self.spec
+        self.codec = s.codec()
+        slots = s.slots or 0
+        self._parts: dict[str, tuple[str, str]] = {}  # attribute -> (side, codec part)
+        for side in SIDES:
+            for part, (shape, dtype) in self.codec.fields(s.head_dim, s.dtype).items():
+                attr = f"{side}_{part or 'data'}"
+                self._parts[attr] = (side, part)
+                setattr(
+                    self, attr, torch.zeros(batch_size, s.num_kv_heads, slots, *shape, dtype=dtype, device=self.device)
+                )
+        heads = (s.num_kv_heads,) if s.per_head else ()
+        self.key_pos = torch.full((batch_size, *heads, slots), -1, dtype=torch.long, device=self.device)  # [B, (H,) S]
+        self._grouped = grouped_layer.allocate(self, batch_size)  # kivi / hf_quantized: it owns keys and values
+        self._residual = () if self._grouped else residual_window.allocate(self, batch_size)  # dense recent tokens
+        self._tier = self.codec.tier(self)  # None: the parts stay on self.device
+        # dynamic dense storage appends in place into spare slots (append_buffer.py)
+        plain = (
+            isinstance(self.codec, DenseCodec)
+            and not self._residual
+            and self._tier is None
+            and not slots
+            and not s.per_head
+        )
+        self._append = AppendBuffers({**{attr: 2 for attr in self._parts}, "key_pos": 1}) if plain else None
+        self._park()
+
+    @property
+    def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (*self._parts, *self._residual, "key_pos", *self._grouped_rows)
+
+    def _release(self) -> None:
+        """Drop the fetched copy of offloaded parts unwritten (after an update, or a block that failed)."""
+        if self._tier is not None:
+            self._tier.release()
+
+    def nbytes(self) -> int:
+        if self._grouped is not None:
+            return self._grouped.nbytes()
+        storages = {}
+        for name in (*self._parts, *self._residual[:-1]):
+            t = getattr(self, name)
+            if t.numel():
+                backed = self._append is not None and self._append.backs(name, t)  # a view of a buffer: its slots
+                storages[t.untyped_storage().data_ptr()] = (
+                    t.numel() * t.element_size() if backed else t.untyped_storage().nbytes()
+                )
+        return sum(storages.values())
+
+    def spare_nbytes(self) -> int:
+        """Bytes of spare slots after the held ones (dynamic dense storage appends into them in place)."""
+        if self._append is None:
+            return 0
+        return self._append.spare_nbytes({name: getattr(self, name) for name in self._append.dims})
+
+    @property
+    def is_exact(self) -> bool:
+        return self.exact and self.codec.exact
+
+    @property
+    def static(self) -> bool:
+        return self.spec.max_length is not None
+
+    def _side(self, side: str) -> dict[str, torch.Tensor]:
+        return {part: getattr(self, attr) for attr, (s, part) in self._parts.items() if s == side}
+
+    def _set_side(self, side: str, parts: dict[str, torch.Tensor]) -> None:
+        for attr, (s, part) in self._parts.items():
+            if s == side:
+                setattr(self, attr, parts[part])
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values [B, H, S, D], decoded (the stored tensors themselves for dense storage), with
+        the residual window's tokens unquantized."""
+        if self._grouped is not None:
+            return self._grouped.read()
+        keys, values = (self.codec.decode(self._side(side), self.spec.dtype).to(self.device) for side in SIDES)
+        return residual_window.overlay(self, keys, values)
+
+    @property
+    def keys(self) -> torch.Tensor:  # for dense storage, the stored tensor itself
+        return self.read()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.read()[1]
+
+    def key_positions(self) -> torch.Tensor:
+        """Positions [B, S] (per kv head: [B, H, S]) of the held keys (-1: padding or empty slot)."""
+        return self.key_pos
+
+    # -- update ------------------------------------------------------------------------------------------------
+    def check_capacity(self, seen_after: torch.Tensor) -> None:
+        limit = self.spec.max_length
+        if limit is not None and bool((seen_after > limit).any()):
+            raise CacheError(
+                f"{self.name}: a row would hold {int(seen_after.max())} tokens, more than the preallocated "
+                f"max_length={limit}; build the cache with a larger max_length"
+            )
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | int | None = None) -> AttentionView:
+        """Add a block k, v [B, H, T, D]; returns everything the block must attend to, with positions.
+
+        Inside a Cache the block (its mask and positions) was opened by the Cache; a standalone layer takes the
+        block's real-token mask here (`valid` [B, T]; None or T = all real).
+        """
+        tokens = check_kv(self.name, self.spec, self.batch_size, self.device, k, v)
+        block, opened = self._open(valid, tokens)
+        try:
+            self._fetch()
+            view = self._write(k, v, block)
+            if self._tier is not None and not self.static:  # offload: room now for what the commit will park
+                self._tier.check_room(dict(zip(self._parts, (view.keys, view.values))))
+        except BaseException:
+            self._close(opened, failed=True)
+            self._release()
+            raise
+        self._release()  # offloaded: the parked parts are unchanged, the commit fetches them again
+        self._close(opened, failed=False)
+        return view
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> AttentionView:
+        if self._grouped is not None:
+            keys, values, pos = grouped_layer.write(self, k, v, block)
+            return AttentionView(keys, values, block.positions, pos, self.spec)
+        if self.static and block.all_real and block.tokens == 1:  # decode: write in place, attend over the buffer
+            slots = self.spec.slot_of(block.positions)  # [B, 1]
+            old = {attr: getattr(self, attr).gather(2, _slot_index(slots, getattr(self, attr))) for attr in self._parts}
+            old_pos = self.key_pos.gather(1, slots)  # what the slot held, so an aborted block puts it back
+            residual = self._write_slots(k, v, block.positions, slots)
+            self._staged = ("decode", slots, old, old_pos, residual, k, v, block.positions)
+            keys, values = self.read()
+            return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
+        if self._append is not None:  # into spare slots: no copy of what is held
+            return self._append_block(k, v, block)
+        held_k, held_v = self.read()
+        keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)  # [B, H, S + T, D]
+        new_pos = block.positions  # [B, T]
+        if self.key_pos.dim() == 3:  # per-head positions: every head holds the block's tokens
+            new_pos = new_pos[:, None].expand(-1, self.key_pos.shape[1], -1)
+        pos = torch.cat([self.key_pos, new_pos], dim=-1)  # [B, (H,) S + T]
+        offloaded = self._tier is not None  # then do not keep the whole view alive until the commit
+        self._staged = ("block", k, v, None if offloaded else keys, None if offloaded else values, pos, block)
+        return AttentionView(keys, values, block.positions, pos, self.spec)
+
+    # -- slots a kernel writes itself (attention_slots.py) -------------------------------------------------------
+    def decode_slot(self) -> tuple[AttentionView, int] | None:
+        """The open one-token block's view and the slot a kernel writes the token's keys and values into (None,
+        changing nothing: feed the layer through `update`); see attention_slots.decode_slot."""
+        return attention_slots.decode_slot(self)
+
+    def writes_slots(self) -> bool:
+        """Whether a kernel may write decode tokens' keys and values into this layer's slots itself."""
+        return attention_slots.writes_slots(self, AttentionCacheLayer)
+
+    def reserve_slots(self, tokens: int) -> attention_slots.Reserved | None:
+        """Room for `tokens` decode tokens after the held slots, for a decode run (blocks/fast/decode_run.py); see
+        attention_slots.reserve_slots."""
+        return attention_slots.reserve_slots(self, tokens)
+
+    def decode_block(self) -> AttentionView | None:
+        """The open block's view with its tokens' reserved slots taken as the caller wrote them."""
+        return attention_slots.decode_block(self)
+
+    def _append_block(self, k: torch.Tensor | None, v: torch.Tensor | None, block: BlockState) -> AttentionView:
+        """Append the block into spare slots (k and v None: their slots left for the caller), staged as a block."""
+        current = {name: getattr(self, name) for name in self._append.dims}
+        views = self._append.append(current, dict(zip(self._parts, (k, v)), key_pos=block.positions), block.tokens)
+        keys, values, pos = (views[name] for name in (*self._parts, "key_pos"))
+        if k is None:  # the slots the caller writes
+            k, v = keys.narrow(2, -block.tokens, block.tokens), values.narrow(2, -block.tokens, block.tokens)
+        self._staged = ("block", k, v, keys, values, pos, block)
+        return AttentionView(keys, values, block.positions, pos, self.spec)
+
+    def _write_slots(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> Any:
+        """Write a decode token [B, H, 1, D] into its slots [B, 1] of preallocated storage, in place."""
+        for side, x in zip(SIDES, (k, v)):
+            for part, t in self.codec.encode(x).items():
+                self._side(side)[part].scatter_(2, _slot_index(slots, t), t)
+        self.key_pos.scatter_(1, slots, positions)
+        return residual_window.write_decode(self, k, v, positions)
+
+    def _commit_staged(self, staged: Any) -> None:
+        if staged[0] == "grouped":
+            return grouped_layer.commit(self, staged)
+        if staged[0] == "decode":  # written in place; an offloaded layer dropped that copy and writes again
+            if self._tier is not None:
+                self._fetch()
+                self._write_slots(*staged[5:], staged[1])
+        else:
+            self._fetch()
+            self._commit_block(*staged[1:])
+        self._park()
+
+    def _commit_block(self, k, v, keys, values, pos, block: BlockState) -> None:
+        if self.static:
+            attention_static.commit_block(self, k, v, block)
+            return
+        for side, new, full in zip(SIDES, (k, v), (keys, values)):
+            if full is not None and isinstance(self.codec, DenseCodec):
+                parts = self.codec.encode(full)  # dense: the view's tensors are the new storage, no second cat
+            else:
+                old, enc = self._side(side), self.codec.encode(new)
+                parts = {p: torch.cat([old[p], enc[p]], dim=2) for p in old}
+            self._set_side(side, parts)
+        self.key_pos = pos
+        if (
+            self.evicts
+            and type(self.spec) is SlidingSpec
+            and type(self)._evict is AttentionCacheLayer._evict
+            and pos.shape[1] <= block.most_seen_after < self.spec.window
+        ):
+            # the row that saw the most holds a real token in every one of the S held columns (its last S), all
+            # still inside its window: nothing can be evicted yet (no per-step eviction ops before the window fills)
+            pass
+        elif (
+            self.evicts
+            and self._append is not None
+            and type(self.spec) in _BUILT_IN
+            and type(self)._evict is AttentionCacheLayer._evict
+        ):
+            # built-in patterns keep a suffix of the slots (positions grow along the slots in every row, and what a
+            # query sees of them is a suffix): count it, drop the rest as a view
+            keep = int(((pos >= 0) & self.spec.visible(block.seen_after[:, None], pos)).any(0).sum())
+            if keep < pos.shape[1]:
+                views = self._append.drop_oldest({a: getattr(self, a) for a in self._append.dims}, pos.shape[1] - keep)
+                for attr, t in views.items():
+                    setattr(self, attr, t)
+        elif self.evicts:
+            index = self._evict(pos, block.seen_after)
+            if index is not None:
+                self._take(index)
+        if self._residual:
+            residual_window.commit_dynamic(self, k, v, block.positions, block.seen_after)
+
+    def _abort_staged(self, staged: Any) -> None:
+        if staged[0] == "decode":  # put back what the written slot held
+            _, slots, old, old_pos, residual = staged[:5]
+            self.key_pos.scatter_(1, slots, old_pos)
+            if self._tier is None:  # offloaded: the parts were written in a fetched copy, the parked ones untouched
+                for attr, t in old.items():
+                    getattr(self, attr).scatter_(2, _slot_index(slots, t), t)
+                residual_window.undo_decode(self, residual)
+        self._release()
+
+    def _evict(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
+        """Slots to keep after a block ([S'] for all rows or [B, S'] per row); None keeps everything.
+
+        Default: the slots some row's next query (at position `seen`) can still see.
+        """
+        keep = ((pos >= 0) & self.spec.visible(_per_row(seen, pos), pos)).flatten(0, -2).any(0)  # [S]
+        return None if bool(keep.all()) else keep.nonzero().squeeze(1)
+
+    def _take(self, index: torch.Tensor) -> None:
+        slots, n = self.key_pos.shape[1], index.numel()
+        if (
+            self._append is not None
+            and index.dim() == 1
+            and n < slots
+            and torch.equal(index, torch.arange(slots - n, slots, device=index.device))
+        ):
+            # exactly the newest slots, in order: views, no copy
+            views = self._append.drop_oldest({attr: getattr(self, attr) for attr in self._append.dims}, slots - n)
+            for attr, t in views.items():
+                setattr(self, attr, t)
+            return
+        for attr in self._parts:
+            setattr(self, attr, _gather_slots(getattr(self, attr), index))
+        if index.dim() == 1:
+            self.key_pos = self.key_pos.index_select(-1, index)
+        elif index.dim() == self.key_pos.dim():
+            self.key_pos = self.key_pos.gather(-1, index)
+        else:  # a per-row index over per-head positions
+            self.key_pos = self.key_pos.gather(-1, index[:, None].expand(-1, self.key_pos.shape[1], -1))
+
+    # -- batch operations on offloaded parts ---------------------------------------------------------------------
+    def _prepare_index(self, index: Any, same_size: bool) -> torch.Tensor:
+        index = super()._prepare_index(index, same_size)
+        if self._grouped is not None:
+            grouped_layer.check_select(self, index)
+        return index
+
+    def _commit_index(self, index: torch.Tensor) -> None:
+        if self._grouped is not None:
+            return grouped_layer.select(self, index)
+        self._fetch()
+        super()._commit_index(index)
+        self._park()
+
+    def _commit_restore(self, snap: Any) -> None:
+        if self._grouped is not None:
+            return grouped_layer.restore(self, snap.tensors)
+        super()._commit_restore(snap)
+        self._park()
+
+    # -- crop (attention_crop.py) -----------------------------------------------------------------------------
+    def _prepare_crop(self, n: int, seen: torch.Tensor):
+        return attention_crop.prepare_crop(self, n, seen)
+
+    def _commit_crop(self, plan: Any) -> None:
+        attention_crop.commit_crop(self, plan)
+
+
+@register_cache_layer("full")
+class FullAttentionLayer(AttentionCacheLayer):
+    """Full causal attention: keeps every token."""
+
+    spec_cls = FullSpec
+    evicts = False
+
+
+@register_cache_layer("sliding")
+class SlidingWindowLayer(AttentionCacheLayer):
+    """Sliding-window attention over the last `window` tokens; keeps W-1 (dynamic) or a ring of W slots."""
+
+    spec_cls = SlidingSpec
+    example_params = {"window": 5}
+
+
+@register_cache_layer("chunked")
+class ChunkedAttentionLayer(AttentionCacheLayer):
+    """Chunked attention (Llama4): keeps only the current chunk (dynamic) or a ring of C slots."""
+
+    spec_cls = ChunkedSpec
+    example_params = {"chunk_size": 4}

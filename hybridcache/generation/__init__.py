@@ -1,0 +1,1 @@
+"""hybridcache/generation."""
