@@ -64,11 +64,24 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
             bars = ax.bar([x for x, _ in ok], [v for _, v in ok], width, label=system, **styles[system])
             ax.bar_label(bars, labels=[bar_value(v) for _, v in ok], fontsize=7, padding=1)
             for x, v in zip(xs, values):
-                if not _valid(v):
-                    ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+                if not _valid(v):  # the bar's own slot, at the panel's foot: y in axes units (a log axis has no 0)
+                    ax.text(
+                        x,
+                        0.01,
+                        "n/a",
+                        transform=ax.get_xaxis_transform(),
+                        ha="center",
+                        va="bottom",
+                        fontsize=6,
+                        color=styles[system].get("edgecolor", styles[system]["color"]),
+                        bbox={"boxstyle": "square,pad=0.2", "fill": False, "linestyle": "--", "linewidth": 0.6},
+                        clip_on=True,
+                    )
         ax.set_xticks(
             [b + width * (len(systems) - 1) / 2 for b in range(len(batches))], [f"batch {b}" for b in batches]
         )
+        # every slot inside the panel, a missing bar's too (autoscaling sees only the bars drawn)
+        ax.set_xlim(-width, len(batches) - 1 + len(systems) * width)
         ax.set_xlabel("batch size (sequences decoded together)")
         valid = [r[metric] for r in rows if _valid(r.get(metric))]
         spread = len(valid) > 1 and max(valid) / min(valid) > 20

@@ -192,6 +192,29 @@ def test_throughput_has_axis_labels_units_and_marks_invalid_timings(tmp_path, sa
     assert "n/a" in [t.get_text() for t in fig.axes[0].texts]
 
 
+def test_throughput_na_marks_stand_upright_in_their_slots_inside_the_panels(tmp_path, saved):
+    # a 100x spread puts the axis on a log scale (no y=0 there); the last slot of each panel has no valid timing
+    rows = [
+        {"system": "ours (eager)", "batch": 1, "decode_tok_s": 5000.0, "prefill_tok_s": 9000.0},
+        {"system": "hf", "batch": 1, "decode_tok_s": 20.0, "prefill_tok_s": 80.0},
+        {"system": "ours (eager)", "batch": 4, "decode_tok_s": 9000.0, "prefill_tok_s": 20000.0},
+        {"system": "hf", "batch": 4, "decode_tok_s": None, "prefill_tok_s": float("nan")},
+    ]
+    throughput_bars(rows, tmp_path / "t.png")
+    fig = saved[-1]
+    renderer = render(fig)
+    for ax in fig.axes:
+        assert ax.get_yscale() == "log"
+        marks = [t for t in ax.texts if t.get_text() == "n/a"]
+        assert len(marks) == 1 and marks[0].get_rotation() == 0
+        box, panel = text_box(marks[0], renderer), ax.get_window_extent(renderer)
+        assert panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1
+        # centred on hf's slot at batch 4 (slot 1 of 2 in the second group), which lies inside the x-limits
+        width = 0.8 / 2
+        x_slot = ax.transData.transform((1 + width, 1))[0]
+        assert abs((box.x0 + box.x1) / 2 - x_slot) < 1.0
+
+
 def test_each_llamacpp_bar_stands_beside_ours_at_its_precision(tmp_path, saved):
     def row(system, fmt, decode):
         return {"system": system, "batch": 1, "weights_format": fmt, "decode_tok_s": decode, "prefill_tok_s": 9.0}
