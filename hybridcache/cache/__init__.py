@@ -1,7 +1,7 @@
 """The Cache: per decoder layer one cache layer (or a group of them) drawn from a registry of types.
 
 Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window), tova (score-based eviction to
-a budget), the presses (presses.py); any of them stores tokens with a codec (`storage`: dense, int8, int4
+a budget), the presses (methods/presses/); any of them stores tokens with a codec (`storage`: dense, int8, int4
 (`q_group_size`), offload (dense on a slower tier), ...), optionally with a `residual` window of unquantized recent
 tokens. Recurrent types: mamba, mamba2, rglru, conv, gated_delta.
 """

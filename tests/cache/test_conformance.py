@@ -47,11 +47,7 @@ def _case_id(name, codec):
 
 def _row_eviction_with_grouped_storage(name, codec):
     """Layer-level storages (kivi, hf_quantized) cannot follow per-row / per-head score-based eviction."""
-    return (
-        codec is not None
-        and getattr(codec_class(codec), "grouped", False)
-        and get_layer_class(name)._evict is not AttentionCacheLayer._evict
-    )
+    return codec is not None and getattr(codec_class(codec), "grouped", False) and get_layer_class(name).own_eviction
 
 
 @pytest.mark.parametrize("name,codec", CASES, ids=[_case_id(n, c) for n, c in CASES])

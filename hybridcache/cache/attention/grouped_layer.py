@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from hybridcache.cache.attention.staging import GroupedWrite
 from hybridcache.cache.core.errors import CacheConfigError
 from hybridcache.cache.core.sequence import BlockState
-from hybridcache.cache.storage.grouped import GroupedKVStorage, Staged
+from hybridcache.cache.storage.grouped import GroupedKVStorage
 
 PREFIX = "kv_"
 
@@ -27,8 +28,7 @@ def allocate(layer: Any, batch: int) -> GroupedKVStorage | None:
     codec, s = layer.codec, layer.spec
     if not getattr(codec, "grouped", False):
         return None
-    own_eviction = type(layer)._evict.__qualname__ != "AttentionCacheLayer._evict"
-    if own_eviction or s.per_head or type(layer).wants_attention_weights is not False:
+    if layer.own_eviction or s.per_head or layer.wants_attention_weights:
         raise CacheConfigError(
             f"{layer.name}: storage '{codec.name}' quantizes the columns of the whole batch together, so it cannot "
             "follow an eviction that keeps different tokens per row or head (score-based methods); use it with "
@@ -59,12 +59,12 @@ def publish(layer: Any, storage: GroupedKVStorage) -> None:
 def write(layer: Any, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> tuple[torch.Tensor, ...]:
     """Stage a block (pure: the storage changes at commit); returns the view's keys, values, key positions."""
     staged = layer._grouped.prepare(k, v, block.positions)  # CacheError before anything changes
-    layer._staged = ("grouped", staged, block)
+    layer._staged = GroupedWrite(staged, block)
     return staged.keys, staged.values, staged.pos
 
 
-def commit(layer: Any, staged: tuple[str, Staged, BlockState]) -> None:
-    _, st, block = staged
+def commit(layer: Any, write: GroupedWrite) -> None:
+    st, block = write.staged, write.block
     keep = None
     if layer.evicts:  # the columns some row's next query can still see (the storage decides the granularity)
         seen = block.seen_after[:, None]  # [B, 1]

@@ -30,6 +30,7 @@ from hybridcache.cache.attention import grouped_layer, residual_window
 from hybridcache.cache.attention import slots as attention_slots
 from hybridcache.cache.attention import static as attention_static
 from hybridcache.cache.attention.specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
+from hybridcache.cache.attention.staging import AttentionWrite, BlockWrite, DecodeWrite, GroupedWrite, ResidualUndo
 from hybridcache.cache.attention.static import SIDES
 from hybridcache.cache.attention.view import _BUILT_IN, AttentionView, _gather_slots, _per_row, _slot_index, check_kv
 from hybridcache.cache.core.base import CacheLayer
@@ -53,7 +54,17 @@ class AttentionCacheLayer(CacheLayer):
     evicts: ClassVar[bool] = True  # False for patterns where every earlier token stays visible
     wants_attention_weights: ClassVar[bool] = False
     supports_preallocation: ClassVar[bool] = True  # False: the spec refuses max_length (data-dependent slots)
+    # capabilities a subclass declares (and gives up by defining the hook they depend on, unless it says otherwise):
+    own_eviction: ClassVar[bool] = False  # `_evict` keeps a subset of its own choosing, not what the pattern sees
+    kernel_writes_slots: ClassVar[bool] = True  # a decode kernel may write tokens into the slots (False: own `update`)
     spec: AttentionSpec
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_evict" in vars(cls) and "own_eviction" not in vars(cls):
+            cls.own_eviction = True  # the pattern-only shortcuts of `_commit_block` must not skip it
+        if ("update" in vars(cls) or "_write" in vars(cls)) and "kernel_writes_slots" not in vars(cls):
+            cls.kernel_writes_slots = False  # it feeds its own way: a kernel must not write around it
 
     # -- storage -----------------------------------------------------------------------------------------------
     def _allocate(self, batch_size: int) -> None:
@@ -187,7 +198,7 @@ class AttentionCacheLayer(CacheLayer):
             old = {attr: getattr(self, attr).gather(2, _slot_index(slots, getattr(self, attr))) for attr in self._parts}
             old_pos = self.key_pos.gather(1, slots)  # what the slot held, so an aborted block puts it back
             residual = self._write_slots(k, v, block.positions, slots)
-            self._staged = ("decode", slots, old, old_pos, residual, k, v, block.positions)
+            self._staged = DecodeWrite(slots, old, old_pos, residual, k, v, block)
             keys, values = self.read()
             return AttentionView(keys, values, block.positions, self.key_pos, self.spec)
         if self._append is not None:  # into spare slots: no copy of what is held
@@ -199,7 +210,7 @@ class AttentionCacheLayer(CacheLayer):
             new_pos = new_pos[:, None].expand(-1, self.key_pos.shape[1], -1)
         pos = torch.cat([self.key_pos, new_pos], dim=-1)  # [B, (H,) S + T]
         offloaded = self._tier is not None  # then do not keep the whole view alive until the commit
-        self._staged = ("block", k, v, None if offloaded else keys, None if offloaded else values, pos, block)
+        self._staged = BlockWrite(k, v, None if offloaded else keys, None if offloaded else values, pos, block)
         return AttentionView(keys, values, block.positions, pos, self.spec)
 
     # -- slots a kernel writes itself (attention_slots.py) -------------------------------------------------------
@@ -210,7 +221,7 @@ class AttentionCacheLayer(CacheLayer):
 
     def writes_slots(self) -> bool:
         """Whether a kernel may write decode tokens' keys and values into this layer's slots itself."""
-        return attention_slots.writes_slots(self, AttentionCacheLayer)
+        return attention_slots.writes_slots(self)
 
     def reserve_slots(self, tokens: int) -> attention_slots.Reserved | None:
         """Room for `tokens` decode tokens after the held slots, for a decode run (blocks/fast/decode_run.py); see
@@ -228,10 +239,12 @@ class AttentionCacheLayer(CacheLayer):
         keys, values, pos = (views[name] for name in (*self._parts, "key_pos"))
         if k is None:  # the slots the caller writes
             k, v = keys.narrow(2, -block.tokens, block.tokens), values.narrow(2, -block.tokens, block.tokens)
-        self._staged = ("block", k, v, keys, values, pos, block)
+        self._staged = BlockWrite(k, v, keys, values, pos, block)
         return AttentionView(keys, values, block.positions, pos, self.spec)
 
-    def _write_slots(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> Any:
+    def _write_slots(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> ResidualUndo | None:
         """Write a decode token [B, H, 1, D] into its slots [B, 1] of preallocated storage, in place."""
         for side, x in zip(SIDES, (k, v)):
             for part, t in self.codec.encode(x).items():
@@ -239,19 +252,20 @@ class AttentionCacheLayer(CacheLayer):
         self.key_pos.scatter_(1, slots, positions)
         return residual_window.write_decode(self, k, v, positions)
 
-    def _commit_staged(self, staged: Any) -> None:
-        if staged[0] == "grouped":
+    def _commit_staged(self, staged: AttentionWrite) -> None:
+        if isinstance(staged, GroupedWrite):
             return grouped_layer.commit(self, staged)
-        if staged[0] == "decode":  # written in place; an offloaded layer dropped that copy and writes again
+        if isinstance(staged, DecodeWrite):  # written in place; an offloaded layer dropped that copy and writes again
             if self._tier is not None:
                 self._fetch()
-                self._write_slots(*staged[5:], staged[1])
+                self._write_slots(staged.k, staged.v, staged.block.positions, staged.slots)
         else:
             self._fetch()
-            self._commit_block(*staged[1:])
+            self._commit_block(staged)
         self._park()
 
-    def _commit_block(self, k, v, keys, values, pos, block: BlockState) -> None:
+    def _commit_block(self, staged: BlockWrite) -> None:
+        k, v, keys, values, pos, block = staged.k, staged.v, staged.keys, staged.values, staged.pos, staged.block
         if self.static:
             attention_static.commit_block(self, k, v, block)
             return
@@ -266,18 +280,13 @@ class AttentionCacheLayer(CacheLayer):
         if (
             self.evicts
             and type(self.spec) is SlidingSpec
-            and type(self)._evict is AttentionCacheLayer._evict
+            and not self.own_eviction
             and pos.shape[1] <= block.most_seen_after < self.spec.window
         ):
             # the row that saw the most holds a real token in every one of the S held columns (its last S), all
             # still inside its window: nothing can be evicted yet (no per-step eviction ops before the window fills)
             pass
-        elif (
-            self.evicts
-            and self._append is not None
-            and type(self.spec) in _BUILT_IN
-            and type(self)._evict is AttentionCacheLayer._evict
-        ):
+        elif self.evicts and self._append is not None and type(self.spec) in _BUILT_IN and not self.own_eviction:
             # built-in patterns keep a suffix of the slots (positions grow along the slots in every row, and what a
             # query sees of them is a suffix): count it, drop the rest as a view
             keep = int(((pos >= 0) & self.spec.visible(block.seen_after[:, None], pos)).any(0).sum())
@@ -292,14 +301,13 @@ class AttentionCacheLayer(CacheLayer):
         if self._residual:
             residual_window.commit_dynamic(self, k, v, block.positions, block.seen_after)
 
-    def _abort_staged(self, staged: Any) -> None:
-        if staged[0] == "decode":  # put back what the written slot held
-            _, slots, old, old_pos, residual = staged[:5]
-            self.key_pos.scatter_(1, slots, old_pos)
+    def _abort_staged(self, staged: AttentionWrite) -> None:
+        if isinstance(staged, DecodeWrite):  # put back what the written slot held
+            self.key_pos.scatter_(1, staged.slots, staged.old_pos)
             if self._tier is None:  # offloaded: the parts were written in a fetched copy, the parked ones untouched
-                for attr, t in old.items():
-                    getattr(self, attr).scatter_(2, _slot_index(slots, t), t)
-                residual_window.undo_decode(self, residual)
+                for attr, t in staged.old.items():
+                    getattr(self, attr).scatter_(2, _slot_index(staged.slots, t), t)
+                residual_window.undo_decode(self, staged.residual)
         self._release()
 
     def _evict(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:

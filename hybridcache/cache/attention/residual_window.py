@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hybridcache.cache.attention.staging import ResidualUndo
+
 PARTS = ("res_keys", "res_values")  # [B, H, R', D] in the layer's dtype; positions in res_pos [B, R'] (-1: empty)
 
 
@@ -91,25 +93,25 @@ def commit_static(layer: Any, k: torch.Tensor, v: torch.Tensor, pos: torch.Tenso
     layer.res_pos.copy_(torch.where(hit, pos.gather(1, src), layer.res_pos))
 
 
-def write_decode(layer: Any, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Any:
+def write_decode(layer: Any, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> ResidualUndo | None:
     """A one-token decode step on preallocated storage: write its ring slot in place; returns what to put back."""
     size = layer.res_pos.shape[1] if layer.spec.residual else 0
     if size == 0:
         return None
     slots = pos % size  # [B, 1]
-    old = [(name, getattr(layer, name).gather(2, _slot_index(slots, k))) for name in PARTS]
+    old = {name: getattr(layer, name).gather(2, _slot_index(slots, k)) for name in PARTS}
     old_pos = layer.res_pos.gather(1, slots)
     for name, x in zip(PARTS, (k, v)):
         getattr(layer, name).scatter_(2, _slot_index(slots, x), x)
     layer.res_pos.scatter_(1, slots, pos)
-    return slots, old, old_pos
+    return ResidualUndo(slots, old, old_pos)
 
 
-def undo_decode(layer: Any, staged: Any) -> None:
-    if staged is None:
+def undo_decode(layer: Any, undo: ResidualUndo | None) -> None:
+    if undo is None:
         return
-    slots, old, old_pos = staged
-    for name, x in old:
+    slots, old, old_pos = undo.slots, undo.old, undo.old_pos
+    for name, x in old.items():
         getattr(layer, name).scatter_(2, _slot_index(slots, x), x)
     layer.res_pos.scatter_(1, slots, old_pos)
 

@@ -26,10 +26,11 @@ class Reserved(NamedTuple):
     end: int
 
 
-def writes_slots(layer: Any, base: type) -> bool:
+def writes_slots(layer: Any) -> bool:
     """Whether a kernel may write decode tokens' keys and values into the layer's slots itself: dense float32
-    storage appended in place, a pattern the decode kernel evaluates, nothing staged, no attention weights read, no
-    subclass of `base` (AttentionCacheLayer) feeding its own way. An open block must be all real tokens too."""
+    storage appended in place, a pattern the decode kernel evaluates, nothing staged, no attention weights read, a
+    layer class that declares `kernel_writes_slots` (one that feeds its own way does not). An open block must be all
+    real tokens too."""
     block = layer.seq.block
     return not (
         layer._append is None
@@ -38,8 +39,7 @@ def writes_slots(layer: Any, base: type) -> bool:
         or layer.spec.dtype != torch.float32
         or layer.spec.kernel_pattern() is None
         or layer.wants_attention_weights
-        or type(layer).update is not base.update  # (a subclass that feeds its own way)
-        or type(layer)._write is not base._write
+        or not layer.kernel_writes_slots
     )
 
 

@@ -13,6 +13,7 @@ A spec also says how a preallocated (static) layout places positions into slots:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -42,6 +43,14 @@ class AttentionSpec(LayerSpec):
     nbits: int | None = tunable(None)
     axis_key: int | None = tunable(None)
     axis_value: int | None = tunable(None)
+    # whether `visible` is still the form the built-in `kernel_pattern` declares: a spec class that defines its own
+    # `visible` without declaring its `kernel_pattern` loses the form it inherited (the kernels read a mask)
+    inherited_form_holds: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "visible" in vars(cls) and "kernel_pattern" not in vars(cls):
+            cls.inherited_form_holds = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,7 +124,7 @@ class AttentionSpec(LayerSpec):
         kernel by positions, the one-call attention that writes the cache's slot); what it declares must equal its
         `visible` (tests/models/test_kernel_pattern.py checks the built-in and a plugin one). The built-in specs
         declare theirs only while `visible` is their own: a subclass that changes it declares its own form."""
-        return ("full", 0) if type(self).visible is AttentionSpec.visible else None
+        return ("full", 0) if self.inherited_form_holds else None
 
     @property
     def ring_size(self) -> int | None:
@@ -200,7 +209,7 @@ class SlidingSpec(AttentionSpec):
         return (kv <= q) & (kv > q - self.window)
 
     def kernel_pattern(self) -> tuple[str, int] | None:
-        return ("sliding", self.window) if type(self).visible is SlidingSpec.visible else None
+        return ("sliding", self.window) if self.inherited_form_holds else None
 
     def needed_tokens(self, seen):
         return seen.clamp(max=self.window - 1) if isinstance(seen, torch.Tensor) else min(seen, self.window - 1)
@@ -224,7 +233,7 @@ class ChunkedSpec(AttentionSpec):
         return (kv <= q) & (torch.div(kv, self.chunk_size, rounding_mode="floor") == q // self.chunk_size)
 
     def kernel_pattern(self) -> tuple[str, int] | None:
-        return ("chunked", self.chunk_size) if type(self).visible is ChunkedSpec.visible else None
+        return ("chunked", self.chunk_size) if self.inherited_form_holds else None
 
     def needed_tokens(self, seen):
         return seen % self.chunk_size

@@ -114,8 +114,6 @@ def check_snapshot_positions(i: int, layer: CacheLayer, snap: Any) -> None:
 
 
 def _check_key_layout(where: str, layer: Any, pos: torch.Tensor, seen: torch.Tensor) -> None:
-    from hybridcache.cache.attention.layer import AttentionCacheLayer  # attention imports this module's users
-
     spec, held = layer.spec, pos >= 0
     if getattr(spec, "slots", None) is not None:  # preallocated: the spec's layout places every position
         slots = torch.arange(pos.shape[1], device=pos.device).expand_as(pos)
@@ -124,7 +122,7 @@ def _check_key_layout(where: str, layer: Any, pos: torch.Tensor, seen: torch.Ten
         ordered = True
     else:
         ordered = bool(((pos[:, 1:] > pos[:, :-1]) | ((pos[:, 1:] == -1) & (pos[:, :-1] == -1))).all())
-    if type(layer)._evict is not AttentionCacheLayer._evict:
+    if getattr(layer, "own_eviction", False):
         return  # a score-based eviction keeps any subset, in its own order
     if not ordered:
         raise CacheError(f"{where}: stored positions must be -1 (left padding) then increasing along the slots")

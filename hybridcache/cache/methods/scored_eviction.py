@@ -1,4 +1,4 @@
-"""Score-based KV eviction: the base of the methods named after kvpress's presses (presses.py).
+"""Score-based KV eviction: the one layer type under the methods named after kvpress's presses (methods/presses/).
 
 A method is a score (which tokens matter), a target (`compression_ratio`, kvpress's, or a token `budget`) and WHEN
 it evicts (`mode`; press_schedule.py has the table):
@@ -25,48 +25,20 @@ Lossy once a row holds more than it keeps (`lossless_tokens`); dynamic storage o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from hybridcache.cache.attention.layer import AttentionCacheLayer, _per_row
 from hybridcache.cache.attention.specs import AttentionSpec
+from hybridcache.cache.attention.staging import BlockWrite
 from hybridcache.cache.core.base import check_positive_int, tunable
 from hybridcache.cache.core.errors import CacheError
+from hybridcache.cache.core.registry import register_cache_layer
 from hybridcache.cache.methods.press_schedule import DECODING_MODES, DEFAULT_INTERVAL, MODES, decoding_kept, ratio_kept
-
-
-@dataclass
-class QueryInputs:
-    """What a method that models future queries needs (ExpectedAttention): the block's queries before rotary."""
-
-    prerope: torch.Tensor  # [B, Hq, T, D], after any q-norm, before rotary
-    mean_rotation: Callable[[torch.Tensor], torch.Tensor] | None  # positions [N] -> mean rotary matrix [D, D]
-    scale: float  # the softmax scale of q . k
-
-
-@dataclass
-class ScoreContext:
-    """Everything a score sees at the end of a block: the view's slots and what the mixer handed over."""
-
-    keys: torch.Tensor  # [B, Hkv, S, D] the view's keys (rotary applied), decoded
-    values: torch.Tensor  # [B, Hkv, S, D]
-    positions: torch.Tensor  # [B, S] or [B, Hkv, S]: the slots' positions, -1 empty
-    query_positions: torch.Tensor  # [B, T] the block's, -1 padding
-    seen: torch.Tensor  # [B] real tokens per row after the block
-    weights: torch.Tensor | None  # [B, Hq, T, S] the block's attention weights over the slots
-    queries: QueryInputs | None
-
-    def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, Hq, ...] -> [B, Hkv, ...]: the mean over each kv head's group of query heads."""
-        hkv = self.keys.shape[1]
-        return x.unflatten(1, (hkv, x.shape[1] // hkv)).mean(2)
-
-    def slot_positions(self) -> torch.Tensor:
-        """[B, Hs, S] with Hs = 1 for shared positions."""
-        return self.positions if self.positions.dim() == 3 else self.positions[:, None]
+from hybridcache.cache.methods.scorer import QueryInputs, ScoreContext, Scorer  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,14 +168,19 @@ class ScoredSpec(AttentionSpec):
 
 
 class ScoredEvictionLayer(AttentionCacheLayer):
-    """Keeps each row's (and head's) top-scoring tokens; subclasses define `score`.
+    """Keeps each row's (and head's) top-scoring tokens, ranked by its `scorer_cls` (a `Scorer`; `register_press`
+    makes the registered type of a spec and a scorer).
 
-    `needs_weights`: the method reads the block's attention weights; `needs_queries`: the pre-rotary queries.
+    `needs_weights`: the method reads the block's attention weights; `needs_queries`: the pre-rotary queries (the
+    scorer's, by default).
     """
+
+    scorer_cls: ClassVar[type[Scorer]] = Scorer
 
     spec_cls = ScoredSpec
     exact = False
     supports_preallocation = False
+    own_eviction = True  # the top-scoring tokens per row and head, not what the pattern sees
     needs_weights: ClassVar[bool] = True
     needs_queries: ClassVar[bool] = False
     example_params = {"budget": 5, "mode": "continuous"}
@@ -220,10 +197,17 @@ class ScoredEvictionLayer(AttentionCacheLayer):
         self.base_seen = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._pending: ScoreContext | None = None
         self._phase: str | None = None
+        self.scorer = self.scorer_cls(self.spec)
+        for name in self.scorer.slot_state:  # follows the slots: [B, (H,) S]
+            setattr(self, name, torch.zeros(*self.key_pos.shape, dtype=torch.float64, device=self.device))
 
     @property
     def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (*super()._batch_tensors, "prompt_len", "decode_steps", "held_base", "base_seen")
+        return (*super()._batch_tensors, "prompt_len", "decode_steps", "held_base", "base_seen", *self._slot_state)
+
+    @property
+    def _slot_state(self) -> tuple[str, ...]:
+        return self.scorer_cls.slot_state
 
     @property
     def compressed(self) -> bool:
@@ -271,10 +255,13 @@ class ScoredEvictionLayer(AttentionCacheLayer):
     # -- scores ------------------------------------------------------------------------------------------------
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, Hs, S] float: higher is kept first. Hs = kv heads (per-head methods) or 1."""
-        raise NotImplementedError
+        return self.scorer.score(ctx)
 
     def _targets(self, candidates: torch.Tensor) -> torch.Tensor:
         """Tokens each row (and head) keeps, from its candidate count [B, Hs]."""
+        own = self.scorer.targets(candidates)
+        if own is not None:
+            return own
         if self._phase == "decoding":
             return self.spec.decoding_kept(candidates)
         return self.spec.prompt_kept(candidates)  # the prompt, or every block (continuous: the budget)
@@ -282,15 +269,26 @@ class ScoredEvictionLayer(AttentionCacheLayer):
     def _context(self, staged, seen: torch.Tensor) -> ScoreContext:
         weights, queries = getattr(self, "_observed", (None, None))
         self._observed = (None, None)
-        _, _, _, keys, values, pos, block = staged
+        keys, values, pos, block = staged.keys, staged.values, staged.pos, staged.block
         if keys is None:  # the view was not kept alive (offloaded storage): decode what it held
             keys, values = self.read()
-            keys = torch.cat([keys, staged[1]], 2)
-            values = torch.cat([values, staged[2]], 2)
+            keys = torch.cat([keys, staged.k], 2)
+            values = torch.cat([values, staged.v], 2)
         return ScoreContext(keys, values, pos, block.positions, seen, weights, queries)
 
     def _commit_staged(self, staged) -> None:
-        block = staged[-1] if staged[0] == "block" else None
+        old = {name: getattr(self, name) for name in self._slot_state}
+        for name, t in old.items():  # the block's tokens start with nothing accumulated
+            setattr(self, name, F.pad(t, (0, staged.tokens)))
+        try:
+            self._commit_scored(staged)
+        except BaseException:
+            for name, t in old.items():
+                setattr(self, name, t)
+            raise
+
+    def _commit_scored(self, staged) -> None:
+        block = staged.block if isinstance(staged, BlockWrite) else None
         phase = self._block_phase(block.tokens) if block is not None else None
         if phase is not None:
             ctx = self._context(staged, block.seen_after)
@@ -339,6 +337,10 @@ class ScoredEvictionLayer(AttentionCacheLayer):
         if ctx is None:  # not evicting by score now (prefill mode after the prompt): only the pattern's own
             return super()._evict(pos, seen)
         cand = candidates if candidates.dim() == 3 else candidates[:, None]  # [B, Hs', S]
+        ctx.state = {name: getattr(self, name) for name in self._slot_state}
+        for name, t in self.scorer.observe(ctx).items():  # the scorer's running state after this block
+            setattr(self, name, t)
+            ctx.state[name] = t
         scores = self.score(ctx).to(torch.float64)  # [B, Hs, S]
         hs = scores.shape[1]
         cand = cand.expand(-1, hs, -1) if cand.shape[1] != hs else cand
@@ -364,6 +366,9 @@ class ScoredEvictionLayer(AttentionCacheLayer):
         self._kept_valid = None
         if valid is not None:
             self.key_pos = torch.where(valid, self.key_pos, -1)
+        for name in self._slot_state:
+            t = getattr(self, name)
+            setattr(self, name, t.index_select(-1, index) if index.dim() == 1 else t.gather(-1, index))
 
     # -- accounting --------------------------------------------------------------------------------------------
     def min_nbytes(self) -> int:
@@ -377,3 +382,21 @@ class ScoredEvictionLayer(AttentionCacheLayer):
             needed = torch.where(self.prompt_len >= 0, self._needed_rows(seen), s.pattern_needed(seen))
         needed = needed.tolist()
         return sum(n * s.token_nbytes + min(n, s.residual or 0) * s.dense_token_nbytes for n in needed)
+
+
+def register_press(
+    name: str, spec_cls: type[ScoredSpec], scorer_cls: type[Scorer], example_params: dict[str, Any]
+) -> type[ScoredEvictionLayer]:
+    """Register a score-based method under its config name: the score-based layer with this spec and scorer (and
+    the parameters the conformance kit tries it with). Returns the layer class (`<Scorer>Layer`)."""
+    attrs = {
+        "__doc__": scorer_cls.__doc__,
+        "__module__": scorer_cls.__module__,
+        "__qualname__": f"{scorer_cls.__name__}Layer",
+        "spec_cls": spec_cls,
+        "scorer_cls": scorer_cls,
+        "needs_weights": scorer_cls.needs_weights,
+        "needs_queries": scorer_cls.needs_queries,
+        "example_params": example_params,
+    }
+    return register_cache_layer(name)(type(f"{scorer_cls.__name__}Layer", (ScoredEvictionLayer,), attrs))

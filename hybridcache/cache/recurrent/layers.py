@@ -41,6 +41,14 @@ from hybridcache.cache.recurrent.layout import StateLayout
 from hybridcache.cache.recurrent.offload import state_tier
 
 
+@dataclass
+class StateWrite:
+    """What `update` stages for the open block: the states after it, and (checkpoints on) the trail before them."""
+
+    states: dict[str, torch.Tensor]  # name -> [B, ...]
+    trail: dict[str, torch.Tensor] | None  # name -> [B, m, ...] the states after each of the block's last m tokens
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecurrentSpec(LayerSpec):
     """Base of recurrent specs: `state_shapes()` names every state tensor (shape without batch, dtype)."""
@@ -294,11 +302,11 @@ class RecurrentCacheLayer(CacheLayer):
         if trail is not None and m > 0:
             self._check_states(trail, extra=m)
         _, opened = self._open(valid, tokens)
-        self._staged = (new_states, trail if m > 0 else None)
+        self._staged = StateWrite(new_states, trail if m > 0 else None)
         self._close(opened, failed=False)
 
-    def _commit_staged(self, staged: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> None:
-        new_states, trail = staged
+    def _commit_staged(self, staged: StateWrite) -> None:
+        new_states, trail = staged.states, staged.trail
         k, layout = self.spec.checkpoints, self.layout
         old, end = self.seq.columns, self.seq.columns + self.seq.block.tokens
         if k or layout.feedback:
