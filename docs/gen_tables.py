@@ -189,7 +189,7 @@ def cache_presets(configs: Path) -> str:
 
 def cache_fields(configs: Path) -> str:
     """Every field a cache config takes, from the schema's three entry types."""
-    source = configs.parent / "experiments" / "config_schema.py"
+    source = configs.parent / "experiments" / "core" / "config_schema.py"
     rows = []
     for name, kind, default, comment in schema_fields(source, "CacheSchema"):
         if kind in ("AttentionEntry", "RecurrentEntry"):
@@ -250,7 +250,7 @@ def app_settings(configs: Path) -> str:
 
 
 def model_fields(configs: Path) -> str:
-    source = configs.parent / "experiments" / "config_schema.py"
+    source = configs.parent / "experiments" / "core" / "config_schema.py"
     comments = {k: c for k, _, c in yaml_settings(configs / "model" / "jamba.yaml")}
     fields = schema_fields(source, "ModelSchema")
     rows = [[f"`model.{n}`", code(t), code(d), c or comments.get(n, "")] for n, t, d, c in fields]

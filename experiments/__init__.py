@@ -26,6 +26,9 @@ EXPERIMENTS = {
     "drift": "experiments.drift.main",
 }
 
+#: Experiments that can run HF transformers' own modeling code with our cache (engine=hf; docs/hf_bridge.md).
+HF_ENGINE: tuple[str, ...] = ()
+
 
 @dataclass
 class ExitStatus:
@@ -61,6 +64,8 @@ def run_experiment(cfg: DictConfig):
     try:
         if name not in EXPERIMENTS:
             raise UserError(f"experiment={name} is not one of {', '.join(EXPERIMENTS)}")
+        if cfg.get("engine", "ours") == "hf" and name not in HF_ENGINE:
+            raise UserError(f"engine=hf runs {', '.join(HF_ENGINE)}; experiment={name} runs our model code only")
         result = importlib.import_module(EXPERIMENTS[name]).run(cfg)
     except Exception as e:  # UserError, ReferenceFailed (3), an OS refusal (4), a real checkpoint's missing extra
         missing = None if isinstance(e, UserError) else real_checkpoint_missing(e)

@@ -3,8 +3,10 @@
 A usage error is a command that cannot mean anything: an override Hydra cannot parse, an unknown flag, a misspelt
 choice (`model=jamab`), a setting that does not exist (`model.sed=1`), a value of the wrong type (`model.seed=abc`,
 `cache.attention.window=abc`), several values without `-m`. It ends the command with one line, `error: ...`, naming
-the known choices and the closest one, and exit status 2, before any run starts (in a sweep too). Whether a value
-is in range (`max_new_tokens=0`), a device exists or a file matches is each run's own check (`common.preflight`).
+the known choices and the closest one, and exit status 2, before any run starts (in a sweep too). So does a value
+out of range (`max_new_tokens=0`, `cache.attention.window=-3`, `model.device=tpu`, an unknown cache type: see
+value_checks.py), before Hydra creates the output directory. Whether a device is present, a cache type can serve a
+layer or a file matches is each run's own check (`common.preflight`).
 
 Choices come from Hydra's own config search path (configs/, `--config-dir`, `hydra.searchpath=[...]`: presets added
 that way are known); types from the composed config itself: a setting takes the type of its default (null takes
@@ -23,6 +25,7 @@ from typing import Any
 
 from experiments.core.cache_config import SIZE_FIELDS, size_field_problem
 from experiments.core.config_schema import SCHEMA_GROUPS
+from experiments.core.value_checks import config_problems, value_problem
 
 #: Settings that are null by default, with a value of the type they take (any other setting: its default's type).
 NULL_DEFAULT_TYPES = {"prefill_chunk_size": 1, "oracle_tolerance": 1.0}
@@ -147,7 +150,13 @@ def _check(argv: list[str], config_dir: Path) -> None:
         for x in settings:  # a value sweep: all its values against the first composition, its first after that
             for y in next(xs for xs in expanded if xs and xs[0] is x) if n == 0 else [x]:
                 _check_setting(y, tree, groups)
+                problem = None if y.is_delete() else value_problem(y.key_or_group, y.value())
+                if problem:
+                    raise UsageError(problem)
         _apply(settings, cfg)  # whatever Hydra itself would refuse (+key that exists, ~key that does not, ...)
+        problems = config_problems(_tree(cfg))  # values in range, the presets' own too (value_checks.py)
+        if problems:
+            raise UsageError(problems[0])
 
 
 def _check_setting(o, tree: dict, groups: set[str]) -> None:

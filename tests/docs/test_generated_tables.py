@@ -28,8 +28,10 @@ def test_every_table_is_used_and_every_preset_listed():
 def copy_sources(tmp_path):
     """What the tables are made from, copied: configs/, the schema, pyproject.toml."""
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
-    (tmp_path / "experiments").mkdir()
-    shutil.copy(ROOT / "experiments" / "config_schema.py", tmp_path / "experiments" / "config_schema.py")
+    (tmp_path / "experiments" / "core").mkdir(parents=True)
+    shutil.copy(
+        ROOT / "experiments" / "core" / "config_schema.py", tmp_path / "experiments" / "core" / "config_schema.py"
+    )
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path / "configs"
 
@@ -58,7 +60,7 @@ def test_a_changed_default_and_comment_show(tmp_path):
 
 def test_a_new_schema_field_and_extra_show(tmp_path):
     configs = copy_sources(tmp_path)
-    schema = configs.parent / "experiments" / "config_schema.py"
+    schema = configs.parent / "experiments" / "core" / "config_schema.py"
     schema.write_text(
         schema.read_text().replace('    device: str = "cpu"\n', '    device: str = "cpu"\n    x: int = 3  # new\n')
     )
