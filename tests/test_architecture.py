@@ -2,7 +2,7 @@
 module level, inside functions and under `if TYPE_CHECKING`): no cycles, and no import from a lower layer into a
 higher one. The layer order is docs/architecture.md's:
 
-    base (paths) < cache core < ops < blocks < models < generation < tools < experiments / app
+    base (paths) < cache core < ops < blocks < accel < models < generation < tools < experiments / app
 
 `cache` and `ops` are independent of each other (cache holds no kernels, kernels know no cache); the order only
 says neither may import blocks, models or anything above. A module in a layer may import its own layer and below.
@@ -22,9 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("hybridcache.util",)),  # where files live, atomic writes, silencing other libraries
     ("cache", ("hybridcache.cache",)),  # the Cache and its layer types: pure torch, no kernels
-    # pure-torch ops, and the CPU fast path (C kernels and their checked wrappers) beside them
-    ("ops", ("hybridcache.ops", "hybridcache.accel")),
+    # pure-torch ops; they reach the C kernels only through the seam ops/kernels.py, which accel plugs into
+    ("ops", ("hybridcache.ops",)),
     ("blocks", ("hybridcache.blocks",)),
+    # the CPU fast path: C kernels and their wrappers, and what runs mixers and layers by them (it knows blocks)
+    ("accel", ("hybridcache.accel",)),
     ("models", ("hybridcache.models", "hybridcache.checkpoints")),
     ("generation", ("hybridcache.generation",)),
     # the public facade (hybridcache/__init__.py) and the library's tools around the core: planning, reports,

@@ -1,8 +1,41 @@
-"""The CPU fast path: C kernels built and verified on first use (csrc/), their checked wrappers, and the
-`hybridcache::<op>` torch ops (op_registry.py) that blocks call through kernel_calls.py. Everything here has a
-pure-torch reference in hybridcache/ops/ or in the blocks; `kernel_status()` says which path runs."""
+"""The CPU fast path, plugged into the reference model at two seams.
+
+- Per op: `hybridcache.ops.kernels` (`takes` / `call`): blocks and ops ask it for one op at a time (a projection,
+  a norm, rotary, the Mamba scan, one-query attention); importing this package routes it to the C kernels (csrc/,
+  built and verified on first use; kernel_calls.py: the wrapper eagerly, the registered `hybridcache::<op>` torch
+  op under torch.compile).
+- Per module and model: `install(model)` (from_pretrained calls it) gives each module the registry knows its
+  `accel` and the model its `fast_path` (install.py). The modules keep the reference computation and offer `accel`
+  each call first. The cache is seen only through slots.py's protocols (reserve a slot, write it, commit).
+
+The routes of one eager decode token, fastest first, each falling back to the next where it does not apply:
+1. greedy loop (decode_run.py `DecodeRun.greedy`): many greedy steps in one C call (embed, layers, head, argmax);
+2. decode run (`DecodeRun.step`): the layers' records reused across steps, the cache fed once per run;
+3. layer records (layer_records.py): one step's recording layers in one C call;
+4. per module (`accel`): a layer (sandwich_layer.py) or an attention (attention_mixer.py) in one kernel call;
+5. the reference modules, whose ops still reach per-op kernels through the seam.
+`kernel_status()` says whether the kernels are built here.
+"""
 
 from hybridcache.accel import op_registry  # noqa: F401, I001 (registers the hybridcache::<op> torch ops first)
+from hybridcache.accel import kernel_calls as _kernel_calls
 from hybridcache.accel.kernels import KernelArgumentError, kernel_status
+from hybridcache.ops import kernels as _seam
 
-__all__ = ["KernelArgumentError", "kernel_status"]
+_seam.plug(_kernel_calls.takes, _kernel_calls.call)
+
+from hybridcache.accel.decode_run import NonFiniteLogits  # noqa: E402
+from hybridcache.accel.install import FastPath, install, register_accel, uninstall  # noqa: E402
+from hybridcache.accel.layer_records import steady, steady_unless_hooked  # noqa: E402
+
+__all__ = [
+    "FastPath",
+    "KernelArgumentError",
+    "NonFiniteLogits",
+    "install",
+    "kernel_status",
+    "register_accel",
+    "steady",
+    "steady_unless_hooked",
+    "uninstall",
+]

@@ -47,7 +47,7 @@ class GenerationConfig:
     num_draft_tokens: int = 4  # speculative decoding: tokens the draft proposes per round
     output_logits: bool = True  # False: keep only the tokens (logits are B x V floats per new token)
     decode_runs: bool = (
-        True  # False: every decode step feeds the cache itself (no decode runs: blocks/fast/decode_run.py)
+        True  # False: every decode step feeds the cache itself (no decode runs: accel/decode_run.py)
     )
 
     def update(self, **kwargs: Any) -> GenerationConfig:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from hybridcache.accel import install as install_fast_path
 from hybridcache.accel.huge_pages import collapse_module
 from hybridcache.blocks.core.linear import WEIGHT_FORMATS, pack_weights, use_decode_linear
 from hybridcache.cache.core.limits import device_problem
@@ -80,6 +81,7 @@ def from_pretrained(
         use_decode_linear(model)
     if weights is not None:
         pack_weights(model, weights)
+    install_fast_path(model)  # the CPU kernels' fast path (hybridcache/accel): same numbers as the modules' own
     model.huge_page_bytes = collapse_module(model) if huge_pages else 0
     return model
 

@@ -1,5 +1,6 @@
 """Masked (grouped-query) softmax attention, pure torch (a one-query block in float32 on CPU: one kernel call,
-hybridcache/accel/kernels.py, with the same guarantees; under torch.compile the op that runs it).
+hybridcache/accel/kernels.py through the kernel seam ops/kernels.py, with the same guarantees; under torch.compile
+the op that runs it). `pattern_attention`: a one-query block whose visible keys the kernel evaluates from positions.
 
 Robust to arbitrary masks: rows with no visible key return exact zeros, and
 garbage (NaN/inf) stored in masked cache slots never reaches the output.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hybridcache.ops import kernels
 
 
 def masked_attention(
@@ -56,9 +59,7 @@ def masked_attention(
     heads = mask.dim() == 4
     # a decode step: one kernel call (a mask of one row per batch row)
     if t == 1 and not return_weights and not heads and mask.shape[0] == b and decode_kernel(q, k, v, sinks):
-        from hybridcache.accel.kernel_calls import call  # the fast path, imported when first taken
-
-        out = call("decode_attention", q, k, v, mask, None, None, "full", 0, scale, softcap, sinks)
+        out = kernels.call("decode_attention", q, k, v, mask, None, None, "full", 0, scale, softcap, sinks)
         if out is not None:
             return out
     if (
@@ -106,15 +107,33 @@ def masked_attention(
 def decode_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> bool:
     """Whether one query per row [B, Hq, 1, D] attends by the decode kernel (eager: its wrapper; compiled: the
     hybridcache::decode_attention op): float32 keys and values of one shape, float32 sinks [Hq] or none."""
-    from hybridcache.accel.kernel_calls import takes  # imported here: accel imports ops
-
     return (
-        takes(q)
+        kernels.takes(q)
         and k.dtype == torch.float32
         and v.dtype == torch.float32
         and k.shape == v.shape
         and (sinks is None or sinks.dtype == torch.float32 and sinks.shape == (q.shape[1],))
     )
+
+
+def pattern_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: tuple | None,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """One query per row q [B, Hq, 1, D] over keys / values [B, Hkv, S, D] by the decode kernel, which evaluates
+    which keys are visible from `pattern` (q positions [B, 1], key positions [B, S], kind, parameter: a cache view's
+    `pattern()`) instead of a mask. None where the kernel does not take them: use masked_attention."""
+    if q.shape[2] != 1 or pattern is None or not decode_kernel(q, k, v, sinks):
+        return None
+    qpos, kpos, kind, param = pattern
+    if kpos.dim() != 2:  # per-head positions: by the mask
+        return None
+    return kernels.call("decode_attention", q, k, v, None, qpos, kpos, kind, param, scale, softcap, sinks)
 
 
 def _fused_attention(

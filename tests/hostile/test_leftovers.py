@@ -23,7 +23,7 @@ import hybridcache as hc
 import hybridcache.accel.kernels as ck
 import hybridcache.accel.library as cpu_library
 from hybridcache.accel import build as _native
-from hybridcache.blocks.fast.decode_run import DecodeRun
+from hybridcache.accel.decode_run import DecodeRun
 from hybridcache.cache import Cache, CacheError, NativeLayer
 from hybridcache.cache.storage import offload as offload_storage
 from tests.cache.helpers import state_equal

@@ -1,8 +1,8 @@
-"""A decode step's attention in one kernel call (accel/attention_step.py through AttentionMixer._one_call_step):
-the token's keys and values written by the kernel straight into the slot the cache layer reserved
-(AttentionCacheLayer.decode_slot). It runs the same kernels in the same order as the separate calls (q/k/v kernel,
-the cache's append, the attention kernel), so logits, tokens and the cache itself must be bit-identical to them,
-past the sliding window, with left padding, and after a block that failed."""
+"""A decode step's attention in one kernel call (accel/attention_step.py through accel/attention_mixer.py's
+AttentionAccel.one_call_step): the token's keys and values written by the kernel straight into the slot the cache
+layer reserved (AttentionCacheLayer.decode_slot). It runs the same kernels in the same order as the separate calls
+(q/k/v kernel, the cache's append, the attention kernel), so logits, tokens and the cache itself must be
+bit-identical to them, past the sliding window, with left padding, and after a block that failed."""
 
 from contextlib import contextmanager
 
@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status
+from hybridcache.accel import kernel_status, layer_records, sandwich_layer
+from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.blocks.attention.mixer import AttentionMixer
-from hybridcache.blocks.fast import decode_stack
-from hybridcache.models.families import gemma3
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -22,25 +21,25 @@ pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), rea
 def _separate(monkeypatch):
     """Every decode step by the separate calls."""
     _per_layer(monkeypatch)
-    monkeypatch.setattr(AttentionMixer, "_one_call_step", lambda self, *a: (None, None))
+    monkeypatch.setattr(AttentionAccel, "one_call_step", lambda self, *a: (None, None))
 
 
 def _per_layer(monkeypatch):
-    """Every decode step layer by layer (not the many-layer call of blocks/fast/decode_stack.py, tested apart)."""
-    monkeypatch.setattr(decode_stack, "decode_layers", lambda *a: None)
+    """Every decode step layer by layer (not the many-layer call of accel/layer_records.py, tested apart)."""
+    monkeypatch.setattr(layer_records, "decode_layers", lambda *a: None)
 
 
 def _counted(monkeypatch) -> list:
     """Which calls the one-call step served (True) or left to the separate path (False), layer by layer."""
     _per_layer(monkeypatch)
-    seen, real = [], AttentionMixer._one_call_step
+    seen, real = [], AttentionAccel.one_call_step
 
     def counted(self, *a):
         out = real(self, *a)
         seen.append(out[0] is not None)
         return out
 
-    monkeypatch.setattr(AttentionMixer, "_one_call_step", counted)
+    monkeypatch.setattr(AttentionAccel, "one_call_step", counted)
     return seen
 
 
@@ -51,8 +50,8 @@ def test_one_call_step_is_the_separate_calls(checkpoints, monkeypatch, weights):
     tails = []
     with monkeypatch.context() as m:
         served = _counted(m)
-        real_tail = gemma3.decoder_tail
-        m.setattr(gemma3, "decoder_tail", lambda h, *a: tails.append(h.shape[1]) or real_tail(h, *a))
+        real_tail = sandwich_layer.decoder_tail
+        m.setattr(sandwich_layer, "decoder_tail", lambda h, *a: tails.append(h.shape[1]) or real_tail(h, *a))
         seqs, logits, cache = generate_with_cache(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
     layers = len(model.decoder_layers)
     assert served == [True] * (11 * layers)  # every layer of every decode step, in one call
@@ -88,7 +87,7 @@ def test_a_reserved_slot_the_kernel_declines_is_written_by_the_separate_path(che
     model = hc.from_pretrained(checkpoints("gemma3"))
     ids = prompts(1, 6, seed=4)
     want = hc.generate(model, ids, max_new_tokens=5).logits
-    real_bind = AttentionMixer._bind_step
+    real_bind = AttentionAccel._bind_step
 
     def declining(self, *a):  # a bound call (alone, or inside the whole-layer call) that declines every step
         run = real_bind(self, *a)
@@ -99,10 +98,10 @@ def test_a_reserved_slot_the_kernel_declines_is_written_by_the_separate_path(che
         return decline
 
     with monkeypatch.context() as m:
-        m.setattr(AttentionMixer, "_bind_step", declining)
+        m.setattr(AttentionAccel, "_bind_step", declining)
         for mixer in model.modules():
             if isinstance(mixer, AttentionMixer):
-                mixer._step_memo.entry = (object(), None)  # bind again, declining
+                mixer.accel.step_memo.entry = (object(), None)  # bind again, declining
         served = _counted(m)
         got = hc.generate(model, ids, max_new_tokens=5).logits
     assert served and not any(served)

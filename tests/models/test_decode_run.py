@@ -1,4 +1,4 @@
-"""Decode runs (blocks/fast/decode_run.py): generate's steady decoding of one row feeds the cache once per run of steps.
+"""Decode runs (accel/decode_run.py): generate's steady decoding of one row feeds the cache once per run of steps.
 
 The oracle is the step-by-step decode (the same model with runs turned off): the same sequences and logits bit for
 bit, and the same cache after (keys, values, key positions, counts, the token fingerprint and its history), past
@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status
-from hybridcache.blocks.fast import decode_run, decode_stack
+from hybridcache.accel import FastPath, decode_run, kernel_status
+from hybridcache.accel import layer_records as decode_stack
 from hybridcache.cache.core.errors import CacheError, CacheThreadError
-from hybridcache.generation.sources import cached as decoding
 from tests.models.conftest import prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -73,7 +72,7 @@ def _generate(model, ids, monkeypatch, runs: bool, **kw):
 def test_a_run_is_the_step_by_step_decode(gemma, monkeypatch, weights, run_tokens, runs):
     model = gemma(weights)
     ids = prompts(1, 7, seed=5)
-    monkeypatch.setattr(decoding, "RUN_TOKENS", run_tokens)
+    monkeypatch.setattr(FastPath, "run_tokens", run_tokens)
     got, started = _generate(model, ids, monkeypatch, True, max_new_tokens=20)  # 7 + 20: past the window of 8
     want, none = _generate(model, ids, monkeypatch, False, max_new_tokens=20)
     assert started == runs and none == []  # 19 tokens fed after the prompt
@@ -187,7 +186,7 @@ def test_no_greedy_loop_falls_back_to_runs_a_step(gemma, monkeypatch, how):
     want, _ = _generate(model, first.sequences, monkeypatch, False, max_new_tokens=6, cache=copy.deepcopy(first.cache))
     with monkeypatch.context() as m:
         if how == "no head form":
-            m.setattr(type(model), "decode_head", lambda self: None)
+            m.setattr(type(model), "embed_head_parts", lambda self: None)
         else:
             m.setattr(decode_run.DecodeRun, "greedy", lambda *a: (_ for _ in ()).throw(NotImplementedError("test")))
         got, started = _generate(model, first.sequences, m, True, max_new_tokens=6, cache=first.cache)

@@ -1,4 +1,4 @@
-"""An eager decode step's decoder layers in one C call (blocks/fast/decode_stack.py, accel/decoder_stack.py,
+"""An eager decode step's decoder layers in one C call (accel/layer_records.py, accel/decoder_stack.py,
 kernels/cpu_decode.c hc_decoder_stack). The call runs each layer's hc_decoder_layer with the arguments the per-layer
 call would pass, in the same order, so logits, tokens and the cache must be bit-identical to the per-layer calls
 and to the separate ones; hooks, declining kernels and failures split or abort the run without changing that."""
@@ -13,8 +13,9 @@ import torch
 import hybridcache as hc
 from hybridcache.accel import decoder_stack as cpu_decoder_stack
 from hybridcache.accel import kernel_status
-from hybridcache.blocks.attention.mixer import AttentionMixer
-from hybridcache.blocks.fast import decode_stack
+from hybridcache.accel import layer_records as decode_stack
+from hybridcache.accel.attention_mixer import AttentionAccel
+from hybridcache.accel.sandwich_layer import SandwichAccel
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -50,7 +51,7 @@ def test_the_stack_is_the_per_layer_and_the_separate_calls(checkpoints, monkeypa
     with monkeypatch.context() as m:
         m.setattr(decode_stack, "decode_layers", lambda *a: None)
         per_layer = generate_with_cache(model, ids, mask, 12)
-        m.setattr(AttentionMixer, "_reserve_with", lambda self, *a: None)
+        m.setattr(AttentionAccel, "_reserve_with", lambda self, *a: None)
         separate = generate_with_cache(model, ids, mask, 12)
     _same(got, per_layer)
     _same(got, separate)
@@ -80,11 +81,11 @@ def test_a_layer_whose_kernel_declines_after_reserving_runs_apart(checkpoints, m
     ids, n = prompts(2, 6, seed=4), len(model.decoder_layers)
     want = generate_with_cache(model, ids, None, 5)
     declining = model.decoder_layers[2].self_attn
-    real = AttentionMixer._reserve_with
+    real = AttentionAccel._reserve_with
 
     def reserve(self, *a):
         got = real(self, *a)
-        if got is None or self is not declining:
+        if got is None or self.mixer is not declining:
             return got
         run, args, reserved = got
 
@@ -94,7 +95,7 @@ def test_a_layer_whose_kernel_declines_after_reserving_runs_apart(checkpoints, m
         return Declines, args, reserved
 
     with monkeypatch.context() as m:
-        m.setattr(AttentionMixer, "_reserve_with", reserve)
+        m.setattr(AttentionAccel, "_reserve_with", reserve)
         sizes = _calls(m)
         got = generate_with_cache(model, ids, None, 5)
     assert sizes == [2, n - 3] * 4
@@ -171,15 +172,14 @@ def test_an_early_exit_draft_runs_its_layers_in_one_call(checkpoints, monkeypatc
 
 def _bindings(monkeypatch) -> list[int]:
     """The layer of each decode_binding call."""
-    from hybridcache.models.families.gemma3 import Gemma3DecoderLayer
 
-    made, real = [], Gemma3DecoderLayer.decode_binding
+    made, real = [], SandwichAccel.binding
 
     def counted(self, x, layer):
         made.append(self)
         return real(self, x, layer)
 
-    monkeypatch.setattr(Gemma3DecoderLayer, "decode_binding", counted)
+    monkeypatch.setattr(SandwichAccel, "binding", counted)
     return made
 
 

@@ -1,4 +1,4 @@
-"""Bound kernel calls (blocks/fast/kernel_memo.py): a decode step's fused kernels bound once to a layer's weights and
+"""Bound kernel calls (accel/kernel_memo.py): a decode step's fused kernels bound once to a layer's weights and
 norms must follow every change of them, so the memo's result is always the result of binding afresh."""
 
 import copy
@@ -10,7 +10,7 @@ from torch import nn
 
 import hybridcache as hc
 from hybridcache.accel import kernel_status
-from hybridcache.blocks.fast.kernel_memo import KernelMemo
+from hybridcache.accel.kernel_memo import KernelMemo
 from tests.models.conftest import prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

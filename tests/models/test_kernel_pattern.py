@@ -11,8 +11,8 @@ import torch
 
 import hybridcache as hc
 from hybridcache.accel import kernel_status
+from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.op_reference import visible
-from hybridcache.blocks.attention.mixer import AttentionMixer
 from hybridcache.cache import AttentionCacheLayer, AttentionSpec, register_cache_layer, tunable
 from hybridcache.cache.attention.specs import ChunkedSpec, FullSpec, SlidingSpec
 from tests.models.conftest import prompts
@@ -78,7 +78,7 @@ def test_a_plugin_pattern_that_declares_its_form_gets_the_one_call_attention(che
     model = hc.from_pretrained(checkpoints("gemma3"))
     ids = prompts(2, 6, seed=7)
     config = {"attention": {"type": "local_span_test", "span": 3}}
-    served, real = [], AttentionMixer._reserve_with  # (the one-call attention, alone or in a many-layer call)
+    served, real = [], AttentionAccel._reserve_with  # (the one-call attention, alone or in a many-layer call)
 
     def counted(self, *a):
         out = real(self, *a)
@@ -86,12 +86,12 @@ def test_a_plugin_pattern_that_declares_its_form_gets_the_one_call_attention(che
         return out
 
     with monkeypatch.context() as m:
-        m.setattr(AttentionMixer, "_reserve_with", counted)
+        m.setattr(AttentionAccel, "_reserve_with", counted)
         fast = hc.generate(model, ids, max_new_tokens=8, cache_config=config)  # 6 + 8 tokens: past the span
     assert served and all(served)
     with monkeypatch.context() as m:
         m.setattr(LocalSpec, "kernel_pattern", lambda self: None)  # undeclared: the mask path, no one-call step
-        m.setattr(AttentionMixer, "_reserve_with", counted)
+        m.setattr(AttentionAccel, "_reserve_with", counted)
         served.clear()
         masked = hc.generate(model, ids, max_new_tokens=8, cache_config=config)
     assert served and not any(served)

@@ -144,12 +144,11 @@ def test_bad_weight_formats_are_refused(checkpoints):
 
 @pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
 def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoints, monkeypatch, weights):
-    """Gemma 3 runs everything after attention in one kernel call (blocks/fast/decoder_tail.py; a decode step runs it
+    """Gemma 3 runs everything after attention in one kernel call (accel/decoder_tail.py; a decode step runs it
     inside its whole-layer call, tests/models/test_attention_step.py): the same tokens and bit-identical logits as
     the separate calls, at every weight format, with left padding."""
-    import hybridcache.models.families.gemma3 as gemma3
-    from hybridcache.accel import kernel_status
-    from hybridcache.blocks.attention.mixer import AttentionMixer
+    from hybridcache.accel import kernel_status, sandwich_layer
+    from hybridcache.accel.attention_mixer import AttentionAccel
 
     if not kernel_status().startswith("C kernels"):
         pytest.skip("the C kernels are not built")
@@ -157,12 +156,12 @@ def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoin
     ids, mask = prompts(2, 7, seed=5), torch.ones(2, 7, dtype=torch.long)
     mask[1, :3] = 0
     calls = []
-    real = gemma3.decoder_tail
-    monkeypatch.setattr(gemma3, "decoder_tail", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = sandwich_layer.decoder_tail
+    monkeypatch.setattr(sandwich_layer, "decoder_tail", lambda *a: calls.append(real(*a)) or calls[-1])
     fused = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
     assert calls and all(out is not None for out in calls)  # every layer of the prompt's block took the kernel
-    monkeypatch.setattr(gemma3, "decoder_tail", lambda *a: None)
-    monkeypatch.setattr(AttentionMixer, "_reserve_with", lambda self, *a: None)  # decode: separate too
+    monkeypatch.setattr(sandwich_layer, "decoder_tail", lambda *a: None)
+    monkeypatch.setattr(AttentionAccel, "_reserve_with", lambda self, *a: None)  # decode: separate too
     separate = hc.generate(model, ids, attention_mask=mask, max_new_tokens=5)
     assert torch.equal(fused.sequences, separate.sequences)
     assert torch.equal(fused.logits, separate.logits)

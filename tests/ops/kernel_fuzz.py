@@ -542,7 +542,8 @@ def case_decode_steps(f: Fuzz):
     import copy
 
     import hybridcache as hc
-    from hybridcache.blocks.fast import decode_run, decode_stack
+    from hybridcache.accel import decode_run
+    from hybridcache.accel import layer_records as decode_stack
 
     weights = f.pick(None, "bfloat16", "int8")
     model = _gemma(weights)

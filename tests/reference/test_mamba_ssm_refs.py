@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from einops import repeat
 
 from hybridcache.accel import kernels as cpu_kernels
-from hybridcache.accel.selective_scan_btd import selective_scan_btd
+from hybridcache.ops.selective_scan_btd import selective_scan_btd
 from hybridcache.ops import (
     causal_conv1d,
     causal_conv1d_step,
@@ -639,7 +639,7 @@ def test_glue_causal_conv1d(refs, refs_as_kernels, seed, k):
 
 def test_every_native_scan_kernel_is_compared():
     """Each kernel in cpu_decode.c for a scan, a state update or a conv has a comparison above (see NATIVE)."""
-    source = Path(cpu_kernels.SOURCE).read_text()
+    source = "".join(p.read_text() for p in sorted(Path(cpu_kernels.SOURCE).parent.glob("*.c")))  # every family
     kernels = set(re.findall(r"^void (hc_\w+)\(", source, flags=re.MULTILINE))
     recurrent = {k for k in kernels if re.search(r"scan|ssd|state|conv|mamba|recurr|lru|delta", k)}
     assert recurrent == set(NATIVE), f"native kernels without a reference comparison here: {recurrent - set(NATIVE)}"

@@ -1,27 +1,24 @@
-"""Grouped-query attention mixer. Masks and keys come from the mixer's own attention cache layer."""
+"""Grouped-query attention mixer: projections, rotary, the mixer's own attention cache layer, masked attention,
+output. The reference computation only; the CPU fast path (hybridcache.accel) plugs in through `accel`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from hybridcache.accel.attention_step import bind_attention_step
-from hybridcache.accel.checks import MAX_ROWS
-from hybridcache.accel.decoder_layer import bind_decoder_layer
-from hybridcache.accel.fused import bind_qkv_norm_rope
-from hybridcache.accel.kernel_calls import call, takes
 from hybridcache.blocks.attention.rotary import RotaryEmbedding
 from hybridcache.blocks.core.common import StepInput
 from hybridcache.blocks.core.linear_group import LinearGroup
-from hybridcache.blocks.core.norms import kernel_args, kernel_key, kernel_plain
-from hybridcache.blocks.fast.kernel_memo import KernelMemo, tensor_key
+from hybridcache.blocks.core.norms import kernel_args, kernel_plain
 from hybridcache.cache import AttentionCacheLayer
+from hybridcache.cache.attention.view import AttentionView
 from hybridcache.cache.methods.scored_eviction import QueryInputs
-from hybridcache.ops import masked_attention
-from hybridcache.ops.attention import decode_kernel
+from hybridcache.ops import kernels, masked_attention
+from hybridcache.ops.attention import pattern_attention
 
 
 class AttentionMixer(nn.Module):
@@ -35,7 +32,14 @@ class AttentionMixer(nn.Module):
     per-use LoRA adapters on one shared attention).
     `sinks=True` (GPT-OSS, GraniteSWA): a learned logit per query head, `sinks` [Hq], in every softmax denominator
     (a model parameter, not cache state), which the decode kernel takes too.
+
+    `accel`: the fast path hybridcache.accel installed on this mixer (None: none); `forward` offers it each call
+    first and runs the reference below where it declines.
     """
+
+    # q / k / v are the plain projections (+ plain q / k norms, rotary) the fused kernels compute; a subclass that
+    # projects its own way (MLA, OLMo hybrid) says False, and the fast path leaves its projection alone
+    plain_projection: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -68,8 +72,7 @@ class AttentionMixer(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # [Hq]
         self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one matmul once fused (from_pretrained)
-        self._input_memo = KernelMemo()  # the bound q/k/v kernel call of eager decode steps
-        self._step_memo = KernelMemo()  # the bound one-call attention of eager decode steps (q/k/v to output)
+        self.accel = None  # hybridcache.accel's fast path for this mixer, once installed
 
     def projection_groups(self) -> list[LinearGroup]:
         return [self.qkv]
@@ -83,7 +86,12 @@ class AttentionMixer(nn.Module):
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, step: StepInput) -> tuple[torch.Tensor, ...] | None:
         """The plain RMSNorm q/k norms and plain rotary of this mixer by the norm-rope kernel; None when either is
         another kind (Llama4's L2 norm after its rotary, say), or when the kernel does not take these tensors."""
-        if (self.q_norm is None and self.rotary is None) or not self._plain() or not takes(q) or not takes(k):
+        if (
+            (self.q_norm is None and self.rotary is None)
+            or not self._plain()
+            or not kernels.takes(q)
+            or not kernels.takes(k)
+        ):
             return None
         cos = sin = None
         if self.rotary is not None:
@@ -92,7 +100,9 @@ class AttentionMixer(nn.Module):
                 return None
         out = []
         for x, norm in ((q, self.q_norm), (k, self.k_norm)):
-            y = call("norm_rope", x, *kernel_args(norm), cos, sin, self.rotary is not None and self.rotary.interleaved)
+            y = kernels.call(
+                "norm_rope", x, *kernel_args(norm), cos, sin, self.rotary is not None and self.rotary.interleaved
+            )
             if y is None:
                 return None
             out.append(y)
@@ -126,187 +136,6 @@ class AttentionMixer(nn.Module):
                 q, k = self.rotary(q, k, step)  # cos/sin computed once per block and frequency table
         return q, k, v, gate, q_pre
 
-    def _fused_input(self, h: torch.Tensor, step: StepInput, norm: nn.Module | None) -> tuple[torch.Tensor, ...] | None:
-        """q, k, v [B, H, T, D] by one kernel call (the input norm `norm` unless None, projection, plain RMSNorm q/k
-        norms, plain rotary) for a decode step on CPU; None when this mixer or these tensors need the separate path.
-        Eagerly the call is bound once to this mixer's weights and norms (blocks/fast/kernel_memo.py)."""
-        if self.output_gate or self.query_hook is not None or not takes(h) or h.dim() != 3:
-            return None
-        if torch.compiler.is_compiling():
-            return self._traced_input(h, step, norm)
-        run = self._input_memo.get(self._input_key(h, norm), lambda: self._bind_input(h.shape[2], norm))
-        if run is None:
-            return None
-        cos, sin = self._tables(h, step)
-        if cos is False:
-            return None
-        return run(h, cos, sin)
-
-    def _input_key(self, h: torch.Tensor, norm: nn.Module | None) -> tuple:
-        """What a bound q/k/v call relies on (blocks/fast/kernel_memo.py)."""
-        qkv, rotary = self.qkv, self.rotary
-        f = qkv._fused
-        return (
-            h.shape[2],
-            None if f is None else (id(f[0]), id(f[1]), id(f[2]), f[3] == qkv._pointers()),  # held by the call
-            kernel_key(self.q_norm),
-            kernel_key(self.k_norm),
-            kernel_key(norm),
-            type(rotary),
-            rotary is not None and rotary.interleaved,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-        )
-
-    def _tables(self, h: torch.Tensor, step: StepInput) -> tuple:
-        """The rotary's cos / sin for the kernels ((None, None): no rotary; (False, False): tables they do not
-        take)."""
-        rotary = self.rotary
-        if rotary is None:
-            return None, None
-        cos, sin = rotary.tables(step, torch.float32)
-        return (cos, sin) if rotary.kernel_tables(h, cos) else (False, False)
-
-    def one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail=None):
-        """A decode step's attention by one kernel call (accel/attention_step.py): the output before o_proj
-        [B, 1, Hq * D], the token's keys and values written straight into the slot `layer` reserved
-        (AttentionCacheLayer.decode_slot). With `tail` (the layer's bound decoder tail, blocks/fast/decoder_tail.py
-        bound_tail, whose residual is h) the whole layer in that call instead (accel/decoder_layer.py): the
-        layer's output [B, 1, D]. Returns (output, None), or (None, reserved) where the separate path runs:
-        reserved = (view, slot) when the slot is already reserved (then pass it to forward), else None."""
-        return self._one_call_step(h, layer, step, norm, tail)
-
-    def _one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail=None):
-        got = self._reserve_step(h, layer, step, norm, tail)
-        if got is None:
-            return None, None
-        run, args, reserved = got
-        out = run(h, *args)
-        return (out, None) if out is not None else (None, reserved)
-
-    def step_record(
-        self, x: torch.Tensor, y: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail, run=None
-    ):
-        """one_call_step's whole-layer call (`tail` bound) as a record for a step that runs many layers in one C
-        call (blocks/fast/decode_stack.py): x [B, 1, D] the layer's input, y [B, 1, D] where its output goes (neither
-        written yet); `run`: the call `step_binding` gave for these modules (None: bind it here). Returns
-        (hc_decoder_layer's arguments, the tensors they point into: keep them alive until the call), None (nothing
-        reserved: run the layer as usual), or ("reserved", reserved) where the slot is reserved but the kernel does
-        not take these tensors (pass it to the separate path once x holds the input)."""
-        if run is None:
-            run = self.step_binding(x, layer, norm, tail)
-        got = None if run is None else self._reserve_with(run, x, layer, step)
-        if got is None:
-            return None
-        run, args, reserved = got
-        recorded = run.record(x, y, *args)
-        return recorded if recorded is not None else ("reserved", reserved)
-
-    def _reserve_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail):
-        """(the bound one-call attention, or whole layer with `tail`; its arguments after h; the reservation) with
-        the token's slot reserved in `layer`, or None (nothing reserved) where this mixer, layer or step does not
-        take it."""
-        run = self.step_binding(h, layer, norm, tail)
-        return None if run is None else self._reserve_with(run, h, layer, step)
-
-    def step_binding(self, h: torch.Tensor, layer, norm: nn.Module | None, tail):
-        """The one-call attention (whole layer with `tail`) bound to this mixer's modules for inputs like h, or None
-        where they, h or `layer` do not take it. Depends on the modules and h's shape and dtype only: a decode that
-        knows the modules stay as they are may keep it across steps (blocks/fast/decode_stack.py `steady`)."""
-        if (
-            self.output_gate
-            or self.query_hook is not None
-            or not takes(h)
-            or h.dim() != 3
-            or h.shape[1] != 1
-            or not 0 < h.shape[0] <= MAX_ROWS
-            or torch.compiler.is_compiling()
-            or not isinstance(layer, AttentionCacheLayer)
-            or type(self)._project is not AttentionMixer._project  # a subclass that projects its own way (MLA)
-            or type(self)._fused_input is not AttentionMixer._fused_input
-        ):
-            return None
-        key = (self._input_key(h, norm), self.scale, self.softcap, tensor_key(self.sinks), id(tail))
-        if tail is None:
-            return self._step_memo.get(key, lambda: self._bind_step(h.shape[2], norm))
-        # (the bound call holds `tail`, so its id is not reused while this entry is kept)
-        return self._step_memo.get(key, lambda: bind_decoder_layer(self._bind_step(h.shape[2], norm), tail))
-
-    def _reserve_with(self, run, h: torch.Tensor, layer, step: StepInput):
-        """_reserve_step's reservation for a bound call: (run, its arguments after h, the reservation), or None
-        (nothing reserved)."""
-        if not isinstance(layer, AttentionCacheLayer):
-            return None
-        cos, sin = self._tables(h, step)
-        if cos is False:
-            return None
-        reserved = layer.decode_slot()
-        if reserved is None:
-            return None
-        view, slot = reserved
-        qpos, kpos, kind, param = view.pattern()  # (decode_slot: a built-in pattern, positions per row)
-        return run, (cos, sin, view.keys, view.values, slot, qpos, kpos, kind, param), reserved
-
-    def _bind_step(self, dm: int, norm: nn.Module | None):
-        """The one-call attention bound to this mixer's projection, norms, scale, softcap and sinks (None: the
-        kernel does not take them)."""
-        args = self._kernel_args(dm, norm)
-        return None if args is None else bind_attention_step(*args, self.scale, self.softcap, self.sinks)
-
-    def _bind_input(self, dm: int, norm: nn.Module | None):
-        """The q/k/v kernel call bound to this mixer's fused projection and norms (None: the kernel does not take
-        them)."""
-        args = self._kernel_args(dm, norm)
-        return None if args is None else bind_qkv_norm_rope(*args)
-
-    def _kernel_args(self, dm: int, norm: nn.Module | None) -> tuple | None:
-        """The q/k/v kernels' arguments for this mixer (bind_qkv_norm_rope's; bind_attention_step's start so):
-        None when its projection is not fused or a norm / the rotary is not a kind they compute."""
-        parts = self.qkv.parts()
-        if parts is None or not self._plain() or not kernel_plain(norm):
-            return None
-        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
-        return (
-            parts,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            dm,
-            None if qn is None else kernel_args(qn),
-            None if kn is None else kernel_args(kn),
-            rotary is not None and rotary.interleaved,
-            None if norm is None else kernel_args(norm),
-        )
-
-    def _traced_input(
-        self, h: torch.Tensor, step: StepInput, norm: nn.Module | None
-    ) -> tuple[torch.Tensor, ...] | None:
-        """_fused_input under torch.compile: the registered op on the flat arguments."""
-        if not self._plain() or not kernel_plain(norm):
-            return None
-        parts = self.qkv.parts()
-        if parts is None:
-            return None
-        qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
-        cos, sin = rotary.tables(step, torch.float32) if rotary is not None else (None, None)
-        if rotary is not None and not rotary.kernel_tables(h, cos):
-            return None
-        return call(
-            "qkv_norm_rope",
-            h,
-            *parts,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            *kernel_args(qn),
-            *kernel_args(kn),
-            cos,
-            sin,
-            rotary is not None and rotary.interleaved,
-            *kernel_args(norm),
-        )
-
     def forward(
         self,
         h: torch.Tensor,
@@ -315,41 +144,52 @@ class AttentionMixer(nn.Module):
         extra: tuple[torch.Tensor | None, ...] | None = None,
         project: bool = True,
         norm: nn.Module | None = None,
-        reserved: tuple | bool | None = None,
     ) -> torch.Tensor:
-        """[B, T, out] from h [B, T, hidden] (through `norm` first, the layer's input norm, unless None: a plain
-        RMSNorm runs in the q/k/v kernel call); with `project=False` the output before o_proj, [B, T, Hq * D] (for a
-        caller that runs o_proj in a fused kernel: blocks/fast/decoder_tail.py). `reserved`: what one_call_step returned
-        when the caller tried it first ((view, slot) to write, or False: nothing reserved; None: not tried)."""
-        b, t, _ = h.shape
-        d = self.head_dim
-        gate = q_pre = None
-        wants_queries = getattr(layer, "wants_queries", False)  # a method modelling future queries (ExpectedAttention)
-        if reserved is None and t == 1 and extra is None and not wants_queries:  # eager decode: one kernel call
-            out, reserved = self._one_call_step(h, layer, step, norm)
+        """[B, T, out] from h [B, T, hidden] (through `norm` first, the layer's input norm, unless None); with
+        `project=False` the output before o_proj, [B, T, Hq * D]."""
+        if self.accel is not None and extra is None:
+            out = self.accel(h, layer, step, norm, project)  # the fast path, where it takes this call
             if out is not None:
-                return self.o_proj(out) if project else out
-        reserved = reserved or None
-        fused_input = self._fused_input(h, step, norm) if extra is None and not wants_queries else None
-        if fused_input is not None:
-            q, k, v = fused_input
-        else:
-            if norm is not None:
-                h = norm(h)
-            q, k, v, gate, q_pre = self._project(h, step, extra, prerope=wants_queries)
+                return out
+        return self.reference(h, layer, step, extra, project, norm)
+
+    def reference(
+        self,
+        h: torch.Tensor,
+        layer: AttentionCacheLayer,
+        step: StepInput,
+        extra: tuple[torch.Tensor | None, ...] | None = None,
+        project: bool = True,
+        norm: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """`forward` by the reference computation (the fast path not offered)."""
+        if norm is not None:
+            h = norm(h)
+        wants_queries = getattr(layer, "wants_queries", False)  # a method modelling future queries (ExpectedAttention)
+        q, k, v, gate, q_pre = self._project(h, step, extra, prerope=wants_queries)
         if self.query_hook is not None:
             q = self.query_hook(q, step)
         dtype = layer.spec.dtype
-        k, v = k if k.dtype == dtype else k.to(dtype), v if v.dtype == dtype else v.to(dtype)
-        if reserved is not None:  # the slot the one-call step did not fill after all
-            view, slot = reserved
-            view.keys.narrow(2, slot, 1).copy_(k)
-            view.values.narrow(2, slot, 1).copy_(v)
-        else:
-            view = layer.update(k, v)
+        view = layer.update(k if k.dtype == dtype else k.to(dtype), v if v.dtype == dtype else v.to(dtype))
+        return self.attend(q, view, layer, gate, q_pre, project)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        view: AttentionView,
+        layer: AttentionCacheLayer,
+        gate: torch.Tensor | None = None,
+        q_pre: torch.Tensor | None = None,
+        project: bool = True,
+    ) -> torch.Tensor:
+        """Queries q [B, Hq, T, D] (normed, rotated) attending over `view` (what `layer` gave for this block), then
+        the output gate [B, T, Hq * D] (None: none) and o_proj unless not `project`: [B, T, out]. q_pre: the queries
+        before rotary, for a layer that models future queries."""
+        b, _, t, d = q.shape
         keys, values = view.keys, view.values
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
+        wants_queries = getattr(layer, "wants_queries", False)
         out = None
         if layer.wants_attention_weights or wants_queries:  # score-based eviction reads the block's weights
             out, weights = masked_attention(
@@ -360,24 +200,8 @@ class AttentionMixer(nn.Module):
                 layer.observe_attention(weights, QueryInputs(q_pre, rotation, self.scale))
             else:
                 layer.observe_attention(weights)
-        elif t == 1 and decode_kernel(q, keys, values, self.sinks):  # a decode step: the kernel reads positions
-            pattern = view.pattern()
-            if pattern is not None and pattern[1].dim() == 2:  # (per-head positions: by the mask below)
-                qpos, kpos, kind, param = pattern
-                out = call(
-                    "decode_attention",
-                    q,
-                    keys,
-                    values,
-                    None,
-                    qpos,
-                    kpos,
-                    kind,
-                    param,
-                    self.scale,
-                    self.softcap,
-                    self.sinks,
-                )
+        elif t == 1:  # a decode step: the kernel evaluates the pattern from positions (None: not taken)
+            out = pattern_attention(q, keys, values, view.pattern(), self.scale, self.softcap, self.sinks)
         if out is None:
             out = masked_attention(q, keys, values, view.mask, self.scale, self.softcap, sinks=self.sinks)
         out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, Hq * D]

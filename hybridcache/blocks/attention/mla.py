@@ -44,6 +44,9 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 class MLAMixer(AttentionMixer):
     """forward(h [B, T, D], layer, step) -> [B, T, D]; the cache layer has H kv heads of the padded width."""
 
+    # low-rank q / kv projections with a split rotary part: not the fused kernels' plain q / k / v
+    plain_projection = False
+
     def __init__(
         self,
         hidden: int,
@@ -79,9 +82,6 @@ class MLAMixer(AttentionMixer):
 
     def projection_groups(self) -> list:
         return []
-
-    def _fused_input(self, h: torch.Tensor, step: StepInput, norm: nn.Module | None = None) -> None:
-        return None
 
     def _project(self, h: torch.Tensor, step: StepInput, extra, prerope: bool = False) -> tuple:
         """q [B, H, T, W], k and v [B, H, T, W] (W the padded width), the per-head output gate [B, T, H * W] or

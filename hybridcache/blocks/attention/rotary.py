@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridcache.accel.kernel_calls import call, takes
+from hybridcache.ops import kernels
 
 
 def rope_frequencies(
@@ -116,7 +116,7 @@ class RotaryEmbedding(nn.Module):
     def kernel_tables(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether x [B, H, T, D] rotates by the rotary kernels with these tables (float32, one row per batch row:
         what the ops' declared rules take)."""
-        return takes(x) and cos.dtype == torch.float32 and cos.dim() == 4 and cos.shape[0] == x.shape[0]
+        return kernels.takes(x) and cos.dtype == torch.float32 and cos.dim() == 4 and cos.shape[0] == x.shape[0]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, T, D] and k [B, Hkv, T, D] rotated by cos/sin [B (or 1), 1, T, R] of `positions`; tables of any
@@ -136,7 +136,10 @@ class RotaryEmbedding(nn.Module):
                     "(positions must be [B, T], one per query token)"
                 )
         if self.kernel_tables(q, cos) and k.dtype == torch.float32:  # one kernel call per tensor, any layout
-            rq, rk = call("rope", q, cos, sin, self.interleaved), call("rope", k, cos, sin, self.interleaved)
+            rq, rk = (
+                kernels.call("rope", q, cos, sin, self.interleaved),
+                kernels.call("rope", k, cos, sin, self.interleaved),
+            )
             if rq is not None and rk is not None:
                 return rq, rk
 

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.accel.kernel_calls import call, takes
-from hybridcache.accel.op_specs import WEIGHT_KERNELS
+from hybridcache.ops import kernels
 
 WEIGHT_FORMATS = ("bfloat16", "int8")
 
@@ -31,9 +30,9 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (* scale [N], for int8 weights) (+ bias [N]) -> [..., N] in x's dtype."""
-    if takes(x) and x.dim() > 0 and weight.dim() == 2 and weight.dtype in WEIGHT_KERNELS:
+    if kernels.takes(x) and x.dim() > 0 and weight.dim() == 2 and weight.dtype in kernels.WEIGHT_DTYPES:
         # the same kernels eager and compiled (same rounding); packed weights are never unpacked into memory
-        out = call("decode_linear", x, weight, bias, scale)
+        out = kernels.call("decode_linear", x, weight, bias, scale)
         if out is not None:
             return out
     return reference_linear(x, weight, bias, scale)

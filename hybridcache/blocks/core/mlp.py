@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.accel.kernel_calls import call, takes
-from hybridcache.accel.op_specs import ACT_MUL
 from hybridcache.blocks.core.linear import DecodeLinear
 from hybridcache.blocks.core.linear_group import LinearGroup
+from hybridcache.ops import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -44,17 +43,17 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        kernel = self.act_name in ACT_MUL and takes(x) and x.dim() > 0
+        kernel = self.act_name in kernels.ACTIVATIONS and kernels.takes(x) and x.dim() > 0
         parts = self.gate_up.parts() if kernel and isinstance(down, DecodeLinear) else None
         if parts is not None:  # a decode step on CPU: the whole MLP in one kernel call
-            y = call("gated_mlp", x, *parts, down.weight, down.bias, down._buffers.get("scale"), self.act_name)
+            y = kernels.call("gated_mlp", x, *parts, down.weight, down.bias, down._buffers.get("scale"), self.act_name)
             if y is not None:
                 return y
         gate_up = self.gate_up.joint(x)  # [..., 2I] once fused
         if gate_up is None:
             gate, up = self.gate_up(x)
         else:
-            out = call("act_mul", gate_up, self.act_name) if kernel else None  # activation x product, one call
+            out = kernels.call("act_mul", gate_up, self.act_name) if kernel else None  # activation x product, one call
             if out is not None:
                 return self.down_proj(out)
             gate, up = gate_up.split_with_sizes(self.gate_up.sizes, dim=-1)

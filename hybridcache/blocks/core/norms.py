@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.kernel_calls import call, takes
-from hybridcache.blocks.fast.kernel_memo import tensor_key
+from hybridcache.ops import kernels
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -40,12 +39,12 @@ class RMSNorm(nn.Module):
 
     def kernel_norm(self, x: torch.Tensor) -> bool:
         """Whether x goes to the RMSNorm kernel (eager: its wrapper; compiled: the hybridcache::rms_norm op)."""
-        return takes(x) and x.dim() > 0 and self.weight.dtype == torch.float32
+        return kernels.takes(x) and x.dim() > 0 and self.weight.dtype == torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_norm(x):
             # float32 on CPU: one kernel call (every variant below is x * rsqrt(mean(x^2) + eps) * w in float32)
-            out = call("rms_norm", x, self.kernel_scale(), self.eps)
+            out = kernels.call("rms_norm", x, self.kernel_scale(), self.eps)
             if out is not None:
                 return out
         x32 = x.float() if x.dtype in _LOW else x  # at least float32
@@ -74,17 +73,6 @@ def kernel_plain(norm: nn.Module | None) -> bool:
     return norm is None or type(norm) is RMSNorm and _weight(norm).dtype == torch.float32
 
 
-def kernel_key(norm: nn.Module | None) -> tuple | None:
-    """What kernel_plain / kernel_args read from `norm`, for a bound call's key (blocks/fast/kernel_memo.py): the
-    module,
-    its kind, its weight (identity, address, dtype, shape, version: the effective scale derives from the values)
-    and eps."""
-    if type(norm) is not RMSNorm:
-        return None if norm is None else (id(norm), type(norm))  # another kind: kernel_plain refuses it
-    w = _weight(norm)
-    return id(norm), type(norm), norm.unit_offset, norm.eps, tensor_key(w), w._version
-
-
 def kernel_args(norm: nn.Module | None) -> tuple[torch.Tensor | None, float]:
     """A plain norm's (effective float32 scale, eps) as the kernels take them; (None, 0.0) for none."""
     return (None, 0.0) if norm is None else (norm.kernel_scale(), norm.eps)
@@ -98,14 +86,14 @@ def residual_norm(
     float32 on CPU when both are plain RMSNorms (the same arithmetic as their own kernel path); the modules otherwise.
     """
     if (
-        takes(x)
+        kernels.takes(x)
         and h.dtype == torch.float32
         and h.shape == x.shape
         and x.dim() > 0
         and kernel_plain(post)
         and kernel_plain(nxt)
     ):
-        out = call("residual_norm", h, x, *kernel_args(post), *kernel_args(nxt))
+        out = kernels.call("residual_norm", h, x, *kernel_args(post), *kernel_args(nxt))
         if out is not None:
             return out[0], None if nxt is None else out[1]
     h = h + (x if post is None else post(x))

@@ -7,12 +7,12 @@ import math
 import torch
 from torch import nn
 
-from hybridcache.accel.selective_scan_btd import selective_scan_btd
 from hybridcache.blocks.core.common import StepInput
 from hybridcache.blocks.core.linear import linear
 from hybridcache.blocks.core.norms import RMSNorm
 from hybridcache.cache import MambaStateLayer
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_state_update
+from hybridcache.ops.selective_scan_btd import selective_scan_btd
 
 
 def resolve_dt_rank(rank: int | str, hidden: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.blocks.fast.decode_stack import steady_unless_hooked
+from hybridcache.accel import steady_unless_hooked
 from hybridcache.cache import Cache
 from hybridcache.generation.checks import check_generation_memory, request_mask
 from hybridcache.generation.hooks import StoppingCriteriaList

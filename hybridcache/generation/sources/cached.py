@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.blocks.fast.decode_run import RUN_TOKENS, DecodeRun, NonFiniteLogits
+from hybridcache.accel import NonFiniteLogits
 from hybridcache.cache import Cache
 from hybridcache.cache.core.sequence import token_fingerprint
 from hybridcache.generation.sampling import greedy_next
@@ -120,11 +120,11 @@ class DecodeSource:
         self.model, self.cache, self.cache_config, self.chunk_size = model, cache, cache_config, prefill_chunk_size
         self.continues = continues  # the cache was handed in: input_ids must start with what it saw
         self.decode = compiled_decode_step(model) if compile else model.forward_block
-        # decode runs (blocks/fast/decode_run.py): only for a caller that changes nothing between steps but through
+        # decode runs (accel/decode_run.py): only for a caller that changes nothing between steps but through
         # this source (generate's plain decoding: not beam search, which reorders the cache) and says so by
         # `runs = True`; False once one did not apply in this generation
         self.runs = False
-        self._run: DecodeRun | None = None
+        self._run = None  # the open decode run (accel/decode_run.py DecodeRun)
         # greedy runs (DecodeRun.greedy: many steps in one C call): (eos ids, keep logits) from a caller whose
         # tokens are plain greedy choices stopped by eos only, with runs on; None: off
         self.greedy: tuple[list[int], bool] | None = None
@@ -191,8 +191,7 @@ class DecodeSource:
         generated."""
         eos, keep = self.greedy
         model = self.model
-        forms = getattr(model, "decode_embedding", None) is not None  # the embedding and head the C loop computes
-        forms = forms and model.decode_embedding() is not None and model.decode_head() is not None
+        forms = model.fast_path is not None and model.fast_path.greedy_loop(model)  # embedding, head: C loop's
         while self.runs and forms:
             ids = first if state.count == 0 else state.generated[:, state.count - 1 : state.count]
             run = self._run
@@ -221,22 +220,23 @@ class DecodeSource:
                 raise AssertionError("hc_decode_steps reported a finite row as not finite")
         self.greedy = None
 
-    def _start_run(self, ids: torch.Tensor, state: GenerationState, h: torch.Tensor | None = None) -> DecodeRun | None:
+    def _start_run(self, ids: torch.Tensor, state: GenerationState, h: torch.Tensor | None = None):
         """A decode run from the cache's state, its first step's tokens `ids` [B, 1]; None (runs off) where they do
         not apply: no cache (the recompute oracle), compiled, a model whose body is not embed -> layers -> head, or
         see DecodeRun.start. h: model.embed(ids), when the caller has it."""
         model, run = self.model, None
         body = getattr(type(model), "forward_block", None) is _BODY
-        if self.cache is not None and self.decode == model.forward_block and body:
-            capacity = min(RUN_TOKENS, state.generated.shape[1] - state.count)
-            run = DecodeRun.start(model, self.cache, capacity, ids, model.embed(ids) if h is None else h)
+        fast = model.fast_path
+        if fast is not None and self.cache is not None and self.decode == model.forward_block and body:
+            capacity = min(fast.run_tokens, state.generated.shape[1] - state.count)
+            run = fast.start_run(model, self.cache, capacity, ids, model.embed(ids) if h is None else h)
         if run is None:
             self.runs = False
         self._run = run
         return run
 
     def _run_step(self, ids: torch.Tensor, state: GenerationState) -> torch.Tensor | None:
-        """Logits [B, V] of a decode run's step (blocks/fast/decode_run.py: the cache's bookkeeping once per run), or
+        """Logits [B, V] of a decode run's step (accel/decode_run.py: the cache's bookkeeping once per run), or
         None where runs do not apply (then every later step goes step by step too)."""
         model, run = self.model, self._run
         if run is not None and run.full:

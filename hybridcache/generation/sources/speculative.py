@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from hybridcache.blocks.fast.decode_stack import run_layers
 from hybridcache.cache import Cache, CacheConfigError
 from hybridcache.cache.core.sequence import token_fingerprint
 from hybridcache.generation.sampling import check_finite, greedy_next
@@ -218,7 +217,7 @@ class EarlyExitDraft(torch.nn.Module):
         cache.begin_block(valid, input_ids.shape[1], check=check, ids=input_ids)
         try:
             block = cache.current_block
-            h = run_layers(self.decoder_layers, cache.entries, self.target.embed(input_ids), block)
+            h = self.target.layers_forward(self.target.embed(input_ids), cache.entries, block, self.decoder_layers)
             logits = self.target.head(h[:, -1:] if last_only else h)
         except BaseException:
             cache.abort_block()

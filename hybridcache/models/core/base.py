@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks.fast.decode_stack import run_layers
 from hybridcache.cache import Cache, CacheError, CacheGroup, NativeGroup, get_layer_class
 from hybridcache.cache.core.plan import Native
 from hybridcache.cache.core.sequence import check_valid_mask
@@ -68,6 +67,7 @@ class HybridLM(nn.Module):
 
     family: ClassVar[str] = "?"
     tied_weights: ClassVar[Mapping[str, str]] = {}  # our lm_head name -> the embedding it shares when tied
+    fast_path = None  # the CPU fast path (hybridcache.accel.install, which from_pretrained calls): None, reference
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
@@ -271,8 +271,21 @@ class HybridLM(nn.Module):
         """The model body for the cache's open block (no validation; what the compiled decode step runs)."""
         step = cache.current_block
         h = self.embed(input_ids)
-        h = run_layers(self.decoder_layers, cache.entries, h, step)  # (eager decode: few C calls, decode_stack.py)
+        h = self.layers_forward(h, cache.entries, step)
         return self.head(h[:, -1:] if last_only else h)
+
+    def layers_forward(self, h: torch.Tensor, entries, step, blocks=None) -> torch.Tensor:
+        """h [B, T, D] through the decoder layers (`blocks`, default all) with their cache entries: by the fast
+        path's few C calls where installed and it takes the step (an eager decode step), else one call per layer."""
+        blocks = self.decoder_layers if blocks is None else blocks
+        fast = self.fast_path
+        if fast is not None:
+            out = fast.layers(blocks, entries, h, step)
+            if out is not None:
+                return out
+        for block, entry in zip(blocks, entries, strict=True):
+            h = block(h, entry, step)
+        return h
 
 
 def check_mask(mask: torch.Tensor, seen: torch.Tensor, width: int) -> torch.Tensor:

@@ -7,15 +7,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import nn
 
-from hybridcache.accel.kernel_calls import takes
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding
 from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.fast.decode_run import embedding_form, head_form
-from hybridcache.blocks.fast.decoder_tail import bound_tail, decoder_tail
-from hybridcache.blocks.fast.kernel_memo import KernelMemo
-from hybridcache.cache import CacheLayer, NativeLayer
+from hybridcache.blocks.core.sandwich import SandwichLayer, SandwichParts
+from hybridcache.cache import NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
@@ -69,7 +65,9 @@ class Gemma3Config(AttentionFields):
         ]
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(SandwichLayer):
+    """Sandwich norms around attention and the gated MLP (blocks/core/sandwich.py holds the forward)."""
+
     def __init__(self, cfg: Gemma3Config, rotary: RotaryEmbedding) -> None:
         super().__init__()
         d, eps, head_dim = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
@@ -86,52 +84,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
-        self._tail_memo = KernelMemo()  # the bound decoder-tail kernel call of eager decode steps
 
-    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        reserved = None
-        if h.shape[1] == 1 and takes(h) and not torch.compiler.is_compiling():  # eager decode: one call per layer
-            tail = self._bound_tail(h)
-            if tail is not None:
-                out, reserved = self.self_attn.one_call_step(h, layer, step, self.input_layernorm, tail)
-                if out is not None:
-                    return out
-                reserved = reserved or False  # tried: the separate path writes a reserved slot
-        return self.separate(h, layer, step, reserved)
-
-    def decode_binding(self, x: torch.Tensor, layer: CacheLayer):
-        """This layer's whole decode step bound to its modules for inputs like x [B, 1, D] (AttentionMixer.step_binding
-        with its input norm and bound tail), or None where the kernels do not take them."""
-        tail = self._bound_tail(x)
-        return None if tail is None else self.self_attn.step_binding(x, layer, self.input_layernorm, tail)
-
-    def decode_record(self, x: torch.Tensor, y: torch.Tensor, layer: CacheLayer, step: StepInput, binding=None):
-        """This layer's eager decode step as a record for one C call over many layers (blocks/fast/decode_stack.py):
-        AttentionMixer.step_record by `binding` (decode_binding's, for these modules; None: bind it here)."""
-        run = self.decode_binding(x, layer) if binding is None else binding
-        return None if run is None else self.self_attn.step_record(x, y, layer, step, None, None, run)
-
-    def decode_rotary(self):
-        """The rotary embedding whose tables decode_record's call reads (None: none): a decode that runs many steps
-        on one record (blocks/fast/decode_run.py) computes them for each step's positions."""
-        return self.self_attn.rotary
-
-    def separate(self, h: torch.Tensor, layer: CacheLayer, step: StepInput, reserved=None) -> torch.Tensor:
-        """The layer by separate calls; `reserved`: the slot one_call_step / decode_record reserved (False: tried,
-        none), which the attention then writes."""
-        attn, post, pre = self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm
-        a = attn(h, layer, step, project=False, norm=self.input_layernorm, reserved=reserved)  # [B, T, Hq * D]
-        out = decoder_tail(h, a, attn.o_proj, post, pre, self.mlp, self.post_feedforward_layernorm, self._tail_memo)
-        if out is not None:  # a float32 CPU decode step: the rest of the layer in one kernel call
-            return out
-        h, x = residual_norm(h, attn.o_proj(a), post, pre)
-        return residual_norm(h, self.mlp(x), self.post_feedforward_layernorm, None)[0]
-
-    def _bound_tail(self, h: torch.Tensor):
-        attn = self.self_attn
-        return bound_tail(
-            h.shape[2], attn.num_heads * attn.head_dim, attn.o_proj, self.post_attention_layernorm,
-            self.pre_feedforward_layernorm, self.mlp, self.post_feedforward_layernorm, self._tail_memo,
+    def parts(self) -> SandwichParts:
+        return SandwichParts(
+            self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+            self.mlp, self.post_feedforward_layernorm,
         )  # fmt: skip
 
 
@@ -182,18 +139,15 @@ class Gemma3LM(StackLM):
         cap = self.cfg.final_logit_softcapping
         return cap * torch.tanh(logits / cap) if cap else logits
 
-    def decode_embedding(self):
-        """`embed` as data, for a decode run that embeds in C (blocks/fast/decode_run.py): (the table, its row scale,
-        the
-        multiplier; see embedding_form), or None."""
-        form = embedding_form(self.model.embed_tokens) if type(self).embed is Gemma3LM.embed else None
-        if form is None:
-            return None
-        return (*form, float(torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=torch.float32)))
+    # `embed` is the embedding table times sqrt(hidden) and `head` the final norm then lm_head (unless softcapped):
+    # a fast path may compute them itself from `embed_head_parts` (accel/decode_run.py's greedy loop). A subclass
+    # that changes `embed` or `head` sets this False.
+    plain_embed_head: ClassVar[bool] = True
 
-    def decode_head(self):
-        """`head` as data, for a decode run that computes it in C (blocks/fast/decode_run.py head_form), or None (a
-        softcap, or another head)."""
-        if type(self).head is not Gemma3LM.head or self.cfg.final_logit_softcapping:
+    def embed_head_parts(self) -> tuple | None:
+        """(the embedding module, the multiplier, the final norm, lm_head), or None where embed or head is another
+        computation (a softcap, a subclass's own)."""
+        if not self.plain_embed_head or self.cfg.final_logit_softcapping:
             return None
-        return head_form(getattr(self.model, self.final_norm_name), self.lm_head)
+        multiplier = float(torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=torch.float32))
+        return self.model.embed_tokens, multiplier, getattr(self.model, self.final_norm_name), self.lm_head

@@ -82,8 +82,8 @@ class OlmoHybridGatedDeltaNet(GatedDeltaNetMixer):
 class OlmoHybridAttention(AttentionMixer):
     """OLMo 3 attention: q_norm / k_norm normalise the whole q / k projection (all heads together)."""
 
-    def _fused_input(self, h: torch.Tensor, step: StepInput, norm: nn.Module | None = None) -> None:
-        return None  # the fused kernel normalises per head
+    # its q / k norms span all heads (the fused kernel normalises per head)
+    plain_projection = False
 
     def _project(self, h: torch.Tensor, step: StepInput, extra, prerope: bool = False) -> tuple:
         b, t, _ = h.shape

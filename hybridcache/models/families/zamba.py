@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.accel.selective_scan_btd import selective_scan_btd
+from hybridcache.ops.selective_scan_btd import selective_scan_btd
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput
 from hybridcache.blocks.recurrent.mamba import MambaMixer
 from hybridcache.cache import CacheLayer, NativeLayer

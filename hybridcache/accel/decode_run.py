@@ -1,18 +1,18 @@
 """Decode steps whose cache bookkeeping runs once per run of steps instead of once per layer and step.
 
-An eager decode step of a model whose layers all record (decode_stack.py: Gemma 3's whole layer in one C call)
+An eager decode step of a model whose layers all record (layer_records.py: Gemma 3's whole layer in one C call)
 still pays, per layer and step, the cache's reservation of the token's slot, its commit, and the checks that build
 the layer's record: ~2 ms of Python a step on Gemma 3 270M (a sixth of an int8 step), run with the caches cold
 after each step's weights. A run pays them once. The cache reserves room for up to `capacity` tokens after every
 layer's held slots and stays held (Cache.reserve_decode); the first step builds each layer's record by its checked
-call (`run.record`, as decode_stack does); each later step changes only what moves with the step in those records
+call (`run.record`, as layer_records does); each later step changes only what moves with the step in those records
 (the slot and slot count, the rotary tables, the query position, the input), and the kernels write each token's
 keys and values into the next reserved slot. When the run ends the tokens are fed as one block
 (Cache.feed_reserved), which leaves the cache as that many one-token blocks would.
 
 The same kernels on the same inputs: the attention reads the same visible slots (its output depends on those only,
 so older slots that a step-by-step decode would have evicted meanwhile change nothing), so the same logits bit for
-bit and the same cache after (tests/models/test_decode_run.py). Only inside `decode_stack.steady()` (no code but
+bit and the same cache after (tests/models/test_decode_run.py). Only inside `layer_records.steady()` (no code but
 ours between the steps, so nothing else can read or change the cache or the modules meanwhile), one row, every
 layer recording; anything else decodes step by step.
 """
@@ -27,11 +27,12 @@ from torch import nn
 from hybridcache.accel.checks import INT_MAX, _ptr, _real, _vec
 from hybridcache.accel.decoder_stack import record_table, record_type, run_table
 from hybridcache.accel.kernel_calls import takes
+from hybridcache.accel.layer_records import _binding, _hooked, layer_accel, steady_bindings
 from hybridcache.accel.library import _library
 from hybridcache.accel.op_specs import WEIGHT_TYPES
+from hybridcache.accel.slots import ReservingCache
 from hybridcache.blocks.core.linear import DecodeLinear, PackedEmbedding
 from hybridcache.blocks.core.norms import RMSNorm
-from hybridcache.blocks.fast.decode_stack import _binding, _hooked, steady_bindings
 from hybridcache.cache.core.group import CacheGroup
 
 RUN_TOKENS = 128  # steps per run at most: the spare slots it reserves in every layer
@@ -41,18 +42,19 @@ _F32 = torch.float32
 class DecodeRun:
     """Up to `capacity` decode steps of one model on one held cache (`start`), fed to the cache by `finish`."""
 
-    def __init__(self, cache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
+    def __init__(self, cache: ReservingCache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
         self.cache, self.capacity, self.pos0 = cache, capacity, pos0  # pos0 [B]: the first step's positions
         self.ids = ids  # [B, capacity]: the tokens fed, in order
         self.steps = self.table_step = 0  # steps run; the step the records' moving fields are set for
         self.closed = False
 
     @classmethod
-    def start(cls, model, cache, capacity: int, ids: torch.Tensor, h: torch.Tensor) -> DecodeRun | None:
+    def start(cls, model, cache: ReservingCache, capacity: int, ids: torch.Tensor, h: torch.Tensor) -> DecodeRun | None:
         """A run of up to `capacity` steps from the cache's state, its first step's tokens `ids` [B, 1] embedded as
         h [B, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step."""
         kept = steady_bindings()
         blocks, entries = list(model.decoder_layers), list(cache.entries)
+        accels = [layer_accel(b) for b in blocks]
         if (
             kept is None
             or capacity < 1
@@ -66,14 +68,14 @@ class DecodeRun:
             or len(blocks) != len(entries)
             or cache.seq.block is not None
             or any(isinstance(e, CacheGroup) for e in entries)
-            or not all(hasattr(type(b), "decode_record") and hasattr(type(b), "decode_rotary") for b in blocks)
+            or any(a is None for a in accels)
             or any(_hooked(b) for b in blocks)
         ):
             return None
-        bindings = [_binding(b, e, h, kept) for b, e in zip(blocks, entries, strict=True)]
+        bindings = [_binding(a, e, h, kept) for a, e in zip(accels, entries, strict=True)]
         if any(b is None for b in bindings):
             return None
-        rotaries = [b.decode_rotary() for b in blocks]
+        rotaries = [a.rotary() for a in accels]
         pos0 = cache.seq.seen.clone()  # [B]: each row's next position (every step is all real tokens)
         reserved = cache.reserve_decode(capacity)
         if reserved is None:
@@ -170,7 +172,7 @@ class DecodeRun:
         return self.out
 
     def greedy(self, model, first: int, k: int, eos: list[int], keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to k greedy steps in one C call (kernels/cpu_decode.c hc_decode_steps: no interpreter between steps)
+        """Up to k greedy steps in one C call (csrc/cpu_decode.c hc_decode_steps: no interpreter between steps)
         from token `first`: each step embeds its token, runs the layers, the final norm and the head, and takes the
         first largest logit (the same kernels, in the same order, as `step` followed by model.head and
         greedy_next). Stops after a token in `eos`. Returns (the n tokens [n], their logits [n, V] when `keep`,
@@ -178,10 +180,11 @@ class DecodeRun:
         (nothing run) where the model's embedding or head is not a form the loop computes."""
         if self.closed:
             raise RuntimeError("DecodeRun.greedy: the run is over (finished or abandoned)")
-        embedding, head = model.decode_embedding(), model.decode_head()
+        forms = greedy_forms(model)
         j, d = self.steps, self.out.shape[-1]
-        if embedding is None or head is None:
+        if forms is None:
             raise NotImplementedError("DecodeRun.greedy: the model's embedding or head is not one the loop computes")
+        embedding, head = forms
         table_w, table_rs, multiplier = embedding
         norm, eps, w_head, head_rs, head_bias = head
         vocab, v = table_w.shape[0], w_head.shape[0]
@@ -262,6 +265,19 @@ class NonFiniteLogits(ArithmeticError):
     def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, row: torch.Tensor) -> None:
         super().__init__(f"the logits after {tokens.shape[0]} greedy steps are not finite")
         self.tokens, self.logits, self.row = tokens, logits, row
+
+
+def greedy_forms(model: nn.Module) -> tuple[tuple, tuple] | None:
+    """(the embedding's form and multiplier, the head's form) for the greedy loop, from the model's
+    `embed_head_parts()` (embedding module, multiplier, final norm, lm_head); None where the model has none or they
+    are not forms the loop computes."""
+    parts_of = getattr(model, "embed_head_parts", None)
+    parts = None if parts_of is None else parts_of()
+    if parts is None:
+        return None
+    embedding, multiplier, norm, lm_head = parts
+    e, h = embedding_form(embedding), head_form(norm, lm_head)
+    return None if e is None or h is None else ((*e, multiplier), h)
 
 
 def embedding_form(e: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:

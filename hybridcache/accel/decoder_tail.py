@@ -10,12 +10,12 @@ from torch import nn
 
 from hybridcache.accel.fused import bind_decoder_tail
 from hybridcache.accel.kernel_calls import call, takes
+from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
 from hybridcache.accel.op_specs import ACT_MUL
 from hybridcache.blocks.core.linear import DecodeLinear
 from hybridcache.blocks.core.linear_group import _param
 from hybridcache.blocks.core.mlp import GatedMLP
-from hybridcache.blocks.core.norms import kernel_args, kernel_key, kernel_plain
-from hybridcache.blocks.fast.kernel_memo import KernelMemo, tensor_key
+from hybridcache.blocks.core.norms import kernel_args, kernel_plain
 
 _F32 = torch.float32
 
@@ -34,7 +34,7 @@ def decoder_tail(
     h [..., D] the residual stream, a [..., A] the attention's output before o_proj. None (the caller's separate
     calls) unless this is a float32 CPU decode step the kernel takes: DecodeLinear projections, a GatedMLP whose
     activation the kernel computes, plain float32 RMSNorms. With `memo` (the layer's), eager calls are bound once
-    to these modules' weights and norms (blocks/fast/kernel_memo.py)."""
+    to these modules' weights and norms (kernel_memo.py)."""
     if not (takes(a) and h.dtype is _F32):
         return None
     if memo is None or torch.compiler.is_compiling():
@@ -53,9 +53,9 @@ def bound_tail(
     post_mlp: nn.Module | None,
     memo: KernelMemo,
 ):
-    """decoder_tail's call bound to these modules (accel/fused.py bind_decoder_tail) for a residual of width d
+    """decoder_tail's call bound to these modules (fused.py bind_decoder_tail) for a residual of width d
     and an attention output of `width`, kept in `memo`; None: the kernel does not take them. A decoder layer that
-    runs its whole decode step in one call (accel/decoder_layer.py) ends with it."""
+    runs its whole decode step in one call (decoder_layer.py) ends with it."""
     down = mlp._modules.get("down_proj") if type(mlp) is GatedMLP else None
     f = mlp.gate_up._fused if down is not None else None
     key = (
@@ -70,9 +70,9 @@ def bound_tail(
         type(down),
         *(tensor_key(t) for t in _linear(down)),
         getattr(mlp, "act_name", None),
-        kernel_key(post_attn),
-        kernel_key(pre_mlp),
-        kernel_key(post_mlp),
+        norm_key(post_attn),
+        norm_key(pre_mlp),
+        norm_key(post_mlp),
     )
     return memo.get(key, lambda: _bind(d, width, o_proj, post_attn, pre_mlp, mlp, post_mlp))
 

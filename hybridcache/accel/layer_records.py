@@ -1,14 +1,15 @@
-"""An eager decode step's decoder layers with one C call per run of layers (accel/decoder_stack.py).
+"""An eager decode step's decoder layers with one C call per run of layers (decoder_stack.py).
 
-A layer that offers `decode_binding(x, cache_layer)` and `decode_record(x, y, cache_layer, step, binding)`
-(Gemma3DecoderLayer: its whole layer as one hc_decoder_layer call) reserves its token's cache slot and hands back
+A layer whose fast path records (its `accel` offers `binding(x, cache_layer)`, `record(x, y, cache_layer, step,
+binding)`, `separate` and `rotary`: sandwich_layer.py, the whole layer as one hc_decoder_layer call) reserves its
+token's cache slot and hands back
 its call's arguments instead of running it; consecutive such layers then run in one call, layer i + 1 reading the
 buffer layer i writes. Any other layer, a layer with module hooks, or a layer whose kernel declines after reserving
 ends the run: the pending layers run first, then that layer as a module call (its separate path writing the slot it
 reserved). The same kernels in the same order as the per-layer calls, so the same numbers; a failure raises inside
 the Cache's open block, which the caller aborts (every reservation dropped, nothing the cache holds changed).
 
-A layer's record starts from its binding (`decode_binding(x, cache_layer)`: the checks of its modules and the memo
+A layer's record starts from its binding (`accel.binding(x, cache_layer)`: the checks of its modules and the memo
 keys over every weight and norm it reads, ~1 ms a step on Gemma 3 270M with int8 weights, ~8% of the step). Inside
 `steady()`, a stretch of steps between which no code but ours runs (generate without the user's logits processors,
 stopping criteria, streamer or forward hooks), the modules cannot change, so each layer is bound at its first step
@@ -27,6 +28,7 @@ from torch.nn.modules import module as _module
 
 from hybridcache.accel.decoder_stack import record_type, run_records
 from hybridcache.accel.kernel_calls import takes
+from hybridcache.accel.sandwich_layer import SandwichAccel
 
 _STEADY: ContextVar[dict | None] = ContextVar("hybridcache_steady_decode", default=None)
 _UNSET = object()
@@ -65,14 +67,20 @@ def _unhooked(*models: nn.Module | None) -> bool:
     )
 
 
-def _binding(block: nn.Module, entry, x: torch.Tensor, kept: dict | None):
-    """block.decode_binding(x, entry), made once per (block, cache layer, x's shape and dtype) inside `steady()`."""
+def layer_accel(block: nn.Module) -> SandwichAccel | None:
+    """The block's fast path when it records its whole layer (None: it does not)."""
+    fast = block.__dict__.get("accel")  # (a plain attribute: no nn.Module lookup per layer and step)
+    return fast if isinstance(fast, SandwichAccel) else None
+
+
+def _binding(fast: SandwichAccel, entry, x: torch.Tensor, kept: dict | None):
+    """fast.binding(x, entry), made once per (layer, cache layer, x's shape and dtype) inside `steady()`."""
     if kept is None:
-        return block.decode_binding(x, entry)
-    key = (id(block), id(entry), x.shape, x.dtype)
+        return fast.binding(x, entry)
+    key = (id(fast), id(entry), x.shape, x.dtype)
     got = kept.get(key, _UNSET)
-    if got is _UNSET or got[0] is not block or got[1] is not entry:  # (held: neither id is reused while kept)
-        got = kept[key] = (block, entry, block.decode_binding(x, entry))
+    if got is _UNSET or got[0] is not fast or got[1] is not entry:  # (held: neither id is reused while kept)
+        got = kept[key] = (fast, entry, fast.binding(x, entry))
     return got[2]
 
 
@@ -86,47 +94,31 @@ def _hooked(block: nn.Module) -> bool:
     )
 
 
-def run_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor:
-    """h [B, T, D] through every layer (blocks[i] with cache layer entries[i]): a decode step by `decode_layers`
-    where it applies, else one module call per layer."""
-    out = decode_layers(blocks, entries, h, step)  # (None for a block of more than one token)
-    if out is None:
-        for block, entry in zip(blocks, entries, strict=True):
-            h = block(h, entry, step)
-        return h
-    return out
-
-
 def decode_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
     """h [B, 1, D] through every layer of an eager decode step (blocks[i] with cache layer entries[i]), runs of
     recording layers in one C call each; None (nothing reserved, nothing run) where no layer here records or the
     step is not one the kernels take (the caller's loop then runs it)."""
-    if (
-        h.dim() != 3
-        or h.shape[1] != 1
-        or not takes(h)
-        or torch.compiler.is_compiling()
-        or not any(hasattr(type(b), "decode_record") for b in blocks)
-        or record_type() is None
-    ):
+    if h.dim() != 3 or h.shape[1] != 1 or not takes(h) or torch.compiler.is_compiling() or record_type() is None:
+        return None
+    accels = [layer_accel(b) for b in blocks]
+    if not any(accels):
         return None
     bufs = (torch.empty(h.shape, dtype=h.dtype), torch.empty(h.shape, dtype=h.dtype))  # the layers' outputs, in turn
     pending: list[tuple] = []  # recorded calls not yet run, and the tensors they point into
     kept, x = _STEADY.get(), h
-    for block, entry in zip(blocks, entries, strict=True):
-        record = getattr(type(block), "decode_record", None)
+    for block, fast, entry in zip(blocks, accels, entries, strict=True):
         got = None
-        if record is not None and not _hooked(block):
-            binding = _binding(block, entry, x, kept)
+        if fast is not None and not _hooked(block):
+            binding = _binding(fast, entry, x, kept)
             if binding is not None:
                 y = bufs[1] if x is bufs[0] else bufs[0]
-                got = record(block, x, y, entry, step, binding)
+                got = fast.record(x, y, entry, step, binding)
                 if got is not None and got[0] != "reserved":
                     pending.append(got)
                     x = y
                     continue
         _flush(pending)
-        x = block(x, entry, step) if got is None else block.separate(x, entry, step, got[1])
+        x = block(x, entry, step) if got is None else fast.separate(x, entry, step, got[1])
     _flush(pending)
     return x
 

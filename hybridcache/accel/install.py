@@ -1,0 +1,85 @@
+"""The one install point of the CPU fast path: `install(model)` gives each module the registry knows its `accel`
+(a mixer class, or a layer shape, -> the object that runs it by the kernels) and the model its `fast_path`.
+
+The modules keep their reference computation; each offers its `accel` the call first and runs the reference where
+it declines (returns None). Nothing here changes a weight: `uninstall(model)` gives the reference path back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hybridcache.accel import layer_records
+from hybridcache.accel.attention_mixer import AttentionAccel
+from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun, greedy_forms
+from hybridcache.accel.sandwich_layer import SandwichAccel
+from hybridcache.accel.slots import ReservingCache
+from hybridcache.blocks.attention.mixer import AttentionMixer
+from hybridcache.blocks.core.sandwich import SandwichLayer
+
+# module class -> its fast path's maker; a subclass gets its nearest base's (its own entry first)
+ACCELS: dict[type[nn.Module], Callable[[nn.Module], object]] = {
+    AttentionMixer: AttentionAccel,
+    SandwichLayer: SandwichAccel,
+}
+
+
+class AccelRegistryError(ValueError):
+    """A registry entry that is not (an nn.Module subclass, a callable)."""
+
+
+def register_accel(cls: type[nn.Module], make: Callable[[nn.Module], object]) -> None:
+    """Give modules of `cls` (and its subclasses without their own entry) the fast path `make(module)`: an object
+    the module's forward offers each call first (None from it: the reference runs). Takes effect at `install`."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or not callable(make):
+        raise AccelRegistryError(f"register_accel takes an nn.Module subclass and a callable, got {cls!r}, {make!r}")
+    ACCELS[cls] = make
+
+
+def accel_for(module: nn.Module) -> object | None:
+    """The fast path the registry makes for `module` (None: none)."""
+    for cls in type(module).__mro__:
+        make = ACCELS.get(cls)
+        if make is not None:
+            return make(module)
+    return None
+
+
+class FastPath:
+    """`model.fast_path`: what the model body and generation ask of the accelerator."""
+
+    run_tokens = RUN_TOKENS  # decode steps per run at most (the spare slots a run reserves in every layer)
+
+    def layers(self, blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
+        """h [B, 1, D] through every layer of an eager decode step with few C calls (layer_records.py); None
+        (nothing run) where it does not apply: the caller runs the layers one module call each."""
+        return layer_records.decode_layers(blocks, entries, h, step)
+
+    def start_run(self, model, cache: ReservingCache, capacity: int, ids: torch.Tensor, h: torch.Tensor):
+        """A DecodeRun of up to `capacity` steps (decode_run.py), or None (nothing changed): decode step by step."""
+        return DecodeRun.start(model, cache, capacity, ids, h)
+
+    def greedy_loop(self, model) -> bool:
+        """Whether the model's embedding and head are forms the greedy C loop computes (DecodeRun.greedy)."""
+        return greedy_forms(model) is not None
+
+
+def install(model: nn.Module) -> FastPath:
+    """Attach the fast path to `model`: every module the registry knows gets its `accel`, the model `fast_path`."""
+    for module in model.modules():
+        fast = accel_for(module)
+        if fast is not None:
+            module.accel = fast
+    model.fast_path = FastPath()
+    return model.fast_path
+
+
+def uninstall(model: nn.Module) -> None:
+    """The reference path only: every module's `accel` and the model's `fast_path` back to None."""
+    for module in model.modules():
+        if "accel" in module.__dict__:
+            module.accel = None
+    model.fast_path = None

@@ -1,0 +1,64 @@
+"""The narrow view of the cache the fast path works through: reserve a slot, write it, let the cache commit it.
+
+The kernels write a decode token's keys and values straight into cache storage instead of handing them to
+`update`. They need exactly these methods of the cache (hybridcache/cache/attention/slots.py,
+cache/core/decode_feed.py implement them today); the cache may change anything else:
+- one step, one layer: `decode_slot()` reserves the open one-token block's slot and returns (view, slot); the
+  block's commit (`Cache.end_block`) keeps it, its abort drops it;
+- many steps (decode_run.py): `Cache.reserve_decode(n)` holds the cache with room for n tokens after each layer's
+  held slots (one `Reserved` per attention layer), the kernels write them in turn, `Cache.feed_reserved(ids)`
+  feeds the n tokens as one block (None: nothing) and lets go.
+`AttentionCacheLayer` and `Cache` satisfy these protocols (tests/ops/test_accel_seams.py checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class SlotView(Protocol):
+    """What an attention block attends to (cache/attention/view.py AttentionView): keys / values [B, H, S, D] and
+    `pattern()`: (query positions [B, T], key positions [B, S], pattern name, window or chunk) or None."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def pattern(self) -> tuple[torch.Tensor, torch.Tensor, str, int] | None: ...
+
+
+class ReservedSlots(Protocol):
+    """reserve_decode's per layer: the buffers behind keys, values [B, H, S', D] and key_pos [B, S'], the held
+    slots [start, end) in them, room for the reserved tokens from `end` on (cache/attention/slots.py Reserved)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_pos: torch.Tensor
+    start: int
+    end: int
+
+
+@runtime_checkable
+class AttentionSlots(Protocol):
+    """An attention cache layer as the one-step kernels see it (and its spec's `kernel_pattern()`, `dtype`)."""
+
+    spec: Any
+
+    def decode_slot(self) -> tuple[SlotView, int] | None: ...
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> SlotView: ...
+
+
+@runtime_checkable
+class ReservingCache(Protocol):
+    """A Cache as a decode run sees it: its entries (one per decoder layer) and attention layers, the sequence
+    state (`seq.seen` [B], `seq.block`: the open block or None), and the reservation of many steps."""
+
+    seq: Any
+    entries: list[Any]
+    layers: list[Any]
+
+    def reserve_decode(self, tokens: int) -> list[ReservedSlots] | None: ...
+
+    def feed_reserved(self, ids: torch.Tensor | None) -> None: ...
