@@ -25,8 +25,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from experiments.core.help import exit_on_help
     from experiments.core.usage import exit_on_usage_error
 
+    exit_on_help(sys.argv[1:], CONFIGS)  # what the app does, its choices and examples (Hydra's: --hydra-help)
     exit_on_usage_error(sys.argv[1:], CONFIGS)  # a usage error: one line, exit status 2, before torch is imported
     from experiments import run_cli
 
