@@ -40,6 +40,7 @@ from hybridcache.generation.checks import (  # noqa: F401  (re-exported)
 )
 from hybridcache.generation.config import GenerationConfig, GenerationConfigError  # noqa: F401
 from hybridcache.generation.hooks import EosCriteria, StoppingCriteriaList, as_streamer
+from hybridcache.generation.request import Request
 from hybridcache.generation.sampling import MIN_TEMPERATURE, TokenChooser, eos_ids, greedy_next, pad_token, sample_next  # noqa: F401
 from hybridcache.generation.sources.cached import (  # noqa: F401  (re-exported: the names generation/loop.py always had)
     DEFAULT_PREFILL_CHUNK,
@@ -100,24 +101,23 @@ def generate(
         raise GenerationConfigError(f"generation_config must be a GenerationConfig, got {type(generation_config)}")
     cfg = (generation_config or GenerationConfig()).update(**settings).validate()
     chooser_hooks = list(logits_processor)
-    check_input_ids(input_ids, model.vocab_size)
-    check_mask_tensor(attention_mask)
-    check_options(model, cfg, cache, cache_config, draft_model, prefix_cache, bool(chooser_hooks))
-    device = model.device
-    input_ids = input_ids.to(device)
-    full_mask = request_mask(input_ids, attention_mask, device, " (the whole sequence)")
-    check_real_rows(full_mask)
-    eos = torch.tensor(eos_ids(cfg.eos_token_id, model.vocab_size), dtype=torch.long, device=device)
-    pad_id = pad_token(model.config, cfg.pad_token_id, eos)
-    batch, width = input_ids.shape
     # the cache belongs to this thread for the whole call: another thread's reset or feed between two steps raises
     with cache.claimed() if isinstance(cache, Cache) else contextlib.nullcontext():
-        if cache is not None:
-            model.check_cache(cache, batch)
-        check_generation_memory(
-            model, cache, cache_config, batch, width + cfg.max_new_tokens, cfg.max_new_tokens, cfg.output_logits
+        req = Request.build(
+            model,
+            input_ids,
+            attention_mask,
+            cfg,
+            cache=cache,
+            cache_config=cache_config,
+            draft_model=draft_model,
+            prefix_cache=prefix_cache,
+            processors=bool(chooser_hooks),
         )
-        state = GenerationState(input_ids, full_mask, input_ids.new_full((batch, cfg.max_new_tokens), pad_id))
+        eos, pad_id, device = req.eos, req.pad_id, model.device
+        state = GenerationState(
+            req.input_ids, req.mask, req.input_ids.new_full((req.batch, cfg.max_new_tokens), pad_id)
+        )
         source = _source(model, cfg, state, cache, cache_config, draft_model, draft_cache_config, prefix_cache)
         generator = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.seed is not None else None
         chooser = TokenChooser(chooser_hooks, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, generator)

@@ -25,12 +25,13 @@ import torch
 
 from hybridcache.accel import steady_unless_hooked
 from hybridcache.cache import Cache
-from hybridcache.generation.checks import check_generation_memory, request_mask
+from hybridcache.generation.config import GenerationConfig
 from hybridcache.generation.hooks import StoppingCriteriaList
 from hybridcache.generation.loop import run_loop
-from hybridcache.generation.sampling import BoundChooser, TokenChooser, eos_ids, pad_token
-from hybridcache.generation.sources.cached import DecodeSource, GenerationState, Step, check_real_rows
-from hybridcache.models.core.base import GenerationError, check_input_ids, check_mask_tensor
+from hybridcache.generation.request import Request
+from hybridcache.generation.sampling import BoundChooser, TokenChooser
+from hybridcache.generation.sources.cached import DecodeSource, GenerationState, Step
+from hybridcache.models.core.base import GenerationError
 
 
 @dataclass
@@ -69,29 +70,10 @@ def beam_search(
         raise GenerationError(f"length_penalty must be a finite number, got {length_penalty!r}")
     if not isinstance(use_cache, bool):
         raise GenerationError(f"use_cache must be True or False, got {use_cache!r}")
-    check_input_ids(input_ids, model.vocab_size)
-    check_mask_tensor(attention_mask)
-    eos = eos_ids(eos_token_id, model.vocab_size)
-    device, nb = model.device, num_beams
-    batch, width = input_ids.shape
-    # every beam is a row: its cache, its sequence and its scores, estimated before anything is repeated
-    check_generation_memory(
-        model,
-        None,
-        cache_config,
-        batch * nb,
-        width + max_new_tokens,
-        max_new_tokens,
-        False,
-        f"beam search with num_beams={nb}",
-        vocab_rows=3,
-    )
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, output_logits=False)
+    req = Request.build(model, input_ids, attention_mask, cfg, cache_config=cache_config, num_beams=num_beams)
     chooser, stop = TokenChooser(logits_processor), StoppingCriteriaList(stopping_criteria)
-    input_ids = input_ids.to(device)
-    mask = request_mask(input_ids, attention_mask, device)
-    check_real_rows(mask)
-    eos = torch.tensor(eos, dtype=torch.long, device=device)
-    pad_id = pad_token(model.config, None, eos)
+    input_ids, mask, eos, pad_id, nb, batch = req.input_ids, req.mask, req.eos, req.pad_id, num_beams, req.batch
     cache = model.make_cache(batch, cache_config) if use_cache else None
     source = BeamSource(
         model, cache, cache_config, nb, eos, length_penalty, GenerationState(input_ids, mask, input_ids[:, :0])
