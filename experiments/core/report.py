@@ -36,6 +36,8 @@ def _short(text: str, n: int = 30) -> str:
 
 
 def _ref_label(ref: dict[str, Any]) -> str:
+    if ref.get("label"):  # engine=hf: HF's own cache on the same modeling code
+        return str(ref["label"])
     if ref.get("name") == "file":
         source = ref.get("source", "?")
         if source == "hybridcache":
@@ -84,6 +86,11 @@ def verdict(cfg, plan, summary: dict[str, Any], ref: dict[str, Any]) -> tuple[li
             )
         else:
             lines.append(f"{label} used another plan, so the differences are the effect of switching to this plan")
+    elif not changed and ref.get("same_code"):
+        lines.append(
+            f"the plan is the model's native one and {label} runs the same modeling code, so every difference is "
+            "the bridge's (a bug to report)"
+        )
     elif not changed:
         lines.append(
             f"the plan is the model's native one, so the differences from {label} are not a cache "
@@ -97,7 +104,7 @@ def verdict(cfg, plan, summary: dict[str, Any], ref: dict[str, Any]) -> tuple[li
     elif lossy:
         lines.append(
             f"this plan differs from the model's native one by design (layers {', '.join(changed)} changed, lossy "
-            f"storage on {', '.join(lossy)}), so its differences from {label} are the plan's measured effect on the "
+            f"layers {', '.join(lossy)}), so its differences from {label} are the plan's measured effect on the "
             "model, not a bug"
         )
     else:

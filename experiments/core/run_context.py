@@ -42,6 +42,8 @@ def run_title(cfg: DictConfig) -> str:
     shown = {"model", "cache", "reference"}
     extra = [o for o in task_overrides() if o.lstrip("~+").split("=")[0] not in shown]
     model = cfg.get("model_name") or cfg.model.family
+    if cfg.get("engine") == "hf" and cfg.model.get("checkpoint"):  # the checkpoint decides the model, not model=
+        model = f"{Path(str(cfg.model.checkpoint)).name} (HF)"
     title = f"{model} · cache={cfg.get('cache_name', '?')} · reference={cfg.reference.name}"
     return title + (" · " + " ".join(extra) if extra else "")
 

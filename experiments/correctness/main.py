@@ -144,7 +144,12 @@ def _plan_keys(records: list[dict] | None) -> list[dict] | None:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Preflight, then (recording its status in results.json at every step): load, plan, our generations with the
-    oracle, the reference, the comparison, the summary and verdict, the report."""
+    oracle, the reference, the comparison, the summary and verdict, the report. engine=hf: HF's modeling code with
+    our cache (experiments/correctness/hf_engine.py)."""
+    if cfg.get("engine", "ours") == "hf":
+        from experiments.correctness.hf_engine import run as run_hf
+
+        return run_hf(cfg)
     console = make_console()
     ctx = RunContext.create(cfg)  # output directory, title, W&B group, config (experiments/core/run_context.py)
     ctx.write(ctx.base("starting"))  # results.json exists from the first moment: a run that stops leaves its status

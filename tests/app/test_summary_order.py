@@ -61,7 +61,7 @@ def test_a_lossy_plan_states_its_verdict_before_its_agreement():
     lines = printed(plan("1"), summary(["1"], 0.5, exact=False))
     meaning = index(lines, "this plan differs from the model's native one by design")
     assert index(lines, "oracle: the plan is lossy") < meaning < index(lines, "agreement")
-    assert "lossy storage on 1" in lines[meaning]
+    assert "lossy layers 1" in lines[meaning]
 
 
 def test_the_native_plan_does_not_claim_a_difference_by_design():
