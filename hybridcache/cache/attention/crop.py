@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from hybridcache.cache.attention import grouped_layer, residual_window
 from hybridcache.cache.attention.view import _per_row
 from hybridcache.cache.core.errors import CacheCropError
 
@@ -28,17 +27,19 @@ def prepare_crop(layer: Any, n: int, seen: torch.Tensor) -> Any:
             "and cache.restore() it instead."
         )
     if layer._grouped is not None:
-        return grouped_layer.prepare_crop(layer, n)
+        return layer._grouped.prepare_crop(n)
     return kept, seen
 
 
 def commit_crop(layer: Any, plan: Any) -> None:
     """Drop what a crop removes (the plan of `prepare_crop`)."""
     if layer._grouped is not None:
-        return grouped_layer.commit_crop(layer, plan)
+        layer._grouped.commit_crop(plan)
+        return layer._publish()
     kept, seen = plan
     layer._fetch()
-    residual_window.crop(layer, seen)
+    if layer._window is not None:
+        layer._window.crop(seen)
     if layer.static:
         layer.key_pos.masked_fill_(~kept, -1)
     else:

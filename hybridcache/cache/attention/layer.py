@@ -11,12 +11,16 @@ Preallocated (max_length set): static buffers whose slots the spec assigns (`slo
 W / C slots for `sliding` / `chunked`). A one-token decode block is written in place and the buffer itself is
 returned: no roll, no copy of the window. Longer blocks attend over a copy and are written at commit.
 
-Storage options on every pattern: the codec (`storage`, with `q_group_size` for quantized formats), a residual window
-of dense recent tokens next to a quantized storage (`residual`, residual_window.py; layer-level storages such as
-`kivi` and `hf_quantized` own keys and values instead: grouped_layer.py), and a storage tier that keeps
+Storage options on every pattern, chosen once at construction: the codec (`storage`, with `q_group_size` for
+quantized formats), a residual window of dense recent tokens next to a quantized storage (`residual`: a
+`ResidualWindow`, residual_window.py; layer-level storages such as `kivi` and `hf_quantized` own keys and values
+instead: `GroupedSlots`, grouped_layer.py), spare slots that dynamic dense storage appends into (append_buffer.py),
+and a storage tier that keeps
 the parts off the compute device (`storage: offload`, offload_storage.py): the layer fetches them for its update
 (and drops that copy once the view is built: it stages only the block's new keys/values), again for its commit and
 for batch operations, and parks them after each, so about one layer's parts are on the compute device at a time.
+What `update` stages for the open block is a typed record (staging.py); what a layer class can do is declared by
+class flags (`own_eviction`, `kernel_writes_slots`, ...; docs/adding_cache_type.md).
 """
 
 from __future__ import annotations
@@ -26,19 +30,36 @@ from typing import Any, ClassVar
 import torch
 
 from hybridcache.cache.attention import crop as attention_crop
-from hybridcache.cache.attention import grouped_layer, residual_window
 from hybridcache.cache.attention import slots as attention_slots
 from hybridcache.cache.attention import static as attention_static
+from hybridcache.cache.attention.grouped_layer import GroupedSlots
+from hybridcache.cache.attention.residual_window import NAMES as WINDOW_NAMES
+from hybridcache.cache.attention.residual_window import ResidualWindow
 from hybridcache.cache.attention.specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.attention.staging import AttentionWrite, BlockWrite, DecodeWrite, GroupedWrite, ResidualUndo
 from hybridcache.cache.attention.static import SIDES
 from hybridcache.cache.attention.view import _BUILT_IN, AttentionView, _gather_slots, _per_row, _slot_index, check_kv
 from hybridcache.cache.core.base import CacheLayer
-from hybridcache.cache.core.errors import CacheError
+from hybridcache.cache.core.errors import CacheConfigError, CacheError
 from hybridcache.cache.core.registry import register_cache_layer
 from hybridcache.cache.core.sequence import BlockState
 from hybridcache.cache.storage.append_buffer import AppendBuffers
 from hybridcache.cache.storage.codecs import DenseCodec
+
+
+def _window_tensor(name: str) -> property:
+    """A layer attribute that is one of its residual window's tensors (AttributeError without a window)."""
+
+    def get(layer: AttentionCacheLayer) -> torch.Tensor:
+        if getattr(layer, "_window", None) is None:
+            raise AttributeError(f"{layer.name} has no residual window")
+        return layer._window.tensors[name]
+
+    def put(layer: AttentionCacheLayer, t: torch.Tensor) -> None:
+        get(layer)
+        layer._window.tensors[name] = t
+
+    return property(get, put)
 
 
 class AttentionCacheLayer(CacheLayer):
@@ -81,8 +102,14 @@ class AttentionCacheLayer(CacheLayer):
                 )
         heads = (s.num_kv_heads,) if s.per_head else ()
         self.key_pos = torch.full((batch_size, *heads, slots), -1, dtype=torch.long, device=self.device)  # [B, (H,) S]
-        self._grouped = grouped_layer.allocate(self, batch_size)  # kivi / hf_quantized: it owns keys and values
-        self._residual = () if self._grouped else residual_window.allocate(self, batch_size)  # dense recent tokens
+        self._grouped_rows: tuple[str, ...] = ()
+        self._grouped = self._grouped_slots(batch_size)  # kivi / hf_quantized: it owns keys and values
+        if self._grouped is not None:
+            self._publish()
+        self._window = (  # dense recent tokens next to a quantized storage
+            ResidualWindow(s, batch_size, self.device, ring=self.static) if s.residual and not self._grouped else None
+        )
+        self._residual = WINDOW_NAMES if self._window is not None else ()
         self._tier = self.codec.tier(self)  # None: the parts stay on self.device
         # dynamic dense storage appends in place into spare slots (append_buffer.py)
         plain = (
@@ -94,6 +121,31 @@ class AttentionCacheLayer(CacheLayer):
         )
         self._append = AppendBuffers({**{attr: 2 for attr in self._parts}, "key_pos": 1}) if plain else None
         self._park()
+
+    # the residual window's tensors, saved, selected and restored by these names (the window owns them)
+    res_keys = _window_tensor("res_keys")
+    res_values = _window_tensor("res_values")
+    res_pos = _window_tensor("res_pos")
+
+    def _grouped_slots(self, batch_size: int) -> GroupedSlots | None:
+        """The layer-level storage (None for a per-token codec); refuses what such a storage cannot follow."""
+        codec, s = self.codec, self.spec
+        if not getattr(codec, "grouped", False):
+            return None
+        if self.own_eviction or s.per_head or self.wants_attention_weights:
+            raise CacheConfigError(
+                f"{self.name}: storage '{codec.name}' quantizes the columns of the whole batch together, so it cannot "
+                "follow an eviction that keeps different tokens per row or head (score-based methods); use it with "
+                "full, sliding, chunked or sink attention, or a per-token storage (int8, int4) here"
+            )
+        return GroupedSlots(codec.storage(batch_size, s.num_kv_heads, s.head_dim, s.dtype, self.device), self.device)
+
+    def _publish(self) -> None:
+        """Mirror the layer-level storage's state as this layer's tensors (key_pos, kv_*)."""
+        mirror = self._grouped.mirror()
+        for name, t in mirror.tensors.items():
+            setattr(self, name, t)
+        self._grouped_rows, self._other_tensors = mirror.rows, mirror.other
 
     @property
     def _batch_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -145,7 +197,9 @@ class AttentionCacheLayer(CacheLayer):
         if self._grouped is not None:
             return self._grouped.read()
         keys, values = (self.codec.decode(self._side(side), self.spec.dtype).to(self.device) for side in SIDES)
-        return residual_window.overlay(self, keys, values)
+        if self._window is None:
+            return keys, values
+        return self._window.overlay(keys, values, self.key_pos)
 
     @property
     def keys(self) -> torch.Tensor:  # for dense storage, the stored tensor itself
@@ -191,8 +245,9 @@ class AttentionCacheLayer(CacheLayer):
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> AttentionView:
         if self._grouped is not None:
-            keys, values, pos = grouped_layer.write(self, k, v, block)
-            return AttentionView(keys, values, block.positions, pos, self.spec)
+            self._staged = self._grouped.write(k, v, block)
+            st = self._staged.staged
+            return AttentionView(st.keys, st.values, block.positions, st.pos, self.spec)
         if self.static and block.all_real and block.tokens == 1:  # decode: write in place, attend over the buffer
             slots = self.spec.slot_of(block.positions)  # [B, 1]
             old = {attr: getattr(self, attr).gather(2, _slot_index(slots, getattr(self, attr))) for attr in self._parts}
@@ -250,11 +305,12 @@ class AttentionCacheLayer(CacheLayer):
             for part, t in self.codec.encode(x).items():
                 self._side(side)[part].scatter_(2, _slot_index(slots, t), t)
         self.key_pos.scatter_(1, slots, positions)
-        return residual_window.write_decode(self, k, v, positions)
+        return None if self._window is None else self._window.write_decode(k, v, positions)
 
     def _commit_staged(self, staged: AttentionWrite) -> None:
         if isinstance(staged, GroupedWrite):
-            return grouped_layer.commit(self, staged)
+            self._grouped.commit(staged, self.spec.visible if self.evicts else None)
+            return self._publish()
         if isinstance(staged, DecodeWrite):  # written in place; an offloaded layer dropped that copy and writes again
             if self._tier is not None:
                 self._fetch()
@@ -298,8 +354,8 @@ class AttentionCacheLayer(CacheLayer):
             index = self._evict(pos, block.seen_after)
             if index is not None:
                 self._take(index)
-        if self._residual:
-            residual_window.commit_dynamic(self, k, v, block.positions, block.seen_after)
+        if self._window is not None:
+            self._window.commit_dynamic(k, v, block.positions, block.seen_after, self.key_pos)
 
     def _abort_staged(self, staged: AttentionWrite) -> None:
         if isinstance(staged, DecodeWrite):  # put back what the written slot held
@@ -307,7 +363,8 @@ class AttentionCacheLayer(CacheLayer):
             if self._tier is None:  # offloaded: the parts were written in a fetched copy, the parked ones untouched
                 for attr, t in staged.old.items():
                     getattr(self, attr).scatter_(2, _slot_index(staged.slots, t), t)
-                residual_window.undo_decode(self, staged.residual)
+                if self._window is not None:
+                    self._window.undo_decode(staged.residual)
         self._release()
 
     def _evict(self, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
@@ -344,19 +401,21 @@ class AttentionCacheLayer(CacheLayer):
     def _prepare_index(self, index: Any, same_size: bool) -> torch.Tensor:
         index = super()._prepare_index(index, same_size)
         if self._grouped is not None:
-            grouped_layer.check_select(self, index)
+            self._grouped.check_select(index)
         return index
 
     def _commit_index(self, index: torch.Tensor) -> None:
         if self._grouped is not None:
-            return grouped_layer.select(self, index)
+            self._grouped.select(index)
+            return self._publish()
         self._fetch()
         super()._commit_index(index)
         self._park()
 
     def _commit_restore(self, snap: Any) -> None:
         if self._grouped is not None:
-            return grouped_layer.restore(self, snap.tensors)
+            self._grouped.restore(snap.tensors)
+            return self._publish()
         super()._commit_restore(snap)
         self._park()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.cache.attention import residual_window
 from hybridcache.cache.attention.view import _gather_slots
 from hybridcache.cache.core.sequence import BlockState
 
@@ -29,5 +28,5 @@ def commit_block(layer, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> 
             mask = hit[:, None, :].reshape(*hit.shape[:1], 1, size, *([1] * (dst.dim() - 3)))
             dst.copy_(torch.where(mask, new, dst))
     layer.key_pos.copy_(torch.where(hit, pos.gather(1, source.clamp(min=0)), layer.key_pos))
-    if layer._residual:
-        residual_window.commit_static(layer, k, v, pos, block.seen_after)
+    if layer._window is not None:
+        layer._window.commit_static(k, v, pos, block.seen_after)
