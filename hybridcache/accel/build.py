@@ -1,19 +1,21 @@
 """Build and load the C kernels like a package manager would: never load a library this code did not build.
 
-`load_library(name, source, symbols)` returns a loaded `ctypes.CDLL` only when all of this holds, else None and a
-one-line reason (the caller's torch path runs; one warning per process where something is wrong or missing):
+`load_library(name, source, symbols)` compiles the C file `source`, which may include the C files beside it: every
+`*.c` and `*.h` file of its directory is part of the build (digested, and copied into the build). It returns a loaded
+`ctypes.CDLL` only when all of this holds, else None and a one-line reason (the caller's torch path runs; one warning
+per process where something is wrong or missing):
 - the kernel directory ($HYBRIDCACHE_HOME/kernels) is a directory owned by this user and writable by nobody else
   (group / others), and so are the library and its manifest (regular files, not links);
 - the manifest `<name>-<key>.json` next to `<name>-<key>.so` records the build digest this process expects (sha256
-  over the source bytes, the compiler flags, the compiler's path, version and target, and the CPU's model and flags)
-  and the library's size and sha256, and the file has exactly that size and sha256. All of this is checked on an
-  open file descriptor BEFORE anything is loaded (dlopen runs a library's constructors): a planted, swapped or
-  truncated library is never mapped. On Linux the library is then loaded through that same descriptor
-  (/proc/self/fd/N), so what was verified is what runs;
+  over every source file's name and bytes, the compiler flags, the compiler's path, version and target, and the
+  CPU's model and flags) and the library's size and sha256, and the file has exactly that size and sha256. All of
+  this is checked on an open file descriptor BEFORE anything is loaded (dlopen runs a library's constructors): a
+  planted, swapped or truncated library is never mapped. On Linux the library is then loaded through that same
+  descriptor (/proc/self/fd/N), so what was verified is what runs;
 - after loading, every expected symbol is present.
-A library that is missing, truncated or does not match its manifest (or has none) is rebuilt: the source is copied
-into a private temporary directory in the kernel directory, compiled there, hashed, then moved over the old name
-(os.replace, atomic) and its manifest written the same way, under a file lock so that concurrent processes build
+A library that is missing, truncated or does not match its manifest (or has none) is rebuilt: the source files are
+copied into a private temporary directory in the kernel directory, compiled there, hashed, then moved over the old
+name (os.replace, atomic) and its manifest written the same way, under a file lock so that concurrent processes build
 once. A directory or file that fails the ownership / permission checks is never rebuilt or loaded: torch path.
 A build directory is named `.build-<name>-<key>-p<pid>-*`; one left by a build that was killed is removed by the next
 build (under the lock, so no build is running): its pid is dead, or it is older than any build can take
@@ -118,12 +120,25 @@ def cpu_identity() -> str:
     return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
 
 
+SOURCE_SUFFIXES = (".c", ".h")
+
+
+def read_sources(entry: Path) -> tuple[tuple[str, bytes], ...]:
+    """(file name, bytes) of every C source and header in the entry file's directory, sorted by name: what a build
+    compiles (the entry, and anything it includes from beside it) and digests."""
+    files = sorted(p for p in entry.parent.iterdir() if p.suffix in SOURCE_SUFFIXES and p.is_file())
+    if entry.name not in {p.name for p in files}:
+        raise FileNotFoundError(errno.ENOENT, "no such C source", str(entry))
+    return tuple((p.name, p.read_bytes()) for p in files)
+
+
 @dataclass(frozen=True)
 class _Build:
     """What one build is made of; `key` digests all of it."""
 
     name: str
-    source: bytes
+    entry: str  # the file compiled, one of the sources
+    sources: tuple[tuple[str, bytes], ...]  # (file name, bytes): every file the compiler may read from beside it
     compiler: tuple[str, ...]
     compiler_id: str  # realpath, version and target of the compiler
     cpu: str
@@ -134,11 +149,19 @@ class _Build:
         return any(f in OPENMP_FLAGS for f in self.flags)
 
     @property
+    def source_digest(self) -> str:
+        """sha256 over the entry's name and every source file's name and bytes."""
+        h = hashlib.sha256(self.entry.encode() + b"\0")
+        for file, data in self.sources:
+            h.update(json.dumps(file).encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+        return h.hexdigest()
+
+    @property
     def key(self) -> str:
         h = hashlib.sha256()
         for part in (
             self.name,
-            hashlib.sha256(self.source).hexdigest(),
+            self.source_digest,
             self.compiler_id,
             self.cpu,
             json.dumps(self.flags),
@@ -239,11 +262,13 @@ def _compile(build: _Build, dir_fd: int, kdir: Path) -> None:
     """Compile into a private temp directory in kdir, hash, then os.replace the library and its manifest."""
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{build.stem}-p{os.getpid()}-", dir=kdir))  # pid: see _remove_stale
     try:
-        src = tmp / f"{build.name}.c"
-        src.write_bytes(build.source)  # exactly the bytes digested, whatever happens to the checkout meanwhile
+        src = tmp / "src"
+        src.mkdir()
+        for file, data in build.sources:  # exactly the bytes digested, whatever happens to the checkout meanwhile
+            (src / file).write_bytes(data)
         out = tmp / "out.so"
         proc = subprocess.run(
-            [*build.compiler, *build.flags, str(src), "-o", str(out), *LIBS],
+            [*build.compiler, *build.flags, str(src / build.entry), "-o", str(out), *LIBS],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -264,7 +289,8 @@ def _compile(build: _Build, dir_fd: int, kdir: Path) -> None:
             "file": build.stem + ".so",
             "size": size,
             "sha256": digest,
-            "source_sha256": hashlib.sha256(build.source).hexdigest(),
+            "source_sha256": build.source_digest,
+            "sources": {file: hashlib.sha256(data).hexdigest() for file, data in build.sources},
             "compiler": build.compiler_id.splitlines()[:2],
             "flags": list(build.flags),
             "libs": LIBS,
@@ -338,13 +364,16 @@ def _load(name: str, source: Path, symbols: list[str], disabled: bool) -> Loaded
         raise _Refused(f"no C compiler found ({how})")
     try:
         compiler_id, compiler = _compiler_id(cc)
-        text = source.read_bytes()
     except (OSError, subprocess.SubprocessError) as e:
         raise _Refused(f"the C compiler {cc[0]} does not run ({e})") from None
+    try:
+        sources = read_sources(source)
+    except OSError as e:
+        raise _Refused(f"the C sources in {source.parent} cannot be read ({e.strerror or e})") from None
     cpu = cpu_identity()
     builds = [
-        _Build(name, text, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS + OPENMP_FLAGS)),
-        _Build(name, text, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS)),
+        _Build(name, source.name, sources, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS + OPENMP_FLAGS)),
+        _Build(name, source.name, sources, tuple(cc), compiler_id, cpu, tuple(BASE_FLAGS)),
     ]
     kdir, dir_fd = _kernel_dir()
     try:

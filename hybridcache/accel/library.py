@@ -1,5 +1,6 @@
-"""Loading the C decode kernels (kernels/cpu_decode.c): build or find the verified library once per process, set
-every function's ctypes signature from the one declaration (op_specs.SIGNATURES), and say which path runs.
+"""Loading the C decode kernels (csrc/cpu_decode.c and the op-family files it includes): build or find the verified
+library once per process, set every function's ctypes signature from the one declaration (op_specs.SIGNATURES), and
+say which path runs.
 
 See cpu_kernels.py for what the kernels do and when they run; _native.py for how a library is built and verified.
 """
@@ -14,7 +15,7 @@ from hybridcache.accel.build import load_library
 from hybridcache.accel.op_specs import SIGNATURES
 from hybridcache.ops._dispatch import kernels_disabled
 
-SOURCE = _SOURCE_DIR / "cpu_decode.c"
+SOURCE = _SOURCE_DIR / "cpu_decode.c"  # compiled; every .c / .h beside it is part of the build
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library or None, "status": a line saying which path runs
 

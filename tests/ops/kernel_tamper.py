@@ -6,9 +6,10 @@ For each case a fresh $HYBRIDCACHE_HOME gets the kernel directory of a genuine b
 a planted library with the expected name whose constructor writes a marker file (with no manifest, with the genuine
 manifest, with a forged manifest in a directory other users can write, as a group-writable file, as a symbolic link,
 in a directory another user owns), a truncated library, a library without the expected symbols, a genuine build of a
-source that lacks a symbol. Then the loader runs and the models generate greedily. One JSON line on stdout: per case
-the status line, the warnings, whether the C kernels or the torch path ran, and whether the tokens equal the torch
-path's; and whether the marker file exists (it must never).
+source that lacks a symbol, each C source file changed in turn next to the pristine build. Then the loader runs and
+the models generate greedily. One JSON line on stdout: per case the status line, the warnings, whether the C kernels
+or the torch path ran, and whether the tokens equal the torch path's; and whether the marker file exists (it must
+never).
 """
 
 from __future__ import annotations
@@ -182,16 +183,29 @@ def main() -> None:
             forge(home, evil)
             os.chown(k, 65534, 65534)
 
+    def sources_with(name: str, file: str, first_line: str) -> Path:
+        """A copy of the C sources whose `file` starts with `first_line`; returns the copy's entry file."""
+        copy = work / name
+        shutil.copytree(ck.SOURCE.parent, copy)
+        (copy / file).write_text(first_line + "\n" + (copy / file).read_text())
+        return copy / ck.SOURCE.name
+
+    def load_from(home: Path, entry: Path) -> dict:
+        cpu_library.SOURCE = entry  # what the loader builds
+        try:
+            return load(home)
+        finally:
+            cpu_library.SOURCE = ck.SOURCE
+
     # a genuine build (our compiler, our manifest) of a source that lacks a symbol: loads, then falls back
-    source = ck.SOURCE.read_text()
-    stripped = work / "stripped" / "cpu_decode.c"
-    stripped.parent.mkdir()
-    stripped.write_text("#define hc_selective_scan hc_selective_scan_renamed\n" + source)
-    cpu_library.SOURCE = stripped  # what the loader builds
-    try:
-        cases["genuine build lacking a symbol"] = load(work / "stripped_home")
-    finally:
-        cpu_library.SOURCE = ck.SOURCE
+    stripped = sources_with("stripped", ck.SOURCE.name, "#define hc_selective_scan hc_selective_scan_renamed")
+    cases["genuine build lacking a symbol"] = load_from(work / "stripped_home", stripped)
+
+    # each source file changed in turn (every .c and header): the build key covers it, so the pristine library
+    # beside it is not taken for the changed sources; the changed file is compiled (here it refuses to: #error)
+    for file in sorted(name for name, _ in _native.read_sources(ck.SOURCE)):
+        entry = sources_with(f"tampered-{file}", file, f"#error tampered {file}")
+        cases[f"tampered source {file}"] = load_from(home_with_build(f"tampered-{file}-home"), entry)
 
     for result in cases.values():
         result["tokens_equal_torch_path"] = result.pop("tokens") == torch_path["tokens"]

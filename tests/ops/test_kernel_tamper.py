@@ -1,6 +1,7 @@
 """A tampered kernel directory (tests/ops/kernel_tamper.py, in a subprocess): a planted library never runs (its
 constructor would write a marker file), a truncated one never kills the process, one without the expected symbols
-falls back; each case generates the same tokens as the torch path, with one warning."""
+falls back, a changed C source file (any of them) is never served by the library of the unchanged ones; each case
+generates the same tokens as the torch path, with one warning."""
 
 import json
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import hybridcache.accel.kernels as ck
+from hybridcache.accel.build import read_sources
 from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,3 +66,13 @@ def test_unsafe_directories_and_files_are_refused(result, case, why):
     assert got["path"] == "torch" and not got["kernel_ran"] and got["tokens_equal_torch_path"], got
     assert got["status"].startswith("torch path: ") and why in got["status"]
     assert len(got["warnings"]) == 1 and why in got["warnings"][0]
+
+
+@pytest.mark.parametrize("file", [name for name, _ in read_sources(ck.SOURCE)])
+def test_each_changed_source_file_is_compiled_not_served_by_the_old_build(result, file):
+    """Next to the pristine build, the sources with `file` changed (an #error first): a build key that missed this
+    file would find and load that build (path C); it is compiled instead, and fails on this file's line."""
+    got = result["cases"][f"tampered source {file}"]
+    assert got["path"] == "torch" and not got["kernel_ran"] and got["tokens_equal_torch_path"], got
+    assert got["status"].startswith("torch path: the C kernels did not build (") and f"{file}:1:" in got["status"]
+    assert f"#error tampered {file}" in got["status"] and len(got["warnings"]) == 1, got

@@ -2,8 +2,10 @@
 compiler, a machine other than x86-64, a compiler without OpenMP, concurrent builders. Tampered kernel directories:
 test_kernel_tamper.py (in a subprocess)."""
 
+import hashlib
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -57,6 +59,8 @@ def test_built_once_with_a_manifest_then_verified_and_reused(fresh):
     assert record["file"] == so.name and record["size"] == so.stat().st_size and record["openmp"] is True
     assert so.name.startswith("cpu_decode-" + record["build_key"][:16])
     assert record["flags"] == [*FAST, "-fopenmp"] and len(record["sha256"]) == 64
+    sources = sorted(p for p in ck.SOURCE.parent.iterdir() if p.suffix in (".c", ".h"))
+    assert record["sources"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sources}
     for path in (fresh, so, so.with_suffix(".json")):
         assert not path.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH), path
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
@@ -74,6 +78,42 @@ def test_another_digest_is_another_build(fresh, monkeypatch):
     monkeypatch.setattr(_native, "BASE_FLAGS", [*FAST, "-DHC_SOMETHING_ELSE"])
     assert ck.kernel_status().startswith("C kernels")
     assert len(list(fresh.glob("cpu_decode-*.so"))) == 2 == len(list(fresh.glob("cpu_decode-*.json")))
+
+
+def test_the_build_key_covers_every_source_file(tmp_path):
+    """Each C file and header beside the entry is read, and a change to any one (a byte, its name, one more file,
+    one fewer) is another build key; the entry's name counts too."""
+    src = tmp_path / "csrc"
+    shutil.copytree(ck.SOURCE.parent, src)
+    (src / "notes.txt").write_text("not a source")  # neither .c nor .h: not read
+    entry = src / ck.SOURCE.name
+
+    def key(entry=entry):
+        return _native._Build("cpu_decode", entry.name, _native.read_sources(entry), ("cc",), "cc 1", "cpu", ()).key
+
+    names = [name for name, _ in _native.read_sources(entry)]
+    assert names == sorted(p.name for p in ck.SOURCE.parent.iterdir() if p.suffix in (".c", ".h"))
+    assert len(names) > 2 and any(n.endswith(".h") for n in names) and ck.SOURCE.name in names
+    base, keys = key(), set()
+    for name in names:
+        data = (src / name).read_bytes()
+        (src / name).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of the last byte
+        keys.add(key())
+        (src / name).write_bytes(data)
+        (src / name).rename(src / ("renamed_" + name))
+        if name != entry.name:
+            keys.add(key())
+        (src / ("renamed_" + name)).rename(src / name)
+    assert key() == base and base not in keys and len(keys) == 2 * len(names) - 1
+    (src / "extra.h").write_text("/* one more header */\n")
+    assert key() not in keys | {base}
+    (src / "extra.h").unlink()
+    (src / "notes.txt").write_text("changed")
+    assert key() == base
+    (src / "copy.c").write_bytes(entry.read_bytes())
+    assert key(src / "copy.c") != key()
+    with pytest.raises(FileNotFoundError):
+        _native.read_sources(src / "missing.c")
 
 
 def test_a_failed_build_warns_once_and_falls_back(fresh, monkeypatch):
