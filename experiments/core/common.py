@@ -268,7 +268,8 @@ def preflight(cfg: DictConfig, with_prompts: bool = True) -> Prepared:
         checkpoint = str(resolve_checkpoint(checkpoint_path(cfg.model, cfg.home)))
         hf_config, native = native_layers_of(Path(checkpoint))
     except (FileNotFoundError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
-        raise UserError(f"model: {real_checkpoint_missing(e) or e}") from None
+        hint = " (engine=hf runs HF's own modeling code for it)" if "unsupported model_type" in str(e) else ""
+        raise UserError(f"model: {real_checkpoint_missing(e) or e}{hint}") from None
     except OSError as e:  # the OS refused to read it (a name too long, permission denied): status 4
         raise (environment_failure(e, "model.checkpoint") or e) from None
     try:

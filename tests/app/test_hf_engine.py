@@ -98,3 +98,8 @@ def test_gemma3_both_engines_give_the_same_tokens(app, tmp_path, cache):  # noqa
 def test_what_engine_hf_does_not_take_is_one_line(app, hf_only, args, message):  # noqa: F811
     code, _, _, err = app("engine=hf", f"model.checkpoint={hf_only['llama']}", *args, *SHORT)
     assert code == 2 and message in err
+
+
+def test_engine_ours_on_a_family_we_do_not_implement_points_to_engine_hf(app, hf_only):  # noqa: F811
+    code, _, _, err = app(f"model.checkpoint={hf_only['llama']}", *SHORT)
+    assert code == 2 and "unsupported model_type 'llama'" in err and "engine=hf" in err
