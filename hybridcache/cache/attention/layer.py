@@ -38,7 +38,7 @@ from hybridcache.cache.attention.residual_window import ResidualWindow
 from hybridcache.cache.attention.specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
 from hybridcache.cache.attention.staging import AttentionWrite, BlockWrite, DecodeWrite, GroupedWrite, ResidualUndo
 from hybridcache.cache.attention.static import SIDES
-from hybridcache.cache.attention.view import _BUILT_IN, AttentionView, _gather_slots, _per_row, _slot_index, check_kv
+from hybridcache.cache.attention.view import AttentionView, _gather_slots, _per_row, _slot_index, check_kv
 from hybridcache.cache.core.base import CacheLayer
 from hybridcache.cache.core.errors import CacheConfigError, CacheError
 from hybridcache.cache.core.registry import register_cache_layer
@@ -333,18 +333,15 @@ class AttentionCacheLayer(CacheLayer):
                 parts = {p: torch.cat([old[p], enc[p]], dim=2) for p in old}
             self._set_side(side, parts)
         self.key_pos = pos
-        if (
-            self.evicts
-            and type(self.spec) is SlidingSpec
-            and not self.own_eviction
-            and pos.shape[1] <= block.most_seen_after < self.spec.window
-        ):
+        # a pattern of a kernel form (full, sliding, chunked; declared equal to `visible`) keeps a suffix of the
+        # slots: positions grow along the slots in every row, and what a query sees of them is a suffix
+        form = self.spec.kernel_pattern() if self.evicts and not self.own_eviction else None
+        if form is not None and form[0] == "sliding" and pos.shape[1] <= block.most_seen_after < form[1]:
             # the row that saw the most holds a real token in every one of the S held columns (its last S), all
             # still inside its window: nothing can be evicted yet (no per-step eviction ops before the window fills)
             pass
-        elif self.evicts and self._append is not None and type(self.spec) in _BUILT_IN and not self.own_eviction:
-            # built-in patterns keep a suffix of the slots (positions grow along the slots in every row, and what a
-            # query sees of them is a suffix): count it, drop the rest as a view
+        elif form is not None and self._append is not None:
+            # count the suffix some row's next query still sees, drop the rest as a view
             keep = int(((pos >= 0) & self.spec.visible(block.seen_after[:, None], pos)).any(0).sum())
             if keep < pos.shape[1]:
                 views = self._append.drop_oldest({a: getattr(self, a) for a in self._append.dims}, pos.shape[1] - keep)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.cache.attention.specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
+from hybridcache.cache.attention.specs import AttentionSpec
 from hybridcache.cache.core.errors import CacheError
 
 
@@ -66,9 +66,6 @@ def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """x [B] shaped to broadcast against per-row positions [B, S] or per-head positions [B, H, S]."""
     return x.view(-1, *([1] * (like.dim() - 1)))
-
-
-_BUILT_IN = {FullSpec: "full", SlidingSpec: "sliding", ChunkedSpec: "chunked"}
 
 
 def check_kv(name: str, s: AttentionSpec, batch: int, device: torch.device, k: Any, v: Any) -> int:
