@@ -24,7 +24,6 @@ from hybridcache.accel.kernel_calls import call, takes
 from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
 from hybridcache.accel.slots import AttentionSlots, SlotView
 from hybridcache.blocks.attention.mixer import AttentionMixer
-from hybridcache.blocks.attention.rotary import RotaryEmbedding
 from hybridcache.blocks.core.common import StepInput
 from hybridcache.blocks.core.norms import kernel_args, kernel_plain
 from hybridcache.cache import AttentionCacheLayer
@@ -141,7 +140,7 @@ class AttentionAccel:
         None when its projection is not fused or a norm / the rotary is not a kind they compute."""
         mixer = self.mixer
         parts = mixer.qkv.parts()
-        if parts is None or not _plain(mixer) or not kernel_plain(norm):
+        if parts is None or not mixer._plain() or not kernel_plain(norm):
             return None
         qn, kn, rotary = mixer.q_norm, mixer.k_norm, mixer.rotary
         return (
@@ -161,7 +160,7 @@ class AttentionAccel:
     ) -> tuple[torch.Tensor, ...] | None:
         """fused_input under torch.compile: the registered op on the flat arguments."""
         mixer = self.mixer
-        if not _plain(mixer) or not kernel_plain(norm):
+        if not mixer._plain() or not kernel_plain(norm):
             return None
         parts = mixer.qkv.parts()
         if parts is None:
@@ -259,12 +258,3 @@ class AttentionAccel:
         mixer = self.mixer
         args = self._kernel_args(dm, norm)
         return None if args is None else bind_attention_step(*args, mixer.scale, mixer.softcap, mixer.sinks)
-
-    # a copied or pickled model binds its own tensors: the memos start empty (KernelMemo's own rule)
-
-
-def _plain(mixer: AttentionMixer) -> bool:
-    """Whether the mixer's q / k norms and rotary are the plain kinds the kernels compute (or none): float32
-    RMSNorms, RotaryEmbedding."""
-    plain_rotary = mixer.rotary is None or type(mixer.rotary) is RotaryEmbedding
-    return kernel_plain(mixer.q_norm) and kernel_plain(mixer.k_norm) and plain_rotary

@@ -56,7 +56,7 @@ class FastPath:
     def layers(self, blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
         """h [B, 1, D] through every layer of an eager decode step with few C calls (layer_records.py); None
         (nothing run) where it does not apply: the caller runs the layers one module call each."""
-        return layer_records.decode_layers(blocks, entries, h, step)
+        return layer_records.record_step(blocks, entries, h, step)
 
     def start_run(self, model, cache: ReservingCache, capacity: int, ids: torch.Tensor, h: torch.Tensor):
         """A DecodeRun of up to `capacity` steps (decode_run.py), or None (nothing changed): decode step by step."""

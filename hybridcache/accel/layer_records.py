@@ -94,7 +94,7 @@ def _hooked(block: nn.Module) -> bool:
     )
 
 
-def decode_layers(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
+def record_step(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
     """h [B, 1, D] through every layer of an eager decode step (blocks[i] with cache layer entries[i]), runs of
     recording layers in one C call each; None (nothing reserved, nothing run) where no layer here records or the
     step is not one the kernels take (the caller's loop then runs it)."""

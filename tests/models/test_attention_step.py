@@ -26,7 +26,7 @@ def _separate(monkeypatch):
 
 def _per_layer(monkeypatch):
     """Every decode step layer by layer (not the many-layer call of accel/layer_records.py, tested apart)."""
-    monkeypatch.setattr(layer_records, "decode_layers", lambda *a: None)
+    monkeypatch.setattr(layer_records, "record_step", lambda *a: None)
 
 
 def _counted(monkeypatch) -> list:

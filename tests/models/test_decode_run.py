@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import FastPath, decode_run, kernel_status
-from hybridcache.accel import layer_records as decode_stack
+from hybridcache.accel import FastPath, decode_run, kernel_status, layer_records
 from hybridcache.cache.core.errors import CacheError, CacheThreadError
 from tests.models.conftest import prompts
 
@@ -161,7 +160,7 @@ def test_one_run_stepped_then_greedy(gemma, monkeypatch):
     want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=12)
     out = hc.generate(model, ids, max_new_tokens=1)
     cache, tokens, logits = out.cache, [int(out.sequences[0, -1])], [out.logits[:, 0]]
-    with torch.no_grad(), decode_stack.steady():
+    with torch.no_grad(), layer_records.steady():
         first = torch.tensor([[tokens[0]]])
         run = decode_run.DecodeRun.start(model, cache, 11, first, model.embed(first))
         assert run is not None
@@ -203,7 +202,7 @@ def test_a_run_refuses_what_does_not_fit(gemma):
     before, first = _state(cache), torch.tensor([[5]])
     with torch.no_grad():
         assert decode_run.DecodeRun.start(model, cache, 4, first, model.embed(first)) is None  # not steady
-        with decode_stack.steady():
+        with layer_records.steady():
             for capacity in (0, -3):
                 assert decode_run.DecodeRun.start(model, cache, capacity, first, model.embed(first)) is None
             run = decode_run.DecodeRun.start(model, cache, 4, first, model.embed(first))

@@ -12,8 +12,7 @@ import torch
 
 import hybridcache as hc
 from hybridcache.accel import decoder_stack as cpu_decoder_stack
-from hybridcache.accel import kernel_status
-from hybridcache.accel import layer_records as decode_stack
+from hybridcache.accel import kernel_status, layer_records
 from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.sandwich_layer import SandwichAccel
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
@@ -29,7 +28,7 @@ def _calls(monkeypatch) -> list[int]:
         sizes.append(len(records))
         return real(records)
 
-    monkeypatch.setattr(decode_stack, "run_records", counted)
+    monkeypatch.setattr(layer_records, "run_records", counted)
     return sizes
 
 
@@ -49,7 +48,7 @@ def test_the_stack_is_the_per_layer_and_the_separate_calls(checkpoints, monkeypa
         got = generate_with_cache(model, ids, mask, 12)  # 7 + 12 tokens: past the sliding window of 8
     assert sizes == [len(model.decoder_layers)] * 11  # every decode step: all layers in one call
     with monkeypatch.context() as m:
-        m.setattr(decode_stack, "decode_layers", lambda *a: None)
+        m.setattr(layer_records, "record_step", lambda *a: None)
         per_layer = generate_with_cache(model, ids, mask, 12)
         m.setattr(AttentionAccel, "_reserve_with", lambda self, *a: None)
         separate = generate_with_cache(model, ids, mask, 12)
@@ -115,7 +114,7 @@ def test_a_failed_call_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
     @contextmanager
     def failing():
         with monkeypatch.context() as m, pytest.raises(MemoryError, match="layer 3"):
-            m.setattr(decode_stack, "run_records", fails)
+            m.setattr(layer_records, "run_records", fails)
             yield
 
     failed_step_changes_nothing(model, prompts(1, 5, seed=2), failing)
@@ -131,7 +130,7 @@ def test_layers_without_records_run_as_module_calls(checkpoints, monkeypatch):
         got = hc.generate(model, ids, max_new_tokens=4, cache_config=config)
     assert sizes == []
     with monkeypatch.context() as m:
-        m.setattr(decode_stack, "decode_layers", lambda *a: None)
+        m.setattr(layer_records, "record_step", lambda *a: None)
         want = hc.generate(model, ids, max_new_tokens=4, cache_config=config)
     assert torch.equal(got.logits, want.logits)
 
@@ -165,7 +164,7 @@ def test_an_early_exit_draft_runs_its_layers_in_one_call(checkpoints, monkeypatc
         got = hc.generate(draft, ids, max_new_tokens=5)
     assert sizes == [3] * 4
     with monkeypatch.context() as m:
-        m.setattr(decode_stack, "decode_layers", lambda *a: None)
+        m.setattr(layer_records, "record_step", lambda *a: None)
         want = hc.generate(draft, ids, max_new_tokens=5)
     assert torch.equal(got.logits, want.logits)
 
@@ -232,7 +231,7 @@ def test_an_edit_between_steps_is_seen_at_the_next_step(checkpoints, monkeypatch
         edit = _edits(model, 3)
         with monkeypatch.context() as m:
             if not stack:
-                m.setattr(decode_stack, "decode_layers", lambda *a: None)
+                m.setattr(layer_records, "record_step", lambda *a: None)
             if how == "streamer":
                 return hc.generate(model, ids, max_new_tokens=8, streamer=edit)
             handle = model.model.embed_tokens.register_forward_hook(lambda mod, a, out: edit(None))
@@ -258,7 +257,7 @@ def test_an_edit_between_two_generations_is_seen(checkpoints):
             model.decoder_layers[1].post_feedforward_layernorm.weight.mul_(3.0)
         with pytest.MonkeyPatch.context() as m:
             if not stack:
-                m.setattr(decode_stack, "decode_layers", lambda *a: None)
+                m.setattr(layer_records, "record_step", lambda *a: None)
             results.append(hc.generate(model, first.sequences, max_new_tokens=4, cache=first.cache))
     assert torch.equal(results[0].logits, results[1].logits)
 
@@ -273,7 +272,7 @@ def test_beam_search_binds_each_layer_once(checkpoints, monkeypatch):
         got = hc.beam_search(model, ids, num_beams=3, max_new_tokens=6)
     assert len(made) == len(model.decoder_layers)
     with monkeypatch.context() as m:
-        m.setattr(decode_stack, "decode_layers", lambda *a: None)
+        m.setattr(layer_records, "record_step", lambda *a: None)
         want = hc.beam_search(model, ids, num_beams=3, max_new_tokens=6)
     assert torch.equal(got.sequences, want.sequences)
     assert torch.equal(got.sequences_scores, want.sequences_scores)

@@ -542,8 +542,7 @@ def case_decode_steps(f: Fuzz):
     import copy
 
     import hybridcache as hc
-    from hybridcache.accel import decode_run
-    from hybridcache.accel import layer_records as decode_stack
+    from hybridcache.accel import decode_run, layer_records
 
     weights = f.pick(None, "bfloat16", "int8")
     model = _gemma(weights)
@@ -561,7 +560,7 @@ def case_decode_steps(f: Fuzz):
     twin = copy.deepcopy(cache)
 
     def call():
-        with decode_stack.steady():
+        with layer_records.steady():
             ids = torch.tensor([[first if type(first) is int and 0 <= first < vocab else 3]])
             run = decode_run.DecodeRun.start(model, cache, capacity, ids, model.embed(ids))
             if run is None:
