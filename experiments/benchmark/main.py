@@ -266,6 +266,10 @@ def long_context(model_cfg: DictConfig, checkpoint: str, b: DictConfig, cfg: Dic
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
+    if cfg.get("engine", "ours") == "hf":  # HF's modeling code: bridge cache vs DynamicCache
+        from experiments.benchmark.hf_engine import run as run_hf
+
+        return run_hf(cfg)
     console = make_console()
     preflight(cfg, with_prompts=False)  # settings, device and cache fields checked before any model is loaded
     ctx = RunContext.create(cfg, title=f"benchmark-{cfg.get('model_name') or cfg.model.family}")

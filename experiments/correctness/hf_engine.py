@@ -13,24 +13,14 @@ A native plan must also give HF's own tokens; a changed plan differs from them b
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from experiments.core.common import (
-    UserError,
-    check_device,
-    dtype_of,
-    load_tokenizer,
-    make_console,
-    oracle_tolerance,
-    quiet_libraries,
-    tokenize,
-)
+from experiments.core.common import load_tokenizer, make_console, tokenize
+from experiments.core.hf_engine import check_hf_settings, hf_plans, load_hf_model
 from experiments.core.report import print_summary, verdict
 from experiments.core.run_context import RunContext
 from experiments.correctness.table import prompt_row
@@ -44,66 +34,6 @@ ENGINE = {
         "native plan's when lossy)"
     ),
 }
-
-
-def hf_checkpoint(cfg: DictConfig) -> tuple[str, dict[str, Any], str]:
-    """(local directory, config.json, what it is): model.checkpoint, or the family's tiny default (saved in HF's
-    format, so HF loads it too). A checkpoint HF cannot run as a causal LM is a UserError."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from experiments.core.common import checkpoint_path, describe_checkpoint
-    from hybridcache.models.core.loading import resolve_checkpoint
-
-    try:
-        directory = str(resolve_checkpoint(checkpoint_path(cfg.model, cfg.home)))
-        config = json.loads((Path(directory) / "config.json").read_text())
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"model: {e}") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(
-            f"model.checkpoint: model_type {model_type!r} is not a causal LM HF transformers can run (engine=hf)"
-        )
-    return directory, config, describe_checkpoint(cfg.model, directory)
-
-
-def _checked(cfg: DictConfig) -> dict[str, Any]:
-    """Every setting, before the model is loaded; a UserError is one line."""
-    from experiments.core.cache_config import cache_config_with_notes
-    from hybridcache.cache import CacheError
-
-    quiet_libraries()
-    dtype = dtype_of(str(cfg.model.dtype))
-    check_device(str(cfg.model.device))
-    if cfg.model.get("weights") is not None:
-        raise UserError("model.weights packs our own projections; engine=hf runs HF's modules as they are (null)")
-    if cfg.reference.name not in ("hf", "none"):
-        raise UserError(
-            f"reference={cfg.reference.name}: engine=hf compares with HF's own cache on the same model "
-            "(reference=hf, the default) or with nothing (reference=none)"
-        )
-    if cfg.get("prefill_chunk_size") is not None or cfg.generation.compile or cfg.get("record"):
-        raise UserError("engine=hf takes no prefill_chunk_size, generation.compile or +record (engine=ours does)")
-    try:
-        cache_config, preallocate, notes = cache_config_with_notes(cfg.cache)
-    except CacheError as e:
-        raise UserError(str(e)) from None
-    if preallocate:
-        cache_config["preallocate"] = True  # translated by the bridge like any other field
-    texts = list(cfg.prompts.texts)
-    if not texts:
-        raise UserError("prompts.texts is empty")
-    directory, config, note = hf_checkpoint(cfg)
-    return {
-        "dtype": dtype,
-        "cache_config": {k: v for k, v in cache_config.items() if k != "preallocate"},
-        "notes": notes,
-        "texts": texts,
-        "checkpoint": directory,
-        "checkpoint_note": note,
-        "model_type": config.get("model_type"),
-        "tolerance": oracle_tolerance(cfg, dtype),
-    }
 
 
 @torch.no_grad()
@@ -126,10 +56,10 @@ def greedy(model, prompt: list[int], cache, new: int, eos: int | None) -> tuple[
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     from experiments.correctness.hf_oracle import oracle_logits, patterns_of
-    from hybridcache.hf import BridgeError, cache_for, plan_for
+    from hybridcache.hf import cache_for
     from hybridcache.reference import generation_from_logits
     from hybridcache.tools.compare import compare_generations, teacher_forced_check
     from hybridcache.tools.report import plan_table
@@ -137,23 +67,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     console = make_console()
     ctx = RunContext.create(cfg)
     ctx.write(ctx.base("starting"))
-    prep = _checked(cfg)
+    prep = check_hf_settings(cfg)
     tracker = ctx.start_tracker(tags=[str(prep["model_type"]), cfg.cache_name, "engine=hf"])
     console.rule(f"[bold]{ctx.title}")
     with console.status("[bold]loading with HF transformers[/]"):
-        model = AutoModelForCausalLM.from_pretrained(prep["checkpoint"], dtype=prep["dtype"]).to(cfg.model.device)
-        model.eval()
+        model = load_hf_model(prep, cfg.model.device)
     console.print(
         f"model: HF transformers' {type(model).__name__} from the {prep['checkpoint_note']}, {cfg.model.dtype} on "
         f"{cfg.model.device}"
     )
     for key in ("ours", "reference", "oracle"):
         console.print(f"{key}: {ENGINE[key]}")
-    try:
-        _, _, plan = plan_for(model, prep["cache_config"])
-        _, _, native_plan = plan_for(model)
-    except (BridgeError, ValueError) as e:  # CacheError, BridgeConfigError: a config this model cannot take
-        raise UserError(str(e)) from None
+    plan, native_plan = hf_plans(model, prep["cache_config"])
     changed = plan.changed(native_plan)
     text_config = model.config.get_text_config(decoder=True)
     tokenizer = load_tokenizer(prep["checkpoint"])

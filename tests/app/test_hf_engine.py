@@ -103,3 +103,29 @@ def test_what_engine_hf_does_not_take_is_one_line(app, hf_only, args, message): 
 def test_engine_ours_on_a_family_we_do_not_implement_points_to_engine_hf(app, hf_only):  # noqa: F811
     code, _, _, err = app(f"model.checkpoint={hf_only['llama']}", *SHORT)
     assert code == 2 and "unsupported model_type 'llama'" in err and "engine=hf" in err
+
+
+def test_benchmark_times_the_bridge_against_hf_own_cache(app, hf_only, tmp_path):  # noqa: F811
+    import json
+
+    code, _, out, err = app(
+        "engine=hf",
+        "experiment=benchmark",
+        "experiment.smoke=true",
+        "experiment.repeats=1",
+        f"model.checkpoint={hf_only['cohere2']}",
+        "cache=hybrid_sliding",
+        "logger.mode=disabled",
+        out=tmp_path / "bench",
+    )
+    assert code == 0, err
+    result = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
+    assert result["engine"]["name"] == "hf" and "DynamicCache" in result["engine"]["reference"]
+    rows = result["throughput"]
+    assert {r["system"] for r in rows} == {"ours (hf bridge)", "hf"}
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+    ours = next(r for r in rows if r["system"] == "ours (hf bridge)")
+    hf = next(r for r in rows if r["system"] == "hf")
+    assert ours["decode_ratio_vs_hf"] == pytest.approx(ours["decode_tok_s"] / hf["decode_tok_s"])
+    assert {p["type"] for p in result["plan"]} == {"sliding"}  # the run's cache config, not the native one
+    assert (tmp_path / "bench" / "throughput.png").is_file() and "reference: HF's own DynamicCache" in out
