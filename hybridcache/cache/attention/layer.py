@@ -29,22 +29,28 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybridcache.cache.attention import crop as attention_crop
-from hybridcache.cache.attention import slots as attention_slots
-from hybridcache.cache.attention import static as attention_static
 from hybridcache.cache.attention.grouped_layer import GroupedSlots
 from hybridcache.cache.attention.residual_window import NAMES as WINDOW_NAMES
 from hybridcache.cache.attention.residual_window import ResidualWindow
+from hybridcache.cache.attention.slots import Reserved
 from hybridcache.cache.attention.specs import AttentionSpec, ChunkedSpec, FullSpec, SlidingSpec
-from hybridcache.cache.attention.staging import AttentionWrite, BlockWrite, DecodeWrite, GroupedWrite, ResidualUndo
-from hybridcache.cache.attention.static import SIDES
+from hybridcache.cache.attention.staging import (
+    AttentionWrite,
+    BlockWrite,
+    CropPlan,
+    DecodeWrite,
+    GroupedWrite,
+    ResidualUndo,
+)
 from hybridcache.cache.attention.view import AttentionView, _gather_slots, _per_row, _slot_index, check_kv
 from hybridcache.cache.core.base import CacheLayer
-from hybridcache.cache.core.errors import CacheConfigError, CacheError
+from hybridcache.cache.core.errors import CacheConfigError, CacheCropError, CacheError
 from hybridcache.cache.core.registry import register_cache_layer
 from hybridcache.cache.core.sequence import BlockState
 from hybridcache.cache.storage.append_buffer import AppendBuffers
 from hybridcache.cache.storage.codecs import DenseCodec
+
+SIDES = ("keys", "values")  # a layer's two stored tensors, in the order of (k, v)
 
 
 def _window_tensor(name: str) -> property:
@@ -268,24 +274,67 @@ class AttentionCacheLayer(CacheLayer):
         self._staged = BlockWrite(k, v, None if offloaded else keys, None if offloaded else values, pos, block)
         return AttentionView(keys, values, block.positions, pos, self.spec)
 
-    # -- slots a kernel writes itself (attention_slots.py) -------------------------------------------------------
-    def decode_slot(self) -> tuple[AttentionView, int] | None:
-        """The open one-token block's view and the slot a kernel writes the token's keys and values into (None,
-        changing nothing: feed the layer through `update`); see attention_slots.decode_slot."""
-        return attention_slots.decode_slot(self)
-
+    # -- slots a kernel writes itself ---------------------------------------------------------------------------
+    # A decode kernel (blocks/attention/mixer.py's one-call attention, the many-layer call) writes a token's keys and
+    # values straight into the slot the layer reserves, instead of handing them to `update`: `decode_slot` reserves
+    # the open one-token block's slot. A decode run (accel/decode_run.py) reserves room for many tokens before any
+    # block is open (`reserve_slots`), writes them step by step, and then feeds them as one block whose slots are
+    # taken as written (`decode_block`). Only dense float32 storage appended in place (append_buffer.py), under a
+    # pattern the kernel evaluates itself, qualifies (`writes_slots`); anything else is fed through `update`.
     def writes_slots(self) -> bool:
-        """Whether a kernel may write decode tokens' keys and values into this layer's slots itself."""
-        return attention_slots.writes_slots(self)
+        """Whether a kernel may write decode tokens' keys and values into this layer's slots itself: dense float32
+        storage appended in place, a pattern the decode kernel evaluates, nothing staged, no attention weights read,
+        a layer class that declares `kernel_writes_slots` (one that feeds its own way does not). An open block must
+        be all real tokens too."""
+        block = self.seq.block
+        return not (
+            self._append is None
+            or self._staged is not None
+            or (block is not None and not block.all_real)
+            or self.spec.dtype != torch.float32
+            or self.spec.kernel_pattern() is None
+            or self.wants_attention_weights
+            or not self.kernel_writes_slots
+        )
 
-    def reserve_slots(self, tokens: int) -> attention_slots.Reserved | None:
-        """Room for `tokens` decode tokens after the held slots, for a decode run (blocks/fast/decode_run.py); see
-        attention_slots.reserve_slots."""
-        return attention_slots.reserve_slots(self, tokens)
+    def decode_slot(self) -> tuple[AttentionView, int] | None:
+        """For a kernel that writes a decode token's keys and values itself (blocks/attention/mixer.py): the view the
+        Cache's open block attends to and the slot (along dim 2 of its keys / values) left for the caller to write,
+        the token's position already in the view's key positions. The caller must write that slot of every row
+        before the view is read (or the block is aborted: the slot is never part of what the layer holds until the
+        commit). None, changing nothing, where the layer needs `update`: a block that is not one real token per
+        row, or see `writes_slots`."""
+        block = self.seq.block
+        if block is None or block.tokens != 1 or not self.writes_slots():
+            return None
+        view = self._append_block(None, None, block)
+        return view, view.keys.shape[2] - 1
+
+    def reserve_slots(self, tokens: int) -> Reserved | None:
+        """For a decode that runs up to `tokens` steps before it feeds them as one block (accel/decode_run.py): room
+        for them right after the held slots. None (nothing changed) where the layer needs `update` or a block is
+        open. What the layer holds does not change (its tensors may become views of new buffers with the same
+        values). The caller writes slots [end, end + n) of every row and then feeds a block of those n tokens,
+        which `decode_block` hands out as written; anything else the layer does before (a block fed through
+        `update`, a crop, a restore) ends the reservation (the written slots never become visible: a later append
+        starts from what it holds)."""
+        if self.seq.block is not None or not self.writes_slots() or tokens < 1:
+            return None
+        current = {name: getattr(self, name) for name in self._append.dims}
+        views, start = self._append.reserve(current, tokens)
+        for name, t in views.items():
+            setattr(self, name, t)
+        (keys, values), buffers = self._parts, self._append.buffers  # (dense storage: one part per side)
+        return Reserved(buffers[keys], buffers[values], buffers["key_pos"], start, start + self.key_pos.shape[1])
 
     def decode_block(self) -> AttentionView | None:
-        """The open block's view with its tokens' reserved slots taken as the caller wrote them."""
-        return attention_slots.decode_block(self)
+        """The open block's view with its tokens' slots taken as they are: the n slots after the held ones that the
+        caller of `reserve_slots` wrote (the tokens' positions written into key_pos here). None, changing nothing,
+        where the layer needs `update`."""
+        block = self.seq.block
+        if block is None or not self.writes_slots():
+            return None
+        return self._append_block(None, None, block)
 
     def _append_block(self, k: torch.Tensor | None, v: torch.Tensor | None, block: BlockState) -> AttentionView:
         """Append the block into spare slots (k and v None: their slots left for the caller), staged as a block."""
@@ -323,8 +372,7 @@ class AttentionCacheLayer(CacheLayer):
     def _commit_block(self, staged: BlockWrite) -> None:
         k, v, keys, values, pos, block = staged.k, staged.v, staged.keys, staged.values, staged.pos, staged.block
         if self.static:
-            attention_static.commit_block(self, k, v, block)
-            return
+            return self._commit_static(k, v, block)
         for side, new, full in zip(SIDES, (k, v), (keys, values)):
             if full is not None and isinstance(self.codec, DenseCodec):
                 parts = self.codec.encode(full)  # dense: the view's tensors are the new storage, no second cat
@@ -353,6 +401,26 @@ class AttentionCacheLayer(CacheLayer):
                 self._take(index)
         if self._window is not None:
             self._window.commit_dynamic(k, v, block.positions, block.seen_after, self.key_pos)
+
+    def _commit_static(self, k: torch.Tensor, v: torch.Tensor, block: BlockState) -> None:
+        """Write a block's tokens into their slots: per row, the ones `stays_in_slots` keeps (distinct slots)."""
+        size = self.key_pos.shape[1]
+        pos = block.positions  # [B, T]
+        keep = self.spec.stays_in_slots(pos, block.seen_after[:, None]) & (pos >= 0)
+        slots = torch.where(keep, self.spec.slot_of(pos.clamp(min=0)), size)  # [B, T]; size = nowhere
+        source = torch.full((pos.shape[0], size + 1), -1, dtype=torch.long, device=self.device)
+        source.scatter_(1, slots, torch.arange(pos.shape[1], device=self.device).expand_as(slots))
+        source = source[:, :size]  # [B, S]: which block token lands in each slot, -1 for none
+        hit = source >= 0
+        for side, x in zip(SIDES, (k, v)):
+            enc = self.codec.encode(x)
+            for part, dst in self._side(side).items():
+                new = _gather_slots(enc[part], source.clamp(min=0))  # [B, H, S, ...]
+                mask = hit[:, None, :].reshape(*hit.shape[:1], 1, size, *([1] * (dst.dim() - 3)))
+                dst.copy_(torch.where(mask, new, dst))
+        self.key_pos.copy_(torch.where(hit, pos.gather(1, source.clamp(min=0)), self.key_pos))
+        if self._window is not None:
+            self._window.commit_static(k, v, pos, block.seen_after)
 
     def _abort_staged(self, staged: AttentionWrite) -> None:
         if isinstance(staged, DecodeWrite):  # put back what the written slot held
@@ -416,12 +484,44 @@ class AttentionCacheLayer(CacheLayer):
         super()._commit_restore(snap)
         self._park()
 
-    # -- crop (attention_crop.py) -----------------------------------------------------------------------------
-    def _prepare_crop(self, n: int, seen: torch.Tensor):
-        return attention_crop.prepare_crop(self, n, seen)
+    # -- crop ------------------------------------------------------------------------------------------------
+    def _prepare_crop(self, n: int, seen: torch.Tensor) -> CropPlan | dict[str, Any]:
+        """Validate a crop to n columns: exact only if every row still holds the tokens its pattern would need after it
+        (otherwise a CacheCropError names the row)."""
+        rows = _per_row(seen, self.key_pos)
+        kept = (self.key_pos >= 0) & (self.key_pos < rows)  # [B, (H,) S]
+        have = (kept & self.spec.visible(rows, self.key_pos)).sum(-1)  # [B] or [B, H]: per head, the fewest counts
+        have = have if have.dim() == 1 else have.min(1).values
+        need = self.spec.needed_tokens(seen)
+        if bool((have < need).any()):
+            row = int((have < need).nonzero()[0])
+            raise CacheCropError(
+                f"{self.name}: cannot crop to {n} tokens exactly: row {row} would need its last {int(need[row])} "
+                f"tokens but only {int(have[row])} are still held (the rest were evicted by the "
+                f"{self.type_name} pattern). Take cache.snapshot() before the tokens you may roll back, "
+                "and cache.restore() it instead."
+            )
+        if self._grouped is not None:
+            return self._grouped.prepare_crop(n)
+        return CropPlan(kept, seen)
 
-    def _commit_crop(self, plan: Any) -> None:
-        attention_crop.commit_crop(self, plan)
+    def _commit_crop(self, plan: CropPlan | dict[str, Any]) -> None:
+        """Drop what a crop removes (the plan of `_prepare_crop`; the layer-level storage's next state for one)."""
+        if self._grouped is not None:
+            self._grouped.commit_crop(plan)
+            return self._publish()
+        kept, seen = plan.kept, plan.seen
+        self._fetch()
+        if self._window is not None:
+            self._window.crop(seen)
+        if self.static:
+            self.key_pos.masked_fill_(~kept, -1)
+        else:
+            self.key_pos = torch.where(kept, self.key_pos, -1)
+            columns = kept.flatten(0, -2).any(0)  # slots some row (and head) still holds
+            if not bool(columns.all()):
+                self._take(columns.nonzero().squeeze(1))
+        self._park()
 
 
 @register_cache_layer("full")

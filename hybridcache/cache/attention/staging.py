@@ -71,3 +71,11 @@ class GroupedWrite:
 
 
 AttentionWrite = DecodeWrite | BlockWrite | GroupedWrite
+
+
+@dataclass
+class CropPlan:
+    """What a validated crop keeps: the held slots below each row's new length, and that length."""
+
+    kept: torch.Tensor  # [B, (H,) S]
+    seen: torch.Tensor  # [B]
