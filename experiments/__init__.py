@@ -27,7 +27,7 @@ EXPERIMENTS = {
 }
 
 #: Experiments that can run HF transformers' own modeling code with our cache (engine=hf; docs/hf_bridge.md).
-HF_ENGINE: tuple[str, ...] = ("correctness", "benchmark")
+HF_ENGINE: tuple[str, ...] = ("correctness", "benchmark", "study")
 
 
 @dataclass

@@ -101,6 +101,12 @@ def held_by_part(cache: Cache) -> dict[str, int]:
     return kind_bytes(cache.layers, lambda layer: layer.nbytes())
 
 
+def generate(model, ids: torch.Tensor, **kwargs):
+    """hc.generate, or an HF model's own greedy loop with our cache under engine=hf (experiments/core/hf_model.py)."""
+    own = getattr(model, "hf_generate", None)
+    return own(ids, **kwargs) if own is not None else hc.generate(model, ids, **kwargs)
+
+
 def continue_greedily(model, prefix: torch.Tensor, last_logp: torch.Tensor, cache: Cache, n: int) -> list[int]:
     """n greedy tokens after `prefix` from a cache that has seen it (left exactly as it was afterwards)."""
     first = int(last_logp.argmax())
@@ -109,7 +115,7 @@ def continue_greedily(model, prefix: torch.Tensor, last_logp: torch.Tensor, cach
     snap = cache.snapshot()
     try:
         seq = torch.cat([prefix, torch.tensor([[first]], device=prefix.device)], dim=1)
-        out = hc.generate(model, seq, max_new_tokens=n - 1, cache=cache)
+        out = generate(model, seq, max_new_tokens=n - 1, cache=cache)
         return [first, *out.sequences[0, prefix.shape[1] + 1 :].tolist()]
     finally:
         cache.restore(snap)
@@ -173,9 +179,7 @@ def ruler_trial(
     """One RULER prompt under a cache config: the greedy answer and its score under the task's RULER metric."""
     ids = torch.tensor([sample.ids], device=model.device)
     new = min(sample.max_new_tokens, max_new_tokens or sample.max_new_tokens)
-    out = hc.generate(
-        model, ids, max_new_tokens=new, cache_config=config, prefill_chunk_size=chunk, output_logits=False
-    )
+    out = generate(model, ids, max_new_tokens=new, cache_config=config, prefill_chunk_size=chunk, output_logits=False)
     answer = tokenizer.decode(out.sequences[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
     return {
         "task": sample.task,
@@ -191,7 +195,7 @@ def passkey(model, tokenizer, prompt, config: dict[str, Any], block: int) -> dic
     """One passkey trial under a cache config: the greedy answer and whether it holds the key (`block`: the prefill
     chunk; the whole prompt for a compress-after-prefill strategy)."""
     ids = torch.tensor([prompt.ids], device=model.device)
-    out = hc.generate(
+    out = generate(
         model,
         ids,
         max_new_tokens=prompt.answer_tokens,

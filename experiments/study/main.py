@@ -75,6 +75,22 @@ SMOKE = {
 }
 
 
+ENGINE_HF = (
+    "HF transformers' own modeling code with our caches (hybridcache.hf.cache_for); the baseline is the native "
+    "strategy through the bridge, whose tokens and logits are HF's own DynamicCache's (experiment=correctness "
+    "engine=hf checks it on the same checkpoint)"
+)
+
+
+def _load_hf(cfg: DictConfig):
+    """(checkpoint, HF's model behind the interface the evaluation calls): engine=hf."""
+    from experiments.core.hf_engine import check_hf_settings, load_hf_model
+    from experiments.core.hf_model import HFModel
+
+    prep = check_hf_settings(cfg, prompts=False)
+    return prep["checkpoint"], HFModel(load_hf_model(prep, cfg.model.device))
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     console = Console(width=max(Console().width, 150))
     ctx = RunContext.create(cfg, title=f"study-{cfg.model.family}")
@@ -84,8 +100,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     n_cont = int(e.get("continuation") or 0)
     start_time = time.perf_counter()
     with console.status(f"[bold]loading {cfg.model.family}[/]"):
-        checkpoint, model = load_model(cfg)
+        checkpoint, model = _load_hf(cfg) if cfg.get("engine") == "hf" else load_model(cfg)
         tokenizer = load_tokenizer(checkpoint)
+    if cfg.get("engine") == "hf":
+        console.print(f"[bold]engine=hf[/]: {ENGINE_HF}")
     random_weights = not cfg.model.checkpoint
     what = (
         f"{cfg.model.family} with RANDOM weights (a tiny test model): perplexity, KL, passkey and RULER say "
@@ -256,6 +274,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "checkpoint": checkpoint,
+        "engine": {"name": "hf", "baseline": ENGINE_HF} if cfg.get("engine") == "hf" else {"name": "ours"},
         "random_weights": random_weights,
         "text": e.text,
         "lengths": lengths,

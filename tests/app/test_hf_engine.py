@@ -129,3 +129,37 @@ def test_benchmark_times_the_bridge_against_hf_own_cache(app, hf_only, tmp_path)
     assert ours["decode_ratio_vs_hf"] == pytest.approx(ours["decode_tok_s"] / hf["decode_tok_s"])
     assert {p["type"] for p in result["plan"]} == {"sliding"}  # the run's cache config, not the native one
     assert (tmp_path / "bench" / "throughput.png").is_file() and "reference: HF's own DynamicCache" in out
+
+
+STUDY = [
+    "experiment=study",
+    "experiment.only=[native,int8,snapkv_50]",
+    "experiment.lengths=[48]",
+    "experiment.block=16",
+    "experiment.greedy_tokens=2",
+    "experiment.continuation=4",
+    "experiment.controls=false",
+    "experiment.passkey.lengths=[]",
+    "experiment.mqar.pairs=[]",
+    "experiment.ruler.tasks=[]",
+    "logger.mode=disabled",
+]
+
+
+def test_study_on_gemma3_gives_the_same_numbers_with_both_engines(app, tmp_path):  # noqa: F811
+    import json
+
+    studies = {}
+    for engine in ("ours", "hf"):
+        code, _, out, err = app(f"engine={engine}", "model=gemma3", *STUDY, out=tmp_path / engine)
+        assert code == 0, err
+        studies[engine] = json.loads((tmp_path / engine / "study.json").read_text())
+    assert studies["hf"]["engine"]["name"] == "hf" and "DynamicCache" in studies["hf"]["engine"]["baseline"]
+    assert "engine=hf" in out
+    rows = {e: {r["name"]: r for r in s["strategies"]} for e, s in studies.items()}
+    assert set(rows["hf"]) == {"native", "int8", "snapkv_50"}
+    for name in ("native", "int8"):  # exact, and a codec both engines apply alike: the same perplexity and bytes
+        ours, hf = rows["ours"][name], rows["hf"][name]
+        assert ours["bytes"] == hf["bytes"]
+        assert hf["ppl"]["48"] == pytest.approx(ours["ppl"]["48"], rel=1e-4)
+    assert rows["hf"]["native"]["kl"]["48"] == 0.0 and rows["hf"]["int8"]["kl"]["48"] > 0.0
