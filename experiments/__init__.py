@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.core.config_schema import register as register_schemas
+from experiments.core.value_checks import HF_ENGINE, engine_problem
 
 EXPERIMENTS = {
     "correctness": "experiments.correctness.main",
@@ -25,9 +26,6 @@ EXPERIMENTS = {
     "train": "experiments.train.main",
     "drift": "experiments.drift.main",
 }
-
-#: Experiments that can run HF transformers' own modeling code with our cache (engine=hf; docs/hf_bridge.md).
-HF_ENGINE: tuple[str, ...] = ("correctness", "benchmark", "study")
 
 
 @dataclass
@@ -64,8 +62,8 @@ def run_experiment(cfg: DictConfig):
     try:
         if name not in EXPERIMENTS:
             raise UserError(f"experiment={name} is not one of {', '.join(EXPERIMENTS)}")
-        if cfg.get("engine", "ours") == "hf" and name not in HF_ENGINE:
-            raise UserError(f"engine=hf runs {', '.join(HF_ENGINE)}; experiment={name} runs our model code only")
+        if cfg.get("engine", "ours") == "hf" and name not in HF_ENGINE:  # (run.py refuses it before, value_checks)
+            raise UserError(engine_problem(name))
         result = importlib.import_module(EXPERIMENTS[name]).run(cfg)
     except Exception as e:  # UserError, ReferenceFailed (3), an OS refusal (4), a real checkpoint's missing extra
         missing = None if isinstance(e, UserError) else real_checkpoint_missing(e)

@@ -66,6 +66,8 @@ STORAGES = ("dense", "hf_quantized", "int4", "int8", "kivi", "offload")
 PLUGIN_GROUP = "hybridcache.cache_layers"  # hybridcache.cache.core.registry.ENTRY_POINT_GROUP
 LOGGER_MODES = ("offline", "online", "disabled")
 ENGINES = ("ours", "hf")
+#: Experiments that can run HF transformers' own modeling code with our cache (engine=hf; docs/hf_bridge.md).
+HF_ENGINE = ("correctness", "benchmark", "study")
 #: Float dtypes a recurrent state may be held in (cache_config._typed maps them to torch dtypes).
 STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 PRESS_MODES = ("prefill", "continuous")
@@ -151,7 +153,15 @@ def config_problems(tree: dict[str, Any]) -> list[str]:
     """Every out-of-range value in a composed config (a plain, unresolved container), in key order; cache type and
     storage names too unless plugins may add some."""
     names = not _plugins_possible(tree.get("cache"))
-    return _problems(tree, "", names)
+    problems = _problems(tree, "", names)
+    experiment = (tree.get("experiment") or {}).get("name")
+    if tree.get("engine") == "hf" and isinstance(experiment, str) and experiment not in HF_ENGINE:
+        problems.append(engine_problem(experiment))
+    return problems
+
+
+def engine_problem(experiment: str) -> str:
+    return f"engine=hf runs {', '.join(HF_ENGINE)}; experiment={experiment} runs our model code only (engine=ours)"
 
 
 def _problems(tree: dict[str, Any], prefix: str, names: bool) -> list[str]:

@@ -31,6 +31,7 @@ from tests.app.test_cli_usage import CONFIGS, assert_usage_error
         (["model=jamba", "cache=int8", "cache.attention.storage=bogus"], "unknown attention storage; known: dense"),
         (["+cache.layers.2.window=0"], "cache.layers.2.window must be a positive integer, got 0"),
         (["engine=gpu"], "engine=gpu is not one of ours, hf"),
+        (["engine=hf", "experiment=drift"], "engine=hf runs correctness, benchmark, study; experiment=drift runs our"),
         (["-m", "max_new_tokens=4,0"], "max_new_tokens must be a positive integer, got 0"),  # every value of a sweep
     ],
 )
