@@ -9,6 +9,8 @@ from hybridcache.cache import Cache, available_layers, register_cache_layer
 from hybridcache.generation.config import GenerationConfig
 from hybridcache.generation.loop import GenerateOutput, generate
 from hybridcache.generation.sources.beam import BeamSearchOutput, beam_search
+from hybridcache.generation.sources.drafts import PromptLookupDraft
+from hybridcache.generation.sources.speculative import EarlyExitDraft
 from hybridcache.models import from_pretrained
 
 __all__ = [
@@ -17,6 +19,8 @@ __all__ = [
     "Cache",
     "GenerateOutput",
     "GenerationConfig",
+    "EarlyExitDraft",
+    "PromptLookupDraft",
     "available_layers",
     "from_pretrained",
     "generate",

@@ -51,11 +51,15 @@ def check_options(
 
 
 def check_speculative(model: HybridLM, draft: Any, cfg: GenerationConfig, cache, prefix_cache, hooks: bool) -> None:
-    if not all(hasattr(draft, a) for a in ("run_block", "make_cache", "vocab_size", "device")):
+    from hybridcache.generation.sources.drafts import PromptLookupDraft  # the drafters' module imports this one
+
+    lookup = isinstance(draft, PromptLookupDraft)
+    if not lookup and not all(hasattr(draft, a) for a in ("run_block", "make_cache", "vocab_size", "device")):
         raise GenerationError(
-            f"draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft), got {type(draft).__name__}"
+            "draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft) or a PromptLookupDraft, "
+            f"got {type(draft).__name__}"
         )
-    if draft.vocab_size != model.vocab_size:
+    if not lookup and draft.vocab_size != model.vocab_size:
         raise GenerationError(
             f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
             f"({model.vocab_size}); speculative decoding needs the same tokenizer"
@@ -63,14 +67,12 @@ def check_speculative(model: HybridLM, draft: Any, cfg: GenerationConfig, cache,
     k = cfg.num_draft_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise GenerationError(f"num_draft_tokens must be a positive integer, got {k!r}")
-    if cfg.do_sample:
-        raise GenerationError("speculative decoding here is greedy: do_sample=True is not supported with draft_model")
     for bad, what in (
         (cache is not None, "cache="),
         (not cfg.use_cache, "use_cache=False"),
         (cfg.compile, "compile=True"),
         (prefix_cache is not None, "prefix_cache="),
-        (hooks, "logits_processor= (the target's greedy choice verifies the draft)"),
+        (hooks, "logits_processor= (verification reads the target's own distribution at every drafted position)"),
     ):
         if bad:
             raise GenerationError(f"draft_model= builds both caches itself and cannot be combined with {what}")

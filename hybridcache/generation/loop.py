@@ -130,7 +130,7 @@ def generate(
             if not cfg.do_sample:  # plain greedy choices, stopped by eos only: many steps per C call
                 source.greedy = (eos.tolist(), cfg.output_logits)
         try:
-            with steady_unless_hooked(ours, model, draft_model):
+            with steady_unless_hooked(ours, model, draft_model if isinstance(draft_model, torch.nn.Module) else None):
                 logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
         except BaseException:
             getattr(source, "abandon", lambda: None)()

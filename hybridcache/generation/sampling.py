@@ -100,19 +100,15 @@ def greedy_next(logits: torch.Tensor, where: str | None = None) -> torch.Tensor:
     return out
 
 
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-    where: str = "",
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, where: str = ""
 ) -> torch.Tensor:
-    """One token per row [B] from logits [B, V] after temperature, top-k and top-p filtering (GenerationError first
-    where a row is not finite: check_finite)."""
+    """The distribution [..., V] `sample_next` draws from: logits [..., V] after temperature, top-k and top-p
+    filtering, softmaxed in float32 (GenerationError first where a row is not finite: check_finite). Speculative
+    sampling accepts and resamples against it."""
     scores = logits.float()
-    top = scores.amax(-1, keepdim=True)  # [B, 1]
-    check_finite(top[:, 0], where)
+    top = scores.amax(-1, keepdim=True)  # [..., 1]
+    check_finite(top[..., 0].reshape(-1), where)
     if temperature < 1:  # dividing amplifies: shift each row's maximum to 0 first, so no score overflows to +inf
         scores = scores - top
     scores = scores / temperature
@@ -124,7 +120,20 @@ def sample_next(
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_scores.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
         scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+    return scores.softmax(-1)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    where: str = "",
+) -> torch.Tensor:
+    """One token per row [B] from logits [B, V] after temperature, top-k and top-p filtering (sampling_probs)."""
+    probs = sampling_probs(logits, temperature, top_k, top_p, where)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 class TokenChooser:

@@ -103,7 +103,7 @@ def test_eos_and_bad_requests(models):
     check_same_as_plain(model, perturbed(model, 1.0), ids, k=3, new=10, eos_token_id=eos)
     for kw, msg in [
         ({"num_draft_tokens": 0}, "num_draft_tokens"),
-        ({"do_sample": True}, "greedy"),
+        ({"logits_processor": [lambda ids, scores: scores]}, "logits_processor"),
         ({"cache": model.make_cache(2)}, "cache="),
         ({"compile": True}, "compile"),
     ]:

@@ -1,13 +1,15 @@
-"""Speculative (assisted) decoding for any family, hybrids and pure-recurrent models included. Greedy.
+"""Speculative (assisted) decoding for any family, hybrids and pure-recurrent models included; greedy or sampled.
 
-Each round the draft model proposes r <= k tokens one step at a time, the target verifies [last, d1..dr] in one
-block, and the longest prefix where the draft agrees with the target's argmax is accepted, plus the target's own
-next token. Both caches then roll back to the accepted prefix:
+Each round a drafter (drafts.py: a draft model one step at a time, or prompt lookup) proposes r <= k tokens, the
+target verifies [last, d1..dr] in one block, and the longest prefix the target accepts is kept, plus one token of
+the target's own: greedy, where the draft agrees with the target's argmax; sampled, by speculative sampling's
+accept / resample rule (sampled_round). Both caches then roll back to the accepted prefix:
 - "crop": when every layer can rewind r tokens exactly (full attention, recurrent layers with `checkpoints >= r`;
   the caches are built with `{"recurrent": {"checkpoints": k}}` for this), `cache.crop(n)`;
 - "recompute": otherwise (sliding / chunked / evicting attention keeps too little to rewind), a snapshot taken
   before the round is restored and the accepted tokens are fed again.
-The output is the target's plain greedy decoding (the same tokens), only with fewer target calls.
+Greedy output is the target's plain greedy decoding (the same tokens); sampled output is an exact sample of the
+target's sampling distribution (not the same draws as plain sampling), only with fewer target calls.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 
 from hybridcache.cache import Cache, CacheConfigError
 from hybridcache.cache.core.sequence import token_fingerprint
-from hybridcache.generation.sampling import check_finite, greedy_next
+from hybridcache.generation.sampling import check_finite
 from hybridcache.generation.sources.cached import DEFAULT_PREFILL_CHUNK, GenerationState
+from hybridcache.generation.sources.drafts import DraftProbs, LookupDrafter, ModelDrafter, PromptLookupDraft, prefill
 from hybridcache.models.core.base import GenerationError
 
 
@@ -82,17 +85,38 @@ class _Rollback:
             self.feed(fed[:, :keep])
 
 
-def _prefill(model, cache: Cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int) -> torch.Tensor:
-    for i in range(0, ids.shape[1], chunk):
-        valid = mask[:, i : i + chunk]
-        logits = model.run_block(ids[:, i : i + chunk], cache, None if bool(valid.all()) else valid, last_only=True)
-    return logits[:, -1]
+def sampled_round(
+    p: torch.Tensor, q: torch.Tensor | None, proposal: torch.Tensor, probs: DraftProbs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's accept / resample step (Leviathan et al. 2023, Chen et al. 2023) for one round.
+
+    p [B, r + 1, V]: the target's distributions after last, d1..dr; q [B, r, V] the draft's (None: deterministic
+    proposals, a one-hot q); proposal [B, r]. Draft token j is accepted with probability min(1, p_j(d) / q_j(d));
+    where it is rejected the token is drawn from max(0, p_j - q_j), renormalised; position r (every draft token
+    accepted) is drawn from p_r. Returns (accepted [B]: the leading run of accepted drafts per row, tokens [B, r + 1]:
+    position j's token, the draft where accepted, else the resample), each an exact sample of p_j given its prefix
+    whichever position a round stops at (the stop depends only on earlier positions and on other rows)."""
+    r = proposal.shape[1]
+    d = proposal[..., None]  # [B, r, 1]
+    p_d = p[:, :r].gather(-1, d)[..., 0]  # [B, r]
+    q_d = q.gather(-1, d)[..., 0] if q is not None else torch.ones_like(p_d)
+    accept = probs.uniform(p_d.shape, p_d.device) * q_d < p_d  # u < p / q, without dividing by a tiny q
+    if q is None:
+        q = torch.zeros_like(p[:, :r]).scatter_(-1, d, 1.0)
+    residual = (p[:, :r] - q).clamp_(min=0)  # [B, r, V]
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p[:, :r])  # p == q: never rejected
+    redraw = probs.sample(residual.reshape(-1, residual.shape[-1])).view(p_d.shape) if r else proposal
+    tokens = torch.cat([torch.where(accept, proposal, redraw), probs.sample(p[:, r])[:, None]], 1)
+    return accept.long().cumprod(1).sum(1), tokens
 
 
 class SpeculativeSource:
-    """Greedy speculative decoding as a token source of the generation loop (generation/sources/cached.py): each round
-    yields the
-    accepted draft tokens and the target's own next token, with the target's logits for each."""
+    """Speculative decoding as a token source of the generation loop (generation/sources/cached.py): each round a
+    drafter (a draft model, or PromptLookupDraft) proposes up to k tokens, the target verifies them in one block,
+    and the round yields the kept tokens with the target's logits for each. Greedy: the target's argmax decides
+    (the tokens of plain greedy decoding). Sampling: speculative sampling (sampled_round), an exact sample of the
+    target's sampling distribution (temperature / top-k / top-p)."""
 
     def __init__(
         self,
@@ -108,66 +132,70 @@ class SpeculativeSource:
         self.cache = self.draft = None
         self.stats: dict[str, Any] = {}
 
+    def _drafter(self, state: GenerationState, batch: int):
+        if isinstance(self.draft_model, PromptLookupDraft):
+            return LookupDrafter(self.draft_model, state)
+        self.draft = self.draft_model.make_cache(batch, with_checkpoints(self.draft_cache_config, self.k))
+        return ModelDrafter(self.draft_model, self.draft, lambda m, c: _Rollback(m, c, self.k))
+
     def steps(self, choose, state: GenerationState):
-        """`choose` is not used: the target's argmax verifies the draft (greedy only)."""
-        model, draft_model, k, input_ids = self.model, self.draft_model, self.k, state.input_ids
+        """`choose` gives the first token; the rounds choose by the target's argmax (greedy) or by speculative
+        sampling with the chooser's settings and generator (no logits processors: checked before)."""
+        model, k, input_ids = self.model, self.k, state.input_ids
         batch, max_new = input_ids.shape[0], state.generated.shape[1]
+        c = choose.chooser
+        probs = DraftProbs(c.temperature, c.top_k, c.top_p, c.generator) if c.do_sample else None
         self.started = time.perf_counter()
         self.cache = target = model.make_cache(batch, with_checkpoints(self.cache_config, k))
-        self.draft = draft = draft_model.make_cache(batch, with_checkpoints(self.draft_cache_config, k))
+        drafter = self._drafter(state, batch)
         chunk = self.chunk_size or min(input_ids.shape[1], DEFAULT_PREFILL_CHUNK)
-        logits = _prefill(model, target, input_ids, state.mask, chunk)
-        _prefill(draft_model, draft, input_ids.to(draft_model.device), state.mask.to(draft_model.device), chunk)
-        t_roll, d_roll = _Rollback(model, target, k), _Rollback(draft_model, draft, k)
+        logits = prefill(model, target, input_ids, state.mask, chunk)
+        drafter.start(input_ids, state.mask, chunk)
+        t_roll = _Rollback(model, target, k)
         stats = self.stats = {
             "rounds": 0,
             "drafted": 0,
             "accepted": 0,
             "target_calls": 1,
-            "draft_calls": 1,
-            "rollback": {"target": t_roll.mode, "draft": d_roll.mode},
+            "rollback": {"target": t_roll.mode, "draft": drafter.rollback},
         }
-        last = greedy_next(logits, "generation step 1: ")  # [B]
+        last = choose(logits)  # [B]
         yield last, logits
         while True:  # the loop stops this generator after its last token
-            r = min(k, max_new - state.count - 1)
-            d_roll.mark()
-            proposal, token = [], last
-            for _ in range(r):  # the draft proposes r tokens, one step each
-                token = greedy_next(draft_model.run_block(token[:, None].to(draft_model.device), draft, None)[:, -1])
-                proposal.append(token.to(input_ids.device))
-                stats["draft_calls"] += 1
-            block = torch.stack([last, *proposal], dim=1)  # [B, r + 1]
+            proposal, q = drafter.propose(last, min(k, max_new - state.count - 1), probs)  # [B, r], [B, r, V] | None
+            r = proposal.shape[1]
+            block = torch.cat([last[:, None], proposal.to(last.device)], dim=1)  # [B, r + 1]
             t_roll.mark()
             verify = t_roll.feed(block)  # [B, r + 1, V]
             stats["target_calls"] += 1
-            best = verify.argmax(-1)  # [B, r + 1]: the target's greedy choice after each block token
-            agree = (block[:, 1:] == best[:, :r]).long().cumprod(1).sum(1)  # [B] accepted per row
+            where = f"generation step {state.count + 1}: "
+            if probs is None:
+                tokens = verify.argmax(-1)  # [B, r + 1]: the target's greedy choice after each block token
+                agree = (block[:, 1:] == tokens[:, :r]).long().cumprod(1).sum(1)  # [B] accepted per row
+            else:
+                agree, tokens = sampled_round(probs(verify, where), q, proposal, probs)
             live = ~state.done
             a = int(agree[live].min()) if bool(live.any()) else r
             stats["rounds"] += 1
             stats["drafted"] += r
             stats["accepted"] += a
             t_roll.keep(block, a + 1)  # the target keeps last, d1..da
-            fed = block[:, :r].to(draft_model.device)  # the draft was fed last, d1..d_{r-1}
-            if a + 1 <= r:
-                d_roll.keep(fed, a + 1)
-            else:  # everything accepted: the draft has not seen the last accepted token yet
-                draft_model.run_block(block[:, r:].to(draft_model.device), draft, None, last_only=True)
-                stats["draft_calls"] += 1
-            for j in range(
-                a + 1
-            ):  # the target's own choices: not from logits that are not finite (generation/sampling.py)
-                check_finite(verify[:, j].gather(-1, best[:, j, None])[:, 0], f"generation step {state.count + 1}: ")
-                yield best[:, j], verify[:, j]
-            last = best[:, a]
+            drafter.keep(block, r, a)
+            for j in range(a + 1):  # not from logits that are not finite (generation/sampling.py)
+                if probs is None:
+                    check_finite(verify[:, j].gather(-1, tokens[:, j, None])[:, 0], where)
+                yield tokens[:, j], verify[:, j]
+            last = tokens[:, a]
 
     def finish(self, out, state: GenerationState) -> dict[str, Any]:
         """Both caches remember the tokens they hold (a crop forgets the ids; a continuation check needs them)."""
         sequences, new = out.sequences, state.count
         held = torch.cat([state.mask, torch.ones_like(sequences[:, state.mask.shape[1] + 1 :], dtype=torch.bool)], 1)
         replaced = bool(state.done.any())  # rows past their stop show padding the caches never saw
-        for cache, device in ((self.cache, self.model.device), (self.draft, self.draft_model.device)):
+        caches = [(self.cache, self.model.device)]
+        if self.draft is not None:
+            caches.append((self.draft, self.draft_model.device))
+        for cache, device in caches:
             if cache.seq.fingerprint is None and not replaced:
                 pos = torch.where(held, held.long().cumsum(1) - 1, -1)
                 cache.seq.fingerprint = token_fingerprint(sequences[:, :-1], pos).to(device)
