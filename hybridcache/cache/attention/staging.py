@@ -18,7 +18,7 @@ from hybridcache.cache.storage.grouped import Staged
 
 @dataclass
 class ResidualUndo:
-    """What a decode step overwrote in the residual window's ring (residual_window.write_decode)."""
+    """What a decode step overwrote in the residual window's ring (ResidualWindow.write_decode)."""
 
     slots: torch.Tensor  # [B, 1] ring slots written
     old: dict[str, torch.Tensor]  # res_keys / res_values -> what those slots held [B, H, 1, D]
