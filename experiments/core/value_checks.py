@@ -117,6 +117,34 @@ TOP_LEVEL = {
 }
 
 
+#: Experiment settings that count something (the smallest valid value); lists: every entry. The rest of an
+#: experiment's settings are its own run's checks.
+EXPERIMENT_COUNTS = {
+    "batch_sizes": 1,
+    "prompt_tokens": 1,
+    "new_tokens": 1,
+    "repeats": 1,
+    "warmup": 0,
+    "lengths": 1,
+    "block": 1,
+    "documents": 1,
+}
+
+
+def _experiment_problem(key: str, value: Any) -> str | None:
+    smallest = EXPERIMENT_COUNTS.get(key.removeprefix("experiment."))
+    if smallest is None or key.count(".") != 1:
+        return None
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, str) and "${" in v:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < smallest:
+            kind = "a positive integer" if smallest else "an integer >= 0"
+            what = f"every entry of {key}" if isinstance(value, list) else key
+            return f"{what} must be {kind}, got {v!r}"
+    return None
+
+
 def _cache_problem(key: str, value: Any) -> str | None:
     """A field of a cache entry: `cache.<entry>.<field>`, `cache.layers.<i>.<field>` or `.<i>.<member>.<field>`."""
     parts = key.split(".")
@@ -146,6 +174,8 @@ def value_problem(key: str, value: Any) -> str | None:
         return TOP_LEVEL[key](value)
     if key.startswith("cache."):
         return _cache_problem(key, value)
+    if key.startswith("experiment."):
+        return _experiment_problem(key, value)
     return None
 
 
@@ -170,8 +200,8 @@ def _problems(tree: dict[str, Any], prefix: str, names: bool) -> list[str]:
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             problems += _problems(v, key + ".", names)
-        elif not isinstance(v, list):
-            problem = value_problem(key, v) or (_name_problem(key, v) if names else None)
+        else:
+            problem = value_problem(key, v) or (_name_problem(key, v) if names and not isinstance(v, list) else None)
             if problem:
                 problems.append(problem)
     return problems

@@ -32,6 +32,8 @@ from tests.app.test_cli_usage import CONFIGS, assert_usage_error
         (["+cache.layers.2.window=0"], "cache.layers.2.window must be a positive integer, got 0"),
         (["engine=gpu"], "engine=gpu is not one of ours, hf"),
         (["engine=hf", "experiment=drift"], "engine=hf runs correctness, benchmark, study; experiment=drift runs our"),
+        (["experiment=benchmark", "experiment.batch_sizes=[1,0]"], "every entry of experiment.batch_sizes must be"),
+        (["experiment=study", "experiment.block=0"], "experiment.block must be a positive integer, got 0"),
         (["-m", "max_new_tokens=4,0"], "max_new_tokens must be a positive integer, got 0"),  # every value of a sweep
     ],
 )
@@ -50,6 +52,7 @@ def test_a_value_out_of_range_is_refused_before_torch_and_before_the_output_dire
         ["oracle_tolerance=1"],
         ["prefill_chunk_size=null"],
         ["engine=hf"],
+        ["experiment=benchmark", "experiment.warmup=0", "experiment.batch_sizes=[1,8]"],
     ],
 )
 def test_values_in_range_pass(argv):
