@@ -56,15 +56,18 @@ def check_hf_settings(cfg: DictConfig, prompts: bool = True) -> dict[str, Any]:
         cache_config, preallocate, notes = cache_config_with_notes(cfg.cache)
     except CacheError as e:
         raise UserError(str(e)) from None
-    if preallocate:
-        cache_config["preallocate"] = True  # translated by the bridge like any other field
+    if preallocate:  # the app sizes it from the prompts for our models; through the bridge a size is given
+        raise UserError(
+            "cache.preallocate=true is engine=ours' (sized from the prompts); with engine=hf give the size: "
+            "cache.attention.max_length=N"
+        )
     texts = list(cfg.prompts.texts)
     if prompts and not texts:
         raise UserError("prompts.texts is empty")
     directory, config, note = hf_checkpoint(cfg)
     return {
         "dtype": dtype,
-        "cache_config": {k: v for k, v in cache_config.items() if k != "preallocate"},
+        "cache_config": cache_config,
         "notes": notes,
         "texts": texts,
         "checkpoint": directory,

@@ -93,6 +93,7 @@ def test_gemma3_both_engines_give_the_same_tokens(app, tmp_path, cache):  # noqa
     [
         (["reference=vllm"], "engine=hf compares with HF's own cache"),
         (["experiment=drift"], "engine=hf runs correctness"),
+        (["cache=static"], "cache.preallocate=true is engine=ours'"),
     ],
 )
 def test_what_engine_hf_does_not_take_is_one_line(app, hf_only, args, message):  # noqa: F811
