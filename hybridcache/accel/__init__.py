@@ -25,10 +25,11 @@ from hybridcache.ops import kernels as _seam
 _seam.plug(_kernel_calls.takes, _kernel_calls.call)
 
 from hybridcache.accel.decode_run import NonFiniteLogits  # noqa: E402
-from hybridcache.accel.install import FastPath, install, register_accel, uninstall  # noqa: E402
+from hybridcache.accel.install import AccelError, FastPath, install, register_accel, uninstall  # noqa: E402
 from hybridcache.accel.layer_records import steady, steady_unless_hooked  # noqa: E402
 
 __all__ = [
+    "AccelError",
     "FastPath",
     "KernelArgumentError",
     "NonFiniteLogits",

@@ -27,15 +27,16 @@ ACCELS: dict[type[nn.Module], Callable[[nn.Module], object]] = {
 }
 
 
-class AccelRegistryError(ValueError):
-    """A registry entry that is not (an nn.Module subclass, a callable)."""
+class AccelError(ValueError):
+    """What the fast path cannot install: a registry entry that is not (an nn.Module subclass, a callable), a model
+    that is not an nn.Module."""
 
 
 def register_accel(cls: type[nn.Module], make: Callable[[nn.Module], object]) -> None:
     """Give modules of `cls` (and its subclasses without their own entry) the fast path `make(module)`: an object
     the module's forward offers each call first (None from it: the reference runs). Takes effect at `install`."""
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or not callable(make):
-        raise AccelRegistryError(f"register_accel takes an nn.Module subclass and a callable, got {cls!r}, {make!r}")
+        raise AccelError(f"register_accel takes an nn.Module subclass and a callable, got {cls!r}, {make!r}")
     ACCELS[cls] = make
 
 
@@ -69,6 +70,8 @@ class FastPath:
 
 def install(model: nn.Module) -> FastPath:
     """Attach the fast path to `model`: every module the registry knows gets its `accel`, the model `fast_path`."""
+    if not isinstance(model, nn.Module):
+        raise AccelError(f"install takes an nn.Module, got {type(model).__name__}")
     for module in model.modules():
         fast = accel_for(module)
         if fast is not None:
@@ -79,6 +82,8 @@ def install(model: nn.Module) -> FastPath:
 
 def uninstall(model: nn.Module) -> None:
     """The reference path only: every module's `accel` and the model's `fast_path` back to None."""
+    if not isinstance(model, nn.Module):
+        raise AccelError(f"uninstall takes an nn.Module, got {type(model).__name__}")
     for module in model.modules():
         if "accel" in module.__dict__:
             module.accel = None

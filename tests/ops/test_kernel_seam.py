@@ -7,7 +7,7 @@ import torch
 
 import hybridcache.accel as accel
 from hybridcache.accel import op_specs
-from hybridcache.accel.install import AccelRegistryError, register_accel
+from hybridcache.accel.install import AccelError, register_accel
 from hybridcache.accel.kernel_calls import call, takes
 from hybridcache.accel.slots import AttentionSlots, ReservingCache
 from hybridcache.cache import Cache, NativeLayer
@@ -49,6 +49,14 @@ def test_the_registry_refuses_what_it_cannot_install(cls, make):
     from hybridcache.accel.install import ACCELS
 
     before = dict(ACCELS)
-    with pytest.raises(AccelRegistryError, match="register_accel takes"):
+    with pytest.raises(AccelError, match="register_accel takes"):
         register_accel(cls, make)
     assert ACCELS == before
+
+
+@pytest.mark.parametrize("what", [None, "model", torch.zeros(2)])
+def test_install_refuses_what_is_no_module(what):
+    with pytest.raises(AccelError, match="takes an nn.Module"):
+        accel.install(what)
+    with pytest.raises(AccelError, match="takes an nn.Module"):
+        accel.uninstall(what)
