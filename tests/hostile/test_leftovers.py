@@ -527,7 +527,7 @@ def test_non_finite_logits_are_a_named_error_at_their_step(poisoned):
             def call(model=model, ids=ids, kw=kw, step=step):
                 try:
                     hc.generate(model, ids, max_new_tokens=4, seed=0, **kw)
-                except hc.models.base.GenerationError as e:
+                except hc.models.core.base.GenerationError as e:
                     said = rf"generation step {step}: the logits are not finite \(row 0( \(and 1 more\))?: "
                     assert re.search(said, str(e)), str(e)
                     raise
@@ -562,7 +562,7 @@ def test_what_a_logits_processor_makes_of_the_scores_is_checked(poisoned):
     ]
     problems = run_cases("non-finite logits", cases)
     assert not problems, report(problems, len(cases))
-    with pytest.raises(hc.models.base.GenerationError, match="row 0: -inf for every token"):
+    with pytest.raises(hc.models.core.base.GenerationError, match="row 0: -inf for every token"):
         hc.generate(clean, PROMPT, max_new_tokens=3, logits_processor=[mask_all])
     for kw in ({}, {"do_sample": True, "seed": 0, "top_k": 4}):
         out = hc.generate(model, PROMPT, max_new_tokens=3, logits_processor=[replace], **kw)
@@ -578,7 +578,7 @@ def test_greedy_decode_runs_check_the_logits_too(poisoned):
     """Greedy decode runs (batch 1, no processors) choose tokens in C (hc_decode_steps); a NaN first seen after step
     1 is reported there too, after the tokens before it, and the run's cache is let go unchanged."""
     model, step = poisoned("nan-embedding")
-    with pytest.raises(hc.models.base.GenerationError, match=f"generation step {step}: the logits are not finite"):
+    with pytest.raises(hc.models.core.base.GenerationError, match=f"generation step {step}: the logits are not finite"):
         hc.generate(model, PROMPT, max_new_tokens=4)
     # a continuation: the greedy C loop takes every step of it (its first token included); the cache is unchanged
     cache = model.make_cache(1)
@@ -594,7 +594,7 @@ def test_greedy_decode_runs_check_the_logits_too(poisoned):
     DecodeRun.greedy = counted
     try:
         with pytest.raises(
-            hc.models.base.GenerationError, match=f"step {step}: the logits are not finite \\(row 0: NaN"
+            hc.models.core.base.GenerationError, match=f"step {step}: the logits are not finite \\(row 0: NaN"
         ):
             hc.generate(model, PROMPT, cache=cache, max_new_tokens=4)
     finally:
