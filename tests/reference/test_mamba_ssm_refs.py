@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from einops import repeat
 
 from hybridcache.accel import kernels as cpu_kernels
-from hybridcache.ops.selective_scan_btd import selective_scan_btd
 from hybridcache.ops import (
     causal_conv1d,
     causal_conv1d_step,
@@ -57,6 +56,7 @@ from hybridcache.ops import (
     ssd_step,
 )
 from hybridcache.ops._dispatch import load_kernel
+from hybridcache.ops.selective_scan_btd import selective_scan_btd
 from tests.reference import mamba_refs
 
 _reason = mamba_refs.missing()
