@@ -1,7 +1,8 @@
 """A/B timing of a compiled decode step: the kernel ops traced into the graph (after issue 21) against only the
 projection op traced (before: norms, rotary, MLP activation and attention by torch math under torch.compile).
 
-One model, one compiled step: hybridcache.accel.kernel_calls.TRACED_OPS selects the graph (torch.compile guards on it,
+One model, one compiled step: hybridcache.accel.native.kernel_calls.TRACED_OPS selects the graph (torch.compile guards
+on it,
 so each value keeps its own graph). Runs alternate A / B in one process, so a loaded machine slows both alike;
 prints per-step medians and spreads (the first step of each run dropped: a new cache size).
 
@@ -18,7 +19,7 @@ import time
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_calls
+from hybridcache.accel.native import kernel_calls
 
 VARIANTS = {"before": frozenset({"decode_linear"}), "after": frozenset(kernel_calls.TRACED_OPS)}
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.accel import kernels as ck
 from hybridcache.accel.huge_pages import collapse
+from hybridcache.accel.native import kernels as ck
 
 PROBE = r"""
 #include <immintrin.h>

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.core.hf_engine import check_hf_settings, hf_plans, load_hf_model
+from experiments.hf.engine import check_hf_settings, hf_plans, load_hf_model
 
 REFERENCE = "HF's own DynamicCache on the same model, prompt and tokens"
 SMOKE = {"batch_sizes": [1], "prompt_tokens": 8, "new_tokens": 8, "warmup": 1, "repeats": 3}

@@ -44,7 +44,7 @@ from experiments.core.common import (
 )
 from experiments.core.figure_style import cfg_context
 from experiments.core.run_context import RunContext
-from hybridcache.accel.kernels import kernel_status
+from hybridcache.accel.native.kernels import kernel_status
 from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,10 +20,10 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.core.common import load_tokenizer, make_console, tokenize
-from experiments.core.hf_engine import check_hf_settings, hf_plans, load_hf_model
 from experiments.core.report import print_summary, verdict
 from experiments.core.run_context import RunContext
 from experiments.correctness.table import prompt_row
+from experiments.hf.engine import check_hf_settings, hf_plans, load_hf_model
 
 ENGINE = {
     "name": "hf",

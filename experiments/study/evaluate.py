@@ -102,7 +102,7 @@ def held_by_part(cache: Cache) -> dict[str, int]:
 
 
 def generate(model, ids: torch.Tensor, **kwargs):
-    """hc.generate, or an HF model's own greedy loop with our cache under engine=hf (experiments/core/hf_model.py)."""
+    """hc.generate, or an HF model's own greedy loop with our cache under engine=hf (experiments/hf/model.py)."""
     own = getattr(model, "hf_generate", None)
     return own(ids, **kwargs) if own is not None else hc.generate(model, ids, **kwargs)
 

@@ -84,8 +84,8 @@ ENGINE_HF = (
 
 def _load_hf(cfg: DictConfig):
     """(checkpoint, HF's model behind the interface the evaluation calls): engine=hf."""
-    from experiments.core.hf_engine import check_hf_settings, load_hf_model
-    from experiments.core.hf_model import HFModel
+    from experiments.hf.engine import check_hf_settings, load_hf_model
+    from experiments.hf.model import HFModel
 
     prep = check_hf_settings(cfg, prompts=False)
     return prep["checkpoint"], HFModel(load_hf_model(prep, cfg.model.device))

@@ -17,9 +17,9 @@ The routes of one eager decode token, fastest first, each falling back to the ne
 `kernel_status()` says whether the kernels are built here.
 """
 
-from hybridcache.accel import op_registry  # noqa: F401, I001 (registers the hybridcache::<op> torch ops first)
-from hybridcache.accel import kernel_calls as _kernel_calls
-from hybridcache.accel.kernels import KernelArgumentError, kernel_status
+from hybridcache.accel.native import op_registry  # noqa: F401, I001 (registers the hybridcache::<op> torch ops first)
+from hybridcache.accel.native import kernel_calls as _kernel_calls
+from hybridcache.accel.native.kernels import KernelArgumentError, kernel_status
 from hybridcache.ops import kernels as _seam
 
 _seam.plug(_kernel_calls.takes, _kernel_calls.call)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.attention_step import bind_attention_step
-from hybridcache.accel.checks import MAX_ROWS
-from hybridcache.accel.decoder_layer import bind_decoder_layer
-from hybridcache.accel.fused import bind_qkv_norm_rope
-from hybridcache.accel.kernel_calls import call, takes
 from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
+from hybridcache.accel.native.attention_step import bind_attention_step
+from hybridcache.accel.native.checks import MAX_ROWS
+from hybridcache.accel.native.decoder_layer import bind_decoder_layer
+from hybridcache.accel.native.fused import bind_qkv_norm_rope
+from hybridcache.accel.native.kernel_calls import call, takes
 from hybridcache.accel.slots import AttentionSlots, SlotView
 from hybridcache.blocks.attention.mixer import AttentionMixer
 from hybridcache.blocks.core.common import StepInput

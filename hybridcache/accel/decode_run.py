@@ -24,12 +24,12 @@ import ctypes
 import torch
 from torch import nn
 
-from hybridcache.accel.checks import INT_MAX, _ptr, _real, _vec
-from hybridcache.accel.decoder_stack import record_table, record_type, run_table
-from hybridcache.accel.kernel_calls import takes
 from hybridcache.accel.layer_records import _binding, _hooked, layer_accel, steady_bindings
-from hybridcache.accel.library import _library
-from hybridcache.accel.op_specs import WEIGHT_TYPES
+from hybridcache.accel.native.checks import INT_MAX, _ptr, _real, _vec
+from hybridcache.accel.native.decoder_stack import record_table, record_type, run_table
+from hybridcache.accel.native.kernel_calls import takes
+from hybridcache.accel.native.library import _library
+from hybridcache.accel.native.op_specs import WEIGHT_TYPES
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.blocks.core.linear import DecodeLinear, PackedEmbedding
 from hybridcache.blocks.core.norms import RMSNorm

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.fused import bind_decoder_tail
-from hybridcache.accel.kernel_calls import call, takes
 from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
-from hybridcache.accel.op_specs import ACT_MUL
+from hybridcache.accel.native.fused import bind_decoder_tail
+from hybridcache.accel.native.kernel_calls import call, takes
+from hybridcache.accel.native.op_specs import ACT_MUL
 from hybridcache.blocks.core.linear import DecodeLinear
 from hybridcache.blocks.core.linear_group import _param
 from hybridcache.blocks.core.mlp import GatedMLP

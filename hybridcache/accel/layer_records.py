@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from hybridcache.accel.decoder_stack import record_type, run_records
-from hybridcache.accel.kernel_calls import takes
+from hybridcache.accel.native.decoder_stack import record_type, run_records
+from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.sandwich_layer import SandwichAccel
 
 _STEADY: ContextVar[dict | None] = ContextVar("hybridcache_steady_decode", default=None)

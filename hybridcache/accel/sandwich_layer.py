@@ -14,8 +14,8 @@ import torch
 
 from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.decoder_tail import bound_tail, decoder_tail
-from hybridcache.accel.kernel_calls import takes
 from hybridcache.accel.kernel_memo import KernelMemo
+from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.blocks.core.common import StepInput
 from hybridcache.blocks.core.norms import residual_norm
 from hybridcache.blocks.core.sandwich import SandwichLayer, SandwichParts

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.accel.kernels import argmax_rows
+from hybridcache.accel.native.kernels import argmax_rows
 from hybridcache.models.core.base import GenerationError
 
 # The smallest temperature: the smallest normal float32. Logits are sampled in float32 and shifted by their row's

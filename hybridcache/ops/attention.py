@@ -1,5 +1,6 @@
 """Masked (grouped-query) softmax attention, pure torch (a one-query block in float32 on CPU: one kernel call,
-hybridcache/accel/kernels.py through the kernel seam ops/kernels.py, with the same guarantees; under torch.compile
+hybridcache/accel/native/kernels.py through the kernel seam ops/kernels.py, with the same guarantees; under
+torch.compile
 the op that runs it). `pattern_attention`: a one-query block whose visible keys the kernel evaluates from positions.
 
 Robust to arbitrary masks: rows with no visible key return exact zeros, and

@@ -13,7 +13,7 @@ from hybridcache.ops.selective_scan import selective_scan
 
 def selective_scan_btd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, state=None):
     """`selective_scan` for the layouts the Mamba block holds: u, delta, z [B, T, Dm]; B, C [B, T, N] (the rest as
-    there). Float32 on CPU runs one kernel call (hybridcache/accel/kernels.py through ops/kernels.py; the
+    there). Float32 on CPU runs one kernel call (hybridcache/accel/native/kernels.py through ops/kernels.py; the
     reference's math in another rounding order, no per-token loop in Python); anything else transposes and calls
     `selective_scan`.
     Returns y [B, T, Dm] in u.dtype and the final state [B, Dm, N]."""

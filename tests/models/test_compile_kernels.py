@@ -1,4 +1,5 @@
-"""Compiled decode runs the C kernels eager decode runs (hybridcache/accel/kernel_calls.py): the compiled graph holds
+"""Compiled decode runs the C kernels eager decode runs (hybridcache/accel/native/kernel_calls.py): the compiled graph
+holds
 the hybridcache::<op> calls (counted in the FX graphs torch.compile hands its backend), the logits of a compiled
 decode equal eager decode's bit for bit over the same preallocated cache, and there are no graph breaks.
 

@@ -1,4 +1,4 @@
-"""Randomized driver for every C kernel wrapper (hybridcache/accel/kernels.py, cpu_fused.py): odd shapes (0, 1,
+"""Randomized driver for every C kernel wrapper (hybridcache/accel/native/kernels.py, cpu_fused.py): odd shapes (0, 1,
 odd, large state sizes, huge expanded dims), strides (non-contiguous, expanded, strided last dim), wrong dtypes and
 devices (meta), NaN / inf values, bad parameters (chunk 0, unknown patterns, softcap <= 0).
 
@@ -24,11 +24,11 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-import hybridcache.accel.kernels as ck
-from hybridcache.accel import attention_step as cpu_attention_step
-from hybridcache.accel import decoder_layer as cpu_decoder_layer
-from hybridcache.accel import decoder_stack as cpu_decoder_stack
-from hybridcache.accel import fused as cpu_fused
+import hybridcache.accel.native.kernels as ck
+from hybridcache.accel.native import attention_step as cpu_attention_step
+from hybridcache.accel.native import decoder_layer as cpu_decoder_layer
+from hybridcache.accel.native import decoder_stack as cpu_decoder_stack
+from hybridcache.accel.native import fused as cpu_fused
 from hybridcache.ops.attention import masked_attention
 from hybridcache.ops.selective_scan import _selective_scan_torch
 
@@ -427,7 +427,7 @@ def _unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
 
 def case_attention_step(f: Fuzz, tail: bool = False, stack: bool = False):
     """The one-call attention (tail=False) or the whole layer (tail=True: the decoder tail after it; stack=True:
-    as a record run by the many-layer call, accel/decoder_stack.py)."""
+    as a record run by the many-layer call, accel/native/decoder_stack.py)."""
     b, dm, s = f.pick(0, 1, 1, 2, 2, 17), f.pick(0, 1, 16, 16), f.pick(0, 1, 5, 40, 40, 40)
     hkv, group, hd = f.pick(1, 1, 2), f.pick(1, 2, 3), f.pick(1, 2, 8, 9)
     hq = hkv * group

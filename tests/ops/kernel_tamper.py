@@ -1,4 +1,4 @@
-"""Tamper cases for the kernel loader (hybridcache/accel/build.py), run as `python -m tests.ops.kernel_tamper
+"""Tamper cases for the kernel loader (hybridcache/accel/native/build.py), run as `python -m tests.ops.kernel_tamper
 --workdir DIR --model PATH [--model PATH ...]` in a subprocess by test_kernel_tamper.py: a foreign constructor or a
 SIGBUS must not be able to touch the test session.
 
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 import hybridcache as hc
-import hybridcache.accel.kernels as ck
-import hybridcache.accel.library as cpu_library
-from hybridcache.accel import build as _native
+import hybridcache.accel.native.kernels as ck
+import hybridcache.accel.native.library as cpu_library
+from hybridcache.accel.native import build as _native
 from hybridcache.ops._dispatch import DISABLE_ENV
 
 FAST_FLAGS = ["-O0", "-march=native", "-shared", "-fPIC", "-std=gnu11"]  # the cases rebuild often: compile quickly

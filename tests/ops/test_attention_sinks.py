@@ -86,9 +86,9 @@ def _kernel_ready() -> bool:
 )
 @pytest.mark.parametrize("form", ["mask", "positions"])
 def test_decode_kernel_with_sinks_matches_the_naive_oracle(b, hkv, group, s, d, form):
-    from hybridcache.accel import kernels as ck
-    from hybridcache.accel import op_reference
-    from hybridcache.accel.op_registry import op
+    from hybridcache.accel.native import kernels as ck
+    from hybridcache.accel.native import op_reference
+    from hybridcache.accel.native.op_registry import op
 
     g = torch.Generator().manual_seed(b * 1000 + s)
     hq = hkv * group
@@ -122,7 +122,7 @@ def test_decode_kernel_with_sinks_matches_the_naive_oracle(b, hkv, group, s, d, 
 def test_masked_attention_with_sinks_decodes_by_the_kernel(monkeypatch):
     """A decode step with sinks (GPT-OSS) calls the decode kernel with them (before: always the torch path)."""
     import hybridcache.blocks.attention.mixer as attention_block
-    from hybridcache.accel.op_registry import KERNELS
+    from hybridcache.accel.native.op_registry import KERNELS
 
     calls = []
     kernel = KERNELS["decode_attention"]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hybridcache.accel.kernels as ck
+import hybridcache.accel.native.kernels as ck
 from hybridcache.blocks import GatedMLP, RMSNorm, residual_norm
 from hybridcache.blocks.core.linear_group import LinearGroup
 
@@ -131,7 +131,7 @@ def test_argmax_rows_all_minus_infinity_and_nan_rows():
         assert ck.argmax_rows(x).tolist() == [0, 40_000] == x.argmax(-1).tolist()
 
 
-from hybridcache.accel import fused as cpu_fused  # noqa: E402
+from hybridcache.accel.native import fused as cpu_fused  # noqa: E402
 from hybridcache.blocks.core.linear import pack_matrix  # noqa: E402
 
 

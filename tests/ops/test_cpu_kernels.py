@@ -1,4 +1,4 @@
-"""The CPU decode kernels (hybridcache/accel/csrc/cpu_decode.c) against float64 references and the torch paths.
+"""The CPU decode kernels (hybridcache/accel/native/csrc/cpu_decode.c) against float64 references and the torch paths.
 
 Building and loading: test_native_build.py, test_kernel_tamper.py; odd inputs: test_kernel_fuzz.py."""
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hybridcache.accel.kernels as dl
+import hybridcache.accel.native.kernels as dl
 from hybridcache.blocks.core.linear import linear, pack_matrix, reference_linear
 from tests.ops.test_ops_attention import naive_attention
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import hybridcache.accel.kernels as ck
+import hybridcache.accel.native.kernels as ck
 from tests.ops.kernel_fuzz import CASES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_the_reported_crashes_are_gone():
     divided by zero (SIGFPE). Now: the scan equals the reference; chunk 0 is a KernelArgumentError."""
     script = textwrap.dedent("""
         import torch
-        import hybridcache.accel.kernels as ck
+        import hybridcache.accel.native.kernels as ck
         from hybridcache.ops.selective_scan import _selective_scan_torch
         g = torch.Generator().manual_seed(0)
         n = 1 << 22  # 16 MiB of state for one channel

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import hybridcache.accel as accel
-from hybridcache.accel import op_specs
 from hybridcache.accel.install import AccelError, register_accel
-from hybridcache.accel.kernel_calls import call, takes
+from hybridcache.accel.native import op_specs
+from hybridcache.accel.native.kernel_calls import call, takes
 from hybridcache.accel.slots import AttentionSlots, ReservingCache
 from hybridcache.cache import Cache, NativeLayer
 from hybridcache.ops import kernels

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import hybridcache.accel.kernels as ck
-from hybridcache.accel.build import read_sources
+import hybridcache.accel.native.kernels as ck
+from hybridcache.accel.native.build import read_sources
 from hybridcache.checkpoints.tiny import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Building and loading the C kernels (hybridcache/accel/build.py): manifest, reuse, one notice per fallback, no
+"""Building and loading the C kernels (hybridcache/accel/native/build.py): manifest, reuse, one notice per fallback, no
 compiler, a machine other than x86-64, a compiler without OpenMP, concurrent builders. Tampered kernel directories:
 test_kernel_tamper.py (in a subprocess)."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import hybridcache.accel.kernels as ck
-import hybridcache.accel.library as cpu_library
-from hybridcache.accel import build as _native
+import hybridcache.accel.native.kernels as ck
+import hybridcache.accel.native.library as cpu_library
+from hybridcache.accel.native import build as _native
 from hybridcache.ops.attention import masked_attention
 
 FAST = ["-O0", "-march=native", "-shared", "-fPIC", "-std=gnu11"]  # every test here builds: compile quickly
@@ -188,7 +188,7 @@ def test_a_compiler_without_openmp_builds_one_thread_kernels_and_says_so(fresh, 
 def test_concurrent_first_loads_build_once(fresh, tmp_path):
     """Two processes that find no library: one builds under the lock, the other waits and loads that build."""
     script = textwrap.dedent(f"""
-        import hybridcache.accel.build as n, hybridcache.accel.kernels as ck
+        import hybridcache.accel.native.build as n, hybridcache.accel.native.kernels as ck
         n.BASE_FLAGS[:] = {FAST!r}
         print(ck.kernel_status())
     """)

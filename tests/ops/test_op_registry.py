@@ -1,4 +1,5 @@
-"""The registered ops (hybridcache/accel/op_registry.py, declared in op_specs.py): for every op, on randomized shapes,
+"""The registered ops (hybridcache/accel/native/op_registry.py, declared in op_specs.py): for every op, on randomized
+shapes,
 the eager op == the torch.compile'd op (fullgraph, no graph breaks) == the pure-torch reference (op_reference.py,
 up to float32 rounding order), the fake implementation's outputs have the real outputs' shapes, dtypes and
 strides, and arguments that break the declared rules raise KernelArgumentError before any C function is touched."""
@@ -13,9 +14,9 @@ from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hybridcache.accel as accel
-import hybridcache.accel.library as cpu_library
-from hybridcache.accel.op_registry import KERNELS, REFERENCES, op
-from hybridcache.accel.op_specs import SPECS
+import hybridcache.accel.native.library as cpu_library
+from hybridcache.accel.native.op_registry import KERNELS, REFERENCES, op
+from hybridcache.accel.native.op_specs import SPECS
 
 NAMES = [spec.name for spec in SPECS]
 W_DTYPES = [torch.float32, torch.bfloat16, torch.int8]

@@ -4,7 +4,7 @@ Independent references on CPU, on randomized shapes (several seeds each), float3
 supports it:
 
 - `selective_scan` (Mamba1, the pure-torch path) and `selective_scan_btd` (on CPU float32: the C kernel
-  `hc_selective_scan`, hybridcache/accel/csrc/cpu_decode.c) vs `selective_scan_ref`, with and without D, z,
+  `hc_selective_scan`, hybridcache/accel/native/csrc/cpu_decode.c) vs `selective_scan_ref`, with and without D, z,
   delta_bias, delta_softplus, the returned last state, and an initial state (a sequence split in two, the state passed
   on). `selective_scan_ref` computes in float32 only (it casts u and delta with `.float()`); float64 is checked
   against T steps of `selective_state_update_ref`, which keeps the input dtype.
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from einops import repeat
 
-from hybridcache.accel import kernels as cpu_kernels
+from hybridcache.accel.native import kernels as cpu_kernels
 from hybridcache.ops import (
     causal_conv1d,
     causal_conv1d_step,

@@ -1,7 +1,7 @@
 """Linear layers for fast decode: the CPU weight-streaming kernel for few rows, and packed weight formats.
 
 `linear(x, weight, bias, scale)` is the one place a projection is computed: the kernels of
-hybridcache/accel/kernels.py for float32 rows on CPU without autograd (the weight-streaming kernel for a decode
+hybridcache/accel/native/kernels.py for float32 rows on CPU without autograd (the weight-streaming kernel for a decode
 step's few rows, the GEMM kernel for a prefill; under torch.compile the hybridcache::decode_linear op that runs
 them), torch's F.linear otherwise (GPU, float64, autograd).
 `from_pretrained` switches every nn.Linear to `DecodeLinear`, which calls it.
@@ -49,7 +49,7 @@ def reference_linear(
     return out if bias is None else out + bias
 
 
-# The hybridcache namespace (its ops, hybridcache::decode_linear among them, are defined by accel/op_registry.py).
+# The hybridcache namespace (its ops, hybridcache::decode_linear among them: accel/native/op_registry.py).
 _LIBRARY = torch.library.Library("hybridcache", "DEF")
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.accel.checks import INT_MAX, MAX_NORM_ROWS, MAX_ROWS, _cpu, _eager, _ints, _real, _vec
-from hybridcache.accel.library import _library
-from hybridcache.accel.op_specs import ACT_MUL, GEMM_KERNELS, WEIGHT_KERNELS
+from hybridcache.accel.native.checks import INT_MAX, MAX_NORM_ROWS, MAX_ROWS, _cpu, _eager, _ints, _real, _vec
+from hybridcache.accel.native.library import _library
+from hybridcache.accel.native.op_specs import ACT_MUL, GEMM_KERNELS, WEIGHT_KERNELS
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

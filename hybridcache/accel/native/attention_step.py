@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from hybridcache.accel.attention import _pattern, _rotary_ok
-from hybridcache.accel.checks import INT_MAX, MAX_ROWS, _cpu, _dense_last, _eager, _ptr, _real
-from hybridcache.accel.checks import _vec as _vector
-from hybridcache.accel.fused import qkv_static
-from hybridcache.accel.library import _library
+from hybridcache.accel.native.attention import _pattern, _rotary_ok
+from hybridcache.accel.native.checks import INT_MAX, MAX_ROWS, _cpu, _dense_last, _eager, _ptr, _real
+from hybridcache.accel.native.checks import _vec as _vector
+from hybridcache.accel.native.fused import qkv_static
+from hybridcache.accel.native.library import _library
 
 _F32, _I64 = torch.float32, torch.int64
 

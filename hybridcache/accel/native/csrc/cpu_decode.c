@@ -1,4 +1,4 @@
-/* The CPU decode kernels: one library, hybridcache/accel/build.py compiles this file (-O3 -march=native, -fopenmp
+/* The CPU decode kernels: one library, hybridcache/accel/native/build.py compiles this file (-O3 -march=native, -fopenmp
    where the compiler takes it: without it every kernel runs on one thread) and verifies every file of this
    directory (its build key and the library's manifest cover them all).
 

@@ -40,7 +40,7 @@ calls of the same kernels; op_reference.py the pure-torch references. This modul
 
 from __future__ import annotations
 
-from hybridcache.accel.attention import (  # noqa: F401 (re-exported)
+from hybridcache.accel.native.attention import (  # noqa: F401 (re-exported)
     _MAX_PARAM,
     _pattern,
     _rotary_ok,
@@ -49,8 +49,8 @@ from hybridcache.accel.attention import (  # noqa: F401 (re-exported)
     rope,
     selective_scan,
 )
-from hybridcache.accel.build import KernelNotice  # noqa: F401 (re-exported)
-from hybridcache.accel.checks import (  # noqa: F401 (re-exported)
+from hybridcache.accel.native.build import KernelNotice  # noqa: F401 (re-exported)
+from hybridcache.accel.native.checks import (  # noqa: F401 (re-exported)
     INT_MAX,
     MAX_NORM_ROWS,
     MAX_ROWS,
@@ -62,6 +62,6 @@ from hybridcache.accel.checks import (  # noqa: F401 (re-exported)
     _real,
     _vec,
 )
-from hybridcache.accel.library import SOURCE, _library, _reset, kernel_available, kernel_status  # noqa: F401
-from hybridcache.accel.op_specs import ACT_MUL, PATTERNS, SIGNATURES, WEIGHT_KERNELS  # noqa: F401 (re-exported)
-from hybridcache.accel.rows import act_mul, argmax_rows, decode_linear, residual_norm, rms_norm, supports  # noqa: F401
+from hybridcache.accel.native.library import SOURCE, _library, _reset, kernel_available, kernel_status  # noqa: F401
+from hybridcache.accel.native.op_specs import ACT_MUL, PATTERNS, SIGNATURES, WEIGHT_KERNELS  # noqa: F401 (re-exported)
+from hybridcache.accel.native.rows import act_mul, argmax_rows, decode_linear, residual_norm, rms_norm, supports  # noqa: F401

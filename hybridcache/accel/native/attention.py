@@ -11,9 +11,9 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from hybridcache.accel.checks import INT_MAX, KernelArgumentError, _cpu, _dense_last, _eager, _real, _vec
-from hybridcache.accel.library import _library
-from hybridcache.accel.op_specs import PATTERNS
+from hybridcache.accel.native.checks import INT_MAX, KernelArgumentError, _cpu, _dense_last, _eager, _real, _vec
+from hybridcache.accel.native.library import _library
+from hybridcache.accel.native.op_specs import PATTERNS
 
 _MAX_PARAM = 1 << 62  # a window / chunk beyond this cannot differ from full attention on int64 positions
 

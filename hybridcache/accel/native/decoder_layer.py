@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from hybridcache.accel.attention_step import bind_attention_step
-from hybridcache.accel.checks import INT_MAX
-from hybridcache.accel.fused import bind_decoder_tail
-from hybridcache.accel.library import _library
+from hybridcache.accel.native.attention_step import bind_attention_step
+from hybridcache.accel.native.checks import INT_MAX
+from hybridcache.accel.native.fused import bind_decoder_tail
+from hybridcache.accel.native.library import _library
 
 _F32 = torch.float32
 

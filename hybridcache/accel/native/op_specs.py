@@ -156,7 +156,7 @@ _TAIL_C = [_P, _I, _P, _P, _P, _F, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _
 
 
 # hc_decoder_layer's C arguments; also the record of hc_decoder_stack, which runs many such calls (eager decode,
-# accel/decoder_stack.py): the library states its record's field types, which must be these (checked at load).
+# accel/native/decoder_stack.py): the library states its record's field types, which must be these (checked at load).
 LAYER_RECORD = _STEP_C + _TAIL_C
 STACK_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_layer_record_codes": (ctypes.c_char_p, []),

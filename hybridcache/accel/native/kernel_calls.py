@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.accel.library import kernel_available
-from hybridcache.accel.op_registry import KERNELS
+from hybridcache.accel.native.library import kernel_available
+from hybridcache.accel.native.op_registry import KERNELS
 
 # The ops traced code calls. An A/B switch for timing: frozenset({"decode_linear"}) gives what compiled decode ran
 # before the other ops were traced (their torch paths). Read while tracing, so torch.compile guards on it: each

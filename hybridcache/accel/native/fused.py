@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import torch
 
-from hybridcache.accel.attention import _rotary_ok
-from hybridcache.accel.checks import INT_MAX, MAX_ROWS, _eager, _ptr, _real
-from hybridcache.accel.checks import _vec as _vector
-from hybridcache.accel.library import _library
-from hybridcache.accel.op_specs import ACT_MUL, WEIGHT_TYPES
+from hybridcache.accel.native.attention import _rotary_ok
+from hybridcache.accel.native.checks import INT_MAX, MAX_ROWS, _eager, _ptr, _real
+from hybridcache.accel.native.checks import _vec as _vector
+from hybridcache.accel.native.library import _library
+from hybridcache.accel.native.op_specs import ACT_MUL, WEIGHT_TYPES
 
 _F32 = torch.float32
 

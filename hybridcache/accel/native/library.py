@@ -10,9 +10,9 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from hybridcache.accel.build import SOURCE_DIR as _SOURCE_DIR
-from hybridcache.accel.build import load_library
-from hybridcache.accel.op_specs import SIGNATURES
+from hybridcache.accel.native.build import SOURCE_DIR as _SOURCE_DIR
+from hybridcache.accel.native.build import load_library
+from hybridcache.accel.native.op_specs import SIGNATURES
 from hybridcache.ops._dispatch import kernels_disabled
 
 SOURCE = _SOURCE_DIR / "cpu_decode.c"  # compiled; every .c / .h beside it is part of the build

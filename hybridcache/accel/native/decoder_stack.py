@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ctypes
 
-from hybridcache.accel.library import _library
-from hybridcache.accel.op_specs import _F, _I, _L, _P, LAYER_RECORD
+from hybridcache.accel.native.library import _library
+from hybridcache.accel.native.op_specs import _F, _I, _L, _P, LAYER_RECORD
 
 _CODES = {_P: "P", _I: "I", _L: "L", _F: "F"}
 _state: dict = {}  # lib -> the record type checked against it (None: it does not match)
