@@ -91,7 +91,12 @@ def test_rollback_modes_and_continuation(models):
     ref = hc.generate(jamba, more, max_new_tokens=4, use_cache=False)
     assert torch.equal(cont.sequences, ref.sequences)
     g = hc.generate(gemma, prompts(1, 6, seed=22), max_new_tokens=8, draft_model=gemma, num_draft_tokens=3)
-    assert g.stats["rollback"]["target"] == "recompute"  # sliding windows cannot rewind: snapshot + recompute
+    assert g.stats["rollback"]["target"] == "crop"  # sliding windows keep `spare` tokens for rollback
+    static = {"attention": {"max_length": 64}}  # a preallocated ring holds no spare tokens: snapshot + recompute
+    g = hc.generate(
+        gemma, prompts(1, 6, seed=22), max_new_tokens=8, draft_model=gemma, num_draft_tokens=3, cache_config=static
+    )
+    assert g.stats["rollback"]["target"] == "recompute"
     assert rollback_mode(jamba.make_cache(1), 1) == "recompute"  # no checkpoints: no crop
 
 

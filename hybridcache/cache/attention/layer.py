@@ -390,7 +390,7 @@ class AttentionCacheLayer(CacheLayer):
             pass
         elif form is not None and self._append is not None:
             # count the suffix some row's next query still sees, drop the rest as a view
-            keep = int(((pos >= 0) & self.spec.visible(block.seen_after[:, None], pos)).any(0).sum())
+            keep = int(((pos >= 0) & self.spec.keeps(block.seen_after[:, None], pos)).any(0).sum())
             if keep < pos.shape[1]:
                 views = self._append.drop_oldest({a: getattr(self, a) for a in self._append.dims}, pos.shape[1] - keep)
                 for attr, t in views.items():
@@ -437,7 +437,7 @@ class AttentionCacheLayer(CacheLayer):
 
         Default: the slots some row's next query (at position `seen`) can still see.
         """
-        keep = ((pos >= 0) & self.spec.visible(_per_row(seen, pos), pos)).flatten(0, -2).any(0)  # [S]
+        keep = ((pos >= 0) & self.spec.keeps(_per_row(seen, pos), pos)).flatten(0, -2).any(0)  # [S]
         return None if bool(keep.all()) else keep.nonzero().squeeze(1)
 
     def _take(self, index: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridcache.cache.attention.layer import AttentionCacheLayer
-from hybridcache.cache.attention.specs import AttentionSpec
+from hybridcache.cache.attention.specs import AttentionSpec, check_spare
 from hybridcache.cache.core.base import check_positive_int, tunable
 from hybridcache.cache.core.registry import register_cache_layer
 
@@ -17,11 +17,17 @@ from hybridcache.cache.core.registry import register_cache_layer
 class SinkSpec(AttentionSpec):
     window: int = tunable()  # visible recent tokens, the current one included
     sinks: int = tunable(4)
+    spare: int = tunable(0)  # as SlidingSpec's: tokens kept so a crop of up to `spare` stays exact
 
     def __post_init__(self):
         super().__post_init__()
         check_positive_int("SinkSpec", "window", self.window)
         check_positive_int("SinkSpec", "sinks", self.sinks)
+        check_spare(self)
+
+    @property
+    def rollback(self) -> int:
+        return self.spare
 
     def visible(self, q, kv):
         return (kv <= q) & ((kv < self.sinks) | (kv > q - self.window))

@@ -117,6 +117,26 @@ class AttentionSpec(LayerSpec):
         """How many earlier tokens the next query (at position `seen`) can see: what must stay held."""
         return seen
 
+    @property
+    def rollback(self) -> int:
+        """Tokens a crop may take back exactly: what `keeps` holds beyond `visible` (the pattern specs' `spare`)."""
+        return 0
+
+    def keeps(self, seen: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Which held positions `kv` stay held once a row has seen `seen` tokens: those its next query sees, and with
+        `rollback` r > 0 also those the queries at the r positions before it see, so that a crop of up to r tokens
+        finds every token it needs (speculative decoding's rollback by crop)."""
+        keep = self.visible(seen, kv)
+        for back in range(1, self.rollback + 1):
+            keep = keep | self.visible((seen - back).clamp(min=0), kv)
+        return keep
+
+    def held_tokens(self, seen: int) -> int:
+        """How many tokens `keeps` holds after `seen` tokens: what the query `rollback` positions back needs, plus
+        the tokens since (a sliding window's W - 1 + r; a chunk's start through the query)."""
+        r = min(self.rollback, seen)
+        return int(self.needed_tokens(seen - r)) + r if r else int(self.needed_tokens(seen))
+
     def kernel_pattern(self) -> tuple[str, int] | None:
         """The form of `visible` that the decode kernels evaluate from positions themselves: ("full", 0),
         ("sliding", window) or ("chunked", chunk size) (ops/op_specs.PATTERNS), or None (they read a mask: slower,
@@ -173,7 +193,7 @@ class AttentionSpec(LayerSpec):
         codec = self.codec()
         if getattr(codec, "grouped", False):  # the storage's own flush and eviction rules (grouped_codecs.py)
             return batch * codec.row_nbytes(self, tokens)
-        needed = int(self.needed_tokens(tokens))
+        needed = self.held_tokens(tokens)
         return batch * (needed * self.token_nbytes + min(needed, self.residual or 0) * self.dense_token_nbytes)
 
     def max_nbytes(self, batch: int, tokens: int) -> int:
@@ -195,15 +215,35 @@ class FullSpec(AttentionSpec):
     """Every earlier token stays visible."""
 
 
+def check_spare(spec: AttentionSpec) -> None:
+    """`spare`: a non-negative int, for dynamic dense or per-token-quantized storage (a preallocated ring, a residual
+    window or a layer-level storage has its own slots: refused)."""
+    name = type(spec).__name__
+    if isinstance(spec.spare, bool) or not isinstance(spec.spare, int) or spec.spare < 0:
+        raise CacheError(f"{name}: spare must be a non-negative integer, got {spec.spare!r}")
+    if spec.spare and (spec.max_length is not None or spec.residual or spec.storage in ("kivi", "hf_quantized")):
+        raise CacheError(
+            f"{name}: spare={spec.spare} keeps extra tokens in dynamic storage; it does not combine with max_length, "
+            "residual or a layer-level storage (kivi, hf_quantized)"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class SlidingSpec(AttentionSpec):
-    """The last `window` tokens are visible, the current one included."""
+    """The last `window` tokens are visible, the current one included. `spare` r keeps the tokens the last r earlier
+    queries saw too, so a crop of up to r tokens stays exact (what speculative decoding's rollback needs)."""
 
     window: int = tunable()
+    spare: int = tunable(0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int(type(self).__name__, "window", self.window)
+        check_spare(self)
+
+    @property
+    def rollback(self) -> int:
+        return self.spare
 
     def visible(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (kv <= q) & (kv > q - self.window)
@@ -221,13 +261,19 @@ class SlidingSpec(AttentionSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkedSpec(AttentionSpec):
-    """Tokens see the earlier tokens of their own chunk of `chunk_size` positions."""
+    """Tokens see the earlier tokens of their own chunk of `chunk_size` positions (`spare`: as SlidingSpec's)."""
 
     chunk_size: int = tunable()
+    spare: int = tunable(0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int(type(self).__name__, "chunk_size", self.chunk_size)
+        check_spare(self)
+
+    @property
+    def rollback(self) -> int:
+        return self.spare
 
     def visible(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (kv <= q) & (torch.div(kv, self.chunk_size, rounding_mode="floor") == q // self.chunk_size)

@@ -4,9 +4,9 @@ Each round a drafter (drafts.py: a draft model one step at a time, or prompt loo
 target verifies [last, d1..dr] in one block, and the longest prefix the target accepts is kept, plus one token of
 the target's own: greedy, where the draft agrees with the target's argmax; sampled, by speculative sampling's
 accept / resample rule (sampled_round). Both caches then roll back to the accepted prefix:
-- "crop": when every layer can rewind r tokens exactly (full attention, recurrent layers with `checkpoints >= r`;
-  the caches are built with `{"recurrent": {"checkpoints": k}}` for this), `cache.crop(n)`;
-- "recompute": otherwise (sliding / chunked / evicting attention keeps too little to rewind), a snapshot taken
+- "crop": when every layer can rewind r tokens exactly (full attention; sliding / chunked / sink attention with
+  `spare >= r`; recurrent layers with `checkpoints >= r`: the caches are built so, with_rollback), `cache.crop(n)`;
+- "recompute": otherwise (presses and other evicting attention keep too little to rewind), a snapshot taken
   before the round is restored and the accepted tokens are fed again.
 Greedy output is the target's plain greedy decoding (the same tokens); sampled output is an exact sample of the
 target's sampling distribution (not the same draws as plain sampling), only with fewer target calls.
@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from hybridcache.cache import Cache, CacheConfigError
+from hybridcache.cache.core.plan import resolve_plan
+from hybridcache.cache.core.registry import get_layer_class
 from hybridcache.cache.core.sequence import token_fingerprint
 from hybridcache.generation.sampling import check_finite
 from hybridcache.generation.sources.cached import DEFAULT_PREFILL_CHUNK, GenerationState
@@ -45,12 +47,51 @@ def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str
     return config
 
 
+def with_rollback(model, cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
+    """`with_checkpoints`, and every attention layer whose type keeps `spare` tokens (sliding, chunked, sink) keeping
+    at least k of them, so both kinds can rewind a rejected draft by a crop. Set per layer (`layers: {i: ...}`), so
+    a type that takes no `spare` (full, the presses) is left as configured. A draft that declares no native layers
+    gets the checkpoints only."""
+    config = with_checkpoints(cache_config, k)
+    if not callable(getattr(model, "native_layers", None)):
+        return config
+    plan = resolve_plan(model.native_layers(), config)
+    entries = dict(config.get("layers") or {})
+    for p in plan.layers:
+        if p.kind != "attention" or "spare" not in get_layer_class(p.type).spec_cls.tunable_names():
+            continue
+        if p.spec.max_length is not None or p.spec.residual or p.spec.storage in ("kivi", "hf_quantized"):
+            continue  # storage with slots of its own: rollback recomputes (check_spare)
+        if p.member is None:
+            key = next((k2 for k2 in entries if str(k2) == p.address), p.address)
+            entry = dict(entries.get(key) or {})
+            entry["spare"] = max(int(entry.get("spare") or 0), k)
+        else:  # a group member: layers: {i: {member: {...}}} or "i.member"
+            key = next((k2 for k2 in entries if str(k2) == p.address), None)
+            if key is not None:
+                entry = dict(entries[key] or {})
+                entry["spare"] = max(int(entry.get("spare") or 0), k)
+            else:
+                key = next((k2 for k2 in entries if str(k2) == str(p.index)), p.address)
+                if key == p.address:
+                    entry = {"spare": k}
+                else:
+                    entry = dict(entries[key] or {})
+                    member = dict(entry.get(p.member) or {})
+                    member["spare"] = max(int(member.get("spare") or 0), k)
+                    entry[p.member] = member
+        entries[key] = entry
+    if entries:
+        config["layers"] = entries
+    return config
+
+
 def rollback_mode(cache: Cache, r: int) -> str:
     """ "crop" when every layer can rewind the last r columns exactly, else "recompute"."""
     for layer in cache.layers:
         if layer.kind == "recurrent" and layer.spec.checkpoints < r:
             return "recompute"
-        if layer.kind == "attention" and getattr(layer, "evicts", True):
+        if layer.kind == "attention" and getattr(layer, "evicts", True) and layer.spec.rollback < r:
             return "recompute"
     return "crop"
 
@@ -135,7 +176,8 @@ class SpeculativeSource:
     def _drafter(self, state: GenerationState, batch: int):
         if isinstance(self.draft_model, PromptLookupDraft):
             return LookupDrafter(self.draft_model, state)
-        self.draft = self.draft_model.make_cache(batch, with_checkpoints(self.draft_cache_config, self.k))
+        config = with_rollback(self.draft_model, self.draft_cache_config, self.k)
+        self.draft = self.draft_model.make_cache(batch, config)
         return ModelDrafter(self.draft_model, self.draft, lambda m, c: _Rollback(m, c, self.k))
 
     def steps(self, choose, state: GenerationState):
@@ -146,7 +188,7 @@ class SpeculativeSource:
         c = choose.chooser
         probs = DraftProbs(c.temperature, c.top_k, c.top_p, c.generator) if c.do_sample else None
         self.started = time.perf_counter()
-        self.cache = target = model.make_cache(batch, with_checkpoints(self.cache_config, k))
+        self.cache = target = model.make_cache(batch, with_rollback(model, self.cache_config, k))
         drafter = self._drafter(state, batch)
         chunk = self.chunk_size or min(input_ids.shape[1], DEFAULT_PREFILL_CHUNK)
         logits = prefill(model, target, input_ids, state.mask, chunk)

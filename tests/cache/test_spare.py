@@ -1,0 +1,97 @@
+"""`spare` on sliding / chunked / sink attention: r tokens held beyond what the next query sees, so a crop of up to r
+tokens is exact (speculative decoding's rollback by crop instead of snapshot + recompute).
+
+Oracle: a fresh cache fed only the kept prefix (a crop must leave exactly what it would have); the control: the same
+crop without `spare` is refused (the tokens it needs were evicted)."""
+
+import pytest
+import torch
+
+import hybridcache as hc
+from hybridcache.cache import CacheError
+from hybridcache.cache.attention.sink import SinkSpec
+from hybridcache.cache.attention.specs import ChunkedSpec, SlidingSpec
+from hybridcache.checkpoints.tiny import tiny_checkpoint
+
+CONFIGS = {
+    "sliding": {"attention": {"type": "sliding", "window": 5}},
+    "chunked": {"attention": {"type": "chunked", "chunk_size": 4}},
+    "sink": {"attention": {"type": "sink", "window": 4, "sinks": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return hc.from_pretrained(tiny_checkpoint("gemma3"))
+
+
+def with_spare(config, r):
+    return {"attention": {**config["attention"], "spare": r}}
+
+
+@pytest.mark.parametrize("pattern", sorted(CONFIGS))
+@pytest.mark.parametrize("split", [1, 3])
+def test_crop_within_spare_equals_a_cache_that_never_saw_the_tokens(model, pattern, split):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 23), generator=g)
+    r = 3
+    config = with_spare(CONFIGS[pattern], r)
+    for n in range(r + 2, 20):
+        for back in range(1, r + 1):
+            cache = model.make_cache(2, config)
+            for i in range(0, n, split):  # fed in blocks of `split`, then rolled back
+                model.run_block(ids[:, i : min(n, i + split)], cache, None)
+            cache.crop(n - back)
+            got = model.run_block(ids[:, n - back : n - back + 2], cache, None)
+            fresh = model.make_cache(2, CONFIGS[pattern])
+            model.run_block(ids[:, : n - back], fresh, None)
+            want = model.run_block(ids[:, n - back : n - back + 2], fresh, None)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", sorted(CONFIGS))
+def test_without_spare_the_same_crop_is_refused(model, pattern):
+    ids = torch.randint(3, 300, (1, 14), generator=torch.Generator().manual_seed(1))
+    cache = model.make_cache(1, CONFIGS[pattern])
+    for i in range(14):
+        model.run_block(ids[:, i : i + 1], cache, None)
+    with pytest.raises(CacheError, match="cannot crop"):
+        cache.crop(11)
+
+
+@pytest.mark.parametrize(
+    ("spec", "seen", "held"),
+    [
+        (SlidingSpec(num_kv_heads=1, head_dim=4, window=5, spare=3), 20, 4 + 3),
+        (SlidingSpec(num_kv_heads=1, head_dim=4, window=5, spare=3), 2, 2),
+        (ChunkedSpec(num_kv_heads=1, head_dim=4, chunk_size=4, spare=2), 9, 9 - 4),  # positions 4..8 (q=7 is chunk 4)
+        (ChunkedSpec(num_kv_heads=1, head_dim=4, chunk_size=4, spare=2), 11, 11 - 8),
+        (SinkSpec(num_kv_heads=1, head_dim=4, window=4, sinks=2, spare=1), 30, 2 + 3 + 1),
+    ],
+)
+def test_held_tokens_counts_what_keeps_holds(spec, seen, held):
+    """The bytes accounting (held_tokens) equals the positions `keeps` holds, counted here by hand."""
+    assert spec.held_tokens(seen) == held
+    kept = spec.keeps(torch.tensor(seen), torch.arange(seen))
+    assert int(kept.sum()) == held
+
+
+def test_bad_spare_is_a_named_error():
+    for kw in (
+        {"spare": -1},
+        {"spare": 1.5},
+        {"spare": True},
+        {"spare": 2, "max_length": 16},
+        {"spare": 1, "residual": 4, "storage": "int8"},
+    ):
+        with pytest.raises(CacheError, match="spare"):
+            SlidingSpec(num_kv_heads=1, head_dim=4, window=5, **kw)
+
+
+def test_speculative_rolls_back_sliding_layers_by_crop(model):
+    """gemma3's native sliding layers get `spare` in speculative decoding: rollback by crop, output unchanged."""
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(2))
+    plain = hc.generate(model, ids, max_new_tokens=10)
+    spec = hc.generate(model, ids, max_new_tokens=10, draft_model=hc.EarlyExitDraft(model, 1), num_draft_tokens=3)
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert spec.stats["rollback"] == {"target": "crop", "draft": "crop"}
