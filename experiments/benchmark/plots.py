@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 from experiments.core.figure_style import byte_unit, strategy_color  # noqa: E402
@@ -94,7 +95,10 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
         ax.set_title(f"{what}: tokens per second (higher is better)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     # one legend below both panels: inside an axis it covers bars (the two panels share their systems)
-    handles, labels = axes[0].get_legend_handles_labels()
+    # handles from the styles, not from a panel: a system with no valid bar in that panel (all "n/a") would show a
+    # handle of the colour cycle's next colour instead of its own
+    handles = [Patch(label=system, **styles[system]) for system in systems]
+    labels = list(systems)
     columns = min(4, max(len(labels), 1))
     fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
     legend_rows = -(-len(labels) // columns)

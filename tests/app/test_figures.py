@@ -215,6 +215,23 @@ def test_throughput_na_marks_stand_upright_in_their_slots_inside_the_panels(tmp_
         assert abs((box.x0 + box.x1) / 2 - x_slot) < 1.0
 
 
+def test_throughput_legend_shows_each_systems_own_colour_even_without_a_bar_in_the_first_panel(tmp_path, saved):
+    """hf has no valid decode timing (the first panel draws no hf bar): its legend entry must still be hf's colour,
+    the colour of its prefill bar, not the colour cycle's next one."""
+    from matplotlib.colors import to_rgba
+
+    rows = [
+        {"system": "ours (eager)", "batch": 1, "decode_tok_s": 50.0, "prefill_tok_s": 900.0},
+        {"system": "hf", "batch": 1, "decode_tok_s": None, "prefill_tok_s": 800.0},
+    ]
+    throughput_bars(rows, tmp_path / "t.png")
+    fig = saved[-1]
+    entries = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles, strict=True)}
+    hf_bar = next(p for p in fig.axes[1].patches if p.get_label() != "ours (eager)" and p.get_height() == 800.0)
+    assert to_rgba(entries["hf"].get_facecolor()) == to_rgba(hf_bar.get_facecolor())
+    assert to_rgba(entries["hf"].get_facecolor()) == to_rgba(strategy_color("hf"))
+
+
 def test_each_llamacpp_bar_stands_beside_ours_at_its_precision(tmp_path, saved):
     def row(system, fmt, decode):
         return {"system": system, "batch": 1, "weights_format": fmt, "decode_tok_s": decode, "prefill_tok_s": 9.0}
