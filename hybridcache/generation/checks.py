@@ -50,6 +50,9 @@ def check_options(
         )
 
 
+MAX_DRAFT_TOKENS = 256  # a round verifies k + 1 tokens in one block; every cache keeps k columns to rewind
+
+
 def check_speculative(model: HybridLM, draft: Any, cfg: GenerationConfig, cache, prefix_cache, hooks: bool) -> None:
     from hybridcache.generation.sources.drafts import PromptLookupDraft  # the drafters' module imports this one
 
@@ -65,8 +68,8 @@ def check_speculative(model: HybridLM, draft: Any, cfg: GenerationConfig, cache,
             f"({model.vocab_size}); speculative decoding needs the same tokenizer"
         )
     k = cfg.num_draft_tokens
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise GenerationError(f"num_draft_tokens must be a positive integer, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise GenerationError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
     for bad, what in (
         (cache is not None, "cache="),
         (not cfg.use_cache, "use_cache=False"),

@@ -79,6 +79,7 @@ def test_held_tokens_counts_what_keeps_holds(spec, seen, held):
 def test_bad_spare_is_a_named_error():
     for kw in (
         {"spare": -1},
+        {"spare": 10**6},
         {"spare": 1.5},
         {"spare": True},
         {"spare": 2, "max_length": 16},

@@ -109,7 +109,7 @@ BEAM_ARGS = {
 SPECULATIVE_ARGS = {
     "num_draft_tokens": lambda r: r.choice([0, -1, -(10**9), *NOT_INTS, None, 10**12]),
     "draft_model": lambda r: r.choice(["x", 5, {}, object(), torch.nn.Linear(2, 2)]),
-    "do_sample": lambda r: True,  # speculative decoding is greedy
+    "logits_processor": lambda r: [lambda ids, scores: scores],  # verification reads the target's own distribution
     "compile": lambda r: True,
     "use_cache": lambda r: False,
     "draft_cache_config": lambda r: r.choice(BAD_CONFIGS),

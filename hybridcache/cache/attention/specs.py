@@ -215,12 +215,15 @@ class FullSpec(AttentionSpec):
     """Every earlier token stays visible."""
 
 
+MAX_SPARE = 1024  # eviction evaluates the pattern once per spare position
+
+
 def check_spare(spec: AttentionSpec) -> None:
     """`spare`: a non-negative int, for dynamic dense or per-token-quantized storage (a preallocated ring, a residual
     window or a layer-level storage has its own slots: refused)."""
     name = type(spec).__name__
-    if isinstance(spec.spare, bool) or not isinstance(spec.spare, int) or spec.spare < 0:
-        raise CacheError(f"{name}: spare must be a non-negative integer, got {spec.spare!r}")
+    if isinstance(spec.spare, bool) or not isinstance(spec.spare, int) or not 0 <= spec.spare <= MAX_SPARE:
+        raise CacheError(f"{name}: spare must be an integer in [0, {MAX_SPARE}], got {spec.spare!r}")
     if spec.spare and (spec.max_length is not None or spec.residual or spec.storage in ("kivi", "hf_quantized")):
         raise CacheError(
             f"{name}: spare={spec.spare} keeps extra tokens in dynamic storage; it does not combine with max_length, "
