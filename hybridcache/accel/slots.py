@@ -1,7 +1,7 @@
 """The narrow view of the cache the fast path works through: reserve a slot, write it, let the cache commit it.
 
 The kernels write a decode token's keys and values straight into cache storage instead of handing them to
-`update`. They need exactly these methods of the cache (hybridcache/cache/attention/slots.py,
+`update`. They need exactly these methods of the cache (hybridcache/cache/attention/layer.py,
 cache/core/decode_feed.py implement them today); the cache may change anything else:
 - one step, one layer: `decode_slot()` reserves the open one-token block's slot and returns (view, slot); the
   block's commit (`Cache.end_block`) keeps it, its abort drops it;

@@ -1,7 +1,7 @@
 """The C kernels of a decode step's attention and scans (kernels/cpu_decode.c): one-query grouped attention that
 evaluates its pattern (full / sliding / chunked, a table in op_specs.PATTERNS) from positions, rotary, q / k norm
 + rotary, the Mamba1 selective scan. Each returns None (the caller's torch path) for anything its kernel does not
-take; KernelArgumentError for what no implementation takes. See cpu_kernels.py.
+take; KernelArgumentError for what no implementation takes. See kernels.py.
 """
 
 from __future__ import annotations

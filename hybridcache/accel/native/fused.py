@@ -135,7 +135,7 @@ def bind_qkv_norm_rope(
     """qkv_norm_rope with everything but x and the rotary tables checked once: a function of (x [B, T, dm], cos,
     sin) -> (q, k, v), or None for a call its kernel does not take (then this returns None: the same arguments
     would never be taken). The function holds the tensors it points C at; a block keeps it while they stay its own
-    (blocks/fast/kernel_memo.py)."""
+    (accel/kernel_memo.py)."""
     lib, static = _library(), qkv_static(qkv, heads, kv_heads, head_dim, dm, q_norm, k_norm, in_norm)
     if lib is None or static is None:
         return None

@@ -23,7 +23,7 @@ numbers: RMSNorm, the residual add between two norms, q/k norm + rotary, a gated
 one-query attention, the Mamba1 scan, and a decoder layer's q/k/v input and everything after its attention
 (cpu_fused.py). They are compiled once per machine with the C compiler
 (`$CC`, else `cc`; `-O3 -march=native -fopenmp`, about a second) into $HYBRIDCACHE_HOME/kernels, and loaded only
-after their manifest (the build's digest and the library's sha256) verifies: see _native.py. Without a compiler,
+after their manifest (the build's digest and the library's sha256) verifies: see build.py. Without a compiler,
 on a machine other than x86-64, with a kernel directory other users can write, or with HYBRIDCACHE_DISABLE_KERNELS=1,
 every function here returns None and callers use their torch path (the same results up to float32 rounding order);
 `kernel_status()` names the path that runs.

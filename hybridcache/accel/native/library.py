@@ -2,7 +2,7 @@
 library once per process, set every function's ctypes signature from the one declaration (op_specs.SIGNATURES), and
 say which path runs.
 
-See cpu_kernels.py for what the kernels do and when they run; _native.py for how a library is built and verified.
+See kernels.py for what the kernels do and when they run; build.py for how a library is built and verified.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one declaration of every native op: its torch.library schema, the dtype / shape rules of its arguments, the
 C functions it calls with their ctypes signatures, and which kernel variant serves which dtype or pattern (tables,
 not if-chains). registry.py turns each into a `hybridcache::<name>` op (a CPU kernel, a fake implementation from
-op_reference.py, the rules checked before any C call); cpu_kernels.py takes the ctypes signatures from here.
+op_reference.py, the rules checked before any C call); kernels.py takes the ctypes signatures from here.
 
 A rule is "dtypes[dims]": dtypes one or more of f32 / bf16 / i8 / i64 / bool joined by "|", a trailing "?" for an
 optional tensor (None), dims space-separated sizes: a symbol (bound on first use, equal wherever it recurs), an
@@ -163,7 +163,7 @@ STACK_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_layer_record_names": (ctypes.c_char_p, []),
     "hc_layer_record_size": (_I, []),
     "hc_decoder_stack": (_I, [_P, _I, _P]),
-    # blocks/fast/decode_run.py: greedy decode steps of one row over a stack's records, its embedding and head
+    # accel/decode_run.py: greedy decode steps of one row over a stack's records, its embedding and head
     "hc_decode_steps": (
         _I,
         [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _L, _F, _P, _F, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _L]

@@ -1,7 +1,7 @@
 """The C kernels of a decode step's row-wise work (kernels/cpu_decode.c): projections (weights streamed once for all
 rows, bfloat16 / int8 widened in registers), RMSNorm, the residual add between two norms, a gated MLP's
 activation x product, argmax over the vocabulary. Each returns None (the caller's torch path) for anything its
-kernel does not take; see cpu_kernels.py.
+kernel does not take; see kernels.py.
 """
 
 from __future__ import annotations
