@@ -96,3 +96,35 @@ def test_speculative_rolls_back_sliding_layers_by_crop(model):
     spec = hc.generate(model, ids, max_new_tokens=10, draft_model=hc.EarlyExitDraft(model, 1), num_draft_tokens=3)
     assert torch.equal(spec.sequences, plain.sequences)
     assert spec.stats["rollback"] == {"target": "crop", "draft": "crop"}
+
+
+@pytest.mark.parametrize(
+    "user",
+    [
+        None,
+        {"layers": {0: {"attention": {"window": 3}}}},  # a whole-layer entry naming the member
+        {"layers": {"0.attention": {"window": 3}}},  # the member's own address
+        {"layers": {1: {"window": 3}}},  # another layer's entry is kept as it is
+    ],
+)
+def test_with_rollback_merges_spare_into_the_users_own_entries(user):
+    """Speculative decoding's cache config: spare = k on every layer whose type takes it (a group member too),
+    merged into the user's entry for that layer, never replacing it; full attention left alone."""
+    from types import SimpleNamespace
+
+    from hybridcache.cache.core.plan import NativeGroup, NativeLayer, resolve_plan
+    from hybridcache.generation.sources.speculative import with_rollback
+
+    shape = {"num_kv_heads": 1, "head_dim": 4}
+    native = [
+        NativeGroup({"attention": NativeLayer("sliding", {**shape, "window": 5}), "other": NativeLayer("full", shape)}),
+        NativeLayer("sliding", {**shape, "window": 5}),
+    ]
+    config = with_rollback(SimpleNamespace(native_layers=lambda: native), user, 4)
+    plan = {p.address: p for p in resolve_plan(native, config).layers}
+    assert plan["0.attention"].spec.spare == 4 and plan["1"].spec.spare == 4
+    assert plan["0.other"].type == "full"
+    user_layers = (user or {}).get("layers", {})
+    want0 = 3 if any(str(k).startswith("0") for k in user_layers) else 5
+    want1 = 3 if 1 in user_layers else 5
+    assert plan["0.attention"].spec.window == want0 and plan["1"].spec.window == want1

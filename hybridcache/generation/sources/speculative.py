@@ -62,28 +62,28 @@ def with_rollback(model, cache_config: Mapping[str, Any] | None, k: int) -> dict
             continue
         if p.spec.max_length is not None or p.spec.residual or p.spec.storage in ("kivi", "hf_quantized"):
             continue  # storage with slots of its own: rollback recomputes (check_spare)
-        if p.member is None:
-            key = next((k2 for k2 in entries if str(k2) == p.address), p.address)
-            entry = dict(entries.get(key) or {})
-            entry["spare"] = max(int(entry.get("spare") or 0), k)
-        else:  # a group member: layers: {i: {member: {...}}} or "i.member"
-            key = next((k2 for k2 in entries if str(k2) == p.address), None)
-            if key is not None:
-                entry = dict(entries[key] or {})
-                entry["spare"] = max(int(entry.get("spare") or 0), k)
-            else:
-                key = next((k2 for k2 in entries if str(k2) == str(p.index)), p.address)
-                if key == p.address:
-                    entry = {"spare": k}
-                else:
-                    entry = dict(entries[key] or {})
-                    member = dict(entry.get(p.member) or {})
-                    member["spare"] = max(int(member.get("spare") or 0), k)
-                    entry[p.member] = member
-        entries[key] = entry
+        _add_spare(entries, p, k)
     if entries:
         config["layers"] = entries
     return config
+
+
+def _add_spare(entries: dict, p, k: int) -> None:
+    """Merge `spare: k` into the user's `layers:` entry for plan layer `p`: the one at its own address (3, "3" or
+    "3.attention"), else, for a group member, the decoder layer's entry ({3: {attention: {...}}}); a new entry at
+    its address where the user has none."""
+    own = next((key for key in entries if str(key) == p.address), None)
+    whole = next((key for key in entries if str(key) == str(p.index)), None) if p.member else None
+    if own is None and whole is not None:
+        entry = dict(entries[whole] or {})
+        member = dict(entry.get(p.member) or {})
+        member["spare"] = max(int(member.get("spare") or 0), k)
+        entries[whole] = {**entry, p.member: member}
+        return
+    key = p.address if own is None else own
+    entry = dict(entries.get(key) or {})
+    entry["spare"] = max(int(entry.get("spare") or 0), k)
+    entries[key] = entry
 
 
 def rollback_mode(cache: Cache, r: int) -> str:
