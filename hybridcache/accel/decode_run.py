@@ -27,6 +27,7 @@ from torch import nn
 from hybridcache.accel.layer_records import _binding, _hooked, layer_accel, steady_bindings
 from hybridcache.accel.native.checks import INT_MAX, _ptr, _real, _vec
 from hybridcache.accel.native.decoder_stack import record_table, record_type, run_table
+from hybridcache.accel.native.fused import _matrix
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.native.op_specs import WEIGHT_TYPES
@@ -199,7 +200,9 @@ class DecodeRun:
             or v > INT_MAX
             or vocab > 2**62
             or (norm is not None and not _vec(norm, d))
-            or not (_vec(table_rs, vocab) and _vec(head_rs, v) and _vec(head_bias, v))
+            or not _vec(head_bias, v)
+            or _matrix(table_w, vocab, d, table_rs) is None
+            or _matrix(w_head, v, d, head_rs) is None
         ):
             raise ValueError(
                 f"DecodeRun.greedy: {k!r} steps from token {first!r} (eos {eos!r}) do not fit this run ({j} of "
@@ -226,8 +229,8 @@ class DecodeRun:
         logits, tokens, done = torch.empty(k if keep else 1, v), torch.empty(k, dtype=torch.int64), ctypes.c_int(0)
         n = _library().hc_decode_steps(
             ctypes.addressof(self.table), len(self.table), j - self.table_step, rope, cos, sin, positions.data_ptr(), k,
-            table_w.data_ptr(), WEIGHT_TYPES[table_w.dtype], _ptr(table_rs), vocab, multiplier,
-            _ptr(norm), eps, w_head.data_ptr(), WEIGHT_TYPES[w_head.dtype], _ptr(head_rs), _ptr(head_bias), v,
+            table_w.data_ptr(), _matrix(table_w, vocab, d, table_rs), _ptr(table_rs), vocab, multiplier,
+            _ptr(norm), eps, w_head.data_ptr(), _matrix(w_head, v, d, head_rs), _ptr(head_rs), _ptr(head_bias), v,
             x.data_ptr(), normed.data_ptr(), logits.data_ptr(), int(keep), stops.data_ptr(), len(set(eos)), first,
             tokens.data_ptr(), ctypes.addressof(done),
         )  # fmt: skip
@@ -281,8 +284,8 @@ def greedy_forms(model: nn.Module) -> tuple[tuple, tuple] | None:
 
 
 def embedding_form(e: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(table [V, D], row scale [V] or None) where e(ids) is the table's rows widened to float32 (times their row
-    scale): a plain float32 nn.Embedding, or a PackedEmbedding (bfloat16 / int8) to float32. None otherwise."""
+    """(table [V, D], scale [V] (int8) / [V, D / 32] (q8_0) or None) where e(ids) is the table's rows widened to
+    float32 (times their scale): a plain float32 nn.Embedding, or a PackedEmbedding to float32. None otherwise."""
     w = getattr(e, "weight", None)
     if type(e) is nn.Embedding:
         ok, scale = w.dtype == _F32, None
@@ -292,7 +295,7 @@ def embedding_form(e: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | N
         return None
     if not ok or e.max_norm is not None or w.dim() != 2 or not w.is_cpu or not w.is_contiguous():
         return None
-    return (w, scale) if _vec(scale, w.shape[0]) else None
+    return (w, scale) if _matrix(w, w.shape[0], w.shape[1], scale) is not None else None
 
 
 def head_form(norm: nn.Module, linear: nn.Module):
@@ -306,6 +309,6 @@ def head_form(norm: nn.Module, linear: nn.Module):
     if w.dtype not in WEIGHT_TYPES or w.dim() != 2 or not w.is_cpu or not w.is_contiguous():
         return None
     scale_n = norm.kernel_scale()
-    if not (_vec(scale_n, w.shape[1]) and _vec(scale, w.shape[0]) and _vec(bias, w.shape[0])):
+    if not (_vec(scale_n, w.shape[1]) and _vec(bias, w.shape[0])) or _matrix(w, *w.shape, scale) is None:
         return None
     return scale_n, float(norm.eps), w, scale, bias

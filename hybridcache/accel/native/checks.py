@@ -47,6 +47,19 @@ def _vec(t: torch.Tensor | None, n: int) -> bool:
     )
 
 
+def _q8_scale(t: torch.Tensor | None, rows: int, cols: int) -> bool:
+    """A q8_0 weight's scale: a contiguous strided float16 CPU tensor [rows, cols / 32], cols a multiple of 32."""
+    return (
+        t is not None
+        and cols % 32 == 0
+        and t.dtype == torch.float16
+        and t.shape == (rows, cols // 32)
+        and t.is_cpu
+        and t.layout == _STRIDED
+        and t.is_contiguous()
+    )
+
+
 def _ints(*sizes: int) -> bool:
     """Whether every size fits a C int."""
     return all(0 <= v <= INT_MAX for v in sizes)

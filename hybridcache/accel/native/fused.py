@@ -13,17 +13,22 @@ from collections.abc import Callable
 import torch
 
 from hybridcache.accel.native.attention import _rotary_ok
-from hybridcache.accel.native.checks import INT_MAX, MAX_ROWS, _eager, _ptr, _real
+from hybridcache.accel.native.checks import INT_MAX, MAX_ROWS, _eager, _ptr, _q8_scale, _real
 from hybridcache.accel.native.checks import _vec as _vector
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.native.op_specs import ACT_MUL, WEIGHT_TYPES
+from hybridcache.accel.native.op_specs import ACT_MUL, Q8_0_TYPE, WEIGHT_TYPES
 
 _F32 = torch.float32
 
 
-def _matrix(w: torch.Tensor, rows: int, cols: int) -> int | None:
-    """The kernel's type code of a [rows, cols] contiguous strided CPU weight (each size a C int), or None."""
+def _matrix(w: torch.Tensor, rows: int, cols: int, scale: torch.Tensor | None = None) -> int | None:
+    """The kernel's type code of a [rows, cols] contiguous strided CPU weight (each size a C int) with its `scale`
+    (None; a float32 vector [rows] for int8; a float16 [rows, cols / 32] for q8_0), or None."""
     code = WEIGHT_TYPES.get(w.dtype)
+    if code == WEIGHT_TYPES[torch.int8] and scale is not None and scale.dim() == 2:
+        code = Q8_0_TYPE if _q8_scale(scale, rows, cols) else None
+    elif not _vector(scale, rows):
+        return None
     if (
         code is None
         or w.shape != (rows, cols)
@@ -49,7 +54,7 @@ def gated_mlp(x: torch.Tensor, gate_up: tuple, down: tuple, act: str) -> torch.T
     two_i = w_gu.shape[0] if w_gu.dim() == 2 else -1
     rows = x.numel() // d if d else 0
     i = two_i // 2
-    t_gu, t_dn = _matrix(w_gu, two_i, d), _matrix(w_dn, d, i)
+    t_gu, t_dn = _matrix(w_gu, two_i, d, s_gu), _matrix(w_dn, d, i, s_dn)
     if (
         lib is None
         or t_gu is None
@@ -57,8 +62,8 @@ def gated_mlp(x: torch.Tensor, gate_up: tuple, down: tuple, act: str) -> torch.T
         or two_i % 2
         or not 0 < rows <= MAX_ROWS
         or rows * 3 * i > INT_MAX
-        or not all(_vector(v, two_i) for v in (b_gu, s_gu))
-        or not all(_vector(v, d) for v in (b_dn, s_dn))
+        or not _vector(b_gu, two_i)
+        or not _vector(b_dn, d)
     ):
         return None
     x = x.contiguous()
@@ -109,11 +114,10 @@ def qkv_static(
     if not all(type(v) is int and v >= 1 for v in (heads, kv_heads, head_dim, dm)):
         return None
     width = (heads + 2 * kv_heads) * head_dim
-    code = _matrix(w, width, dm)
+    code = _matrix(w, width, dm, wscale)
     if (
         code is None
         or not _vector(bias, width)
-        or not _vector(wscale, width)
         or not (_norm_ok(q_norm, head_dim) and _norm_ok(k_norm, head_dim) and _norm_ok(in_norm, dm))
     ):
         return None
@@ -231,14 +235,13 @@ def bind_decoder_tail(
     (w_o, b_o, s_o), (w_gu, b_gu, s_gu), (w_dn, b_dn, s_dn) = o, gate_up, down
     two_i = w_gu.shape[0] if w_gu.dim() == 2 else -1
     i = two_i // 2
-    t_o, t_gu, t_dn = _matrix(w_o, d, width), _matrix(w_gu, two_i, d), _matrix(w_dn, d, i)
+    t_o, t_gu, t_dn = _matrix(w_o, d, width, s_o), _matrix(w_gu, two_i, d, s_gu), _matrix(w_dn, d, i, s_dn)
     if (
         t_o is None
         or t_gu is None
         or t_dn is None
         or two_i % 2
-        or not (_vector(b_o, d) and _vector(s_o, d) and _vector(b_gu, two_i) and _vector(s_gu, two_i))
-        or not (_vector(b_dn, d) and _vector(s_dn, d))
+        or not (_vector(b_o, d) and _vector(b_gu, two_i) and _vector(b_dn, d))
         or not (_norm_ok(post_attn, d) and _norm_ok(pre_mlp, d) and _norm_ok(post_mlp, d))
     ):
         return None

@@ -12,6 +12,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from hybridcache.ops import q8_0
 from hybridcache.ops.selective_scan import _selective_scan_torch
 
 _ACT = {"silu": F.silu, "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh")}
@@ -19,10 +20,17 @@ _ACT["gelu_new"] = _ACT["gelu_pytorch_tanh"]
 
 
 def decode_linear(x, weight, bias, scale):
-    """x [..., K] @ weight [N, K]^T (* scale [N]) (+ bias [N]) -> [..., N]."""
+    """x [..., K] @ weight [N, K]^T (* scale [N]) (+ bias [N]) -> [..., N]; a 2-D scale: q8_0 (decode_linear_q8_0)."""
+    if scale is not None and scale.dim() == 2:
+        return q8_0.linear(x, weight, scale, bias)
     out = F.linear(x, weight.float())
     out = out if scale is None else out * scale
     return out if bias is None else out + bias
+
+
+def decode_linear_q8_0(x, weight, bias, scale):
+    """x [..., K] quantized per block of 32 @ the q8_0 weight (int8 [N, K], float16 scale [N, K / 32])^T (+ bias)."""
+    return q8_0.linear(x, weight, scale, bias)
 
 
 def rms_norm(x, scale, eps):

@@ -62,6 +62,7 @@ def _kernel_calls() -> dict:
 
     return {
         "decode_linear": cpu_rows.decode_linear,
+        "decode_linear_q8_0": cpu_rows.decode_linear_q8_0,
         "rms_norm": cpu_rows.rms_norm,
         "residual_norm": residual,
         "act_mul": cpu_rows.act_mul,
@@ -103,14 +104,18 @@ def make_checker(spec: OpSpec):
         dtypes, optional, dims = parse_rule(rule)
         lead = dims[:1] == ("...",)
         tail = tuple(int(d) if d.isdigit() else d for d in dims[lead:])
-        rules.append((params.index(name), name, dtypes, optional, lead, tail, " ".join(dims)))
+        if tail and type(tail[-1]) is str and tail[-1].endswith("?"):  # a last size that may be absent
+            tail, short = (*tail[:-1], tail[-1][:-1]), tail[:-1]
+        else:
+            short = None
+        rules.append((params.index(name), name, dtypes, optional, lead, tail, short, " ".join(dims)))
 
     def fail(message: str):
         raise KernelArgumentError(f"{spec.qualname}: {message}")
 
     def check(*args) -> None:
         env = dict(zip(params, args))
-        for i, name, dtypes, optional, lead, tail, dims in rules:
+        for i, name, dtypes, optional, lead, tail, short, dims in rules:
             t = args[i] if i < len(args) else None  # (a trailing default argument may be left out: None)
             if t is None:
                 if not optional:
@@ -120,6 +125,8 @@ def make_checker(spec: OpSpec):
                 got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
                 fail(f"{name} must be {'/'.join(map(str, dtypes))}, got {got}")
             shape = t.shape
+            if short is not None and not lead and len(shape) == len(short):
+                tail = short  # the optional last size absent (this tensor only)
             n = len(shape) - len(tail)
             if n < 0 or (n and not lead):
                 fail(f"{name} must be [{dims}], got {list(shape)}")

@@ -5,7 +5,8 @@ op_reference.py, the rules checked before any C call); kernels.py takes the ctyp
 
 A rule is "dtypes[dims]": dtypes one or more of f32 / bf16 / i8 / i64 / bool joined by "|", a trailing "?" for an
 optional tensor (None), dims space-separated sizes: a symbol (bound on first use, equal wherever it recurs), an
-integer, or "..." (any leading sizes, equal wherever it recurs). `where` states what the rules cannot (e.g. even
+integer, or "..." (any leading sizes, equal wherever it recurs); a last size with a trailing "?" may be absent (a
+weight's scale: [N] per row, or [N G] per block of 32 for q8_0). `where` states what the rules cannot (e.g. even
 widths); it gets the bound sizes and the non-tensor arguments and returns what is wrong, or None.
 """
 
@@ -23,6 +24,8 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 WEIGHT_KERNELS = {torch.float32: "hc_linear_f32", torch.bfloat16: "hc_linear_bf16", torch.int8: "hc_linear_i8"}
 GEMM_KERNELS = {torch.float32: "hc_gemm_f32", torch.bfloat16: "hc_gemm_bf16", torch.int8: "hc_gemm_i8"}  # many rows
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+Q8_0_TYPE = 3  # int8 weights with a float16 scale [N, K / 32] per block of 32 (hybridcache/ops/q8_0.py)
+Q8_0_BLOCK = 32
 ACT_MUL = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # activations hc_act_mul computes -> its code
 PATTERNS = {"full": 0, "sliding": 1, "chunked": 2}  # what hc_decode_attention evaluates itself from positions
 
@@ -33,7 +36,14 @@ INFO_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_threads": (_I, []),
 }
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i8": torch.int8, "i64": torch.int64, "bool": torch.bool}
+DTYPES = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "i8": torch.int8,
+    "i64": torch.int64,
+    "bool": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,24 @@ def _linear_c() -> dict:
 
 def _choice(value, table: dict, what: str) -> str | None:
     return None if value in table else f"unknown {what} {value!r}; known: {', '.join(table)}"
+
+
+def _scales_where(env: dict, *pairs: tuple[str, str, str]) -> str | None:
+    """Each (weight, its scale, the symbol of its columns): no scale, a float32 one of one size per row, or a q8_0
+    float16 one [rows, columns / 32] of an int8 weight."""
+    for w, s, cols in pairs:
+        scale = env.get(s)
+        if scale is None or scale.dtype == torch.float32 and scale.dim() == 1:
+            continue
+        if scale.dtype != torch.float16 or scale.dim() != 2 or env[w].dtype != torch.int8:
+            return f"{s}: a float32 [rows] scale, or float16 [rows, columns / 32] for q8_0 int8 weights"
+        if env[cols] != Q8_0_BLOCK * scale.shape[1]:
+            return f"{s}: q8_0 needs {cols} = {Q8_0_BLOCK} x {scale.shape[1]} blocks, got {env[cols]}"
+    return None
+
+
+_MLP_SCALES = (("w_gu", "s_gu", "Dm"), ("w_dn", "s_dn", "I"))
+_STEP_SCALES = (("w", "wscale", "Dm"),)
 
 
 def _attention_where(env: dict) -> str | None:
@@ -82,6 +110,9 @@ def _rotary_where(env: dict) -> str | None:
 
 
 def _qkv_where(env: dict) -> str | None:
+    bad = _scales_where(env, *_STEP_SCALES)
+    if bad:
+        return bad
     heads, kv, hd = env["heads"], env["kv_heads"], env["head_dim"]
     if min(heads, kv, hd) < 1:
         return f"heads, kv_heads, head_dim must be >= 1, got {heads}, {kv}, {hd}"
@@ -97,15 +128,23 @@ _W = "f32|bf16|i8"
 _MLP_RULES = {
     "w_gu": f"{_W}[G Dm]",
     "b_gu": "f32?[G]",
-    "s_gu": "f32?[G]",
+    "s_gu": "f32|f16?[G Ggu?]",
     "w_dn": f"{_W}[Dm I]",
     "b_dn": "f32?[Dm]",
-    "s_dn": "f32?[Dm]",
+    "s_dn": "f32|f16?[Dm Gdn?]",
 }
 
 
 def _mlp_where(env: dict) -> str | None:
-    return _choice(env["act"], ACT_MUL, "activation") or (env["G"] != 2 * env["I"] and "G != 2 I" or None)
+    return (
+        _choice(env["act"], ACT_MUL, "activation")
+        or (env["G"] != 2 * env["I"] and "G != 2 I" or None)
+        or _scales_where(env, *_MLP_SCALES)
+    )
+
+
+def _tail_where(env: dict) -> str | None:
+    return _mlp_where(env) or _scales_where(env, ("w_o", "s_o", "A"))
 
 
 # A decode step's one-call attention (attention_step), and the decoder tail after it (decoder_layer): the arguments
@@ -120,7 +159,7 @@ _STEP_RULES = {
     "x": "f32[B 1 Dm]",
     "w": f"{_W}[W Dm]",
     "bias": "f32?[W]",
-    "wscale": "f32?[W]",
+    "wscale": "f32|f16?[W Gw?]",
     "q_scale": "f32?[Dq]",
     "k_scale": "f32?[Dk]",
     "cos": "f32?[B 1 1 R]",
@@ -146,7 +185,7 @@ _TAIL_SCHEMA = (
 _TAIL_RULES = {
     "w_o": f"{_W}[Dm A]",
     "b_o": "f32?[Dm]",
-    "s_o": "f32?[Dm]",
+    "s_o": "f32|f16?[Dm Go?]",
     "post_attn": "f32?[Dm]",
     "pre_mlp": "f32?[Dm]",
     **_MLP_RULES,
@@ -187,7 +226,7 @@ def _step_where(env: dict) -> str | None:
 def _layer_where(env: dict) -> str | None:
     if env["A"] != env["heads"] * env["head_dim"]:
         return f"o_proj reads {env['A']} features, the attention writes {env['heads']} x {env['head_dim']}"
-    return _step_where(env) or _mlp_where(env)
+    return _step_where(env) or _tail_where(env)
 
 
 SPECS: tuple[OpSpec, ...] = (
@@ -196,6 +235,17 @@ SPECS: tuple[OpSpec, ...] = (
         "(Tensor x, Tensor weight, Tensor? bias, Tensor? scale) -> Tensor",
         {"x": "f32[... K]", "weight": f"{_W}[N K]", "bias": "f32?[N]", "scale": "f32?[N]"},
         _linear_c(),
+    ),
+    OpSpec(
+        "decode_linear_q8_0",
+        "(Tensor x, Tensor weight, Tensor? bias, Tensor scale) -> Tensor",
+        {"x": "f32[... K]", "weight": "i8[N K]", "bias": "f32?[N]", "scale": "f16[N G]"},
+        {"hc_linear_q8_0": (None, [_P] * 5 + [_I] * 3)},
+        lambda env: (
+            None
+            if env["K"] == Q8_0_BLOCK * env["G"]
+            else f"q8_0 needs K = {Q8_0_BLOCK} x the scale's G blocks, got K = {env['K']}, G = {env['G']}"
+        ),
     ),
     OpSpec(
         "rms_norm",
@@ -288,7 +338,7 @@ SPECS: tuple[OpSpec, ...] = (
             "x": "f32[B T Dm]",
             "w": f"{_W}[W Dm]",
             "bias": "f32?[W]",
-            "wscale": "f32?[W]",
+            "wscale": "f32|f16?[W Gw?]",
             "q_scale": "f32?[Dq]",
             "k_scale": "f32?[Dk]",
             "cos": "f32?[B 1 T R]",
@@ -318,7 +368,7 @@ SPECS: tuple[OpSpec, ...] = (
         f"(Tensor h, Tensor a, {_TAIL_SCHEMA}) -> Tensor",
         {"h": "f32[... Dm]", "a": "f32[... A]", **_TAIL_RULES},
         {"hc_decoder_tail": (None, [_P, _P, _I, _I, _I] + _TAIL_C)},
-        _mlp_where,
+        _tail_where,
     ),
     OpSpec(
         "attention_step",
@@ -344,7 +394,7 @@ for _spec in SPECS:
 
 
 def parse_rule(rule: str) -> tuple[tuple[torch.dtype, ...], bool, tuple[str, ...]]:
-    """'f32|bf16?[N K]' -> ((float32, bfloat16), optional, ('N', 'K'))."""
+    """'f32|bf16?[N K]' -> ((float32, bfloat16), optional, ('N', 'K')) (a last size 'G?' stays 'G?')."""
     head, dims = rule.rstrip("]").split("[")
     optional = head.endswith("?")
     return tuple(DTYPES[d] for d in head.rstrip("?").split("|")), optional, tuple(dims.split())

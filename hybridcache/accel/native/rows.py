@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.accel.native.checks import INT_MAX, MAX_NORM_ROWS, MAX_ROWS, _cpu, _eager, _ints, _real, _vec
+from hybridcache.accel.native.checks import (
+    INT_MAX,
+    MAX_NORM_ROWS,
+    MAX_ROWS,
+    _cpu,
+    _eager,
+    _ints,
+    _ptr,
+    _q8_scale,
+    _real,
+    _vec,
+)
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.native.op_specs import ACT_MUL, GEMM_KERNELS, WEIGHT_KERNELS
 
@@ -71,6 +82,32 @@ def decode_linear(
         k,
     )
     return None if failed else out
+
+
+def decode_linear_q8_0(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor
+) -> torch.Tensor | None:
+    """x [..., K] @ (q8_0 weight int8 [N, K], float16 scale [N, K / 32])^T (+ bias [N]) -> [..., N] float32 with x
+    quantized per block of 32 (hc_linear_q8_0, any number of rows); None when the kernel does not take these."""
+    if not _eager(x) or x.dim() == 0:
+        return None
+    lib = _library()
+    if (
+        lib is None
+        or not _cpu(weight, torch.int8)
+        or weight.dim() != 2
+        or not weight.is_contiguous()
+        or x.shape[-1] != weight.shape[1]
+    ):
+        return None
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    if not (0 < rows and _ints(n, k, rows * k) and _q8_scale(scale, n, k) and _vec(bias, n)):
+        return None
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.hc_linear_q8_0(x.data_ptr(), weight.data_ptr(), out.data_ptr(), scale.data_ptr(), _ptr(bias), rows, n, k)
+    return out
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor | None:

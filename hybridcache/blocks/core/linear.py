@@ -6,10 +6,13 @@ step's few rows, the GEMM kernel for a prefill; under torch.compile the hybridca
 them), torch's F.linear otherwise (GPU, float64, autograd).
 `from_pretrained` switches every nn.Linear to `DecodeLinear`, which calls it.
 
-Packed weights (`from_pretrained(..., weights="bfloat16" | "int8")`) store the projection matrices in fewer bytes
-while everything else (activations, norms, states, the cache, the sums) stays in the model's dtype:
+Packed weights (`from_pretrained(..., weights="bfloat16" | "int8" | "q8_0")`) store the projection matrices in fewer
+bytes while everything else (activations, norms, states, the cache, the sums) stays in the model's dtype:
 - `bfloat16`: each weight rounded to bfloat16 (8 significant bits); half the bytes of float32.
 - `int8`: symmetric per output row, w ~= q * scale with scale = max|row| / 127; a quarter of the bytes.
+- `q8_0`: llama.cpp's block layout, int8 with a float16 scale per block of 32 weights along the input
+  (scale [N, K / 32], 17/64 of the bytes); the input is quantized per block too at run time (hybridcache/ops/q8_0.py),
+  so the kernel sums int8 x int8 products. Every projection's in_features must be a multiple of 32.
 A decode step reads every weight once, so it gets up to 2x / 4x faster; the outputs change (what
 `experiment=correctness` measures against the unpacked reference). A tied embedding keeps sharing the head's
 packed matrix (its lookups are dequantized rows), so the float32 copy is not kept.
@@ -21,15 +24,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.ops import kernels
+from hybridcache.ops import kernels, q8_0
 
-WEIGHT_FORMATS = ("bfloat16", "int8")
+WEIGHT_FORMATS = ("bfloat16", "int8", "q8_0")
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (* scale [N], for int8 weights) (+ bias [N]) -> [..., N] in x's dtype."""
+    """x [..., K] @ weight[N, K]^T (* scale [N], for int8 weights) (+ bias [N]) -> [..., N] in x's dtype; a 2-D
+    scale [N, K / 32] (float16) makes the weight q8_0."""
+    if scale is not None and scale.dim() == 2:
+        if kernels.takes(x) and x.dim() > 0:
+            out = kernels.call("decode_linear_q8_0", x, weight, bias, scale)
+            if out is not None:
+                return out
+        return q8_0.linear(x, weight, scale, bias)
     if kernels.takes(x) and x.dim() > 0 and weight.dim() == 2 and weight.dtype in kernels.WEIGHT_DTYPES:
         # the same kernels eager and compiled (same rounding); packed weights are never unpacked into memory
         out = kernels.call("decode_linear", x, weight, bias, scale)
@@ -41,7 +51,9 @@ def linear(
 def reference_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The torch path: weights widened to x's dtype, F.linear, then the per-row scale and the bias."""
+    """The torch path: weights widened to x's dtype, F.linear, then the per-row scale and the bias (q8_0: its own)."""
+    if scale is not None and scale.dim() == 2:
+        return q8_0.linear(x, weight, scale, bias)
     w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
     if scale is None:
         return F.linear(x, w, bias)
@@ -54,7 +66,8 @@ _LIBRARY = torch.library.Library("hybridcache", "DEF")
 
 
 class DecodeLinear(nn.Linear):
-    """nn.Linear through `linear`: the decode kernel for few rows on CPU, an optional per-row `scale` (int8)."""
+    """nn.Linear through `linear`: the decode kernel for few rows on CPU, an optional `scale` (int8 per row, q8_0 per
+    block)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self._buffers.get("scale"))
@@ -72,21 +85,25 @@ def use_decode_linear(model: nn.Module) -> int:
 
 
 class PackedEmbedding(nn.Embedding):
-    """An embedding that shares a packed (bfloat16 / int8) head matrix: rows are widened to `out_dtype` and
-    scaled (int8) on lookup."""
+    """An embedding that shares a packed (bfloat16 / int8 / q8_0) head matrix: rows are widened to `out_dtype` and
+    scaled (int8 per row, q8_0 per block) on lookup."""
 
     out_dtype: torch.dtype = torch.float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self.weight, self.padding_idx).to(self.out_dtype)
         scale = self._buffers.get("scale")
+        if scale is not None and scale.dim() == 2:  # q8_0: [.., K / 32] blocks
+            return q8_0.dequantize(rows, F.embedding(ids, scale), self.out_dtype)
         return rows if scale is None else rows * scale[ids].unsqueeze(-1).to(self.out_dtype)
 
 
 def pack_matrix(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """w [N, K] -> (packed [N, K], per-row float32 scale [N] for int8, else None)."""
+    """w [N, K] -> (packed [N, K], per-row float32 scale [N] for int8, float16 [N, K / 32] for q8_0, else None)."""
     if fmt == "bfloat16":
         return w.to(torch.bfloat16), None
+    if fmt == "q8_0":
+        return q8_0.pack(w)
     absmax = w.detach().abs().amax(dim=1).float()
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # an all-zero row stays zero
     q = torch.round(w.detach().float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -107,6 +124,10 @@ def pack_weights(model: nn.Module, fmt: str) -> int:
         raise ValueError(
             f"packed weights need a float32 model (the decode kernel computes in float32), this one is {compute}"
         )
+    if fmt == "q8_0":  # refused before anything is packed (a failed call changes nothing)
+        odd = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % q8_0.BLOCK]
+        if odd:
+            raise q8_0.Q8FormatError(f"q8_0 needs in_features divisible by {q8_0.BLOCK}; not so in {', '.join(odd)}")
     use_decode_linear(model)  # every projection must read its scale
     packed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor | None]] = {}  # id(old) -> (old, new, scale)
     count = 0

@@ -20,6 +20,7 @@ int hc_openmp(void) { return HC_OPENMP; }
 int hc_threads(void) { return omp_get_max_threads(); }
 
 #include "gemv.c"
+#include "gemv_q8_0.c"
 #include "norm_rope.c"
 #include "attention.c"
 #include "scan.c"

@@ -126,7 +126,11 @@ int hc_decode_steps(const hc_layer_record *layers, int n, int from, const int *r
   for (int j = 0; j < steps; j++) {
     if (tok < 0 || tok >= vocab) return -2;
     size_t at = (size_t)tok * Dm;
-    if (embed_type == 2) { /* int8 rows widened, times their scale, then the multiplier (two roundings, as torch) */
+    if (embed_type == 3) { /* q8_0 rows: each block of 32 times its float16 scale, then the multiplier (as torch) */
+      const int8_t *row = (const int8_t *)embed + at;
+      const uint16_t *bs = (const uint16_t *)embed_rs + (size_t)tok * (Dm / Q8_BLOCK);
+      for (int d = 0; d < Dm; d++) x[d] = ((float)row[d] * half_to_float(bs[d / Q8_BLOCK])) * embed_scale;
+    } else if (embed_type == 2) { /* int8 rows widened, times their scale, then the multiplier (two roundings, as torch) */
       const int8_t *row = (const int8_t *)embed + at;
       float rs = embed_rs ? embed_rs[tok] : 1.0f;
       for (int d = 0; d < Dm; d++) x[d] = embed_rs ? ((float)row[d] * rs) * embed_scale : (float)row[d] * embed_scale;

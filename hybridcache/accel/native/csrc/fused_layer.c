@@ -30,11 +30,13 @@ void hc_act_mul(const float *gu, float *out, int rows, int I, int act) {
   }
 }
 
-/* weight type codes: 0 float32, 1 bfloat16, 2 int8 (+ per-row scale) */
+/* weight type codes: 0 float32, 1 bfloat16, 2 int8 (+ per-row scale), 3 q8_0 (int8 + a float16 scale per block of
+   32 along K, passed as `scale`) */
 static void linear_any(int wtype, const float *x, const void *w, float *y, const float *scale, const float *bias,
                        int M, int N, int K) {
   if (wtype == 1) hc_linear_bf16(x, (const uint16_t *)w, y, scale, bias, M, N, K);
   else if (wtype == 2) hc_linear_i8(x, (const int8_t *)w, y, scale, bias, M, N, K);
+  else if (wtype == 3) hc_linear_q8_0(x, (const int8_t *)w, y, (const uint16_t *)scale, bias, M, N, K);
   else hc_linear_f32(x, (const float *)w, y, scale, bias, M, N, K);
 }
 
