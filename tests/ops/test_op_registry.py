@@ -17,6 +17,7 @@ import hybridcache.accel as accel
 import hybridcache.accel.native.library as cpu_library
 from hybridcache.accel.native.op_registry import KERNELS, REFERENCES, op
 from hybridcache.accel.native.op_specs import SPECS
+from hybridcache.ops import q8_0
 
 NAMES = [spec.name for spec in SPECS]
 W_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
@@ -25,6 +26,8 @@ W_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 def _weight(r: random.Random, g, n, k):
     dtype = r.choice(W_DTYPES)
     w = torch.randn(n, k, generator=g)
+    if k % 32 == 0 and r.random() < 0.3:  # q8_0: int8 with a float16 scale per block of 32
+        return q8_0.pack(w)
     if dtype == torch.int8:
         return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g) / 64
     return w.to(dtype), (torch.rand(n, generator=g) + 0.5 if r.random() < 0.3 else None)
@@ -45,6 +48,10 @@ def sample(name: str, seed: int) -> tuple:
     if name == "decode_linear":
         w, scale = _weight(r, g, r.randint(1, 40), d)
         return n(b, r.randint(1, 3), d), w, opt(n(w.shape[0])), scale
+    if name == "decode_linear_q8_0":
+        k = 32 * r.randint(1, 4)
+        w, scale = q8_0.pack(n(r.randint(1, 40), k) * r.choice([1e-3, 1.0, 30.0]))
+        return n(b, r.randint(1, 20), k), w, opt(n(w.shape[0])), scale
     if name == "rms_norm":
         return n(b, t, d), n(d), r.choice([1e-6, 1e-5, 0.1])
     if name == "residual_norm":
@@ -151,7 +158,7 @@ def _no_grad():
 
 
 def test_every_spec_has_a_sample_and_a_reference():
-    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 14
+    assert set(NAMES) == set(REFERENCES) and len(NAMES) == 15
     for name in NAMES:
         sample(name, 0)
 
@@ -214,6 +221,12 @@ class _NoC:
 
 BAD = {  # op -> (argument index, a replacement that breaks a declared rule, what the message names)
     "decode_linear": [(0, lambda a: a.double(), "x must be"), (1, lambda w: w[:, :-1], "K")],
+    "decode_linear_q8_0": [
+        (3, lambda s: s.float(), "scale must be"),  # a per-row-int8-like scale
+        (1, lambda w: w.float(), "weight must be"),
+        (3, lambda s: torch.cat([s, s[:, :1]], 1), "q8_0 needs K = 32 x"),  # K not 32 x the blocks
+        (1, lambda w: w[:, :-16].contiguous(), "K"),  # in_features not a multiple of 32
+    ],
     "rms_norm": [(1, lambda s: torch.ones(s.shape[0] + 1), "D"), (0, lambda x: x.half(), "x must be")],
     "residual_norm": [(1, lambda x: x[..., :1].expand(*x.shape[:-1], 2).clone(), "D")],
     "act_mul": [(1, lambda a: "relu", "activation"), (0, lambda x: x[..., :-1], "odd width")],
@@ -226,7 +239,11 @@ BAD = {  # op -> (argument index, a replacement that breaks a declared rule, wha
     "rope": [(1, lambda c: torch.ones(*c.shape[:-1], 3), "R = "), (0, lambda x: x.to(torch.bfloat16), "x must be")],
     "norm_rope": [(4, lambda s: None, "both or neither")],
     "selective_scan": [(5, lambda a: a[:, :1].expand(-1, 7).clone(), "N"), (0, lambda u: u.double(), "u must be")],
-    "gated_mlp": [(7, lambda a: "tanh", "activation"), (4, lambda w: w.t().contiguous(), "Dm")],
+    "gated_mlp": [
+        (7, lambda a: "tanh", "activation"),
+        (4, lambda w: w.t().contiguous(), "Dm"),
+        (3, lambda s: torch.ones(99, 1, dtype=torch.float16), "G"),  # a q8_0-shaped scale of the wrong rows
+    ],
     "qkv_norm_rope": [(4, lambda h: h + 1, "rows"), (7, lambda s: torch.ones(3), "head_dim")],
     "decoder_tail": [(15, lambda a: "tanh", "activation"), (1, lambda a: a[..., :1].repeat(2, 1, 1), "leading")],
     "attention_step": [

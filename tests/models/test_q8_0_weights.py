@@ -1,0 +1,59 @@
+"""Models with q8_0 weights (`weights="q8_0"`: int8 with a float16 scale per block of 32, activations quantized per
+block at run time): every matrix is the original within half a step of its block's scale, and the model's kernel
+path (the layer records, the greedy loop in C) decodes what its torch reference path (kernels off) computes from
+the same packed weights."""
+
+import pytest
+import torch
+from torch import nn
+
+import hybridcache as hc
+import hybridcache.accel.native.library as cpu_library
+from hybridcache.accel import kernel_status
+from hybridcache.accel.decode_run import greedy_forms
+from hybridcache.ops import q8_0
+from tests.models.conftest import prompts
+
+
+def test_every_matrix_is_the_original_within_half_a_block_step(checkpoints):
+    plain = dict(hc.from_pretrained(checkpoints("gemma3")).named_modules())
+    packed = hc.from_pretrained(checkpoints("gemma3"), weights="q8_0")
+    seen = 0
+    for name, m in packed.named_modules():
+        if isinstance(m, nn.Linear):
+            ref, scale = plain[name].weight, m._buffers["scale"]
+            assert m.weight.dtype == torch.int8 and scale.dtype == torch.float16, name
+            assert torch.equal(scale, (ref.unflatten(-1, (-1, 32)).abs().amax(-1) / 127).half()), name
+            err = (q8_0.dequantize(m.weight, scale) - ref).unflatten(-1, (-1, 32)).abs()
+            assert bool((err <= scale.float()[..., None] / 2 * (1 + 1e-3) + 1e-12).all()), name
+            seen += 1
+    assert seen == sum(isinstance(m, nn.Linear) for m in plain.values())
+
+
+def test_odd_widths_are_refused_before_anything_is_packed():
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(48, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(q8_0.Q8FormatError, match="divisible by 32; not so in 2"):
+        hc.blocks.core.linear.pack_weights(model, "q8_0")
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(type(m) is nn.Linear for m in model)
+
+
+@pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built here")
+def test_kernel_path_decodes_what_the_reference_path_does(checkpoints, monkeypatch):
+    model = hc.from_pretrained(checkpoints("gemma3"), weights="q8_0")
+    forms = greedy_forms(model)
+    assert forms is not None and forms[1][2].dtype == torch.int8  # the greedy loop takes the q8_0 head
+    ids, mask = prompts(2, 9, seed=7), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :2] = 0
+    fast = hc.generate(model, ids, mask, max_new_tokens=8)
+    one = hc.generate(model, ids[:1], max_new_tokens=8)  # batch 1: the decode run's greedy loop in C
+    monkeypatch.setenv("HYBRIDCACHE_DISABLE_KERNELS", "1")
+    monkeypatch.setattr(cpu_library, "_state", {})
+    assert kernel_status().startswith("torch path")
+    slow = hc.generate(model, ids, mask, max_new_tokens=8)
+    slow_one = hc.generate(model, ids[:1], max_new_tokens=8)
+    assert torch.equal(fast.sequences, slow.sequences) and torch.equal(one.sequences, slow_one.sequences)
+    torch.testing.assert_close(fast.logits, slow.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(one.logits, slow_one.logits, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,135 @@
+"""The q8_0 weight format (hybridcache/ops/q8_0.py) and its C kernel hc_linear_q8_0, against a naive recompute of
+the same quantized arithmetic written here: activations quantized per block of 32 (d = max|x| / 127, x * (1 / d)
+rounded to nearest even), each block's int8 x int8 products summed exactly in int64, the blocks combined in
+float64. The kernel sums the blocks in float32 in another order: the stated tolerance is 4e-6 of the sum of the
+blocks' (and the bias') magnitudes (K / 32 <= 64 float32 additions, each within 2^-24 of its partial sum)."""
+
+import pytest
+import torch
+
+import hybridcache.accel.native.library as cpu_library
+from hybridcache.accel import kernel_status
+from hybridcache.accel.native import rows
+from hybridcache.accel.native.fused import gated_mlp
+from hybridcache.accel.native.op_reference import gated_mlp as gated_mlp_reference
+from hybridcache.blocks.core.linear import linear
+from hybridcache.ops import q8_0
+
+pytestmark = pytest.mark.skipif(
+    not kernel_status().startswith("C kernels"), reason="the C kernels are not built here (no compiler / not x86-64)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def naive(x, q, scale, bias=None):
+    """(y [M, N] float64, the sum of |block terms| [M, N]) by exact integer block sums."""
+    xb = x.double().unflatten(-1, (-1, 32))  # [M, G, 32]
+    d = (x.unflatten(-1, (-1, 32)).abs().amax(-1) / 127.0).double()  # float32 division, as the spec says
+    inv = torch.where(d != 0, 1.0 / d.float(), 0.0).double()  # [M, G] the float32 reciprocal
+    qx = torch.round((xb.float() * inv.float()[..., None]).double()).long()  # float32 product, ties to even
+    isum = torch.einsum("mgk,ngk->mng", qx, q.long().unflatten(-1, (-1, 32)))  # exact
+    terms = isum.double() * (scale.double()[None] * d[:, None, :])  # [M, N, G]
+    y = terms.sum(-1) + (0 if bias is None else bias.double())
+    return y, terms.abs().sum(-1) + (0 if bias is None else bias.double().abs())
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 7, 640), (1, 1030, 2048), (3, 5, 96), (16, 33, 256), (40, 9, 64)])
+def test_kernel_is_the_quantized_arithmetic(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-4, 1, n)[:, None]
+    w[0, :32] = 0  # an all-zero block
+    x = torch.randn(m, k, generator=g) * 3
+    x[-1, 32:64] = 0 if k > 32 else x[-1, 32:64]  # an all-zero activation block
+    bias = torch.randn(n, generator=g)
+    q, scale = q8_0.pack(w)
+    for b in (None, bias):
+        got = rows.decode_linear_q8_0(x, q, b, scale)
+        assert got is not None and got.shape == (m, n) and got.dtype == torch.float32
+        want, size = naive(x, q, scale, b)
+        assert bool(((got.double() - want).abs() <= 4e-6 * size + 1e-30).all())
+        torch.testing.assert_close(linear(x, q, b, scale), got, rtol=0, atol=0)  # the layer runs the kernel
+        ref = q8_0.linear(x, q, scale, b)  # the torch path: the same integers, dequantized into one matmul
+        assert bool(((ref.double() - want).abs() <= 4e-5 * size + 1e-6).all())
+
+
+def test_tie_rounding_and_extremes():
+    """Activations on exact .5 steps round to even (the kernel's rounding, not away from zero); huge and tiny
+    magnitudes; a block with one nonzero value."""
+    k = 64
+    x = torch.zeros(3, k)
+    x[0, :32] = torch.arange(32) - 15.5  # halves: max |x| 127 (below) makes d = 1 exactly, x / d the halves
+    x[0, 0] = 127.0
+    x[1, 32:] = torch.linspace(-1e30, 1e30, 32)
+    x[2, 5] = 1e-30
+    w = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    q, scale = q8_0.pack(w)
+    got = rows.decode_linear_q8_0(x, q, None, scale)
+    want, size = naive(x, q, scale)
+    assert bool(((got.double() - want).abs() <= 4e-6 * size + 1e-37).all())
+
+
+def test_pack_is_within_half_a_step_of_a_float16_scale():
+    w = torch.randn(5, 96) * torch.logspace(-3, 3, 5)[:, None]
+    w[2, 32:64] = 0
+    q, scale = q8_0.pack(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (5, 3)
+    amax = w.unflatten(-1, (-1, 32)).abs().amax(-1)
+    assert torch.equal(scale, (amax / 127).half())  # by hand: max|block| / 127, rounded to float16
+    err = (q8_0.dequantize(q, scale) - w).unflatten(-1, (-1, 32)).abs()
+    assert bool((err <= scale.float()[..., None] / 2 * (1 + 1e-3) + 1e-12).all())
+    assert bool((q[2, 32:64] == 0).all()) and int(q.abs().max()) <= 127
+
+
+def test_hostile_inputs_are_refused_by_name():
+    with pytest.raises(q8_0.Q8FormatError, match="divisible by 32"):
+        q8_0.pack(torch.randn(4, 48))
+    with pytest.raises(q8_0.Q8FormatError, match="finite"):
+        q8_0.pack(torch.full((1, 32), float("nan")))
+    with pytest.raises(q8_0.Q8FormatError, match="finite"):
+        q8_0.pack(torch.full((1, 32), 1e10))  # its scale overflows float16
+    q, scale = q8_0.pack(torch.randn(4, 64))
+    with pytest.raises(q8_0.Q8FormatError, match="scales must be float16"):
+        linear(torch.randn(2, 64), q, None, scale.float())
+    with pytest.raises(q8_0.Q8FormatError, match="divisible by 32"):
+        linear(torch.randn(2, 48), q[:, :48].contiguous(), None, scale[:, :1].contiguous())
+    with pytest.raises(q8_0.Q8FormatError, match="int8"):
+        linear(torch.randn(2, 64), q.float(), None, scale)
+
+
+class _NoC:
+    def __getattr__(self, name):
+        raise AssertionError(f"C function {name} reached with arguments its wrapper must decline")
+
+
+def test_layouts_the_kernel_does_not_take_never_reach_c(monkeypatch):
+    """A non-contiguous weight or scale, a transposed input's wrong width, a float64 input: the wrapper declines
+    (None) without touching C, and the layer computes them by the torch path."""
+    q, scale = q8_0.pack(torch.randn(8, 128))
+    x = torch.randn(3, 128)
+    want = q8_0.linear(x, q, scale)
+    wide_q = torch.zeros(8, 256, dtype=torch.int8)
+    wide_q[:, ::2] = q
+    wide_s = torch.zeros(8, 8, dtype=torch.float16)
+    wide_s[:, ::2] = scale
+    monkeypatch.setattr(cpu_library, "_state", {"lib": _NoC()})
+    for args in ((x, wide_q[:, ::2], None, scale), (x, q, None, wide_s[:, ::2]), (x.double(), q, None, scale)):
+        assert not args[1].is_contiguous() or not args[3].is_contiguous() or args[0].dtype == torch.float64
+        assert rows.decode_linear_q8_0(*args) is None
+    torch.testing.assert_close(linear(x, wide_q[:, ::2], None, scale), want, rtol=0, atol=0)
+    assert rows.decode_linear_q8_0(torch.randn(3, 96), q, None, scale) is None  # widths differ
+
+
+def test_fused_mlp_with_q8_0_matrices_is_the_reference():
+    g = torch.Generator().manual_seed(3)
+    d, i = 64, 96
+    wg, sg = q8_0.pack(torch.randn(2 * i, d, generator=g))
+    wd, sd = q8_0.pack(torch.randn(d, i, generator=g) / 8)
+    x = torch.randn(2, 1, d, generator=g)
+    got = gated_mlp(x, (wg, None, sg), (wd, None, sd), "silu")
+    assert got is not None  # the fused kernel took the q8_0 matrices (type code 3)
+    torch.testing.assert_close(got, gated_mlp_reference(x, wg, None, sg, wd, None, sd, "silu"), rtol=1e-4, atol=1e-4)
