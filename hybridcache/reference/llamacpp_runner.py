@@ -115,6 +115,27 @@ class LlamaCppRunner:
             "repeats": int(repeats),
             "batch_prompts": None if batch_prompts is None else [[int(t) for t in r] for r in batch_prompts],
         }
+        return self._results(request)
+
+    def time_long_prefill(self, prompt: list[int], chunk: int, threads: int, precisions=PRECISIONS) -> list[dict]:
+        """[{"precision", "model", "prepare_s", "prefill_s", "cpu_s", "first_token", "loaded_rss_mib",
+        "peak_rss_mib"}] per precision: one evaluation of `prompt` in batches of `chunk` tokens in a fresh worker
+        process (its peak RSS is its own)."""
+        if not prompt or chunk < 1:
+            raise ValueError("time_long_prefill: a non-empty prompt and chunk >= 1")
+        request = {
+            "mode": "long_prefill",
+            "gguf": self.gguf,
+            "gguf_sha256": self.gguf_sha256,
+            "cache_dir": self.cache_dir,
+            "precisions": list(precisions),
+            "prompt": [int(t) for t in prompt],
+            "chunk": int(chunk),
+            "threads": int(threads),
+        }
+        return self._results(request)
+
+    def _results(self, request: dict) -> list[dict]:
         try:
             answer = self._ask(request)
         except LlamaCppWorkerError as e:

@@ -8,7 +8,9 @@ Per precision: the source GGUF requantized by llama.cpp itself (`llama_model_qua
 like ours: prefill = evaluating the prompt and picking the first token (greedy), decode = the other new - 1 greedy
 steps, each phase timed on its own in every repeat, after one untimed warm-up run. With `batch_prompts` (B rows of
 one length), the same again for B sequences decoded together (llama.cpp's batch API: one context holding B sequences,
-every prompt in one llama_decode call, then one call per step for all B).
+every prompt in one llama_decode call, then one call per step for all B). With `"mode": "long_prefill"`: one long
+prompt evaluated once in batches of `chunk` tokens (wall and process CPU seconds, the first greedy token, this
+process's peak RSS), the llama.cpp column of experiments/benchmark/long_prefill.py.
 """
 
 import ctypes
@@ -132,6 +134,54 @@ def time_precision(lib, model_path: str, request: dict, clock=time.perf_counter)
     return {"prefill_samples": prefill, "decode_samples": decode, "tokens": tokens, "batched": batched}
 
 
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory (VmHWM, MiB; None where /proc is not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def time_long_prefill(lib, model_path: str, request: dict, clock=time.perf_counter, cpu=time.process_time) -> dict:
+    """One evaluation of a long prompt in batches of `chunk` tokens (llama.cpp splits it itself), timed by the wall
+    and this process's CPU clock, then the first greedy token; the peak RSS includes the loaded weights."""
+    prompt, chunk, threads = list(request["prompt"]), int(request["chunk"]), int(request["threads"])
+    if not request.get("extra_buffers", True):
+        _without_extra_buffers(lib)
+    llm = lib.Llama(
+        model_path=model_path,
+        n_ctx=len(prompt) + 8,
+        n_batch=chunk,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=False,
+        verbose=False,
+    )
+    sampler = lib.llama_sampler_init_greedy()
+    try:
+        loaded = peak_rss_mib()
+        wall, busy = clock(), cpu()
+        llm.eval(prompt)
+        first = lib.llama_sampler_sample(sampler, llm._ctx.ctx, -1)
+        wall, busy = clock() - wall, cpu() - busy
+    finally:
+        lib.llama_sampler_free(sampler)
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()
+    return {
+        "prefill_s": wall,
+        "cpu_s": busy,
+        "first_token": first,
+        "loaded_rss_mib": loaded,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+
+
 def _fill(batch, entries: list) -> None:
     """Writes (token, position, sequence, wants logits) entries into a llama_batch."""
     batch.n_tokens = len(entries)
@@ -203,8 +253,9 @@ def serve(lib, request: dict, clock=time.perf_counter, byref=ctypes.byref) -> di
         started = clock()
         path = requantize(lib, source, source_sha, precision, request["cache_dir"], int(request["threads"]), byref)
         prepared = clock() - started
+        timed = time_long_prefill if request.get("mode") == "long_prefill" else time_precision
         results.append(
-            {"precision": precision, "model": path, "prepare_s": prepared, **time_precision(lib, path, request, clock)}
+            {"precision": precision, "model": path, "prepare_s": prepared, **timed(lib, path, request, clock)}
         )
     return {"version": getattr(lib, "__version__", "?"), "results": results}
 

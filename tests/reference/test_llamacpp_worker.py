@@ -30,7 +30,9 @@ class Clock:
 class FakeLlama:
     def __init__(self, lib, model_path, n_ctx, n_batch, n_threads, n_threads_batch, logits_all, verbose):
         assert os.path.exists(model_path) and not logits_all and n_batch >= 1
-        lib.loaded.append({"path": model_path, "n_ctx": n_ctx, "threads": (n_threads, n_threads_batch)})
+        lib.loaded.append(
+            {"path": model_path, "n_ctx": n_ctx, "n_batch": n_batch, "threads": (n_threads, n_threads_batch)}
+        )
         self.lib, self.n_ctx, self.tokens = lib, n_ctx, []
         self._ctx = SimpleNamespace(ctx=self)
         self._model = SimpleNamespace(model=("model", model_path))
@@ -182,6 +184,20 @@ def test_phases_are_timed_apart_with_greedy_tokens(source, tmp_path):
     assert all(ld["threads"] == (2, 2) and ld["n_ctx"] >= 4 + 6 for ld in lib.loaded)
     assert lib.closed == 2 and lib.freed == 2
     assert [q[1:] for q in lib.quantized] == [(0, 2), (7, 2)]
+
+
+def test_long_prefill_evaluates_the_prompt_once_in_chunks(source, tmp_path):
+    clock = Clock()
+    lib = fake_llama_cpp(clock)
+    prompt = list(range(10, 1010))
+    req = {**request(source, tmp_path, precisions=("f32",), prompt=prompt), "mode": "long_prefill", "chunk": 256}
+    (r,) = worker.serve(lib, req, clock=clock, byref=lambda p: p)["results"]
+    assert r["prefill_s"] == 1000 * PREFILL_COST  # the prompt alone: no warm-up, no decode step
+    assert r["first_token"] == next_token(prompt[-1])
+    assert r["cpu_s"] >= 0 and r["peak_rss_mib"] > 0
+    assert lib.evals == 1 and lib.closed == 1 and lib.freed == 1
+    (loaded,) = lib.loaded
+    assert loaded["n_batch"] == 256 and loaded["n_ctx"] >= 1000 and loaded["threads"] == (2, 2)
 
 
 def test_requantized_file_is_reused_only_while_its_digests_match(source, tmp_path):
