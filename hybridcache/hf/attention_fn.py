@@ -75,21 +75,21 @@ def make_attention(base: Callable, eager: bool) -> Callable:
         view, layer, first = found
         mask = view_mask(view, query)
         wants_weights = first and getattr(layer, "wants_attention_weights", False)
-        if first and getattr(layer, "wants_queries", False):
-            raise BridgeError(
-                f"{layer.type_name}: models future queries from the pre-rotary queries, which HF's attention "
-                "functions never receive; use it through hybridcache's own models"
-            )
+        queries = None
+        if first and getattr(layer, "wants_queries", False):  # expected_attention: the pre-rotary queries
+            queries = stack[-1].query_inputs(module, query, kwargs.get("scaling"))
         if eager or wants_weights:
             fn = base if eager else _eager_of(module)
             additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
             additive.masked_fill_(~mask, torch.finfo(query.dtype).min)
             out, weights = fn(module, query, key, value, additive, **kwargs)
-            if wants_weights:
-                layer.observe_attention(weights)
+            if wants_weights or queries is not None:
+                layer.observe_attention(weights if wants_weights else None, queries)
             return out, (weights if eager else None)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if queries is not None:
+            layer.observe_attention(None, queries)
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
     attention.__name__ = f"hybridcache_{getattr(base, '__name__', 'attention')}"

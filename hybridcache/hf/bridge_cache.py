@@ -21,13 +21,14 @@ import torch
 from transformers.cache_utils import Cache as HFCache
 from transformers.cache_utils import DummyLayer, DynamicLayer
 
-from hybridcache.cache import Cache, CacheGroup, CachePlan, NativeGroup
+from hybridcache.cache import Cache, CacheGroup, CachePlan, NativeGroup, get_layer_class
 from hybridcache.hf.attention_layer import BridgeAttentionLayer
 from hybridcache.hf.errors import BridgeConfigError, BridgeError
 from hybridcache.hf.hybrid_layer import BridgeHybridLayer
 from hybridcache.hf.indexed_layer import BridgeIndexedLayer
 from hybridcache.hf.layout import ModelLayout
 from hybridcache.hf.native import BridgePlan
+from hybridcache.hf.queries import query_inputs
 from hybridcache.hf.state_layer import BridgeStateLayer
 
 
@@ -56,6 +57,9 @@ class BridgeCache(HFCache):
         self._by_address: dict[tuple[int, str | None], Any] = {}
         self._views: dict[int, tuple[torch.Tensor, Any, Any, list[bool]]] = {}  # id(keys) -> (keys, view, layer, seen)
         self._last: tuple[torch.Tensor, Any, Any, list[bool]] | None = None  # the block's latest update
+        # pre-rotary queries of this block's attention modules, kept (queries.py) only where a layer models them
+        self.keeps_queries = any(getattr(get_layer_class(p.type), "needs_queries", False) for p in plan.layers)
+        self.captured_queries: dict[int, torch.Tensor] = {}
         self._device = _one_device(layout)
         layers: list[Any] = []
         for info in layout.layers:
@@ -190,6 +194,7 @@ class BridgeCache(HFCache):
         finally:
             self.block_open = self._block_ready = False
             self._views.clear()
+            self.captured_queries.clear()
             self._last = None
             for layer in self.layers:
                 if isinstance(layer, (BridgeStateLayer, BridgeAttentionLayer)):
@@ -221,6 +226,10 @@ class BridgeCache(HFCache):
         _, view, layer, seen = found
         first, seen[0] = not seen[0], True
         return view, layer, first
+
+    def query_inputs(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None):
+        """The pre-rotary queries of HF attention `module`'s call (queries.py), for a press that models them."""
+        return query_inputs(self, module, query, scaling)
 
     # -- HF's Cache API ---------------------------------------------------------------------------------------------
     @property

@@ -20,6 +20,7 @@ from hybridcache.hf.errors import BridgeError
 from hybridcache.hf.installer import install
 from hybridcache.hf.layout import ModelLayout, read_layout
 from hybridcache.hf.native import BridgePlan, bridge_plan, translate_config
+from hybridcache.hf.queries import install_query_hooks
 
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its layout (shapes never change)
 
@@ -56,7 +57,10 @@ def cache_for(
         raise BridgeError(f"cache_for: batch_size must be a positive integer or None, got {batch_size!r}")
     layout, bridge, plan = plan_for(model, cache_config)
     ours = install(model)
-    return BridgeCache(model, layout, bridge, plan, batch_size, hf_masks=not ours)
+    cache = BridgeCache(model, layout, bridge, plan, batch_size, hf_masks=not ours)
+    if cache.keeps_queries:  # a press that models future queries (expected_attention) reads them from HF's modules
+        install_query_hooks(model)
+    return cache
 
 
 __all__ = ["BridgePlan", "cache_for", "layout_of", "plan_for"]

@@ -141,3 +141,6 @@ def uninstall(model: torch.nn.Module) -> None:
     for h in handles:
         h.remove()
     delattr(model, _ATTR)
+    from hybridcache.hf.queries import remove_query_hooks
+
+    remove_query_hooks(model)

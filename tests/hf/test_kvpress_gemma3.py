@@ -2,8 +2,8 @@
 tests/reference/test_kvpress_agreement.py (a 400-token English prompt compressed at ratio 0.5 on every layer in one
 forward, the next 64 tokens teacher-forced in one forward), against the same recording of kvpress 0.5.5 (or kvpress
 live when HYBRIDCACHE_KVPRESS_PYTHON names its environment): the same kept positions in every layer and kv head, and
-the same NLL per continuation token within 1e-4. ExpectedAttention is refused by the bridge by name (it needs the
-pre-rotary queries), so it is not among them."""
+the same NLL per continuation token within 1e-4. ExpectedAttention reads the pre-rotary queries from HF's attention
+modules (hybridcache/hf/queries.py), and the mean rotary matrix of each layer type's own table."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from hybridcache.checkpoints.real import missing_packages
 
 RECORDING = Path(__file__).resolve().parents[1] / "reference" / "data" / "kvpress_gemma3_270m.safetensors"
-METHODS = ("streaming_llm", "snapkv", "knorm", "tova", "observed_attention", "pyramidkv")
+METHODS = ("streaming_llm", "snapkv", "knorm", "tova", "observed_attention", "expected_attention", "pyramidkv")
 RATIO = 0.5
 
 pytestmark = pytest.mark.skipif(

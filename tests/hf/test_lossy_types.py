@@ -24,6 +24,12 @@ PRESSES = {
     "tova": {"type": "tova", "budget": 6},
     "observed_attention": {"type": "observed_attention", "compression_ratio": 0.5},
     "h2o": {"type": "h2o", "budget": 6},
+    "expected_attention": {
+        "type": "expected_attention",
+        "compression_ratio": 0.5,
+        "n_sink": 1,
+        "n_future_positions": 8,
+    },
 }
 STORAGES = {
     "int8": {"storage": "int8"},
@@ -61,6 +67,9 @@ def _both(pair, family, config, pad=2, share=0.0):
 # knorm ranks keys by their norm; Gemma 3 and Llama 4 normalize their keys (k_norm / qk L2 norm), so that ranking is
 # decided by float noise: knorm runs on families without a key norm
 PRESS_FAMILIES = {press: ["jamba", "bamba"] if press == "knorm" else ["jamba", "gemma3"] for press in PRESSES}
+# expected_attention reads the pre-rotary queries from HF's modules (hybridcache/hf/queries.py): no rotary (Jamba),
+# one rotary table per layer type after a q-norm (Gemma 3), a partial rotary after a gated query's norm (Qwen3-Next)
+PRESS_FAMILIES["expected_attention"] = ["jamba", "gemma3", "qwen3_next"]
 
 
 @pytest.mark.parametrize(("press", "family"), [(p, f) for p, fams in PRESS_FAMILIES.items() for f in fams])
@@ -76,15 +85,15 @@ def test_press_keeps_what_our_model_keeps(pair, family, press):
     assert evicted, f"{press} evicted nothing: the test would not see a wrong eviction"
 
 
-def test_expected_attention_is_refused_by_name(pair):
-    """ExpectedAttention models future queries from the pre-rotary queries, which HF's attention functions never
-    receive: a named error, not a silent approximation."""
-    hf, _ = pair("gemma3")
+def test_expected_attention_without_a_query_projection_is_refused_by_name(hf_tiny):
+    """Phi-3 projects q, k and v in one matrix: the pre-rotary queries cannot be read from its modules, which is a
+    named error at its first forward, not a silent approximation."""
+    hf = hf_tiny("phi3")
     ids, mask = prompts(1, 9, seed=3)
-    with pytest.raises(BridgeError, match="pre-rotary"):
-        hf_generate(
-            hf, ids, mask, cache=cache_for(hf, {"attention": {"type": "expected_attention", "compression_ratio": 0.5}})
-        )
+    cache = cache_for(hf, {"attention": {"type": "expected_attention", "compression_ratio": 0.5}})
+    with pytest.raises(BridgeError, match="pre-rotary queries"):
+        hf_generate(hf, ids, mask, cache=cache)
+    assert cache.columns == 0  # the failed forward changed nothing
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
