@@ -152,11 +152,21 @@ class BridgeCache(HFCache):
             if bool(valid.all()):
                 valid = None  # every token real: our layers skip the masking work
         if tokens is not None and tokens != n:
-            if valid is not None:
-                raise BridgeError(
-                    f"{self.layout.model_type}: the model fed {tokens} tokens to its cache for {n} input tokens, so "
-                    "the attention mask's padding cannot be placed"
-                )
+            # CPM-Ant: its own prompt tokens go before the input, ahead of a row's left padding, which our cache
+            # cannot hold (padding only comes first); every layer of such a family attends with HF's mask (hf_masks:
+            # it hides the padding), so the block is fed as all real (seen then counts that padding). Its later
+            # forwards take the whole sequence and feed the cache only its last tokens.
+            if valid is not None and tokens > n:
+                if not self.hf_masks:
+                    raise BridgeError(
+                        f"{self.layout.model_type}: the model fed {tokens} tokens to its cache for {n} input tokens, "
+                        "so the attention mask's padding cannot be placed"
+                    )
+                valid = None
+            elif valid is not None:
+                valid = valid[:, -tokens:]
+                if bool(valid.all()):
+                    valid = None
             ids, n = None, tokens
         self.hybrid.begin_block(valid, n, ids=None if ids is None else ids.to(self.hybrid.device))
         self._block_ready = True
