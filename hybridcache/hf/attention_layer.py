@@ -84,10 +84,10 @@ class BridgeAttentionLayer(CacheLayerMixin):
             raise BridgeError("the bridge's cache layers hold their values themselves; they cannot be assigned")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: our layer was allocated with the cache, on the device the model's keys arrive on."""
+        """Nothing to do: our cache is built by the first `update` of a forward, on the device of its keys."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        self.bridge.open_block(key_states.shape[-2])
+        self.bridge.open_block(key_states.shape[-2], key_states.device)
         layer = self._attention_layer()
         width, dtype = layer.spec.head_dim, layer.spec.dtype
         view = layer.update(_widen(key_states, width, dtype), _widen(value_states, width, dtype))

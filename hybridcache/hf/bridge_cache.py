@@ -134,19 +134,25 @@ class BridgeCache(HFCache):
         self._pending = (tokens, valid, ids, batch)
         self.block_open = True
 
-    def open_block(self, tokens: int | None = None) -> None:
+    def open_block(self, tokens: int | None = None, device: torch.device | None = None) -> None:
         """Open this forward's block in our cache (once), for `tokens` columns: what the layers receive, which is
-        the input's length except in models that add tokens of their own (CPM-Ant's prompt) or feed fewer."""
+        the input's length except in models that add tokens of their own (CPM-Ant's prompt) or feed fewer.
+        `device`: where the calling layer's keys arrive; the first forward builds our cache there (lazy
+        initialization: a model moved after its probe is followed), and keys on another device are refused."""
         if not self.block_open:
             raise BridgeError(
                 "the cache is used outside a forward the bridge saw: run the model (or its decoder) that cache_for was "
                 "given, with this cache as its `cache` argument"
             )
         if self._block_ready:
+            self.check_device(device)
             return
         n, valid, ids, batch = self._pending
         if self.hybrid is None:
+            if device is not None:
+                self._device = device
             self._build(batch)
+        self.check_device(device)
         if valid is not None:
             valid = valid.to(self.hybrid.device)
             if bool(valid.all()):
@@ -170,6 +176,27 @@ class BridgeCache(HFCache):
             ids, n = None, tokens
         self.hybrid.begin_block(valid, n, ids=None if ids is None else ids.to(self.hybrid.device))
         self._block_ready = True
+
+    def layer_device(self, index: int) -> torch.device | None:
+        """Where HF decoder layer `index`'s weights live (its states are made there), None if the decoder keeps no
+        `layers` list: what a recurrent layer, which hands no keys, builds our cache by."""
+        model = self._model()
+        decoder = model.get_decoder() if model is not None and callable(getattr(model, "get_decoder", None)) else None
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or index >= len(layers):
+            return None
+        weight = next(layers[index].parameters(), None)
+        return None if weight is None else weight.device
+
+    def check_device(self, device: torch.device | None) -> None:
+        """Keys arriving on another device than our cache's (a model split over devices, or moved after its cache
+        was built) are a named error before anything is stored."""
+        if device is not None and self.hybrid is not None and torch.device(device) != self.hybrid.device:
+            raise BridgeError(
+                f"{self.layout.model_type}: keys arrive on {device}, and this cache lives on {self.hybrid.device}; a "
+                "hybridcache Cache keeps one device, so the bridge needs the model's cached layers on one device "
+                "(and a new cache_for after moving the model)"
+            )
 
     def end(self, failed: bool) -> None:
         if not self.block_open:

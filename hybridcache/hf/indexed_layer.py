@@ -36,7 +36,7 @@ class BridgeIndexedLayer(BridgeAttentionLayer):
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         """Add the block's indexer keys [B, T, D]; returns every cached one [B, S, D] (HF's contract)."""
-        self.bridge.open_block(indexer_key_states.shape[1])
+        self.bridge.open_block(indexer_key_states.shape[1], indexer_key_states.device)
         layer = self.bridge.cache_layer(self.index, "indexer")
         k = indexer_key_states[:, None]  # [B, 1, T, D]: one head
         k = k if k.dtype == layer.spec.dtype else k.to(layer.spec.dtype)

@@ -129,7 +129,7 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
     def _working(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This block's working states in HF's layout, made from our held states on first access."""
         if self._conv is None:
-            self.bridge.open_block()
+            self.bridge.open_block(device=self.bridge.layer_device(self.index))
             conv_name, rec_name = self._names
             held = self._state_layer().states
             (_, k), conv_dtype = self.state_shape.conv[0][0], self.state_shape.conv[0][1]
@@ -147,6 +147,7 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
         """HF's rule: with a previous state, the new inputs are appended to it and the full window returned;
         without one, the inputs themselves (left-padded to K). The working state keeps the last K."""
+        self.bridge.check_device(conv_states.device)
         k = self.conv_kernel_size[0]
         if self.bridge.columns > 0 or self._written:
             full = torch.cat([self._working()[0].to(conv_states.dtype), conv_states], dim=-1)
@@ -158,6 +159,7 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
         return full
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        self.bridge.check_device(recurrent_states.device)
         self._working()
         self._rec = recurrent_states
         self._written = True

@@ -99,6 +99,61 @@ def test_batch_size_builds_now_and_storage_lives_where_keys_arrive(hf_tiny):
     assert lazy.hybrid is None and lazy.batch_size == -1  # built by the first forward, for its batch
 
 
+def _stale_probe(model, device: str) -> None:
+    """Make the model's recorded layout say its cached layers live on `device`: what a probe says of a model moved
+    to another device after it (a CPU-only stand-in for a model whose keys arrive elsewhere than its probe saw)."""
+    from dataclasses import replace
+
+    from hybridcache.hf import build
+
+    layout = build.layout_of(model)
+    moved = tuple(
+        replace(
+            info,
+            attention=None if info.attention is None else replace(info.attention, device=torch.device(device)),
+            states=None if info.states is None else replace(info.states, device=torch.device(device)),
+        )
+        for info in layout.layers
+    )
+    build._LAYOUTS[model] = replace(layout, layers=moved, input_device=torch.device(device))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_the_cache_is_built_where_the_first_keys_arrive(hf_tiny, family):
+    """Lazy initialization: our cache is built by the first forward on the device of the keys HF's layers hand it,
+    not where the model's probe saw them (here a probe that says "meta" while the model runs on the CPU)."""
+    hf = hf_tiny(family)
+    ids, mask = prompts(2, 6, seed=18, pad=2)
+    want, _ = hf_generate(hf, ids, mask)
+    _stale_probe(hf, "meta")
+    cache = cache_for(hf)
+    got, _ = hf_generate(hf, ids, mask, cache=cache)
+    assert cache.hybrid.device == torch.device("cpu") and torch.equal(got, want)
+    for layer in cache.hybrid.layers:
+        assert all(t.device.type == "cpu" for t in layer.snapshot().tensors.values())
+
+
+def test_keys_on_another_device_than_the_cache_are_refused_by_name(hf_tiny):
+    """A model whose attention layer hands its keys from another device than the cache was built on (its Mamba
+    layers, on the CPU, built it): here Jamba's attention projections move their outputs to "meta", the CPU-only
+    stand-in for a second device. A named error that says both devices; the forward changed nothing."""
+    hf = hf_tiny("jamba")
+    cache = cache_for(hf)
+    ids, mask = prompts(1, 4, seed=19)
+    attention = next(m for m in hf.modules() if type(m).__name__.endswith("Attention"))
+    handles = [p.register_forward_hook(lambda m, a, out: out.to("meta")) for p in (attention.k_proj, attention.v_proj)]
+    try:
+        with pytest.raises(BridgeError, match="keys arrive on meta, and this cache lives on cpu"), torch.no_grad():
+            hf(input_ids=ids, attention_mask=mask, cache=cache)
+    finally:
+        for h in handles:
+            h.remove()
+    assert cache.columns == 0 and not cache.block_open
+    with torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask, cache=cache)  # the same cache serves the model afterwards
+    assert cache.columns == 4
+
+
 def test_a_mask_with_padding_after_tokens_is_refused(hf_tiny):
     hf = hf_tiny("llama")
     ids, mask = prompts(1, 5, seed=17)
