@@ -27,6 +27,7 @@ from hybridcache.hf.errors import BridgeConfigError, BridgeError
 from hybridcache.hf.hybrid_layer import BridgeHybridLayer
 from hybridcache.hf.indexed_layer import BridgeIndexedLayer
 from hybridcache.hf.layout import ModelLayout
+from hybridcache.hf.multi_state_layer import BridgeMultiStateLayer
 from hybridcache.hf.native import BridgePlan
 from hybridcache.hf.queries import query_inputs
 from hybridcache.hf.state_layer import BridgeStateLayer
@@ -67,6 +68,8 @@ class BridgeCache(HFCache):
                 layers.append(DummyLayer())
             elif not info.cached:
                 layers.append(UnusedLayer(info.index))
+            elif info.index in bridge.parts:
+                layers.append(BridgeMultiStateLayer(self, info.index, info.attention, bridge.parts[info.index]))
             elif info.indexer_dim is not None:
                 layers.append(BridgeIndexedLayer(self, info.index, info.attention, info.indexer_dim))
             elif info.attention is not None and info.states is not None:
@@ -210,7 +213,7 @@ class BridgeCache(HFCache):
                 return
             try:
                 for layer in self.layers:
-                    if isinstance(layer, BridgeStateLayer):
+                    if isinstance(layer, (BridgeStateLayer, BridgeMultiStateLayer)):
                         layer.flush()
                 unread = [
                     layer

@@ -22,8 +22,10 @@ our cache entries and `translate_config` rewrites a config's `layers:` keys acco
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from hybridcache.cache import NativeGroup, NativeLayer
 from hybridcache.hf.errors import BridgeConfigError, BridgeError
@@ -33,12 +35,25 @@ GATED_DELTA_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", 
 
 
 @dataclass(frozen=True)
+class PartSpec:
+    """One HF state of a multi-state layer (multi_state_layer.py): `conv` or `recurrent` and its `state_idx`, our
+    group member holding it, HF's width (a conv state's columns; 0 for a 1-d state) and dtype."""
+
+    kind: str
+    state_idx: int
+    member: str
+    width: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class BridgePlan:
     """Our native layers for the cached HF layers, and where each HF layer's cache lives among them."""
 
     native: tuple[NativeLayer | NativeGroup, ...]
     entry_of: Mapping[int, int]  # HF layer index -> our cache entry index (cached layers only)
     state_type: Mapping[int, str]  # HF layer index -> our recurrent type (layers with states)
+    parts: Mapping[int, tuple[PartSpec, ...]] = field(default_factory=dict)  # layers with several states
 
 
 def attention_native(info: LayerInfo) -> NativeLayer:
@@ -104,14 +119,47 @@ def state_native(model_type: str, index: int, s: StateShape) -> NativeLayer:
     )
 
 
+def multi_state_members(model_type: str, info: LayerInfo) -> tuple[dict[str, NativeLayer], tuple[PartSpec, ...]]:
+    """Our `conv` members for a layer with attention and several states, or a 1-d recurrent state (Inkling's four
+    short convolutions; ZAYA's conv state and delayed value [C]): one member per state. A 1-d state [C] is the
+    previous token's input, a width-2 conv state. Raises a `BridgeError` naming the shapes for anything else."""
+    s = info.states
+    members: dict[str, NativeLayer] = {}
+    parts: list[PartSpec] = []
+    for i, ((c, k), dtype) in sorted(s.conv.items()):
+        members[f"conv{i}"] = NativeLayer("conv", dict(channels=c, conv_kernel=k, dtype=dtype))
+        parts.append(PartSpec("conv", i, f"conv{i}", k, dtype))
+    for i, (shape, dtype) in sorted(s.recurrent.items()):
+        if len(shape) != 1 or info.attention is None:
+            raise BridgeError(
+                f"{model_type}: layer {info.index} keeps {len(s.conv)} conv and {len(s.recurrent)} recurrent states "
+                f"(recurrent state {i}: {list(shape)}); the bridge maps several states per layer only as conv "
+                "states and 1-d states beside an attention cache"
+            )
+        members[f"state{i}"] = NativeLayer("conv", dict(channels=shape[0], conv_kernel=2, dtype=dtype))
+        parts.append(PartSpec("recurrent", i, f"state{i}", 0, dtype))
+    return members, tuple(parts)
+
+
+def _several_states(info: LayerInfo) -> bool:
+    s = info.states
+    return info.attention is not None and (len(s.conv) > 1 or any(len(sh) == 1 for sh, _ in s.recurrent.values()))
+
+
 def bridge_plan(layout: ModelLayout) -> BridgePlan:
     native: list[NativeLayer | NativeGroup] = []
     entry_of: dict[int, int] = {}
     state_type: dict[int, str] = {}
+    parts: dict[int, tuple[PartSpec, ...]] = {}
     for info in layout.layers:
         if not info.cached:
             continue
         attn = attention_native(info) if info.attention is not None else None
+        if info.states is not None and _several_states(info):
+            members, parts[info.index] = multi_state_members(layout.model_type, info)
+            entry_of[info.index] = len(native)
+            native.append(NativeGroup({"attention": attn, **members}))
+            continue
         state = state_native(layout.model_type, info.index, info.states) if info.states is not None else None
         if state is not None:
             state_type[info.index] = state.type
@@ -125,7 +173,7 @@ def bridge_plan(layout: ModelLayout) -> BridgePlan:
             native.append(attn or state)
     if not native:
         raise BridgeError(f"{layout.model_type}: no layer of this model keeps a cache")
-    return BridgePlan(tuple(native), entry_of, state_type)
+    return BridgePlan(tuple(native), entry_of, state_type, parts)
 
 
 def translate_config(config: Mapping[str, Any] | None, plan: BridgePlan, layout: ModelLayout) -> dict[str, Any]:

@@ -27,7 +27,20 @@ def _decode(model, cache, ids, mask, tokens):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_crop_rewinds_recurrent_states(pair, family):
-    hf, _ = pair(family)
+    _check_crop(pair(family)[0])
+
+
+@pytest.mark.parametrize("family", ["inkling_text", "zaya"])
+def test_crop_rewinds_every_state_of_a_multi_state_layer(hf_tiny, family):
+    """HF-only families with several states per layer (Inkling: four short convolutions; ZAYA: a conv state and the
+    previous token's delayed value), each one member of a group (hybridcache/hf/multi_state_layer.py)."""
+    hf = hf_tiny(family)
+    members = {p.member for p in cache_for(hf).plan.layers if p.index == 0}
+    assert len(members) >= 3, members  # attention and at least two states
+    _check_crop(hf)
+
+
+def _check_crop(hf):
     ids, mask = prompts(2, 6, seed=13, pad=2)
     wrong = torch.randint(3, 300, (2, 3), generator=torch.Generator().manual_seed(2))
     right = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(3))
