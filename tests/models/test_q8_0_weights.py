@@ -23,7 +23,8 @@ def test_every_matrix_is_the_original_within_half_a_block_step(checkpoints):
         if isinstance(m, nn.Linear):
             ref, scale = plain[name].weight, m._buffers["scale"]
             assert m.weight.dtype == torch.int8 and scale.dtype == torch.float16, name
-            assert torch.equal(scale, (ref.unflatten(-1, (-1, 32)).abs().amax(-1) / 127).half()), name
+            amax = ref.unflatten(-1, (-1, 32)).abs().amax(-1)
+            assert bool((scale >= (amax / 127).half()).all() and (scale <= (amax / 119).half()).all()), name
             err = (q8_0.dequantize(m.weight, scale) - ref).unflatten(-1, (-1, 32)).abs()
             assert bool((err <= scale.float()[..., None] / 2 * (1 + 1e-3) + 1e-12).all()), name
             seen += 1
