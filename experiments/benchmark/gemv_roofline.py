@@ -1,7 +1,7 @@
 """Where the batch-1 GEMV's time goes: per weight type, on one thread, the decode kernel against a plain read of the
 same bytes, from DRAM and from L2.
 
-For float32 / bfloat16 / int8 weights (Gemma 3 270M's head, 262144 x 640, on 2 MiB pages) each round times
+For float32 / bfloat16 / int8 / q8_0 weights (Gemma 3 270M's head, 262144 x 640, on 2 MiB pages) each round times
 (1) a read-only stream of the matrix's bytes (integer adds of every 32-byte vector: the read roofline for exactly
 these bytes, no floating point), (2) hc_linear_* at batch 1 over it, then both again over a 512 KiB matrix that stays
 in L2 (called back to back): the kernel's compute ceiling, with no DRAM in the way. One thread, timed by its own CPU
@@ -47,7 +47,13 @@ long long read_bytes(const unsigned char *p, size_t n) { /* n: a multiple of 128
 }
 """
 K, N, L2_BYTES = 640, 262144, 512 * 1024  # the small matrix: half of a 1 MiB L2
-FORMATS = {"float32": ("hc_linear_f32", 4), "bfloat16": ("hc_linear_bf16", 2), "int8": ("hc_linear_i8", 1)}
+# format -> (kernel, bytes per weight as the read roofline counts them: q8_0 reads a float16 scale per 32 weights)
+FORMATS = {
+    "float32": ("hc_linear_f32", 4),
+    "bfloat16": ("hc_linear_bf16", 2),
+    "int8": ("hc_linear_i8", 1),
+    "q8_0": ("hc_linear_q8_0", 1),
+}
 
 
 def compile_probe(tmp: Path) -> ctypes.CDLL:
@@ -60,7 +66,7 @@ def compile_probe(tmp: Path) -> ctypes.CDLL:
 
 
 def matrix(fmt: str, rows: int, g: torch.Generator) -> torch.Tensor:
-    if fmt == "int8":
+    if fmt in ("int8", "q8_0"):
         return torch.randint(-127, 128, (rows, K), generator=g, dtype=torch.int8)
     w = torch.randn(rows, K, generator=g)
     return w.to(torch.bfloat16) if fmt == "bfloat16" else w
@@ -95,17 +101,22 @@ def main() -> None:
             big, small = matrix(fmt, N, g), matrix(fmt, small_rows, g)
             collapse([big])
             x, scale = torch.randn(1, K, generator=g), torch.rand(N, generator=g) if fmt == "int8" else None
+            if fmt == "q8_0":  # its scales: a float16 per block of 32, read as part of the stream
+                scale, small_scale = (torch.rand(r, K // 32, generator=g).half() for r in (N, small_rows))
             y = torch.empty(1, N)
             kernel = getattr(lib, name)
             rates: dict[str, list[float]] = {k: [] for k in ("read", "gemv", "read L2", "gemv L2")}
             for _ in range(args.rounds):
                 for key, w, rows, min_s, min_calls in (("", big, N, 0.3, 3), (" L2", small, small_rows, 0.15, 50)):
-                    nbytes = rows * K * size
+                    nbytes = wbytes = rows * K * size  # what the kernel reads; the probe reads the weights
                     sc = ptr(scale.data_ptr()) if scale is not None else None
+                    if fmt == "q8_0":
+                        s = scale if key == "" else small_scale
+                        sc, nbytes = ptr(s.data_ptr()), nbytes + s.numel() * 2
                     sizes = (c_int(1), c_int(rows), c_int(K))
                     call = (ptr(x.data_ptr()), ptr(w.data_ptr()), ptr(y.data_ptr()), sc, None, *sizes)
-                    read = (ptr(w.data_ptr()), ctypes.c_size_t(nbytes // 128 * 128))
-                    rates["read" + key].append(nbytes / per_call(probe.read_bytes, read, min_s, min_calls))
+                    read = (ptr(w.data_ptr()), ctypes.c_size_t(wbytes // 128 * 128))
+                    rates["read" + key].append(wbytes / per_call(probe.read_bytes, read, min_s, min_calls))
                     rates["gemv" + key].append(nbytes / per_call(kernel, call, min_s, min_calls))
             med = {k: statistics.median(v) / 1e9 for k, v in rates.items()}
             share = statistics.median(a / b for a, b in zip(rates["gemv"], rates["read"]))
@@ -130,7 +141,7 @@ def decode_roofline(probe: ctypes.CDLL, rounds: int, tokens: int = 64) -> None:
     read = (ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel() * 4))
     prompt = torch.randint(10, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
     path = real_checkpoint("gemma3_270m")
-    for weights in (None, "bfloat16", "int8"):
+    for weights in (None, "bfloat16", "int8", "q8_0"):
         model = hc.from_pretrained(path, weights=weights)
         nbytes = weight_read_bytes(model)["weights"]
         steps, reads = [], []

@@ -1,9 +1,9 @@
 """reference=llamacpp in the benchmark: llama.cpp (llama-cpp-python, its own interpreter, a subprocess) on the same
 GGUF our real Gemma 3 270M is dequantized from, requantized by llama.cpp to the precision of each of our weight formats
-(ours float32 / bfloat16-packed / int8-packed vs llama.cpp f32 / bf16 / q8_0), batch 1 and the benchmark's largest
-other batch size (B sequences decoded together in one llama.cpp context), the benchmark's threads, prompts and new
-tokens. Each phase is judged like ours (experiments/timing.judge); greedy tokens are compared with ours at the
-same precision. Absent llama.cpp (or another model): skipped with one line saying why.
+(ours float32 / bfloat16-packed / int8-packed / q8_0-packed vs llama.cpp f32 / bf16 / q8_0 / q8_0), batch 1 and the
+benchmark's largest other batch size (B sequences decoded together in one llama.cpp context), the benchmark's
+threads, prompts and new tokens. Each phase is judged like ours (experiments/timing.judge); greedy tokens are compared
+with ours at the same precision. Absent llama.cpp (or another model): skipped with one line saying why.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ REAL_MODEL = "gemma3_270m"
 def llamacpp_precision(fmt: str | None, dtype: str) -> str | None:
     """The llama.cpp precision matching one of our weight formats (None: no counterpart). `fmt` None: the model's
     own dtype."""
-    if fmt == "int8":
+    if fmt in ("int8", "q8_0"):  # our q8_0 is llama.cpp's block layout; our int8 (one scale per row) the nearest
         return "q8_0"
     kind = fmt or dtype
     return {"float32": "f32", "bfloat16": "bf16"}.get(kind)
