@@ -41,22 +41,42 @@ static void q8_quantize_row(const float *x, int8_t *q, float *d, int K) {
   }
 }
 
-/* The int32 sum of 32 products of one weight block and one activation block, as a vector of partial sums (avx2:
-   8 int32 lanes as floats, summed by the caller after scaling) or a scalar. */
+/* The products of one weight block and one activation block as 8 int32 partial sums (their total is the block's
+   exact int32 sum). */
 #if defined(__AVX2__)
 #define Q8_SIMD 1
-static inline __m256 q8_block_dot(const int8_t *w, const int8_t *x) {
+static inline __m256i q8_block_dot(const int8_t *w, const int8_t *x) {
   __m256i wv = _mm256_loadu_si256((const __m256i *)w), xv = _mm256_loadu_si256((const __m256i *)x);
   __m256i aw = _mm256_sign_epi8(wv, wv), sx = _mm256_sign_epi8(xv, wv); /* |w| (unsigned), x with w's sign */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  __m256i s32 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
 #else
-  __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
 #endif
-  return _mm256_cvtepi32_ps(s32);
 }
-static inline float q8_hsum(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+/* The exact int32 sums of 4 consecutive blocks (w and x 32 apart), lane i = block i: two rounds of hadd and one add
+   of the halves, where a float multiply-add per block cost more than the products themselves (measured: the L2
+   compute ceiling 20.6 -> see docs/benchmarks.md). */
+static inline __m128i q8_dot4(const int8_t *w, const int8_t *x) {
+  __m256i h01 = _mm256_hadd_epi32(q8_block_dot(w, x), q8_block_dot(w + 32, x + 32));
+  __m256i h23 = _mm256_hadd_epi32(q8_block_dot(w + 64, x + 64), q8_block_dot(w + 96, x + 96));
+  __m256i h = _mm256_hadd_epi32(h01, h23); /* [b0 b1 b2 b3 | b0 b1 b2 b3], each half its lanes' part */
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+static inline int32_t q8_hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+static inline __m128 q8_scales4(const uint16_t *s) { /* 4 float16 scales -> float32 */
+#if defined(__F16C__)
+  return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s));
+#else
+  return _mm_setr_ps(half_to_float(s[0]), half_to_float(s[1]), half_to_float(s[2]), half_to_float(s[3]));
+#endif
+}
+static inline float q8_hsum_ps(__m128 s) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
@@ -70,7 +90,8 @@ static inline int32_t q8_block_dot_scalar(const int8_t *w, const int8_t *x) {
   return s;
 }
 
-/* R (<= 4) rows of w from n against one quantized row of x (xq [K], xd [K / 32]): y[n .. n + R). */
+/* R (<= 4) rows of w from n against one quantized row of x (xq [K], xd [K / 32]): y[n .. n + R). Each block adds
+   (d_w * d_x) * isum in float32: 4 blocks at a time as one 4-lane multiply-add, the last K / 32 % 4 one by one. */
 static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, const float *xd, const int8_t *w,
                                                           const uint16_t *scale, const float *bias, float *y, int R,
                                                           int n, int K, int prefetch) {
@@ -78,23 +99,30 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
   const int8_t *w0 = w + (size_t)n * K;
   const uint16_t *s0 = scale + (size_t)n * G;
 #if Q8_SIMD
-  __m256 acc[4];
-  for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-  /* a thread's tiles are consecutive rows: prefetch PF_TILES tiles ahead in order (as gemv.c's batch-1 tile) */
+  __m128 acc[4];
+  for (int r = 0; r < 4; r++) acc[r] = _mm_setzero_ps();
+  /* a thread's tiles are consecutive rows: prefetch PF_TILES tiles ahead in order (as gemv.c's batch-1 tile), one
+     line per 64 bytes of each row */
   const uintptr_t ahead = (uintptr_t)w0 + (uintptr_t)PF_TILES * 4 * (size_t)K;
-  for (int b = 0; b < G; b++) {
+  int b = 0;
+  for (; b + 4 <= G; b += 4) {
     if (prefetch)
-      for (int r = 0; r < R; r++) /* this block reads R x 32 bytes; one line ahead per row half-block */
-        __builtin_prefetch((const void *)(ahead + ((size_t)r * K + (size_t)b * Q8_BLOCK)), 0, PF_LOCALITY);
+      for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4 * Q8_BLOCK; c += 64)
+          __builtin_prefetch((const void *)(ahead + (size_t)r * K + (size_t)b * Q8_BLOCK + c), 0, PF_LOCALITY);
     const int8_t *xb = xq + (size_t)b * Q8_BLOCK;
-    float dx = xd[b];
+    __m128 dx = _mm_loadu_ps(xd + b);
     for (int r = 0; r < R; r++) {
-      __m256 p = q8_block_dot(w0 + (size_t)r * K + (size_t)b * Q8_BLOCK, xb);
-      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(half_to_float(s0[(size_t)r * G + b]) * dx), acc[r]);
+      __m128 p = _mm_cvtepi32_ps(q8_dot4(w0 + (size_t)r * K + (size_t)b * Q8_BLOCK, xb));
+      acc[r] = _mm_fmadd_ps(p, _mm_mul_ps(q8_scales4(s0 + (size_t)r * G + b), dx), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) {
-    float s = q8_hsum(acc[r]);
+    float s = q8_hsum_ps(acc[r]);
+    for (int bb = b; bb < G; bb++) {
+      int32_t isum = q8_hsum_i32(q8_block_dot(w0 + (size_t)r * K + (size_t)bb * Q8_BLOCK, xq + (size_t)bb * Q8_BLOCK));
+      s += (float)isum * (half_to_float(s0[(size_t)r * G + bb]) * xd[bb]);
+    }
     y[n + r] = bias ? s + bias[n + r] : s;
   }
 #else
