@@ -84,7 +84,7 @@ class ModelSchema:
     seed: int = 0  # seed of the tiny checkpoint
     size: str = "tiny"  # tiny | 20m (jamba) | vllm: the default checkpoint's size
     dtype: str = "float32"
-    weights: str | None = None  # null: projections in dtype; bfloat16 | int8: packed
+    weights: str | None = None  # null: projections in dtype; bfloat16 | int8 | q8_0: packed
     device: str = "cpu"
 
 

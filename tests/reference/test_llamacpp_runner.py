@@ -193,6 +193,7 @@ def test_precisions_pair_our_formats():
     assert llamacpp_precision(None, "float32") == "f32"
     assert llamacpp_precision("bfloat16", "float32") == "bf16"
     assert llamacpp_precision("int8", "float32") == "q8_0"
+    assert llamacpp_precision("q8_0", "float32") == "q8_0"
     assert llamacpp_precision("int4", "float32") is None
 
 
