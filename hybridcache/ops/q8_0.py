@@ -1,10 +1,11 @@
 """The q8_0 weight format (llama.cpp's block layout) in pure torch: packing, dequantizing, and the linear layer.
 
 A matrix w [N, K] is stored as int8 q [N, K] and a float16 scale [N, K / 32] per block of 32 weights along K
-(w ~= q * scale, scale ~= max|block| / 127, see `pack`). The linear layer quantizes its input the same way at run time (per
-row and block: d = max|x| / 127 in float32, q = x * (1 / d) rounded to nearest even) and sums the blocks' products
-(d_w * d_x) * sum(q_w * q_x): the arithmetic of the C kernel hc_linear_q8_0 (accel/native/csrc/gemv_q8_0.c),
-here with the blocks' dequantized values in one matmul (the same numbers up to float32 rounding).
+(w ~= q * scale, scale ~= max|block| / 127, see `pack`). The linear layer quantizes its input the same way at run
+time (per row and block: d = max|x| / 127 in float32, q = x * (1 / d) rounded to nearest even) and sums the
+blocks' products (d_w * d_x) * sum(q_w * q_x): the arithmetic of the C kernel hc_linear_q8_0
+(accel/native/csrc/gemv_q8_0.c), here with the blocks' dequantized values in one matmul (the same numbers up to
+float32 rounding).
 """
 
 from __future__ import annotations
