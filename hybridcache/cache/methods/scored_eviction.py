@@ -250,6 +250,11 @@ class ScoredEvictionLayer(AttentionCacheLayer):
         model future queries, the pre-rotary queries)."""
         if self._staged is None:
             raise CacheError(f"{self.name}: observe_attention needs the block's update first")
+        rows = self.scorer.query_rows()
+        if weights is not None and rows is not None and weights.shape[2] > rows:
+            # kept until the block ends, in every layer: only the rows the score reads (the last queries; with
+            # left padding they are each row's last real ones), not [B, Hq, T, S] per layer
+            weights = weights[:, :, -rows:].clone()
         self._observed = (weights, queries)
 
     # -- scores ------------------------------------------------------------------------------------------------
@@ -274,7 +279,10 @@ class ScoredEvictionLayer(AttentionCacheLayer):
             keys, values = self.read()
             keys = torch.cat([keys, staged.k], 2)
             values = torch.cat([values, staged.v], 2)
-        return ScoreContext(keys, values, pos, block.positions, seen, weights, queries)
+        query_positions = block.positions  # [B, T]; those of the rows kept when observe_attention kept fewer
+        if weights is not None and weights.shape[2] < block.tokens:
+            query_positions = query_positions[:, -weights.shape[2] :]
+        return ScoreContext(keys, values, pos, query_positions, seen, weights, queries)
 
     def _commit_staged(self, staged) -> None:
         old = {name: getattr(self, name) for name in self._slot_state}

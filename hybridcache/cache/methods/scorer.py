@@ -32,9 +32,9 @@ class ScoreContext:
     keys: torch.Tensor  # [B, Hkv, S, D] the view's keys (rotary applied), decoded
     values: torch.Tensor  # [B, Hkv, S, D]
     positions: torch.Tensor  # [B, S] or [B, Hkv, S]: the slots' positions, -1 empty
-    query_positions: torch.Tensor  # [B, T] the block's, -1 padding
+    query_positions: torch.Tensor  # [B, T] the block's, -1 padding (the last T of them: `Scorer.query_rows`)
     seen: torch.Tensor  # [B] real tokens per row after the block
-    weights: torch.Tensor | None  # [B, Hq, T, S] the block's attention weights over the slots
+    weights: torch.Tensor | None  # [B, Hq, T, S] the block's attention weights over the slots (its last T queries)
     queries: QueryInputs | None
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # the scorer's slot_state [B, (Hs,) S]
 
@@ -63,6 +63,13 @@ class Scorer:
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         raise NotImplementedError
+
+    def query_rows(self) -> int | None:
+        """How many of the block's last queries `score` reads the attention weights of (None: all of them). The
+        layer keeps only those rows between the attention call and the block's end (and `ctx.query_positions`
+        then holds their positions): with every layer's weights [B, Hq, T, S] held until then, a long prompt's
+        peak memory is theirs."""
+        return None
 
     def observe(self, ctx: ScoreContext) -> dict[str, torch.Tensor]:
         """New values of the `slot_state` tensors after this block (ctx.state holds the current ones)."""

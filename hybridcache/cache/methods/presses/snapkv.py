@@ -48,6 +48,9 @@ class SnapKV(Scorer):
 
     needs_weights = True
 
+    def query_rows(self) -> int:
+        return self.spec.window_size  # each row's last window_size real queries: the block's last columns
+
     def score(self, ctx):
         return snapkv_scores(ctx, self.spec.window_size, self.spec.kernel_size)
 

@@ -23,6 +23,9 @@ class Tova(Scorer):
 
     needs_weights = True
 
+    def query_rows(self) -> int:
+        return 1  # the last query (each row's last real token, with left padding)
+
     def score(self, ctx):
         last = ctx.weights[:, :, -1, :].mean(1, keepdim=True).double()  # [B, 1, S]
         if self.spec.mode != "continuous":
