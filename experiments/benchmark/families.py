@@ -71,6 +71,7 @@ def measure(family: str, size: str = "tiny", repeats: int = 5, tmp: str | None =
     path = _checkpoint(family, size, tmp or tempfile.gettempdir())
     ours = hc.from_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    hf.generation_config.eos_token_id = None  # else HF falls back to the checkpoint's eos and may stop early
     gen_cfg = transformers.GenerationConfig(
         max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=None
     )
@@ -122,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{family}: failed: {type(err).__name__}: {err}", flush=True)
                 continue
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    print(f"\n{PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, batch 1, greedy, medians of {args.repeats}, "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(
+        f"\n{PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, batch 1, greedy, medians of {args.repeats}, "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
     print(table(rows))
 
 
