@@ -62,3 +62,30 @@ class ReservingCache(Protocol):
     def reserve_decode(self, tokens: int) -> list[ReservedSlots] | None: ...
 
     def feed_reserved(self, ids: torch.Tensor | None) -> None: ...
+
+
+@runtime_checkable
+class StateSlots(Protocol):
+    """A recurrent cache layer as the recurrent mixers' one-call steps see it (accel/recurrent_mixers.py):
+    `states` (name -> the current state, e.g. "conv" [B, C, K-1], "ssm" [B, H, P, N], in the spec's dtypes) and
+    `update(**states)`, which takes the new states of the open block and commits them with it (a failed block drops
+    them); `trail_length(tokens)`: how many interior states a block hands over (0 for one token)."""
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]: ...
+
+    def update(self, valid: Any = None, trail: Any = None, **new_states: torch.Tensor) -> None: ...
+
+    def trail_length(self, tokens: int) -> int: ...
+
+
+_STATE_TYPES: dict[type, bool] = {}
+
+
+def holds_states(layer: Any) -> bool:
+    """Whether `layer` is a StateSlots, judged on its class once (an isinstance check would evaluate `states`)."""
+    kind = type(layer)
+    ok = _STATE_TYPES.get(kind)
+    if ok is None:
+        ok = _STATE_TYPES[kind] = all(hasattr(kind, n) for n in ("states", "update", "trail_length"))
+    return ok

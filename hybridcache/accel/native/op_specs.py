@@ -387,8 +387,18 @@ SPECS: tuple[OpSpec, ...] = (
 )
 
 
+# A recurrent mixer's one-token step in one call (csrc/recurrent_step.c; accel/recurrent_mixers.py): eager only,
+# called through native/recurrent_step.py's checked wrappers (no torch op: under torch.compile the reference runs).
+RECURRENT_SIGNATURES: dict[str, tuple[object, list]] = {
+    "hc_short_conv_step": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 7 + [_I] + [_P] * 4),
+    "hc_mamba2_step": (
+        None,
+        [_P] + [_I] * 7 + [_P, _I] + [_P] * 9 + [_F, _F] + [_P] * 2 + [_I, _P, _F, _P, _I] + [_P] * 4,
+    ),
+}
+
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).
-SIGNATURES: dict[str, tuple[object, list]] = {**INFO_SIGNATURES, **STACK_SIGNATURES}
+SIGNATURES: dict[str, tuple[object, list]] = {**INFO_SIGNATURES, **STACK_SIGNATURES, **RECURRENT_SIGNATURES}
 for _spec in SPECS:
     SIGNATURES.update(_spec.c)
 

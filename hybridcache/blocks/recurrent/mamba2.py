@@ -109,6 +109,7 @@ class Mamba2Mixer(nn.Module):
         group = self.intermediate // n_groups
         self.norm = GatedRMSNorm(self.intermediate, group, eps, norm_before_gate) if rms_norm else None
         self.out_proj = nn.Linear(self.intermediate, hidden, bias=use_bias if out_bias is None else out_bias)
+        self.accel = None  # hybridcache.accel's fast path for this mixer, once installed
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Mamba2Mixer:
@@ -141,6 +142,10 @@ class Mamba2Mixer(nn.Module):
         return h.dtype
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        if self.accel is not None:
+            out = self.accel(h, layer, step)  # the fast path (a decode step in one call), where it takes this call
+            if out is not None:
+                return out
         dtype, cd, tokens = h.dtype, self._compute_dtype(h), h.shape[1]
         g, n = self.n_groups, self.state_size
 

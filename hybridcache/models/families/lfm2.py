@@ -16,12 +16,11 @@ from torch import nn
 
 from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.recurrent.trail import conv_trail
+from hybridcache.blocks.recurrent.short_conv import ShortConv
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.family_config import FamilyConfig, attention_problems, length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
-from hybridcache.ops import causal_conv1d, causal_conv1d_step
 
 LAYER_TYPES = ("conv", "full_attention")
 
@@ -79,35 +78,6 @@ class Lfm2Config(FamilyConfig):
             size = int(self.block_ffn_dim_multiplier * int(2 * size / 3))
             size = self.block_multiple_of * ((size + self.block_multiple_of - 1) // self.block_multiple_of)
         return size
-
-
-class ShortConv(nn.Module):
-    """LFM2's gated short convolution (HF names): B, C, x = in_proj(h); y = C * causal_conv(B * x); out_proj(y).
-
-    The conv state holds the last K-1 conv inputs (B * x); left padding enters as zeros, so it leaves the state as
-    it was (the empty state is zeros too).
-    """
-
-    def __init__(self, hidden: int, kernel: int, bias: bool = False) -> None:
-        super().__init__()
-        self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, padding=kernel - 1, bias=bias)
-        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
-
-    def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
-        b, c, x = self.in_proj(h).chunk(3, dim=-1)  # [B, T, D] each
-        bx = step.mask_padding(b * x)
-        weight, state = self.conv.weight.squeeze(1), layer.states["conv"]  # [D, K], [B, D, K-1]
-        if h.shape[1] == 1:
-            y, new_state = causal_conv1d_step(bx[:, 0], weight, self.conv.bias, state)  # [B, D]
-            y = y[:, None]
-        else:
-            y, new_state = causal_conv1d(bx.transpose(1, 2), weight, self.conv.bias, state)  # [B, D, T]
-            y = y.transpose(1, 2)
-        m = layer.trail_length(h.shape[1])  # checkpoints on: hand over the conv states inside the block too
-        trail = {"trail": {"conv": conv_trail(state, bx.transpose(1, 2), m).to(state.dtype)}} if m > 0 else {}
-        layer.update(conv=new_state.to(state.dtype), **trail)
-        return self.out_proj(c * y)  # [B, T, D]
 
 
 class Lfm2DecoderLayer(nn.Module):

@@ -1,0 +1,113 @@
+/* A recurrent mixer's one-token decode step in one call: LFM2's gated short convolution (hc_short_conv_step) and the
+   Mamba2 SSD mixer (hc_mamba2_step): input projection, the depthwise causal conv step over the carried inputs, the
+   state update, the gate and the output projection, with no interpreter between them. Part of cpu_decode.c (after
+   fused_layer.c, whose linear_any they use). The states are read from `*_state` and the new ones written to
+   `*_out` (never the same memory: the caller hands them to the cache, which commits them). */
+#include "hc_internal.h"
+
+static inline float silu_f(float x) { return x / (1.0f + expf(-x)); }
+static inline float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* One step of a depthwise causal conv of width K over C channels of B rows: window = [state (K-1 inputs, oldest
+   first), xin], y[c] = sum_j window[j] * w[c, j] in order j = 0..K-1, + bias[c] (NULL: none), silu when act;
+   state_out [B, C, K-1] = the window's last K-1. xin: row stride xs; y: row stride ys. */
+static void conv_step(const float *xin, long xs, int B, int C, int K, const float *w, const float *bias,
+                      const float *state, float *state_out, int act, float *y, long ys) {
+  for (int b = 0; b < B; b++)
+    for (int c = 0; c < C; c++) {
+      const float *s = state + ((size_t)b * C + c) * (K - 1), *wc = w + (size_t)c * K;
+      float *so = state_out + ((size_t)b * C + c) * (K - 1);
+      float x = xin[b * xs + c];
+      float acc = K > 1 ? s[0] * wc[0] : x * wc[0];
+      for (int j = 1; j < K; j++) acc += (j < K - 1 ? s[j] : x) * wc[j];
+      if (bias) acc += bias[c];
+      y[b * ys + c] = act ? silu_f(acc) : acc;
+      for (int j = 0; j + 1 < K - 1; j++) so[j] = s[j + 1];
+      if (K > 1) so[K - 2] = x;
+    }
+}
+
+/* LFM2 ShortConv, one token per row of x [B, D]: (b, c, u) = in_proj(x) [B, 3D] (thirds in that order), the conv
+   step (no activation) of b * u with state [B, D, K-1] -> state_out, g = c * conv, y [B, D] = out_proj(g).
+   scratch: [B, 5D] floats. */
+void hc_short_conv_step(const float *x, int B, int D, int K, const void *w_in, int in_type, const float *in_scale,
+                        const float *in_bias, const float *conv_w, const float *conv_b, const float *state,
+                        float *state_out, const void *w_out, int out_type, const float *out_scale,
+                        const float *out_bias, float *scratch, float *y) {
+  float *proj = scratch, *bx = proj + (size_t)B * 3 * D, *g = bx + (size_t)B * D;
+  linear_any(in_type, x, w_in, proj, in_scale, in_bias, B, 3 * D, D);
+  for (int b = 0; b < B; b++)
+    for (int d = 0; d < D; d++) bx[(size_t)b * D + d] = proj[(size_t)b * 3 * D + d] * proj[(size_t)b * 3 * D + 2 * D + d];
+  conv_step(bx, D, B, D, K, conv_w, conv_b, state, state_out, 0, g, D);
+  for (int b = 0; b < B; b++)
+    for (int d = 0; d < D; d++) g[(size_t)b * D + d] *= proj[(size_t)b * 3 * D + D + d];
+  linear_any(out_type, g, w_out, y, out_scale, out_bias, B, D, D);
+}
+
+/* The Mamba2 mixer, one token per row of x [B, Dm], with H heads of P channels (I = H P), G groups of state size N,
+   conv width K over Cc = I + 2 G N channels:
+     (z [I], xbc [Cc], dt [H]) = in_proj(x); xbc = silu(conv step(xbc)) with conv_state [B, Cc, K-1];
+     (u [H, P], Bg [G, N], Cg [G, N]) = xbc; dt = clamp(softplus(dt + dt_bias), lo, hi); A = -exp(A_log);
+     h[h, p, :] = exp(dt A) h + (u dt) Bg[g(h)], yh[p] = <h[h, p, :], Cg[g(h)]> + D[h] u   (ssm_state [B, H, P, N])
+     gate: norm 0: yh * silu(z); 1: group RMSNorm (groups of I / G, eps) of yh * silu(z), times norm_w;
+           2: the group RMSNorm of yh, times silu(z), times norm_w;
+     y [B, Dm] = out_proj(gated).
+   D may be NULL (no skip). scratch: [B, (2I + 2GN + H) + Cc + I] floats. */
+void hc_mamba2_step(const float *x, int B, int Dm, int H, int P, int G, int N, int K, const void *w_in, int in_type,
+                    const float *in_scale, const float *in_bias, const float *conv_w, const float *conv_b,
+                    const float *conv_state, float *conv_out, const float *dt_bias, const float *A_log,
+                    const float *Dskip, float dt_lo, float dt_hi, const float *ssm_state, float *ssm_out, int norm,
+                    const float *norm_w, float norm_eps, const void *w_out, int out_type, const float *out_scale,
+                    const float *out_bias, float *scratch, float *y) {
+  int I = H * P, GN = G * N, Cc = I + 2 * GN, E = 2 * I + 2 * GN + H, R = H / G, gs = I / G;
+  float *zx = scratch, *xbc = zx + (size_t)B * E, *gated = xbc + (size_t)B * Cc;
+  linear_any(in_type, x, w_in, zx, in_scale, in_bias, B, E, Dm);
+  conv_step(zx + I, E, B, Cc, K, conv_w, conv_b, conv_state, conv_out, 1, xbc, Cc);
+  int wide = (size_t)B * H * P * N >= PARALLEL_BYTES / 4;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (long bh = 0; bh < (long)B * H; bh++) {
+    int b = (int)(bh / H), h = (int)(bh % H), g = h / R;
+    float dt = softplus_f(zx[(size_t)b * E + I + Cc + h] + dt_bias[h]);
+    dt = dt < dt_lo ? dt_lo : (dt > dt_hi ? dt_hi : dt);
+    float decay = expf(dt * -expf(A_log[h]));
+    const float *u = xbc + (size_t)b * Cc + (size_t)h * P, *Bv = xbc + (size_t)b * Cc + I + (size_t)g * N;
+    const float *Cv = Bv + GN;
+    for (int p = 0; p < P; p++) {
+      size_t at = (((size_t)b * H + h) * P + p) * N;
+      const float *s = ssm_state + at;
+      float *so = ssm_out + at, du = u[p] * dt, acc = 0.0f;
+      int n = 0;
+#if VW > 1
+      vf accv = vzero();
+      for (; n + VW <= N; n += VW) {
+        vf hv = vfma(vset1(decay), vload_f32(s + n), vmul(vset1(du), vload_f32(Bv + n)));
+        vstore(so + n, hv);
+        accv = vfma(hv, vload_f32(Cv + n), accv);
+      }
+      acc = vsum(accv);
+#endif
+      for (; n < N; n++) {
+        so[n] = decay * s[n] + du * Bv[n];
+        acc += so[n] * Cv[n];
+      }
+      gated[(size_t)b * I + (size_t)h * P + p] = acc + (Dskip ? Dskip[h] * u[p] : 0.0f);
+    }
+  }
+  for (int b = 0; b < B; b++) {
+    float *o = gated + (size_t)b * I;
+    const float *z = zx + (size_t)b * E;
+    if (norm != 2)
+      for (int i = 0; i < I; i++) o[i] *= silu_f(z[i]);
+    if (norm)
+      for (int gi = 0; gi < G; gi++) {
+        float *og = o + (size_t)gi * gs, ss = 0.0f;
+        for (int i = 0; i < gs; i++) ss += og[i] * og[i];
+        float r = 1.0f / sqrtf(ss / gs + norm_eps);
+        for (int i = 0; i < gs; i++) {
+          float v = og[i] * r;
+          if (norm == 2) v *= silu_f(z[(size_t)gi * gs + i]);
+          og[i] = norm_w[(size_t)gi * gs + i] * v;
+        }
+      }
+  }
+  linear_any(out_type, gated, w_out, y, out_scale, out_bias, B, Dm, I);
+}

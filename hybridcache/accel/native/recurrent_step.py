@@ -1,0 +1,150 @@
+"""A recurrent mixer's one-token decode step as one C call (csrc/recurrent_step.c): LFM2's short convolution and the
+Mamba2 SSD mixer, projections included. The states are read from the given tensors and the new ones returned as
+fresh tensors (the caller hands them to the cache). Each wrapper returns None (the caller's reference path) for
+what its kernel does not take (not float32 CPU eager, no kernels built, a weight format it does not read) and
+raises KernelArgumentError for sizes that do not fit together, before any C call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybridcache.accel.native.checks import INT_MAX, MAX_ROWS, KernelArgumentError, _eager, _ptr, _real, _vec
+from hybridcache.accel.native.fused import _matrix
+from hybridcache.accel.native.library import _library
+
+_F32 = torch.float32
+GATES = {"silu": 0, "norm_after_gate": 1, "norm_before_gate": 2}  # hc_mamba2_step's `norm` codes
+
+
+def _state(t: torch.Tensor, shape: tuple, what: str) -> bool:
+    """Whether `t` is a contiguous float32 CPU state of `shape` (False: not taken); wrong sizes raise."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(f"{what} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise KernelArgumentError(f"{what} must be {list(shape)}, got {list(t.shape)}")
+    return t.dtype == _F32 and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
+
+
+def _proj(parts: tuple, rows: int, cols: int, what: str) -> int | None:
+    """The type code of a projection (weight [rows, cols], bias, scale) the kernels read; None: not taken."""
+    w, bias, scale = parts
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise KernelArgumentError(f"{what} weight must be a matrix, got {type(w).__name__}")
+    if tuple(w.shape) != (rows, cols):
+        raise KernelArgumentError(f"{what} weight must be [{rows}, {cols}], got {list(w.shape)}")
+    code = _matrix(w, rows, cols)
+    return code if code is not None and _vec(bias, rows) and _vec(scale, rows) else None
+
+
+def _rows(x: torch.Tensor, width: int) -> int | None:
+    """B of x [B, 1, width] (a decode step of at most MAX_ROWS rows), None where it is not one."""
+    if not _eager(x) or x.dim() != 3 or x.shape[1] != 1:
+        return None
+    if x.shape[2] != width:
+        raise KernelArgumentError(f"the input must have {width} features, got {x.shape[2]}")
+    return x.shape[0] if 0 < x.shape[0] <= MAX_ROWS else None
+
+
+def short_conv_step(
+    x: torch.Tensor,
+    in_proj: tuple,
+    conv_w: torch.Tensor,
+    conv_b: torch.Tensor | None,
+    state: torch.Tensor,
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """LFM2 ShortConv of one token: x [B, 1, D], in_proj / out_proj (weight, bias, scale) [3D, D] / [D, D], the conv
+    weight [D, K] and bias [D], the state [B, D, K-1] -> (y [B, 1, D], the new state [B, D, K-1])."""
+    lib = _library()
+    if lib is None or not isinstance(x, torch.Tensor) or not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2:
+        return None
+    d, k = conv_w.shape
+    if not 2 <= k <= 64 or not 0 < 5 * d * MAX_ROWS <= INT_MAX:
+        raise KernelArgumentError(f"short conv: width {k} outside [2, 64] or {d} channels too many")
+    b = _rows(x, d)
+    if b is None:
+        return None
+    t_in, t_out = _proj(in_proj, 3 * d, d, "in_proj"), _proj(out_proj, d, d, "out_proj")
+    if not (_state(state, (b, d, k - 1), "the conv state") and _vec(conv_w.reshape(-1), d * k)):
+        return None
+    if t_in is None or t_out is None or not conv_w.is_contiguous() or not _vec(conv_b, d):
+        return None
+    x = x.contiguous()
+    new_state, y = torch.empty(state.shape, dtype=_F32), torch.empty(x.shape, dtype=_F32)
+    scratch = torch.empty(b * 5 * d, dtype=_F32)
+    (w_in, b_in, s_in), (w_out, b_out, s_out) = in_proj, out_proj
+    lib.hc_short_conv_step(
+        x.data_ptr(), b, d, k, w_in.data_ptr(), t_in, _ptr(s_in), _ptr(b_in), conv_w.data_ptr(), _ptr(conv_b),
+        state.data_ptr(), new_state.data_ptr(), w_out.data_ptr(), t_out, _ptr(s_out), _ptr(b_out),
+        scratch.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y, new_state
+
+
+def mamba2_step(
+    x: torch.Tensor,
+    sizes: tuple[int, int, int, int],
+    in_proj: tuple,
+    conv_w: torch.Tensor,
+    conv_b: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    d_skip: torch.Tensor | None,
+    dt_limit: tuple[float, float],
+    ssm_state: torch.Tensor,
+    gate: str,
+    norm: tuple[torch.Tensor, float] | None,
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The Mamba2 mixer on one token: x [B, 1, Dm], sizes (heads H, head_dim P, groups G, state_size N), in_proj
+    (weight [2I + 2GN + H, Dm], bias, scale) with I = H P, the conv weight [I + 2GN, K] and bias, conv_state
+    [B, I + 2GN, K-1], dt_bias / A_log / D [H], dt_limit (lo, hi), ssm_state [B, H, P, N], the gate (GATES), the
+    gated norm's (weight [I], eps) (None for "silu"), out_proj (weight [Dm, I], bias, scale) -> (y [B, 1, Dm], the
+    new conv state, the new ssm state)."""
+    lib = _library()
+    if lib is None or not isinstance(x, torch.Tensor) or not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2:
+        return None
+    if len(sizes) != 4 or not all(type(v) is int and v >= 1 for v in sizes):
+        raise KernelArgumentError(f"mamba2 step: sizes must be 4 positive ints (H, P, G, N), got {sizes}")
+    h, p, g, n = sizes
+    i, gn = h * p, g * n
+    cc, e = i + 2 * gn, 2 * i + 2 * gn + h
+    k = conv_w.shape[1]
+    if h % g or i % g or gate not in GATES or (gate == "silu") != (norm is None):
+        raise KernelArgumentError(f"mamba2 step: {h} heads in {g} groups, gate {gate!r} with norm {norm is not None}")
+    if conv_w.shape[0] != cc or not 2 <= k <= 64 or not 0 < (e + cc + i) * MAX_ROWS <= INT_MAX:
+        raise KernelArgumentError(f"mamba2 step: conv weight {list(conv_w.shape)} for {cc} channels, width in [2, 64]")
+    if not (len(dt_limit) == 2 and all(_real(v) and not math.isnan(v) for v in dt_limit)):
+        raise KernelArgumentError(f"mamba2 step: dt_limit must be two real numbers, got {dt_limit}")
+    dm = x.shape[-1] if x.dim() else 0
+    b = _rows(x, dm)
+    if b is None:
+        return None
+    t_in, t_out = _proj(in_proj, e, dm, "in_proj"), _proj(out_proj, dm, i, "out_proj")
+    states_ok = _state(conv_state, (b, cc, k - 1), "the conv state") and _state(ssm_state, (b, h, p, n), "the state")
+    norm_w, eps = norm if norm is not None else (None, 0.0)
+    if (
+        not states_ok
+        or t_in is None
+        or t_out is None
+        or not conv_w.is_contiguous()
+        or not all(_vec(v, h) and v is not None for v in (dt_bias, a_log))
+        or not all(_vec(v, n_) for v, n_ in ((d_skip, h), (conv_b, cc), (norm_w, i)))
+        or not _real(eps)
+    ):
+        return None
+    x = x.contiguous()
+    new_conv, new_ssm = torch.empty(conv_state.shape, dtype=_F32), torch.empty(ssm_state.shape, dtype=_F32)
+    y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * (e + cc + i), dtype=_F32)
+    (w_in, b_in, s_in), (w_out, b_out, s_out) = in_proj, out_proj
+    lib.hc_mamba2_step(
+        x.data_ptr(), b, dm, h, p, g, n, k, w_in.data_ptr(), t_in, _ptr(s_in), _ptr(b_in), conv_w.data_ptr(),
+        _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(),
+        _ptr(d_skip), float(dt_limit[0]), float(dt_limit[1]), ssm_state.data_ptr(), new_ssm.data_ptr(), GATES[gate],
+        _ptr(norm_w), float(eps), w_out.data_ptr(), t_out, _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y, new_conv, new_ssm

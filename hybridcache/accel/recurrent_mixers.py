@@ -1,0 +1,120 @@
+"""The fast path of the recurrent mixers (`mixer.accel`, installed by accel.install): an eager float32 decode step of
+LFM2's short convolution (blocks/recurrent/short_conv.py) or a Mamba2 mixer (blocks/recurrent/mamba2.py) in one C
+call, projections included (native/recurrent_step.py).
+
+The cache is seen through slots.py's `StateSlots`: the layer's current `states` are read, the kernel writes the new
+ones into fresh tensors, and `update` hands them to the cache, which commits them with its block (trails, codecs and
+rollback stay the cache's). Anything else (a prefill, padding in the block, float64 upcast, states or weights the
+kernel does not read, module hooks inside the mixer) runs the reference `forward`: the call returns None.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridcache.accel.native.recurrent_step import mamba2_step, short_conv_step
+from hybridcache.accel.slots import holds_states
+from hybridcache.blocks.core.common import StepInput
+from hybridcache.blocks.core.linear import DecodeLinear
+from hybridcache.blocks.recurrent.mamba2 import GatedRMSNorm, Mamba2Mixer
+from hybridcache.blocks.recurrent.short_conv import ShortConv
+
+_F32 = torch.float32
+_LINEARS = (nn.Linear, DecodeLinear)
+
+
+def _projection(lin: nn.Module) -> tuple | None:
+    """A plain projection's (weight, bias, per-row scale) as the kernels take them; None: another kind of module, or
+    one with hooks (its call would run them)."""
+    if type(lin) not in _LINEARS or lin._forward_hooks or lin._forward_pre_hooks:
+        return None
+    return lin.weight, lin.bias, lin._buffers.get("scale")
+
+
+def _decode_step(h: torch.Tensor, layer, step: StepInput) -> bool:
+    """Whether this is an eager one-token step with no padding on a state layer the fast path may update."""
+    return (
+        h.dim() == 3
+        and h.shape[1] == 1
+        and h.dtype is _F32
+        and getattr(step, "all_real", False)
+        and holds_states(layer)
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
+class ShortConvAccel:
+    """`ShortConv.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+
+    def __init__(self, mixer: ShortConv) -> None:
+        self.mixer = mixer
+
+    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+        m = self.mixer
+        if not _decode_step(h, layer, step):
+            return None
+        in_proj, out_proj = _projection(m.in_proj), _projection(m.out_proj)
+        if in_proj is None or out_proj is None or m.conv._forward_hooks or m.conv._forward_pre_hooks:
+            return None
+        state = layer.states["conv"]
+        got = short_conv_step(h, in_proj, m.conv.weight.squeeze(1), m.conv.bias, state, out_proj)
+        if got is None:
+            return None
+        y, new_state = got
+        layer.update(conv=new_state)
+        return y
+
+
+class Mamba2Accel:
+    """`Mamba2Mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+
+    def __init__(self, mixer: Mamba2Mixer) -> None:
+        self.mixer = mixer
+
+    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+        m = self.mixer
+        if not _decode_step(h, layer, step) or m._compute_dtype(h) is not _F32:
+            return None
+        in_proj, out_proj = _projection(m.in_proj), _projection(m.out_proj)
+        norm = m.norm
+        if in_proj is None or out_proj is None or m.conv1d._forward_hooks or m.conv1d._forward_pre_hooks:
+            return None
+        if norm is None:
+            gate, norm_args = "silu", None
+        elif type(norm) is GatedRMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
+            gate = "norm_before_gate" if norm.norm_before_gate else "norm_after_gate"
+            norm_args = (norm.weight, norm.eps)
+        else:
+            return None
+        states = layer.states
+        got = mamba2_step(
+            h,
+            (m.num_heads, m.head_dim, m.n_groups, m.state_size),
+            in_proj,
+            m.conv1d.weight.squeeze(1),
+            m.conv1d.bias,
+            states["conv"],
+            m.dt_bias,
+            m.A_log,
+            m.D,
+            m.time_step_limit,
+            states["ssm"],
+            gate,
+            norm_args,
+            out_proj,
+        )
+        if got is None:
+            return None
+        y, conv, ssm = got
+        layer.update(conv=conv, ssm=ssm)
+        return y
+
+
+def short_conv_accel(mixer: ShortConv) -> ShortConvAccel | None:
+    return ShortConvAccel(mixer) if type(mixer) is ShortConv else None
+
+
+def mamba2_accel(mixer: Mamba2Mixer) -> Mamba2Accel | None:
+    return Mamba2Accel(mixer) if type(mixer) is Mamba2Mixer else None

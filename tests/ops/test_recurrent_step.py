@@ -1,0 +1,179 @@
+"""The recurrent mixers' one-call decode steps (accel/native/recurrent_step.py, csrc/recurrent_step.c) against the
+pure-torch ops the reference modules run (causal_conv1d_step, ssd_step, the gated RMSNorm, F.linear), on random
+weights and states: LFM2's short conv and the Mamba2 mixer (groups, each gate, biases, dt limits, int8 / bfloat16
+weights). Tolerance: float32 noise (1e-5 relative; the kernels sum in another order than torch's einsum). Hostile
+sizes are refused by name before any C call; what the kernel does not take (float64) is left to the reference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridcache.accel import kernel_status
+from hybridcache.accel.native.checks import KernelArgumentError
+from hybridcache.accel.native.recurrent_step import mamba2_step, short_conv_step
+from hybridcache.ops import causal_conv1d_step, ssd_step
+
+pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():  # the kernels serve inference only (with autograd on they decline)
+        yield
+
+
+def _proj(rows, cols, g, fmt="float32", bias=False):
+    """(weight, bias, scale) as a DecodeLinear holds them, and the float32 matrix they stand for."""
+    w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+    b = torch.randn(rows, generator=g) * 0.1 if bias else None
+    if fmt == "int8":
+        scale = w.abs().amax(1) / 127
+        q = torch.round(w / scale[:, None]).to(torch.int8)
+        return (q, b, scale), q.float() * scale[:, None]
+    if fmt == "bfloat16":
+        wb = w.to(torch.bfloat16)
+        return (wb, b, None), wb.float()
+    return (w, b, None), w
+
+
+def _lin(x, dense, parts):
+    y = F.linear(x, dense)
+    return y if parts[1] is None else y + parts[1]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batch,d,k", [(1, 16, 3), (3, 40, 4), (2, 8, 2)])
+def test_short_conv_step_matches_the_ops(batch, d, k, bias, fmt):
+    g = torch.Generator().manual_seed(batch * 100 + d + k)
+    x = torch.randn(batch, 1, d, generator=g)
+    in_proj, w_in = _proj(3 * d, d, g, fmt, bias)
+    out_proj, w_out = _proj(d, d, g, fmt, bias)
+    conv_w = torch.randn(d, k, generator=g)
+    conv_b = torch.randn(d, generator=g) if bias else None
+    state = torch.randn(batch, d, k - 1, generator=g)
+    before = state.clone()
+    y, new_state = short_conv_step(x, in_proj, conv_w, conv_b, state, out_proj)
+    b_, c_, u = _lin(x, w_in, in_proj).chunk(3, dim=-1)
+    conv, ref_state = causal_conv1d_step((b_ * u)[:, 0], conv_w, conv_b, state)
+    ref = _lin(c_ * conv[:, None], w_out, out_proj)
+    torch.testing.assert_close(y, ref, **TOL)
+    torch.testing.assert_close(new_state, ref_state, **TOL)  # (b * u from another matmul: not bit-equal)
+    assert torch.equal(state, before)  # the old state is read, never written
+
+
+def _mamba2_ref(x, sizes, in_dense, in_proj, conv_w, conv_b, conv_state, dt_bias, a_log, d_skip, limit, ssm, gate,
+                norm, out_dense, out_proj):  # fmt: skip
+    h, p, g, n = sizes
+    i = h * p
+    z, xbc, dt = _lin(x, in_dense, in_proj)[:, 0].split([i, i + 2 * g * n, h], dim=-1)
+    xbc, new_conv = causal_conv1d_step(xbc, conv_w, conv_b, conv_state, "silu")
+    u, bm, cm = xbc.split([i, g * n, g * n], dim=-1)
+    y, new_ssm = ssd_step(
+        ssm, u.reshape(-1, h, p), dt, -torch.exp(a_log), bm.reshape(-1, g, n), cm.reshape(-1, g, n), d_skip,
+        dt_bias=dt_bias, dt_softplus=True, dt_limit=limit,
+    )  # fmt: skip
+    y = y.reshape(-1, i)
+    if gate == "silu":
+        out = y * F.silu(z)
+    else:
+        v = y * F.silu(z) if gate == "norm_after_gate" else y
+        vg = v.reshape(v.shape[0], g, i // g)
+        v = (vg * torch.rsqrt(vg.pow(2).mean(-1, keepdim=True) + norm[1])).reshape(-1, i)
+        out = norm[0] * (v * F.silu(z) if gate == "norm_before_gate" else v)
+    return _lin(out[:, None], out_dense, out_proj), new_conv, new_ssm
+
+
+CASES = [  # batch, (H, P, G, N), K, dm, gate, bias, limit, fmt
+    (1, (4, 8, 1, 16), 4, 24, "norm_after_gate", False, (0.0, math.inf), "float32"),
+    (2, (6, 4, 2, 8), 3, 16, "norm_before_gate", True, (0.0, 0.5), "float32"),
+    (3, (4, 4, 4, 20), 4, 12, "silu", True, (0.01, 2.0), "int8"),
+    (2, (8, 16, 2, 32), 4, 32, "norm_after_gate", False, (0.0, math.inf), "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("batch,sizes,k,dm,gate,bias,limit,fmt", CASES)
+def test_mamba2_step_matches_the_ops(batch, sizes, k, dm, gate, bias, limit, fmt):
+    g = torch.Generator().manual_seed(sum(sizes) + batch)
+    h, p, gr, n = sizes
+    i, cc = h * p, h * p + 2 * gr * n
+    x = torch.randn(batch, 1, dm, generator=g)
+    in_proj, in_dense = _proj(2 * i + 2 * gr * n + h, dm, g, fmt, bias)
+    out_proj, out_dense = _proj(dm, i, g, fmt, bias)
+    conv_w, conv_b = torch.randn(cc, k, generator=g) * 0.5, (torch.randn(cc, generator=g) if bias else None)
+    conv_state, ssm = torch.randn(batch, cc, k - 1, generator=g), torch.randn(batch, h, p, n, generator=g)
+    dt_bias, a_log, d_skip = torch.randn(h, generator=g), torch.randn(h, generator=g), torch.randn(h, generator=g)
+    norm = None if gate == "silu" else (torch.randn(i, generator=g), 1e-5)
+    args = (conv_w, conv_b, conv_state, dt_bias, a_log, d_skip, limit, ssm, gate, norm)
+    before = (conv_state.clone(), ssm.clone())
+    y, new_conv, new_ssm = mamba2_step(x, sizes, in_proj, *args, out_proj)
+    ref, ref_conv, ref_ssm = _mamba2_ref(x, sizes, in_dense, in_proj, *args, out_dense, out_proj)
+    torch.testing.assert_close(new_conv, ref_conv, **TOL)
+    torch.testing.assert_close(new_ssm, ref_ssm, **TOL)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)  # (through a group RMSNorm of a sum of N products)
+    assert torch.equal(conv_state, before[0]) and torch.equal(ssm, before[1])
+
+
+def _mamba2_args(batch=2):
+    sizes = (4, 4, 2, 8)
+    i, cc = 16, 16 + 32
+    return dict(
+        x=torch.randn(batch, 1, 12),
+        sizes=sizes,
+        in_proj=(torch.randn(2 * i + 32 + 4, 12), None, None),
+        conv_w=torch.randn(cc, 4),
+        conv_b=None,
+        conv_state=torch.zeros(batch, cc, 3),
+        dt_bias=torch.zeros(4),
+        a_log=torch.zeros(4),
+        d_skip=None,
+        dt_limit=(0.0, math.inf),
+        ssm_state=torch.zeros(batch, 4, 4, 8),
+        gate="silu",
+        norm=None,
+        out_proj=(torch.randn(12, i), None, None),
+    )
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(conv_state=torch.zeros(2, 48, 2)), "conv state"),
+        (dict(ssm_state=torch.zeros(2, 4, 4, 9)), "state"),
+        (dict(in_proj=(torch.randn(10, 12), None, None)), "in_proj"),
+        (dict(out_proj=(torch.randn(12, 15), None, None)), "out_proj"),
+        (dict(sizes=(4, 4, 3, 8)), "groups"),
+        (dict(sizes=(4, 4, 0, 8)), "positive"),
+        (dict(gate="relu"), "gate"),
+        (dict(dt_limit=(0.0, float("nan"))), "dt_limit"),
+        (dict(conv_w=torch.randn(47, 4)), "conv weight"),
+        (dict(x=torch.randn(2, 1, 13)), "in_proj weight must be \\[68, 13\\]"),
+    ],
+)
+def test_mamba2_step_refuses_hostile_sizes_by_name(change, match):
+    with pytest.raises(KernelArgumentError, match=match):
+        mamba2_step(**{**_mamba2_args(), **change})
+
+
+def test_short_conv_step_refuses_hostile_sizes_by_name():
+    x, w = torch.randn(1, 1, 8), (torch.randn(24, 8), None, None)
+    out = (torch.randn(8, 8), None, None)
+    with pytest.raises(KernelArgumentError, match="conv state"):
+        short_conv_step(x, w, torch.randn(8, 3), None, torch.zeros(1, 8, 3), out)
+    with pytest.raises(KernelArgumentError, match="in_proj"):
+        short_conv_step(x, (torch.randn(23, 8), None, None), torch.randn(8, 3), None, torch.zeros(1, 8, 2), out)
+    with pytest.raises(KernelArgumentError, match="width"):
+        short_conv_step(x, w, torch.randn(8, 1), None, torch.zeros(1, 8, 0), out)
+
+
+def test_what_the_kernels_do_not_take_goes_to_the_reference():
+    args = _mamba2_args()
+    assert mamba2_step(**{**args, "x": args["x"].double()}) is None  # float64
+    assert mamba2_step(**{**args, "x": torch.randn(2, 3, 12)}) is None  # a prefill block
+    assert mamba2_step(**{**args, "ssm_state": args["ssm_state"].to(torch.bfloat16)}) is None  # bf16 state
+    x = torch.randn(1, 1, 8)
+    w, out = (torch.randn(24, 8), None, None), (torch.randn(8, 8), None, None)
+    assert short_conv_step(x.double(), w, torch.randn(8, 3), None, torch.zeros(1, 8, 2), out) is None
