@@ -98,9 +98,8 @@ def measure(family: str, size: str = "tiny", repeats: int = 5, tmp: str | None =
 def table(rows: list[Row]) -> str:
     lines = ["| family | ours ms | HF ms | HF / ours | tokens equal |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(
-            f"| {r.family} | {1e3 * r.ours_s:.1f} | {1e3 * r.hf_s:.1f} | {r.ratio:.2f}x | {'yes' if r.equal else 'NO'} |"
-        )
+        equal = "yes" if r.equal else "NO"
+        lines.append(f"| {r.family} | {1e3 * r.ours_s:.1f} | {1e3 * r.hf_s:.1f} | {r.ratio:.2f}x | {equal} |")
     return "\n".join(lines)
 
 
