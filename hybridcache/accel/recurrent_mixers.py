@@ -1,5 +1,6 @@
 """The fast path of the recurrent mixers (`mixer.accel`, installed by accel.install): an eager float32 decode step of
-LFM2's short convolution (blocks/recurrent/short_conv.py) or a Mamba2 mixer (blocks/recurrent/mamba2.py) in one C
+LFM2's short convolution (blocks/recurrent/short_conv.py), a Mamba2 mixer (blocks/recurrent/mamba2.py) or a
+Mamba1 mixer (blocks/recurrent/mamba.py) in one C
 call, projections included (native/recurrent_step.py).
 
 The cache is seen through slots.py's `StateSlots`: the layer's current `states` are read, the kernel writes the new
@@ -13,10 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.native.recurrent_step import mamba2_step, short_conv_step
+from hybridcache.accel.native.recurrent_step import mamba2_step, mamba_step, short_conv_step
 from hybridcache.accel.slots import holds_states
 from hybridcache.blocks.core.common import StepInput
 from hybridcache.blocks.core.linear import DecodeLinear
+from hybridcache.blocks.core.norms import kernel_args, kernel_plain
+from hybridcache.blocks.recurrent.mamba import MambaMixer
 from hybridcache.blocks.recurrent.mamba2 import GatedRMSNorm, Mamba2Mixer
 from hybridcache.blocks.recurrent.short_conv import ShortConv
 
@@ -110,6 +113,41 @@ class Mamba2Accel:
         y, conv, ssm = got
         layer.update(conv=conv, ssm=ssm)
         return y
+
+
+class MambaAccel:
+    """`MambaMixer.accel` (Mamba, Jamba): accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+
+    def __init__(self, mixer: MambaMixer) -> None:
+        self.mixer = mixer
+
+    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+        m = self.mixer
+        if not _decode_step(h, layer, step):
+            return None
+        projs = [_projection(p) for p in (m.in_proj, m.x_proj, m.dt_proj, m.out_proj)]
+        if None in projs or m.conv1d._forward_hooks or m.conv1d._forward_pre_hooks:
+            return None
+        norms = None
+        if m.inner_norms:
+            mods = (m.dt_layernorm, m.b_layernorm, m.c_layernorm)
+            if not all(kernel_plain(n) and not (n._forward_hooks or n._forward_pre_hooks) for n in mods):
+                return None
+            norms = tuple(kernel_args(n) for n in mods)
+        states = layer.states
+        got = mamba_step(
+            h, projs[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, states["conv"], projs[1], norms, projs[2],
+            m.A_log, m.D, states["ssm"], projs[3],
+        )  # fmt: skip
+        if got is None:
+            return None
+        y, conv, ssm = got
+        layer.update(conv=conv, ssm=ssm)
+        return y
+
+
+def mamba_accel(mixer: MambaMixer) -> MambaAccel | None:
+    return MambaAccel(mixer) if type(mixer) is MambaMixer else None
 
 
 def short_conv_accel(mixer: ShortConv) -> ShortConvAccel | None:

@@ -1,5 +1,5 @@
-"""The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py): every Mamba2 and short
-conv mixer of the tiny checkpoints takes its decode steps in one C call, the greedy tokens equal those of the
+"""The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py): every Mamba1, Mamba2 and
+short conv mixer of the tiny checkpoints takes its decode steps in one C call, the greedy tokens equal those of the
 reference modules (`accel.uninstall`) and of HF transformers, and the logits and the cache's states stay within
 float32 noise of both (Mamba2 amplifies ulp-level differences ~10x: 1e-4 on logits of order 1)."""
 
@@ -9,18 +9,30 @@ import torch
 import hybridcache as hc
 from hybridcache import accel
 from hybridcache.accel import kernel_status
-from hybridcache.accel.recurrent_mixers import Mamba2Accel, ShortConvAccel
+from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaAccel, ShortConvAccel
 from tests.models.conftest import hf_generate, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
-FAMILIES = ["lfm2", "lfm3", "bamba", "falcon_h1", "zamba2", "nemotron_h", "granitemoehybrid", "mamba2"]
+FAMILIES = [
+    "lfm2",
+    "lfm3",
+    "bamba",
+    "falcon_h1",
+    "zamba2",
+    "nemotron_h",
+    "granitemoehybrid",
+    "mamba2",
+    "jamba",
+    "mamba",
+]
+FAST = (Mamba2Accel, MambaAccel, ShortConvAccel)
 NEW = 12
 
 
 def _count_taken(monkeypatch) -> dict:
     taken = {"taken": 0, "declined": 0}
-    for cls in (Mamba2Accel, ShortConvAccel):
+    for cls in FAST:
         real = cls.__call__
 
         def counted(self, *a, _real=real):
@@ -38,7 +50,7 @@ def test_one_call_steps_keep_the_tokens(family, checkpoints, monkeypatch):
 
     path = checkpoints(family)
     model = hc.from_pretrained(path)
-    mixers = [m for m in model.modules() if isinstance(m.__dict__.get("accel"), (Mamba2Accel, ShortConvAccel))]
+    mixers = [m for m in model.modules() if isinstance(m.__dict__.get("accel"), FAST)]
     assert mixers, f"{family}: no recurrent mixer got the one-call step"
     taken = _count_taken(monkeypatch)
     ids = prompts(2, 9, seed=3)

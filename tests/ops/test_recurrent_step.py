@@ -1,8 +1,9 @@
 """The recurrent mixers' one-call decode steps (accel/native/recurrent_step.py, csrc/recurrent_step.c) against the
-pure-torch ops the reference modules run (causal_conv1d_step, ssd_step, the gated RMSNorm, F.linear), on random
-weights and states: LFM2's short conv and the Mamba2 mixer (groups, each gate, biases, dt limits, int8 / bfloat16
-weights). Tolerance: float32 noise (1e-5 relative; the kernels sum in another order than torch's einsum). Hostile
-sizes are refused by name before any C call; what the kernel does not take (float64) is left to the reference."""
+pure-torch ops the reference modules run (causal_conv1d_step, ssd_step, the gated RMSNorm, F.linear) or, for Mamba1,
+the selective step written out in torch, on random weights and states: LFM2's short conv, the Mamba2 mixer (groups,
+each gate, biases, dt limits, int8 / bfloat16 weights), the Mamba1 mixer (with and without Jamba's inner norms).
+Tolerance: float32 noise (1e-5 relative; the kernels sum in another order than torch's einsum). Hostile sizes are
+refused by name before any C call; what the kernel does not take (float64) is left to the reference."""
 
 import math
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from hybridcache.accel import kernel_status
 from hybridcache.accel.native.checks import KernelArgumentError
-from hybridcache.accel.native.recurrent_step import mamba2_step, short_conv_step
+from hybridcache.accel.native.recurrent_step import mamba2_step, mamba_step, short_conv_step
 from hybridcache.ops import causal_conv1d_step, ssd_step
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -177,3 +178,66 @@ def test_what_the_kernels_do_not_take_goes_to_the_reference():
     x = torch.randn(1, 1, 8)
     w, out = (torch.randn(24, 8), None, None), (torch.randn(8, 8), None, None)
     assert short_conv_step(x.double(), w, torch.randn(8, 3), None, torch.zeros(1, 8, 2), out) is None
+
+
+def _rms(v, scale, eps):
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * scale
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize(
+    "batch,dm,di,n,k,r,norms,bias", [(1, 12, 24, 8, 4, 3, False, True), (3, 16, 32, 16, 3, 2, True, False)]
+)
+def test_mamba_step_matches_the_selective_step_in_torch(batch, dm, di, n, k, r, norms, bias, fmt):
+    g = torch.Generator().manual_seed(di + n + k)
+    x = torch.randn(batch, 1, dm, generator=g)
+    in_proj, w_in = _proj(2 * di, dm, g, fmt, bias)
+    x_proj, w_x = _proj(r + 2 * n, di, g, fmt, False)
+    dt_parts, w_dt = _proj(di, r, g, fmt, False)
+    dt_bias = torch.randn(di, generator=g) * 0.5
+    dt_proj = (dt_parts[0], dt_bias, dt_parts[2])
+    out_proj, w_out = _proj(dm, di, g, fmt, bias)
+    conv_w, conv_b = torch.randn(di, k, generator=g) * 0.5, (torch.randn(di, generator=g) if bias else None)
+    conv_state, ssm = torch.randn(batch, di, k - 1, generator=g), torch.randn(batch, di, n, generator=g)
+    a_log, d_skip = torch.randn(di, n, generator=g) * 0.5, torch.randn(di, generator=g)
+    inner = tuple((torch.rand(w, generator=g) + 0.5, 1e-6) for w in (r, n, n)) if norms else None
+    before = (conv_state.clone(), ssm.clone())
+    y, new_conv, new_ssm = mamba_step(
+        x, in_proj, conv_w, conv_b, conv_state, x_proj, inner, dt_proj, a_log, d_skip, ssm, out_proj
+    )
+    # the oracle: Mamba1's step written out (HF MambaMixer.slow_forward's decode branch)
+    u, z = _lin(x[:, 0], w_in, in_proj).chunk(2, dim=-1)
+    window = torch.cat([conv_state, u[..., None]], dim=-1)  # [B, Di, K]
+    u = F.silu((window * conv_w).sum(-1) + (conv_b if bias else 0))
+    dt, bm, cm = F.linear(u, w_x).split([r, n, n], dim=-1)
+    if norms:
+        dt, bm, cm = (_rms(v, s_, e) for v, (s_, e) in zip((dt, bm, cm), inner, strict=True))
+    delta = F.softplus(F.linear(dt, w_dt) + dt_bias)  # [B, Di]
+    da = torch.exp(delta[..., None] * -torch.exp(a_log))  # [B, Di, N]
+    h = da * ssm + (delta * u)[..., None] * bm[:, None]
+    yy = (h * cm[:, None]).sum(-1) + d_skip * u
+    ref = _lin((yy * F.silu(z))[:, None], w_out, out_proj)
+    torch.testing.assert_close(new_conv, window[..., 1:], **TOL)
+    torch.testing.assert_close(new_ssm, h, **TOL)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(conv_state, before[0]) and torch.equal(ssm, before[1])
+
+
+def test_mamba_step_refuses_hostile_sizes_by_name():
+    x, a_log = torch.randn(1, 1, 8), torch.zeros(16, 4)
+    good = dict(
+        in_proj=(torch.randn(32, 8), None, None), conv_w=torch.randn(16, 4), conv_b=None,
+        conv_state=torch.zeros(1, 16, 3), x_proj=(torch.randn(10, 16), None, None), inner_norms=None,
+        dt_proj=(torch.randn(16, 2), torch.zeros(16), None), a_log=a_log, d_skip=None,
+        ssm_state=torch.zeros(1, 16, 4), out_proj=(torch.randn(8, 16), None, None),
+    )  # fmt: skip
+    assert mamba_step(x, **good) is not None
+    for change, match in [
+        (dict(conv_w=torch.randn(15, 4)), "conv weight"),
+        (dict(x_proj=(torch.randn(8, 16), None, None)), "x_proj"),
+        (dict(ssm_state=torch.zeros(1, 16, 5)), "state"),
+        (dict(dt_proj=(torch.randn(16, 3), None, None)), "dt_proj"),
+        (dict(inner_norms=((None, 0.0),)), "inner_norms"),
+    ]:
+        with pytest.raises(KernelArgumentError, match=match):
+            mamba_step(x, **{**good, **change})

@@ -148,3 +148,77 @@ def mamba2_step(
         _ptr(norm_w), float(eps), w_out.data_ptr(), t_out, _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y, new_conv, new_ssm
+
+
+def mamba_step(
+    x: torch.Tensor,
+    in_proj: tuple,
+    conv_w: torch.Tensor,
+    conv_b: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    x_proj: tuple,
+    inner_norms: tuple | None,
+    dt_proj: tuple,
+    a_log: torch.Tensor,
+    d_skip: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The Mamba1 mixer on one token: x [B, 1, Dm], in_proj (weight [2 Di, Dm], bias, scale), the conv weight
+    [Di, K] and bias, conv_state [B, Di, K-1], x_proj (weight [R + 2N, Di], None, scale), the inner norms ((scale,
+    eps) of dt [R], B [N], C [N]; None: none), dt_proj (weight [Di, R], bias [Di]: inside the softplus, scale),
+    A_log [Di, N], D [Di], ssm_state [B, Di, N], out_proj (weight [Dm, Di], bias, scale) -> (y [B, 1, Dm], the new
+    conv state, the new ssm state)."""
+    lib = _library()
+    if lib is None or not isinstance(x, torch.Tensor) or not isinstance(a_log, torch.Tensor) or a_log.dim() != 2:
+        return None
+    di, n = a_log.shape
+    if not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2 or conv_w.shape[0] != di:
+        raise KernelArgumentError(
+            f"mamba step: the conv weight must be [{di}, K], got {getattr(conv_w, 'shape', None)}"
+        )
+    k = conv_w.shape[1]
+    w_x = x_proj[0]
+    if not isinstance(w_x, torch.Tensor) or w_x.dim() != 2 or not 2 * n < w_x.shape[0] <= 2 * n + di:
+        raise KernelArgumentError(f"mamba step: x_proj must be [R + {2 * n}, {di}] with 1 <= R <= {di}")
+    r = w_x.shape[0] - 2 * n
+    if not 2 <= k <= 64 or not 0 < (8 * di + 4 * r + 4 * n) * MAX_ROWS + di * n <= INT_MAX:
+        raise KernelArgumentError(f"mamba step: conv width {k} outside [2, 64], or sizes too large")
+    if inner_norms is not None and (len(inner_norms) != 3 or any(len(v) != 2 for v in inner_norms)):
+        raise KernelArgumentError("mamba step: inner_norms must be three (scale, eps) pairs or None")
+    dm = x.shape[-1] if x.dim() else 0
+    b = _rows(x, dm)
+    if b is None:
+        return None
+    codes = (
+        _proj(in_proj, 2 * di, dm, "in_proj"),
+        _proj(x_proj, r + 2 * n, di, "x_proj"),
+        _proj((dt_proj[0], None, dt_proj[2]), di, r, "dt_proj"),
+        _proj(out_proj, dm, di, "out_proj"),
+    )
+    states_ok = _state(conv_state, (b, di, k - 1), "the conv state") and _state(ssm_state, (b, di, n), "the state")
+    norms = inner_norms or ((None, 0.0),) * 3
+    if (
+        not states_ok
+        or None in codes
+        or x_proj[1] is not None
+        or not conv_w.is_contiguous()
+        or not (a_log.dtype == _F32 and a_log.is_cpu and a_log.is_contiguous())
+        or not all(_vec(v, n_) for v, n_ in ((conv_b, di), (dt_proj[1], di), (d_skip, di)))
+        or not all(_vec(s, w) and _real(e) for (s, e), w in zip(norms, (r, n, n), strict=True))
+    ):
+        return None
+    x = x.contiguous()
+    new_conv, new_ssm = torch.empty(conv_state.shape, dtype=_F32), torch.empty(ssm_state.shape, dtype=_F32)
+    y = torch.empty(x.shape, dtype=_F32)
+    scratch = torch.empty(b * (6 * di + 2 * (r + 2 * n)) + di * n, dtype=_F32)
+    (w_in, b_in, s_in), (_, _, s_x), (w_dt, b_dt, s_dt), (w_out, b_out, s_out) = in_proj, x_proj, dt_proj, out_proj
+    (dt_n, dt_e), (b_n, b_e), (c_n, c_e) = norms
+    lib.hc_mamba_step(
+        x.data_ptr(), b, dm, di, n, k, r, w_in.data_ptr(), codes[0], _ptr(s_in), _ptr(b_in), conv_w.data_ptr(),
+        _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(), w_x.data_ptr(), codes[1], _ptr(s_x), _ptr(dt_n),
+        float(dt_e), _ptr(b_n), float(b_e), _ptr(c_n), float(c_e), w_dt.data_ptr(), codes[2], _ptr(s_dt), _ptr(b_dt),
+        a_log.data_ptr(), _ptr(d_skip), ssm_state.data_ptr(), new_ssm.data_ptr(), w_out.data_ptr(), codes[3],
+        _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y, new_conv, new_ssm

@@ -64,6 +64,7 @@ class MambaMixer(nn.Module):
             self.b_layernorm = RMSNorm(state_size, norm_eps)
             self.c_layernorm = RMSNorm(state_size, norm_eps)
         self.inner_norms = inner_norms
+        self.accel = None  # hybridcache.accel's fast path for this mixer, once installed
 
     def _ssm_inputs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """delta (before bias and softplus) [B, T, Di], B and C [B, T, N] from the conv output u [B, T, Di]."""
@@ -85,6 +86,10 @@ class MambaMixer(nn.Module):
         return selective_state_update(state, u, delta, a, b, c, self.D, z, self.dt_proj.bias, delta_softplus=True)
 
     def forward(self, h: torch.Tensor, layer: MambaStateLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        if self.accel is not None:
+            out = self.accel(h, layer, step)  # the fast path (a decode step in one call), where it takes this call
+            if out is not None:
+                return out
         tokens = h.shape[1]
         x, z = self._project_in(h)  # [B, T, Di] each
         x = step.mask_padding(x)  # padding never enters the conv state

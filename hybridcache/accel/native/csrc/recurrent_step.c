@@ -3,6 +3,8 @@
    state update, the gate and the output projection, with no interpreter between them. Part of cpu_decode.c (after
    fused_layer.c, whose linear_any they use). The states are read from `*_state` and the new ones written to
    `*_out` (never the same memory: the caller hands them to the cache, which commits them). */
+#include <string.h>
+
 #include "hc_internal.h"
 
 static inline float silu_f(float x) { return x / (1.0f + expf(-x)); }
@@ -110,4 +112,43 @@ void hc_mamba2_step(const float *x, int B, int Dm, int H, int P, int G, int N, i
       }
   }
   linear_any(out_type, gated, w_out, y, out_scale, out_bias, B, Dm, I);
+}
+
+/* The Mamba1 mixer (Mamba, Jamba), one token per row of x [B, Dm], Di channels, state size N, conv width K, dt rank R:
+     (u, z) = in_proj(x) [B, 2 Di] (halves); u = silu(conv step(u)) with conv_state [B, Di, K-1];
+     (dt [R], Bv [N], Cv [N]) = x_proj(u), each through its RMSNorm where dt_norm / b_norm / c_norm are given
+     (Jamba; hc_rms_norm with those effective scales); delta = dt_proj(dt) [Di] (no bias: dt_bias goes inside the
+     softplus); the selective step of hc_selective_scan (T = 1) with A = -exp(A_log) [Di, N], D [Di], the gate
+     silu(z): ssm_state [B, Di, N] -> ssm_out; y [B, Dm] = out_proj(that).
+   scratch: [B, (2 Di) + Di + (R + 2N) + (R + 2N) + Di + Di + Di N] floats. */
+void hc_mamba_step(const float *x, int B, int Dm, int Di, int N, int K, int R, const void *w_in, int in_type,
+                   const float *in_scale, const float *in_bias, const float *conv_w, const float *conv_b,
+                   const float *conv_state, float *conv_out, const void *w_x, int x_type, const float *x_scale,
+                   const float *dt_norm, float dt_eps, const float *b_norm, float b_eps, const float *c_norm,
+                   float c_eps, const void *w_dt, int dt_type, const float *dt_scale, const float *dt_bias,
+                   const float *A_log, const float *Dskip, const float *ssm_state, float *ssm_out, const void *w_out,
+                   int out_type, const float *out_scale, const float *out_bias, float *scratch, float *y) {
+  int W = R + 2 * N;
+  float *uz = scratch, *u = uz + (size_t)B * 2 * Di, *dbc = u + (size_t)B * Di, *dbc_n = dbc + (size_t)B * W;
+  float *delta = dbc_n + (size_t)B * W, *gate = delta + (size_t)B * Di, *g = gate + (size_t)B * Di;
+  float *A = g + (size_t)B * Di;
+  linear_any(in_type, x, w_in, uz, in_scale, in_bias, B, 2 * Di, Dm);
+  conv_step(uz, 2 * Di, B, Di, K, conv_w, conv_b, conv_state, conv_out, 1, u, Di);
+  linear_any(x_type, u, w_x, dbc, x_scale, NULL, B, W, Di);
+  for (int b = 0; b < B; b++) { /* the inner norms (Jamba), each over its own slice of the row */
+    const float *src = dbc + (size_t)b * W;
+    float *dst = dbc_n + (size_t)b * W;
+    if (dt_norm) hc_rms_norm(src, dt_norm, dst, 1, R, dt_eps); else memcpy(dst, src, sizeof(float) * R);
+    if (b_norm) hc_rms_norm(src + R, b_norm, dst + R, 1, N, b_eps); else memcpy(dst + R, src + R, sizeof(float) * N);
+    if (c_norm) hc_rms_norm(src + R + N, c_norm, dst + R + N, 1, N, c_eps);
+    else memcpy(dst + R + N, src + R + N, sizeof(float) * N);
+  }
+  /* dt_proj over the R-wide slices (row stride W: gathered into `gate` first, then reused for the gate) */
+  for (int b = 0; b < B; b++) memcpy(gate + (size_t)b * R, dbc_n + (size_t)b * W, sizeof(float) * R);
+  linear_any(dt_type, gate, w_dt, delta, dt_scale, NULL, B, Di, R);
+  for (size_t i = 0; i < (size_t)B * Di; i++) gate[i] = silu_f(uz[(i / Di) * 2 * Di + Di + i % Di]);
+  for (size_t i = 0; i < (size_t)Di * N; i++) A[i] = -expf(A_log[i]);
+  hc_selective_scan(u, Di, Di, delta, Di, Di, gate, Di, Di, dbc_n + R, W, W, dbc_n + R + N, W, W, A, Dskip, dt_bias,
+                    1, ssm_state, g, ssm_out, B, 1, Di, N);
+  linear_any(out_type, g, w_out, y, out_scale, out_bias, B, Dm, Di);
 }
