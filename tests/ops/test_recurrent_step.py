@@ -1,7 +1,7 @@
 """The recurrent mixers' one-call decode steps (accel/native/recurrent_step.py, csrc/recurrent_step.c) against the
 pure-torch ops the reference modules run (causal_conv1d_step, ssd_step, the gated RMSNorm, F.linear) or, for Mamba1,
 the selective step written out in torch, on random weights and states: LFM2's short conv, the Mamba2 mixer (groups,
-each gate, biases, dt limits, int8 / bfloat16 weights), the Mamba1 mixer (with and without Jamba's inner norms).
+each gate, biases, dt limits, int8 / bfloat16 / q8_0 weights), the Mamba1 mixer (with and without Jamba's inner norms).
 Tolerance: float32 noise (1e-5 relative; the kernels sum in another order than torch's einsum). Hostile sizes are
 refused by name before any C call; what the kernel does not take (float64) is left to the reference."""
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hybridcache.accel import kernel_status
 from hybridcache.accel.native.checks import KernelArgumentError
 from hybridcache.accel.native.recurrent_step import mamba2_step, mamba_step, short_conv_step
-from hybridcache.ops import causal_conv1d_step, ssd_step
+from hybridcache.ops import causal_conv1d_step, q8_0, ssd_step
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -37,10 +37,15 @@ def _proj(rows, cols, g, fmt="float32", bias=False):
     if fmt == "bfloat16":
         wb = w.to(torch.bfloat16)
         return (wb, b, None), wb.float()
+    if fmt == "q8_0":  # llama.cpp's blocks: the activations are quantized too (q8_0.linear, the torch recompute)
+        q, scale = q8_0.pack(w)
+        return (q, b, scale), None
     return (w, b, None), w
 
 
 def _lin(x, dense, parts):
+    if dense is None:
+        return q8_0.linear(x, parts[0], parts[2], parts[1])
     y = F.linear(x, dense)
     return y if parts[1] is None else y + parts[1]
 
@@ -93,6 +98,7 @@ CASES = [  # batch, (H, P, G, N), K, dm, gate, bias, limit, fmt
     (2, (6, 4, 2, 8), 3, 16, "norm_before_gate", True, (0.0, 0.5), "float32"),
     (3, (4, 4, 4, 20), 4, 12, "silu", True, (0.01, 2.0), "int8"),
     (2, (8, 16, 2, 32), 4, 32, "norm_after_gate", False, (0.0, math.inf), "bfloat16"),
+    (1, (4, 8, 1, 16), 4, 64, "norm_after_gate", True, (0.0, math.inf), "q8_0"),
 ]
 
 

@@ -35,8 +35,8 @@ def _proj(parts: tuple, rows: int, cols: int, what: str) -> int | None:
         raise KernelArgumentError(f"{what} weight must be a matrix, got {type(w).__name__}")
     if tuple(w.shape) != (rows, cols):
         raise KernelArgumentError(f"{what} weight must be [{rows}, {cols}], got {list(w.shape)}")
-    code = _matrix(w, rows, cols)
-    return code if code is not None and _vec(bias, rows) and _vec(scale, rows) else None
+    code = _matrix(w, rows, cols, scale)  # (float32, bfloat16, int8 with a row scale, q8_0 with its block scales)
+    return code if code is not None and _vec(bias, rows) else None
 
 
 def _rows(x: torch.Tensor, width: int) -> int | None:
