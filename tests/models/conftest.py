@@ -15,6 +15,21 @@ def prompts(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 384, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def without_recurrent_steps(model, monkeypatch=None) -> None:
+    """Drop the recurrent mixers' one-call decode steps (accel/recurrent_mixers.py) from `model`: they sum in another
+    order than the reference modules and the compiled graph (float32 noise: tests/models/test_recurrent_accel.py),
+    where a test checks a route for the same bits as another. With `monkeypatch`, undone after the test (a shared
+    model)."""
+    from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaAccel, ShortConvAccel
+
+    for m in model.modules():
+        if isinstance(m.__dict__.get("accel"), (MambaAccel, Mamba2Accel, ShortConvAccel)):
+            if monkeypatch is None:
+                m.accel = None
+            else:
+                monkeypatch.setattr(m, "accel", None)
+
+
 @torch.no_grad()
 def hf_generate(ref, ids, mask, new_tokens):
     """HF greedy generation without eos stopping (like ours without eos_token_id): sequences, raw logits [B, T_new, V].

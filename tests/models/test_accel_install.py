@@ -9,10 +9,9 @@ import hybridcache as hc
 from hybridcache import accel
 from hybridcache.accel import attention_mixer, decode_run, kernel_status
 from hybridcache.accel.attention_mixer import AttentionAccel
-from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaAccel, ShortConvAccel
 from hybridcache.accel.sandwich_layer import SandwichAccel
 from hybridcache.blocks.attention.mixer import AttentionMixer
-from tests.models.conftest import prompts
+from tests.models.conftest import prompts, without_recurrent_steps
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
@@ -43,7 +42,7 @@ def test_from_pretrained_installs_the_fast_path(checkpoints):
 @pytest.mark.parametrize("family, route", [("gemma3", "greedy"), ("jamba", "one_call_step")])
 def test_uninstalled_is_the_same_decode(checkpoints, monkeypatch, family, route):
     model = hc.from_pretrained(checkpoints(family))
-    _without_recurrent_steps(model)
+    without_recurrent_steps(model)
     ids = prompts(1, 7, seed=3)
     calls = _counting(monkeypatch, decode_run.DecodeRun, "greedy")
     _counting(monkeypatch, AttentionAccel, "one_call_step", calls)
@@ -55,18 +54,9 @@ def test_uninstalled_is_the_same_decode(checkpoints, monkeypatch, family, route)
     assert calls == []  # ... and now nothing of it
     assert torch.equal(fast.sequences, ref.sequences) and torch.equal(fast.logits, ref.logits)
     accel.install(model)
-    _without_recurrent_steps(model)
+    without_recurrent_steps(model)
     again = hc.generate(model, ids, max_new_tokens=12)
     assert calls and torch.equal(again.logits, fast.logits)
-
-
-def _without_recurrent_steps(model) -> None:
-    """Drop the recurrent mixers' one-call steps (accel/recurrent_mixers.py): they sum in another order than the
-    reference modules (float32 noise, tests/models/test_recurrent_accel.py), while the routes checked here for the
-    same bits run the same kernels in the same order."""
-    for m in model.modules():
-        if isinstance(m.__dict__.get("accel"), (MambaAccel, Mamba2Accel, ShortConvAccel)):
-            m.accel = None
 
 
 @pytest.mark.parametrize("family, plain", [("olmo_hybrid", False), ("jamba", True)])
