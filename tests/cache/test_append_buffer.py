@@ -28,7 +28,7 @@ def test_decode_steps_write_in_place_and_hold_only_what_is_needed(kind, params):
     for step in range(300):
         k, _ = _feed(cache, 1, seed=step + 1)
         history_k.append(k)
-        buffers.add(layer._append.buffers["keys_data"].untyped_storage().data_ptr())
+        buffers.add(layer.storage.append_buffers.buffers["keys_data"].untyped_storage().data_ptr())
         held = layer.key_pos.shape[1]
         peak = max(peak, held)
         assert layer.nbytes() == layer.min_nbytes()  # the spare slots are not held tokens

@@ -115,7 +115,7 @@ def test_generation_is_bit_exact_with_dense_storage(models, family, config, max_
 def test_next_layer_is_learned_and_prefetched(models):
     model = models["gemma3"]
     cache = model.make_cache(1, {"attention": {"storage": "offload"}})
-    tiers = [layer._tier for layer in cache.layers]
+    tiers = [layer.storage.tier for layer in cache.layers]
     assert all(isinstance(t, OffloadTier) for t in tiers) and len(tiers) > 1
     out = hc.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=4, cache=cache)  # 4 blocks
     for a, b in zip(tiers, tiers[1:] + tiers[:1]):  # each layer links to the one fed after it (the last to the first)
@@ -133,8 +133,8 @@ def test_between_blocks_no_layer_holds_a_resident_copy(models):
         model, torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=3, cache_config={"attention": {"storage": "offload"}}
     )
     for layer in out.cache.layers:
-        for attr in layer._parts:
-            assert getattr(layer, attr) is layer._tier.parked[attr]
+        for attr in layer.storage.inner.parts:
+            assert getattr(layer, attr) is layer.storage.tier.parked[attr]
             assert getattr(layer, attr).untyped_storage().filename is not None
 
 
@@ -145,9 +145,9 @@ def test_a_stale_prefetch_is_dropped_when_the_layer_changes(models):
     off = hc.generate(model, ids, max_new_tokens=2, cache_config={"attention": {"storage": "offload"}})
     snap = off.cache.snapshot()
     hc.generate(model, torch.cat([off.sequences, ids[:, :3]], 1), max_new_tokens=2, cache=off.cache)
-    assert off.cache.layers[0]._tier.prefetched is not None  # prefetched the longer state
+    assert off.cache.layers[0].storage.tier.prefetched is not None  # prefetched the longer state
     off.cache.restore(snap)  # parks every layer again: copies of the longer state are gone
-    assert all(layer._tier.prefetched is None for layer in off.cache.layers)
+    assert all(layer.storage.tier.prefetched is None for layer in off.cache.layers)
     seq = torch.cat([dense.sequences, torch.full((2, 2), 7)], 1)
     a = hc.generate(model, seq, max_new_tokens=3, cache=dense.cache)
     b = hc.generate(model, seq, max_new_tokens=3, cache=off.cache)

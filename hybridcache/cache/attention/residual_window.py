@@ -1,5 +1,6 @@
 """The residual window (`residual: R` on any attention type with a quantized `storage`): KIVI / HF QuantizedCache.
-`ResidualWindow` owns its tensors (the layer shows them as `res_keys`, `res_values`, `res_pos`).
+`ResidualWindow` keeps its tensors in its storage's `tensors` (the layer shows them as `res_keys`, `res_values`,
+`res_pos`).
 
 Per row, the most recent R tokens are read unquantized: a token at position p is dense while p >= seen - R, and
 from its quantized copy afterwards. Every token is written to the pattern's slot storage in `storage` as usual (the
@@ -37,11 +38,12 @@ class ResidualWindow:
     [B, R'] (-1: empty). Dynamic: compact columns (R' grows from 0); preallocated (`ring`): min(R, slots) slots,
     slot = position % size, written in place by a decode step."""
 
-    def __init__(self, spec, batch: int, device: torch.device, ring: bool) -> None:
+    def __init__(self, spec, batch: int, device: torch.device, ring: bool, tensors: dict | None = None) -> None:
         self.residual, self.ring = spec.residual, ring
         size = spec.residual_slots or 0  # dynamic storage grows from 0
         shape = (batch, spec.num_kv_heads, size, spec.head_dim)
-        self.tensors = {name: torch.zeros(shape, dtype=spec.dtype, device=device) for name in PARTS}
+        self.tensors = {} if tensors is None else tensors  # (its storage's: the window's names are added to it)
+        self.tensors.update({name: torch.zeros(shape, dtype=spec.dtype, device=device) for name in PARTS})
         self.tensors["res_pos"] = torch.full((batch, size), -1, dtype=torch.long, device=device)
 
     @property

@@ -369,11 +369,9 @@ class ScoredEvictionLayer(AttentionCacheLayer):
         return index if pos.dim() == 3 else index[:, 0]
 
     def _take(self, index: torch.Tensor) -> None:
-        super()._take(index)
-        valid = getattr(self, "_kept_valid", None)
+        valid = getattr(self, "_kept_valid", None)  # False: a kept slot past the row's (head's) target, now empty
         self._kept_valid = None
-        if valid is not None:
-            self.key_pos = torch.where(valid, self.key_pos, -1)
+        self.storage.take(index, valid)
         for name in self._slot_state:
             t = getattr(self, name)
             setattr(self, name, t.index_select(-1, index) if index.dim() == 1 else t.gather(-1, index))

@@ -8,7 +8,7 @@ A new format is one class: `@register_kv_codec("name")`.
 
 A format may take options from the spec (`options`, e.g. int4's `q_group_size`: `get_codec("int4", q_group_size=16)`),
 refuse a head size or dtype (`check`), and keep its parts somewhere other than the layer's device between blocks
-(`tier`: `offload` keeps them in CPU memory or memory-mapped files, see offload_storage.py).
+(`offloads`: `offload` keeps them in CPU memory or memory-mapped files, see offload.py).
 """
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ class KVCodec(ABC):
     name: ClassVar[str] = "?"
     exact: ClassVar[bool] = False
     options: ClassVar[tuple[str, ...]] = ()  # spec fields this format takes, passed to __init__ (e.g. "q_group_size")
+    offloads: ClassVar[bool] = False  # the parts live on a slower tier between blocks (offload.py; the layer's
+    # storage is then wrapped in cache/attention/storage/offloaded.py)
 
     def check(self, head_dim: int, dtype: torch.dtype) -> None:
         """Raise CacheConfigError if this format cannot store vectors of `head_dim` elements in `dtype`."""
 
-    def tier(self, layer: Any) -> Any:
-        """Where `layer`'s stored parts live between blocks: None keeps them on the layer's device; an offloading
-        format returns an object with `fetch()` / `park()` (see offload_storage.py)."""
-        return None
 
     @abstractmethod
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:

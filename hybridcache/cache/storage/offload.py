@@ -227,6 +227,4 @@ class OffloadCodec(DenseCodec):
     """Dense parts on a slower tier (see the module docstring). Exact."""
 
     exact = True
-
-    def tier(self, layer):
-        return OffloadTier(layer) if layer.device.type in ("cpu", "cuda") else None  # "meta": shapes only
+    offloads = True  # the layer's storage is wrapped in an OffloadedStorage (cache/attention/storage/offloaded.py)
