@@ -36,7 +36,6 @@ class KVCodec(ABC):
     def check(self, head_dim: int, dtype: torch.dtype) -> None:
         """Raise CacheConfigError if this format cannot store vectors of `head_dim` elements in `dtype`."""
 
-
     @abstractmethod
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
         """The parts stored per token and head, e.g. {"": ((D,), float32)} for dense storage."""

@@ -20,6 +20,7 @@ from hybridcache.cache.attention.specs import AttentionSpec
 from hybridcache.cache.attention.staging import AttentionWrite, CropPlan, GroupedWrite
 from hybridcache.cache.attention.storage.protocol import AttentionStorage, Evict, Take
 from hybridcache.cache.attention.view import AttentionView
+from hybridcache.cache.core.errors import CacheError
 from hybridcache.cache.core.sequence import BlockState
 from hybridcache.cache.storage.grouped import GroupedKVStorage
 
@@ -73,6 +74,9 @@ class GroupedStorage(AttentionStorage):
             keep = lambda pos: ((pos >= 0) & visible(seen, pos)).any(0)  # noqa: E731
         self.storage.commit(staged.staged, keep)
         self._publish()
+
+    def take(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        raise CacheError(f"storage '{self.codec.name}' keeps whole columns of the batch: it cannot keep slots per row")
 
     def check_select(self, index: torch.Tensor) -> None:
         """Raise (changing nothing) if the rows cannot be selected apart (HF's axis -1 groups across rows)."""

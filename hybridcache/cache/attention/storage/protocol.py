@@ -70,7 +70,7 @@ class AttentionStorage(ABC):
     def take(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep the slots `index` ([S'] for all rows, [B, S'] per row, [B, H, S'] per row and head); `valid` (same
         shape) False marks a kept slot empty."""
-        raise CacheError(f"{type(self).__name__} keeps whole columns of the batch: it cannot keep slots per row")
+        raise CacheError(f"{type(self).__name__} cannot keep some of its slots")
 
     def drop_oldest(self, n: int) -> None:
         """Drop the first n slots (only where `drops_oldest`)."""
