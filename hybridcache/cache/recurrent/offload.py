@@ -1,7 +1,7 @@
 """`offload: true` on recurrent layers: the held state parts (codes and scales of any `state_codec`, checkpoint
 trails included) stay off the compute device between blocks.
 
-It reuses attention's offload tier (offload_storage.py): a model on a GPU parks the parts in pinned CPU memory and
+It reuses attention's offload tier (cache/storage/offload.py): a model on a GPU parks the parts in pinned CPU memory and
 prefetches the next layer's on a side stream while this one computes; a model on the CPU parks them in
 memory-mapped, already unlinked files (the kernel may write those pages out under memory pressure instead of
 counting them as process memory), so on the CPU it saves resident memory, not bandwidth. The layer fetches the parts

@@ -2,8 +2,9 @@
 
 A per-token codec (kv_codecs.py) encodes each kept token on its own; these formats quantize tokens together and own
 the layer's keys and values as a whole (`GroupedKVStorage`), so the attention layer hands them its blocks instead
-(grouped_layer.py). Registered as codecs with `grouped = True`: the name, the options a spec passes, the checks,
-and the byte formulas live here; a codec of this kind stores no per-slot parts (`fields` is empty).
+(cache/attention/storage/grouped.py). Registered as codecs with `grouped = True`: the name, the options a spec
+passes, the checks, and the byte formulas live here; a codec of this kind stores no per-slot parts (`fields` is
+empty).
 
 Where they apply: dynamic storage (no `max_length`: their state is column-aligned, not slot-addressed) of patterns
 whose eviction is the pattern's own (full, sliding, chunked, sink); score-based methods evict per row (and head),

@@ -98,7 +98,9 @@ def _file_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class OffloadTier:
-    """One layer's parked parts (`parked`, on the slow tier) and the prefetched copy of them, if any."""
+    """One layer's parked parts (`parked`, on the slow tier) and the prefetched copy of them, if any. `layer`: what
+    holds the parts as attributes named by its `_parts`, with a `device` and a `seq` (a recurrent cache layer; an
+    attention layer's `OffloadedStorage` passes a view of the storage it wraps)."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = weakref.ref(layer)
