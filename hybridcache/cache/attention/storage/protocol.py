@@ -67,6 +67,18 @@ class AttentionStorage(ABC):
         """Write an in-place staged write again into the current tensors (an offload tier dropped the copy it was
         written to); storages that write at commit have nothing to do."""
 
+    # -- only where `kernel_slots` (storage/append.py) -------------------------------------------------------------
+    def append(
+        self, k: torch.Tensor | None, v: torch.Tensor | None, block: BlockState
+    ) -> tuple[AttentionView, AttentionWrite]:
+        """`write`, with k and v None: the block's slots left for a kernel to write (or taken as `reserve`'s caller
+        wrote them)."""
+        raise NotImplementedError
+
+    def reserve(self, tokens: int) -> Any:
+        """Room for `tokens` slots after the held ones, for a kernel to write (a `Reserved`, attention/slots.py)."""
+        raise NotImplementedError
+
     def take(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep the slots `index` ([S'] for all rows, [B, S'] per row, [B, H, S'] per row and head); `valid` (same
         shape) False marks a kept slot empty."""
