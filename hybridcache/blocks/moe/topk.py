@@ -24,6 +24,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalize = top_k, normalize
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(hidden, intermediate, act) for _ in range(num_experts))
+        self.accel = None  # hybridcache.accel's fast path for this block, once installed
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k weights [N, k] (x.dtype) and expert indices [N, k] for tokens x [N, D]."""
@@ -34,6 +35,11 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), index
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
+        fast = self.__dict__.get("accel")  # (a subclass may not run this __init__: DeepseekMoE)
+        if fast is not None:
+            out = fast(h)  # the fast path (only the routed experts of a decode step), where it takes this call
+            if out is not None:
+                return out
         x = h.reshape(-1, h.shape[-1])  # [N, D]
         weights, index = self.route(x)
         out = torch.zeros_like(x)
