@@ -1,6 +1,7 @@
 """The sparse MoE block's fast path (accel/moe.py): a decode step runs only the routed experts, with the same bits as
 the reference block (which runs every expert in its dense form) at batch 1 (the routed form) and batch 2 (the dense
-form), on every family whose MoE routes through SparseMoE.forward; a prefill of more than 16 tokens keeps the reference."""
+form), on every family whose MoE routes through SparseMoE.forward; a prefill of more than 16 tokens keeps the
+reference."""
 
 import pytest
 import torch
