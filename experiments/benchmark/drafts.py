@@ -6,9 +6,11 @@
 Texts (standard library, so nothing downloads): `prose`, a passage of the Python language reference
 (pydoc_data.topics), continued; `copy`, a stdlib source file followed by its own first lines again, continued (the
 edit / extraction pattern where output repeats input). Drafts: prompt lookup (PromptLookupDraft, no model), an
-early exit of the target's first half (EarlyExitDraft), greedy and sampled (temperature 0.7, top-k 20: speculative
-sampling, an exact sample, so not the same tokens as plain sampling). Plain and speculative runs alternate
-(`rounds` each, medians), batch 1. Greedy outputs must be identical to plain greedy; the table says so.
+early exit of the target's first half (EarlyExitDraft), a separate draft model that is the target with packed
+weights (`bfloat16`, `int8`, `q8_0`: fewer bytes a step, the same vocabulary, close logits), greedy and sampled
+(temperature 0.7, top-k 20: speculative sampling, an exact sample, so not the same tokens as plain sampling). Plain
+and speculative runs alternate (`rounds` each, medians), batch 1. Greedy outputs must be identical to plain greedy;
+the table says so.
 """
 
 from __future__ import annotations
@@ -29,16 +31,24 @@ import hybridcache as hc
 MODELS = {"gemma3_270m": "real", "trained_hybrid": "hybridcache/trained/bamba_bytes"}
 
 
-def load(name: str):
+PACKED = ("bfloat16", "int8", "q8_0")  # draft kinds that are the target with packed weights
+
+
+def checkpoint_of(name: str) -> Path:
     if MODELS[name] == "real":
         from hybridcache.checkpoints.real import real_checkpoint
 
-        path = real_checkpoint(name)
+        return real_checkpoint(name)
+    return Path(__file__).resolve().parents[2] / MODELS[name]
+
+
+def load(name: str):
+    path = checkpoint_of(name)
+    if MODELS[name] == "real":
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path)
         return hc.from_pretrained(path), lambda text: tok(text, return_tensors="pt").input_ids
-    path = Path(__file__).resolve().parents[2] / MODELS[name]
     return hc.from_pretrained(path), lambda text: torch.tensor([list(text.encode()[:2048])], dtype=torch.long)
 
 
@@ -92,7 +102,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=768, help="prompt tokens kept (the end of each text)")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--drafts", default="lookup,early_exit", help="comma-separated: lookup, early_exit")
+    parser.add_argument(
+        "--drafts",
+        default="lookup,early_exit,int8",
+        help=f"comma-separated: lookup, early_exit, or a packed copy of the target: {', '.join(PACKED)}",
+    )
     parser.add_argument("--modes", default="greedy,sampled", help="comma-separated: greedy, sampled")
     parser.add_argument(
         "--full-attention",
@@ -101,6 +115,8 @@ def main() -> None:
         "target's rollback becomes a crop instead of snapshot + recompute",
     )
     a = parser.parse_args()
+    if unknown := set(a.drafts.split(",")) - {"lookup", "early_exit", *PACKED}:
+        parser.error(f"--drafts: unknown {sorted(unknown)}")
     torch.manual_seed(0)
     model, tokens_of = load(a.model)
     half = max(1, len(model.decoder_layers) // 2)
@@ -110,6 +126,9 @@ def main() -> None:
         drafts["prompt lookup"] = hc.PromptLookupDraft()
     if "early_exit" in wanted:
         drafts[f"early exit {half}/{len(model.decoder_layers)}"] = None
+    for fmt in PACKED:
+        if fmt in wanted:
+            drafts[f"{fmt} copy"] = hc.from_pretrained(checkpoint_of(a.model), weights=fmt)
     cache_config = {"attention": {"type": "full"}} if a.full_attention else None
     modes = [m == "sampled" for m in a.modes.split(",")]
     rows = []

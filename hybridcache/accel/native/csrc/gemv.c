@@ -58,11 +58,14 @@
       }                                                                                                             \
   }
 
-/* Every (R, MT) combination as a constant, so the compiler keeps the tile's sums in registers: up to 4 rows of x,
-   4 weight rows per tile; more rows of x, 2 weight rows and up to 8 rows of x per tile. avx2 has 16 vector
-   registers, so 2 x 8 sums spill: 7-8 rows of x go as two passes of at most 4 (measured at batch 8 on a 2-core
-   AMD EPYC, int8 / bfloat16 weights: 4096 x 640 5.2-6.3 -> 8.1 GB/s int8, 10.8-12.8 -> 15 bfloat16; the 262k x
-   640 head about +15%); up to 6 rows fit in one pass, and 9-16 rows measured faster in passes of 8 than of 4. */
+/* Every (R, MT) combination as a constant, so the compiler keeps the tile's sums in registers. avx2 has 16 vector
+   registers: a tile needs R * MT sums + R weight vectors + one x vector, so from 3 rows of x on it takes 2 weight
+   rows (a 4 x 4 tile spills: 21 registers), up to 6 rows of x in one pass, 7-8 as two passes of 4 (measured on a
+   2-core AMD EPYC, one thread, float32 weights from L3: 3-8 rows of x 33 -> 48-51 GFLOP/s, the 262k x 640 head from
+   DRAM at 8 rows 28 -> 37-40; bfloat16 at 4 rows 38 -> 51; int8 / bfloat16 at 8 rows: 4096 x 640 5.2-6.3 -> 8.1
+   GB/s int8, 10.8-12.8 -> 15 bfloat16), and 9-16 rows measured faster in passes of 8 than of 4. avx512 (32
+   registers) keeps 4 weight rows up to 4 rows of x (float32: always). Each sum runs over k in the same order
+   whatever the tile, so the tile never changes a result (checked bit for bit against the previous tiling). */
 #define TILE_CASE(NAME, MTC, R, NN) \
   case MTC: NAME##_tile(x, w, y, scale, bias, MTC, R, N, K, NN, m0); break;
 #define TILE_CASES4(NAME, R, NN) \
@@ -114,7 +117,8 @@
   TILE(NAME##_tile, WT, VLOAD, SLOAD, PF)                                                                        \
   TILE1(NAME##_tile1, WT, VLOAD, SLOAD)                                                                          \
   void NAME(const float *x, const WT *w, float *y, const float *scale, const float *bias, int M, int N, int K) { \
-    int RB = M <= 4 || !(WIDE_M) ? 4 : 2, MB = RB == 4 ? 4 : VW == 8 && M > 6 && M <= 8 ? 4 : 8;              \
+    int RB = M == 1 ? 4 : VW == 8 ? (M <= 2 ? 4 : 2) : (M <= 4 || !(WIDE_M) ? 4 : 2);                      \
+    int MB = RB == 4 ? 4 : VW == 8 && M > 6 && M <= 8 ? 4 : 8;                                                 \
     int blocks = (N + RB - 1) / RB;                                                                            \
     int wide = (size_t)N * K * sizeof(WT) * (M < 4 ? 1 : 4) >= PARALLEL_BYTES;                                 \
     _Pragma("omp parallel for schedule(static) if(wide)") for (int b = 0; b < blocks; b++) {                  \
