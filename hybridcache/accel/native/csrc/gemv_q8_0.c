@@ -4,13 +4,19 @@
    The activations are quantized the same way at run time (per row, per block of 32: d = max|x| / 127, q =
    round-to-nearest-even(x * (1 / d)), d kept in float32), so each block's dot product is a sum of 32 int8 x int8
    products, exact in int32; the float work is one multiply-add per block: y += (d_w * d_x) * isum. On avx2 the 32
-   products take 3 integer ops (`_mm256_maddubs_epi16` on |w| and x with w's sign, `_mm256_madd_epi16` to int32) where
+   products take 3 integer ops (`_mm256_maddubs_epi16` on |x| and w with x's sign, `_mm256_madd_epi16` to int32) where
    widening int8 weights to float costs 2 ops per 8 weights before the float multiply-add (hc_linear_i8); with
    avx512-vnni / avx-vnni one `vpdpbusd`. The same integers either way (|w|, |x| <= 127: the int16 pairs never
    saturate), so every build computes the same block sums; only the float summation order differs from the torch
    recompute (hybridcache/ops/q8_0.py). Rows of w are split over OpenMP threads in tiles of 4. */
 
 #define Q8_BLOCK 32
+#ifndef Q8_PREFETCH /* -DQ8_PREFETCH=0: no software prefetch (for measuring) */
+#define Q8_PREFETCH 1
+#endif
+#ifndef Q8_PF_TILES
+#define Q8_PF_TILES 4
+#endif
 
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -45,21 +51,25 @@ static void q8_quantize_row(const float *x, int8_t *q, float *d, int K) {
    exact int32 sum). */
 #if defined(__AVX2__)
 #define Q8_SIMD 1
-static inline __m256i q8_block_dot(const int8_t *w, const int8_t *x) {
-  __m256i wv = _mm256_loadu_si256((const __m256i *)w), xv = _mm256_loadu_si256((const __m256i *)x);
-  __m256i aw = _mm256_sign_epi8(wv, wv), sx = _mm256_sign_epi8(xv, wv); /* |w| (unsigned), x with w's sign */
+static inline __m256i q8_block_dot(const int8_t *w, const int8_t *x, __m256i ax) {
+  /* |x| (unsigned, computed once per block for all rows) times w with x's sign */
+  __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)w), _mm256_loadu_si256((const __m256i *)x));
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
 #endif
+}
+static inline __m256i q8_abs_block(const int8_t *x) {
+  __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+  return _mm256_sign_epi8(xv, xv);
 }
 /* The exact int32 sums of 4 consecutive blocks (w and x 32 apart), lane i = block i: two rounds of hadd and one add
    of the halves, where a float multiply-add per block cost more than the products themselves (measured: the L2
    compute ceiling 20.6 -> see docs/benchmarks.md). */
-static inline __m128i q8_dot4(const int8_t *w, const int8_t *x) {
-  __m256i h01 = _mm256_hadd_epi32(q8_block_dot(w, x), q8_block_dot(w + 32, x + 32));
-  __m256i h23 = _mm256_hadd_epi32(q8_block_dot(w + 64, x + 64), q8_block_dot(w + 96, x + 96));
+static inline __m128i q8_dot4(const int8_t *w, const int8_t *x, const __m256i *ax) {
+  __m256i h01 = _mm256_hadd_epi32(q8_block_dot(w, x, ax[0]), q8_block_dot(w + 32, x + 32, ax[1]));
+  __m256i h23 = _mm256_hadd_epi32(q8_block_dot(w + 64, x + 64, ax[2]), q8_block_dot(w + 96, x + 96, ax[3]));
   __m256i h = _mm256_hadd_epi32(h01, h23); /* [b0 b1 b2 b3 | b0 b1 b2 b3], each half its lanes' part */
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
@@ -101,26 +111,30 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
 #if Q8_SIMD
   __m128 acc[4];
   for (int r = 0; r < 4; r++) acc[r] = _mm_setzero_ps();
-  /* a thread's tiles are consecutive rows: prefetch PF_TILES tiles ahead in order (as gemv.c's batch-1 tile), one
-     line per 64 bytes of each row */
-  const uintptr_t ahead = (uintptr_t)w0 + (uintptr_t)PF_TILES * 4 * (size_t)K;
+  /* a thread's tiles are consecutive rows: prefetch Q8_PF_TILES tiles ahead in order (as gemv.c's batch-1 tile),
+     one line per 64 bytes of each row (measured on the 2-core AMD EPYC, one thread, the 262144 x 640 head, ABBA:
+     without it 0.31x; 4 tiles ahead 1.10x of 2, 8 no better than 4) */
+  const uintptr_t ahead = (uintptr_t)w0 + (uintptr_t)Q8_PF_TILES * 4 * (size_t)K;
   int b = 0;
   for (; b + 4 <= G; b += 4) {
-    if (prefetch)
+    if (Q8_PREFETCH && prefetch)
       for (int r = 0; r < R; r++)
         for (int c = 0; c < 4 * Q8_BLOCK; c += 64)
           __builtin_prefetch((const void *)(ahead + (size_t)r * K + (size_t)b * Q8_BLOCK + c), 0, PF_LOCALITY);
     const int8_t *xb = xq + (size_t)b * Q8_BLOCK;
     __m128 dx = _mm_loadu_ps(xd + b);
+    __m256i ax[4];
+    for (int j = 0; j < 4; j++) ax[j] = q8_abs_block(xb + j * Q8_BLOCK);
     for (int r = 0; r < R; r++) {
-      __m128 p = _mm_cvtepi32_ps(q8_dot4(w0 + (size_t)r * K + (size_t)b * Q8_BLOCK, xb));
+      __m128 p = _mm_cvtepi32_ps(q8_dot4(w0 + (size_t)r * K + (size_t)b * Q8_BLOCK, xb, ax));
       acc[r] = _mm_fmadd_ps(p, _mm_mul_ps(q8_scales4(s0 + (size_t)r * G + b), dx), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) {
     float s = q8_hsum_ps(acc[r]);
     for (int bb = b; bb < G; bb++) {
-      int32_t isum = q8_hsum_i32(q8_block_dot(w0 + (size_t)r * K + (size_t)bb * Q8_BLOCK, xq + (size_t)bb * Q8_BLOCK));
+      const int8_t *xb = xq + (size_t)bb * Q8_BLOCK;
+      int32_t isum = q8_hsum_i32(q8_block_dot(w0 + (size_t)r * K + (size_t)bb * Q8_BLOCK, xb, q8_abs_block(xb)));
       s += (float)isum * (half_to_float(s0[(size_t)r * G + bb]) * xd[bb]);
     }
     y[n + r] = bias ? s + bias[n + r] : s;
