@@ -4,6 +4,11 @@ rounded to nearest even), each block's int8 x int8 products summed exactly in in
 float64. The kernel sums in float32 in another order: the stated tolerance is 4e-6 of the sum of the products'
 (and the bias') magnitudes (K / 32 <= 64 float32 block additions and 8 lanes, each within 2^-24 of its partial)."""
 
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -145,3 +150,25 @@ def test_fused_mlp_with_q8_0_matrices_is_the_reference():
     got = gated_mlp(x, (wg, None, sg), (wd, None, sd), "silu")
     assert got is not None  # the fused kernel took the q8_0 matrices (type code 3)
     torch.testing.assert_close(got, gated_mlp_reference(x, wg, None, sg, wd, None, sd, "silu"), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the portable (scalar) variant")
+def test_the_scalar_variant_is_the_same_arithmetic(tmp_path):
+    """The kernels compiled for plain x86-64 / any CPU without avx2 (no F16C either: float16 scales converted in
+    software, subnormal ones included) compute the same block sums."""
+    src = Path(rows.__file__).with_name("csrc") / "cpu_decode.c"
+    so = tmp_path / "scalar.so"
+    flags = ["-O1", "-shared", "-fPIC", "-std=gnu11", "-mno-avx", "-mno-avx2", "-mno-f16c", "-mno-fma"]
+    subprocess.run(["cc", *flags, str(src), "-o", str(so), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    lib.hc_isa.restype = ctypes.c_char_p
+    assert lib.hc_isa() == b"scalar"
+    g = torch.Generator().manual_seed(5)
+    for m, n, k in [(1, 9, 64), (3, 17, 640), (20, 5, 96)]:
+        w = torch.randn(n, k, generator=g) * torch.logspace(-6, 1, n)[:, None]  # float16 subnormal scales too
+        x, b, y = torch.randn(m, k, generator=g), torch.randn(n, generator=g), torch.empty(m, n)
+        q, s = q8_0.pack(w)
+        p = ctypes.c_void_p
+        lib.hc_linear_q8_0(p(x.data_ptr()), p(q.data_ptr()), p(y.data_ptr()), p(s.data_ptr()), p(b.data_ptr()), m, n, k)
+        want, size = naive(x, q, s, b)
+        assert bool(((y.double() - want).abs() <= 4e-6 * size + 1e-30).all())
