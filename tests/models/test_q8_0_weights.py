@@ -11,6 +11,7 @@ import hybridcache as hc
 import hybridcache.accel.native.library as cpu_library
 from hybridcache.accel import kernel_status
 from hybridcache.accel.decode_run import greedy_forms
+from hybridcache.blocks.core.linear import pack_matrix, pack_weights
 from hybridcache.ops import q8_0
 from tests.models.conftest import prompts
 
@@ -31,14 +32,23 @@ def test_every_matrix_is_the_original_within_half_a_block_step(checkpoints):
     assert seen == sum(isinstance(m, nn.Linear) for m in plain.values())
 
 
-def test_odd_widths_are_refused_before_anything_is_packed():
+def test_odd_widths_fall_back_to_int8_rows():
+    """A matrix whose input width is not a multiple of 32 is packed as int8 with its per-row scale (what
+    `weights="int8"` stores for it); the others as q8_0; the model computes each its own way."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(48, 8))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(q8_0.Q8FormatError, match="divisible by 32; not so in 2"):
-        hc.blocks.core.linear.pack_weights(model, "q8_0")
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert all(type(m) is nn.Linear for m in model)
+    x = torch.randn(3, 64)
+    plain = [m.weight.detach().clone() for m in model]
+    assert pack_weights(model, "q8_0") == 3
+    scales = [m._buffers["scale"] for m in model]
+    assert [s.dtype for s in scales] == [torch.float16, torch.float16, torch.float32] and scales[2].shape == (8,)
+    q, s = pack_matrix(plain[2], "int8")
+    assert torch.equal(model[2].weight, q) and torch.equal(scales[2], s)
+    with torch.no_grad():
+        h = q8_0.linear(x, model[0].weight, scales[0], model[0].bias)
+        h = q8_0.linear(h, model[1].weight, scales[1], model[1].bias)
+        want = (h @ q.float().t()) * s + model[2].bias
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built here")

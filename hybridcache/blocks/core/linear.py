@@ -12,7 +12,7 @@ bytes while everything else (activations, norms, states, the cache, the sums) st
 - `int8`: symmetric per output row, w ~= q * scale with scale = max|row| / 127; a quarter of the bytes.
 - `q8_0`: llama.cpp's block layout, int8 with a float16 scale per block of 32 weights along the input
   (scale [N, K / 32], 17/64 of the bytes); the input is quantized per block too at run time (hybridcache/ops/q8_0.py),
-  so the kernel sums int8 x int8 products. Every projection's in_features must be a multiple of 32.
+  so the kernel sums int8 x int8 products. A matrix whose in_features is not a multiple of 32 is packed as `int8`.
 A decode step reads every weight once, so it gets up to 2x / 4x faster; the outputs change (what
 `experiment=correctness` measures against the unpacked reference). A tied embedding keeps sharing the head's
 packed matrix (its lookups are dequantized rows), so the float32 copy is not kept.
@@ -99,11 +99,13 @@ class PackedEmbedding(nn.Embedding):
 
 
 def pack_matrix(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """w [N, K] -> (packed [N, K], per-row float32 scale [N] for int8, float16 [N, K / 32] for q8_0, else None)."""
+    """w [N, K] -> (packed [N, K], per-row float32 scale [N] for int8, float16 [N, K / 32] for q8_0, else None);
+    q8_0 of a K that is not a multiple of 32 is int8 with its per-row scale."""
     if fmt == "bfloat16":
         return w.to(torch.bfloat16), None
-    if fmt == "q8_0":
+    if fmt == "q8_0" and w.shape[1] % q8_0.BLOCK == 0:
         return q8_0.pack(w)
+    # int8 (and q8_0's fallback for an input width that is not a multiple of 32, as llama.cpp falls back per tensor)
     absmax = w.detach().abs().amax(dim=1).float()
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # an all-zero row stays zero
     q = torch.round(w.detach().float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -124,10 +126,6 @@ def pack_weights(model: nn.Module, fmt: str) -> int:
         raise ValueError(
             f"packed weights need a float32 model (the decode kernel computes in float32), this one is {compute}"
         )
-    if fmt == "q8_0":  # refused before anything is packed (a failed call changes nothing)
-        odd = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % q8_0.BLOCK]
-        if odd:
-            raise q8_0.Q8FormatError(f"q8_0 needs in_features divisible by {q8_0.BLOCK}; not so in {', '.join(odd)}")
     use_decode_linear(model)  # every projection must read its scale
     packed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor | None]] = {}  # id(old) -> (old, new, scale)
     count = 0
