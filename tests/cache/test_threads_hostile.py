@@ -156,3 +156,26 @@ def test_two_threads_racing_for_one_cache_never_corrupt_it(rounds):
         t.join(60)
     assert cache.columns == sum(fed) and cache.seq.block is None
     assert bool((cache.seen == sum(fed)).all())
+
+
+def test_the_claiming_thread_waits_out_an_intruder_being_refused():
+    """Another thread that is being refused holds the lock for a moment (between its acquire and its refusal): the
+    thread that claimed the cache must wait for it, not be refused itself (seen once under load: generate's own
+    decode run raised CacheThreadError)."""
+    cache = hybrid_cache()
+    holding, done = threading.Event(), threading.Event()
+
+    def intruder_in_its_window():
+        cache._lock.acquire()  # exactly what a refused `_acquire` does before it sees the claim
+        holding.set()
+        done.wait(0.3)
+        cache._lock.release()
+
+    with cache.claimed():
+        t = threading.Thread(target=intruder_in_its_window)
+        t.start()
+        assert holding.wait(10)
+        feed(cache, 2)  # the owner's block: waits for the lock instead of raising
+        done.set()
+        t.join()
+    assert cache.columns == 2

@@ -188,6 +188,12 @@ class Cache:
         if not self._lock.acquire(blocking=False):
             if self._holder == me:  # this thread is feeding a block
                 raise CacheError(f"Cache.{what}: a block is being fed; finish it (commit or abort) first")
+            if self._claim == me:
+                # this thread's claim (only it sets or clears it, so the read is safe): the lock's holder is another
+                # thread between its acquire and its refusal, which lets go at once
+                self._lock.acquire()
+                self._holder = me
+                return
             raise CacheThreadError(
                 f"Cache.{what}: the cache is in use by another thread (a Cache belongs to one thread "
                 "at a time; give each thread its own cache, or hand it over when one is done)"
