@@ -36,7 +36,13 @@ MID = {
         mamba_dt_rank=64,
     ),
     "bamba": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, mamba_n_heads=32, mamba_d_head=64),
-    "lfm2": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16),
+    "lfm2": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        layer_types=["conv", "conv", "full_attention"] * 4,
+    ),
 }
 
 

@@ -16,12 +16,13 @@ from hybridcache.accel import layer_records
 from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun, greedy_forms
 from hybridcache.accel.moe import SparseMoEAccel
-from hybridcache.accel.recurrent_mixers import mamba2_accel, mamba_accel, short_conv_accel
+from hybridcache.accel.recurrent_mixers import gated_delta_accel, mamba2_accel, mamba_accel, short_conv_accel
 from hybridcache.accel.sandwich_layer import SandwichAccel
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.blocks.attention.mixer import AttentionMixer
 from hybridcache.blocks.core.sandwich import SandwichLayer
 from hybridcache.blocks.moe.topk import SparseMoE
+from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.blocks.recurrent.mamba import MambaMixer
 from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.blocks.recurrent.short_conv import ShortConv
@@ -33,6 +34,7 @@ ACCELS: dict[type[nn.Module], Callable[[nn.Module], object]] = {
     Mamba2Mixer: mamba2_accel,  # None for a subclass (its forward may differ)
     ShortConv: short_conv_accel,
     MambaMixer: mamba_accel,  # None for a subclass (Zamba's)
+    GatedDeltaNetMixer: gated_delta_accel,  # None for a subclass (Qwen3.5's, OLMo's)
     SparseMoE: SparseMoEAccel,  # (its subclasses too: the accel calls the module's own route and experts)
 }
 

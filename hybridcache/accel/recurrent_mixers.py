@@ -1,6 +1,6 @@
 """The fast path of the recurrent mixers (`mixer.accel`, installed by accel.install): an eager float32 decode step of
-LFM2's short convolution (blocks/recurrent/short_conv.py), a Mamba2 mixer (blocks/recurrent/mamba2.py) or a
-Mamba1 mixer (blocks/recurrent/mamba.py) in one C
+LFM2's short convolution (blocks/recurrent/short_conv.py), a Mamba2 mixer (blocks/recurrent/mamba2.py), a
+Mamba1 mixer (blocks/recurrent/mamba.py) or Qwen3-Next's Gated DeltaNet (blocks/recurrent/gated_deltanet.py) in one C
 call, projections included (native/recurrent_step.py).
 
 The cache is seen through slots.py's `StateSlots`: the layer's current `states` are read, the kernel writes the new
@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.native.recurrent_step import mamba2_step, mamba_step, short_conv_step
+from hybridcache.accel.native.recurrent_step import gated_delta_step, mamba2_step, mamba_step, short_conv_step
 from hybridcache.accel.slots import holds_states
 from hybridcache.blocks.core.common import StepInput
 from hybridcache.blocks.core.linear import DecodeLinear
 from hybridcache.blocks.core.norms import kernel_args, kernel_plain
+from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
 from hybridcache.blocks.recurrent.mamba import MambaMixer
 from hybridcache.blocks.recurrent.mamba2 import GatedRMSNorm, Mamba2Mixer
 from hybridcache.blocks.recurrent.short_conv import ShortConv
@@ -144,6 +145,38 @@ class MambaAccel:
         y, conv, ssm = got
         layer.update(conv=conv, ssm=ssm)
         return y
+
+
+class GatedDeltaAccel:
+    """`GatedDeltaNetMixer.accel` (Qwen3-Next): accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+
+    def __init__(self, mixer: GatedDeltaNetMixer) -> None:
+        self.mixer = mixer
+
+    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+        m = self.mixer
+        if not _decode_step(h, layer, step):
+            return None
+        projs = [_projection(p) for p in (m.in_proj_qkvz, m.in_proj_ba, m.out_proj)]
+        norm = m.norm
+        if None in projs or type(norm) is not GatedHeadNorm or norm._forward_hooks or norm._forward_pre_hooks:
+            return None
+        if m.conv1d._forward_hooks or m.conv1d._forward_pre_hooks or m.conv1d.bias is not None:
+            return None
+        states = layer.states
+        got = gated_delta_step(
+            h, (m.hk, m.hv, m.dk, m.dv), projs[0], projs[1], m.conv1d.weight.squeeze(1), states["conv"], m.dt_bias,
+            m.A_log, m.beta_scale, states["recurrent"], (norm.weight, norm.eps), projs[2],
+        )  # fmt: skip
+        if got is None:
+            return None
+        y, conv, rec = got
+        layer.update(conv=conv, recurrent=rec)
+        return y
+
+
+def gated_delta_accel(mixer: GatedDeltaNetMixer) -> GatedDeltaAccel | None:
+    return GatedDeltaAccel(mixer) if type(mixer) is GatedDeltaNetMixer else None
 
 
 def mamba_accel(mixer: MambaMixer) -> MambaAccel | None:

@@ -20,10 +20,10 @@ def without_recurrent_steps(model, monkeypatch=None) -> None:
     order than the reference modules and the compiled graph (float32 noise: tests/models/test_recurrent_accel.py),
     where a test checks a route for the same bits as another. With `monkeypatch`, undone after the test (a shared
     model)."""
-    from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaAccel, ShortConvAccel
+    from hybridcache.accel.recurrent_mixers import GatedDeltaAccel, Mamba2Accel, MambaAccel, ShortConvAccel
 
     for m in model.modules():
-        if isinstance(m.__dict__.get("accel"), (MambaAccel, Mamba2Accel, ShortConvAccel)):
+        if isinstance(m.__dict__.get("accel"), (MambaAccel, Mamba2Accel, ShortConvAccel, GatedDeltaAccel)):
             if monkeypatch is None:
                 m.accel = None
             else:

@@ -1,7 +1,8 @@
-"""The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py): every Mamba1, Mamba2 and
-short conv mixer of the tiny checkpoints takes its decode steps in one C call, the greedy tokens equal those of the
-reference modules (`accel.uninstall`) and of HF transformers, and the logits and the cache's states stay within
-float32 noise of both (Mamba2 amplifies ulp-level differences ~10x: 1e-4 on logits of order 1)."""
+"""The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py): every Mamba1, Mamba2,
+short conv and (Qwen3-Next's) Gated DeltaNet mixer of the tiny checkpoints takes its decode steps in one C call,
+the greedy tokens equal those of the reference modules (`accel.uninstall`) and of HF transformers, and the logits
+and the cache's states stay within float32 noise of both (Mamba2 amplifies ulp-level differences ~10x: 1e-4 on
+logits of order 1)."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 import hybridcache as hc
 from hybridcache import accel
 from hybridcache.accel import kernel_status
-from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaAccel, ShortConvAccel
+from hybridcache.accel.recurrent_mixers import GatedDeltaAccel, Mamba2Accel, MambaAccel, ShortConvAccel
 from tests.models.conftest import hf_generate, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -25,8 +26,9 @@ FAMILIES = [
     "mamba2",
     "jamba",
     "mamba",
+    "qwen3_next",
 ]
-FAST = (Mamba2Accel, MambaAccel, ShortConvAccel)
+FAST = (Mamba2Accel, MambaAccel, ShortConvAccel, GatedDeltaAccel)
 NEW = 12
 
 

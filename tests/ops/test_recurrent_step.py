@@ -1,7 +1,8 @@
 """The recurrent mixers' one-call decode steps (accel/native/recurrent_step.py, csrc/recurrent_step.c) against the
 pure-torch ops the reference modules run (causal_conv1d_step, ssd_step, the gated RMSNorm, F.linear) or, for Mamba1,
 the selective step written out in torch, on random weights and states: LFM2's short conv, the Mamba2 mixer (groups,
-each gate, biases, dt limits, int8 / bfloat16 / q8_0 weights), the Mamba1 mixer (with and without Jamba's inner norms).
+each gate, biases, dt limits, int8 / bfloat16 / q8_0 weights), the Mamba1 mixer (with and without Jamba's inner norms),
+Qwen3-Next's Gated DeltaNet (against the ops' gated_delta_step).
 Tolerance: float32 noise (1e-5 relative; the kernels sum in another order than torch's einsum). Hostile sizes are
 refused by name before any C call; what the kernel does not take (float64) is left to the reference."""
 
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 
 from hybridcache.accel import kernel_status
 from hybridcache.accel.native.checks import KernelArgumentError
-from hybridcache.accel.native.recurrent_step import mamba2_step, mamba_step, short_conv_step
+from hybridcache.accel.native.recurrent_step import gated_delta_step, mamba2_step, mamba_step, short_conv_step
 from hybridcache.ops import causal_conv1d_step, q8_0, ssd_step
+from hybridcache.ops import gated_delta_step as delta_rule_step
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -247,3 +249,63 @@ def test_mamba_step_refuses_hostile_sizes_by_name():
     ]:
         with pytest.raises(KernelArgumentError, match=match):
             mamba_step(x, **{**good, **change})
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("batch,hk,hv,dk,dv,k,beta_scale", [(1, 2, 4, 8, 6, 4, 1.0), (3, 1, 3, 16, 8, 3, 2.0)])
+def test_gated_delta_step_matches_the_ops(batch, hk, hv, dk, dv, k, beta_scale, fmt):
+    g = torch.Generator().manual_seed(hk * 10 + hv + dk)
+    r, dm = hv // hk, 20
+    x = torch.randn(batch, 1, dm, generator=g)
+    qkvz, w_qkvz = _proj(2 * hk * dk + 2 * hv * dv, dm, g, fmt)
+    ba, w_ba = _proj(2 * hv, dm, g, fmt)
+    out_proj, w_out = _proj(dm, hv * dv, g, fmt)
+    cc = 2 * hk * dk + hv * dv
+    conv_w, conv_state = torch.randn(cc, k, generator=g) * 0.5, torch.randn(batch, cc, k - 1, generator=g)
+    rec = torch.randn(batch, hv, dk, dv, generator=g) * 0.3
+    dt_bias, a_log = torch.randn(hv, generator=g), torch.randn(hv, generator=g) * 0.5
+    norm = (torch.rand(dv, generator=g) + 0.5, 1e-6)
+    before = (conv_state.clone(), rec.clone())
+    y, new_conv, new_rec = gated_delta_step(
+        x, (hk, hv, dk, dv), qkvz, ba, conv_w, conv_state, dt_bias, a_log, beta_scale, rec, norm, out_proj
+    )
+    # the oracle: HF's per-key-head layout split by hand, the ops' conv step and gated delta step
+    p = _lin(x[:, 0], w_qkvz, qkvz).reshape(batch, hk, 2 * dk + 2 * r * dv)
+    q, kk, v, z = p.split([dk, dk, r * dv, r * dv], dim=-1)
+    ba_v = _lin(x[:, 0], w_ba, ba).reshape(batch, hk, 2 * r)
+    b_, a_ = ba_v[..., :r].reshape(batch, hv), ba_v[..., r:].reshape(batch, hv)
+    mixed = torch.cat([q.reshape(batch, -1), kk.reshape(batch, -1), v.reshape(batch, -1)], dim=-1)
+    mixed, ref_conv = causal_conv1d_step(mixed, conv_w, None, conv_state, "silu")
+    q, kk, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    beta = torch.sigmoid(b_) * beta_scale
+    decay = -torch.exp(a_log) * F.softplus(a_ + dt_bias)
+    o, ref_rec = delta_rule_step(
+        rec, q.reshape(batch, hk, dk), kk.reshape(batch, hk, dk), v.reshape(batch, hv, dv), decay, beta,
+        qk_l2norm=True,
+    )  # fmt: skip
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0] * F.silu(z.reshape(batch, hv, dv))
+    ref = _lin(o.reshape(batch, 1, hv * dv), w_out, out_proj)
+    torch.testing.assert_close(new_conv, ref_conv, **TOL)
+    torch.testing.assert_close(new_rec, ref_rec, **TOL)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(conv_state, before[0]) and torch.equal(rec, before[1])
+
+
+def test_gated_delta_step_refuses_hostile_sizes_by_name():
+    x = torch.randn(1, 1, 8)
+    good = dict(
+        heads=(1, 2, 4, 4), qkvz=(torch.randn(24, 8), None, None), ba=(torch.randn(4, 8), None, None),
+        conv_w=torch.randn(16, 4), conv_state=torch.zeros(1, 16, 3), dt_bias=torch.zeros(2), a_log=torch.zeros(2),
+        beta_scale=1.0, rec_state=torch.zeros(1, 2, 4, 4), norm=(torch.ones(4), 1e-6),
+        out_proj=(torch.randn(8, 8), None, None),
+    )  # fmt: skip
+    assert gated_delta_step(x, **good) is not None
+    for change, match in [
+        (dict(heads=(2, 3, 4, 4)), "heads"),
+        (dict(conv_w=torch.randn(15, 4)), "conv weight"),
+        (dict(qkvz=(torch.randn(23, 8), None, None)), "in_proj_qkvz"),
+        (dict(rec_state=torch.zeros(1, 2, 4, 5)), "recurrent state"),
+        (dict(beta_scale="2"), "beta_scale"),
+    ]:
+        with pytest.raises(KernelArgumentError, match=match):
+            gated_delta_step(x, **{**good, **change})

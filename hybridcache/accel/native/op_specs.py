@@ -395,6 +395,10 @@ RECURRENT_SIGNATURES: dict[str, tuple[object, list]] = {
         None,
         [_P] + [_I] * 7 + [_P, _I] + [_P] * 9 + [_F, _F] + [_P] * 2 + [_I, _P, _F, _P, _I] + [_P] * 4,
     ),
+    "hc_gated_delta_step": (
+        None,
+        [_P] + [_I] * 7 + [_P, _I, _P, _P, _I, _P] + [_P] * 5 + [_F] + [_P] * 3 + [_F, _P, _I] + [_P] * 3,
+    ),
     "hc_mamba_step": (
         None,
         [_P] + [_I] * 6 + [_P, _I] + [_P] * 7 + [_I, _P] + [_P, _F] * 3 + [_P, _I] + [_P] * 7 + [_I] + [_P] * 4,

@@ -222,3 +222,68 @@ def mamba_step(
         _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y, new_conv, new_ssm
+
+
+def gated_delta_step(
+    x: torch.Tensor,
+    heads: tuple[int, int, int, int],
+    qkvz: tuple,
+    ba: tuple,
+    conv_w: torch.Tensor,
+    conv_state: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    beta_scale: float,
+    rec_state: torch.Tensor,
+    norm: tuple[torch.Tensor, float],
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Qwen3-Next's Gated DeltaNet mixer on one token: x [B, 1, Dm], heads (Hk, Hv, Dk, Dv), in_proj_qkvz / in_proj_ba
+    (weight [2 Hk Dk + 2 Hv Dv, Dm] / [2 Hv, Dm], no bias, scale), the conv weight [2 Hk Dk + Hv Dv, K] (no bias),
+    conv_state [B, that, K-1], dt_bias / A_log [Hv], beta's scale, rec_state [B, Hv, Dk, Dv], the gated head norm's
+    (weight [Dv], eps), out_proj (weight [Dm, Hv Dv], no bias, scale) -> (y [B, 1, Dm], the new conv state, the new
+    recurrent state)."""
+    lib = _library()
+    if lib is None or not isinstance(x, torch.Tensor) or not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2:
+        return None
+    if len(heads) != 4 or not all(type(v) is int and v >= 1 for v in heads) or heads[1] % heads[0]:
+        raise KernelArgumentError(f"gated delta step: heads must be (Hk, Hv, Dk, Dv) >= 1 with Hk | Hv, got {heads}")
+    hk, hv, dk, dv = heads
+    cc, e1 = 2 * hk * dk + hv * dv, 2 * hk * dk + 2 * hv * dv
+    k = conv_w.shape[1]
+    if conv_w.shape[0] != cc or not 2 <= k <= 64:
+        raise KernelArgumentError(f"gated delta step: conv weight {list(conv_w.shape)} for {cc} channels, width 2-64")
+    if not 0 < (e1 + 2 * hv + 2 * cc + 2 * hv * dv) * MAX_ROWS <= INT_MAX or not _real(beta_scale):
+        raise KernelArgumentError("gated delta step: sizes too large, or beta_scale not a real number")
+    dm = x.shape[-1] if x.dim() else 0
+    b = _rows(x, dm)
+    if b is None:
+        return None
+    codes = (
+        _proj(qkvz, e1, dm, "in_proj_qkvz"),
+        _proj(ba, 2 * hv, dm, "in_proj_ba"),
+        _proj(out_proj, dm, hv * dv, "out_proj"),
+    )
+    states_ok = _state(conv_state, (b, cc, k - 1), "the conv state") and _state(
+        rec_state, (b, hv, dk, dv), "the recurrent state"
+    )
+    norm_w, eps = norm
+    if (
+        not states_ok
+        or None in codes
+        or any(p[1] is not None for p in (qkvz, ba, out_proj))
+        or not conv_w.is_contiguous()
+        or not all(_vec(v, hv) and v is not None for v in (dt_bias, a_log))
+        or not (_vec(norm_w, dv) and norm_w is not None and _real(eps))
+    ):
+        return None
+    x = x.contiguous()
+    new_conv, new_rec = torch.empty(conv_state.shape, dtype=_F32), torch.empty(rec_state.shape, dtype=_F32)
+    y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * (e1 + 2 * hv + 2 * cc + 2 * hv * dv), dtype=_F32)
+    lib.hc_gated_delta_step(
+        x.data_ptr(), b, dm, hk, hv, dk, dv, k, qkvz[0].data_ptr(), codes[0], _ptr(qkvz[2]), ba[0].data_ptr(),
+        codes[1], _ptr(ba[2]), conv_w.data_ptr(), conv_state.data_ptr(), new_conv.data_ptr(), dt_bias.data_ptr(),
+        a_log.data_ptr(), float(beta_scale), rec_state.data_ptr(), new_rec.data_ptr(), norm_w.data_ptr(), float(eps),
+        out_proj[0].data_ptr(), codes[2], _ptr(out_proj[2]), scratch.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y, new_conv, new_rec

@@ -75,6 +75,7 @@ class GatedDeltaNetMixer(nn.Module):
                 self.A_log.copy_(torch.arange(1, num_v_heads + 1, dtype=torch.float32).log())
         self.norm = GatedHeadNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.accel = None  # hybridcache.accel's fast path for this mixer, once installed
 
     def _split(self, h: torch.Tensor):
         """q, k [B, T, Hk, Dk], v, z [B, T, Hv, Dv], b, a [B, T, Hv]; HF groups the projections per key head."""
@@ -98,6 +99,11 @@ class GatedDeltaNetMixer(nn.Module):
         return self.out_proj(rearrange(self.norm(o, z), "b t h d -> b t (h d)"))
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        fast = self.__dict__.get("accel")  # (a subclass may build itself without this __init__)
+        if fast is not None:
+            out = fast(h, layer, step)  # the fast path (a decode step in one call), where it takes this call
+            if out is not None:
+                return out
         tokens, dtype = h.shape[1], h.dtype
         q, k, v, z, b, a = self._split(h)
         mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # [B, T, C]

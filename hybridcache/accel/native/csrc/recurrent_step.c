@@ -152,3 +152,73 @@ void hc_mamba_step(const float *x, int B, int Dm, int Di, int N, int K, int R, c
                     1, ssm_state, g, ssm_out, B, 1, Di, N);
   linear_any(out_type, g, w_out, y, out_scale, out_bias, B, Dm, Di);
 }
+
+/* Qwen3-Next's Gated DeltaNet mixer, one token per row of x [B, Dm]: Hk key heads of Dk, Hv = r Hk value heads of Dv,
+   conv width K over Cc = 2 Hk Dk + Hv Dv channels:
+     qkvz = in_proj_qkvz(x) [Hk (2 Dk + 2 r Dv)] (per key head g: q, k, its r value heads' v, their z), ba =
+     in_proj_ba(x) [Hk (2 r)] (per key head: b of its r value heads, then a); mixed = (q | k | v) over all heads,
+     through the conv step (silu, no bias) with conv_state [B, Cc, K-1];
+     per value head h (key head h / r): q, k L2-normalised (eps 1e-6 inside the root), q times Dk^-1/2;
+     beta = beta_scale sigmoid(b), decay = exp(-exp(A_log[h]) softplus(a + dt_bias[h]));
+     S = decay S (rec_state [B, Hv, Dk, Dv]); S += k (beta (v - S^T k))^T; o = S^T q;
+     o = norm_w * rms_norm(o) (per head, eps) * silu(z); y [B, Dm] = out_proj(o [Hv Dv]).
+   The projections have no bias. scratch: [B, (2 Hk Dk + 2 Hv Dv) + 2 Hv + 2 Cc + 2 Hv Dv] floats. */
+void hc_gated_delta_step(const float *x, int B, int Dm, int Hk, int Hv, int Dk, int Dv, int K, const void *w_qkvz,
+                         int qkvz_type, const float *qkvz_scale, const void *w_ba, int ba_type, const float *ba_scale,
+                         const float *conv_w, const float *conv_state, float *conv_out, const float *dt_bias,
+                         const float *A_log, float beta_scale, const float *rec_state, float *rec_out,
+                         const float *norm_w, float norm_eps, const void *w_out, int out_type, const float *out_scale,
+                         float *scratch, float *y) {
+  int r = Hv / Hk, G = 2 * Dk + 2 * r * Dv, E1 = Hk * G, E2 = 2 * Hv, KD = Hk * Dk, Cc = 2 * KD + Hv * Dv;
+  int VD = Hv * Dv;
+  float *qkvz = scratch, *ba = qkvz + (size_t)B * E1, *mixed = ba + (size_t)B * E2, *mc = mixed + (size_t)B * Cc;
+  float *o = mc + (size_t)B * Cc, *dl = o + (size_t)B * VD;
+  linear_any(qkvz_type, x, w_qkvz, qkvz, qkvz_scale, NULL, B, E1, Dm);
+  linear_any(ba_type, x, w_ba, ba, ba_scale, NULL, B, E2, Dm);
+  for (int b = 0; b < B; b++)
+    for (int g = 0; g < Hk; g++) {
+      const float *src = qkvz + (size_t)b * E1 + (size_t)g * G;
+      float *dst = mixed + (size_t)b * Cc;
+      memcpy(dst + (size_t)g * Dk, src, sizeof(float) * Dk);
+      memcpy(dst + KD + (size_t)g * Dk, src + Dk, sizeof(float) * Dk);
+      memcpy(dst + 2 * KD + (size_t)g * r * Dv, src + 2 * Dk, sizeof(float) * r * Dv);
+    }
+  conv_step(mixed, Cc, B, Cc, K, conv_w, NULL, conv_state, conv_out, 1, mc, Cc);
+  float scale = 1.0f / sqrtf((float)Dk);
+  int wide = (size_t)B * Hv * Dk * Dv >= PARALLEL_BYTES / 4;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (long bh = 0; bh < (long)B * Hv; bh++) {
+    int b = (int)(bh / Hv), h = (int)(bh % Hv), g = h / r, i = h % r;
+    const float *q = mc + (size_t)b * Cc + (size_t)g * Dk, *k = q + KD, *v = mc + (size_t)b * Cc + 2 * KD + (size_t)h * Dv;
+    float sq = 0.0f, sk = 0.0f;
+    for (int d = 0; d < Dk; d++) sq += q[d] * q[d], sk += k[d] * k[d];
+    float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+    const float *bav = ba + (size_t)b * E2 + (size_t)g * 2 * r;
+    float beta = beta_scale / (1.0f + expf(-bav[i]));
+    float decay = expf(-expf(A_log[h]) * softplus_f(bav[r + i] + dt_bias[h]));
+    const float *S = rec_state + (size_t)bh * Dk * Dv;
+    float *So = rec_out + (size_t)bh * Dk * Dv, *oh = o + (size_t)bh * Dv, *dh = dl + (size_t)bh * Dv;
+    for (int e = 0; e < Dv; e++) dh[e] = 0.0f;
+    for (int d = 0; d < Dk; d++) {
+      float kd = k[d] * rk;
+      for (int e = 0; e < Dv; e++) {
+        So[(size_t)d * Dv + e] = S[(size_t)d * Dv + e] * decay;
+        dh[e] += So[(size_t)d * Dv + e] * kd;
+      }
+    }
+    for (int e = 0; e < Dv; e++) dh[e] = beta * (v[e] - dh[e]), oh[e] = 0.0f;
+    for (int d = 0; d < Dk; d++) {
+      float kd = k[d] * rk, qd = q[d] * rq * scale;
+      for (int e = 0; e < Dv; e++) {
+        float s = So[(size_t)d * Dv + e] + kd * dh[e];
+        So[(size_t)d * Dv + e] = s;
+        oh[e] += s * qd;
+      }
+    }
+    const float *z = qkvz + (size_t)b * E1 + (size_t)g * G + 2 * Dk + (size_t)r * Dv + (size_t)i * Dv;
+    float ss = 0.0f;
+    for (int e = 0; e < Dv; e++) ss += oh[e] * oh[e];
+    float rn = 1.0f / sqrtf(ss / Dv + norm_eps);
+    for (int e = 0; e < Dv; e++) oh[e] = norm_w[e] * (oh[e] * rn) * silu_f(z[e]);
+  }
+  linear_any(out_type, o, w_out, y, out_scale, NULL, B, Dm, VD);
+}
