@@ -36,6 +36,7 @@ from hybridcache.cache.storage.codecs import DenseCodec, KVCodec, available_code
 
 # Built-in extensions, written exactly as a user's plugin module would be (one file each).
 from hybridcache.cache.recurrent import delta_rule  # noqa: E402,F401  isort: skip
+from hybridcache.cache.recurrent import linear_attention  # noqa: E402,F401  isort: skip
 from hybridcache.cache.storage import grouped_codecs, int4, int8, offload  # noqa: E402,F401  isort: skip
 from hybridcache.cache.methods import presses  # noqa: E402,F401  isort: skip
 from hybridcache.cache.attention import sink  # noqa: E402,F401  isort: skip

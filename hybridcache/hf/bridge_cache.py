@@ -27,6 +27,7 @@ from hybridcache.hf.errors import BridgeConfigError, BridgeError
 from hybridcache.hf.hybrid_layer import BridgeHybridLayer
 from hybridcache.hf.indexed_layer import BridgeIndexedLayer
 from hybridcache.hf.layout import ModelLayout
+from hybridcache.hf.minimax import BridgeLinearStateLayer
 from hybridcache.hf.multi_state_layer import BridgeMultiStateLayer
 from hybridcache.hf.native import BridgePlan
 from hybridcache.hf.queries import query_inputs
@@ -79,9 +80,11 @@ class BridgeCache(HFCache):
             elif info.attention is not None:
                 native_type = self._native(info.index).type
                 layers.append(BridgeAttentionLayer(self, info.index, info.attention, native_type))
+            elif not info.states.conv:
+                layers.append(BridgeLinearStateLayer(self, info.index, info.states))
             else:
                 layers.append(BridgeStateLayer(self, info.index, info.states))
-        super().__init__(layers=layers)
+        HFCache.__init__(self, layers=layers)  # not super(): a family's subclass may add its own cache class
         if batch_size is not None:
             self._build(batch_size)
 

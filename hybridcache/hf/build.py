@@ -19,6 +19,7 @@ from hybridcache.hf.bridge_cache import BridgeCache
 from hybridcache.hf.errors import BridgeError
 from hybridcache.hf.installer import install
 from hybridcache.hf.layout import ModelLayout, read_layout
+from hybridcache.hf.minimax import bridge_cache_class
 from hybridcache.hf.native import BridgePlan, bridge_plan, translate_config
 from hybridcache.hf.queries import install_query_hooks
 
@@ -57,7 +58,8 @@ def cache_for(
         raise BridgeError(f"cache_for: batch_size must be a positive integer or None, got {batch_size!r}")
     layout, bridge, plan = plan_for(model, cache_config)
     ours = install(model)
-    cache = BridgeCache(model, layout, bridge, plan, batch_size, hf_masks=not ours)
+    cls = bridge_cache_class(layout.model_type, BridgeCache)  # MiniMax: also a MiniMaxCache
+    cache = cls(model, layout, bridge, plan, batch_size, hf_masks=not ours)
     if cache.keeps_queries:  # a press that models future queries (expected_attention) reads them from HF's modules
         install_query_hooks(model)
     return cache

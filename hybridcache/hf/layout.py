@@ -113,7 +113,10 @@ def read_layout(model: Any) -> ModelLayout:
         hf_types, kwargs = get_layer_types_and_kwargs(config)
     except Exception as e:  # noqa: BLE001 - HF's own reading of the config failed: say which model
         raise BridgeError(f"{model_type}: HF cannot tell this model's layer types ({type(e).__name__}: {e})") from e
-    cache = DynamicCache(config=config)
+    from hybridcache.hf.minimax import linear_state, own_cache
+
+    own = own_cache(model_type)  # a family whose model takes only its own cache class (MiniMax)
+    cache = DynamicCache(config=config) if own is None else own
     device = input_device(model)
     ids = torch.full((1, 1), 3, dtype=torch.long, device=device)
     with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(device)):
@@ -125,9 +128,11 @@ def read_layout(model: Any) -> ModelLayout:
                 f"bridged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from e
     layers = []
-    for i, layer in enumerate(cache.layers):
+    count = len(cache.layers) if own is None else len(hf_types)  # MiniMaxCache adds layers only as they are used
+    for i in range(count):
+        layer = cache.layers[i] if i < len(cache.layers) else DynamicLayer()
         hf_type = hf_types[i] if i < len(hf_types) else "full_attention"
-        attention = states = None
+        attention, states = None, (None if own is None else linear_state(cache, i))
         if type(layer) not in KNOWN:
             raise BridgeError(
                 f"{model_type}: layer {i} uses HF's {type(layer).__name__} ({hf_type}), which stores more than keys, "
@@ -139,6 +144,9 @@ def read_layout(model: Any) -> ModelLayout:
             if isinstance(layer, DynamicSlidingWindowLayer):
                 size = int(kwargs[i].get("sliding_window") or layer.sliding_window)
                 pattern = "chunked" if hf_type == "chunked_attention" else "sliding"
+            elif own is not None and getattr(config, "sliding_window", None):
+                # MiniMax keeps every key in a DynamicLayer and masks them with a sliding window when one is set
+                pattern, size = "sliding", int(config.sliding_window)
             attention = AttentionShape(
                 int(k.shape[1]), int(k.shape[-1]), int(v.shape[-1]), k.dtype, k.device, pattern, size
             )

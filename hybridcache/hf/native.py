@@ -85,6 +85,11 @@ def _delta_k_heads(c: int, hv: int, dk: int, dv: int) -> int | None:
 def state_native(model_type: str, index: int, s: StateShape) -> NativeLayer:
     """Our recurrent type and shapes for one HF layer's states (a `BridgeError` naming the shapes if none fits)."""
     where = f"{model_type}: layer {index}"
+    if not s.conv and list(s.recurrent) == [0] and len(s.recurrent[0][0]) == 3:  # MiniMax's lightning attention
+        (h, dk, dv), dtype = s.recurrent[0]
+        return NativeLayer(
+            "linear_attention", dict(num_heads=h, key_dim=dk, value_dim=dv, dtype=dtype, state_dtype=dtype)
+        )
     if len(s.conv) != 1 or len(s.recurrent) > 1 or 0 not in s.conv:
         raise BridgeError(
             f"{where} keeps {len(s.conv)} conv and {len(s.recurrent)} recurrent states; the bridge maps one conv "

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from hybridcache.cache import Cache, CacheCropError
 from tests.cache.helpers import NATIVE, state_equal
 
-RECURRENT = ["mamba", "mamba2", "rglru", "conv", "gated_delta"]
+RECURRENT = ["mamba", "mamba2", "rglru", "conv", "gated_delta", "linear_attention"]
 NATIVE_EXTRA = {
-    "gated_delta": ("gated_delta", dict(num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=3, conv_kernel=3))
+    "gated_delta": ("gated_delta", dict(num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=3, conv_kernel=3)),
+    "linear_attention": ("linear_attention", dict(num_heads=2, key_dim=2, value_dim=3)),
 }
 
 
