@@ -15,7 +15,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "hf_bridge.md"
 
 GAPS = {
     "deepseek_v4": "DeepseekV4HCACache",  # compressed caches of its own
-    "minimax": "MiniMax uses cache",  # MiniMaxCache, its own: not built on HF's layer interfaces
 }
 # entries that are not targets: encoder-decoders, families whose generate keeps no Cache, and tiny checkpoints that
 # do not run in HF (their config shrink fails or they need more than text); each with what the table says
