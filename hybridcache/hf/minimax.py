@@ -71,13 +71,13 @@ class BridgeLinearStateLayer(BridgeStateLayer):
         return rec if self._written or self.bridge.columns > 0 else None
 
     def set_linear_cache(self, state: torch.Tensor) -> None:
-        self.bridge.check_device(state.device)
         shape, _ = self.state_shape.recurrent[0]
         if not isinstance(state, torch.Tensor) or tuple(state.shape[1:]) != shape:
             got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
             raise BridgeError(
                 f"layer {self.index}: a linear-attention state must be [B, {', '.join(map(str, shape))}], got {got}"
             )
+        self.bridge.check_device(state.device)
         self._working()
         self._rec = state
         self._written = True

@@ -126,3 +126,12 @@ def test_a_linear_cache_call_on_an_attention_layer_is_refused(models):
     cache = cache_for(models["default"], batch_size=1)
     with pytest.raises(BridgeError, match="not a lightning"):
         cache.get_linear_cache(0)
+
+
+def test_a_malformed_linear_state_is_refused_by_name(models):
+    cache = cache_for(models["default"], batch_size=1)
+    with pytest.raises(BridgeError, match="linear-attention state must be"):
+        cache.set_linear_cache(1, torch.zeros(1, 2))
+    with pytest.raises(BridgeError, match="linear-attention state must be"):
+        cache.set_linear_cache(1, [])
+    assert cache.get_seq_length() == 0
