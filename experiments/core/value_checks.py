@@ -51,6 +51,7 @@ CACHE_TYPES = (
     "gated_delta",
     "h2o",
     "knorm",
+    "linear_attention",
     "mamba",
     "mamba2",
     "observed_attention",
