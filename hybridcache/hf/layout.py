@@ -113,8 +113,6 @@ def read_layout(model: Any) -> ModelLayout:
         hf_types, kwargs = get_layer_types_and_kwargs(config)
     except Exception as e:  # noqa: BLE001 - HF's own reading of the config failed: say which model
         raise BridgeError(f"{model_type}: HF cannot tell this model's layer types ({type(e).__name__}: {e})") from e
-    from hybridcache.hf.minimax import linear_state, own_cache
-
     own = own_cache(model_type)  # a family whose model takes only its own cache class (MiniMax)
     cache = DynamicCache(config=config) if own is None else own
     device = input_device(model)
@@ -168,6 +166,29 @@ def read_layout(model: Any) -> ModelLayout:
         indexer_dim = int(indexer.shape[-1]) if isinstance(indexer, torch.Tensor) and indexer.numel() else None
         layers.append(LayerInfo(i, hf_type, attention, states, indexer_dim, dummy=isinstance(layer, DummyLayer)))
     return ModelLayout(model_type, tuple(layers), device)
+
+
+OWN_CACHE_FAMILIES = ("minimax",)  # model types whose model takes only its own cache class (hf/minimax.py)
+
+
+def own_cache(model_type: str) -> Any | None:
+    """A fresh MiniMaxCache for the probe of a MiniMax model, whose model refuses any other (None for every other
+    family: they are probed with HF's DynamicCache)."""
+    if model_type not in OWN_CACHE_FAMILIES:
+        return None
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    return MiniMaxCache()
+
+
+def linear_state(cache: Any, index: int) -> StateShape | None:
+    """The lightning state the probe left in layer `index` of a MiniMaxCache (its `linear_cache` list): one
+    recurrent state [H, D, D] and no conv state."""
+    states = getattr(cache, "linear_cache", None)
+    if states is None or index >= len(states) or not isinstance(states[index], torch.Tensor):
+        return None
+    t = states[index]
+    return StateShape({}, {0: (tuple(t.shape[1:]), t.dtype)}, t.device)
 
 
 def _rng_devices(device: torch.device) -> list:

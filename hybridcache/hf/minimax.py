@@ -3,9 +3,10 @@ DynamicCache for the attention layers plus one linear-attention state per lightn
 `get_linear_cache(i)` / `set_linear_cache(i, state)` (None read back: no state yet, so the layer runs its blockwise
 prefill; a state: its per-token recurrence S <- exp(-slope) * S + k^T v, in the model's dtype, [B, H, D, D]).
 
-The bridge probes it with that cache (layout.py) and hands it a `BridgeMiniMaxCache`, a BridgeCache that is also a
-MiniMaxCache; each lightning layer's state is our `linear_attention` type (cache/recurrent/linear_attention.py) behind
-`BridgeLinearStateLayer`, so checkpoints (crop), state codecs and offload apply as on every recurrent type.
+The bridge probes it with that cache (layout.py: `own_cache`, `linear_state`) and hands it a `BridgeMiniMaxCache`,
+a BridgeCache that is also a MiniMaxCache; each lightning layer's state is our `linear_attention` type
+(cache/recurrent/linear_attention.py) behind `BridgeLinearStateLayer`, so checkpoints (crop), state codecs and
+offload apply as on every recurrent type.
 """
 
 from __future__ import annotations
@@ -15,28 +16,10 @@ from typing import Any
 import torch
 
 from hybridcache.hf.errors import BridgeError
-from hybridcache.hf.layout import StateShape
+from hybridcache.hf.layout import OWN_CACHE_FAMILIES, StateShape
 from hybridcache.hf.state_layer import BridgeStateLayer
 
-FAMILIES = ("minimax",)  # model types whose model checks isinstance(cache, MiniMaxCache)
-
-
-def own_cache(model_type: str) -> Any | None:
-    """A fresh MiniMaxCache for the layout probe of a MiniMax model (None for every other family)."""
-    if model_type not in FAMILIES:
-        return None
-    from transformers.models.minimax.modeling_minimax import MiniMaxCache
-
-    return MiniMaxCache()
-
-
-def linear_state(cache: Any, index: int) -> StateShape | None:
-    """The lightning state the probe left in layer `index` of a MiniMaxCache: one recurrent state [H, D, D], no conv."""
-    states = getattr(cache, "linear_cache", None)
-    if states is None or index >= len(states) or not isinstance(states[index], torch.Tensor):
-        return None
-    t = states[index]
-    return StateShape({}, {0: (tuple(t.shape[1:]), t.dtype)}, t.device)
+FAMILIES = OWN_CACHE_FAMILIES  # model types whose model checks isinstance(cache, MiniMaxCache)
 
 
 class BridgeLinearStateLayer(BridgeStateLayer):
