@@ -135,3 +135,25 @@ def test_a_malformed_linear_state_is_refused_by_name(models):
     with pytest.raises(BridgeError, match="linear-attention state must be"):
         cache.set_linear_cache(1, [])
     assert cache.get_seq_length() == 0
+
+
+class _RoundedMiniMaxCache(MiniMaxCache):
+    """HF's own cache whose lightning states are rounded to bfloat16 when stored (torch's cast, the oracle)."""
+
+    def set_linear_cache(self, layer_idx, linear_cache):
+        super().set_linear_cache(layer_idx, linear_cache.to(torch.bfloat16).to(linear_cache.dtype))
+
+
+@torch.no_grad()
+def test_a_state_codec_applies_to_the_lightning_states(models):
+    """state_codec bfloat16 on our linear_attention layers == HF's own cache storing its states cast to bfloat16
+    after each forward (our layers encode once per block: one forward each, as HF's cache stores)."""
+    model = models["blocks"]
+    ids, mask = prompts(2, 10, seed=4, pad=2)
+    cuts = [6, 7, 8]
+    got = _chunks(model, cache_for(model, {"recurrent": {"state_codec": "bfloat16"}}), ids, mask, cuts)
+    ref = _chunks(model, _RoundedMiniMaxCache(), ids, mask, cuts)
+    exact = _chunks(model, MiniMaxCache(), ids, mask, cuts)
+    real = mask.bool()
+    assert max_diff(got[real], ref[real]) < TOL
+    assert max_diff(got[real], exact[real]) > 10 * TOL  # the rounding shows: the codec really holds the states
