@@ -85,9 +85,7 @@ def run_hf(job: dict, model=None) -> dict:
         for i in range(0, ids.shape[1], job["chunk"]):
             block = ids[:, i : i + job["chunk"]]
             positions = torch.arange(i, i + block.shape[1])[None]
-            out = model(
-                input_ids=block, past_key_values=cache, use_cache=True, position_ids=positions, logits_to_keep=1
-            )
+            out = model(input_ids=block, cache=cache, use_cache=True, position_ids=positions, logits_to_keep=1)
     first = int(out.logits[0, -1].argmax())
     wall, busy = time.perf_counter() - wall, time.process_time() - busy
     return {"prefill_s": wall, "cpu_s": busy, "first_token": first, "loaded_rss_mib": loaded}

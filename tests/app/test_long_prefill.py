@@ -39,6 +39,11 @@ def test_ours_and_hf_chunked_prefills_give_the_oracle_first_token():
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         oracle = int(model(torch.tensor([prompt]), use_cache=False).logits[0, -1].argmax())
-    for result in (lp.run_ours(job), lp.run_hf(job, model)):
+    threads = torch.get_num_threads()  # the workers set their job's thread count: put it back for later tests
+    try:
+        results = [lp.run_ours(job), lp.run_hf(job, model)]
+    finally:
+        torch.set_num_threads(threads)
+    for result in results:
         assert result["first_token"] == oracle
         assert result["prefill_s"] > 0 and result["cpu_s"] > 0
