@@ -12,6 +12,7 @@ here as untrusted input. The process group is ended on timeout, failure or inter
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -113,6 +114,10 @@ class KvpressResult:
         return sorted(i for i, k in self.kept.items() if k.shape[1] < self.context_len)
 
 
+# request -> answer of this process's kvpress runs (two test suites ask kvpress the same questions)
+_ANSWERED: dict[str, KvpressResult] = {}
+
+
 def run_press(
     checkpoint_dir: str | Path,
     context_ids: Sequence[int] | torch.Tensor,
@@ -156,6 +161,9 @@ def run_press(
         "feed": feed,
         "threads": threads,
     }
+    key = json.dumps({**request, "interpreter": interpreter}, sort_keys=True)
+    if key in _ANSWERED:  # a kvpress run is deterministic: the same request in one process is answered once
+        return copy.deepcopy(_ANSWERED[key])
     with tempfile.TemporaryDirectory(prefix="kvpress-") as tmp:
         req, ans, res = Path(tmp) / "request.json", Path(tmp) / "answer.json", Path(tmp) / "result.safetensors"
         req.write_text(json.dumps(request))
@@ -171,7 +179,11 @@ def run_press(
         wall_s = time.perf_counter() - started
         if not ans.exists():
             raise KvpressWorkerError(f"the kvpress worker failed (exit {code}): {root_cause(stderr, stdout)}")
-        return read_answer(ans, res, press, len(context), len(continuation), config, wall_s)
+        result = read_answer(ans, res, press, len(context), len(continuation), config, wall_s)
+    while len(_ANSWERED) >= 32:  # the oldest answers go first (dicts keep insertion order)
+        del _ANSWERED[next(iter(_ANSWERED))]
+    _ANSWERED[key] = copy.deepcopy(result)
+    return result
 
 
 def read_worker_files(answer_path: Path, result_path: Path) -> tuple[dict, Any, dict[str, torch.Tensor]]:

@@ -372,3 +372,25 @@ def test_live_pyramidkv_fails_in_one_forward_but_decodes_per_token(live_runs):
     assert fed.ok and torch.isfinite(fed.nll).all()
     assert {i: k.tolist() for i, k in fed.kept.items()} == {i: k.tolist() for i, k in result.kept.items()}
     assert abs(sum(sizes) - len(sizes) * int(CONTEXT * (1 - RATIO))) <= len(sizes)
+
+
+def test_the_same_request_is_answered_once_per_process(tmp_path):
+    python = fake_interpreter(
+        tmp_path,
+        f"""
+        import json, sys, torch
+        from safetensors.torch import save_file
+        with open({str(tmp_path / "runs")!r}, "a") as f:
+            f.write("run\\n")
+        save_file({{"kept.0": torch.tensor([[0, 2]]), "slots.0": torch.tensor([[2, 0]]), "nll": torch.ones(1)}},
+                  sys.argv[4])
+        json.dump({{"meta": {{"versions": {{"kvpress": "0.5.5"}}, "n_kept": {{"0": 2}}, "hooked_layers": [0],
+                             "mean_nll": 1.0}}}}, open(sys.argv[3], "w"))
+    """,
+    )
+    first = run_press(tmp_path, [1, 2, 3], [4], python=python)
+    first.kept[0].fill_(7)  # a caller's change to its answer is its own
+    again = run_press(tmp_path, [1, 2, 3], [4], python=python)
+    other = run_press(tmp_path, [1, 2, 3], [5], python=python)  # another request runs kvpress again
+    assert (tmp_path / "runs").read_text().count("run") == 2
+    assert again.kept[0].tolist() == [[0, 2]] and other.ok
