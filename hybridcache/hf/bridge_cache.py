@@ -22,16 +22,16 @@ from transformers.cache_utils import Cache as HFCache
 from transformers.cache_utils import DummyLayer, DynamicLayer
 
 from hybridcache.cache import Cache, CacheGroup, CachePlan, NativeGroup, get_layer_class
-from hybridcache.hf.attention_layer import BridgeAttentionLayer
 from hybridcache.hf.errors import BridgeConfigError, BridgeError
-from hybridcache.hf.hybrid_layer import BridgeHybridLayer
-from hybridcache.hf.indexed_layer import BridgeIndexedLayer
+from hybridcache.hf.layers.attention import BridgeAttentionLayer
+from hybridcache.hf.layers.hybrid import BridgeHybridLayer
+from hybridcache.hf.layers.indexed import BridgeIndexedLayer
+from hybridcache.hf.layers.multi_state import BridgeMultiStateLayer
+from hybridcache.hf.layers.state import BridgeStateLayer
 from hybridcache.hf.layout import ModelLayout
 from hybridcache.hf.minimax import BridgeLinearStateLayer
-from hybridcache.hf.multi_state_layer import BridgeMultiStateLayer
 from hybridcache.hf.native import BridgePlan
 from hybridcache.hf.queries import query_inputs
-from hybridcache.hf.state_layer import BridgeStateLayer
 
 
 class BridgeCache(HFCache):

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from hybridcache.hf.errors import BridgeError
+from hybridcache.hf.layers.state import BridgeStateLayer
 from hybridcache.hf.layout import OWN_CACHE_FAMILIES, StateShape
-from hybridcache.hf.state_layer import BridgeStateLayer
 
 FAMILIES = OWN_CACHE_FAMILIES  # model types whose model checks isinstance(cache, MiniMaxCache)
 

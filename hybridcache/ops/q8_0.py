@@ -34,8 +34,8 @@ def check_pair(weight: torch.Tensor, scale: torch.Tensor) -> None:
 
 # Candidate block scales max|block| / (127 - t): the one with the least squared error is kept (llama.cpp's q8_0 takes
 # t = 0; on Gemma 3 270M this choice took the KL to float32 on the benchmark's prompt from 2.5e-2 to 2.3e-2, the mean
-# over its 128 positions, and from 1.7e-2 to 1.3e-2 at its last: experiments/benchmark/weights_kl.py). t >= 0: no
-# weight is clamped beyond the float16 rounding of its scale.
+# over its 128 positions, and from 1.7e-2 to 1.3e-2 at its last: experiments/benchmark/standalone/weights_kl.py).
+# t >= 0: no weight is clamped beyond the float16 rounding of its scale.
 SCALE_CANDIDATES = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 _PACK_ROWS = 8192  # rows packed at a time (the candidates' temporaries stay ~100 MB for a 640-wide matrix)
 

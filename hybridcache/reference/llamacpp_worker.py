@@ -10,7 +10,7 @@ steps, each phase timed on its own in every repeat, after one untimed warm-up ru
 one length), the same again for B sequences decoded together (llama.cpp's batch API: one context holding B sequences,
 every prompt in one llama_decode call, then one call per step for all B). With `"mode": "long_prefill"`: one long
 prompt evaluated once in batches of `chunk` tokens (wall and process CPU seconds, the first greedy token, this
-process's peak RSS), the llama.cpp column of experiments/benchmark/long_prefill.py.
+process's peak RSS), the llama.cpp column of experiments/benchmark/standalone/long_prefill.py.
 """
 
 import ctypes

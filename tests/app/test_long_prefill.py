@@ -1,10 +1,11 @@
-"""experiments/benchmark/long_prefill.py: its settings refused by name, and its ours / HF workers computing the same
+"""experiments/benchmark/standalone/long_prefill.py: its settings refused by name, and its ours / HF workers computing
+the same
 prefill on the real Gemma 3 270M as one HF forward of the whole prompt without a cache (the oracle)."""
 
 import pytest
 import torch
 
-from experiments.benchmark import long_prefill as lp
+from experiments.benchmark.standalone import long_prefill as lp
 from hybridcache.checkpoints.real import available, real_checkpoint
 
 

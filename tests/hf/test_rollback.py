@@ -33,7 +33,7 @@ def test_crop_rewinds_recurrent_states(pair, family):
 @pytest.mark.parametrize("family", ["inkling_text", "zaya"])
 def test_crop_rewinds_every_state_of_a_multi_state_layer(hf_tiny, family):
     """HF-only families with several states per layer (Inkling: four short convolutions; ZAYA: a conv state and the
-    previous token's delayed value), each one member of a group (hybridcache/hf/multi_state_layer.py)."""
+    previous token's delayed value), each one member of a group (hybridcache/hf/layers/multi_state.py)."""
     hf = hf_tiny(family)
     members = {p.member for p in cache_for(hf).plan.layers if p.index == 0}
     assert len(members) >= 3, members  # attention and at least two states

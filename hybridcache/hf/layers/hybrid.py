@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridcache.hf.attention_layer import BridgeAttentionLayer
+from hybridcache.hf.layers.attention import BridgeAttentionLayer
+from hybridcache.hf.layers.state import BridgeStateLayer
 from hybridcache.hf.layout import AttentionShape, StateShape
-from hybridcache.hf.state_layer import BridgeStateLayer
 
 
 class BridgeHybridLayer(BridgeStateLayer, BridgeAttentionLayer):

@@ -1,6 +1,6 @@
 """Long prefill on the real Gemma 3 270M: ours, HF transformers and llama.cpp on the same 4k-16k-token prompt.
 
-    python -m experiments.benchmark.long_prefill [--lengths 4096 8192 16384] [--chunk 512] [--threads 2]
+    python -m experiments.benchmark.standalone.long_prefill [--lengths 4096 8192 16384] [--chunk 512] [--threads 2]
         [--precisions f32 bf16 q8_0] [--systems ours hf llamacpp] [--out FILE.json]
 
 Every (system, precision, length) runs in a fresh process, so its peak RSS (VmHWM, weights included) is its own:
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SYSTEMS = ("ours", "hf", "llamacpp")
 PRECISIONS = ("f32", "bf16", "q8_0")
 # ours: (activation dtype, packed weights); HF: its dtype (None: no counterpart)
@@ -112,7 +112,7 @@ def measure(system: str, precision: str, prompt: list[int], args, checkpoint: st
     path = tmp / f"{system}-{precision}-{len(prompt)}.json"
     path.write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [sys.executable, "-m", "experiments.benchmark.long_prefill", "--worker", str(path)]
+    cmd = [sys.executable, "-m", "experiments.benchmark.standalone.long_prefill", "--worker", str(path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{system} {precision} at {len(prompt)} tokens failed:\n{out.stderr[-2000:]}")

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from hybridcache.hf.attention_layer import BridgeAttentionLayer
 from hybridcache.hf.errors import BridgeError
+from hybridcache.hf.layers.attention import BridgeAttentionLayer
+from hybridcache.hf.layers.state import _ByIndex
 from hybridcache.hf.layout import AttentionShape
 from hybridcache.hf.native import PartSpec
-from hybridcache.hf.state_layer import _ByIndex
 
 
 class StatePart:

@@ -5,7 +5,7 @@ Prints one JSON line per measurement (wall and process CPU time, medians; a hash
 then a summary per model and side. Models: gemma_f32 / gemma_bf16 (the real Gemma 3 270M, float32 or bfloat16
 weights), or any tiny family by name (jamba, ...).
 
-    PYTHONPATH=. python experiments/benchmark/worktree_ab.py /tmp/before . [--models gemma_f32 jamba]
+    PYTHONPATH=. python experiments/benchmark/standalone/worktree_ab.py /tmp/before . [--models gemma_f32 jamba]
 [--rounds 4] [--reps 5] [--tokens 64]
 """
 

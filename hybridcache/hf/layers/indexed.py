@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.hf.attention_layer import BridgeAttentionLayer
+from hybridcache.hf.layers.attention import BridgeAttentionLayer
 from hybridcache.hf.layout import AttentionShape
 
 

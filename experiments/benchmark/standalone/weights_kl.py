@@ -3,7 +3,7 @@ benchmark's batch-1 prompt (prompt_ids(vocab, 1, 128): the last position, the pr
 llama.cpp comparison in docs/benchmarks.md reports it, and the mean over all 128 positions), with the top-1
 agreement over the positions, for the real Gemma 3 270M at each weight format.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/benchmark/weights_kl.py [--formats bfloat16 int8 q8_0]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/benchmark/standalone/weights_kl.py [--formats bfloat16 int8 q8_0]
 """
 
 from __future__ import annotations

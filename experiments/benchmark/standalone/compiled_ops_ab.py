@@ -6,7 +6,8 @@ on it,
 so each value keeps its own graph). Runs alternate A / B in one process, so a loaded machine slows both alike;
 prints per-step medians and spreads (the first step of each run dropped: a new cache size).
 
-    PYTHONPATH=. python experiments/benchmark/compiled_ops_ab.py [--model gemma3_270m | --tiny gemma3] [--runs 8]
+    PYTHONPATH=. python experiments/benchmark/standalone/compiled_ops_ab.py [--model gemma3_270m | --tiny gemma3]
+[--runs 8]
 [--tokens 24]
 """
 

@@ -10,7 +10,7 @@ see the same conditions. The read probe is compiled here from the C below (never
 `--decode`: then the whole batch-1 greedy decode of the real Gemma 3 270M at each weight format (64 new tokens after
 a 16-token prompt, per token) against the same thread's read of 1 GiB between runs: the decode's roofline share.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/benchmark/gemv_roofline.py [--rounds 4] [--decode]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/benchmark/standalone/gemv_roofline.py [--rounds 4] [--decode]
 """
 
 from __future__ import annotations

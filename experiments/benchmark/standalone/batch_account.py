@@ -12,7 +12,8 @@ count. Per weight format of the real Gemma 3 270M:
    slice: its compute ceiling (GFLOP/s) beside the read roofline, which says whether the format is memory- or
    compute-bound at batch 8 on this host.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python -m experiments.benchmark.batch_account [--formats float32 bfloat16 int8]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m experiments.benchmark.standalone.batch_account [--formats float32 bfloat16
+int8]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.benchmark.gemv_roofline import compile_probe, per_call
+from experiments.benchmark.standalone.gemv_roofline import compile_probe, per_call
 from hybridcache.accel.huge_pages import collapse
 
 BATCH, HEAD_ROWS, K = 8, 262144, 640

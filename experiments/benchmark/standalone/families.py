@@ -1,6 +1,6 @@
 """Per-family decode speed: ours (hybridcache.generate) against HF transformers' generate on the same checkpoint.
 
-python -m experiments.benchmark.families [--families jamba lfm2 ...] [--size tiny|mid] [--repeats 5]
+python -m experiments.benchmark.standalone.families [--families jamba lfm2 ...] [--size tiny|mid] [--repeats 5]
 
 Per family: greedy, batch 1, a 32-token random prompt, 64 new tokens, no eos stop on either side; the two systems
 take turns within each round (a slow stretch of the machine hits both alike) and each reports its median over the

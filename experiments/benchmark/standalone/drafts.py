@@ -1,7 +1,7 @@
 """Speculative decoding on real text: which drafts pay, measured against plain decoding of the same requests.
 
-    python -m experiments.benchmark.drafts --model gemma3_270m [--new 64] [--rounds 3] [--out drafts.json]
-    python -m experiments.benchmark.drafts --model trained_hybrid
+    python -m experiments.benchmark.standalone.drafts --model gemma3_270m [--new 64] [--rounds 3] [--out drafts.json]
+    python -m experiments.benchmark.standalone.drafts --model trained_hybrid
 
 Texts (standard library, so nothing downloads): `prose`, a passage of the Python language reference
 (pydoc_data.topics), continued; `copy`, a stdlib source file followed by its own first lines again, continued (the
@@ -40,7 +40,7 @@ def checkpoint_of(name: str) -> Path:
         from hybridcache.checkpoints.real import real_checkpoint
 
         return real_checkpoint(name)
-    return Path(__file__).resolve().parents[2] / MODELS[name]
+    return Path(__file__).resolve().parents[3] / MODELS[name]
 
 
 def load(name: str):
