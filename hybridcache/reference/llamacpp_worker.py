@@ -100,21 +100,28 @@ def _without_extra_buffers(lib) -> None:
     low.llama_model_default_params = params
 
 
-def time_precision(lib, model_path: str, request: dict, clock=time.perf_counter) -> dict:
-    """Prefill and decode samples of `repeats` runs (after one warm-up) and the greedy tokens; refuses runs whose
-    tokens differ (the same greedy generation must give the same tokens)."""
-    prompt, n, threads = list(request["prompt"]), int(request["new_tokens"]), int(request["threads"])
+def load(lib, model_path: str, request: dict, n_ctx: int, n_batch: int):
+    """The model as llama.cpp runs it here: the request's threads for both phases, logits of the last position only,
+    without the extra buffer types where the request says so."""
     if not request.get("extra_buffers", True):
         _without_extra_buffers(lib)
-    llm = lib.Llama(
+    threads = int(request["threads"])
+    return lib.Llama(
         model_path=model_path,
-        n_ctx=len(prompt) + n + 8,
-        n_batch=max(512, len(prompt)),  # the whole prompt in one batch, as ours
+        n_ctx=n_ctx,
+        n_batch=n_batch,
         n_threads=threads,
         n_threads_batch=threads,
         logits_all=False,
         verbose=False,
     )
+
+
+def time_precision(lib, model_path: str, request: dict, clock=time.perf_counter) -> dict:
+    """Prefill and decode samples of `repeats` runs (after one warm-up) and the greedy tokens; refuses runs whose
+    tokens differ (the same greedy generation must give the same tokens)."""
+    prompt, n = list(request["prompt"]), int(request["new_tokens"])
+    llm = load(lib, model_path, request, len(prompt) + n + 8, max(512, len(prompt)))  # the prompt in one batch
     sampler = lib.llama_sampler_init_greedy()
     try:
         _, _, tokens = run_once(llm, sampler, lib.llama_sampler_sample, prompt, n, clock)  # warm-up
@@ -149,18 +156,8 @@ def peak_rss_mib() -> float | None:
 def time_long_prefill(lib, model_path: str, request: dict, clock=time.perf_counter, cpu=time.process_time) -> dict:
     """One evaluation of a long prompt in batches of `chunk` tokens (llama.cpp splits it itself), timed by the wall
     and this process's CPU clock, then the first greedy token; the peak RSS includes the loaded weights."""
-    prompt, chunk, threads = list(request["prompt"]), int(request["chunk"]), int(request["threads"])
-    if not request.get("extra_buffers", True):
-        _without_extra_buffers(lib)
-    llm = lib.Llama(
-        model_path=model_path,
-        n_ctx=len(prompt) + 8,
-        n_batch=chunk,
-        n_threads=threads,
-        n_threads_batch=threads,
-        logits_all=False,
-        verbose=False,
-    )
+    prompt = list(request["prompt"])
+    llm = load(lib, model_path, request, len(prompt) + 8, int(request["chunk"]))
     sampler = lib.llama_sampler_init_greedy()
     try:
         loaded = peak_rss_mib()
