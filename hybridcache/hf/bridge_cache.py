@@ -29,7 +29,7 @@ from hybridcache.hf.layers.indexed import BridgeIndexedLayer
 from hybridcache.hf.layers.multi_state import BridgeMultiStateLayer
 from hybridcache.hf.layers.state import BridgeStateLayer
 from hybridcache.hf.layout import ModelLayout
-from hybridcache.hf.minimax import BridgeLinearStateLayer
+from hybridcache.hf.own_cache import BridgeLinearStateLayer
 from hybridcache.hf.native import BridgePlan
 from hybridcache.hf.queries import query_inputs
 

@@ -168,7 +168,7 @@ def read_layout(model: Any) -> ModelLayout:
     return ModelLayout(model_type, tuple(layers), device)
 
 
-OWN_CACHE_FAMILIES = ("minimax",)  # model types whose model takes only its own cache class (hf/minimax.py)
+OWN_CACHE_FAMILIES = ("minimax",)  # model types whose model takes only its own cache class (hf/own_cache.py)
 
 
 def own_cache(model_type: str) -> Any | None:

@@ -1,4 +1,4 @@
-"""MiniMax through the bridge (hybridcache/hf/minimax.py): its model takes only its own MiniMaxCache, so the bridge
+"""MiniMax through the bridge (hybridcache/hf/own_cache.py): its model takes only its own MiniMaxCache, so the bridge
 hands it a BridgeCache that is also one, with each lightning layer's state [B, H, D, D] in our `linear_attention`
 type. Oracle: HF's own MiniMaxCache on the same tiny random model built with HF's classes (tokens equal, logits
 within 1e-4 in float32), and for rollback a cache that never saw the cropped tokens."""
