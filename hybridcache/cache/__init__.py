@@ -3,7 +3,8 @@
 Attention types: full, sliding (window), chunked (chunk_size), sink (sinks + window), tova (score-based eviction to
 a budget), the presses (methods/presses/); any of them stores tokens with a codec (`storage`: dense, int8, int4
 (`q_group_size`), offload (dense on a slower tier), ...), optionally with a `residual` window of unquantized recent
-tokens. Recurrent types: mamba, mamba2, rglru, conv, gated_delta.
+tokens. Recurrent types: mamba, mamba2, rglru, conv, gated_delta, linear_attention. Compressed: compressed_kv (a
+compressor's pooled entries and open window, DeepSeek-V4).
 """
 
 from hybridcache.cache.attention.layer import (
@@ -40,6 +41,7 @@ from hybridcache.cache.recurrent import linear_attention  # noqa: E402,F401  iso
 from hybridcache.cache.storage import grouped_codecs, int4, int8, offload  # noqa: E402,F401  isort: skip
 from hybridcache.cache.methods import presses  # noqa: E402,F401  isort: skip
 from hybridcache.cache.attention import sink  # noqa: E402,F401  isort: skip
+from hybridcache.cache import compressed  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "AttentionCacheLayer",

@@ -24,13 +24,14 @@ from transformers.cache_utils import DummyLayer, DynamicLayer
 from hybridcache.cache import Cache, CacheGroup, CachePlan, NativeGroup, get_layer_class
 from hybridcache.hf.errors import BridgeConfigError, BridgeError
 from hybridcache.hf.layers.attention import BridgeAttentionLayer
+from hybridcache.hf.layers.compressed import BridgeCompressedLayer
 from hybridcache.hf.layers.hybrid import BridgeHybridLayer
 from hybridcache.hf.layers.indexed import BridgeIndexedLayer
 from hybridcache.hf.layers.multi_state import BridgeMultiStateLayer
 from hybridcache.hf.layers.state import BridgeStateLayer
 from hybridcache.hf.layout import ModelLayout
-from hybridcache.hf.own_cache import BridgeLinearStateLayer
 from hybridcache.hf.native import BridgePlan
+from hybridcache.hf.own_cache import BridgeLinearStateLayer
 from hybridcache.hf.queries import query_inputs
 
 
@@ -71,6 +72,8 @@ class BridgeCache(HFCache):
                 layers.append(UnusedLayer(info.index))
             elif info.index in bridge.parts:
                 layers.append(BridgeMultiStateLayer(self, info.index, info.attention, bridge.parts[info.index]))
+            elif info.compressors:
+                layers.append(BridgeCompressedLayer(self, info.index, info.attention, info.compressors))
             elif info.indexer_dim is not None:
                 layers.append(BridgeIndexedLayer(self, info.index, info.attention, info.indexer_dim))
             elif info.attention is not None and info.states is not None:
@@ -407,8 +410,9 @@ def hf_maskable(p, native: dict[str, Any]) -> bool:
 
 
 def _indexed_entries(layout: ModelLayout, bridge: BridgePlan) -> set[int]:
-    """Our cache entries serving DSA layers (their index selection reaches attention inside HF's mask)."""
-    return {bridge.entry_of[info.index] for info in layout.layers if info.indexer_dim is not None}
+    """Our cache entries serving DSA layers (their index selection reaches attention inside HF's mask) and
+    DeepSeek-V4's compressed ones (their entries join attention inside HF's mask)."""
+    return {bridge.entry_of[info.index] for info in layout.layers if info.indexer_dim is not None or info.compressors}
 
 
 def check_hf_maskable(layout: ModelLayout, bridge: BridgePlan, plan: CachePlan, only: set[int] | None = None) -> None:
@@ -421,7 +425,7 @@ def check_hf_maskable(layout: ModelLayout, bridge: BridgePlan, plan: CachePlan, 
         spec = p.spec
         if not hf_maskable(p, native_params(bridge, p)):
             why = (
-                "its sparse attention selects keys inside HF's mask"
+                "its sparse or compressed attention selects or adds keys inside HF's mask"
                 if only is not None
                 else "it computes attention in its own code (it predates transformers' AttentionInterface)"
             )

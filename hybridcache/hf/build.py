@@ -19,8 +19,8 @@ from hybridcache.hf.bridge_cache import BridgeCache
 from hybridcache.hf.errors import BridgeError
 from hybridcache.hf.installer import install
 from hybridcache.hf.layout import ModelLayout, read_layout
-from hybridcache.hf.own_cache import bridge_cache_class
 from hybridcache.hf.native import BridgePlan, bridge_plan, translate_config
+from hybridcache.hf.own_cache import bridge_cache_class
 from hybridcache.hf.queries import install_query_hooks
 
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its layout (shapes never change)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hybridcache.hf.compressed import compressor_shapes
 from hybridcache.hf.errors import BridgeError
 
 
@@ -51,6 +52,7 @@ class LayerInfo:
     attention: AttentionShape | None = None
     states: StateShape | None = None
     indexer_dim: int | None = None  # DeepSeek sparse attention: the width of the indexer keys [S, D] it caches
+    compressors: tuple = ()  # DeepSeek-V4 compressed attention: its compressors (hf/compressed.py, CompressorShape)
     dummy: bool = False  # HF's DummyLayer (no cache by design); else an empty layer is one the probe left unused
 
     @property
@@ -95,8 +97,8 @@ def read_layout(model: Any) -> ModelLayout:
         get_layer_types_and_kwargs,
     )
 
-    # HF's plain layer classes: keys and values (and DSA's indexer keys), conv and recurrent states. Others
-    # (DeepSeek-V4's compressed caches, a family's own layer class) store more than the bridge can hold.
+    # HF's plain layer classes: keys and values (and DSA's indexer keys), conv and recurrent states; and layers with
+    # compressors (DeepSeek-V4, hf/compressed.py). Others (a family's own layer class) store more than the bridge holds.
     KNOWN = (
         DummyLayer,
         DynamicIndexedLayer,
@@ -131,10 +133,11 @@ def read_layout(model: Any) -> ModelLayout:
         layer = cache.layers[i] if i < len(cache.layers) else DynamicLayer()
         hf_type = hf_types[i] if i < len(hf_types) else "full_attention"
         attention, states = None, (None if own is None else linear_state(cache, i))
-        if type(layer) not in KNOWN:
+        compressors = compressor_shapes(layer, f"{model_type}: layer {i}")
+        if type(layer) not in KNOWN and compressors is None:
             raise BridgeError(
                 f"{model_type}: layer {i} uses HF's {type(layer).__name__} ({hf_type}), which stores more than keys, "
-                "values and states (compressed KV); it has no hybridcache counterpart yet"
+                "values and states; it has no hybridcache counterpart yet"
             )
         if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None and layer.keys.numel():
             k, v = layer.keys, layer.values
@@ -164,7 +167,8 @@ def read_layout(model: Any) -> ModelLayout:
                 states = StateShape(conv, rec, some.device)
         indexer = getattr(layer, "indexer_keys", None)
         indexer_dim = int(indexer.shape[-1]) if isinstance(indexer, torch.Tensor) and indexer.numel() else None
-        layers.append(LayerInfo(i, hf_type, attention, states, indexer_dim, dummy=isinstance(layer, DummyLayer)))
+        dummy = isinstance(layer, DummyLayer)
+        layers.append(LayerInfo(i, hf_type, attention, states, indexer_dim, compressors or (), dummy=dummy))
     return ModelLayout(model_type, tuple(layers), device)
 
 

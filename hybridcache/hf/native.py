@@ -14,6 +14,9 @@ on the way in and puts back a zero column on the way out (checked against HF's o
 DeepSeek sparse attention (HF's DynamicIndexedLayer) caches indexer keys [S, D] beside its keys and values: a group
 {"attention": full, "indexer": full with one head}, as hybridcache's GLM5-Next holds them.
 
+DeepSeek-V4's compressed attention (HF's DeepseekV4HCACache / CSACache) is a group {"attention": sliding, plus one
+`compressed_kv` per compressor: "compressor", and for CSA "indexer"} (hf/compressed.py).
+
 A decoder layer with both (HF's "hybrid" layers: FalconH1, Zamba2's shared attention) is a `NativeGroup`
 {"attention": ..., <state type>: ...}. Layers that cache nothing get no entry; `entry_of` maps HF layer indices to
 our cache entries and `translate_config` rewrites a config's `layers:` keys accordingly.
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from hybridcache.cache import NativeGroup, NativeLayer
+from hybridcache.hf.compressed import compressor_members
 from hybridcache.hf.errors import BridgeConfigError, BridgeError
 from hybridcache.hf.layout import LayerInfo, ModelLayout, StateShape
 
@@ -169,7 +173,9 @@ def bridge_plan(layout: ModelLayout) -> BridgePlan:
         if state is not None:
             state_type[info.index] = state.type
         entry_of[info.index] = len(native)
-        if info.indexer_dim is not None:  # DSA: the indexer keys are one more full-attention cache of one head
+        if info.compressors:  # DeepSeek-V4: the sliding window and one compressed_kv per compressor
+            native.append(NativeGroup({"attention": attn, **compressor_members(info.compressors)}))
+        elif info.indexer_dim is not None:  # DSA: the indexer keys are one more full-attention cache of one head
             index = NativeLayer("full", dict(num_kv_heads=1, head_dim=info.indexer_dim, dtype=info.attention.dtype))
             native.append(NativeGroup({"attention": attn, "indexer": index}))
         elif attn is not None and state is not None:
