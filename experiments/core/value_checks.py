@@ -45,6 +45,7 @@ DEVICE_TYPES = (
 #: points) may register more: its names are left to the run.
 CACHE_TYPES = (
     "chunked",
+    "compressed_kv",
     "conv",
     "expected_attention",
     "full",

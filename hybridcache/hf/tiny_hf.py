@@ -113,6 +113,21 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "dots3_note": dict(head_dim=16),
     "dots3_note_text": dict(head_dim=16),
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8),
+    # every layer type, compress rates a short prompt closes windows of, an indexer that keeps 2 of its entries
+    "deepseek_v4": dict(
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        index_topk=2,
+        index_n_heads=2,
+        index_head_dim=8,
+        o_groups=2,
+        o_lora_rank=16,
+    ),
 }
 
 

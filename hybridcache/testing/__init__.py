@@ -20,7 +20,8 @@ Checks (each on dynamic and preallocated storage, on left-padded batches, with s
 - memory accounting: `Cache.nbytes()` agrees with the plan's `held_nbytes` for preallocated storage.
 Recurrent types get the checks that apply to states (shapes and dtypes from the spec, staging, batch operations,
 snapshot, crop refusal or exactness, atomic failures, accounting); a lossy `state_codec` must give back exactly its
-own round trip of what it was handed (`layer.round_trip`), checkpoints and batch operations included.
+own round trip of what it was handed (`layer.round_trip`), checkpoints and batch operations included. Compressed
+types (`compressed_kv`) get compressed_kit.py's checks.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridcache.cache import get_layer_class
+from hybridcache.cache.compressed import CompressedKVLayer
 from hybridcache.cache.storage.codecs import available_codecs, codec_class
 from hybridcache.testing.attention_kit import _AttentionKit
+from hybridcache.testing.compressed_kit import _CompressedKit
 from hybridcache.testing.kit import ATTENTION_SHAPES, EXACT_TOL, ConformanceError  # noqa: F401
 from hybridcache.testing.recurrent_kit import _RecurrentKit
 
@@ -58,4 +61,6 @@ def check_cache_type(
     )
     if cls.kind == "attention":
         return _AttentionKit(name, cls, native, params, seed).run(cases)
+    if issubclass(cls, CompressedKVLayer):
+        return _CompressedKit(name, cls, native, params, seed).run(cases)
     return _RecurrentKit(name, cls, native, params, seed).run(cases)
