@@ -425,7 +425,7 @@ def check_hf_maskable(layout: ModelLayout, bridge: BridgePlan, plan: CachePlan, 
         spec = p.spec
         if not hf_maskable(p, native_params(bridge, p)):
             why = (
-                "its sparse or compressed attention selects or adds keys inside HF's mask"
+                "its sparse attention (DSA) or compressed attention (DeepSeek-V4) selects or adds keys inside HF's mask"
                 if only is not None
                 else "it computes attention in its own code (it predates transformers' AttentionInterface)"
             )
