@@ -143,7 +143,7 @@ def test_every_layer_is_measured_beside_its_control(tmp_path):
     from hybridcache.checkpoints.real import real_checkpoint
     from tests.app.ignored_state import cut_ssm_readout
 
-    text = b"The quick brown fox jumps over the lazy dog. The lazy dog sleeps. " * 2
+    text = b"The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the sun. "
     ids = torch.tensor([[b + 3 for b in text]])  # ByT5: byte + 3
     options = {
         "attention": {"sliding4": {"type": "sliding", "window": 4}},
@@ -151,8 +151,8 @@ def test_every_layer_is_measured_beside_its_control(tmp_path):
     }
 
     def rows_of(model):
-        tables = build_tables(model.native_layers(), options, Scenario(1, 64, ids.shape[1] - 1))
-        _, rows = measure_costs(model, ids, 64, tables)
+        tables = build_tables(model.native_layers(), options, Scenario(1, 40, ids.shape[1] - 1))
+        _, rows = measure_costs(model, ids, 40, tables)
         return {k: [r for r in rows if r["kind"] == k] for k in ("recurrent", "attention")}
 
     shipped = real_checkpoint("trained_hybrid")
