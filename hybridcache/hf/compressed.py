@@ -21,17 +21,21 @@ from hybridcache.hf.errors import BridgeError
 @dataclass(frozen=True)
 class CompressorShape:
     """One compressor of an HF layer: HF's name for it, its rate, entry width, whether its windows overlap (two
-    series per source token) and the dtype of what it stores."""
+    series per source token), the dtype of what it stores and of its previous window's gate (which carries the
+    compressor's position bias: the promotion of the two dtypes)."""
 
     name: str
     compress_rate: int
     entry_dim: int
     overlap: bool
     dtype: torch.dtype
+    gate_dtype: torch.dtype
 
 
-def compressor_shapes(layer: Any, where: str) -> tuple[CompressorShape, ...] | None:
-    """The compressors of an HF cache layer after the probe (None: a layer without any)."""
+def compressor_shapes(layer: Any, where: str, module: Any = None) -> tuple[CompressorShape, ...] | None:
+    """The compressors of an HF cache layer after the probe (None: a layer without any). `module`: the decoder layer
+    it belongs to, whose `<name>.position_bias` parameters give the gate dtypes (float32 where none is found: HF keeps
+    DeepSeek-V4's position biases in float32 when it loads a checkpoint, `_keep_in_fp32_modules_strict`)."""
     entries, buffers = getattr(layer, "compressed_kv", None), getattr(layer, "buffer_kv", None)
     if not (isinstance(entries, dict) and isinstance(buffers, dict) and hasattr(layer, "store_compression_weights")):
         return None
@@ -48,13 +52,18 @@ def compressor_shapes(layer: Any, where: str) -> tuple[CompressorShape, ...] | N
                 f"{where}: compressor '{name}' pools sources of width {source_dim} into entries of {entry_dim} "
                 f"({'two series' if overlap else 'one series'} per token expected)"
             )
-        shapes.append(CompressorShape(str(name), rate, entry_dim, overlap, held.dtype))
+        biases = [p.dtype for n, p in _parameters(module) if n.endswith(f"{name}.position_bias")]
+        gate_dtype = torch.promote_types(held.dtype, biases[0] if biases else torch.float32)
+        shapes.append(CompressorShape(str(name), rate, entry_dim, overlap, held.dtype, gate_dtype))
     return tuple(shapes)
 
 
+def _parameters(module: Any) -> list:
+    return list(module.named_parameters()) if isinstance(module, torch.nn.Module) else []
+
+
 def compressor_members(compressors: tuple[CompressorShape, ...]) -> dict[str, NativeLayer]:
-    """Our native `compressed_kv` layers, one per compressor, by HF's name. The overlap gate carries the model's
-    position bias, which DeepSeek-V4 keeps in float32: it is stored in the promotion of the two dtypes."""
+    """Our native `compressed_kv` layers, one per compressor, by HF's name."""
     return {
         c.name: NativeLayer(
             "compressed_kv",
@@ -63,7 +72,7 @@ def compressor_members(compressors: tuple[CompressorShape, ...]) -> dict[str, Na
                 entry_dim=c.entry_dim,
                 overlap=c.overlap,
                 dtype=c.dtype,
-                overlap_gate_dtype=torch.promote_types(c.dtype, torch.float32),
+                overlap_gate_dtype=c.gate_dtype,
             ),
         )
         for c in compressors

@@ -75,6 +75,13 @@ def decoder_config(model: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def decoder_layer(model: Any, index: int) -> torch.nn.Module | None:
+    """The module of decoder layer `index` (None if the decoder keeps no `layers` list)."""
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    layers = getattr(decoder, "layers", None)
+    return layers[index] if isinstance(layers, torch.nn.ModuleList) and index < len(layers) else None
+
+
 def input_device(model: Any) -> torch.device:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(emb, "weight", None)
@@ -133,7 +140,7 @@ def read_layout(model: Any) -> ModelLayout:
         layer = cache.layers[i] if i < len(cache.layers) else DynamicLayer()
         hf_type = hf_types[i] if i < len(hf_types) else "full_attention"
         attention, states = None, (None if own is None else linear_state(cache, i))
-        compressors = compressor_shapes(layer, f"{model_type}: layer {i}")
+        compressors = compressor_shapes(layer, f"{model_type}: layer {i}", decoder_layer(model, i))
         if type(layer) not in KNOWN and compressors is None:
             raise BridgeError(
                 f"{model_type}: layer {i} uses HF's {type(layer).__name__} ({hf_type}), which stores more than keys, "

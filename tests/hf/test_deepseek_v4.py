@@ -155,3 +155,19 @@ def test_a_bad_compressor_call_is_refused_by_name(model):
     with pytest.raises(Exception, match="a forward"):
         layer.store_compression_weights("compressor", torch.zeros(1, 1, 32), torch.zeros(1, 1, 32))
     assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("bias", [torch.bfloat16, torch.float32])
+def test_a_bfloat16_model_equals_hf_own_cache(hf_tiny, bias):
+    """In bfloat16 the previous window's gate carries the position bias's dtype (float32 when HF loads a checkpoint,
+    bfloat16 after `.to(bfloat16)`): the bridge reads it from the model and stores what HF stores, bit for bit."""
+    model = hf_tiny("deepseek_v4").to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if name.endswith("position_bias"):
+            p.data = p.data.to(bias)
+    cache = cache_for(model)
+    assert {p.spec.overlap_gate_dtype for p in cache.plan.layers if p.type == "compressed_kv"} == {bias}
+    ids, mask = prompts(2, 21, seed=3, pad=4)
+    seq, logits = hf_generate(model, ids, mask, cache=cache, new=12)
+    ref_seq, ref_logits = hf_generate(model, ids, mask, cache=_own(model), new=12)
+    assert torch.equal(seq, ref_seq) and torch.equal(logits, ref_logits)
