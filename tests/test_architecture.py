@@ -2,10 +2,10 @@
 module level, inside functions and under `if TYPE_CHECKING`): no cycles, and no import from a lower layer into a
 higher one. The layer order is docs/architecture.md's:
 
-    base (paths) < cache core < ops < blocks < accel < models < generation < tools < experiments / app
+    base (paths) < cache core < ops < nn < accel < models < generation < tools < experiments / app
 
 `cache` and `ops` are independent of each other (cache holds no kernels, kernels know no cache); the order only
-says neither may import blocks, models or anything above. A module in a layer may import its own layer and below.
+says neither may import nn, models or anything above. A module in a layer may import its own layer and below.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("hybridcache.cache",)),  # the Cache and its layer types: pure torch, no kernels
     # pure-torch ops; they reach the C kernels only through the seam ops/kernels.py, which accel plugs into
     ("ops", ("hybridcache.ops",)),
-    ("blocks", ("hybridcache.blocks",)),
-    # the CPU fast path: C kernels and their wrappers, and what runs mixers and layers by them (it knows blocks)
+    ("nn", ("hybridcache.nn",)),  # the model's torch modules: mixers, MLPs, MoE, norms
+    # the CPU fast path: C kernels and their wrappers, and what runs mixers and layers by them (it knows nn)
     ("accel", ("hybridcache.accel",)),
     ("models", ("hybridcache.models", "hybridcache.checkpoints")),
     ("generation", ("hybridcache.generation",)),

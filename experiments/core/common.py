@@ -331,7 +331,7 @@ def check_record_path(record: Any) -> None:
 
 def check_weights(weights: Any, dtype: torch.dtype) -> None:
     """model.weights: null (projections in model.dtype) or a packed format, which needs a float32 model."""
-    from hybridcache.blocks.core.linear import WEIGHT_FORMATS
+    from hybridcache.nn.core.linear import WEIGHT_FORMATS
 
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise UserError(f"model.weights={weights} is not one of null, {', '.join(WEIGHT_FORMATS)}")

@@ -15,7 +15,7 @@ from experiments.core.cache_config import DTYPE_FIELDS, SIZE_FIELDS, size_field_
 
 #: model.dtype names (experiments.core.common.DTYPES maps them to torch dtypes; a test keeps the two equal).
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-#: model.weights formats besides null (hybridcache.blocks.core.linear.WEIGHT_FORMATS; a test keeps them equal).
+#: model.weights formats besides null (hybridcache.nn.core.linear.WEIGHT_FORMATS; a test keeps them equal).
 WEIGHT_FORMATS = ("bfloat16", "int8", "q8_0")
 #: Device types torch.device parses (c10's DeviceType names); whether one is present is the run's own check.
 DEVICE_TYPES = (

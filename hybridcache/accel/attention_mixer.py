@@ -23,10 +23,10 @@ from hybridcache.accel.native.decoder_layer import bind_decoder_layer
 from hybridcache.accel.native.fused import bind_qkv_norm_rope
 from hybridcache.accel.native.kernel_calls import call, takes
 from hybridcache.accel.slots import AttentionSlots, SlotView
-from hybridcache.blocks.attention.mixer import AttentionMixer
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.norms import kernel_args, kernel_plain
 from hybridcache.cache import AttentionCacheLayer
+from hybridcache.nn.attention.mixer import AttentionMixer
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.norms import kernel_args, kernel_plain
 
 
 class AttentionAccel:

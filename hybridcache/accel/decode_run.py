@@ -32,9 +32,9 @@ from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.native.op_specs import WEIGHT_TYPES
 from hybridcache.accel.slots import ReservingCache
-from hybridcache.blocks.core.linear import DecodeLinear, PackedEmbedding
-from hybridcache.blocks.core.norms import RMSNorm
 from hybridcache.cache.core.group import CacheGroup
+from hybridcache.nn.core.linear import DecodeLinear, PackedEmbedding
+from hybridcache.nn.core.norms import RMSNorm
 
 RUN_TOKENS = 128  # steps per run at most: the spare slots it reserves in every layer
 _F32 = torch.float32

@@ -12,10 +12,10 @@ from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
 from hybridcache.accel.native.fused import bind_decoder_tail
 from hybridcache.accel.native.kernel_calls import call, takes
 from hybridcache.accel.native.op_specs import ACT_MUL
-from hybridcache.blocks.core.linear import DecodeLinear
-from hybridcache.blocks.core.linear_group import _param
-from hybridcache.blocks.core.mlp import GatedMLP
-from hybridcache.blocks.core.norms import kernel_args, kernel_plain
+from hybridcache.nn.core.linear import DecodeLinear
+from hybridcache.nn.core.linear_group import _param
+from hybridcache.nn.core.mlp import GatedMLP
+from hybridcache.nn.core.norms import kernel_args, kernel_plain
 
 _F32 = torch.float32
 

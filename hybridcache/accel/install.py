@@ -19,13 +19,13 @@ from hybridcache.accel.moe import SparseMoEAccel
 from hybridcache.accel.recurrent_mixers import gated_delta_accel, mamba2_accel, mamba_accel, short_conv_accel
 from hybridcache.accel.sandwich_layer import SandwichAccel
 from hybridcache.accel.slots import ReservingCache
-from hybridcache.blocks.attention.mixer import AttentionMixer
-from hybridcache.blocks.core.sandwich import SandwichLayer
-from hybridcache.blocks.moe.topk import SparseMoE
-from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer
-from hybridcache.blocks.recurrent.mamba import MambaMixer
-from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
-from hybridcache.blocks.recurrent.short_conv import ShortConv
+from hybridcache.nn.attention.mixer import AttentionMixer
+from hybridcache.nn.core.sandwich import SandwichLayer
+from hybridcache.nn.moe.topk import SparseMoE
+from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
+from hybridcache.nn.recurrent.mamba import MambaMixer
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
+from hybridcache.nn.recurrent.short_conv import ShortConv
 
 # module class -> its fast path's maker; a subclass gets its nearest base's (its own entry first)
 ACCELS: dict[type[nn.Module], Callable[[nn.Module], object]] = {

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.norms import RMSNorm, _weight
+from hybridcache.nn.core.norms import RMSNorm, _weight
 
 _UNSET = object()
 
@@ -27,7 +27,7 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
 
 
 def norm_key(norm: nn.Module | None) -> tuple | None:
-    """What kernel_plain / kernel_args (blocks/core/norms.py) read from `norm`, for a bound call's key: the module,
+    """What kernel_plain / kernel_args (nn/core/norms.py) read from `norm`, for a bound call's key: the module,
     its kind, its weight (identity, address, dtype, shape, version: the effective scale derives from the values)
     and eps."""
     if type(norm) is not RMSNorm:

@@ -1,4 +1,4 @@
-"""The fast path of the sparse MoE block (blocks/moe/topk.py `SparseMoE` and the subclasses that route through its
+"""The fast path of the sparse MoE block (nn/moe/topk.py `SparseMoE` and the subclasses that route through its
 forward, e.g. SharedExpertMoE; `moe.accel`, installed by accel.install).
 
 A decode step of few tokens runs the reference's dense form (every expert on every token, weighted by the scattered
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.blocks.moe.topk import SparseMoE
+from hybridcache.nn.moe.topk import SparseMoE
 
 
 class SparseMoEAccel:

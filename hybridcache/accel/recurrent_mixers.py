@@ -1,6 +1,6 @@
 """The fast path of the recurrent mixers (`mixer.accel`, installed by accel.install): an eager float32 decode step of
-LFM2's short convolution (blocks/recurrent/short_conv.py), a Mamba2 mixer (blocks/recurrent/mamba2.py), a
-Mamba1 mixer (blocks/recurrent/mamba.py) or Qwen3-Next's Gated DeltaNet (blocks/recurrent/gated_deltanet.py) in one C
+LFM2's short convolution (nn/recurrent/short_conv.py), a Mamba2 mixer (nn/recurrent/mamba2.py), a
+Mamba1 mixer (nn/recurrent/mamba.py) or Qwen3-Next's Gated DeltaNet (nn/recurrent/gated_deltanet.py) in one C
 call, projections included (native/recurrent_step.py).
 
 The cache is seen through slots.py's `StateSlots`: the layer's current `states` are read, the kernel writes the new
@@ -16,13 +16,13 @@ from torch import nn
 
 from hybridcache.accel.native.recurrent_step import gated_delta_step, mamba2_step, mamba_step, short_conv_step
 from hybridcache.accel.slots import holds_states
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.linear import DecodeLinear
-from hybridcache.blocks.core.norms import kernel_args, kernel_plain
-from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
-from hybridcache.blocks.recurrent.mamba import MambaMixer
-from hybridcache.blocks.recurrent.mamba2 import GatedRMSNorm, Mamba2Mixer
-from hybridcache.blocks.recurrent.short_conv import ShortConv
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.linear import DecodeLinear
+from hybridcache.nn.core.norms import kernel_args, kernel_plain
+from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
+from hybridcache.nn.recurrent.mamba import MambaMixer
+from hybridcache.nn.recurrent.mamba2 import GatedRMSNorm, Mamba2Mixer
+from hybridcache.nn.recurrent.short_conv import ShortConv
 
 _F32 = torch.float32
 _LINEARS = (nn.Linear, DecodeLinear)

@@ -1,4 +1,4 @@
-"""The fast path of a sandwich-norm decoder layer (blocks/core/sandwich.py, Gemma 3; `layer.accel`, installed by
+"""The fast path of a sandwich-norm decoder layer (nn/core/sandwich.py, Gemma 3; `layer.accel`, installed by
 accel.install).
 
 An eager decode step runs the whole layer in one kernel call (decoder_layer.py: the mixer's one-call attention,
@@ -16,9 +16,9 @@ from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.decoder_tail import bound_tail, decoder_tail
 from hybridcache.accel.kernel_memo import KernelMemo
 from hybridcache.accel.native.kernel_calls import takes
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.norms import residual_norm
-from hybridcache.blocks.core.sandwich import SandwichLayer, SandwichParts
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.norms import residual_norm
+from hybridcache.nn.core.sandwich import SandwichLayer, SandwichParts
 
 
 class SandwichAccel:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from hybridcache.blocks.attention.rotary import RotaryEmbedding
 from hybridcache.cache.methods.scorer import QueryInputs
 from hybridcache.hf.attention_fn import active_stack
 from hybridcache.hf.errors import BridgeError
+from hybridcache.nn.attention.rotary import RotaryEmbedding
 
 _ATTR = "_hybridcache_query_hooks"
 

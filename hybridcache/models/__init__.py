@@ -9,7 +9,6 @@ import torch
 
 from hybridcache.accel import install as install_fast_path
 from hybridcache.accel.huge_pages import collapse_module
-from hybridcache.blocks.core.linear import WEIGHT_FORMATS, pack_weights, use_decode_linear
 from hybridcache.cache.core.limits import device_problem
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import ArgumentError, ConfigError, FamilyConfig, flag_problems
@@ -22,6 +21,7 @@ from hybridcache.models.core.loading import (
     resolve_checkpoint,
 )
 from hybridcache.models.core.registry import BUILTIN, available_families, model_class, register_family
+from hybridcache.nn.core.linear import WEIGHT_FORMATS, pack_weights, use_decode_linear
 
 MODEL_TYPES = BUILTIN  # the in-tree families (model_type -> module); available_families() adds plugins
 
@@ -46,7 +46,7 @@ def from_pretrained(
     refused unless `allow_nonfinite` / `allow_dtype_cast`. Arguments are checked first (flags must be bools, the
     device must be usable here): an `ArgumentError` (a ConfigError) lists every bad one before anything is read.
 
-    Speed (hybridcache/blocks/core/linear.py): q/k/v and gate/up projections run as one matmul each; with
+    Speed (hybridcache/nn/core/linear.py): q/k/v and gate/up projections run as one matmul each; with
     `decode_kernel` every projection of a few float32 rows on CPU (a decode step) runs on a weight-streaming kernel
     (same math, float32 sums in another order). `weights="bfloat16"` or `"int8"` stores the projection matrices
     packed (2x / 4x fewer bytes to read per token; activations and sums stay float32): faster, but a different

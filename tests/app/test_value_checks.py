@@ -71,9 +71,9 @@ def test_the_names_match_what_torch_and_hybridcache_accept():
     import torch
 
     from experiments.core.common import DTYPES
-    from hybridcache.blocks.core.linear import WEIGHT_FORMATS
     from hybridcache.cache import available_layers, get_layer_class
     from hybridcache.cache.storage.codecs import available_codecs, codec_class
+    from hybridcache.nn.core.linear import WEIGHT_FORMATS
 
     assert set(value_checks.DTYPE_NAMES) == set(DTYPES)
     assert value_checks.WEIGHT_FORMATS == tuple(WEIGHT_FORMATS)

@@ -10,7 +10,7 @@ from hybridcache import accel
 from hybridcache.accel import attention_mixer, decode_run, kernel_status
 from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.sandwich_layer import SandwichAccel
-from hybridcache.blocks.attention.mixer import AttentionMixer
+from hybridcache.nn.attention.mixer import AttentionMixer
 from tests.models.conftest import prompts, without_recurrent_steps
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

@@ -12,7 +12,7 @@ import torch
 import hybridcache as hc
 from hybridcache.accel import kernel_status, layer_records, sandwich_layer
 from hybridcache.accel.attention_mixer import AttentionAccel
-from hybridcache.blocks.attention.mixer import AttentionMixer
+from hybridcache.nn.attention.mixer import AttentionMixer
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

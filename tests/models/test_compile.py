@@ -57,7 +57,7 @@ def test_compile_needs_the_cache(models):
 def test_compiled_projection_keeps_autograd():
     """Under torch.compile with autograd on, a projection takes the differentiable torch path (the decode kernel's
     op has no backward): gradients equal those of nn.Linear."""
-    from hybridcache.blocks.core.linear import DecodeLinear
+    from hybridcache.nn.core.linear import DecodeLinear
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(8, 4)

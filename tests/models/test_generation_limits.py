@@ -176,7 +176,7 @@ def test_a_checkpoint_with_a_bad_dtype_in_config_json_is_refused(checkpoints, tm
     ],
 )
 def test_rotary_tables_of_the_wrong_shape_are_refused(positions):
-    from hybridcache.blocks.attention.rotary import RotaryEmbedding
+    from hybridcache.nn.attention.rotary import RotaryEmbedding
 
     rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
     q, k = torch.randn(2, 3, 1, 8), torch.randn(2, 1, 1, 8)
@@ -187,7 +187,7 @@ def test_rotary_tables_of_the_wrong_shape_are_refused(positions):
 
 
 def test_rotary_q_and_k_must_agree():
-    from hybridcache.blocks.attention.rotary import RotaryEmbedding
+    from hybridcache.nn.attention.rotary import RotaryEmbedding
 
     rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
     with pytest.raises(ValueError, match="rotary: q and k must be"):

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from hybridcache.blocks.attention.dsa import selection_mask
 from hybridcache.models.core.family_config import ConfigError
 from hybridcache.models.families.glm5_next_config import Glm5NextCompositeConfig, Glm5NextConfig
+from hybridcache.nn.attention.dsa import selection_mask
 from tests.models.conftest import prompts
 
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import hybridcache as hc
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding
-from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.cache import CacheConfigError, CacheGroup, NativeGroup, NativeLayer, resolve_plan
 from hybridcache.models.core.base import HybridLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.tools.report import render_plan
 
 D, HEADS, HEAD_DIM, VOCAB = 16, 2, 8, 50

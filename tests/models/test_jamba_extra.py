@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.blocks.moe.topk import SparseMoE
 from hybridcache.cache import CacheConfigError
+from hybridcache.nn.moe.topk import SparseMoE
 from tests.models.conftest import prompts
 
 # The tiny Jamba: layers M M A M (MoE at 1 and 3).

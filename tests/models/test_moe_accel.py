@@ -8,7 +8,7 @@ import torch
 
 import hybridcache as hc
 from hybridcache.accel.moe import SparseMoEAccel
-from hybridcache.blocks.core.mlp import GatedMLP
+from hybridcache.nn.core.mlp import GatedMLP
 from tests.models.conftest import prompts
 
 FAMILIES = ["jamba", "qwen3_next", "kimi_linear", "bailing_hybrid", "glm5_next"]

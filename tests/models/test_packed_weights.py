@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import hybridcache as hc
-from hybridcache.blocks.core.linear import DecodeLinear, PackedEmbedding, pack_matrix
-from hybridcache.blocks.core.linear_group import LinearGroup
+from hybridcache.nn.core.linear import DecodeLinear, PackedEmbedding, pack_matrix
+from hybridcache.nn.core.linear_group import LinearGroup
 from tests.models.conftest import prompts
 
 

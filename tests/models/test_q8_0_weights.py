@@ -11,7 +11,7 @@ import hybridcache as hc
 import hybridcache.accel.native.library as cpu_library
 from hybridcache.accel import kernel_status
 from hybridcache.accel.decode_run import greedy_forms
-from hybridcache.blocks.core.linear import pack_matrix, pack_weights
+from hybridcache.nn.core.linear import pack_matrix, pack_weights
 from hybridcache.ops import q8_0
 from tests.models.conftest import prompts
 

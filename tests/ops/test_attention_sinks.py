@@ -121,7 +121,7 @@ def test_decode_kernel_with_sinks_matches_the_naive_oracle(b, hkv, group, s, d, 
 
 def test_masked_attention_with_sinks_decodes_by_the_kernel(monkeypatch):
     """A decode step with sinks (GPT-OSS) calls the decode kernel with them (before: always the torch path)."""
-    import hybridcache.blocks.attention.mixer as attention_block
+    import hybridcache.nn.attention.mixer as attention_block
     from hybridcache.accel.native.op_registry import KERNELS
 
     calls = []

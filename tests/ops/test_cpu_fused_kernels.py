@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hybridcache.accel.native.kernels as ck
-from hybridcache.blocks import GatedMLP, RMSNorm, residual_norm
-from hybridcache.blocks.core.linear_group import LinearGroup
+from hybridcache.nn import GatedMLP, RMSNorm, residual_norm
+from hybridcache.nn.core.linear_group import LinearGroup
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,7 @@ def test_argmax_rows_all_minus_infinity_and_nan_rows():
 
 
 from hybridcache.accel.native import fused as cpu_fused  # noqa: E402
-from hybridcache.blocks.core.linear import pack_matrix  # noqa: E402
+from hybridcache.nn.core.linear import pack_matrix  # noqa: E402
 
 
 def _packed(w, fmt):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hybridcache.accel.native.kernels as dl
-from hybridcache.blocks.core.linear import linear, pack_matrix, reference_linear
+from hybridcache.nn.core.linear import linear, pack_matrix, reference_linear
 from tests.ops.test_ops_attention import naive_attention
 
 
@@ -204,7 +204,7 @@ def test_decode_attention_from_positions_equals_the_mask(kind, param):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rot", [8, 4])
 def test_rope_kernel_matches_the_torch_path(interleaved, rot):
-    from hybridcache.blocks.attention.rotary import RotaryEmbedding
+    from hybridcache.nn.attention.rotary import RotaryEmbedding
 
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     rotary = RotaryEmbedding(inv, interleaved=interleaved)
@@ -316,8 +316,8 @@ def test_selective_scan_kernel_matches_the_reference(b, t, dm, n, optional, soft
     "norm, rot, interleaved", [(True, 8, False), (True, 4, True), (False, 8, False), (True, 0, False)]
 )
 def test_norm_rope_kernel_matches_the_modules(norm, rot, interleaved):
-    from hybridcache.blocks.attention.rotary import RotaryEmbedding
-    from hybridcache.blocks.core.norms import RMSNorm
+    from hybridcache.nn.attention.rotary import RotaryEmbedding
+    from hybridcache.nn.core.norms import RMSNorm
 
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 3, 5, 8, generator=g)  # [B, T, H, D]: q as a strided view, as the mixer has it

@@ -17,7 +17,7 @@ from hybridcache.accel import kernel_status
 from hybridcache.accel.native import rows
 from hybridcache.accel.native.fused import gated_mlp
 from hybridcache.accel.native.op_reference import gated_mlp as gated_mlp_reference
-from hybridcache.blocks.core.linear import linear
+from hybridcache.nn.core.linear import linear
 from hybridcache.ops import q8_0
 
 pytestmark = pytest.mark.skipif(

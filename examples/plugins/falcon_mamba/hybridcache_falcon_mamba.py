@@ -12,11 +12,11 @@ from typing import ClassVar
 
 import torch
 
-from hybridcache.blocks.core.linear import linear
-from hybridcache.blocks.recurrent.mamba import MambaMixer
 from hybridcache.models.core.family_config import param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.families.mamba import MambaConfig, MambaLM
+from hybridcache.nn.core.linear import linear
+from hybridcache.nn.recurrent.mamba import MambaMixer
 
 
 @dataclass(kw_only=True)

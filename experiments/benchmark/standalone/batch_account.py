@@ -59,7 +59,7 @@ float fma_peak(long n) {
 
 def projections(model) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """(weight, bias, scale) of every projection a decode step runs once: each DecodeLinear, and the head."""
-    from hybridcache.blocks.core.linear import DecodeLinear
+    from hybridcache.nn.core.linear import DecodeLinear
 
     found, seen = [], set()
     for module in model.modules():
@@ -71,7 +71,7 @@ def projections(model) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Te
 
 def gemm_seconds(weights, rows: int, reps: int = 3) -> float:
     """Thread CPU seconds of one pass over every projection with `rows` rows (median of reps)."""
-    from hybridcache.blocks.core.linear import linear
+    from hybridcache.nn.core.linear import linear
 
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _, _ in weights}
     for w, b, s in weights:
@@ -87,7 +87,7 @@ def gemm_seconds(weights, rows: int, reps: int = 3) -> float:
 
 def head_rates(weight: torch.Tensor, scale, rows: int) -> tuple[float, float]:
     """(GFLOP/s from DRAM, GFLOP/s on a 4 MiB slice that stays in L3) of the head's GEMM with `rows` rows."""
-    from hybridcache.blocks.core.linear import linear
+    from hybridcache.nn.core.linear import linear
 
     x = torch.randn(rows, weight.shape[1])
     n = weight.shape[0]

@@ -4,7 +4,7 @@ written straight into the slot its cache reserved, and the attention over every 
 
 The same kernels in the same order as the separate calls, so the same numbers. What goes is the interpreter between
 them: the q / k / v tensors handed back to Python, the copy of k and v into the cache, and the attention call's
-wrapper, each running cold after a weight read (blocks/attention/mixer.py's `_one_call_step`; a cache layer offers the
+wrapper, each running cold after a weight read (nn/attention/mixer.py's `_one_call_step`; a cache layer offers the
 slot
 through AttentionCacheLayer.decode_slot).
 """

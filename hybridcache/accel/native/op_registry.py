@@ -5,7 +5,7 @@ tensors), so torch.compile traces each as one opaque call without graph breaks, 
 same kernels as eager code.
 
 Ops are defined with the plain Library API: torch.library.custom_op would wrap each call in autograd and aliasing
-checks (~10% of a compiled Gemma 3 270M decode step, measured for packed_linear in blocks/core/linear.py). They have no
+checks (~10% of a compiled Gemma 3 270M decode step, measured for packed_linear in nn/core/linear.py). They have no
 backward: call them without autograd (decode). Outputs are contiguous (what the fakes promise).
 """
 
@@ -174,7 +174,7 @@ def _fake_impl(spec: OpSpec):
     return lambda *args: _contiguous(ref(*args))
 
 
-_LIBRARY = torch.library.Library("hybridcache", "FRAGMENT")  # blocks/core/linear.py holds the namespace's DEF
+_LIBRARY = torch.library.Library("hybridcache", "FRAGMENT")  # nn/core/linear.py holds the namespace's DEF
 for _spec in SPECS:
     _LIBRARY.define(_spec.name + _spec.schema)
     _LIBRARY.impl(_spec.name, _cpu_impl(_spec), "CPU")

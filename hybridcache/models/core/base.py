@@ -102,10 +102,10 @@ class HybridLM(nn.Module):
 
     # -- shared ------------------------------------------------------------------------------------------------
     def fuse_projections(self) -> int:
-        """Run q/k/v and gate/up projections as one matmul each (hybridcache/blocks/core/linear_group.py);
+        """Run q/k/v and gate/up projections as one matmul each (hybridcache/nn/core/linear_group.py);
         from_pretrained
         does this, and `model.to(...)` does it again for the converted parameters. Returns the groups fused."""
-        from hybridcache.blocks.core.linear_group import fuse_projections
+        from hybridcache.nn.core.linear_group import fuse_projections
 
         return fuse_projections(self)
 

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from hybridcache.blocks.attention.rotary import RotaryEmbedding, rope_frequencies
-from hybridcache.blocks.recurrent.mamba import resolve_dt_rank
 from hybridcache.models.core.family_config import FamilyConfig, attention_problems, param
+from hybridcache.nn.attention.rotary import RotaryEmbedding, rope_frequencies
+from hybridcache.nn.recurrent.mamba import resolve_dt_rank
 
 
 @dataclass(kw_only=True)
@@ -150,7 +150,7 @@ class Mamba2Fields(FamilyConfig):
         return out
 
     def mamba2_mixer_args(self) -> dict:
-        """Mamba2Mixer's shape arguments (hybridcache/blocks/recurrent/mamba2.py); the family adds its norm and
+        """Mamba2Mixer's shape arguments (hybridcache/nn/recurrent/mamba2.py); the family adds its norm and
         activation."""
         return {
             "hidden": self.hidden_size,

@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import RMSNorm, StepInput
 from hybridcache.cache import CacheLayer
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig
+from hybridcache.nn import RMSNorm, StepInput
 
 
 class ResidualMixerBlock(nn.Module):

@@ -33,9 +33,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.norms import RMSNorm
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig
+from hybridcache.nn.core.norms import RMSNorm
 
 
 class DecoderStack(nn.Module):

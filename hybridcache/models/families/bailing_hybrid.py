@@ -11,14 +11,14 @@ from typing import ClassVar
 
 import torch
 
-from hybridcache.blocks import GatedMLP, RMSNorm
-from hybridcache.blocks.attention.mla import MLAMixer
-from hybridcache.blocks.attention.rotary import RotaryEmbedding, rope_frequencies
-from hybridcache.blocks.moe.deepseek import DeepseekMoE
-from hybridcache.blocks.recurrent.kda import BailingDeltaAttention
 from hybridcache.models.core.family_config import param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.families.kimi_linear import MLA_DIMS, KimiLinearConfig, KimiLinearDecoderLayer, KimiLinearLM
+from hybridcache.nn import GatedMLP, RMSNorm
+from hybridcache.nn.attention.mla import MLAMixer
+from hybridcache.nn.attention.rotary import RotaryEmbedding, rope_frequencies
+from hybridcache.nn.moe.deepseek import DeepseekMoE
+from hybridcache.nn.recurrent.kda import BailingDeltaAttention
 
 
 @dataclass(kw_only=True)

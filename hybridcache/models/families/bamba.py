@@ -13,13 +13,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, Mamba2Fields
 from hybridcache.models.core.family_config import param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 
 
 @dataclass(kw_only=True)

@@ -8,14 +8,14 @@ from typing import ClassVar
 
 import torch
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.core.sandwich import SandwichLayer, SandwichParts
 from hybridcache.cache import NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.sandwich import SandwichLayer, SandwichParts
 
 NATIVE_TYPE = {"sliding_attention": "sliding", "full_attention": "full"}
 
@@ -66,7 +66,7 @@ class Gemma3Config(AttentionFields):
 
 
 class Gemma3DecoderLayer(SandwichLayer):
-    """Sandwich norms around attention and the gated MLP (blocks/core/sandwich.py holds the forward)."""
+    """Sandwich norms around attention and the gated MLP (nn/core/sandwich.py holds the forward)."""
 
     def __init__(self, cfg: Gemma3Config, rotary: RotaryEmbedding) -> None:
         super().__init__()

@@ -11,14 +11,14 @@ import math
 import torch
 from torch import nn
 
-from hybridcache.blocks import GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.attention.kv_shared import KVSharedAttention, layer_rotary
-from hybridcache.blocks.core.per_layer_embeddings import PerLayerEmbeddings, PerLayerInput
-from hybridcache.blocks.moe.gemma4 import Gemma4MoEBranch
 from hybridcache.cache import Cache, CacheLayer, NativeLayer
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.models.families.gemma4_config import Gemma4Config
+from hybridcache.nn import GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.attention.kv_shared import KVSharedAttention, layer_rotary
+from hybridcache.nn.core.per_layer_embeddings import PerLayerEmbeddings, PerLayerInput
+from hybridcache.nn.moe.gemma4 import Gemma4MoEBranch
 
 
 class Gemma4DecoderLayer(nn.Module):

@@ -13,16 +13,16 @@ import re
 import torch
 from torch import nn
 
-from hybridcache.blocks import RMSNorm, StepInput
-from hybridcache.blocks.attention.dsa import DSAMixer
-from hybridcache.blocks.core.clamped_mlp import ClampedDeepseekMoE, ClampedGatedMLP
-from hybridcache.blocks.core.hyper_connection import HyperConnection, hyper_merge
-from hybridcache.blocks.recurrent.kda import BailingDeltaAttention, KimiDeltaAttention
 from hybridcache.cache import NativeGroup, NativeLayer
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.models.families.glm5_next_config import Glm5NextCompositeConfig, Glm5NextConfig
 from hybridcache.models.families.kimi_linear import MLA_DIMS
+from hybridcache.nn import RMSNorm, StepInput
+from hybridcache.nn.attention.dsa import DSAMixer
+from hybridcache.nn.core.clamped_mlp import ClampedDeepseekMoE, ClampedGatedMLP
+from hybridcache.nn.core.hyper_connection import HyperConnection, hyper_merge
+from hybridcache.nn.recurrent.kda import BailingDeltaAttention, KimiDeltaAttention
 
 
 class Glm5DeltaAttention(KimiDeltaAttention):

@@ -15,13 +15,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import MoEFields
 from hybridcache.models.core.family_config import param
 from hybridcache.models.core.layer_pattern import SlidingFullFields
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
 
 DEFAULT_ROPE = {  # HF's when the config has no rope_parameters
     **{"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0},

@@ -15,13 +15,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
-from hybridcache.blocks.attention.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.layer_pattern import SlidingFullFields
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.nn.attention.rotary import rope_frequencies
 
 
 @dataclass(kw_only=True)

@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.core.mlp import ACTIVATIONS, activation
-from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, Mamba2Fields, MoEFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.mlp import ACTIVATIONS, activation
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' legacy layer type names
 

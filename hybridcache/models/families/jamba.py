@@ -8,14 +8,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput, residual_norm
-from hybridcache.blocks.moe.topk import SparseMoE
-from hybridcache.blocks.recurrent.mamba import MambaMixer
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, MambaFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, StepInput, residual_norm
+from hybridcache.nn.moe.topk import SparseMoE
+from hybridcache.nn.recurrent.mamba import MambaMixer
 
 
 @dataclass(kw_only=True)

@@ -13,15 +13,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import GatedMLP, RMSNorm, StepInput, residual_norm
-from hybridcache.blocks.attention.mla import MLAMixer
-from hybridcache.blocks.moe.deepseek import DeepseekMoE
-from hybridcache.blocks.recurrent.kda import KimiDeltaAttention
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, MoEFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import GatedMLP, RMSNorm, StepInput, residual_norm
+from hybridcache.nn.attention.mla import MLAMixer
+from hybridcache.nn.moe.deepseek import DeepseekMoE
+from hybridcache.nn.recurrent.kda import KimiDeltaAttention
 
 
 @dataclass(kw_only=True)

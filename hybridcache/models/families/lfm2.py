@@ -14,13 +14,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.recurrent.short_conv import ShortConv
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.family_config import FamilyConfig, attention_problems, length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.recurrent.short_conv import ShortConv
 
 LAYER_TYPES = ("conv", "full_attention")
 

@@ -15,14 +15,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.attention.rotary import rope_frequencies
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.models.families.lfm2 import ShortConv
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.attention.rotary import rope_frequencies
 
 NATIVE_TYPE = {"conv": "conv", "full_attention": "full", "sliding_attention": "sliding"}
 DEFAULT_ROPE = {

@@ -9,15 +9,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.core.norms import WeightlessRMSNorm
-from hybridcache.blocks.moe.llama4 import Llama4MoE
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.norms import WeightlessRMSNorm
+from hybridcache.nn.moe.llama4 import Llama4MoE
 
 
 @dataclass(kw_only=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hybridcache.blocks.recurrent.mamba import MambaMixer, resolve_dt_rank
 from hybridcache.cache import NativeLayer
 from hybridcache.models.core.family_config import FamilyConfig, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.ssm_lm import SSMLM
+from hybridcache.nn.recurrent.mamba import MambaMixer, resolve_dt_rank
 
 
 @dataclass(kw_only=True)
@@ -38,7 +38,7 @@ class MambaConfig(FamilyConfig):
         return []
 
     def mixer_args(self) -> dict:
-        """MambaMixer's arguments (hybridcache/blocks/recurrent/mamba.py)."""
+        """MambaMixer's arguments (hybridcache/nn/recurrent/mamba.py)."""
         return {
             "hidden": self.hidden_size,
             "intermediate": self.inner_size,

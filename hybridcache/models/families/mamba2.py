@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.cache import NativeLayer
 from hybridcache.models.core.family_config import FamilyConfig, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.ssm_lm import SSMLM
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 
 
 @dataclass(kw_only=True)

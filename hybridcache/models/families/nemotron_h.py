@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, RMSNorm, StepInput
-from hybridcache.blocks.core.mlp import activation
-from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig, param
 from hybridcache.models.core.registry import register_family
+from hybridcache.nn import AttentionMixer, RMSNorm, StepInput
+from hybridcache.nn.core.mlp import activation
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' legacy layer type names

@@ -10,14 +10,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
-from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.models.families.qwen3_next import LAYER_KINDS, delta_native_layers
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
 
 
 @dataclass(kw_only=True)

@@ -14,14 +14,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import RotaryEmbedding
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.cache import NativeLayer
 from hybridcache.models.core.family_config import param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.models.families.qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer, delta_native_layers
+from hybridcache.nn import RotaryEmbedding
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
 
 
 @dataclass(kw_only=True)

@@ -9,14 +9,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
-from hybridcache.blocks.moe.shared import SharedExpertMoE
-from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.moe.shared import SharedExpertMoE
+from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 

@@ -18,14 +18,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.recurrent.rglru import RecurrentBlock
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.recurrent.rglru import RecurrentBlock
 
 
 @dataclass(kw_only=True)

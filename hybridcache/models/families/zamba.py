@@ -14,13 +14,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, GatedMLP, RMSNorm, StepInput
-from hybridcache.blocks.recurrent.mamba import MambaMixer
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import MambaFields
 from hybridcache.models.core.family_config import attention_problems, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.families.zamba2 import LEGACY_TYPES, MambaResidual, Zamba2LM
+from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, StepInput
+from hybridcache.nn.recurrent.mamba import MambaMixer
 from hybridcache.ops import selective_state_update
 from hybridcache.ops.selective_scan_btd import selective_scan_btd
 

@@ -25,15 +25,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.core.mlp import activation
-from hybridcache.blocks.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.cache import CacheGroup, CacheLayer, NativeGroup, NativeLayer
 from hybridcache.models.core.family_config import FamilyConfig, attention_problems, param
 from hybridcache.models.core.loading import CheckpointError
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.mlp import activation
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 
 LEGACY_TYPES = {"mamba": "linear_attention"}  # HF remaps legacy layer type names
 

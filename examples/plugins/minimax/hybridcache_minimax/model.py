@@ -15,15 +15,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
-from hybridcache.blocks.attention.rotary import rope_frequencies
-from hybridcache.blocks.core.mlp import activation
-from hybridcache.blocks.moe.topk import SparseMoE
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, MoEFields
 from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
+from hybridcache.nn import AttentionMixer, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.mlp import activation
+from hybridcache.nn.moe.topk import SparseMoE
 from hybridcache_minimax.lightning import lightning_scan
 
 

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks import RMSNorm, StepInput
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig, param
 from hybridcache.models.core.registry import register_family
+from hybridcache.nn import RMSNorm, StepInput
 from hybridcache_xlstm.state import mlstm_step
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
+from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
 
 
 class SigmoidGatedHeadNorm(GatedHeadNorm):

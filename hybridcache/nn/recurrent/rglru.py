@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.mlp import activation
 from hybridcache.cache import CacheLayer
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.mlp import activation
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, linear_recurrence
 
 
@@ -95,7 +95,7 @@ class RecurrentBlock(nn.Module):
             xc = xc.transpose(1, 2)
         spec, m = layer.spec, layer.trail_length(x.shape[1])
         if m > 0:  # checkpoints on: the states after the block's last m tokens before the final one
-            from hybridcache.blocks.recurrent.trail import conv_trail
+            from hybridcache.nn.recurrent.trail import conv_trail
 
             out, lru_state, lru_trail = self.rg_lru(xc, states["lru"], step, trail=m)
             trail = {"conv": conv_trail(states["conv"], x.transpose(1, 2), m).to(spec.dtype), "lru": lru_trail}

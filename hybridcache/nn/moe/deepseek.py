@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks.core.mlp import GatedMLP
-from hybridcache.blocks.moe.topk import SparseMoE
+from hybridcache.nn.core.mlp import GatedMLP
+from hybridcache.nn.moe.topk import SparseMoE
 
 
 class GroupTopkRouter(nn.Module):

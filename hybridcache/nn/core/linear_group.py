@@ -6,7 +6,7 @@ kernel one larger problem. `LinearGroup.fuse()` makes the projections' weights (
 contiguous tensor: the parameters keep their names and shapes (state_dict, loading, tying are unchanged), no
 memory is duplicated, and an in-place change of a parameter changes the fused tensor too. When something replaces
 a parameter (e.g. `model.to(dtype)` before the model re-fuses), the group notices and runs the projections one by
-one: never a stale weight. `pack(fmt)` stores the fused matrix in a packed format (blocks/core/linear.py).
+one: never a stale weight. `pack(fmt)` stores the fused matrix in a packed format (nn/core/linear.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.linear import linear, pack_matrix
+from hybridcache.nn.core.linear import linear, pack_matrix
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -76,7 +76,7 @@ class LinearGroup:
         return True
 
     def pack(self, fmt: str) -> None:
-        """Store the fused matrix in a packed format (blocks/core/linear.py `pack_matrix`); the group must be fused."""
+        """Store the fused matrix in a packed format (nn/core/linear.py `pack_matrix`); the group must be fused."""
         if not self.fused:
             raise ValueError("pack() needs a fused group (call fuse() first)")
         weight, bias, _, _ = self._fused

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.mlp import GatedMLP
-from hybridcache.blocks.moe.topk import SparseMoE
+from hybridcache.nn.core.mlp import GatedMLP
+from hybridcache.nn.moe.topk import SparseMoE
 
 
 class SharedExpertMoE(SparseMoE):

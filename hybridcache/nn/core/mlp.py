@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.blocks.core.linear import DecodeLinear
-from hybridcache.blocks.core.linear_group import LinearGroup
+from hybridcache.nn.core.linear import DecodeLinear
+from hybridcache.nn.core.linear_group import LinearGroup
 from hybridcache.ops import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -10,13 +10,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridcache.blocks.attention.rotary import RotaryEmbedding
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.linear_group import LinearGroup
-from hybridcache.blocks.core.norms import kernel_args, kernel_plain
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.attention.view import AttentionView
 from hybridcache.cache.methods.scored_eviction import QueryInputs
+from hybridcache.nn.attention.rotary import RotaryEmbedding
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.linear_group import LinearGroup
+from hybridcache.nn.core.norms import kernel_args, kernel_plain
 from hybridcache.ops import kernels, masked_attention
 from hybridcache.ops.attention import pattern_attention
 

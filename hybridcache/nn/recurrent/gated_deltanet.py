@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from hybridcache.blocks.core.common import StepInput
 from hybridcache.cache import CacheLayer
+from hybridcache.nn.core.common import StepInput
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, gated_delta_rule, gated_delta_step
 
 
@@ -128,7 +128,7 @@ class GatedDeltaNetMixer(nn.Module):
         state = states["recurrent"]
         m = layer.trail_length(tokens)
         if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
-            from hybridcache.blocks.recurrent.trail import conv_trail, stack_trail
+            from hybridcache.nn.recurrent.trail import conv_trail, stack_trail
 
             head, outs, trail = tokens - m, [], []
             o, s = gated_delta_rule(

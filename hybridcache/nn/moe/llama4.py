@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.mlp import GatedMLP, activation
+from hybridcache.nn.core.mlp import GatedMLP, activation
 
 
 class Llama4Experts(nn.Module):

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.norms import residual_norm
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.norms import residual_norm
 
 
 class SandwichParts(NamedTuple):

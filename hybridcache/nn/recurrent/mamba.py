@@ -7,10 +7,10 @@ import math
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.linear import linear
-from hybridcache.blocks.core.norms import RMSNorm
 from hybridcache.cache import MambaStateLayer
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.linear import linear
+from hybridcache.nn.core.norms import RMSNorm
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, selective_state_update
 from hybridcache.ops.selective_scan_btd import selective_scan_btd
 
@@ -117,7 +117,7 @@ class MambaMixer(nn.Module):
 
     def _forward_with_trail(self, h, layer, states, x, u, delta, a, b, c, z, conv, m: int) -> torch.Tensor:
         """The scan over the first T - m tokens, then m steps whose incoming states are the layer's checkpoints."""
-        from hybridcache.blocks.recurrent.trail import conv_trail, stack_trail
+        from hybridcache.nn.recurrent.trail import conv_trail, stack_trail
 
         head = u.shape[1] - m
         y, ssm = self._scan(u[:, :head], delta[:, :head], a, b[:, :head], c[:, :head], z[:, :head], states["ssm"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.mlp import GatedMLP
-from hybridcache.blocks.moe.deepseek import DeepseekMoE
+from hybridcache.nn.core.mlp import GatedMLP
+from hybridcache.nn.moe.deepseek import DeepseekMoE
 
 
 class ClampedGatedMLP(GatedMLP):

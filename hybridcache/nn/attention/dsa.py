@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.attention.mla import MLAMixer, _pad
-from hybridcache.blocks.core.common import StepInput
 from hybridcache.cache import AttentionCacheLayer
+from hybridcache.nn.attention.mla import MLAMixer, _pad
+from hybridcache.nn.core.common import StepInput
 from hybridcache.ops import masked_attention
 
 Selection = tuple[torch.Tensor, torch.Tensor, int]  # allowed pools [B, T, P], first pool per row [B], kpool

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.mlp import activation
-from hybridcache.blocks.core.norms import RMSNorm, WeightlessRMSNorm
+from hybridcache.nn.core.mlp import activation
+from hybridcache.nn.core.norms import RMSNorm, WeightlessRMSNorm
 
 
 class Gemma4Router(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.mlp import GatedMLP
+from hybridcache.nn.core.mlp import GatedMLP
 
 
 class SparseMoE(nn.Module):

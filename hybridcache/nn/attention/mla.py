@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.attention.mixer import AttentionMixer
-from hybridcache.blocks.attention.rotary import RotaryEmbedding
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.norms import RMSNorm
+from hybridcache.nn.attention.mixer import AttentionMixer
+from hybridcache.nn.attention.rotary import RotaryEmbedding
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.norms import RMSNorm
 
 
 class _Unpad(nn.Linear):

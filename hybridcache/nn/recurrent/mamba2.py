@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.recurrent.trail import conv_trail, stack_trail
 from hybridcache.cache import CacheLayer
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.recurrent.trail import conv_trail, stack_trail
 from hybridcache.ops import causal_conv1d, causal_conv1d_step, ssd_scan, ssd_step
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.recurrent.trail import conv_trail
 from hybridcache.cache import CacheLayer
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.recurrent.trail import conv_trail
 from hybridcache.ops import causal_conv1d, causal_conv1d_step
 
 

@@ -18,11 +18,11 @@ from functools import partial
 import torch
 from torch import nn
 
-from hybridcache.blocks.attention.rotary import RotaryEmbedding, rope_frequencies
-from hybridcache.blocks.core.common import StepInput
-from hybridcache.blocks.core.norms import RMSNorm, WeightlessRMSNorm
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.cache.methods.scored_eviction import QueryInputs
+from hybridcache.nn.attention.rotary import RotaryEmbedding, rope_frequencies
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.norms import RMSNorm, WeightlessRMSNorm
 from hybridcache.ops import masked_attention
 
 

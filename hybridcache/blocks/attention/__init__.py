@@ -1,1 +1,0 @@
-"""hybridcache/blocks/attention."""

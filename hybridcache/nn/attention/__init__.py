@@ -1,0 +1,1 @@
+"""Attention mixers: grouped-query attention, MLA, DSA, KV-shared layers, rotary embeddings."""

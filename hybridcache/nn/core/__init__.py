@@ -1,0 +1,1 @@
+"""Shared modules: norms, linear projections, MLPs, hyper-connections, per-layer embeddings, sandwich layers."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts MLPs: top-k routing, shared experts, per-family routers."""
