@@ -171,3 +171,13 @@ def test_a_bfloat16_model_equals_hf_own_cache(hf_tiny, bias):
     seq, logits = hf_generate(model, ids, mask, cache=cache, new=12)
     ref_seq, ref_logits = hf_generate(model, ids, mask, cache=_own(model), new=12)
     assert torch.equal(seq, ref_seq) and torch.equal(logits, ref_logits)
+
+
+def test_a_storage_that_keeps_hf_layout_serves_the_windows(model):
+    """Storage whose slots stay HF's columns (offload: exact) is allowed on the compressed layers' windows."""
+    cache = cache_for(model, {"attention": {"storage": "offload"}})
+    assert {p.spec.storage for p in cache.plan.layers if p.kind == "attention"} == {"offload"}
+    ids, mask = prompts(2, 19, seed=12, pad=3)
+    seq, logits = hf_generate(model, ids, mask, cache=cache, new=10)
+    ref_seq, ref_logits = hf_generate(model, ids, mask, cache=_own(model), new=10)
+    assert torch.equal(seq, ref_seq) and max_diff(logits, ref_logits) < TOL

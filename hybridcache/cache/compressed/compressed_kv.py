@@ -8,7 +8,8 @@ holds the same number of entries. The layer holds:
   b = columns % compress_rate;
 - with `overlap` (CSA's two series per token, W = 2 D; entry w pools the first series of window w-1 with the second
   of window w): `overlap_kv`, `overlap_gate` [B, compress_rate, D], the first series of the last closed window, its
-  gate with the mixer's position bias added (in `overlap_gate_dtype`: float32 in DeepSeek-V4, whose bias is float32).
+  gate with the mixer's position bias added (in `overlap_gate_dtype`: the dtype that bias gives it, float32 in
+  DeepSeek-V4 checkpoints).
 
 The mixer pools (gated softmax, norm, rotary); the layer is storage. In a block it hands the mixer the sources of the
 windows the block closes (`ready`) and the last closed window (`previous_window`), and takes back the block's sources
