@@ -59,6 +59,13 @@ def test_each_compressed_layer_is_a_group_holding_hf_tensors(model):
                 assert torch.equal(ours.overlap_kv, hf.overlap_kv[name])
                 assert torch.equal(ours.overlap_gate, hf.overlap_gate[name])
         assert torch.equal(cache.hybrid[i]["attention"].keys, hf.keys)
+        bridged = cache.layers[i]  # HF's attribute names on the bridge's layer give the same tensors
+        for attr in ("compressed_kv", "buffer_kv", "buffer_gate", "entry_count", "overlap_kv", "overlap_gate"):
+            ours, theirs = getattr(bridged, attr, {}), getattr(hf, attr, {})
+            assert ours.keys() == theirs.keys(), attr
+            assert all(
+                a == b if isinstance(a, int) else torch.equal(a, b) for a, b in zip(ours.values(), theirs.values())
+            )
     assert cache.hybrid[3]["indexer"].entry_count == 5 and cache.hybrid[2]["compressor"].entry_count == 2
 
 

@@ -6,7 +6,9 @@ HF's compressor calls, in order, per compressor and forward: `store_compression_
 sources of the windows this block closes, the open window's held sources first), with overlap
 `update_overlap_state(name, chunk_kv, chunk_gate, head_dim)` (the previous forward's last window; this one's is kept),
 then `update_compressor_states(name, compressed)` (every entry). The first two read our layer; the third feeds it
-the block's sources, new entries and last window in one update (staged with the rest of the block).
+the block's sources, new entries and last window in one update (staged with the rest of the block). HF's
+attributes (`compressed_kv`, `buffer_kv`, `buffer_gate`, `entry_count`, `overlap_kv`, `overlap_gate`: dicts by
+compressor) read what our layers hold.
 
 The compressed entries join attention inside HF's mask (the model concatenates them with a causal bias after
 `update`), so these layers attend with HF's mask, which describes them only in their native layout (sliding window,
@@ -47,6 +49,42 @@ class BridgeCompressedLayer(BridgeAttentionLayer):
                 f"decoder layer {self.index} has no compressor {name!r} (it has {', '.join(self.compressors)})"
             )
         return self.bridge.cache_layer(self.index, name)
+
+    # -- HF's attributes, read-only: what each compressor holds since the last forward --------------------------
+    def _held(self, attr: str) -> dict[str, torch.Tensor | None]:
+        """HF's dict by compressor of one held tensor; `overlap_*` for the overlapping (CSA) ones only, None before
+        their first window closed (and everything None before the first forward)."""
+        overlap, out = attr.startswith("overlap"), {}
+        for name, c in self.compressors.items():
+            if overlap and not c.overlap:
+                continue
+            layer = None if self.bridge.hybrid is None else self.bridge.cache_layer(self.index, name)
+            out[name] = None if layer is None or (overlap and layer.entry_count == 0) else getattr(layer, attr)
+        return out
+
+    @property
+    def compressed_kv(self) -> dict[str, torch.Tensor | None]:
+        return self._held("entries")
+
+    @property
+    def buffer_kv(self) -> dict[str, torch.Tensor | None]:
+        return self._held("buffer_kv")
+
+    @property
+    def buffer_gate(self) -> dict[str, torch.Tensor | None]:
+        return self._held("buffer_gate")
+
+    @property
+    def entry_count(self) -> dict[str, int]:
+        return {name: 0 if t is None else int(t.shape[1]) for name, t in self.compressed_kv.items()}
+
+    @property
+    def overlap_kv(self) -> dict[str, torch.Tensor | None]:
+        return self._held("overlap_kv")
+
+    @property
+    def overlap_gate(self) -> dict[str, torch.Tensor | None]:
+        return self._held("overlap_gate")
 
     def store_compression_weights(
         self, name: str, kv: torch.Tensor, gate: torch.Tensor
