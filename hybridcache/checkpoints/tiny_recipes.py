@@ -1,11 +1,11 @@
-"""What each tiny checkpoint is (checkpoints/tiny.py builds them): per family the HF config and model class names
+"""How each tiny checkpoint is built (checkpoints/tiny.py builds them): per family the HF config and model class names
 and the config values that exercise every cache-relevant path of the family, plus named larger variants (SIZES)."""
 
 # Untied LM heads: with tied embeddings a tiny random model mostly predicts its
 # own input token (e_t . e_t dominates the logits), so greedy decoding repeats it.
 COMMON = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
 
-FAMILY_SPECS = {
+FAMILY_RECIPES = {
     "jamba": (
         "JambaConfig",
         "JambaForCausalLM",
