@@ -15,16 +15,25 @@ from torch import nn
 from hybridcache.accel import layer_records
 from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun, greedy_forms
+from hybridcache.accel.delta_mixers import bailing_accel, kda_accel
 from hybridcache.accel.moe import SparseMoEAccel
-from hybridcache.accel.recurrent_mixers import gated_delta_accel, mamba2_accel, mamba_accel, short_conv_accel
+from hybridcache.accel.recurrent_mixers import (
+    gated_delta_accel,
+    mamba2_accel,
+    mamba_accel,
+    rglru_accel,
+    short_conv_accel,
+)
 from hybridcache.accel.sandwich_layer import SandwichAccel
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.nn.attention.mixer import AttentionMixer
 from hybridcache.nn.core.sandwich import SandwichLayer
 from hybridcache.nn.moe.topk import SparseMoE
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
+from hybridcache.nn.recurrent.kda import BailingDeltaAttention, KimiDeltaAttention
 from hybridcache.nn.recurrent.mamba import MambaMixer
 from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
+from hybridcache.nn.recurrent.rglru import RecurrentBlock
 from hybridcache.nn.recurrent.short_conv import ShortConv
 
 # module class -> its fast path's maker; a subclass gets its nearest base's (its own entry first)
@@ -34,7 +43,10 @@ ACCELS: dict[type[nn.Module], Callable[[nn.Module], object]] = {
     Mamba2Mixer: mamba2_accel,  # None for a subclass (its forward may differ)
     ShortConv: short_conv_accel,
     MambaMixer: mamba_accel,  # None for a subclass (Zamba's)
-    GatedDeltaNetMixer: gated_delta_accel,  # None for a subclass (Qwen3.5's, OLMo's)
+    GatedDeltaNetMixer: gated_delta_accel,  # None for a subclass (Qwen3.5's, OLMo's: their model files register)
+    KimiDeltaAttention: kda_accel,
+    BailingDeltaAttention: bailing_accel,
+    RecurrentBlock: rglru_accel,
     SparseMoE: SparseMoEAccel,  # (its subclasses too: the accel calls the module's own route and experts)
 }
 

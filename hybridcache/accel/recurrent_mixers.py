@@ -1,7 +1,8 @@
 """The fast path of the recurrent mixers (`mixer.accel`, installed by accel.install): an eager float32 decode step of
 LFM2's short convolution (nn/recurrent/short_conv.py), a Mamba2 mixer (nn/recurrent/mamba2.py), a
-Mamba1 mixer (nn/recurrent/mamba.py) or Qwen3-Next's Gated DeltaNet (nn/recurrent/gated_deltanet.py) in one C
-call, projections included (native/recurrent_step.py).
+Mamba1 mixer (nn/recurrent/mamba.py; Zamba's over channel groups too), Qwen3-Next's Gated DeltaNet
+(nn/recurrent/gated_deltanet.py; the variants with separate projections: delta_mixers.py) or RecurrentGemma's
+recurrent block (nn/recurrent/rglru.py) in one C call, projections included (native/recurrent_step.py).
 
 The cache is seen through slots.py's `StateSlots`: the layer's current `states` are read, the kernel writes the new
 ones into fresh tensors, and `update` hands them to the cache, which commits them with its block (trails, codecs and
@@ -14,14 +15,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.native.recurrent_step import gated_delta_step, mamba2_step, mamba_step, short_conv_step
+from hybridcache.accel.native.recurrent_step import (
+    gated_delta_step,
+    mamba2_step,
+    mamba_groups_step,
+    mamba_step,
+    rglru_step,
+    short_conv_step,
+)
 from hybridcache.accel.slots import holds_states
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.linear import DecodeLinear
+from hybridcache.nn.core.mlp import ACTIVATIONS
 from hybridcache.nn.core.norms import kernel_args, kernel_plain
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
 from hybridcache.nn.recurrent.mamba import MambaMixer
 from hybridcache.nn.recurrent.mamba2 import GatedRMSNorm, Mamba2Mixer
+from hybridcache.nn.recurrent.rglru import RecurrentBlock
 from hybridcache.nn.recurrent.short_conv import ShortConv
 
 _F32 = torch.float32
@@ -189,3 +199,73 @@ def short_conv_accel(mixer: ShortConv) -> ShortConvAccel | None:
 
 def mamba2_accel(mixer: Mamba2Mixer) -> Mamba2Accel | None:
     return Mamba2Accel(mixer) if type(mixer) is Mamba2Mixer else None
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+_GELU_TANH = (ACTIVATIONS["gelu_pytorch_tanh"], ACTIVATIONS["gelu_new"])  # the branch activation the kernel computes
+
+
+class RGLRUAccel:
+    """`RecurrentBlock.accel` (RecurrentGemma): accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+
+    def __init__(self, block: RecurrentBlock) -> None:
+        self.block = block
+
+    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+        m = self.block
+        if not _decode_step(h, layer, step) or m.act not in _GELU_TANH or _hooked(m.conv_1d, m.rg_lru):
+            return None
+        projs = [_projection(p) for p in (m.linear_y, m.linear_x, m.linear_out)]
+        if None in projs:
+            return None
+        lru, states = m.rg_lru, layer.states
+        gates = (lru.input_gate_weight, lru.input_gate_bias, lru.recurrent_gate_weight, lru.recurrent_gate_bias)
+        got = rglru_step(
+            h, lru.num_heads, projs[0], projs[1], m.conv_1d.weight[:, 0], m.conv_1d.bias, states["conv"], gates,
+            lru.recurrent_param, step.positions, states["lru"], projs[2],
+        )  # fmt: skip
+        if got is None:
+            return None
+        y, conv, state = got
+        layer.update(conv=conv, lru=state)
+        return y
+
+
+class MambaGroupsAccel:
+    """The accel of a Mamba1 mixer over channel groups (Zamba's: per-group x_proj_weight [G, R + 2N, Di/G],
+    dt_proj_weight [G, Di/G, R], dt_proj_bias, in_proj's u and gate interleaved; registered by its model file):
+    accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+
+    def __init__(self, mixer: MambaMixer) -> None:
+        self.mixer = mixer
+
+    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+        m = self.mixer
+        if not _decode_step(h, layer, step) or m.inner_norms or _hooked(m.conv1d):
+            return None
+        in_proj, out_proj = _projection(m.in_proj), _projection(m.out_proj)
+        if in_proj is None or out_proj is None:
+            return None
+        states = layer.states
+        got = mamba_groups_step(
+            h, in_proj, m.conv1d.weight[:, 0], m.conv1d.bias, states["conv"], m.x_proj_weight, m.dt_proj_weight,
+            m.dt_proj_bias.reshape(-1), m.A_log.reshape(m.intermediate, m.state_size), m.D.reshape(-1),
+            states["ssm"], out_proj,
+        )  # fmt: skip
+        if got is None:
+            return None
+        y, conv, ssm = got
+        layer.update(conv=conv, ssm=ssm)
+        return y
+
+
+def rglru_accel(block: RecurrentBlock) -> RGLRUAccel | None:
+    return RGLRUAccel(block) if type(block) is RecurrentBlock else None
+
+
+def mamba_groups_accel(cls: type[MambaMixer]):
+    """The registry's maker for Mamba1 mixers of exactly `cls` over channel groups (Zamba's)."""
+    return lambda mixer: MambaGroupsAccel(mixer) if type(mixer) is cls else None

@@ -1,5 +1,6 @@
-"""The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py): every Mamba1, Mamba2,
-short conv and (Qwen3-Next's) Gated DeltaNet mixer of the tiny checkpoints takes its decode steps in one C call,
+"""The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py, delta_mixers.py): every
+Mamba1 (Zamba's grouped one too), Mamba2, short conv, Gated DeltaNet (Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's), KDA
+(Kimi's, Bailing's) and RG-LRU mixer of the tiny checkpoints takes its decode steps in one C call,
 the greedy tokens equal those of the reference modules (`accel.uninstall`) and of HF transformers, and the logits
 and the cache's states stay within float32 noise of both (Mamba2 amplifies ulp-level differences ~10x: 1e-4 on
 logits of order 1)."""
@@ -10,7 +11,15 @@ import torch
 import hybridcache as hc
 from hybridcache import accel
 from hybridcache.accel import kernel_status
-from hybridcache.accel.recurrent_mixers import GatedDeltaAccel, Mamba2Accel, MambaAccel, ShortConvAccel
+from hybridcache.accel.delta_mixers import DeltaAccel
+from hybridcache.accel.recurrent_mixers import (
+    GatedDeltaAccel,
+    Mamba2Accel,
+    MambaAccel,
+    MambaGroupsAccel,
+    RGLRUAccel,
+    ShortConvAccel,
+)
 from tests.models.conftest import hf_generate, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -27,8 +36,14 @@ FAMILIES = [
     "jamba",
     "mamba",
     "qwen3_next",
+    "qwen3_5",
+    "olmo_hybrid",
+    "kimi_linear",
+    "bailing_hybrid",
+    "recurrentgemma",
+    "zamba",
 ]
-FAST = (Mamba2Accel, MambaAccel, ShortConvAccel, GatedDeltaAccel)
+FAST = (Mamba2Accel, MambaAccel, ShortConvAccel, GatedDeltaAccel, DeltaAccel, RGLRUAccel, MambaGroupsAccel)
 NEW = 12
 
 

@@ -82,6 +82,10 @@ NATIVE = {
     "hc_mamba2_step": ("tests.ops.test_recurrent_step::test_mamba2_step_matches_the_ops",),
     "hc_mamba_step": ("tests.ops.test_recurrent_step::test_mamba_step_matches_the_selective_step_in_torch",),
     "hc_gated_delta_step": ("tests.ops.test_recurrent_step::test_gated_delta_step_matches_the_ops",),
+    # the variants' steps against the reference modules' own forward (Qwen3.5 / OLMo / KDA, RG-LRU, Zamba's Mamba1)
+    "hc_delta_step": ("tests.ops.test_recurrent_step_variants::test_delta_step_matches_the_reference_module",),
+    "hc_rglru_step": ("tests.ops.test_recurrent_step_variants::test_rglru_step_matches_the_reference_block",),
+    "hc_mamba_groups_step": ("tests.ops.test_recurrent_step_variants::test_mamba_groups_step_matches_zambas_mixer",),
 }
 
 

@@ -403,6 +403,12 @@ RECURRENT_SIGNATURES: dict[str, tuple[object, list]] = {
         None,
         [_P] + [_I] * 6 + [_P, _I] + [_P] * 7 + [_I, _P] + [_P, _F] * 3 + [_P, _I] + [_P] * 7 + [_I] + [_P] * 4,
     ),
+    "hc_delta_step": (
+        None,
+        [_P, *[_I] * 8, *[_P] * 5, _I, *[_P] * 3, *[_I] * 4, _F, _P, _P, _F, _P, _P, _I, _P, _F, _P, _I, _P, _P, _P],
+    ),
+    "hc_rglru_step": (None, [_P] + [_I] * 5 + [_P, _I, _P, _P] * 2 + [_P] * 12 + [_P, _I] + [_P] * 4),
+    "hc_mamba_groups_step": (None, [_P] + [_I] * 7 + [_P, _I] + [_P] * 13 + [_P, _I] + [_P] * 4),
 }
 
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).

@@ -7,6 +7,7 @@ raises KernelArgumentError for sizes that do not fit together, before any C call
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -287,3 +288,225 @@ def gated_delta_step(
         out_proj[0].data_ptr(), codes[2], _ptr(out_proj[2]), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y, new_conv, new_rec
+
+
+DECAYS = {"head": 0, "channel": 1, "bounded": 2}  # hc_delta_step's `decay` codes
+OUTPUT_GATES = {"silu": 0, "sigmoid": 1}  # its head norm's gate
+
+
+def _int(v, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v < hi
+
+
+def delta_step(
+    x: torch.Tensor,
+    heads: tuple[int, int, int, int],
+    projs: list[tuple],
+    n_qkv: int,
+    fields: tuple[int, int, int],
+    conv_ws: list[torch.Tensor],
+    conv_state: torch.Tensor,
+    decay: tuple[str, torch.Tensor, torch.Tensor, float],
+    beta_scale: float,
+    rec_state: torch.Tensor,
+    norm: tuple[str, torch.Tensor, float],
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A delta-rule mixer with separate projections (Qwen3.5, OLMo-Hybrid, KDA) on one token: x [B, 1, Dm], heads
+    (Hk, Hv, Dk, Dv), projs [(weight, bias, scale, src)] (src None: reads x; else the index of an earlier projection
+    whose output it reads), the first n_qkv of them the conv input [q | k | v] with their conv weights conv_ws
+    ([rows, K] each, no bias), conv_state [B, 2 Hk Dk + Hv Dv, K-1], fields (z, b, a): the projections of the output
+    gate [Hv Dv], beta's logits [Hv] and the decay's logits, decay (DECAYS kind, dt_bias, A_log [Hv], lower_bound),
+    beta's scale, rec_state [B, Hv, Dk, Dv], norm (OUTPUT_GATES kind, weight [Dv], eps), out_proj (weight
+    [Dm, Hv Dv], no bias, scale) -> (y [B, 1, Dm], the new conv state, the new recurrent state)."""
+    lib = _library()
+    if lib is None or not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    if len(heads) != 4 or not all(type(v) is int and v >= 1 for v in heads) or heads[1] % heads[0]:
+        raise KernelArgumentError(f"delta step: heads must be (Hk, Hv, Dk, Dv) >= 1 with Hk | Hv, got {heads}")
+    hk, hv, dk, dv = heads
+    kd, vd, dm = hk * dk, hv * dv, x.shape[-1]
+    cc = 2 * kd + vd
+    if not 1 <= len(projs) <= 8 or not all(isinstance(p, tuple) and len(p) == 4 for p in projs):
+        raise KernelArgumentError("delta step: projs must be 1 to 8 (weight, bias, scale, src) tuples")
+    rows: list[int] = []
+    for j, (w, _, _, src) in enumerate(projs):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not (src is None or _int(src, 0, j)):
+            raise KernelArgumentError(f"delta step: projection {j} needs a weight matrix and an earlier source")
+        rows.append(w.shape[0])
+    if not _int(n_qkv, 1, len(projs) + 1) or sum(rows[:n_qkv]) != cc or len(conv_ws) != n_qkv:
+        raise KernelArgumentError(f"delta step: the first {n_qkv} projections must give {cc} conv channels")
+    if len(fields) != 3 or not all(_int(f, 0, len(projs)) for f in fields) or decay[0] not in DECAYS:
+        raise KernelArgumentError(f"delta step: fields must index projs, decay one of {list(DECAYS)}")
+    kind, dt_bias, a_log, lower = decay
+    wa = hv if kind == "head" else hv * dk
+    if [rows[f] for f in fields] != [vd, hv, wa]:
+        raise KernelArgumentError(f"delta step: the z / b / a projections must give {vd} / {hv} / {wa} outputs")
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == n for w, n in zip(conv_ws, rows)):
+        raise KernelArgumentError("delta step: each conv weight must be [its projection's outputs, K]")
+    k = conv_ws[0].shape[1]
+    if any(w.shape[1] != k for w in conv_ws) or not 2 <= k <= 64:
+        raise KernelArgumentError(f"delta step: the conv weights need one width in [2, 64], got {k}")
+    if norm[0] not in OUTPUT_GATES or not all(_real(v) for v in (lower, beta_scale, norm[2])):
+        raise KernelArgumentError(f"delta step: the norm's gate one of {list(OUTPUT_GATES)}, real scalars")
+    scratch_cols = sum(rows) + cc + 2 * vd + hv * dk
+    if not 0 < scratch_cols * MAX_ROWS <= INT_MAX:
+        raise KernelArgumentError("delta step: sizes too large")
+    b = _rows(x, dm)
+    if b is None:
+        return None
+    codes = [_proj((w, bias, s), rows[j], dm if src is None else rows[src], f"projection {j}")
+             for j, (w, bias, s, src) in enumerate(projs)]  # fmt: skip
+    out_code = _proj(out_proj, dm, vd, "out_proj")
+    states_ok = _state(conv_state, (b, cc, k - 1), "the conv state") and _state(
+        rec_state, (b, hv, dk, dv), "the recurrent state"
+    )
+    if (
+        not states_ok
+        or None in codes
+        or out_code is None
+        or any(p[1] is not None for p in projs)
+        or out_proj[1] is not None
+        or not all(_vec(w.reshape(-1), w.numel()) and w.is_contiguous() for w in conv_ws)
+        or not (_vec(dt_bias, wa) and _vec(a_log, hv) and _vec(norm[1], dv))
+        or None in (dt_bias, a_log, norm[1])
+    ):
+        return None
+    x = x.contiguous()
+    new_conv, new_rec = torch.empty(conv_state.shape, dtype=_F32), torch.empty(rec_state.shape, dtype=_F32)
+    y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * scratch_cols, dtype=_F32)
+    n = len(projs)
+    ptrs = (ctypes.c_void_p * n)(*(p[0].data_ptr() for p in projs))
+    scales = (ctypes.c_void_p * n)(*(_ptr(p[2]) for p in projs))
+    types, sizes = (ctypes.c_int * n)(*codes), (ctypes.c_int * n)(*rows)
+    srcs = (ctypes.c_int * n)(*(-1 if p[3] is None else p[3] for p in projs))
+    convs = (ctypes.c_void_p * n_qkv)(*(w.data_ptr() for w in conv_ws))
+    lib.hc_delta_step(
+        x.data_ptr(), b, dm, hk, hv, dk, dv, k, n, ptrs, types, scales, sizes, srcs, n_qkv, convs,
+        conv_state.data_ptr(), new_conv.data_ptr(), *fields, DECAYS[kind], float(lower), dt_bias.data_ptr(),
+        a_log.data_ptr(), float(beta_scale), rec_state.data_ptr(), new_rec.data_ptr(), OUTPUT_GATES[norm[0]],
+        norm[1].data_ptr(), float(norm[2]), out_proj[0].data_ptr(), out_code, _ptr(out_proj[2]), scratch.data_ptr(),
+        y.data_ptr(),
+    )  # fmt: skip
+    return y, new_conv, new_rec
+
+
+def rglru_step(
+    x: torch.Tensor,
+    heads: int,
+    y_proj: tuple,
+    x_proj: tuple,
+    conv_w: torch.Tensor,
+    conv_b: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    recurrent_param: torch.Tensor,
+    positions: torch.Tensor,
+    lru_state: torch.Tensor,
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """RecurrentGemma's recurrent block on one token (gelu-tanh branch): x [B, 1, Dm], H heads, linear_y / linear_x
+    (weight [W, Dm], bias, scale), the conv weight [W, K] and bias, conv_state [B, W, K-1], the gates (input weight
+    [H, W/H, W/H], its bias [H, W/H], recurrence weight, its bias), recurrent_param [W], positions [B, 1] (int64: 0
+    at a row's first token, where the LRU restarts), lru_state [B, W], linear_out (weight [Dm, W], bias, scale) ->
+    (y [B, 1, Dm], the new conv state, the new LRU state)."""
+    lib = _library()
+    if lib is None or not isinstance(x, torch.Tensor) or not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2:
+        return None
+    w, k = conv_w.shape
+    if type(heads) is not int or heads < 1 or w % heads or not 2 <= k <= 64 or not 0 < 5 * w * MAX_ROWS <= INT_MAX:
+        raise KernelArgumentError(f"rglru step: {w} channels in {heads} heads, conv width {k} outside [2, 64]")
+    bw = w // heads
+    if len(gates) != 4 or not all(isinstance(g, torch.Tensor) for g in gates):
+        raise KernelArgumentError("rglru step: gates must be (input weight, input bias, recurrence weight, its bias)")
+    for g, shape in zip(gates, ((heads, bw, bw), (heads, bw)) * 2, strict=True):
+        if tuple(g.shape) != shape:
+            raise KernelArgumentError(f"rglru step: a gate tensor must be {list(shape)}, got {list(g.shape)}")
+    dm = x.shape[-1] if x.dim() else 0
+    b = _rows(x, dm)
+    if b is None:
+        return None
+    codes = (_proj(y_proj, w, dm, "linear_y"), _proj(x_proj, w, dm, "linear_x"), _proj(out_proj, dm, w, "linear_out"))
+    if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, 1):
+        raise KernelArgumentError(f"rglru step: positions must be [{b}, 1]")
+    states_ok = _state(conv_state, (b, w, k - 1), "the conv state") and _state(lru_state, (b, w), "the LRU state")
+    if (
+        not states_ok
+        or None in codes
+        or not conv_w.is_contiguous()
+        or not all(_vec(g.reshape(-1), g.numel()) and g.is_contiguous() for g in gates)
+        or not (_vec(conv_b, w) and _vec(recurrent_param, w) and recurrent_param is not None)
+        or not (positions.dtype == torch.int64 and positions.is_cpu and positions.is_contiguous())
+    ):
+        return None
+    x = x.contiguous()
+    new_conv, new_lru = torch.empty(conv_state.shape, dtype=_F32), torch.empty(lru_state.shape, dtype=_F32)
+    y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * 4 * w + w, dtype=_F32)
+    (w_y, b_y, s_y), (w_x, b_x, s_x), (w_o, b_o, s_o) = y_proj, x_proj, out_proj
+    lib.hc_rglru_step(
+        x.data_ptr(), b, dm, w, heads, k, w_y.data_ptr(), codes[0], _ptr(s_y), _ptr(b_y), w_x.data_ptr(), codes[1],
+        _ptr(s_x), _ptr(b_x), conv_w.data_ptr(), _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(),
+        *(g.data_ptr() for g in gates), recurrent_param.data_ptr(), positions.data_ptr(), lru_state.data_ptr(),
+        new_lru.data_ptr(), w_o.data_ptr(), codes[2], _ptr(s_o), _ptr(b_o), scratch.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y, new_conv, new_lru
+
+
+def mamba_groups_step(
+    x: torch.Tensor,
+    in_proj: tuple,
+    conv_w: torch.Tensor,
+    conv_b: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    x_w: torch.Tensor,
+    dt_w: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    d_skip: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Zamba's Mamba1 mixer on one token: x [B, 1, Dm], in_proj (weight [2 Di, Dm]: u and the gate interleaved per
+    channel, bias, scale), the conv weight [Di, K] and bias, conv_state [B, Di, K-1], the per-group x_proj [G, R + 2N,
+    Di/G] and dt_proj [G, Di/G, R] (float32), dt_bias [Di] (inside the softplus), A_log [Di, N], D [Di], ssm_state
+    [B, Di, N], out_proj (weight [Dm, Di], bias, scale) -> (y [B, 1, Dm], the new conv state, the new ssm state)."""
+    lib = _library()
+    if lib is None or not isinstance(x, torch.Tensor) or not isinstance(a_log, torch.Tensor) or a_log.dim() != 2:
+        return None
+    di, n = a_log.shape
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (x_w, dt_w)):
+        raise KernelArgumentError("mamba groups step: x_proj and dt_proj must be [G, R + 2N, Di/G] and [G, Di/G, R]")
+    g, w_rows, dh = x_w.shape
+    r = w_rows - 2 * n
+    if g < 1 or dh * g != di or r < 1 or tuple(dt_w.shape) != (g, dh, r):
+        raise KernelArgumentError(f"mamba groups step: x_proj {list(x_w.shape)}, dt_proj {list(dt_w.shape)} for {di}")
+    if not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2 or conv_w.shape[0] != di:
+        raise KernelArgumentError(f"mamba groups step: the conv weight must be [{di}, K]")
+    k = conv_w.shape[1]
+    if not 2 <= k <= 64 or not 0 < (6 * di + g * (r + 2 * n)) * MAX_ROWS + di * n <= INT_MAX:
+        raise KernelArgumentError(f"mamba groups step: conv width {k} outside [2, 64], or sizes too large")
+    dm = x.shape[-1] if x.dim() else 0
+    b = _rows(x, dm)
+    if b is None:
+        return None
+    codes = (_proj(in_proj, 2 * di, dm, "in_proj"), _proj(out_proj, dm, di, "out_proj"))
+    states_ok = _state(conv_state, (b, di, k - 1), "the conv state") and _state(ssm_state, (b, di, n), "the state")
+    if (
+        not states_ok
+        or None in codes
+        or not all(_vec(t.reshape(-1), t.numel()) and t.is_contiguous() for t in (conv_w, x_w, dt_w, a_log))
+        or not all(_vec(v, di) for v in (conv_b, dt_bias, d_skip))
+        or dt_bias is None
+    ):
+        return None
+    x = x.contiguous()
+    new_conv, new_ssm = torch.empty(conv_state.shape, dtype=_F32), torch.empty(ssm_state.shape, dtype=_F32)
+    y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * (6 * di + g * (r + 2 * n)), dtype=_F32)
+    (w_in, b_in, s_in), (w_out, b_out, s_out) = in_proj, out_proj
+    lib.hc_mamba_groups_step(
+        x.data_ptr(), b, dm, di, n, k, r, g, w_in.data_ptr(), codes[0], _ptr(s_in), _ptr(b_in), conv_w.data_ptr(),
+        _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(), x_w.data_ptr(), dt_w.data_ptr(),
+        dt_bias.data_ptr(), a_log.data_ptr(), _ptr(d_skip), ssm_state.data_ptr(), new_ssm.data_ptr(),
+        w_out.data_ptr(), codes[1], _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y, new_conv, new_ssm

@@ -10,6 +10,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hybridcache.accel import register_accel
+from hybridcache.accel.delta_mixers import DeltaForm, delta_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
@@ -77,6 +79,11 @@ class OlmoHybridGatedDeltaNet(GatedDeltaNetMixer):
         q, k = (p(h).unflatten(-1, (self.hk, self.dk)) for p in (self.q_proj, self.k_proj))
         v, z = (p(h).unflatten(-1, (self.hv, self.dv)) for p in (self.v_proj, self.g_proj))
         return q, k, v, z, self.b_proj(h), self.a_proj(h)
+
+
+# its decode step in one C call (accel/delta_mixers.py): q, k, v from three projections into one conv
+OLMO_DELTA = DeltaForm(qkv=("q_proj", "k_proj", "v_proj"), convs=("conv1d",), z=("g_proj",), b="b_proj", a=("a_proj",))
+register_accel(OlmoHybridGatedDeltaNet, delta_accel(OlmoHybridGatedDeltaNet, OLMO_DELTA))
 
 
 class OlmoHybridAttention(AttentionMixer):

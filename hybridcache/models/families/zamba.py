@@ -14,6 +14,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hybridcache.accel import register_accel
+from hybridcache.accel.recurrent_mixers import mamba_groups_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import MambaFields
 from hybridcache.models.core.family_config import attention_problems, param
@@ -111,6 +113,9 @@ class ZambaMambaMixer(MambaMixer):
 
     def _step(self, state, u, delta, a, b, c, z):  # [B, Di] inputs, b and c [B, H, N]
         return self._per_head(selective_state_update, state, u, delta, a, b, c, z)
+
+
+register_accel(ZambaMambaMixer, mamba_groups_accel(ZambaMambaMixer))  # its decode step in one C call
 
 
 class ZambaSharedBlock(nn.Module):

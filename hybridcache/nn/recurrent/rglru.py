@@ -83,6 +83,11 @@ class RecurrentBlock(nn.Module):
         self.act = activation(act)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
+        fast = self.__dict__.get("accel")  # hybridcache.accel's fast path (a decode step in one call), once installed
+        if fast is not None:
+            out = fast(h, layer, step)
+            if out is not None:
+                return out
         states = layer.states  # conv [B, W, K-1], lru [B, W]
         y = self.act(self.linear_y(h))  # [B, T, W]
         x = step.mask_padding(self.linear_x(h))  # [B, T, W], zero at padding
