@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridcache.accel import register_accel
+from hybridcache.accel.moe import routed_experts_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, Mamba2Fields, MoEFields
 from hybridcache.models.core.family_config import length_problem, param
@@ -113,11 +115,20 @@ class GraniteMoE(nn.Module):
         gate, up = F.linear(x, self.input_linear.weight[e]).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, self.output_linear.weight[e])
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
-        x = h.reshape(-1, h.shape[-1])  # [N, D]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k weights [N, k] (x.dtype) and expert indices [N, k] for tokens x [N, D]."""
         logits = self.router.layer(x).to(torch.promote_types(x.dtype, torch.float32))  # [N, E]
         top, index = logits.topk(self.top_k, dim=-1)  # [N, k]
-        weights = torch.softmax(top, dim=-1).to(x.dtype)
+        return torch.softmax(top, dim=-1).to(x.dtype), index
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
+        fast = self.__dict__.get("accel")  # hybridcache.accel's fast path (a decode token's experts), once installed
+        if fast is not None:
+            out = fast(h)
+            if out is not None:
+                return out
+        x = h.reshape(-1, h.shape[-1])  # [N, D]
+        weights, index = self.route(x)
         out = torch.zeros_like(x)
         if torch.compiler.is_compiling():  # static shapes: every expert on every token, zero weight if not routed
             dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
@@ -129,6 +140,9 @@ class GraniteMoE(nn.Module):
                 token, slot = torch.where(index == e)
                 out.index_add_(0, token, self.expert(e, x[token]) * weights[token, slot, None])
         return out.view_as(h)
+
+
+register_accel(GraniteMoE, routed_experts_accel(GraniteMoE))  # a decode token's routed experts only, the same bits
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):

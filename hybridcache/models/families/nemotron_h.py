@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridcache.accel import register_accel
+from hybridcache.accel.moe import latent_experts_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig, param
@@ -201,6 +203,11 @@ class NemotronHMoE(nn.Module):
             self.fc1_latent_proj = self.fc2_latent_proj = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
+        fast = self.__dict__.get("accel")  # hybridcache.accel's fast path (a decode token's experts), once installed
+        if fast is not None:
+            out = fast(h)
+            if out is not None:
+                return out
         x = h.reshape(-1, h.shape[-1])  # [N, D]
         weights, index = self.gate(x)  # [N, k] each
         if self.fc1_latent_proj is not None:
@@ -219,6 +226,9 @@ class NemotronHMoE(nn.Module):
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out.view_as(h) + self.shared_experts(h)
+
+
+register_accel(NemotronHMoE, latent_experts_accel(NemotronHMoE))  # a decode token's routed experts, the same bits
 
 
 class NemotronHBlock(nn.Module):
