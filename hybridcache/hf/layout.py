@@ -140,7 +140,8 @@ def read_layout(model: Any) -> ModelLayout:
         layer = cache.layers[i] if i < len(cache.layers) else DynamicLayer()
         hf_type = hf_types[i] if i < len(hf_types) else "full_attention"
         attention, states = None, (None if own is None else linear_state(cache, i))
-        compressors = compressor_shapes(layer, f"{model_type}: layer {i}", decoder_layer(model, i))
+        module = decoder_layer(model, i) if hasattr(layer, "store_compression_weights") else None  # (compressors only)
+        compressors = compressor_shapes(layer, f"{model_type}: layer {i}", module)
         if type(layer) not in KNOWN and compressors is None:
             raise BridgeError(
                 f"{model_type}: layer {i} uses HF's {type(layer).__name__} ({hf_type}), which stores more than keys, "
