@@ -12,6 +12,9 @@ the experts its tokens were routed to, with none of the reference's per-expert s
   registered by its model file), of Nemotron-H's latent MoE (registered by its model file) and of Llama4's MoE
   (the score scales the expert's input; the shared expert first): the reference's index_add_ of each routed expert
   into zeros, experts ascending, is the same additions as out = out + expert(x) * weight in that order: the same bits.
+- One eager float32 token of GPT-OSS's MoE (registered by its model file): the router in torch, the top-k fused
+  experts in one C call (native/moe_step.py): float32 noise, not the same bits (the reference gathers the k experts'
+  weights and runs an einsum).
 A prefill, torch.compile (static shapes) and everything else run the reference.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridcache.accel.native.moe_step import oss_experts_step
 from hybridcache.nn.moe.llama4 import Llama4MoE
 from hybridcache.nn.moe.topk import SparseMoE
 
@@ -121,6 +125,27 @@ class Llama4MoEAccel:
         return (out + routed).view_as(h)
 
 
+class OssExpertsAccel:
+    """GPT-OSS's MoE (`router`, `top_k`, fused `experts`; registered by its model file): one eager float32 token, the
+    router in torch, its top-k experts in one C call (native/moe_step.py; float32 noise from the reference's
+    einsum over the gathered weights, the same tokens) -> [B, T, D]."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        self.moe = moe
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
+        m, x = self.moe, _one_token(h)
+        if x is None or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return None
+        top, index = torch.topk(m.router(x), m.top_k, dim=-1)  # [1, k]
+        ex = m.experts
+        y = oss_experts_step(
+            x, index, torch.softmax(top, dim=-1), ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj,
+            ex.down_proj_bias, ex.alpha, ex.limit,
+        )  # fmt: skip
+        return None if y is None else y.view_as(h)
+
+
 def _exactly(cls: type[nn.Module], make):
     return lambda moe: make(moe) if type(moe) is cls else None
 
@@ -133,6 +158,11 @@ def routed_experts_accel(cls: type[nn.Module]):
 def latent_experts_accel(cls: type[nn.Module]):
     """The registry's maker for Nemotron-H's MoE blocks of exactly `cls` (LatentExpertsAccel)."""
     return _exactly(cls, LatentExpertsAccel)
+
+
+def oss_experts_accel(cls: type[nn.Module]):
+    """The registry's maker for GPT-OSS's MoE blocks of exactly `cls` (OssExpertsAccel)."""
+    return _exactly(cls, OssExpertsAccel)
 
 
 llama4_moe_accel = _exactly(Llama4MoE, Llama4MoEAccel)

@@ -1,13 +1,13 @@
 """The one-token fast path of the MoE blocks outside SparseMoE (accel/moe.py): Granite's stacked experts, Nemotron-H's
 latent MoE and Llama4's MoE run a decode token's routed experts without the reference's per-expert search, with the
 same bits as the reference blocks (the same tokens and bit-identical logits); batch 2 and the prefill keep the
-reference."""
+reference. GPT-OSS's experts run in one C call: float32 noise, the same tokens."""
 
 import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel.moe import LatentExpertsAccel, Llama4MoEAccel, RoutedExpertsAccel
+from hybridcache.accel.moe import LatentExpertsAccel, Llama4MoEAccel, OssExpertsAccel, RoutedExpertsAccel
 from tests.models.conftest import prompts
 
 FAST = (RoutedExpertsAccel, LatentExpertsAccel, Llama4MoEAccel)
@@ -47,3 +47,26 @@ def test_one_token_experts_same_bits(family, batch, checkpoints, monkeypatch, tm
     ref = hc.generate(model, ids, max_new_tokens=NEW)
     assert torch.equal(fast.sequences, ref.sequences) and torch.equal(fast.logits, ref.logits)
     assert taken["n"] == (len(blocks) * (NEW - 1) if batch == 1 else 0)  # every decode token at batch 1 only
+
+
+def test_gpt_oss_experts_in_one_call_keep_the_tokens(checkpoints, monkeypatch):
+    """GPT-OSS's MoE: a decode token's experts in one C call: float32 noise, the same tokens as the reference."""
+    model = hc.from_pretrained(checkpoints("gpt_oss"))
+    blocks = [m for m in model.modules() if isinstance(m.__dict__.get("accel"), OssExpertsAccel)]
+    assert blocks
+    taken, real = {"n": 0}, OssExpertsAccel.__call__
+
+    def counted(self, h):
+        out = real(self, h)
+        taken["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(OssExpertsAccel, "__call__", counted)
+    ids = prompts(1, 9, seed=7)
+    fast = hc.generate(model, ids, max_new_tokens=NEW)
+    assert taken["n"] == len(blocks) * (NEW - 1)
+    for m in blocks:
+        m.accel = None
+    ref = hc.generate(model, ids, max_new_tokens=NEW)
+    assert torch.equal(fast.sequences, ref.sequences)
+    torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-4, atol=1e-4)

@@ -408,6 +408,7 @@ RECURRENT_SIGNATURES: dict[str, tuple[object, list]] = {
         [_P, *[_I] * 8, *[_P] * 5, _I, *[_P] * 3, *[_I] * 4, _F, _P, _P, _F, _P, _P, _I, _P, _F, _P, _I, _P, _P, _P],
     ),
     "hc_rglru_step": (None, [_P] + [_I] * 5 + [_P, _I, _P, _P] * 2 + [_P] * 12 + [_P, _I] + [_P] * 4),
+    "hc_oss_experts_step": (None, [_P, _I, _I, _I] + [_P] * 6 + [_F, _F, _P, _P]),
     "hc_mamba_groups_step": (None, [_P] + [_I] * 7 + [_P, _I] + [_P] * 13 + [_P, _I] + [_P] * 4),
 }
 

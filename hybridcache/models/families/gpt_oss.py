@@ -15,6 +15,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hybridcache.accel import register_accel
+from hybridcache.accel.moe import oss_experts_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import MoEFields
 from hybridcache.models.core.family_config import param
@@ -89,6 +91,11 @@ class GptOssMoE(nn.Module):
         self.experts = GptOssExperts(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
+        fast = self.__dict__.get("accel")  # hybridcache.accel's fast path (a decode token's experts), once installed
+        if fast is not None:
+            out = fast(h)
+            if out is not None:
+                return out
         x = h.reshape(-1, h.shape[-1])  # [N, D]
         top, index = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
         weights = torch.softmax(top, dim=-1)
@@ -101,6 +108,9 @@ class GptOssMoE(nn.Module):
             token, slot = torch.where(index == e)  # tokens routed to expert e, and which of their k slots
             out.index_add_(0, token, experts.expert(x[token], e) * weights[token, slot, None])
         return out.view_as(h)
+
+
+register_accel(GptOssMoE, oss_experts_accel(GptOssMoE))  # a decode token's experts in one C call
 
 
 class GptOssDecoderLayer(nn.Module):

@@ -26,5 +26,6 @@ int hc_threads(void) { return omp_get_max_threads(); }
 #include "scan.c"
 #include "fused_layer.c"
 #include "recurrent_step.c"
+#include "moe_step.c"
 #include "decode_steps.c"
 #include "gemm.c"

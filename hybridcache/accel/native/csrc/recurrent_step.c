@@ -247,6 +247,7 @@ void hc_delta_step(const float *x, int B, int Dm, int Hk, int Hv, int Dk, int Dv
                    const void *w_out, int out_type, const float *out_scale, float *scratch, float *y) {
   int r = Hv / Hk, KD = Hk * Dk, VD = Hv * Dv, Cc = 2 * KD + VD;
   float *outs[8];
+  if (P < 1 || P > 8) return; /* (the wrapper refuses more; outs is indexed below its constant bound only) */
   size_t at = 0;
   for (int j = 0; j < P; j++) outs[j] = scratch + at, at += (size_t)B * rows[j];
   float *mc = scratch + at, *o = mc + (size_t)B * Cc, *dl = o + (size_t)B * VD, *gk = dl + (size_t)B * VD;
