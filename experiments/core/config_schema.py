@@ -35,7 +35,7 @@ class AttentionEntry:
     sinks: int | None = None  # sink: first tokens always kept
     budget: int | None = None  # score-based methods: tokens kept per row (and head)
     compression_ratio: float | None = None  # score-based methods: fraction of the prompt evicted (kvpress's)
-    mode: str | None = None  # score-based methods: prefill | continuous
+    schedule: str | None = None  # score-based methods: prefill | continuous
     storage: str | None = None  # dense | int8 | int4 | offload | kivi | hf_quantized
     q_group_size: int | None = None  # int8 / int4 / kivi / hf_quantized: elements per scale
     residual: int | None = None  # the most recent tokens also kept unquantized
@@ -147,10 +147,10 @@ class BenchmarkSchema:
 
 @dataclass
 class DecodingPressCase:
-    """One decoding-time case of press_check: ours in `mode` vs kvpress's DecodingPress / PrefillDecodingPress."""
+    """One decoding-time case of press_check: ours in `schedule` vs kvpress's DecodingPress / PrefillDecodingPress."""
 
     method: str = "tova"
-    mode: str = "decoding"  # decoding | prefill_decoding
+    schedule: str = "decoding"  # decoding | prefill_decoding
     budget: int = 256  # kvpress's target_size
     compression_interval: int = 16
     compression_ratio: float | None = None  # the prompt's (prefill_decoding only)

@@ -25,7 +25,7 @@ from typing import Any
 
 from experiments.core.cache_config import SIZE_FIELDS, size_field_problem
 from experiments.core.config_schema import SCHEMA_GROUPS
-from experiments.core.value_checks import config_problems, value_problem
+from experiments.core.value_checks import RENAMED_PARAMETERS, config_problems, renamed_problem, value_problem
 
 #: Settings that are null by default, with a value of the type they take (any other setting: its default's type).
 NULL_DEFAULT_TYPES = {"prefill_chunk_size": 1, "oracle_tolerance": 1.0}
@@ -163,6 +163,8 @@ def _check_setting(o, tree: dict, groups: set[str]) -> None:
     """One `key=value` against the composed config: the key exists (or is added with +), the value has its type."""
     key, value = o.key_or_group, o.value()
     parts = key.split(".")
+    if parts[0] == "cache" and parts[-1] in RENAMED_PARAMETERS:
+        raise UsageError(renamed_problem(key))
     if (
         parts[0] == "cache"
         and parts[-1] in SIZE_FIELDS

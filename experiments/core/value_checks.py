@@ -72,7 +72,10 @@ ENGINES = ("ours", "hf")
 HF_ENGINE = ("correctness", "benchmark", "study")
 #: Float dtypes a recurrent state may be held in (cache_config._typed maps them to torch dtypes).
 STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
-PRESS_MODES = ("prefill", "continuous")
+PRESS_SCHEDULES = ("prefill", "continuous")
+#: Cache parameters renamed (old -> new; hybridcache.cache.core.plan has the same, a test keeps them equal): a press's
+#: eviction schedule was `mode` until 2026-11-29.
+RENAMED_PARAMETERS = {"mode": "schedule"}
 
 
 def _positive_int(key: str, value: Any, allow_none: bool = False) -> str | None:
@@ -134,6 +137,10 @@ EXPERIMENT_COUNTS = {
 
 
 def _experiment_problem(key: str, value: Any) -> str | None:
+    if key == "experiment.decoding" and isinstance(value, list):  # press_check's cases: `mode` renamed too
+        for i, case in enumerate(value):
+            if isinstance(case, dict) and "mode" in case:
+                return f"experiment.decoding[{i}]: 'mode' was renamed to 'schedule'"
     smallest = EXPERIMENT_COUNTS.get(key.removeprefix("experiment."))
     if smallest is None or key.count(".") != 1:
         return None
@@ -147,10 +154,18 @@ def _experiment_problem(key: str, value: Any) -> str | None:
     return None
 
 
+def renamed_problem(key: str) -> str:
+    """`cache.<...>.<old>`: the parameter was renamed (hybridcache.cache.core.plan.RENAMED_PARAMETERS)."""
+    head, _, old = key.lstrip("+~").rpartition(".")
+    return f"{head}.{old} was renamed to {head}.{RENAMED_PARAMETERS[old]}"
+
+
 def _cache_problem(key: str, value: Any) -> str | None:
     """A field of a cache entry: `cache.<entry>.<field>`, `cache.layers.<i>.<field>` or `.<i>.<member>.<field>`."""
     parts = key.split(".")
     field, where = parts[-1], ".".join(parts[1:])
+    if field in RENAMED_PARAMETERS and len(parts) >= 3:
+        return renamed_problem(key)
     if value is None or len(parts) < 3:
         return None
     if field in SIZE_FIELDS:
@@ -161,8 +176,8 @@ def _cache_problem(key: str, value: Any) -> str | None:
         isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1
     ):
         return f"cache.{where} must be a number in [0, 1), got {value!r}"
-    if field == "mode" and value not in PRESS_MODES:
-        return f"cache.{where}={value} is not one of {', '.join(PRESS_MODES)}"
+    if field == "schedule" and value not in PRESS_SCHEDULES:
+        return f"cache.{where}={value} is not one of {', '.join(PRESS_SCHEDULES)}"
     return None
 
 

@@ -13,7 +13,7 @@ import torch
 
 CONFIGS = {
     "native": None,
-    "snapkv_50": {"attention": {"type": "snapkv", "compression_ratio": 0.5, "window_size": 64, "mode": "prefill"}},
+    "snapkv_50": {"attention": {"type": "snapkv", "compression_ratio": 0.5, "window_size": 64, "schedule": "prefill"}},
 }
 
 

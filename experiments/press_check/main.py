@@ -1,14 +1,14 @@
 """experiment=press_check: our lossy caches against their reference implementations, live, on the same model and prompt.
 
 For each method and compression ratio: the prompt (`context` tokens of English text) compressed once at its end on
-every attention layer, in our cache (`mode: prefill`) and in kvpress 0.5.5 in its own environment
+every attention layer, in our cache (`schedule: prefill`) and in kvpress 0.5.5 in its own environment
 (HYBRIDCACHE_KVPRESS_PYTHON); then the teacher-forced NLL of the next `continuation` tokens. Reports the share of
 kvpress's kept positions we kept too (every layer and kv head) and both NLLs. Also `storage: hf_quantized` at each of
 `hf_quantized` bits against transformers 5.2's QuantizedCache (quanto) in its own environment (HYBRIDCACHE_HFQ_PYTHON):
 the same prompt in one block, then the continuation's NLL. And the decoding-time presses (`decoding`: one case per
-method, mode, budget, compression_interval and prompt ratio): ours in `mode: decoding` / `prefill_decoding` against
-kvpress's DecodingPress / PrefillDecodingPress, the continuation fed one token per block (kvpress compresses while
-decoding): the positions every layer holds after each compression, the NLL, `decoding_greedy` greedy tokens.
+method, schedule, budget, compression_interval and prompt ratio): ours in `schedule: decoding` / `prefill_decoding`
+against kvpress's DecodingPress / PrefillDecodingPress, the continuation fed one token per block (kvpress compresses
+while decoding): the positions every layer holds after each compression, the NLL, `decoding_greedy` greedy tokens.
 Writes press_check.json and W&B tables.
 
     python run.py experiment=press_check model=gemma3_270m
@@ -50,7 +50,7 @@ COLUMNS = [
 ]
 DECODING_COLUMNS = [
     "method",
-    "mode",
+    "schedule",
     "budget / interval",
     "reference",
     "ours NLL",
@@ -96,7 +96,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if method == "hf_quantized":
                 rows.append(check_hf_quantized(model, checkpoint, doc[:context], doc[context:], int(ratio)))
             elif method == "decoding":
-                progress.update(task, description=f"decoding-time: {ratio['method']} ({ratio['mode']})")
+                progress.update(task, description=f"decoding-time: {ratio['method']} ({ratio['schedule']})")
                 greedy = int(e.get("decoding_greedy") or 0)
                 check = check_decoding_press(model, checkpoint, doc[:context], doc[context:], greedy=greedy, **ratio)
                 decoding_rows.append(check.as_dict())
@@ -170,9 +170,11 @@ def decoding_cases(e) -> list[dict]:
     cases = []
     for i, case in enumerate(e.get("decoding") or []):
         c = OmegaConf.to_container(case, resolve=True) if OmegaConf.is_config(case) else dict(case)
+        if "mode" in c:  # renamed 2026-11-29: "mode" is only the logger's
+            raise UserError(f"experiment.decoding[{i}]: 'mode' was renamed to 'schedule'")
         args = {
             "method": c.get("method"),
-            "mode": c.get("mode", "decoding"),
+            "schedule": c.get("schedule", "decoding"),
             "budget": c.get("budget"),
             "compression_interval": c.get("compression_interval"),
             "compression_ratio": c.get("compression_ratio"),
@@ -193,14 +195,14 @@ def decoding_table(console, rows: list[dict], context: int, continuation: int) -
         title=f"decoding-time presses: {context}-token prompt, then {continuation} tokens one per block (NLL)"
     )
     for c in DECODING_COLUMNS:
-        left = c in ("method", "mode", "reference")
-        table.add_column(c, justify="left" if left else "right", no_wrap=c in ("method", "mode"), overflow="fold")
+        left = c in ("method", "schedule", "reference")
+        table.add_column(c, justify="left" if left else "right", no_wrap=c in ("method", "schedule"), overflow="fold")
     records = []
     for r in rows:
         ratio = "" if r["compression_ratio"] is None else f"prompt {r['compression_ratio']:g}, "
         rec = [
             r["method"],
-            r["mode"],
+            r["schedule"],
             f"{ratio}{r['budget']} / {r['compression_interval']}",
             r["reference"],
             r["ours_nll"],

@@ -3,7 +3,7 @@ the
 plans by running them, next to every uniform configuration.
 
 Feeding as experiments/study/state_sensitivity.py does (the prompt as one block, then one token per block, teacher
-forced), so prefill-mode presses compress the prompt and recurrent codecs re-encode after every token, as in a
+forced), so presses with schedule prefill compress the prompt and recurrent codecs re-encode after every token, as in a
 generation. The cost of a (layer, option) is the KL(native || changed) of the next-token distributions, averaged over
 the continuation, with only that layer changed; recurrent codecs are exactly `layer_sensitivity`'s measurement.
 
@@ -32,8 +32,8 @@ ATTENTION_OPTIONS: dict[str, dict[str, Any]] = {
     "sliding8": {"type": "sliding", "window": 8},
     "sliding16": {"type": "sliding", "window": 16},
     "chunked16": {"type": "chunked", "chunk_size": 16},
-    "snapkv0.5": {"type": "snapkv", "compression_ratio": 0.5, "mode": "prefill", "window_size": 8},
-    "snapkv0.75": {"type": "snapkv", "compression_ratio": 0.75, "mode": "prefill", "window_size": 8},
+    "snapkv0.5": {"type": "snapkv", "compression_ratio": 0.5, "schedule": "prefill", "window_size": 8},
+    "snapkv0.75": {"type": "snapkv", "compression_ratio": 0.75, "schedule": "prefill", "window_size": 8},
     "int8": {"storage": "int8"},
     "int4": {"storage": "int4"},
     "kivi2": {"storage": "kivi", "nbits": 2, "q_group_size": 8, "residual": 8},  # sized for short tests

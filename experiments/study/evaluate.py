@@ -7,8 +7,8 @@
   snapshotted and the strategy continues the document greedily for N tokens (`hc.generate(cache=...)`), which is
   compared with native's continuation, then restored.
 - `continuation` (kvpress's protocol, the one a compress-after-prefill strategy can be measured with): the first L
-  tokens as ONE block (a prefill-mode cache compresses at its end), then the next N tokens teacher-forced in one block;
-  NLL, KL from native and top-1 agreement on those N predictions, for every strategy alike.
+  tokens as ONE block (a cache with schedule prefill compresses at its end), then the next N tokens teacher-forced in
+  one block; NLL, KL from native and top-1 agreement on those N predictions, for every strategy alike.
 - `passkey` and `ruler_trial`: greedy `hc.generate` on a synthetic prompt (experiments/long_context/ruler.py for
   RULER's tasks),
   scored by the key appearing in the answer / RULER's metric.

@@ -9,9 +9,9 @@ agreement with native; kvpress's protocol (an L-token prompt in one block, then 
 retrieval, multi-query associative recall (MQAR, experiments/core/mqar.py) and RULER's synthetic tasks (see
 experiments/study/evaluate.py, experiments/long_context/ruler.py).
 
-A strategy that compresses after the prefill (`mode: prefill`, kvpress's presses) would compress only the first block
-of the blockwise read, so it gets no blockwise numbers: kvpress's protocol, its greedy tokens after the prompt, and
-one-block prefills for passkey and RULER. Writes study.json and study_pareto.png to Hydra's output directory and
+A strategy that compresses after the prefill (`schedule: prefill`, kvpress's presses) would compress only the first
+block of the blockwise read, so it gets no blockwise numbers: kvpress's protocol, its greedy tokens after the prompt,
+and one-block prefills for passkey and RULER. Writes study.json and study_pareto.png to Hydra's output directory and
 logs both to W&B.
 """
 

@@ -67,9 +67,9 @@ def plan_or_error(model, config: dict[str, Any]):
 
 
 def compresses_after_prefill(plan) -> bool:
-    """Whether some cache layer compresses once, at the end of the first block it is fed (`mode: prefill`, as
-    kvpress's presses do). Read from the resolved specs, so a type's own default mode counts too."""
-    return any(getattr(p.spec, "mode", None) == "prefill" for p in plan.layers)
+    """Whether some cache layer compresses once, at the end of the first block it is fed (`schedule: prefill`, as
+    kvpress's presses do). Read from the resolved specs, so a type's own default schedule counts too."""
+    return any(getattr(p.spec, "schedule", None) == "prefill" for p in plan.layers)
 
 
 def references(e: DictConfig, name: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.cache.methods.press_schedule import DECODING_MODES
+from hybridcache.cache.methods.press_schedule import DECODING_SCHEDULES
 from hybridcache.reference.kvpress_runner import (
     WORKER,
     KvpressTimeout,
@@ -41,7 +41,7 @@ from hybridcache.reference.kvpress_runner import (
 )
 from hybridcache.reference.vllm_runner import root_cause, run_worker
 
-DECODING_PRESSES = ("knorm", "tova", "streaming_llm")  # the methods whose decoding modes we offer (spec.decodes)
+DECODING_PRESSES = ("knorm", "tova", "streaming_llm")  # the methods whose decoding schedules we offer (spec.decodes)
 _TENSOR_NAME = re.compile(r"^(?:held\.(\d+)|event\.(\d+)\.(\d+)|nll|greedy)$")
 
 
@@ -50,7 +50,7 @@ class KvpressDecodingResult:
     """One decoding-time press on one context. `error` is set (nll None) when kvpress itself failed."""
 
     press: str
-    mode: str
+    schedule: str
     held: dict[int, torch.Tensor]  # layer -> [Hkv, S] positions held after the continuation, ascending per head
     events: dict[int, list[tuple[int, torch.Tensor]]]  # layer -> (step, [Hkv, n] positions) per compression
     nll: torch.Tensor | None  # [T_cont] float32
@@ -71,7 +71,7 @@ def run_decoding_press(
     press: str,
     budget: int,
     compression_interval: int,
-    mode: str = "decoding",
+    schedule: str = "decoding",
     compression_ratio: float | None = None,
     *,
     greedy: int = 0,
@@ -81,22 +81,22 @@ def run_decoding_press(
     threads: int | None = None,
     **press_kwargs: Any,
 ) -> KvpressDecodingResult:
-    """kvpress's DecodingPress(`press`, compression_interval, target_size=budget) (mode "decoding"), or
-    PrefillDecodingPress(`press` at compression_ratio, that DecodingPress) (mode "prefill_decoding"): the context
+    """kvpress's DecodingPress(`press`, compression_interval, target_size=budget) (schedule "decoding"), or
+    PrefillDecodingPress(`press` at compression_ratio, that DecodingPress) (schedule "prefill_decoding"): the context
     prefilled, then `continuation_ids` one token per forward under the press (teacher-forced), and with `greedy`,
     that many tokens decoded greedily after the context under a fresh press. Extra keyword arguments (n_sink) go
     to the press; sdpa attention (the three presses read keys or recompute the last query's attention)."""
     if press not in DECODING_PRESSES:
         raise ValueError(f"no decoding check for press {press!r} (known: {', '.join(DECODING_PRESSES)})")
-    if mode not in DECODING_MODES:
-        raise ValueError(f"mode must be one of {DECODING_MODES}, not {mode!r}")
+    if schedule not in DECODING_SCHEDULES:
+        raise ValueError(f"schedule must be one of {DECODING_SCHEDULES}, not {schedule!r}")
     for name, value in (("budget", budget), ("compression_interval", compression_interval)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if isinstance(greedy, bool) or not isinstance(greedy, int) or greedy < 0:
         raise ValueError(f"greedy must be a non-negative integer, got {greedy!r}")
-    if (mode == "prefill_decoding") != (compression_ratio is not None):
-        raise ValueError("compression_ratio is the prefill's: give it with mode 'prefill_decoding' only")
+    if (schedule == "prefill_decoding") != (compression_ratio is not None):
+        raise ValueError("compression_ratio is the prefill's: give it with schedule 'prefill_decoding' only")
     interpreter = find_kvpress_python(python)
     context, continuation = _ids(context_ids, "context_ids"), _ids(continuation_ids, "continuation_ids")
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
@@ -111,7 +111,7 @@ def run_decoding_press(
         "decoding": {
             "compression_interval": compression_interval,
             "target_size": budget,
-            "prefill": mode == "prefill_decoding",
+            "prefill": schedule == "prefill_decoding",
         },
         "greedy": greedy,
         "attn_implementation": "sdpa",
@@ -134,14 +134,14 @@ def run_decoding_press(
         wall_s = time.perf_counter() - started
         if not ans.exists():
             raise KvpressWorkerError(f"the kvpress worker failed (exit {code}): {root_cause(stderr, stdout)}")
-        return read_decoding_answer(ans, res, press, mode, len(context), len(continuation), greedy, config, wall_s)
+        return read_decoding_answer(ans, res, press, schedule, len(context), len(continuation), greedy, config, wall_s)
 
 
 def read_decoding_answer(
     answer_path: Path,
     result_path: Path,
     press: str,
-    mode: str,
+    schedule: str,
     context_len: int,
     continuation_len: int,
     greedy: int,
@@ -170,7 +170,7 @@ def read_decoding_answer(
             held[layer] = value
         else:
             found.setdefault(layer, {})[int(match.group(3))] = value
-    events = _events(meta, found, mode, continuation_len)
+    events = _events(meta, found, schedule, continuation_len)
     nll = greedy_ids = None
     if error is None:
         nll = tensors.get("nll")
@@ -188,7 +188,9 @@ def read_decoding_answer(
                 raise KvpressWorkerError(f"the kvpress greedy tokens are missing or not int64 [{greedy}]")
             if bool((greedy_ids < 0).any()) or bool((greedy_ids >= int(config["vocab_size"])).any()):
                 raise KvpressWorkerError("the kvpress greedy tokens lie outside the vocabulary")
-    return KvpressDecodingResult(press, mode, dict(sorted(held.items())), events, nll, greedy_ids, meta, error, wall_s)
+    return KvpressDecodingResult(
+        press, schedule, dict(sorted(held.items())), events, nll, greedy_ids, meta, error, wall_s
+    )
 
 
 def _check_positions(name: str, value: torch.Tensor, heads: int, limit: int) -> None:
@@ -199,7 +201,7 @@ def _check_positions(name: str, value: torch.Tensor, heads: int, limit: int) -> 
         raise KvpressWorkerError(f"kvpress {name}: positions must be distinct, ascending, in [0, {limit})")
 
 
-def _events(meta: dict, found: dict, mode: str, continuation_len: int) -> dict[int, list[tuple[int, torch.Tensor]]]:
+def _events(meta: dict, found: dict, schedule: str, continuation_len: int) -> dict[int, list[tuple[int, torch.Tensor]]]:
     steps_of = meta.get("events") or {}
     if not isinstance(steps_of, dict):
         raise KvpressWorkerError("the kvpress meta's events is not an object")
@@ -210,7 +212,7 @@ def _events(meta: dict, found: dict, mode: str, continuation_len: int) -> dict[i
         layer, tensors = int(key), found[int(key)]
         if not isinstance(steps, list) or len(steps) != len(tensors) or set(tensors) != set(range(len(steps))):
             raise KvpressWorkerError(f"kvpress layer {layer}: the compression steps and tensors disagree")
-        first = -1 if mode == "prefill_decoding" else 0
+        first = -1 if schedule == "prefill_decoding" else 0
         if any(isinstance(s, bool) or not isinstance(s, int) or not first <= s < continuation_len for s in steps):
             raise KvpressWorkerError(f"kvpress layer {layer}: a compression step outside [{first}, {continuation_len})")
         if any(b <= a for a, b in zip(steps, steps[1:])):

@@ -151,7 +151,7 @@ def record_kept(press, records: dict):
     press.forward_hook = recording_hook
 
 
-DECODING_PRESSES = ("knorm", "tova", "streaming_llm")  # the ones our decoding modes offer
+DECODING_PRESSES = ("knorm", "tova", "streaming_llm")  # the ones our decoding schedules offer
 
 
 def make_decoding_press(kvpress, name: str, kwargs: dict, decoding: dict):

@@ -6,7 +6,7 @@ prompt in one forward, compressed at its end; the continuation in one forward at
     check.kept_agreement    # |ours ∩ kvpress| / |kvpress| over every compressed layer and head
     check.ours_nll, check.reference_nll
 
-The decoding-time presses (`check_decoding_press`): ours in `mode: decoding` / `prefill_decoding` against kvpress's
+The decoding-time presses (`check_decoding_press`): ours in `schedule: decoding` / `prefill_decoding` against kvpress's
 DecodingPress / PrefillDecodingPress, the continuation fed one token per block / forward (kvpress compresses while
 decoding): the positions every layer holds after each compression and at the end, the NLL, greedy tokens.
 """
@@ -99,11 +99,13 @@ def check_press(
     reference: KvpressResult | None = None,
     **press_kwargs: Any,
 ) -> PressCheck:
-    """Run `method` at `compression_ratio` on every attention layer (mode: prefill, kvpress's semantics) in our
+    """Run `method` at `compression_ratio` on every attention layer (schedule: prefill, kvpress's semantics) in our
     cache and in kvpress (unless `reference` is given), and compare."""
     context = torch.tensor([list(context_ids)])
     continuation = torch.tensor([list(continuation_ids)])
-    config = {"attention": {"type": method, "compression_ratio": compression_ratio, "mode": "prefill", **press_kwargs}}
+    config = {
+        "attention": {"type": method, "compression_ratio": compression_ratio, "schedule": "prefill", **press_kwargs}
+    }
     nll, cache = continuation_nll(model, context, continuation, config)
     if reference is None:
         reference = run_press(
@@ -138,10 +140,10 @@ def check_press(
 # -- kvpress's decoding-time presses -------------------------------------------------------------------------------
 @dataclass
 class DecodingCheck:
-    """Ours (`mode: decoding` / `prefill_decoding`) against kvpress's DecodingPress / PrefillDecodingPress."""
+    """Ours (`schedule: decoding` / `prefill_decoding`) against kvpress's DecodingPress / PrefillDecodingPress."""
 
     method: str
-    mode: str
+    schedule: str
     budget: int
     compression_interval: int
     compression_ratio: float | None
@@ -178,25 +180,27 @@ class DecodingCheck:
         return {**asdict(self), "greedy_same": self.greedy_same}
 
 
-def check_decoding_case(method: Any, mode: Any, budget: Any, interval: Any, ratio: Any) -> None:
+def check_decoding_case(method: Any, schedule: Any, budget: Any, interval: Any, ratio: Any) -> None:
     """A ValueError naming what is wrong with one decoding-time case, before any work."""
-    from hybridcache.reference.kvpress_decoding import DECODING_MODES, DECODING_PRESSES
+    from hybridcache.reference.kvpress_decoding import DECODING_PRESSES, DECODING_SCHEDULES
 
     if method not in DECODING_PRESSES:
         raise ValueError(f"method {method!r} has no decoding-time check (known: {', '.join(DECODING_PRESSES)})")
-    if mode not in DECODING_MODES:
-        raise ValueError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
+    if schedule not in DECODING_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(DECODING_SCHEDULES)}, got {schedule!r}")
     for name, value in (("budget", budget), ("compression_interval", interval)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if (mode == "prefill_decoding") != (ratio is not None):
-        raise ValueError(f"compression_ratio (the prompt's) goes with mode prefill_decoding only; got {ratio!r}")
+    if (schedule == "prefill_decoding") != (ratio is not None):
+        raise ValueError(f"compression_ratio (the prompt's) goes with schedule prefill_decoding only; got {ratio!r}")
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1):
         raise ValueError(f"compression_ratio must be a number in [0, 1), got {ratio!r}")
 
 
-def decoding_config(method: str, mode: str, budget: int, interval: int, ratio: float | None, **press_kwargs) -> dict:
-    params = {"type": method, "mode": mode, "budget": budget, "compression_interval": interval, **press_kwargs}
+def decoding_config(
+    method: str, schedule: str, budget: int, interval: int, ratio: float | None, **press_kwargs
+) -> dict:
+    params = {"type": method, "schedule": schedule, "budget": budget, "compression_interval": interval, **press_kwargs}
     if ratio is not None:
         params["compression_ratio"] = ratio
     return {"attention": params}
@@ -218,7 +222,7 @@ def decoding_run(model, context: torch.Tensor, continuation: torch.Tensor, cache
     with torch.no_grad():
         logits = [model(context, cache=cache)[:, -1]]  # [1, V] predicts continuation token 0
         held = _held(first)
-        if first.spec.mode == "prefill_decoding" and held < context.shape[1]:
+        if first.spec.schedule == "prefill_decoding" and held < context.shape[1]:
             events[-1], scores[-1] = kept_positions(cache), dict(ranked)
         for t in range(continuation.shape[1]):
             ranked.clear()
@@ -263,7 +267,7 @@ def check_decoding_press(
     context_ids: Sequence[int],
     continuation_ids: Sequence[int],
     method: str,
-    mode: str,
+    schedule: str,
     budget: int,
     compression_interval: int,
     compression_ratio: float | None = None,
@@ -271,11 +275,11 @@ def check_decoding_press(
     reference: KvpressDecodingResult | None = None,
     **press_kwargs: Any,
 ) -> DecodingCheck:
-    """Run `method` in `mode` on every attention layer in our cache and in kvpress (unless `reference` is given):
+    """Run `method` in `schedule` on every attention layer in our cache and in kvpress (unless `reference` is given):
     the positions every layer holds after each compression and at the end, the teacher-forced NLL of the
     continuation fed token by token, and `greedy` greedily decoded tokens."""
     context, continuation = torch.tensor([list(context_ids)]), torch.tensor([list(continuation_ids)])
-    config = decoding_config(method, mode, budget, compression_interval, compression_ratio, **press_kwargs)
+    config = decoding_config(method, schedule, budget, compression_interval, compression_ratio, **press_kwargs)
     nll, ours_events, ours_scores, ours_held = decoding_run(model, context, continuation, config)
     greedy_ours = greedy_run(model, context, greedy, config) if greedy else []
     if reference is None:
@@ -286,7 +290,7 @@ def check_decoding_press(
             method,
             budget,
             compression_interval,
-            mode,
+            schedule,
             compression_ratio,
             greedy=greedy,
             **press_kwargs,
@@ -315,14 +319,14 @@ def check_decoding_press(
     flat = [x for v in shares.values() for x in v]
     held = [x for layer, theirs in reference.held.items() for x in _head_shares(ours_held[layer], theirs)]
     version = reference.meta.get("kvpress_version", "0.5.5")
-    wrapper = "PrefillDecodingPress" if mode == "prefill_decoding" else "DecodingPress"
+    wrapper = "PrefillDecodingPress" if schedule == "prefill_decoding" else "DecodingPress"
     ref_nll = reference.nll
     diff = None if ref_nll is None else (nll - ref_nll.to(nll.dtype)).abs()  # [N]
     # a compression at step s acts from the forward of step s + 1 on, which predicts token s + 2
     unaffected = len(nll) if first_differing is None else max(0, first_differing + 2)
     return DecodingCheck(
         method=method,
-        mode=mode,
+        schedule=schedule,
         budget=budget,
         compression_interval=compression_interval,
         compression_ratio=compression_ratio,

@@ -98,7 +98,7 @@ def spec_nbytes(spec: LayerSpec, s: Scenario) -> int:
 
 
 def _nbytes_at(spec: LayerSpec, s: Scenario, tokens: int) -> int:
-    if getattr(spec, "mode", None) in ("prefill", "decoding", "prefill_decoding") and hasattr(spec, "kept_of"):
+    if getattr(spec, "schedule", None) in ("prefill", "decoding", "prefill_decoding") and hasattr(spec, "kept_of"):
         needed = tokens_held(spec, s.prompt_len, tokens, peak=True)  # scored eviction: its schedule from the prompt
         return s.batch * (needed * spec.token_nbytes + min(needed, spec.residual or 0) * spec.dense_token_nbytes)
     held = spec.held_nbytes(s.batch, tokens)

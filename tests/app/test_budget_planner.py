@@ -96,7 +96,7 @@ def test_end_to_end_on_tiny_jamba():
         "attention": {
             "sliding4": {"type": "sliding", "window": 4},
             "int4": {"storage": "int4"},
-            "snapkv0.5": {"type": "snapkv", "compression_ratio": 0.5, "mode": "prefill", "window_size": 2},
+            "snapkv0.5": {"type": "snapkv", "compression_ratio": 0.5, "schedule": "prefill", "window_size": 2},
             "chunked4": {"type": "chunked", "chunk_size": 4},
             "kivi": {"storage": "kivi"},
         },  # group 32 does not divide jamba's head_dim 16

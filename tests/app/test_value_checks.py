@@ -35,6 +35,19 @@ from tests.app.test_cli_usage import CONFIGS, assert_usage_error
         (["experiment=benchmark", "experiment.batch_sizes=[1,0]"], "every entry of experiment.batch_sizes must be"),
         (["experiment=study", "experiment.block=0"], "experiment.block must be a positive integer, got 0"),
         (["-m", "max_new_tokens=4,0"], "max_new_tokens must be a positive integer, got 0"),  # every value of a sweep
+        # a press's eviction schedule was `mode` until 2026-11-29: the old name is told the new one
+        (
+            ["cache=snapkv", "cache.attention.mode=prefill"],
+            "cache.attention.mode was renamed to cache.attention.schedule",
+        ),
+        (
+            ["cache.attention.schedule=sometimes"],
+            "cache.attention.schedule=sometimes is not one of prefill, continuous",
+        ),
+        (
+            ["experiment=press_check", "experiment.decoding=[{method: tova, mode: decoding, budget: 8}]"],
+            "experiment.decoding[0]: 'mode' was renamed to 'schedule'",
+        ),
     ],
 )
 def test_a_value_out_of_range_is_refused_before_torch_and_before_the_output_directory(tmp_path, args, expected):
@@ -77,6 +90,9 @@ def test_the_names_match_what_torch_and_hybridcache_accept():
 
     assert set(value_checks.DTYPE_NAMES) == set(DTYPES)
     assert value_checks.WEIGHT_FORMATS == tuple(WEIGHT_FORMATS)
+    from hybridcache.cache.core.plan import RENAMED_PARAMETERS
+
+    assert value_checks.RENAMED_PARAMETERS == RENAMED_PARAMETERS
 
     # the built-in names: other tests of the same process register plugin types and storages of their own
     def ours(names, cls_of):

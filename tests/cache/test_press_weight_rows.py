@@ -13,7 +13,7 @@ B, H, HQ, D, T = 2, 2, 4, 8, 24
 CONFIGS = {
     "snapkv": ({"type": "snapkv", "compression_ratio": 0.5, "window_size": 5, "kernel_size": 3}, 5),
     "pyramidkv": ({"type": "pyramidkv", "compression_ratio": 0.5, "window_size": 5, "kernel_size": 3}, 5),
-    "tova": ({"type": "tova", "budget": 9, "mode": "prefill"}, 1),
+    "tova": ({"type": "tova", "budget": 9, "schedule": "prefill"}, 1),
 }
 
 
@@ -21,7 +21,7 @@ def _prefill(config: dict, seed: int) -> tuple[torch.Tensor, int]:
     """Kept positions after one prompt block, and how many weight rows the layer held until the block ended."""
     g = torch.Generator().manual_seed(seed)
     native = [NativeLayer("full", dict(num_kv_heads=H, head_dim=D, dtype=torch.float32))]
-    cache = Cache.build(native, B, {"attention": {**config, "mode": config.get("mode", "prefill")}})
+    cache = Cache.build(native, B, {"attention": {**config, "schedule": config.get("schedule", "prefill")}})
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[0, :3] = False  # left padding
     cache.begin_block(valid, T)

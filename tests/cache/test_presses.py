@@ -1,6 +1,6 @@
 """Score-based compression methods against independent transcriptions of kvpress's scoring (batch 1, unpadded, the
 prompt as one block: kvpress's setting), written here from the presses' equations with none of our code; then the
-same rows inside a left-padded batch, continuous mode, and the hybrid families."""
+same rows inside a left-padded batch, continuous schedule, and the hybrid families."""
 
 import math
 
@@ -103,7 +103,7 @@ CASES = [
     ("knorm", {}),
     ("streaming_llm", {"n_sink": 3}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
-    ("tova", {"mode": "prefill"}),
+    ("tova", {"schedule": "prefill"}),
     ("observed_attention", {}),
     ("expected_attention", {"n_sink": 2}),
 ]
@@ -115,13 +115,13 @@ def test_prefill_keeps_what_kvpress_would(name, kw, ratio):
     t = 40
     q, k, v = data(t, seed=int(ratio * 10) + len(name))
     cache = feed(
-        build({"type": name, "compression_ratio": ratio, "mode": "prefill", **kw}),
+        build({"type": name, "compression_ratio": ratio, "schedule": "prefill", **kw}),
         q,
         k,
         v,
         queries=QueryInputs(q, None, 1 / math.sqrt(D)),
     )
-    want = reference(name, q, k, v, ratio, **{x: y for x, y in kw.items() if x != "mode"})
+    want = reference(name, q, k, v, ratio, **{x: y for x, y in kw.items() if x != "schedule"})
     pos = cache[0].key_positions()
     got = pos[0] if pos.dim() == 3 else pos[0][None].expand(HKV, -1)
     assert torch.equal(got, want)
@@ -161,7 +161,7 @@ def test_a_padded_row_keeps_what_it_keeps_alone(name, kw):
     t, pad = 30, 7
     q, k, v = data(t, seed=5)
     alone = feed(
-        build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}),
+        build({"type": name, "compression_ratio": 0.5, "schedule": "prefill", **kw}),
         q,
         k,
         v,
@@ -174,7 +174,7 @@ def test_a_padded_row_keeps_what_it_keeps_alone(name, kw):
     mask = torch.ones(2, t + pad, dtype=torch.bool)
     mask[0, :pad] = False
     batch = feed(
-        build({"type": name, "compression_ratio": 0.5, "mode": "prefill", **kw}, batch=2),
+        build({"type": name, "compression_ratio": 0.5, "schedule": "prefill", **kw}, batch=2),
         qb,
         kb,
         vb,
@@ -232,7 +232,7 @@ def test_bad_parameters_are_named():
         ({"type": "snapkv"}, "exactly one of"),
         ({"type": "snapkv", "compression_ratio": 1.0}, "[0, 1)"),
         ({"type": "h2o", "compression_ratio": 0.5}, "continuous"),
-        ({"type": "knorm", "compression_ratio": 0.5, "mode": "sometimes"}, "mode"),
+        ({"type": "knorm", "compression_ratio": 0.5, "schedule": "sometimes"}, "schedule"),
         ({"type": "snapkv", "compression_ratio": 0.5, "kernel_size": 4}, "odd"),
         ({"type": "knorm", "compression_ratio": 0.5, "storage": "int8", "residual": 4}, "per kv head"),
         ({"type": "tova", "budget": 4, "max_length": 64}, "dynamic storage"),
@@ -297,12 +297,12 @@ DECODING_CASES = [("knorm", {}), ("tova", {}), ("streaming_llm", {"n_sink": 2})]
 
 
 @pytest.mark.parametrize("name,kw", DECODING_CASES)
-@pytest.mark.parametrize("mode,ratio", [("decoding", None), ("prefill_decoding", 0.5)])
+@pytest.mark.parametrize("schedule,ratio", [("decoding", None), ("prefill_decoding", 0.5)])
 @pytest.mark.parametrize("budget,interval", [(12, 4), (9, 1), (20, 7)])
-def test_decoding_modes_keep_what_kvpress_decoding_press_would(name, kw, mode, ratio, budget, interval):
+def test_decoding_schedules_keep_what_kvpress_decoding_press_would(name, kw, schedule, ratio, budget, interval):
     prompt, steps = 16, 30
     q, k, v = data(prompt + steps, seed=budget * 10 + interval + len(name))
-    params = {"type": name, "mode": mode, "budget": budget, "compression_interval": interval, **kw}
+    params = {"type": name, "schedule": schedule, "budget": budget, "compression_interval": interval, **kw}
     if ratio is not None:
         params["compression_ratio"] = ratio
     cache = build(params)
@@ -320,7 +320,7 @@ def test_decoding_leaves_the_prompt_whole_and_counts_a_long_block_as_due():
     """kvpress: no compression in the prefill forward, even one longer than target_size; a later forward of at
     least target_size tokens compresses at once (q_len >= target_size), whatever the step count."""
     q, k, v = data(40, seed=3)
-    cache = build({"type": "knorm", "mode": "decoding", "budget": 8, "compression_interval": 100})
+    cache = build({"type": "knorm", "schedule": "decoding", "budget": 8, "compression_interval": 100})
     feed(cache, q[:, :, :20], k[:, :, :20], v[:, :, :20])
     assert cache[0].key_positions().shape[-1] == 20 and cache[0].compressed
     feed(cache, q[:, :, 20:27], k[:, :, 20:27], v[:, :, 20:27])  # 7 < budget tokens: counted, kept
@@ -332,7 +332,7 @@ def test_decoding_leaves_the_prompt_whole_and_counts_a_long_block_as_due():
 
 def test_decoding_rows_of_a_padded_batch_keep_what_they_keep_alone():
     prompt, steps, pad = 14, 12, 5
-    params = {"type": "tova", "mode": "decoding", "budget": 10, "compression_interval": 3}
+    params = {"type": "tova", "schedule": "decoding", "budget": 10, "compression_interval": 3}
     q, k, v = data(prompt + steps, seed=11)
     alone = build(params)
     feed(alone, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
@@ -355,12 +355,18 @@ def test_decoding_rows_of_a_padded_batch_keep_what_they_keep_alone():
 @pytest.mark.parametrize(
     "params",
     [
-        {"type": "knorm", "mode": "decoding", "budget": 5, "compression_interval": 2, "compression_ratio": None},
-        {"type": "tova", "mode": "prefill_decoding", "compression_ratio": 0.4, "budget": 6, "compression_interval": 3},
-        {"type": "streaming_llm", "mode": "decoding", "budget": 6, "compression_interval": 1, "n_sink": 2},
+        {"type": "knorm", "schedule": "decoding", "budget": 5, "compression_interval": 2, "compression_ratio": None},
+        {
+            "type": "tova",
+            "schedule": "prefill_decoding",
+            "compression_ratio": 0.4,
+            "budget": 6,
+            "compression_interval": 3,
+        },
+        {"type": "streaming_llm", "schedule": "decoding", "budget": 6, "compression_interval": 1, "n_sink": 2},
     ],
 )
-def test_decoding_modes_pass_the_conformance_kit(params):
+def test_decoding_schedules_pass_the_conformance_kit(params):
     from hybridcache.testing import check_cache_type
 
     name = params.pop("type")
@@ -374,9 +380,15 @@ def test_tokens_held_is_what_a_decoding_layer_holds():
     from hybridcache.cache.methods.press_schedule import tokens_held
 
     for params in (
-        {"type": "knorm", "mode": "decoding", "budget": 10, "compression_interval": 4},
-        {"type": "knorm", "mode": "prefill_decoding", "compression_ratio": 0.5, "budget": 6, "compression_interval": 5},
-        {"type": "knorm", "mode": "decoding", "budget": 7, "compression_interval": 3, "window": 9},
+        {"type": "knorm", "schedule": "decoding", "budget": 10, "compression_interval": 4},
+        {
+            "type": "knorm",
+            "schedule": "prefill_decoding",
+            "compression_ratio": 0.5,
+            "budget": 6,
+            "compression_interval": 5,
+        },
+        {"type": "knorm", "schedule": "decoding", "budget": 7, "compression_interval": 3, "window": 9},
         {"type": "knorm", "compression_ratio": 0.5},
     ):
         prompt, total = 15, 40
@@ -397,17 +409,61 @@ def test_tokens_held_is_what_a_decoding_layer_holds():
             assert tokens_held(spec, prompt, total) >= held and tokens_held(spec, prompt, total, peak=True) >= most
 
 
-def test_decoding_modes_refuse_bad_parameters_by_name():
+def test_decoding_schedules_refuse_bad_parameters_by_name():
     for params, words in (
-        ({"type": "snapkv", "mode": "decoding", "budget": 8}, "offered for knorm, tova and streaming_llm only"),
-        ({"type": "h2o", "mode": "decoding", "budget": 8}, "offered for knorm, tova and streaming_llm only"),
-        ({"type": "knorm", "mode": "decoding"}, "give budget"),
-        ({"type": "knorm", "mode": "decoding", "budget": 8, "compression_ratio": 0.5}, "prefill_decoding"),
-        ({"type": "knorm", "mode": "prefill_decoding", "budget": 8}, "give both"),
-        ({"type": "knorm", "mode": "decoding", "budget": 8, "compression_interval": 0}, "positive integer"),
-        ({"type": "knorm", "mode": "decoding", "budget": 8, "compression_interval": True}, "positive integer"),
-        ({"type": "knorm", "compression_ratio": 0.5, "compression_interval": 4}, "applies to modes decoding"),
+        ({"type": "snapkv", "schedule": "decoding", "budget": 8}, "offered for knorm, tova and streaming_llm only"),
+        ({"type": "h2o", "schedule": "decoding", "budget": 8}, "offered for knorm, tova and streaming_llm only"),
+        ({"type": "knorm", "schedule": "decoding"}, "give budget"),
+        ({"type": "knorm", "schedule": "decoding", "budget": 8, "compression_ratio": 0.5}, "prefill_decoding"),
+        ({"type": "knorm", "schedule": "prefill_decoding", "budget": 8}, "give both"),
+        ({"type": "knorm", "schedule": "decoding", "budget": 8, "compression_interval": 0}, "positive integer"),
+        ({"type": "knorm", "schedule": "decoding", "budget": 8, "compression_interval": True}, "positive integer"),
+        ({"type": "knorm", "compression_ratio": 0.5, "compression_interval": 4}, "applies to schedules decoding"),
         ({"type": "tova", "budget": 4, "compression_interval": 4}, "not 'continuous'"),
     ):
         with pytest.raises(CacheConfigError, match=words):
             build(params)
+
+
+# -- the eviction schedule's old name ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"attention": {"type": "knorm", "compression_ratio": 0.5, "mode": "prefill"}},  # a typed entry
+        {"attention": {"mode": "prefill"}},  # a kind-wide one
+        {"layers": {0: {"type": "tova", "budget": 4, "mode": "continuous"}}},  # one layer's
+    ],
+)
+def test_the_old_name_mode_is_refused_naming_schedule(config):
+    """`mode:` was renamed to `schedule:` ("mode" is only the logger's): a config still giving it is told so."""
+    native = [NativeLayer("full", {"num_kv_heads": 2, "head_dim": 4})]
+    with pytest.raises(CacheConfigError, match=r"\.mode was renamed to 'schedule'"):
+        Cache.build(native, 1, config)
+
+
+def test_a_file_saved_with_mode_loads_as_schedule(tmp_path):
+    """A cache saved before the rename (its press spec recorded as `mode`) loads and continues as the saved one."""
+    import json
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    import hybridcache as hc
+    from hybridcache.cache.io.persistence import _metadata, header_sha256
+    from hybridcache.checkpoints.tiny import tiny_checkpoint
+
+    model = hc.from_pretrained(tiny_checkpoint("gemma3"), dtype=torch.float32)
+    ids = torch.randint(3, 384, (1, 24), generator=torch.Generator().manual_seed(0))
+    cache = model.make_cache(1, {"attention": {"type": "tova", "budget": 6, "schedule": "continuous"}})
+    model(ids[:, :20], cache=cache)
+    cache.save(tmp_path / "new", model=model)
+    data = (tmp_path / "new").read_bytes()
+    header = json.loads(_metadata(data)["hybridcache"])
+    for layer in header["layers"]:
+        layer["spec"]["mode"] = layer["spec"].pop("schedule")  # as saved before 2026-11-29
+    header["header_sha256"] = header_sha256(header)
+    (tmp_path / "old").write_bytes(st_save(st_load(data), metadata={"hybridcache": json.dumps(header)}))
+    loaded = Cache.load(tmp_path / "old", model=model)
+    assert [layer.spec for layer in loaded.entries] == [layer.spec for layer in cache.entries]
+    a, b = model(ids[:, 20:], cache=cache), model(ids[:, 20:], cache=loaded)
+    assert torch.equal(getattr(a, "logits", a), getattr(b, "logits", b))

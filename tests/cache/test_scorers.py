@@ -33,7 +33,7 @@ class AccumulatedKey(Scorer):
         return ctx.state["acc"]
 
 
-register_press("accumulated_key_test", AccumulatedKeySpec, AccumulatedKey, {"budget": 4, "mode": "continuous"})
+register_press("accumulated_key_test", AccumulatedKeySpec, AccumulatedKey, {"budget": 4, "schedule": "continuous"})
 
 
 def recompute(keys: torch.Tensor, splits: list[int], budget: int) -> list[list[set[int]]]:
@@ -64,7 +64,7 @@ def recompute(keys: torch.Tensor, splits: list[int], budget: int) -> list[list[s
 def test_a_scorer_state_follows_the_slots_as_a_recompute_says(splits):
     g = torch.Generator().manual_seed(sum(splits) * 31 + len(splits))
     keys = torch.randn(2, H, sum(splits), D, generator=g, dtype=torch.float64).float()
-    spec = AccumulatedKeySpec(num_kv_heads=H, head_dim=D, budget=4, mode="continuous")
+    spec = AccumulatedKeySpec(num_kv_heads=H, head_dim=D, budget=4, schedule="continuous")
     layer = get_layer_class("accumulated_key_test")(spec, 2)
     start = 0
     for n in splits:
@@ -82,7 +82,7 @@ def test_a_scorer_state_follows_the_slots_as_a_recompute_says(splits):
 
 
 def test_a_scorer_state_is_saved_and_selected_with_the_rows():
-    spec = AccumulatedKeySpec(num_kv_heads=H, head_dim=D, budget=3, mode="continuous")
+    spec = AccumulatedKeySpec(num_kv_heads=H, head_dim=D, budget=3, schedule="continuous")
     layer = get_layer_class("accumulated_key_test")(spec, 2)
     layer.update(torch.randn(2, H, 5, D), torch.randn(2, H, 5, D))
     assert "acc" in layer.snapshot().tensors

@@ -71,7 +71,7 @@ def test_bridge_gives_kvpress_kept_positions_and_nll(setup, method):
         assert live.ok, live.error
         reference_nll, theirs = live.nll, live.kept
     theirs = {i: k for i, k in theirs.items() if k.shape[1] < context.shape[1]}
-    cache = cache_for(model, {"attention": {"type": method, "compression_ratio": RATIO, "mode": "prefill"}})
+    cache = cache_for(model, {"attention": {"type": method, "compression_ratio": RATIO, "schedule": "prefill"}})
     with torch.no_grad():
         first = model(input_ids=context, cache=cache).logits[:, -1:]
         mask = torch.ones(1, context.shape[1] + continuation.shape[1], dtype=torch.long)

@@ -53,7 +53,7 @@ def test_every_method_runs_on_the_attention_layers_of_hybrids(models, family):
     [
         {"attention": {"type": "snapkv", "compression_ratio": 0.5, "window_size": 4}},
         {"attention": {"type": "h2o", "budget": 8}},
-        {"attention": {"type": "tova", "compression_ratio": 0.5, "mode": "prefill"}},
+        {"attention": {"type": "tova", "compression_ratio": 0.5, "schedule": "prefill"}},
     ],
 )
 def test_save_load_continues_bit_exactly(models, tmp_path, config):
@@ -71,7 +71,7 @@ def test_save_load_continues_bit_exactly(models, tmp_path, config):
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logits, b.logits)
 
 
-def test_prefill_mode_refuses_a_chunked_prefill(models):
+def test_prefill_schedule_refuses_a_chunked_prefill(models):
     model, _ = models("jamba")
     with pytest.raises(ValueError, match="one block"):
         hc.generate(

@@ -47,12 +47,12 @@ def test_decoding_press_names_match_the_worker():
 def test_bad_requests_are_refused_before_any_work(tmp_path):
     for kwargs, words in (
         (dict(press="snapkv"), "no decoding check for press 'snapkv'"),
-        (dict(press="tova", mode="continuous"), "mode must be one of"),
+        (dict(press="tova", schedule="continuous"), "schedule must be one of"),
         (dict(press="tova", budget=0), "budget must be a positive integer"),
         (dict(press="tova", compression_interval=True), "compression_interval must be a positive integer"),
         (dict(press="tova", greedy=-1), "greedy must be a non-negative integer"),
         (dict(press="tova", compression_ratio=0.5), "compression_ratio is the prefill's"),
-        (dict(press="tova", mode="prefill_decoding"), "compression_ratio is the prefill's"),
+        (dict(press="tova", schedule="prefill_decoding"), "compression_ratio is the prefill's"),
     ):
         args = {"press": "tova", "budget": 4, "compression_interval": 2, **kwargs}
         with pytest.raises(ValueError, match=words):
@@ -71,11 +71,11 @@ def good_files():
     return {"meta": meta}, tensors
 
 
-def read_forged(tmp_path, answer, tensors, mode="decoding", greedy=3):
+def read_forged(tmp_path, answer, tensors, schedule="decoding", greedy=3):
     ans, res = tmp_path / "answer.json", tmp_path / "result.safetensors"
     ans.write_text(json.dumps(answer))
     save_file({k: v.clone() for k, v in tensors.items()}, str(res))
-    return read_decoding_answer(ans, res, "tova", mode, T_CTX, T_CONT, greedy, CONFIG)
+    return read_decoding_answer(ans, res, "tova", schedule, T_CTX, T_CONT, greedy, CONFIG)
 
 
 def test_a_well_formed_answer_is_read(tmp_path):
@@ -131,7 +131,7 @@ def test_forged_results_are_refused(tmp_path, case):
 
 def test_a_prefill_step_is_read_for_prefill_decoding(tmp_path):
     answer, tensors = forge(lambda a, t: a["meta"].update({"events": {"0": [-1, 3]}}))
-    assert [s for s, _ in read_forged(tmp_path, answer, tensors, mode="prefill_decoding").events[0]] == [-1, 3]
+    assert [s for s, _ in read_forged(tmp_path, answer, tensors, schedule="prefill_decoding").events[0]] == [-1, 3]
 
 
 # --- live: kvpress 0.5.5 on Gemma 3 270M -----------------------------------------------------------------------
@@ -194,7 +194,7 @@ def setup():
     return model, doc[:CONTEXT], doc[CONTEXT:]
 
 
-# (method, mode, budget, interval, ratio, kvpress's compression steps in the continuation)
+# (method, schedule, budget, interval, ratio, kvpress's compression steps in the continuation)
 CASES = [
     ("tova", "decoding", 256, 8, None, [7, 15, 23, 31]),
     ("knorm", "decoding", 256, 8, None, [7, 15, 23, 31]),
@@ -205,13 +205,13 @@ CASES = [
 
 
 @live
-@pytest.mark.parametrize("method,mode,budget,interval,ratio,steps", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_ours_keeps_what_kvpress_decoding_press_keeps(setup, method, mode, budget, interval, ratio, steps):
+@pytest.mark.parametrize("method,schedule,budget,interval,ratio,steps", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_ours_keeps_what_kvpress_decoding_press_keeps(setup, method, schedule, budget, interval, ratio, steps):
     from hybridcache.reference.press_check import check_decoding_press
 
     model, context, continuation = setup
     check = check_decoding_press(
-        model, REAL, context, continuation, method, mode, budget, interval, ratio, greedy=GREEDY
+        model, REAL, context, continuation, method, schedule, budget, interval, ratio, greedy=GREEDY
     )
     assert check.reference_error is None, check.reference_error
     assert check.same_steps and sorted(check.per_step) == steps
@@ -263,14 +263,14 @@ def test_press_check_composes_the_decoding_cases_and_refuses_bad_ones_by_name(mo
 
     cases = decoding_cases(cfg().experiment)
     assert {c["method"] for c in cases} == set(DECODING_PRESSES)
-    assert {c["mode"] for c in cases} == {"decoding", "prefill_decoding"}
+    assert {c["schedule"] for c in cases} == {"decoding", "prefill_decoding"}
     monkeypatch.delenv(kvpress_runner.ENV_VAR, raising=False)  # the refusal must come before the environment check
     for override, words in (
         ("experiment.decoding=[{method: snapkv}]", r"experiment.decoding\[0\]: method 'snapkv' has no decoding"),
-        ("experiment.decoding=[{method: tova, mode: continuous}]", "mode must be one of"),
+        ("experiment.decoding=[{method: tova, schedule: continuous}]", "schedule must be one of"),
         ("experiment.decoding=[{method: tova, budget: 0}]", "budget must be a positive integer"),
         ("experiment.decoding=[{method: tova, compression_ratio: 0.5}]", "prefill_decoding only"),
-        ("experiment.decoding=[{method: tova, mode: prefill_decoding, compression_ratio: 1.5}]", r"\[0, 1\)"),
+        ("experiment.decoding=[{method: tova, schedule: prefill_decoding, compression_ratio: 1.5}]", r"\[0, 1\)"),
     ):
         with pytest.raises(UserError, match=words):
             run(cfg("experiment.methods=[]", override))
@@ -292,10 +292,10 @@ def test_press_check_writes_the_decoding_rows(tmp_path, tmp_path_factory, monkey
 
     seen = []
 
-    def fake_check(model, checkpoint, context, continuation, method, mode, budget, compression_interval, **kw):
-        seen.append((method, mode, budget, compression_interval, kw.get("compression_ratio"), len(context)))
+    def fake_check(model, checkpoint, context, continuation, method, schedule, budget, compression_interval, **kw):
+        seen.append((method, schedule, budget, compression_interval, kw.get("compression_ratio"), len(context)))
         return DecodingCheck(
-            method, mode, budget, compression_interval, kw.get("compression_ratio"), "kvpress 0.5.5 (faked)",
+            method, schedule, budget, compression_interval, kw.get("compression_ratio"), "kvpress 0.5.5 (faked)",
             2.5, 2.5, 1e-6, 1.0, 18, True, 1.0, 0, 0, None, 1e-6, [1, 2], [1, 2],
         )  # fmt: skip
 
@@ -310,7 +310,7 @@ def test_press_check_writes_the_decoding_rows(tmp_path, tmp_path_factory, monkey
     GlobalHydra.instance().clear()
     experiments.EXIT.code = 0
     out = tmp_path / "out"
-    cases = "[{method: tova, budget: 8, compression_interval: 2},{method: knorm, mode: prefill_decoding, compression_ratio: 0.5, budget: 4, compression_interval: 3}]"  # noqa: E501
+    cases = "[{method: tova, budget: 8, compression_interval: 2},{method: knorm, schedule: prefill_decoding, compression_ratio: 0.5, budget: 4, compression_interval: 3}]"  # noqa: E501
     args = ["experiment=press_check", "model=gemma3", "experiment.methods=[]", f"experiment.decoding={cases}"]
     monkeypatch.setattr(sys, "argv", ["run.py", *args, "experiment.context=24", "experiment.continuation=8"])
     sys.argv.append(f"hydra.run.dir={out}")

@@ -188,6 +188,17 @@ def _per_layer_entries(native: Sequence[Native], config: Mapping[str, Any]) -> d
     return out
 
 
+#: Parameters renamed (old -> new), each refused by its old name with the new one. A press's eviction schedule was
+#: `mode` until 2026-11-29 ("mode" is only the logger's now).
+RENAMED_PARAMETERS = {"mode": "schedule"}
+
+
+def _refuse_renamed(where: str, key: str, accepted: set[str]) -> None:
+    new = RENAMED_PARAMETERS.get(key)
+    if new is not None and key not in accepted and new in accepted:
+        raise CacheConfigError(f"cache config: {where}.{key} was renamed to '{new}' ({where}.{new})")
+
+
 def _check_group(where: str, group: dict[str, Any]) -> None:
     """An entry that sets a type may only name that type's tunable parameters; a kind-wide entry without a type
     (`recurrent: {state_dtype: ...}`) may name any parameter that some type of that kind takes."""
@@ -195,6 +206,7 @@ def _check_group(where: str, group: dict[str, Any]) -> None:
         if where in KINDS:
             known = set().union(*(get_layer_class(t).spec_cls.tunable_names() for t in available_layers(where)))
             for key in group:
+                _refuse_renamed(where, key, known)
                 if key not in known:
                     raise CacheConfigError(
                         f"cache config: {where}.{key}: no {where} cache type takes '{key}' "
@@ -204,6 +216,7 @@ def _check_group(where: str, group: dict[str, Any]) -> None:
     cls = get_layer_class(group["type"])
     tunables = cls.spec_cls.tunable_names()
     for key in group:
+        _refuse_renamed(where, key, tunables)
         if key != "type" and key not in tunables:
             raise CacheConfigError(
                 f"cache config: {where}.{key}: unknown parameter for cache type '{group['type']}' "

@@ -4,6 +4,7 @@ field (`layers[2].spec.window`, `batch_size`, ...)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from hybridcache.cache.core.errors import CacheError
-from hybridcache.cache.core.plan import LayerPlan
+from hybridcache.cache.core.plan import RENAMED_PARAMETERS, LayerPlan
 from hybridcache.cache.core.registry import get_layer_class
 
 MAX_BATCH, MAX_COLUMNS = 1 << 20, 1 << 32  # far beyond any real cache: a header claiming more is forged
@@ -58,6 +59,14 @@ def _count(record: Mapping[str, Any], name: str, low: int, high: int, path: Path
     return value
 
 
+def _renamed_fields(record: dict[str, Any], spec_cls: type) -> dict[str, Any]:
+    """A spec record saved before a field's rename, under the new names (a press's `mode` is `schedule` since
+    2026-11-29), so files saved before it still load."""
+    names = {f.name for f in dataclasses.fields(spec_cls)}
+    old = {k: v for k, v in RENAMED_PARAMETERS.items() if k in record and k not in names and v in names}
+    return {old.get(k, k): v for k, v in record.items()}
+
+
 def layer_plans(header: Mapping[str, Any], path: Path) -> list[tuple[LayerPlan, list[str]]]:
     """Each layer record as a plan (spec validated by its own class) and its tensor names; the records must
     describe decoder layers in order (a single layer, or the members of one group)."""
@@ -88,6 +97,7 @@ def layer_plans(header: Mapping[str, Any], path: Path) -> list[tuple[LayerPlan, 
             raise CacheFileError(f"{path}: the cache header's '{where}tensors' must be distinct names")
         try:
             cls = get_layer_class(kind)
+            spec = _renamed_fields(spec, cls.spec_cls)
             spec = cls.spec_cls(**{k: _decode_value(v, f"{path}: '{where}spec.{k}'") for k, v in spec.items()})
         except CacheFileError:
             raise

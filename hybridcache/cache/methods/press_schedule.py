@@ -1,4 +1,4 @@
-"""WHEN a score-based method evicts and HOW MANY tokens a row keeps: the modes of scored_eviction.py and kvpress's
+"""WHEN a score-based method evicts and HOW MANY tokens a row keeps: the schedules of scored_eviction.py and kvpress's
 counts, as plain functions of token counts (no tensors of keys, no layer state).
 
 - `prefill`: the prompt (the first block a layer sees) compressed by `compression_ratio` (or to `budget`); every
@@ -10,15 +10,15 @@ counts, as plain functions of token counts (no tensors of keys, no layer state).
 - `prefill_decoding`: the prompt compressed by `compression_ratio`, then as `decoding` (kvpress's
   `PrefillDecodingPress` with the same method in both phases).
 
-docs/presses_decoding.md has kvpress 0.5.5's code path behind the two decoding modes.
+docs/presses_decoding.md has kvpress 0.5.5's code path behind the two decoding schedules.
 """
 
 from __future__ import annotations
 
 import torch
 
-MODES = ("prefill", "continuous", "decoding", "prefill_decoding")
-DECODING_MODES = ("decoding", "prefill_decoding")  # kvpress's DecodingPress runs after the prompt
+SCHEDULES = ("prefill", "continuous", "decoding", "prefill_decoding")
+DECODING_SCHEDULES = ("decoding", "prefill_decoding")  # kvpress's DecodingPress runs after the prompt
 DEFAULT_INTERVAL = 512  # kvpress DecodingPress.compression_interval's default
 
 
@@ -67,18 +67,18 @@ def decoding_kept(tokens, budget: int):
 def tokens_held(spec, prompt_len: int, tokens: int, peak: bool = False) -> int:
     """Tokens a row of a `spec` layer holds after a `prompt_len`-token prompt in one block and then one token per
     block up to `tokens` seen (the planner's scenario), as the row's pattern sees them; `peak`: the most it held
-    between two blocks on the way (decoding modes hold up to budget + compression_interval - 1, or the whole prompt
+    between two blocks on the way (decoding schedules hold up to budget + compression_interval - 1, or the whole prompt
     and what follows it until their first compression). Exact under full attention; under a window or chunk a
     bound (kept tokens leave the window as it moves on)."""
     if not 0 < prompt_len <= tokens:
         raise ValueError(f"need 0 < prompt_len <= tokens, got prompt_len={prompt_len}, tokens={tokens}")
-    mode = spec.mode
-    if mode == "continuous":
+    schedule = spec.schedule
+    if schedule == "continuous":
         return int(spec.kept_of(spec.pattern_needed(tokens)))
     held = int(spec.pattern_needed(prompt_len))
-    if mode != "decoding":
+    if schedule != "decoding":
         held = int(spec.prompt_kept(held))
-    if mode == "prefill":  # the pattern's own eviction only after the prompt: grows, or stays at the window
+    if schedule == "prefill":  # the pattern's own eviction only after the prompt: grows, or stays at the window
         return min(int(spec.pattern_needed(tokens)), held + tokens - prompt_len)
     most, steps = held, 0
     for seen in range(prompt_len + 1, tokens + 1):  # kvpress: count the block, compress at the interval-th

@@ -1,7 +1,7 @@
 """Score-based KV eviction: the one layer type under the methods named after kvpress's presses (methods/presses/).
 
 A method is a score (which tokens matter), a target (`compression_ratio`, kvpress's, or a token `budget`) and WHEN
-it evicts (`mode`; press_schedule.py has the table):
+it evicts (`schedule`; press_schedule.py has the table):
 - `prefill`: once, at the end of the first block a layer is fed (the prompt), so the prompt's own queries saw every
   token; later blocks (decoding) are kept whole. This is kvpress's semantics: a forward hook after each attention
   layer compresses the prefill, and decoding is not compressed. Feed the prompt as ONE block (`generate` does).
@@ -37,7 +37,13 @@ from hybridcache.cache.attention.staging import BlockWrite
 from hybridcache.cache.core.base import check_positive_int, tunable
 from hybridcache.cache.core.errors import CacheError
 from hybridcache.cache.core.registry import register_cache_layer
-from hybridcache.cache.methods.press_schedule import DECODING_MODES, DEFAULT_INTERVAL, MODES, decoding_kept, ratio_kept
+from hybridcache.cache.methods.press_schedule import (
+    DECODING_SCHEDULES,
+    DEFAULT_INTERVAL,
+    SCHEDULES,
+    decoding_kept,
+    ratio_kept,
+)
 from hybridcache.cache.methods.scorer import QueryInputs, ScoreContext, Scorer  # noqa: F401  (re-exported)
 
 
@@ -45,14 +51,14 @@ from hybridcache.cache.methods.scorer import QueryInputs, ScoreContext, Scorer  
 class ScoredSpec(AttentionSpec):
     """A score-based eviction method over full attention (or a `window` / `chunk_size` pattern)."""
 
-    compression_ratio: float | None = tunable(None)  # fraction of a prompt's tokens evicted (prefill modes)
+    compression_ratio: float | None = tunable(None)  # fraction of a prompt's tokens evicted (prefill schedules)
     budget: int | None = tunable(None)  # tokens kept per row (and head)
-    mode: str = tunable("prefill")
-    compression_interval: int | None = tunable(None)  # decoding modes: blocks between compressions (None: 512)
+    schedule: str = tunable("prefill")
+    compression_interval: int | None = tunable(None)  # decoding schedules: blocks between compressions (None: 512)
     window: int | None = tunable(None)  # sliding-window pattern underneath (a natively sliding layer's own)
     chunk_size: int | None = tunable(None)  # chunked pattern underneath
     per_head_positions: ClassVar[bool] = True  # False: one set of tokens for all of a row's heads
-    decodes: ClassVar[bool] = False  # offers the decoding modes (kvpress 0.5.5 scores it the same while decoding)
+    decodes: ClassVar[bool] = False  # offers the decoding schedules (kvpress 0.5.5 scores it the same while decoding)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,8 +67,8 @@ class ScoredSpec(AttentionSpec):
             raise CacheError(
                 f"{owner}: score-based eviction picks slots by score and needs dynamic storage (no max_length)"
             )
-        if self.mode not in MODES:
-            raise CacheError(f"{owner}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.schedule not in SCHEDULES:
+            raise CacheError(f"{owner}: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         check_positive_int(owner, "budget", self.budget, allow_none=True)
         check_positive_int(owner, "window", self.window, allow_none=True)
         check_positive_int(owner, "chunk_size", self.chunk_size, allow_none=True)
@@ -70,49 +76,51 @@ class ScoredSpec(AttentionSpec):
         r = self.compression_ratio
         if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1):
             raise CacheError(f"{owner}: compression_ratio must be a number in [0, 1), got {r!r}")
-        if self.mode in DECODING_MODES:
+        if self.schedule in DECODING_SCHEDULES:
             self._check_decoding(owner)
             return
         if self.compression_interval is not None:
             raise CacheError(
-                f"{owner}: compression_interval applies to modes {' and '.join(DECODING_MODES)}, not {self.mode!r}"
+                f"{owner}: compression_interval applies to schedules {' and '.join(DECODING_SCHEDULES)}, "
+                f"not {self.schedule!r}"
             )
         if (r is None) == (self.budget is None):
             raise CacheError(
                 f"{owner}: give exactly one of compression_ratio (the fraction of the prompt evicted) or "
                 f"budget (tokens kept), got compression_ratio={r!r}, budget={self.budget!r}"
             )
-        if self.mode == "continuous" and self.budget is None:
+        if self.schedule == "continuous" and self.budget is None:
             raise CacheError(
-                f"{owner}: mode 'continuous' evicts to a fixed budget after every block: give budget, "
+                f"{owner}: schedule 'continuous' evicts to a fixed budget after every block: give budget, "
                 "not compression_ratio"
             )
 
     def _check_decoding(self, owner: str) -> None:
         if not self.decodes:
             raise CacheError(
-                f"{owner}: mode {self.mode!r} (kvpress's DecodingPress) is offered for knorm, tova and streaming_llm "
-                "only: kvpress 0.5.5 scores the other methods differently while decoding (docs/presses_decoding.md)"
+                f"{owner}: schedule {self.schedule!r} (kvpress's DecodingPress) is offered for knorm, tova and "
+                "streaming_llm only: kvpress 0.5.5 scores the other methods differently while decoding "
+                "(docs/presses_decoding.md)"
             )
         if self.budget is None:
             raise CacheError(
-                f"{owner}: mode {self.mode!r} compresses to budget tokens (kvpress's target_size) every "
+                f"{owner}: schedule {self.schedule!r} compresses to budget tokens (kvpress's target_size) every "
                 "compression_interval decoding blocks: give budget"
             )
-        if self.mode == "decoding" and self.compression_ratio is not None:
+        if self.schedule == "decoding" and self.compression_ratio is not None:
             raise CacheError(
-                f"{owner}: mode 'decoding' keeps the prompt whole (kvpress's DecodingPress); a compression_ratio "
-                "for the prompt is mode 'prefill_decoding'"
+                f"{owner}: schedule 'decoding' keeps the prompt whole (kvpress's DecodingPress); a compression_ratio "
+                "for the prompt is schedule 'prefill_decoding'"
             )
-        if self.mode == "prefill_decoding" and self.compression_ratio is None:
+        if self.schedule == "prefill_decoding" and self.compression_ratio is None:
             raise CacheError(
-                f"{owner}: mode 'prefill_decoding' compresses the prompt by compression_ratio, then decoding to "
+                f"{owner}: schedule 'prefill_decoding' compresses the prompt by compression_ratio, then decoding to "
                 "budget: give both"
             )
 
     @property
     def interval(self) -> int:
-        """Decoding blocks between two compressions (decoding modes)."""
+        """Decoding blocks between two compressions (decoding schedules)."""
         return self.compression_interval or DEFAULT_INTERVAL
 
     @property
@@ -147,16 +155,16 @@ class ScoredSpec(AttentionSpec):
 
     def kept_of(self, tokens):
         """The fewest of `tokens` candidates a row keeps once it has evicted."""
-        if self.mode in ("prefill", "continuous"):
+        if self.schedule in ("prefill", "continuous"):
             return self.prompt_kept(tokens)
         at_most = tokens.clamp(max=self.budget) if isinstance(tokens, torch.Tensor) else min(tokens, self.budget)
-        if self.mode == "decoding":
+        if self.schedule == "decoding":
             return at_most
         prompt = self.prompt_kept(tokens)  # prefill_decoding: the prompt's count, or the budget once decoding
         return torch.minimum(prompt, at_most) if isinstance(tokens, torch.Tensor) else min(prompt, at_most)
 
     def needed_tokens(self, seen):
-        """As if the `seen` tokens were one prompt (prefill) or a stream (the other modes)."""
+        """As if the `seen` tokens were one prompt (prefill) or a stream (the other schedules)."""
         return self.kept_of(self.pattern_needed(seen))
 
     def lossless_tokens(self) -> int:
@@ -183,14 +191,14 @@ class ScoredEvictionLayer(AttentionCacheLayer):
     own_eviction = True  # the top-scoring tokens per row and head, not what the pattern sees
     needs_weights: ClassVar[bool] = True
     needs_queries: ClassVar[bool] = False
-    example_params = {"budget": 5, "mode": "continuous"}
+    example_params = {"budget": 5, "schedule": "continuous"}
     spec: ScoredSpec
 
     def _allocate(self, batch_size: int) -> None:
         super()._allocate(batch_size)
         rows = (batch_size,)
         self.prompt_len = torch.full(rows, -1, dtype=torch.long, device=self.device)  # L per row once the prompt is in
-        # decoding modes: blocks since the prompt or the last compression (kvpress's per-layer step count), and what
+        # decoding schedules: blocks since the prompt or the last compression (kvpress's per-layer step count), and what
         # a row held then (as its pattern sees it) at how many tokens seen: min_nbytes counts from there
         self.decode_steps = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.held_base = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -211,23 +219,24 @@ class ScoredEvictionLayer(AttentionCacheLayer):
 
     @property
     def compressed(self) -> bool:
-        """The prompt (the first block) is in: prefill modes compressed it, decoding modes count blocks after it."""
+        """The prompt (the first block) is in: prefill schedules compressed it, decoding schedules count blocks after
+        it."""
         return bool((self.prompt_len >= 0).any())
 
     @property
     def awaits_prompt(self) -> bool:
-        """The next block is the prompt and the mode treats it apart: feed the prompt as ONE block."""
-        return self.spec.mode != "continuous" and not self.compressed
+        """The next block is the prompt and the schedule treats it apart: feed the prompt as ONE block."""
+        return self.spec.schedule != "continuous" and not self.compressed
 
     def _block_phase(self, tokens: int) -> str | None:
         """What a block of `tokens` tokens fed now does by score: "prompt" (compress the prompt), "decoding"
         (compress everything held to budget), "continuous", or None (the pattern's own eviction only)."""
-        mode = self.spec.mode
-        if mode == "continuous":
+        schedule = self.spec.schedule
+        if schedule == "continuous":
             return "continuous"
         if not self.compressed:
-            return "prompt" if mode in ("prefill", "prefill_decoding") else None
-        if mode == "prefill":
+            return "prompt" if schedule in ("prefill", "prefill_decoding") else None
+        if schedule == "prefill":
             return None
         # kvpress DecodingPress.forward_hook: count this block, compress at the interval-th or a block >= budget
         due = int(self.decode_steps.max()) + 1 >= self.spec.interval or tokens >= self.spec.budget
@@ -316,17 +325,17 @@ class ScoredEvictionLayer(AttentionCacheLayer):
     def _advance(self, phase: str | None, seen: torch.Tensor) -> None:
         """After a committed block: the prompt's length, the decoding step count, what a row holds from here."""
         s = self.spec
-        if s.mode == "continuous":
+        if s.schedule == "continuous":
             return
         if not self.compressed:  # that block was the prompt
             needed = s.pattern_needed(seen)
             self.prompt_len = seen.clone()
-            self.held_base = needed.clone() if s.mode == "decoding" else s.prompt_kept(needed)
+            self.held_base = needed.clone() if s.schedule == "decoding" else s.prompt_kept(needed)
             self.base_seen = seen.clone()
         elif phase == "decoding":
             self.held_base = s.decoding_kept(self._needed_rows(seen))
             self.base_seen, self.decode_steps = seen.clone(), torch.zeros_like(self.decode_steps)
-        elif s.mode in DECODING_MODES:
+        elif s.schedule in DECODING_SCHEDULES:
             self.decode_steps = self.decode_steps + 1
 
     def _needed_rows(self, seen: torch.Tensor) -> torch.Tensor:
@@ -342,7 +351,7 @@ class ScoredEvictionLayer(AttentionCacheLayer):
         ctx = self._pending
         rows = _per_row(seen, pos)
         candidates = (pos >= 0) & self.spec.visible(rows, pos)  # [B, (H,) S]: what the next query can still see
-        if ctx is None:  # not evicting by score now (prefill mode after the prompt): only the pattern's own
+        if ctx is None:  # not evicting by score now (prefill schedule after the prompt): only the pattern's own
             return super()._evict(pos, seen)
         cand = candidates if candidates.dim() == 3 else candidates[:, None]  # [B, Hs', S]
         ctx.state = {name: getattr(self, name) for name in self._slot_state}
@@ -378,11 +387,11 @@ class ScoredEvictionLayer(AttentionCacheLayer):
 
     # -- accounting --------------------------------------------------------------------------------------------
     def min_nbytes(self) -> int:
-        """Per row: what the method keeps of what the pattern needs (continuous: at most `budget`; the other modes:
+        """Per row: what the method keeps of what the pattern needs (continuous: at most `budget`; the other schedules:
         what the row held after the prompt or the last compression, plus every token since)."""
         s = self.spec
         seen = self.seen
-        if s.mode == "continuous":
+        if s.schedule == "continuous":
             needed = s.needed_tokens(seen)
         else:
             needed = torch.where(self.prompt_len >= 0, self._needed_rows(seen), s.pattern_needed(seen))

@@ -61,7 +61,7 @@ def check_real_rows(mask: torch.Tensor) -> None:
 
 
 def awaiting_prompt(cache: Cache) -> bool:
-    """Whether a layer of `cache` treats the next block it sees as the prompt (score-based, modes prefill, decoding,
+    """Whether a layer of `cache` treats the next block it sees as the prompt (score-based, schedules prefill, decoding,
     prefill_decoding: the prompt goes in as one block, as kvpress's prefill)."""
     return any(getattr(layer, "awaits_prompt", False) for layer in cache.layers)
 
@@ -147,12 +147,14 @@ class DecodeSource:
             return model(state.input_ids, model.make_cache(batch, self.cache_config), state.mask)[:, -1]
         tokens = continuation(state.input_ids, state.mask, cache) if self.continues else state.input_ids
         chunk = self.chunk_size or min(tokens.shape[1], DEFAULT_PREFILL_CHUNK)
-        if awaiting_prompt(cache):  # a prefill-mode method compresses at the end of the first block: the prompt
+        if awaiting_prompt(
+            cache
+        ):  # a method with schedule prefill compresses at the end of the first block: the prompt
             if self.chunk_size is not None and self.chunk_size < tokens.shape[1]:
                 raise GenerationError(
                     f"prefill_chunk_size={self.chunk_size}: this cache compresses the prompt "
-                    "once, at the end of its first block (mode: prefill), so the prompt is fed as "
-                    "one block; leave prefill_chunk_size unset, or use mode: continuous"
+                    "once, at the end of its first block (schedule: prefill), so the prompt is fed as "
+                    "one block; leave prefill_chunk_size unset, or use schedule: continuous"
                 )
             chunk = tokens.shape[1]
         start = cache.columns

@@ -1,10 +1,10 @@
 """Score-based KV compression methods, named and computed as kvpress's presses (NVIDIA kvpress 0.5.5), plus H2O.
 
 Each is one file: a spec (its parameters) and a `Scorer` (scorer.py: `score(ctx)`, optional per-slot state), registered
-under its config name as the one score-based layer type (`ScoredEvictionLayer`, scored_eviction.py: targets, modes,
-per-head storage). Defaults are the published ones; `mode` defaults to the method's published semantics (kvpress's
+under its config name as the one score-based layer type (`ScoredEvictionLayer`, scored_eviction.py: targets, schedules,
+per-head storage). Defaults are the published ones; `schedule` defaults to the method's published semantics (kvpress's
 presses compress the prompt once: `prefill`; TOVA and H2O evict while decoding: `continuous`). knorm, tova and
-streaming_llm also take kvpress's decoding-time modes `decoding` / `prefill_decoding` (DecodingPress /
+streaming_llm also take kvpress's decoding-time schedules `decoding` / `prefill_decoding` (DecodingPress /
 PrefillDecodingPress, press_schedule.py).
 
 | type | score (higher is kept) | heads |

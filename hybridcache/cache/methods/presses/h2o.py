@@ -15,7 +15,7 @@ from hybridcache.cache.methods.scorer import Scorer
 
 @dataclass(frozen=True, kw_only=True)
 class H2OSpec(ScoredSpec):
-    mode: str = tunable("continuous")
+    schedule: str = tunable("continuous")
     recent: int | None = tunable(None)  # most recent tokens always kept (None: half the budget, H2O's default)
 
     def __post_init__(self):

@@ -12,13 +12,13 @@ from hybridcache.cache.methods.scorer import Scorer
 
 @dataclass(frozen=True, kw_only=True)
 class TovaSpec(ScoredSpec):
-    mode: str = tunable("continuous")
+    schedule: str = tunable("continuous")
     per_head_positions = False
     decodes = True
 
 
 class Tova(Scorer):
-    """TOVA. Continuous (the paper's): the current token competes too. The other modes (kvpress TOVAPress, also
+    """TOVA. Continuous (the paper's): the current token competes too. The other schedules (kvpress TOVAPress, also
     inside its DecodingPress): the last token is always kept."""
 
     needs_weights = True
@@ -28,7 +28,7 @@ class Tova(Scorer):
 
     def score(self, ctx):
         last = ctx.weights[:, :, -1, :].mean(1, keepdim=True).double()  # [B, 1, S]
-        if self.spec.mode != "continuous":
+        if self.spec.schedule != "continuous":
             return force(last, ctx.slot_positions() == ctx.seen[:, None, None] - 1)
         return last
 
