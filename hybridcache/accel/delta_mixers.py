@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridcache.accel.native.recurrent_step import delta_step
+from hybridcache.accel.native.recurrent_step import DeltaStep, bind_delta_step
 from hybridcache.accel.recurrent_mixers import _decode_step, _projection
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
@@ -63,11 +63,20 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What a bound kernel call depends on of a tensor it points at (its values are read through the pointer)."""
+    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+
+
 class DeltaAccel:
-    """`mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+    """`mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs). The kernel's weight
+    arguments are checked once (native/recurrent_step.py `bind_delta_step`) and again whenever a weight tensor's
+    memory, dtype, shape or strides change (a module replaced, a quantization)."""
 
     def __init__(self, mixer: GatedDeltaNetMixer, form: DeltaForm | Callable[[nn.Module], DeltaForm]) -> None:
         self.mixer, self.form = mixer, form
+        self._key: tuple | None = None
+        self._bound: DeltaStep | None = None
 
     def _projections(self, form: DeltaForm) -> tuple[list, tuple[int, int, int]] | None:
         """delta_step's projs (weight, bias, scale, src) and fields (z, b, a); None: a module it does not take."""
@@ -80,6 +89,18 @@ class DeltaAccel:
             projs.append((*parts, index[form.z[0] if name in form.z else form.a[0]] if pair else None))
             index[name] = len(projs) - 1
         return projs, (index[form.z[-1]], index[form.b], index[form.a[-1]])
+
+    def _bind(self, form: DeltaForm, projs: list, fields: tuple, convs: list, gate: str, norm, out: tuple):
+        m = self.mixer
+        conv_ws = [c.weight[:, 0] for c in convs]  # [C, K] each
+        if len(conv_ws) == 1 and len(form.qkv) > 1:  # one conv over [q | k | v]: its rows per projection
+            conv_ws = list(conv_ws[0].split([p[0].shape[0] for p in projs[: len(form.qkv)]]))
+        lower = float(m.lower_bound) if form.decay == "bounded" else 0.0
+        return bind_delta_step(
+            (m.hk, m.hv, m.dk, m.dv), projs, len(form.qkv), fields, conv_ws,
+            (form.decay, m.dt_bias, m.A_log.reshape(-1), lower), m.beta_scale if form.beta_scaled else 1.0,
+            (gate, norm.weight, norm.eps), out,
+        )  # fmt: skip
 
     def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
         m = self.mixer
@@ -95,16 +116,16 @@ class DeltaAccel:
         if got is None:
             return None
         projs, fields = got
-        conv_ws = [c.weight[:, 0] for c in convs]  # [C, K] each
-        if len(conv_ws) == 1 and len(form.qkv) > 1:  # one conv over [q | k | v]: its rows per projection
-            conv_ws = list(conv_ws[0].split([p[0].shape[0] for p in projs[: len(form.qkv)]]))
-        lower = float(m.lower_bound) if form.decay == "bounded" else 0.0
+        tensors = [t for p in projs for t in p[:3]] + [c.weight for c in convs]
+        tensors += [m.dt_bias, m.A_log, norm.weight, out[0], out[1], out[2]]
+        key = (form, gate, fields, norm.eps, m.beta_scale, getattr(m, "lower_bound", None), m.hk, m.hv, m.dk, m.dv)
+        key += tuple(_layout(t) for t in tensors)
+        if key != self._key:
+            self._bound, self._key = self._bind(form, projs, fields, convs, gate, norm, out), key
+        if self._bound is None:
+            return None
         states = layer.states
-        got = delta_step(
-            h, (m.hk, m.hv, m.dk, m.dv), projs, len(form.qkv), fields, conv_ws, states["conv"],
-            (form.decay, m.dt_bias, m.A_log.reshape(-1), lower), m.beta_scale if form.beta_scaled else 1.0,
-            states["recurrent"], (gate, norm.weight, norm.eps), out,
-        )  # fmt: skip
+        got = self._bound.run(h, states["conv"], states["recurrent"])
         if got is None:
             return None
         y, conv, rec = got

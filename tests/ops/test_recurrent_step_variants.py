@@ -251,3 +251,23 @@ def test_what_the_variant_kernels_do_not_take_goes_to_the_reference():
     block.conv_1d.register_forward_hook(lambda *a: None)
     assert fast(torch.randn(2, 1, 16), layer, _step([1, 1])) is None  # a hook inside: the reference runs it
     assert layer.new is None
+
+
+def test_delta_accel_follows_weights_changed_or_replaced_after_its_first_call():
+    """The accel checks the weights once and keeps their pointers: values changed in place are read, a replaced
+    tensor (or a projection that gains a bias) makes it check again, so its output stays the reference's."""
+    mixer = KimiDeltaAttention(24, 3, 8, 4, 1e-6)
+    _randomize(mixer, 11)
+    fast = accel_for(mixer)
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(2, 1, 24, generator=g)
+    states = {"conv": torch.randn(2, mixer.conv_dim, 3, generator=g), "recurrent": torch.randn(2, 3, 8, 8) * 0.3}
+    _both(mixer, fast, h, states, [4, 4])  # bound here
+    mixer.q_proj.weight.mul_(-1.5)  # in place: the same memory
+    (ref, _), (y, _) = _both(mixer, fast, h, states, [4, 4])
+    torch.testing.assert_close(y, ref, **TOL)
+    mixer.o_proj.weight = torch.nn.Parameter(torch.randn(24, 24, generator=g))  # replaced: other memory
+    (ref, _), (y, _) = _both(mixer, fast, h, states, [4, 4])
+    torch.testing.assert_close(y, ref, **TOL)
+    mixer.b_proj.bias = torch.nn.Parameter(torch.ones(3))  # a bias the kernel does not take: the reference runs
+    assert fast(h, _Layer(**states), _step([4, 4])) is None

@@ -298,34 +298,58 @@ def _int(v, lo: int, hi: int) -> bool:
     return type(v) is int and lo <= v < hi
 
 
-def delta_step(
-    x: torch.Tensor,
+class DeltaStep:
+    """hc_delta_step with its weights checked once (bind_delta_step): `run(x, conv_state, rec_state)` checks only
+    those and calls the kernel. Holds the weight tensors it points at (they stay alive while it does)."""
+
+    def __init__(self, lib, sizes: tuple, args: tuple, keep: tuple, scratch_cols: int) -> None:
+        self.lib, self.sizes, self.args, self.keep, self.scratch_cols = lib, sizes, args, keep, scratch_cols
+
+    def run(
+        self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """x [B, 1, Dm], conv_state [B, 2 Hk Dk + Hv Dv, K-1], rec_state [B, Hv, Dk, Dv] -> (y [B, 1, Dm], the new
+        conv state, the new recurrent state); None where the kernel does not take them."""
+        dm, hk, hv, dk, dv, k, cc = self.sizes
+        b = _rows(x, dm) if isinstance(x, torch.Tensor) else None
+        if b is None:
+            return None
+        states_ok = _state(conv_state, (b, cc, k - 1), "the conv state") and _state(
+            rec_state, (b, hv, dk, dv), "the recurrent state"
+        )
+        if not states_ok:
+            return None
+        x = x.contiguous()
+        new_conv, new_rec = torch.empty(conv_state.shape, dtype=_F32), torch.empty(rec_state.shape, dtype=_F32)
+        y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * self.scratch_cols, dtype=_F32)
+        head, tail = self.args
+        self.lib.hc_delta_step(
+            x.data_ptr(), b, dm, hk, hv, dk, dv, k, *head, conv_state.data_ptr(), new_conv.data_ptr(), *tail[:8],
+            rec_state.data_ptr(), new_rec.data_ptr(), *tail[8:], scratch.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        return y, new_conv, new_rec
+
+
+def bind_delta_step(
     heads: tuple[int, int, int, int],
     projs: list[tuple],
     n_qkv: int,
     fields: tuple[int, int, int],
     conv_ws: list[torch.Tensor],
-    conv_state: torch.Tensor,
     decay: tuple[str, torch.Tensor, torch.Tensor, float],
     beta_scale: float,
-    rec_state: torch.Tensor,
     norm: tuple[str, torch.Tensor, float],
     out_proj: tuple,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """A delta-rule mixer with separate projections (Qwen3.5, OLMo-Hybrid, KDA) on one token: x [B, 1, Dm], heads
-    (Hk, Hv, Dk, Dv), projs [(weight, bias, scale, src)] (src None: reads x; else the index of an earlier projection
-    whose output it reads), the first n_qkv of them the conv input [q | k | v] with their conv weights conv_ws
-    ([rows, K] each, no bias), conv_state [B, 2 Hk Dk + Hv Dv, K-1], fields (z, b, a): the projections of the output
-    gate [Hv Dv], beta's logits [Hv] and the decay's logits, decay (DECAYS kind, dt_bias, A_log [Hv], lower_bound),
-    beta's scale, rec_state [B, Hv, Dk, Dv], norm (OUTPUT_GATES kind, weight [Dv], eps), out_proj (weight
-    [Dm, Hv Dv], no bias, scale) -> (y [B, 1, Dm], the new conv state, the new recurrent state)."""
+) -> DeltaStep | None:
+    """delta_step's weights checked once (its arguments less x and the states; the model width is the first
+    projection's input, which reads x) -> a DeltaStep, or None where the kernel does not take them."""
     lib = _library()
-    if lib is None or not isinstance(x, torch.Tensor) or x.dim() != 3:
+    if lib is None:
         return None
     if len(heads) != 4 or not all(type(v) is int and v >= 1 for v in heads) or heads[1] % heads[0]:
         raise KernelArgumentError(f"delta step: heads must be (Hk, Hv, Dk, Dv) >= 1 with Hk | Hv, got {heads}")
     hk, hv, dk, dv = heads
-    kd, vd, dm = hk * dk, hv * dv, x.shape[-1]
+    kd, vd = hk * dk, hv * dv
     cc = 2 * kd + vd
     if not 1 <= len(projs) <= 8 or not all(isinstance(p, tuple) and len(p) == 4 for p in projs):
         raise KernelArgumentError("delta step: projs must be 1 to 8 (weight, bias, scale, src) tuples")
@@ -334,6 +358,7 @@ def delta_step(
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not (src is None or _int(src, 0, j)):
             raise KernelArgumentError(f"delta step: projection {j} needs a weight matrix and an earlier source")
         rows.append(w.shape[0])
+    dm = projs[0][0].shape[1]
     if not _int(n_qkv, 1, len(projs) + 1) or sum(rows[:n_qkv]) != cc or len(conv_ws) != n_qkv:
         raise KernelArgumentError(f"delta step: the first {n_qkv} projections must give {cc} conv channels")
     if len(fields) != 3 or not all(_int(f, 0, len(projs)) for f in fields) or decay[0] not in DECAYS:
@@ -352,18 +377,11 @@ def delta_step(
     scratch_cols = sum(rows) + cc + 2 * vd + hv * dk
     if not 0 < scratch_cols * MAX_ROWS <= INT_MAX:
         raise KernelArgumentError("delta step: sizes too large")
-    b = _rows(x, dm)
-    if b is None:
-        return None
     codes = [_proj((w, bias, s), rows[j], dm if src is None else rows[src], f"projection {j}")
              for j, (w, bias, s, src) in enumerate(projs)]  # fmt: skip
     out_code = _proj(out_proj, dm, vd, "out_proj")
-    states_ok = _state(conv_state, (b, cc, k - 1), "the conv state") and _state(
-        rec_state, (b, hv, dk, dv), "the recurrent state"
-    )
     if (
-        not states_ok
-        or None in codes
+        None in codes
         or out_code is None
         or any(p[1] is not None for p in projs)
         or out_proj[1] is not None
@@ -372,23 +390,49 @@ def delta_step(
         or None in (dt_bias, a_log, norm[1])
     ):
         return None
-    x = x.contiguous()
-    new_conv, new_rec = torch.empty(conv_state.shape, dtype=_F32), torch.empty(rec_state.shape, dtype=_F32)
-    y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * scratch_cols, dtype=_F32)
     n = len(projs)
-    ptrs = (ctypes.c_void_p * n)(*(p[0].data_ptr() for p in projs))
-    scales = (ctypes.c_void_p * n)(*(_ptr(p[2]) for p in projs))
-    types, sizes = (ctypes.c_int * n)(*codes), (ctypes.c_int * n)(*rows)
-    srcs = (ctypes.c_int * n)(*(-1 if p[3] is None else p[3] for p in projs))
+    arrays = (
+        (ctypes.c_void_p * n)(*(p[0].data_ptr() for p in projs)),
+        (ctypes.c_int * n)(*codes),
+        (ctypes.c_void_p * n)(*(_ptr(p[2]) for p in projs)),
+        (ctypes.c_int * n)(*rows),
+        (ctypes.c_int * n)(*(-1 if p[3] is None else p[3] for p in projs)),
+    )
     convs = (ctypes.c_void_p * n_qkv)(*(w.data_ptr() for w in conv_ws))
-    lib.hc_delta_step(
-        x.data_ptr(), b, dm, hk, hv, dk, dv, k, n, ptrs, types, scales, sizes, srcs, n_qkv, convs,
-        conv_state.data_ptr(), new_conv.data_ptr(), *fields, DECAYS[kind], float(lower), dt_bias.data_ptr(),
-        a_log.data_ptr(), float(beta_scale), rec_state.data_ptr(), new_rec.data_ptr(), OUTPUT_GATES[norm[0]],
-        norm[1].data_ptr(), float(norm[2]), out_proj[0].data_ptr(), out_code, _ptr(out_proj[2]), scratch.data_ptr(),
-        y.data_ptr(),
-    )  # fmt: skip
-    return y, new_conv, new_rec
+    head = (n, *arrays, n_qkv, convs)
+    tail = (*fields, DECAYS[kind], float(lower), dt_bias.data_ptr(), a_log.data_ptr(), float(beta_scale))
+    tail += (OUTPUT_GATES[norm[0]], norm[1].data_ptr(), float(norm[2]), out_proj[0].data_ptr(), out_code)
+    tail += (_ptr(out_proj[2]),)
+    keep = (projs, conv_ws, dt_bias, a_log, norm, out_proj)
+    return DeltaStep(lib, (dm, hk, hv, dk, dv, k, cc), (head, tail), keep, scratch_cols)
+
+
+def delta_step(
+    x: torch.Tensor,
+    heads: tuple[int, int, int, int],
+    projs: list[tuple],
+    n_qkv: int,
+    fields: tuple[int, int, int],
+    conv_ws: list[torch.Tensor],
+    conv_state: torch.Tensor,
+    decay: tuple[str, torch.Tensor, torch.Tensor, float],
+    beta_scale: float,
+    rec_state: torch.Tensor,
+    norm: tuple[str, torch.Tensor, float],
+    out_proj: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A delta-rule mixer with separate projections (Qwen3.5, OLMo-Hybrid, KDA) on one token: x [B, 1, Dm], heads
+    (Hk, Hv, Dk, Dv), projs [(weight, bias, scale, src)] (src None: reads x; else the index of an earlier projection
+    whose output it reads; the first reads x), the first n_qkv of them the conv input [q | k | v] with their conv
+    weights conv_ws ([rows, K] each, no bias), conv_state [B, 2 Hk Dk + Hv Dv, K-1], fields (z, b, a): the
+    projections of the output gate [Hv Dv], beta's logits [Hv] and the decay's logits, decay (DECAYS kind, dt_bias,
+    A_log [Hv], lower_bound), beta's scale, rec_state [B, Hv, Dk, Dv], norm (OUTPUT_GATES kind, weight [Dv], eps),
+    out_proj (weight [Dm, Hv Dv], no bias, scale) -> (y [B, 1, Dm], the new conv state, the new recurrent state).
+    (bind_delta_step + DeltaStep.run in one call.)"""
+    if _library() is None or not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    bound = bind_delta_step(heads, projs, n_qkv, fields, conv_ws, decay, beta_scale, norm, out_proj)
+    return None if bound is None else bound.run(x, conv_state, rec_state)
 
 
 def rglru_step(
