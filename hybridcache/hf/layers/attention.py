@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from hybridcache.hf.errors import BridgeError
+from hybridcache.hf.layers.whole_cache import whole_cache_only
 from hybridcache.hf.layout import AttentionShape
 
 
@@ -27,6 +28,7 @@ def _widen(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
+@whole_cache_only
 class BridgeAttentionLayer(CacheLayerMixin):
     """HF's view of one of our attention cache layers (decoder layer `index`, group member `member` or None)."""
 
@@ -126,28 +128,3 @@ class BridgeAttentionLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         limit = getattr(self.bridge.plan_spec(self.index, self.attention_member), "max_length", None)
         return -1 if limit is None else int(limit)
-
-    # -- per-layer operations: the bridge runs them on the whole cache at once ----------------------------------
-    def _whole(self, what: str):
-        raise BridgeError(f"{what} acts on the whole cache at once: call it on the BridgeCache, not on one layer")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._whole("crop")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._whole("reorder_cache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._whole("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._whole("batch_select_indices")
-
-    def reset(self) -> None:
-        self._whole("reset")
-
-    def offload(self) -> None:
-        """Offloading is a storage choice of ours (`storage: offload`), not HF's per-layer offload."""
-
-    def prefetch(self) -> None:
-        """See `offload`."""

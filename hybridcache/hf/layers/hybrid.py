@@ -32,12 +32,3 @@ class BridgeHybridLayer(BridgeStateLayer, BridgeAttentionLayer):
     def end_block(self) -> None:
         BridgeStateLayer.end_block(self)
         BridgeAttentionLayer.end_block(self)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._whole("crop")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self._whole("reorder_cache")
-
-    def reset(self) -> None:
-        self._whole("reset")

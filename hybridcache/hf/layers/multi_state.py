@@ -21,6 +21,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from hybridcache.hf.errors import BridgeError
 from hybridcache.hf.layers.attention import BridgeAttentionLayer
 from hybridcache.hf.layers.state import _ByIndex
+from hybridcache.hf.layers.whole_cache import whole_cache_only
 from hybridcache.hf.layout import AttentionShape
 from hybridcache.hf.native import PartSpec
 
@@ -73,6 +74,7 @@ class StatePart:
         self.work, self.written = None, False
 
 
+@whole_cache_only
 class BridgeMultiStateLayer(LinearAttentionCacheLayerMixin, BridgeAttentionLayer):
     """HF's view of a group {attention, one conv member per state}: attention calls go to `attention`, state calls
     by their `state_idx` to that state's part."""
@@ -165,24 +167,3 @@ class BridgeMultiStateLayer(LinearAttentionCacheLayerMixin, BridgeAttentionLayer
 
     def activate_past_recording(self) -> None:
         raise BridgeError("HF's past recording (assisted decoding) is not used by the bridge: use our checkpoints")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._whole("crop")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self._whole("reorder_cache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._whole("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices) -> None:
-        self._whole("batch_select_indices")
-
-    def reset(self) -> None:
-        self._whole("reset")
-
-    def offload(self) -> None:
-        """Offloading is a storage choice of ours, not HF's per-layer offload."""
-
-    def prefetch(self) -> None:
-        """See `offload`."""

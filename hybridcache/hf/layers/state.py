@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hybridcache.hf.errors import BridgeError
+from hybridcache.hf.layers.whole_cache import whole_cache_only
 from hybridcache.hf.layout import StateShape
 
 
@@ -44,6 +45,7 @@ class _ByIndex(Mapping):
         return self._n
 
 
+@whole_cache_only
 class BridgeStateLayer(LinearAttentionCacheLayerMixin):
     """HF's view of one of our recurrent cache layers (decoder layer `index`, group member `member` or None)."""
 
@@ -185,25 +187,6 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
     def end_block(self) -> None:
         self._conv = self._rec = None
         self._written = False
-
-    # -- per-layer operations: the bridge runs them on the whole cache at once ----------------------------------
-    def _whole(self, what: str):
-        raise BridgeError(f"{what} acts on the whole cache at once: call it on the BridgeCache, not on one layer")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._whole("crop")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._whole("reorder_cache")
-
-    def reset(self) -> None:
-        self._whole("reset")
-
-    def offload(self) -> None:
-        """Offloading is a storage choice of ours (`offload: true`), not HF's per-layer offload."""
-
-    def prefetch(self) -> None:
-        """See `offload`."""
 
     def activate_past_recording(self) -> None:
         raise BridgeError(
