@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel.native.recurrent_step import DeltaStep, bind_delta_step
-from hybridcache.accel.recurrent_mixers import _decode_step, _projection
+from hybridcache.accel.recurrent_mixers import _decode_step, _layout, _projection
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
 from hybridcache.nn.recurrent.kda import BailingDeltaAttention, KimiDeltaAttention, SigmoidGatedHeadNorm
@@ -61,11 +61,6 @@ BAILING_BOUNDED = DeltaForm(**{**BAILING.__dict__, "decay": "bounded"})
 
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
-def _layout(t: torch.Tensor | None) -> tuple | None:
-    """What a bound kernel call depends on of a tensor it points at (its values are read through the pointer)."""
-    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
 class DeltaAccel:

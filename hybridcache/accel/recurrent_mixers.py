@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from hybridcache.accel.native.recurrent_step import (
+    Mamba2Step,
+    bind_mamba2_step,
     gated_delta_step,
-    mamba2_step,
     mamba_groups_step,
     mamba_step,
     rglru_step,
@@ -81,11 +82,20 @@ class ShortConvAccel:
         return y
 
 
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What a bound kernel call depends on of a tensor it points at (its values are read through the pointer)."""
+    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+
+
 class Mamba2Accel:
-    """`Mamba2Mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
+    """`Mamba2Mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs). The kernel's weight
+    arguments are checked once (bind_mamba2_step) and again whenever a weight tensor's memory, dtype, shape or
+    strides change."""
 
     def __init__(self, mixer: Mamba2Mixer) -> None:
         self.mixer = mixer
+        self._key: tuple | None = None
+        self._bound: Mamba2Step | None = None
 
     def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
         m = self.mixer
@@ -102,23 +112,20 @@ class Mamba2Accel:
             norm_args = (norm.weight, norm.eps)
         else:
             return None
+        sizes, limit = (m.num_heads, m.head_dim, m.n_groups, m.state_size), m.time_step_limit
+        tensors = (*in_proj, *out_proj, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D)
+        key = (h.shape[-1], sizes, gate, tuple(limit), norm_args and (_layout(norm.weight), norm.eps))
+        key += tuple(_layout(t) for t in tensors)
+        if key != self._key:
+            self._bound = bind_mamba2_step(
+                h.shape[-1], sizes, in_proj, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log, m.D,
+                limit, gate, norm_args, out_proj,
+            )  # fmt: skip
+            self._key = key
+        if self._bound is None:
+            return None
         states = layer.states
-        got = mamba2_step(
-            h,
-            (m.num_heads, m.head_dim, m.n_groups, m.state_size),
-            in_proj,
-            m.conv1d.weight.squeeze(1),
-            m.conv1d.bias,
-            states["conv"],
-            m.dt_bias,
-            m.A_log,
-            m.D,
-            m.time_step_limit,
-            states["ssm"],
-            gate,
-            norm_args,
-            out_proj,
-        )
+        got = self._bound.run(h, states["conv"], states["ssm"])
         if got is None:
             return None
         y, conv, ssm = got

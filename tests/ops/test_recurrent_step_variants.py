@@ -17,12 +17,13 @@ from hybridcache.accel.delta_mixers import DeltaAccel, bailing_accel, kda_accel
 from hybridcache.accel.install import accel_for
 from hybridcache.accel.native.checks import KernelArgumentError
 from hybridcache.accel.native.recurrent_step import delta_step, mamba_groups_step, rglru_step
-from hybridcache.accel.recurrent_mixers import MambaGroupsAccel, RGLRUAccel, rglru_accel
+from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaGroupsAccel, RGLRUAccel, rglru_accel
 from hybridcache.models.families.olmo_hybrid import OlmoHybridConfig, OlmoHybridGatedDeltaNet
 from hybridcache.models.families.qwen3_5 import Qwen35GatedDeltaNet
 from hybridcache.models.families.zamba import ZambaConfig, ZambaMambaMixer
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.recurrent.kda import BailingDeltaAttention, KimiDeltaAttention
+from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 from hybridcache.nn.recurrent.rglru import RecurrentBlock
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
@@ -271,3 +272,26 @@ def test_delta_accel_follows_weights_changed_or_replaced_after_its_first_call():
     torch.testing.assert_close(y, ref, **TOL)
     mixer.b_proj.bias = torch.nn.Parameter(torch.ones(3))  # a bias the kernel does not take: the reference runs
     assert fast(h, _Layer(**states), _step([4, 4])) is None
+
+
+def test_mamba2_accel_follows_weights_changed_or_replaced_after_its_first_call():
+    """Mamba2's accel binds its weights once too (bind_mamba2_step): in-place changes are read, a replaced tensor
+    rebinds, a different norm eps or gate is seen; its output stays the reference module's."""
+    mixer = Mamba2Mixer(16, 4, 4, 8, n_groups=2)
+    _randomize(mixer, 3)
+    fast = accel_for(mixer)
+    assert isinstance(fast, Mamba2Accel)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 1, 16, generator=g)
+    states = {"conv": torch.randn(2, mixer.conv_dim, 3, generator=g), "ssm": torch.randn(2, 4, 4, 8, generator=g)}
+    _both(mixer, fast, h, states, [2, 2])
+    for change in (
+        lambda: mixer.in_proj.weight.mul_(0.5),  # in place
+        lambda: setattr(mixer.out_proj, "weight", torch.nn.Parameter(torch.randn(16, 16, generator=g))),
+        lambda: setattr(mixer.norm, "eps", 0.5),
+        lambda: setattr(mixer.norm, "norm_before_gate", True),
+    ):
+        change()
+        (ref, ref_new), (y, new) = _both(mixer, fast, h, states, [2, 2])
+        torch.testing.assert_close(new["ssm"], ref_new["ssm"], **TOL)
+        torch.testing.assert_close(y, ref, **TOL)

@@ -85,6 +85,87 @@ def short_conv_step(
     return y, new_state
 
 
+class Mamba2Step:
+    """hc_mamba2_step with its weights checked once (bind_mamba2_step): `run(x, conv_state, ssm_state)` checks only
+    those and calls the kernel. Holds the weight tensors it points at."""
+
+    def __init__(self, lib, sizes: tuple, head: tuple, tail: tuple, keep: tuple) -> None:
+        self.lib, self.sizes, self.head, self.tail, self.keep = lib, sizes, head, tail, keep
+
+    def run(
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """x [B, 1, Dm], conv_state [B, I + 2GN, K-1], ssm_state [B, H, P, N] -> (y [B, 1, Dm], the new conv state,
+        the new ssm state); None where the kernel does not take them."""
+        dm, h, p, n, k, cc, scratch_cols = self.sizes
+        b = _rows(x, dm) if isinstance(x, torch.Tensor) else None
+        if b is None:
+            return None
+        states_ok = _state(conv_state, (b, cc, k - 1), "the conv state") and _state(
+            ssm_state, (b, h, p, n), "the state"
+        )
+        if not states_ok:
+            return None
+        x = x.contiguous()
+        new_conv, new_ssm = torch.empty(conv_state.shape, dtype=_F32), torch.empty(ssm_state.shape, dtype=_F32)
+        y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * scratch_cols, dtype=_F32)
+        self.lib.hc_mamba2_step(
+            x.data_ptr(), b, dm, *self.head, conv_state.data_ptr(), new_conv.data_ptr(), *self.tail[:5],
+            ssm_state.data_ptr(), new_ssm.data_ptr(), *self.tail[5:], scratch.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        return y, new_conv, new_ssm
+
+
+def bind_mamba2_step(
+    dm: int,
+    sizes: tuple[int, int, int, int],
+    in_proj: tuple,
+    conv_w: torch.Tensor,
+    conv_b: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    d_skip: torch.Tensor | None,
+    dt_limit: tuple[float, float],
+    gate: str,
+    norm: tuple[torch.Tensor, float] | None,
+    out_proj: tuple,
+) -> Mamba2Step | None:
+    """mamba2_step's weights for inputs of dm features, checked once -> a Mamba2Step, or None where the kernel does
+    not take them."""
+    lib = _library()
+    if lib is None or not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2:
+        return None
+    if len(sizes) != 4 or not all(type(v) is int and v >= 1 for v in sizes):
+        raise KernelArgumentError(f"mamba2 step: sizes must be 4 positive ints (H, P, G, N), got {sizes}")
+    h, p, g, n = sizes
+    i, gn = h * p, g * n
+    cc, e = i + 2 * gn, 2 * i + 2 * gn + h
+    k = conv_w.shape[1]
+    if h % g or i % g or gate not in GATES or (gate == "silu") != (norm is None):
+        raise KernelArgumentError(f"mamba2 step: {h} heads in {g} groups, gate {gate!r} with norm {norm is not None}")
+    if conv_w.shape[0] != cc or not 2 <= k <= 64 or not 0 < (e + cc + i) * MAX_ROWS <= INT_MAX:
+        raise KernelArgumentError(f"mamba2 step: conv weight {list(conv_w.shape)} for {cc} channels, width in [2, 64]")
+    if not (len(dt_limit) == 2 and all(_real(v) and not math.isnan(v) for v in dt_limit)):
+        raise KernelArgumentError(f"mamba2 step: dt_limit must be two real numbers, got {dt_limit}")
+    t_in, t_out = _proj(in_proj, e, dm, "in_proj"), _proj(out_proj, dm, i, "out_proj")
+    norm_w, eps = norm if norm is not None else (None, 0.0)
+    if (
+        t_in is None
+        or t_out is None
+        or not conv_w.is_contiguous()
+        or not all(_vec(v, h) and v is not None for v in (dt_bias, a_log))
+        or not all(_vec(v, n_) for v, n_ in ((d_skip, h), (conv_b, cc), (norm_w, i)))
+        or not _real(eps)
+    ):
+        return None
+    (w_in, b_in, s_in), (w_out, b_out, s_out) = in_proj, out_proj
+    head = (h, p, g, n, k, w_in.data_ptr(), t_in, _ptr(s_in), _ptr(b_in), conv_w.data_ptr(), _ptr(conv_b))
+    tail = (dt_bias.data_ptr(), a_log.data_ptr(), _ptr(d_skip), float(dt_limit[0]), float(dt_limit[1]), GATES[gate])
+    tail += (_ptr(norm_w), float(eps), w_out.data_ptr(), t_out, _ptr(s_out), _ptr(b_out))
+    keep = (in_proj, conv_w, conv_b, dt_bias, a_log, d_skip, norm, out_proj)
+    return Mamba2Step(lib, (dm, h, p, n, k, cc, e + cc + i), head, tail, keep)
+
+
 def mamba2_step(
     x: torch.Tensor,
     sizes: tuple[int, int, int, int],
@@ -105,50 +186,12 @@ def mamba2_step(
     (weight [2I + 2GN + H, Dm], bias, scale) with I = H P, the conv weight [I + 2GN, K] and bias, conv_state
     [B, I + 2GN, K-1], dt_bias / A_log / D [H], dt_limit (lo, hi), ssm_state [B, H, P, N], the gate (GATES), the
     gated norm's (weight [I], eps) (None for "silu"), out_proj (weight [Dm, I], bias, scale) -> (y [B, 1, Dm], the
-    new conv state, the new ssm state)."""
-    lib = _library()
-    if lib is None or not isinstance(x, torch.Tensor) or not isinstance(conv_w, torch.Tensor) or conv_w.dim() != 2:
+    new conv state, the new ssm state). (bind_mamba2_step + Mamba2Step.run in one call.)"""
+    if _library() is None or not isinstance(x, torch.Tensor):
         return None
-    if len(sizes) != 4 or not all(type(v) is int and v >= 1 for v in sizes):
-        raise KernelArgumentError(f"mamba2 step: sizes must be 4 positive ints (H, P, G, N), got {sizes}")
-    h, p, g, n = sizes
-    i, gn = h * p, g * n
-    cc, e = i + 2 * gn, 2 * i + 2 * gn + h
-    k = conv_w.shape[1]
-    if h % g or i % g or gate not in GATES or (gate == "silu") != (norm is None):
-        raise KernelArgumentError(f"mamba2 step: {h} heads in {g} groups, gate {gate!r} with norm {norm is not None}")
-    if conv_w.shape[0] != cc or not 2 <= k <= 64 or not 0 < (e + cc + i) * MAX_ROWS <= INT_MAX:
-        raise KernelArgumentError(f"mamba2 step: conv weight {list(conv_w.shape)} for {cc} channels, width in [2, 64]")
-    if not (len(dt_limit) == 2 and all(_real(v) and not math.isnan(v) for v in dt_limit)):
-        raise KernelArgumentError(f"mamba2 step: dt_limit must be two real numbers, got {dt_limit}")
     dm = x.shape[-1] if x.dim() else 0
-    b = _rows(x, dm)
-    if b is None:
-        return None
-    t_in, t_out = _proj(in_proj, e, dm, "in_proj"), _proj(out_proj, dm, i, "out_proj")
-    states_ok = _state(conv_state, (b, cc, k - 1), "the conv state") and _state(ssm_state, (b, h, p, n), "the state")
-    norm_w, eps = norm if norm is not None else (None, 0.0)
-    if (
-        not states_ok
-        or t_in is None
-        or t_out is None
-        or not conv_w.is_contiguous()
-        or not all(_vec(v, h) and v is not None for v in (dt_bias, a_log))
-        or not all(_vec(v, n_) for v, n_ in ((d_skip, h), (conv_b, cc), (norm_w, i)))
-        or not _real(eps)
-    ):
-        return None
-    x = x.contiguous()
-    new_conv, new_ssm = torch.empty(conv_state.shape, dtype=_F32), torch.empty(ssm_state.shape, dtype=_F32)
-    y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * (e + cc + i), dtype=_F32)
-    (w_in, b_in, s_in), (w_out, b_out, s_out) = in_proj, out_proj
-    lib.hc_mamba2_step(
-        x.data_ptr(), b, dm, h, p, g, n, k, w_in.data_ptr(), t_in, _ptr(s_in), _ptr(b_in), conv_w.data_ptr(),
-        _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(),
-        _ptr(d_skip), float(dt_limit[0]), float(dt_limit[1]), ssm_state.data_ptr(), new_ssm.data_ptr(), GATES[gate],
-        _ptr(norm_w), float(eps), w_out.data_ptr(), t_out, _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
-    )  # fmt: skip
-    return y, new_conv, new_ssm
+    bound = bind_mamba2_step(dm, sizes, in_proj, conv_w, conv_b, dt_bias, a_log, d_skip, dt_limit, gate, norm, out_proj)
+    return None if bound is None else bound.run(x, conv_state, ssm_state)
 
 
 def mamba_step(
