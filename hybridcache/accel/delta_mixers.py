@@ -3,9 +3,10 @@ DeltaNet, Kimi's and Bailing's KDA): an eager float32 decode step in one C call,
 delta rule, the gated head norm and the output projection included (native/recurrent_step.py `delta_step`).
 
 A mixer class describes its step as a `DeltaForm` (which of its modules feed the conv, the output gate, beta and
-the decay, and the decay's kind) and is registered with `delta_accel(cls, form)`; the model files of Qwen3.5 and
-OLMo-Hybrid register theirs, install.py the KDA ones. Only that exact class gets it (a subclass may compute another
-step). The cache is seen as in recurrent_mixers.py: anything the kernel does not take runs the reference `forward`.
+the decay, and the decay's kind) and is registered with `delta_accel(cls, form)`; the model files of Qwen3.5,
+OLMo-Hybrid and GLM-5-Next register theirs, install.py the KDA ones. Only that exact class gets it (a subclass may
+compute another step). The cache is seen as in recurrent_mixers.py: anything the kernel does not take runs the
+reference `forward`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ KDA = DeltaForm(
     out="o_proj",
     beta_scaled=False,
 )
+KDA_BOUNDED = DeltaForm(**{**KDA.__dict__, "decay": "bounded"})  # GLM-5-Next's: Kimi's gates, Bailing's decay
 BAILING = DeltaForm(**{**KDA.__dict__, "z": ("g_proj",), "a": ("f_proj",)})
 BAILING_BOUNDED = DeltaForm(**{**BAILING.__dict__, "decay": "bounded"})
 

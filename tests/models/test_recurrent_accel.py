@@ -1,6 +1,6 @@
 """The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py, delta_mixers.py): every
 Mamba1 (Zamba's grouped one too), Mamba2, short conv, Gated DeltaNet (Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's), KDA
-(Kimi's, Bailing's) and RG-LRU mixer of the tiny checkpoints takes its decode steps in one C call,
+(Kimi's, Bailing's, GLM-5-Next's) and RG-LRU mixer of the tiny checkpoints takes its decode steps in one C call,
 the greedy tokens equal those of the reference modules (`accel.uninstall`) and of HF transformers, and the logits
 and the cache's states stay within float32 noise of both (Mamba2 amplifies ulp-level differences ~10x: 1e-4 on
 logits of order 1)."""
@@ -42,6 +42,7 @@ FAMILIES = [
     "bailing_hybrid",
     "recurrentgemma",
     "zamba",
+    "glm5_next",
 ]
 FAST = (Mamba2Accel, MambaAccel, ShortConvAccel, GatedDeltaAccel, DeltaAccel, RGLRUAccel, MambaGroupsAccel)
 NEW = 12

@@ -1,8 +1,8 @@
 """The one-call decode steps of the recurrent mixer variants (accel/delta_mixers.py, accel/recurrent_mixers.py:
 native/recurrent_step.py `delta_step`, `rglru_step`, `mamba_groups_step`) against the reference modules' own
-`forward` on random weights and states: Qwen3.5's and OLMo-Hybrid's Gated DeltaNet, Kimi's KDA, Bailing's KDA
-(bounded and softplus decay), RecurrentGemma's recurrent block (a row restarting at position 0 beside one that does
-not) and Zamba's grouped Mamba1. The cache layer is a stand-in that records what the mixer hands it.
+`forward` on random weights and states: Qwen3.5's and OLMo-Hybrid's Gated DeltaNet, Kimi's KDA, Bailing's and
+GLM-5-Next's KDA (bounded and softplus decay), RecurrentGemma's recurrent block (a row restarting at position 0 beside
+one that does not) and Zamba's grouped Mamba1. The cache layer is a stand-in that records what the mixer hands it.
 Tolerance: float32 noise (the kernels sum in another order than torch's einsum / matmul). Hostile sizes are refused
 by name before any C call; what the kernels do not take (float64, a prefill block) is left to the reference."""
 
@@ -18,6 +18,7 @@ from hybridcache.accel.install import accel_for
 from hybridcache.accel.native.checks import KernelArgumentError
 from hybridcache.accel.native.recurrent_step import delta_step, mamba_groups_step, rglru_step
 from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaGroupsAccel, RGLRUAccel, rglru_accel
+from hybridcache.models.families.glm5_next import Glm5DeltaAttention
 from hybridcache.models.families.olmo_hybrid import OlmoHybridConfig, OlmoHybridGatedDeltaNet
 from hybridcache.models.families.qwen3_5 import Qwen35GatedDeltaNet
 from hybridcache.models.families.zamba import ZambaConfig, ZambaMambaMixer
@@ -94,10 +95,14 @@ def _delta_mixers():
         "kda": (KimiDeltaAttention(24, 3, 8, 4, 1e-6), 4),
         "bailing_bounded": (safe, 4),
         "bailing_softplus": (softplus, 3),
+        "glm5_bounded": (Glm5DeltaAttention(24, 3, 8, 4, 1e-6, -5.0), 4),
+        "glm5_softplus": (Glm5DeltaAttention(24, 3, 8, 4, 1e-6, None), 4),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid", "kda", "bailing_bounded", "bailing_softplus"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_5", "olmo_hybrid", "kda", "bailing_bounded", "bailing_softplus", "glm5_bounded", "glm5_softplus"]
+)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_delta_step_matches_the_reference_module(name, batch):
     import hybridcache.models  # noqa: F401  (the model files register their mixers' forms)

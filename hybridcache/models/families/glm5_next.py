@@ -13,6 +13,8 @@ import re
 import torch
 from torch import nn
 
+from hybridcache.accel import register_accel
+from hybridcache.accel.delta_mixers import KDA, KDA_BOUNDED, delta_accel
 from hybridcache.cache import NativeGroup, NativeLayer
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
@@ -34,6 +36,10 @@ class Glm5DeltaAttention(KimiDeltaAttention):
         super().__init__(hidden, num_heads, head_dim, conv, eps)
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.safe_gate, self.lower_bound = bound is not None, bound
+
+
+# its decode step in one C call (accel/delta_mixers.py): Kimi's projections, the bounded decay where it has a bound
+register_accel(Glm5DeltaAttention, delta_accel(Glm5DeltaAttention, lambda m: KDA_BOUNDED if m.safe_gate else KDA))
 
 
 class Glm5NextDecoderLayer(nn.Module):
