@@ -203,7 +203,7 @@ class Ruler:
 class StudySchema:
     name: str = "study"
     smoke: bool = False
-    reference: str = "native"
+    baseline: str = "native"  # the strategy every other is compared with
     controls: bool = True
     insensitive_kl: float = 1.0e-3
     only: list[str] | None = None  # null: every strategy

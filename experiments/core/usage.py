@@ -25,7 +25,13 @@ from typing import Any
 
 from experiments.core.cache_config import SIZE_FIELDS, size_field_problem
 from experiments.core.config_schema import SCHEMA_GROUPS
-from experiments.core.value_checks import RENAMED_PARAMETERS, config_problems, renamed_problem, value_problem
+from experiments.core.value_checks import (
+    RENAMED_PARAMETERS,
+    RENAMED_SETTINGS,
+    config_problems,
+    renamed_problem,
+    value_problem,
+)
 
 #: Settings that are null by default, with a value of the type they take (any other setting: its default's type).
 NULL_DEFAULT_TYPES = {"prefill_chunk_size": 1, "oracle_tolerance": 1.0}
@@ -165,6 +171,9 @@ def _check_setting(o, tree: dict, groups: set[str]) -> None:
     parts = key.split(".")
     if parts[0] == "cache" and parts[-1] in RENAMED_PARAMETERS:
         raise UsageError(renamed_problem(key))
+    new = RENAMED_SETTINGS.get(key, "").split(".")
+    if len(new) == 2 and isinstance(tree.get(new[0]), dict) and new[1] in tree[new[0]]:  # where the new one exists
+        raise UsageError(f"{key} was renamed to {'.'.join(new)}")
     if (
         parts[0] == "cache"
         and parts[-1] in SIZE_FIELDS

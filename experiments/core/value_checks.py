@@ -76,6 +76,9 @@ PRESS_SCHEDULES = ("prefill", "continuous")
 #: Cache parameters renamed (old -> new; hybridcache.cache.core.plan has the same, a test keeps them equal): a press's
 #: eviction schedule was `mode` until 2026-11-29.
 RENAMED_PARAMETERS = {"mode": "schedule"}
+#: Settings renamed (old dotted key -> new), told by their new name: the strategy the study compares every other with
+#: was `experiment.reference` until 2026-11-29 ("reference" is only an independent implementation now).
+RENAMED_SETTINGS = {"experiment.reference": "experiment.baseline"}
 
 
 def _positive_int(key: str, value: Any, allow_none: bool = False) -> str | None:

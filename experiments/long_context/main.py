@@ -174,11 +174,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             plans[name] = resolve_plan(native_layers, config)
         except Exception as err:  # noqa: BLE001 - an inapplicable type: the row says why, the run goes on
             rows[name] = {"name": name, "config": config, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
-    if e.reference not in plans:
-        raise UserError(f"the reference strategy '{e.reference}' is not usable: {rows[e.reference]['error']}")
-    # a strategy whose plan is the reference's (a state codec on a model without recurrent states) is not run
+    if e.baseline not in plans:
+        raise UserError(f"the baseline strategy '{e.baseline}' is not usable: {rows[e.baseline]['error']}")
+    # a strategy whose plan is the baseline's (a state codec on a model without recurrent states) is not run
     # again: its row says so; a control of a part the model lacks is dropped, as in the study
-    same = [n for n, p in plans.items() if n != e.reference and not p.changed(plans[e.reference])]
+    same = [n for n, p in plans.items() if n != e.baseline and not p.changed(plans[e.baseline])]
     for name in same:
         if name not in CONTROLS.values():
             rows[name] = {"name": name, "config": configs[name], "same_plan": True}

@@ -53,7 +53,7 @@ def print_tables(console: Console, rows: list[dict[str, Any]], agreement: dict |
             console.print(f"[yellow]{r['name']}: not run ({r['error']})[/]")
     same = [r["name"] for r in rows if r.get("same_plan")]
     if same:
-        console.print(f"not run, the same cache plan as the reference on this model: {', '.join(same)}")
+        console.print(f"not run, the same cache plan as the baseline on this model: {', '.join(same)}")
     if agreement is not None:
         console.print(
             f"RULER's own scoring: {agreement['equal']}/{agreement['samples']} answers scored the same as ours"

@@ -114,21 +114,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     console.print(f"[bold]study[/]: {what}")
 
     configs = strategy_configs(e)
-    ref_name = e.reference
+    baseline = e.baseline
     plans, rows = {}, {}
     for name, config in configs.items():
         plans[name], error = plan_or_error(model, config)
         if error:
-            if name == ref_name:
-                raise ValueError(f"the reference strategy '{name}' is not usable: {error}")
+            if name == baseline:
+                raise ValueError(f"the baseline strategy '{name}' is not usable: {error}")
             rows[name] = {"name": name, "config": config, "error": error}
-    native_plan = plans[ref_name]
-    same = {n for n, p in plans.items() if p is not None and n != ref_name and not p.changed(native_plan)}
+    native_plan = plans[baseline]
+    same = {n for n, p in plans.items() if p is not None and n != baseline and not p.changed(native_plan)}
     for name in same & set(CONTROLS.values()):  # a control of a part this model lacks (no recurrent layers)
         del configs[name], plans[name]
     same -= set(CONTROLS.values())
     compute = [n for n in configs if n not in rows and n not in same]
-    after_prefill = {n for n in compute if n != ref_name and compresses_after_prefill(plans[n])}
+    after_prefill = {n for n in compute if n != baseline and compresses_after_prefill(plans[n])}
     blockwise = [n for n in compute if n not in after_prefill]
 
     def chunk(name: str, tokens: int) -> int:  # a compress-after-prefill cache sees the whole prompt in one block
@@ -191,7 +191,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     lengths,
                     n_cont,
                     int(e.greedy_tokens),
-                    after_prefill | {ref_name},
+                    after_prefill | {baseline},
                     lambda: progress.advance(task),
                 )
                 for r in runs:
@@ -241,19 +241,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             plans[name],
             native_plan,
             per_doc[name],
-            per_doc[ref_name],
+            per_doc[baseline],
             cont[name],
-            cont[ref_name],
+            cont[baseline],
             trials[name],
-            trials[ref_name],
+            trials[baseline],
             lengths,
             native_bytes,
         )
         rows[name].update(ruler_summary(ruler_runs[name]))
-        rows[name].update(mqar_summary(mqar_runs[name], mqar_runs[ref_name]))
+        rows[name].update(mqar_summary(mqar_runs[name], mqar_runs[baseline]))
         rows[name]["protocol"] = "prefill" if name in after_prefill else "blockwise"
     for name in same:
-        rows[name] = {**rows[ref_name], "name": name, "config": configs[name], "same_plan": True}
+        rows[name] = {**rows[baseline], "name": name, "config": configs[name], "same_plan": True}
     ordered = [rows[n] for n in configs]
     insensitive = float(e.get("insensitive_kl", 1e-3))
     for r in ordered:
@@ -262,7 +262,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         control_row = rows.get(control) if control not in (None, r["name"]) else None
         if control_row is not None and not control_row.get("error"):
             r["control"] = control
-        r["verdict"] = verdict(r, rows[ref_name], random_weights, control_row, insensitive)
+        r["verdict"] = verdict(r, rows[baseline], random_weights, control_row, insensitive)
 
     title = (
         f"study: {cfg.model.family}{' (random weights)' if random_weights else ''}, text '{e.text}', "

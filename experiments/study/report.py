@@ -66,7 +66,7 @@ def verdict(
     if row.get("error"):
         return f"unavailable: {row['error']}"
     if row["name"] == native["name"]:
-        return "reference" + (" (random weights: quality numbers are meaningless)" if random_weights else "")
+        return "baseline" + (" (random weights: quality numbers are meaningless)" if random_weights else "")
     if row.get("same_plan"):
         return "exact: same plan as native on this model (nothing changes)"
     if not row["ppl"] and not row["continuation_ppl"]:

@@ -15,20 +15,20 @@ CONTROLS = {"recurrent": "ablate_state", "ssm": "ablate_ssm", "attention": "abla
 
 
 def strategy_configs(e: DictConfig) -> dict[str, dict[str, Any]]:
-    """Name -> cache config, the reference strategy first (added as the native `{}` when not listed); with
+    """Name -> cache config, the baseline strategy first (added as the native `{}` when not listed); with
     `controls` on, the control strategies too (those the model has no layers for are dropped later, by plan)."""
     raw = OmegaConf.to_container(e.strategies, resolve=True) or {}
     only = list(e.only) if e.get("only") else None
     if only is not None and e.get("controls", True):
         only += [c for c in CONTROLS.values() if c in raw and c not in only]
     if only:
-        unknown = [n for n in only if n not in raw and n != e.reference]
+        unknown = [n for n in only if n not in raw and n != e.baseline]
         if unknown:
             raise ValueError(f"experiment.only names unknown strategies {unknown} (known: {', '.join(raw)})")
-    ref = e.reference
-    out = {ref: raw.get(ref) or {}}
+    base = e.baseline
+    out = {base: raw.get(base) or {}}
     for name, config in raw.items():
-        if name != ref and (only is None or name in only):
+        if name != base and (only is None or name in only):
             out[name] = config or {}
     return out
 
@@ -56,7 +56,7 @@ def probed(e: DictConfig, section: str, compute: list[str]) -> list[str]:
     unknown = [n for n in names if n not in e.strategies]
     if unknown:
         raise ValueError(f"experiment.{section}.strategies names unknown strategies {unknown}")
-    return [n for n in compute if n in set(names) or n == e.reference]
+    return [n for n in compute if n in set(names) or n == e.baseline]
 
 
 def plan_or_error(model, config: dict[str, Any]):

@@ -3,7 +3,7 @@ settings checks.
 
 No quality assertions (random weights): what must hold for any model. Every (strategy, length) group ran in its own
 process and reported its peak RSS; each prompt was prefilled in chunks (a compress-after-prefill strategy in one
-block); identical prompts ran once; a strategy with the reference's plan (a state codec on a model without states)
+block); identical prompts ran once; a strategy with the baseline's plan (a state codec on a model without states)
 was not rerun; the heatmap was drawn; with `reference_scoring` every answer was scored again by the given code and
 the agreement counted (here a stand-in that scores 42 everywhere, so none agree: the count is real).
 """

@@ -1,6 +1,6 @@
 """experiment=study end to end on a tiny random Gemma3 with tiny settings (seconds), so the study cannot rot.
 
-No quality assertions (random weights): only what must hold for any model — native is its own reference, a strategy
+No quality assertions (random weights): only what must hold for any model — native is its own baseline, a strategy
 that changes nothing within the context is exact (a window longer than the context, a TOVA budget above it, a
 residual window holding every token), storage codecs shrink the bytes (int4 below int8, a per-layer mix between int4
 and native), a lossy window differs, an unknown cache type is reported, not fatal; passkey runs at two lengths; every

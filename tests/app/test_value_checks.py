@@ -48,6 +48,9 @@ from tests.app.test_cli_usage import CONFIGS, assert_usage_error
             ["experiment=press_check", "experiment.decoding=[{method: tova, mode: decoding, budget: 8}]"],
             "experiment.decoding[0]: 'mode' was renamed to 'schedule'",
         ),
+        # the study's strategy compared with was `experiment.reference` until 2026-11-29
+        (["experiment=study", "experiment.reference=int8"], "experiment.reference was renamed to experiment.baseline"),
+        (["experiment=long_context", "experiment.reference=int8"], "experiment.reference was renamed to"),
     ],
 )
 def test_a_value_out_of_range_is_refused_before_torch_and_before_the_output_directory(tmp_path, args, expected):
@@ -66,6 +69,7 @@ def test_a_value_out_of_range_is_refused_before_torch_and_before_the_output_dire
         ["prefill_chunk_size=null"],
         ["engine=hf"],
         ["experiment=benchmark", "experiment.warmup=0", "experiment.batch_sizes=[1,8]"],
+        ["experiment=study", "experiment.baseline=int8"],
     ],
 )
 def test_values_in_range_pass(argv):
