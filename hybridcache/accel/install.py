@@ -16,7 +16,7 @@ from hybridcache.accel import layer_records
 from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun, greedy_forms
 from hybridcache.accel.delta_mixers import bailing_accel, kda_accel
-from hybridcache.accel.moe import SparseMoEAccel, llama4_moe_accel
+from hybridcache.accel.moe import SparseMoEAccel, gemma4_experts_accel, llama4_moe_accel
 from hybridcache.accel.recurrent_mixers import (
     gated_delta_accel,
     mamba2_accel,
@@ -28,6 +28,7 @@ from hybridcache.accel.sandwich_layer import SandwichAccel
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.nn.attention.mixer import AttentionMixer
 from hybridcache.nn.core.sandwich import SandwichLayer
+from hybridcache.nn.moe.gemma4 import Gemma4Experts
 from hybridcache.nn.moe.llama4 import Llama4MoE
 from hybridcache.nn.moe.topk import SparseMoE
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
@@ -49,7 +50,8 @@ ACCELS: dict[type[nn.Module], Callable[[nn.Module], object]] = {
     BailingDeltaAttention: bailing_accel,
     RecurrentBlock: rglru_accel,
     SparseMoE: SparseMoEAccel,  # (its subclasses too: the accel calls the module's own route and experts)
-    Llama4MoE: llama4_moe_accel,  # (Granite's and Nemotron-H's MoE blocks: their model files register)
+    Llama4MoE: llama4_moe_accel,
+    Gemma4Experts: gemma4_experts_accel,  # (Granite's and Nemotron-H's MoE blocks: their model files register)
 }
 
 

@@ -9,9 +9,10 @@ the experts its tokens were routed to, with none of the reference's per-expert s
   per-expert search (the same bits too). (One difference: an unrouted expert whose output is not finite no longer
   turns the sum into NaN.)
 - One token through the routed form of a block with `route(x)` and `expert(e, x)` (Granite's stacked experts,
-  registered by its model file), of Nemotron-H's latent MoE (registered by its model file) and of Llama4's MoE
-  (the score scales the expert's input; the shared expert first): the reference's index_add_ of each routed expert
-  into zeros, experts ascending, is the same additions as out = out + expert(x) * weight in that order: the same bits.
+  registered by its model file), of Nemotron-H's latent MoE (registered by its model file), of Llama4's MoE (the
+  score scales the expert's input; the shared expert first) and of Gemma 4's experts (the router's weights given):
+  the reference's index_add_ of each routed expert into zeros, experts ascending, is the same additions as
+  out = out + expert(x) * weight in that order: the same bits.
 - One eager float32 token of GPT-OSS's MoE (registered by its model file): the router in torch, the top-k fused
   experts in one C call (native/moe_step.py): float32 noise, not the same bits (the reference gathers the k experts'
   weights and runs an einsum).
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel.native.moe_step import oss_experts_step
+from hybridcache.nn.moe.gemma4 import Gemma4Experts
 from hybridcache.nn.moe.llama4 import Llama4MoE
 from hybridcache.nn.moe.topk import SparseMoE
 
@@ -125,6 +127,23 @@ class Llama4MoEAccel:
         return (out + routed).view_as(h)
 
 
+class Gemma4ExpertsAccel:
+    """`Gemma4Experts.accel`: accel(x [N, D], weights [N, k], index [N, k]) for one token: each routed expert's
+    weighted output cast to x's dtype, added to zeros in ascending expert order (the reference's index_add_ order:
+    the same bits) -> [1, D]; None (the reference runs) for more tokens."""
+
+    def __init__(self, experts: Gemma4Experts) -> None:
+        self.experts = experts
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor | None:
+        if torch.compiler.is_compiling() or x.dim() != 2 or x.shape[0] != 1:
+            return None
+        out = torch.zeros_like(x)
+        for e, slot in _ascending(index):
+            out = out + (self.experts.expert(e, x) * weights[:, slot, None]).to(x.dtype)
+        return out
+
+
 class OssExpertsAccel:
     """GPT-OSS's MoE (`router`, `top_k`, fused `experts`; registered by its model file): one eager float32 token, the
     router in torch, its top-k experts in one C call (native/moe_step.py; float32 noise from the reference's
@@ -166,3 +185,4 @@ def oss_experts_accel(cls: type[nn.Module]):
 
 
 llama4_moe_accel = _exactly(Llama4MoE, Llama4MoEAccel)
+gemma4_experts_accel = _exactly(Gemma4Experts, Gemma4ExpertsAccel)

@@ -1,16 +1,22 @@
 """The one-token fast path of the MoE blocks outside SparseMoE (accel/moe.py): Granite's stacked experts, Nemotron-H's
-latent MoE and Llama4's MoE run a decode token's routed experts without the reference's per-expert search, with the
-same bits as the reference blocks (the same tokens and bit-identical logits); batch 2 and the prefill keep the
-reference. GPT-OSS's experts run in one C call: float32 noise, the same tokens."""
+latent MoE, Llama4's MoE and Gemma 4's experts run a decode token's routed experts without the reference's
+per-expert search, with the same bits as the reference blocks (the same tokens and bit-identical logits); batch 2 and
+the prefill keep the reference. GPT-OSS's experts run in one C call: float32 noise, the same tokens."""
 
 import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel.moe import LatentExpertsAccel, Llama4MoEAccel, OssExpertsAccel, RoutedExpertsAccel
+from hybridcache.accel.moe import (
+    Gemma4ExpertsAccel,
+    LatentExpertsAccel,
+    Llama4MoEAccel,
+    OssExpertsAccel,
+    RoutedExpertsAccel,
+)
 from tests.models.conftest import prompts
 
-FAST = (RoutedExpertsAccel, LatentExpertsAccel, Llama4MoEAccel)
+FAST = (RoutedExpertsAccel, LatentExpertsAccel, Llama4MoEAccel, Gemma4ExpertsAccel)
 NEW = 8
 # the tiny Nemotron-H has no MoE layer: this variant of it has two (its experts' config is the tiny one's)
 NEMOTRON_MOE = dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe", "mlp"])
@@ -25,7 +31,7 @@ def _path(family: str, checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h_moe", "llama4"])
+@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h_moe", "llama4", "gemma4"])
 def test_one_token_experts_same_bits(family, batch, checkpoints, monkeypatch, tmp_path):
     model = hc.from_pretrained(_path(family, checkpoints, tmp_path))
     blocks = [m for m in model.modules() if isinstance(m.__dict__.get("accel"), FAST)]
@@ -34,8 +40,8 @@ def test_one_token_experts_same_bits(family, batch, checkpoints, monkeypatch, tm
     for cls in FAST:
         real = cls.__call__
 
-        def counted(self, h, _real=real):
-            out = _real(self, h)
+        def counted(self, *args, _real=real):
+            out = _real(self, *args)
             taken["n"] += out is not None
             return out
 
