@@ -17,6 +17,7 @@ from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun, greedy_forms
 from hybridcache.accel.delta_mixers import bailing_accel, kda_accel
 from hybridcache.accel.moe import SparseMoEAccel, gemma4_experts_accel, llama4_moe_accel
+from hybridcache.accel.pre_norm_layer import PreNormAccel
 from hybridcache.accel.recurrent_mixers import (
     gated_delta_accel,
     mamba2_accel,
@@ -27,6 +28,7 @@ from hybridcache.accel.recurrent_mixers import (
 from hybridcache.accel.sandwich_layer import SandwichAccel
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.nn.attention.mixer import AttentionMixer
+from hybridcache.nn.core.pre_norm import PreNormLayer
 from hybridcache.nn.core.sandwich import SandwichLayer
 from hybridcache.nn.moe.gemma4 import Gemma4Experts
 from hybridcache.nn.moe.llama4 import Llama4MoE
@@ -42,6 +44,7 @@ from hybridcache.nn.recurrent.short_conv import ShortConv
 ACCELS: dict[type[nn.Module], Callable[[nn.Module], object]] = {
     AttentionMixer: AttentionAccel,
     SandwichLayer: SandwichAccel,
+    PreNormLayer: PreNormAccel,  # (records only: a many-layer decode step reads it, the layer's forward does not)
     Mamba2Mixer: mamba2_accel,  # None for a subclass (its forward may differ)
     ShortConv: short_conv_accel,
     MambaMixer: mamba_accel,  # None for a subclass (Zamba's)

@@ -28,10 +28,13 @@ from torch.nn.modules import module as _module
 
 from hybridcache.accel.native.decoder_stack import record_type, run_records
 from hybridcache.accel.native.kernel_calls import takes
+from hybridcache.accel.native.layer_program import CODES, run_program
+from hybridcache.accel.pre_norm_layer import PreNormAccel
 from hybridcache.accel.sandwich_layer import SandwichAccel
 
 _STEADY: ContextVar[dict | None] = ContextVar("hybridcache_steady_decode", default=None)
 _UNSET = object()
+_LAYER = CODES["decoder_layer"]  # a whole attention layer's record (hc_decoder_layer)
 
 
 @contextmanager
@@ -94,17 +97,23 @@ def _hooked(block: nn.Module) -> bool:
     )
 
 
+def record_accel(block: nn.Module) -> SandwichAccel | PreNormAccel | None:
+    """The block's fast path when it records its layer for a many-layer step (None: it does not)."""
+    fast = block.__dict__.get("accel")
+    return fast if isinstance(fast, (SandwichAccel, PreNormAccel)) else None
+
+
 def record_step(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
     """h [B, 1, D] through every layer of an eager decode step (blocks[i] with cache layer entries[i]), runs of
     recording layers in one C call each; None (nothing reserved, nothing run) where no layer here records or the
     step is not one the kernels take (the caller's loop then runs it)."""
     if h.dim() != 3 or h.shape[1] != 1 or not takes(h) or torch.compiler.is_compiling() or record_type() is None:
         return None
-    accels = [layer_accel(b) for b in blocks]
+    accels = [record_accel(b) for b in blocks]
     if not any(accels):
         return None
     bufs = (torch.empty(h.shape, dtype=h.dtype), torch.empty(h.shape, dtype=h.dtype))  # the layers' outputs, in turn
-    pending: list[tuple] = []  # recorded calls not yet run, and the tensors they point into
+    pending: list[tuple] = []  # (program, the tensors it points into, states for the cache after it) not yet run
     kept, x = _STEADY.get(), h
     for block, fast, entry in zip(blocks, accels, entries, strict=True):
         got = None
@@ -114,7 +123,7 @@ def record_step(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
                 y = bufs[1] if x is bufs[0] else bufs[0]
                 got = fast.record(x, y, entry, step, binding)
                 if got is not None and got[0] != "reserved":
-                    pending.append(got)
+                    pending.append(got if isinstance(fast, PreNormAccel) else ([(_LAYER, got[0])], got[1], None))
                     x = y
                     continue
         _flush(pending)
@@ -124,7 +133,16 @@ def record_step(blocks, entries, h: torch.Tensor, step) -> torch.Tensor | None:
 
 
 def _flush(pending: list[tuple]) -> None:
+    """Run the pending records by one C call (hc_decoder_stack when all are whole attention layers, else
+    hc_layer_program), then hand each recurrent layer's new states to its cache layer."""
     if pending:
-        calls = [args for args, _alive in pending]
-        run_records(calls)  # (the `_alive` tensors stay referenced by `pending` until it returns)
+        program = [op for ops, _alive, _after in pending for op in ops]
+        if all(code == _LAYER for code, _ in program):
+            run_records([args for _, args in program])  # (`pending` keeps the `_alive` tensors until it returns)
+        else:
+            run_program(program)
+        for _ops, _alive, after in pending:
+            if after is not None:
+                layer, states = after
+                layer.update(**states)
         pending.clear()

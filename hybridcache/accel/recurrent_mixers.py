@@ -18,10 +18,13 @@ from torch import nn
 from hybridcache.accel.native.recurrent_step import (
     Mamba2Step,
     bind_mamba2_step,
+    gated_delta_args,
     gated_delta_step,
+    mamba_args,
     mamba_groups_step,
     mamba_step,
     rglru_step,
+    short_conv_args,
     short_conv_step,
 )
 from hybridcache.accel.slots import holds_states
@@ -60,26 +63,52 @@ def _decode_step(h: torch.Tensor, layer, step: StepInput) -> bool:
     )
 
 
-class ShortConvAccel:
+# a mixer's step kind -> (its one-call step, its checked C arguments' builder: recurrent_step.py)
+STEPS = {
+    "short_conv": (short_conv_step, short_conv_args),
+    "mamba2": (lambda bound, *a: bound.run(*a), lambda bound, *a: bound.args(*a)),  # (a Mamba2Step, x, states)
+    "mamba": (mamba_step, mamba_args),
+    "gated_delta": (gated_delta_step, gated_delta_args),
+}
+
+
+class RecurrentAccel:
+    """A recurrent mixer's fast path: accel(h, layer, step) -> y [B, 1, D] by its one-call step, the new states handed
+    to `layer`; None (the reference runs). `prepare` says what the call is: (its kind in STEPS, the step's
+    arguments, the names of the states it returns) or None; a decode step that runs many layers in one C call
+    (pre_norm_layer.py) builds the same call's arguments from it."""
+
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
+        raise NotImplementedError
+
+    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+        got = self.prepare(h, layer, step)
+        if got is None:
+            return None
+        kind, args, names = got
+        out = STEPS[kind][0](*args)
+        if out is None:
+            return None
+        y, *states = out
+        layer.update(**dict(zip(names, states, strict=True)))
+        return y
+
+
+class ShortConvAccel(RecurrentAccel):
     """`ShortConv.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
 
     def __init__(self, mixer: ShortConv) -> None:
         self.mixer = mixer
 
-    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.mixer
         if not _decode_step(h, layer, step):
             return None
         in_proj, out_proj = _projection(m.in_proj), _projection(m.out_proj)
         if in_proj is None or out_proj is None or m.conv._forward_hooks or m.conv._forward_pre_hooks:
             return None
-        state = layer.states["conv"]
-        got = short_conv_step(h, in_proj, m.conv.weight.squeeze(1), m.conv.bias, state, out_proj)
-        if got is None:
-            return None
-        y, new_state = got
-        layer.update(conv=new_state)
-        return y
+        args = (h, in_proj, m.conv.weight.squeeze(1), m.conv.bias, layer.states["conv"], out_proj)
+        return "short_conv", args, ("conv",)
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -87,7 +116,7 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
-class Mamba2Accel:
+class Mamba2Accel(RecurrentAccel):
     """`Mamba2Mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs). The kernel's weight
     arguments are checked once (bind_mamba2_step) and again whenever a weight tensor's memory, dtype, shape or
     strides change."""
@@ -97,7 +126,7 @@ class Mamba2Accel:
         self._key: tuple | None = None
         self._bound: Mamba2Step | None = None
 
-    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.mixer
         if not _decode_step(h, layer, step) or m._compute_dtype(h) is not _F32:
             return None
@@ -125,21 +154,16 @@ class Mamba2Accel:
         if self._bound is None:
             return None
         states = layer.states
-        got = self._bound.run(h, states["conv"], states["ssm"])
-        if got is None:
-            return None
-        y, conv, ssm = got
-        layer.update(conv=conv, ssm=ssm)
-        return y
+        return "mamba2", (self._bound, h, states["conv"], states["ssm"]), ("conv", "ssm")
 
 
-class MambaAccel:
+class MambaAccel(RecurrentAccel):
     """`MambaMixer.accel` (Mamba, Jamba): accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
 
     def __init__(self, mixer: MambaMixer) -> None:
         self.mixer = mixer
 
-    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.mixer
         if not _decode_step(h, layer, step):
             return None
@@ -153,24 +177,20 @@ class MambaAccel:
                 return None
             norms = tuple(kernel_args(n) for n in mods)
         states = layer.states
-        got = mamba_step(
+        args = (
             h, projs[0], m.conv1d.weight.squeeze(1), m.conv1d.bias, states["conv"], projs[1], norms, projs[2],
             m.A_log, m.D, states["ssm"], projs[3],
         )  # fmt: skip
-        if got is None:
-            return None
-        y, conv, ssm = got
-        layer.update(conv=conv, ssm=ssm)
-        return y
+        return "mamba", args, ("conv", "ssm")
 
 
-class GatedDeltaAccel:
+class GatedDeltaAccel(RecurrentAccel):
     """`GatedDeltaNetMixer.accel` (Qwen3-Next): accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
 
     def __init__(self, mixer: GatedDeltaNetMixer) -> None:
         self.mixer = mixer
 
-    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.mixer
         if not _decode_step(h, layer, step):
             return None
@@ -181,15 +201,11 @@ class GatedDeltaAccel:
         if m.conv1d._forward_hooks or m.conv1d._forward_pre_hooks or m.conv1d.bias is not None:
             return None
         states = layer.states
-        got = gated_delta_step(
+        args = (
             h, (m.hk, m.hv, m.dk, m.dv), projs[0], projs[1], m.conv1d.weight.squeeze(1), states["conv"], m.dt_bias,
             m.A_log, m.beta_scale, states["recurrent"], (norm.weight, norm.eps), projs[2],
         )  # fmt: skip
-        if got is None:
-            return None
-        y, conv, rec = got
-        layer.update(conv=conv, recurrent=rec)
-        return y
+        return "gated_delta", args, ("conv", "recurrent")
 
 
 def gated_delta_accel(mixer: GatedDeltaNetMixer) -> GatedDeltaAccel | None:

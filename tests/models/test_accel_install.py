@@ -39,13 +39,14 @@ def test_from_pretrained_installs_the_fast_path(checkpoints):
     assert model.fast_path is None and all(m.accel is None for m in mixers + list(model.decoder_layers))
 
 
-@pytest.mark.parametrize("family, route", [("gemma3", "greedy"), ("jamba", "one_call_step")])
+@pytest.mark.parametrize("family, route", [("gemma3", "greedy"), ("jamba", "record")])  # jamba: a layer program
 def test_uninstalled_is_the_same_decode(checkpoints, monkeypatch, family, route):
     model = hc.from_pretrained(checkpoints(family))
     without_recurrent_steps(model)
     ids = prompts(1, 7, seed=3)
     calls = _counting(monkeypatch, decode_run.DecodeRun, "greedy")
     _counting(monkeypatch, AttentionAccel, "one_call_step", calls)
+    _counting(monkeypatch, AttentionAccel, "record", calls)
     fast = hc.generate(model, ids, max_new_tokens=12)
     assert route in calls  # the fast path ran
     calls.clear()

@@ -412,8 +412,25 @@ RECURRENT_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_mamba_groups_step": (None, [_P] + [_I] * 7 + [_P, _I] + [_P] * 13 + [_P, _I] + [_P] * 4),
 }
 
+# A decode step's pre-norm layers as one program of records (csrc/layer_program.c; accel/native/layer_program.py):
+# each record is one call's arguments, its layout stated by the library and checked against the call's signature.
+PRE_NORM_TAIL = [_P, _P, _I, _I, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P]
+PROGRAM_SIGNATURES: dict[str, tuple[object, list]] = {
+    "hc_op_record_codes": (ctypes.c_char_p, [_I]),
+    "hc_op_record_names": (ctypes.c_char_p, [_I]),
+    "hc_op_record_size": (_I, [_I]),
+    "hc_op_count": (_I, []),
+    "hc_layer_program": (_I, [_P, _P, _I, _P]),
+    "hc_pre_norm_tail": (None, PRE_NORM_TAIL),
+}
+
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).
-SIGNATURES: dict[str, tuple[object, list]] = {**INFO_SIGNATURES, **STACK_SIGNATURES, **RECURRENT_SIGNATURES}
+SIGNATURES: dict[str, tuple[object, list]] = {
+    **INFO_SIGNATURES,
+    **STACK_SIGNATURES,
+    **RECURRENT_SIGNATURES,
+    **PROGRAM_SIGNATURES,
+}
 for _spec in SPECS:
     SIGNATURES.update(_spec.c)
 

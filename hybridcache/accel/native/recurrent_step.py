@@ -1,8 +1,11 @@
-"""A recurrent mixer's one-token decode step as one C call (csrc/recurrent_step.c): LFM2's short convolution and the
-Mamba2 SSD mixer, projections included. The states are read from the given tensors and the new ones returned as
-fresh tensors (the caller hands them to the cache). Each wrapper returns None (the caller's reference path) for
-what its kernel does not take (not float32 CPU eager, no kernels built, a weight format it does not read) and
-raises KernelArgumentError for sizes that do not fit together, before any C call.
+"""A recurrent mixer's one-token decode step as one C call (csrc/recurrent_step.c): LFM2's short convolution, the
+Mamba2 and Mamba1 mixers, Gated DeltaNet and its variants, RG-LRU, projections included. The states are read from the
+given tensors and the new ones returned as fresh tensors (the caller hands them to the cache). `*_args` (and
+`Mamba2Step.args`) check and return (the C call's arguments, its outputs (y, the new states), the tensors the
+arguments point into); `*_step` runs it, a decode step's layer program (layer_program.py) with the step's other
+layers. Each returns None (the caller's reference path) for what its kernel does not take (not float32 CPU eager,
+no kernels built, a weight format it does not read) and raises KernelArgumentError for sizes that do not fit
+together, before any C call.
 """
 
 from __future__ import annotations
@@ -49,14 +52,14 @@ def _rows(x: torch.Tensor, width: int) -> int | None:
     return x.shape[0] if 0 < x.shape[0] <= MAX_ROWS else None
 
 
-def short_conv_step(
+def short_conv_args(
     x: torch.Tensor,
     in_proj: tuple,
     conv_w: torch.Tensor,
     conv_b: torch.Tensor | None,
     state: torch.Tensor,
     out_proj: tuple,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[tuple, tuple, tuple] | None:
     """LFM2 ShortConv of one token: x [B, 1, D], in_proj / out_proj (weight, bias, scale) [3D, D] / [D, D], the conv
     weight [D, K] and bias [D], the state [B, D, K-1] -> (y [B, 1, D], the new state [B, D, K-1])."""
     lib = _library()
@@ -77,12 +80,12 @@ def short_conv_step(
     new_state, y = torch.empty(state.shape, dtype=_F32), torch.empty(x.shape, dtype=_F32)
     scratch = torch.empty(b * 5 * d, dtype=_F32)
     (w_in, b_in, s_in), (w_out, b_out, s_out) = in_proj, out_proj
-    lib.hc_short_conv_step(
+    args = (
         x.data_ptr(), b, d, k, w_in.data_ptr(), t_in, _ptr(s_in), _ptr(b_in), conv_w.data_ptr(), _ptr(conv_b),
         state.data_ptr(), new_state.data_ptr(), w_out.data_ptr(), t_out, _ptr(s_out), _ptr(b_out),
         scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
-    return y, new_state
+    return args, (y, new_state), (x, scratch)
 
 
 class Mamba2Step:
@@ -92,11 +95,10 @@ class Mamba2Step:
     def __init__(self, lib, sizes: tuple, head: tuple, tail: tuple, keep: tuple) -> None:
         self.lib, self.sizes, self.head, self.tail, self.keep = lib, sizes, head, tail, keep
 
-    def run(
-        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """x [B, 1, Dm], conv_state [B, I + 2GN, K-1], ssm_state [B, H, P, N] -> (y [B, 1, Dm], the new conv state,
-        the new ssm state); None where the kernel does not take them."""
+    def args(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> tuple | None:
+        """x [B, 1, Dm], conv_state [B, I + 2GN, K-1], ssm_state [B, H, P, N] -> (hc_mamba2_step's arguments, its
+        outputs (y [B, 1, Dm], the new conv state, the new ssm state), the tensors they point into); None where the
+        kernel does not take them."""
         dm, h, p, n, k, cc, scratch_cols = self.sizes
         b = _rows(x, dm) if isinstance(x, torch.Tensor) else None
         if b is None:
@@ -109,11 +111,21 @@ class Mamba2Step:
         x = x.contiguous()
         new_conv, new_ssm = torch.empty(conv_state.shape, dtype=_F32), torch.empty(ssm_state.shape, dtype=_F32)
         y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * scratch_cols, dtype=_F32)
-        self.lib.hc_mamba2_step(
+        args = (
             x.data_ptr(), b, dm, *self.head, conv_state.data_ptr(), new_conv.data_ptr(), *self.tail[:5],
             ssm_state.data_ptr(), new_ssm.data_ptr(), *self.tail[5:], scratch.data_ptr(), y.data_ptr(),
         )  # fmt: skip
-        return y, new_conv, new_ssm
+        return args, (y, new_conv, new_ssm), (x, scratch)
+
+    def run(
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`args`' call run: (y [B, 1, Dm], the new conv state, the new ssm state), or None (not taken)."""
+        got = self.args(x, conv_state, ssm_state)
+        if got is None:
+            return None
+        self.lib.hc_mamba2_step(*got[0])
+        return got[1]
 
 
 def bind_mamba2_step(
@@ -194,7 +206,7 @@ def mamba2_step(
     return None if bound is None else bound.run(x, conv_state, ssm_state)
 
 
-def mamba_step(
+def mamba_args(
     x: torch.Tensor,
     in_proj: tuple,
     conv_w: torch.Tensor,
@@ -207,7 +219,7 @@ def mamba_step(
     d_skip: torch.Tensor | None,
     ssm_state: torch.Tensor,
     out_proj: tuple,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[tuple, tuple, tuple] | None:
     """The Mamba1 mixer on one token: x [B, 1, Dm], in_proj (weight [2 Di, Dm], bias, scale), the conv weight
     [Di, K] and bias, conv_state [B, Di, K-1], x_proj (weight [R + 2N, Di], None, scale), the inner norms ((scale,
     eps) of dt [R], B [N], C [N]; None: none), dt_proj (weight [Di, R], bias [Di]: inside the softplus, scale),
@@ -258,17 +270,17 @@ def mamba_step(
     scratch = torch.empty(b * (6 * di + 2 * (r + 2 * n)) + di * n, dtype=_F32)
     (w_in, b_in, s_in), (_, _, s_x), (w_dt, b_dt, s_dt), (w_out, b_out, s_out) = in_proj, x_proj, dt_proj, out_proj
     (dt_n, dt_e), (b_n, b_e), (c_n, c_e) = norms
-    lib.hc_mamba_step(
+    args = (
         x.data_ptr(), b, dm, di, n, k, r, w_in.data_ptr(), codes[0], _ptr(s_in), _ptr(b_in), conv_w.data_ptr(),
         _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(), w_x.data_ptr(), codes[1], _ptr(s_x), _ptr(dt_n),
         float(dt_e), _ptr(b_n), float(b_e), _ptr(c_n), float(c_e), w_dt.data_ptr(), codes[2], _ptr(s_dt), _ptr(b_dt),
         a_log.data_ptr(), _ptr(d_skip), ssm_state.data_ptr(), new_ssm.data_ptr(), w_out.data_ptr(), codes[3],
         _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
-    return y, new_conv, new_ssm
+    return args, (y, new_conv, new_ssm), (x, scratch)
 
 
-def gated_delta_step(
+def gated_delta_args(
     x: torch.Tensor,
     heads: tuple[int, int, int, int],
     qkvz: tuple,
@@ -281,7 +293,7 @@ def gated_delta_step(
     rec_state: torch.Tensor,
     norm: tuple[torch.Tensor, float],
     out_proj: tuple,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[tuple, tuple, tuple] | None:
     """Qwen3-Next's Gated DeltaNet mixer on one token: x [B, 1, Dm], heads (Hk, Hv, Dk, Dv), in_proj_qkvz / in_proj_ba
     (weight [2 Hk Dk + 2 Hv Dv, Dm] / [2 Hv, Dm], no bias, scale), the conv weight [2 Hk Dk + Hv Dv, K] (no bias),
     conv_state [B, that, K-1], dt_bias / A_log [Hv], beta's scale, rec_state [B, Hv, Dk, Dv], the gated head norm's
@@ -324,13 +336,13 @@ def gated_delta_step(
     x = x.contiguous()
     new_conv, new_rec = torch.empty(conv_state.shape, dtype=_F32), torch.empty(rec_state.shape, dtype=_F32)
     y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * (e1 + 2 * hv + 2 * cc + 2 * hv * dv), dtype=_F32)
-    lib.hc_gated_delta_step(
+    args = (
         x.data_ptr(), b, dm, hk, hv, dk, dv, k, qkvz[0].data_ptr(), codes[0], _ptr(qkvz[2]), ba[0].data_ptr(),
         codes[1], _ptr(ba[2]), conv_w.data_ptr(), conv_state.data_ptr(), new_conv.data_ptr(), dt_bias.data_ptr(),
         a_log.data_ptr(), float(beta_scale), rec_state.data_ptr(), new_rec.data_ptr(), norm_w.data_ptr(), float(eps),
         out_proj[0].data_ptr(), codes[2], _ptr(out_proj[2]), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
-    return y, new_conv, new_rec
+    return args, (y, new_conv, new_rec), (x, scratch)
 
 
 DECAYS = {"head": 0, "channel": 1, "bounded": 2}  # hc_delta_step's `decay` codes
@@ -597,3 +609,27 @@ def mamba_groups_step(
         w_out.data_ptr(), codes[1], _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y, new_conv, new_ssm
+
+
+def _call(fn: str, prepared: tuple | None) -> tuple | None:
+    """Run a `*_args` result's C call; its outputs (None: not taken, nothing run)."""
+    if prepared is None:
+        return None
+    args, outputs, _alive = prepared  # (_alive: what args point into, referenced until the call returns)
+    getattr(_library(), fn)(*args)
+    return outputs
+
+
+def short_conv_step(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """short_conv_args' arguments -> (y [B, 1, D], the new state), or None (not taken)."""
+    return _call("hc_short_conv_step", short_conv_args(*args, **kwargs))
+
+
+def mamba_step(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """mamba_args' arguments -> (y [B, 1, Dm], the new conv state, the new ssm state), or None (not taken)."""
+    return _call("hc_mamba_step", mamba_args(*args, **kwargs))
+
+
+def gated_delta_step(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """gated_delta_args' arguments -> (y [B, 1, Dm], the new conv state, the new recurrent state), or None."""
+    return _call("hc_gated_delta_step", gated_delta_args(*args, **kwargs))

@@ -12,9 +12,10 @@ from hybridcache.cache import CacheLayer
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig
 from hybridcache.nn import RMSNorm, StepInput
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 
 
-class ResidualMixerBlock(nn.Module):
+class ResidualMixerBlock(PreNormLayer):
     """h + mixer(norm(h)); the residual is kept in float32 when `residual_in_fp32`."""
 
     def __init__(self, hidden: int, eps: float, mixer: nn.Module, residual_in_fp32: bool) -> None:
@@ -22,6 +23,9 @@ class ResidualMixerBlock(nn.Module):
         self.residual_in_fp32 = residual_in_fp32
         self.norm = RMSNorm(hidden, eps)
         self.mixer = mixer
+
+    def pre_norm_parts(self) -> PreNormParts:
+        return PreNormParts(self.norm, self.mixer, None, None)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         residual = h.float() if self.residual_in_fp32 else h

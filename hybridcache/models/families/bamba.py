@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, Mamba2Fields
@@ -19,6 +18,7 @@ from hybridcache.models.core.family_config import param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 
 
@@ -62,7 +62,7 @@ def mamba2_mixer(cfg: BambaConfig) -> Mamba2Mixer:
     )
 
 
-class BambaDecoderLayer(nn.Module):
+class BambaDecoderLayer(PreNormLayer):
     def __init__(self, cfg: BambaConfig, kind: str, rotary: RotaryEmbedding) -> None:
         super().__init__()
         d = cfg.hidden_size
@@ -74,6 +74,10 @@ class BambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.kind = kind
+
+    def pre_norm_parts(self) -> PreNormParts:
+        mixer = self.self_attn if self.kind == "attention" else self.mamba
+        return PreNormParts(self.input_layernorm, mixer, self.pre_ff_layernorm, self.feed_forward)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         mixer = self.self_attn if self.kind == "attention" else self.mamba

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, MambaFields
@@ -14,6 +13,7 @@ from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, StepInput, residual_norm
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.moe.topk import SparseMoE
 from hybridcache.nn.recurrent.mamba import MambaMixer
 
@@ -77,7 +77,7 @@ class JambaConfig(AttentionFields, MambaFields):
         return [n if i % period == offset else 1 for i in range(self.num_hidden_layers)]
 
 
-class JambaDecoderLayer(nn.Module):
+class JambaDecoderLayer(PreNormLayer):
     """h + mixer(input_layernorm(h)), then h + feed_forward(pre_ff_layernorm(h)); mixer = self_attn or mamba."""
 
     def __init__(self, cfg: JambaConfig, kind: str, num_experts: int) -> None:
@@ -107,6 +107,10 @@ class JambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps)
         self.pre_ff_layernorm = RMSNorm(d, eps)
         self.kind = kind
+
+    def pre_norm_parts(self) -> PreNormParts:
+        mixer = self.self_attn if self.kind == "attention" else self.mamba
+        return PreNormParts(self.input_layernorm, mixer, self.pre_ff_layernorm, self.feed_forward)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         mixer = self.self_attn if self.kind == "attention" else self.mamba

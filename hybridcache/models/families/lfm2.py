@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.family_config import FamilyConfig, attention_problems, length_problem, param
@@ -20,6 +19,7 @@ from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.recurrent.short_conv import ShortConv
 
 LAYER_TYPES = ("conv", "full_attention")
@@ -80,7 +80,7 @@ class Lfm2Config(FamilyConfig):
         return size
 
 
-class Lfm2DecoderLayer(nn.Module):
+class Lfm2DecoderLayer(PreNormLayer):
     def __init__(self, cfg: Lfm2Config, kind: str, rotary: RotaryEmbedding) -> None:
         super().__init__()
         d, eps, hd = cfg.hidden_size, cfg.norm_eps, cfg.attn_head_dim
@@ -100,6 +100,10 @@ class Lfm2DecoderLayer(nn.Module):
         self.feed_forward = GatedMLP(d, cfg.mlp_size, "silu")
         self.operator_norm = RMSNorm(d, eps)
         self.ffn_norm = RMSNorm(d, eps)
+
+    def pre_norm_parts(self) -> PreNormParts:
+        mixer = self.conv if self.kind == "conv" else self.self_attn
+        return PreNormParts(self.operator_norm, mixer, self.ffn_norm, self.feed_forward)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         operator = self.conv if self.kind == "conv" else self.self_attn

@@ -15,6 +15,7 @@ from hybridcache.models.core.family_config import length_problem, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.moe.shared import SharedExpertMoE
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
 
@@ -100,7 +101,7 @@ class Qwen3NextConfig(AttentionFields):
         return not dense and (i + 1) % self.decoder_sparse_step == 0
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(PreNormLayer):
     """h + mixer(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); mixer = linear_attn or self_attn."""
 
     delta_mixer: ClassVar[type[nn.Module]] = GatedDeltaNetMixer  # Qwen3.5 swaps in its split input projections
@@ -139,6 +140,10 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
+
+    def pre_norm_parts(self) -> PreNormParts:
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        return PreNormParts(self.input_layernorm, mixer, self.post_attention_layernorm, self.mlp)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn

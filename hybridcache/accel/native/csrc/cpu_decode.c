@@ -28,4 +28,5 @@ int hc_threads(void) { return omp_get_max_threads(); }
 #include "recurrent_step.c"
 #include "moe_step.c"
 #include "decode_steps.c"
+#include "layer_program.c"
 #include "gemm.c"

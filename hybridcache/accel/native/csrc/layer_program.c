@@ -1,0 +1,164 @@
+/* A decode step's pre-norm layers in one call (hc_layer_program): a program of records, each one kernel call's
+   arguments (X-macro field lists below, in the order of the function's parameters), run in order. A recurrent
+   pre-norm layer  out = h + mixer(norm(h)) [+ mlp(mlp_norm(h + ...))]  is three records: hc_rms_norm, the mixer's
+   one-call step (recurrent_step.c: short conv, Mamba2, Mamba1, gated delta) and hc_pre_norm_tail; an attention layer
+   is one hc_decoder_layer record (layer_record.h). The same kernels in the same order as the per-layer calls, so the
+   same bits, with no interpreter between layers. Each record type states its layout (hc_op_record_codes / _names /
+   _size) for the loader to check against the function's declared signature. Part of cpu_decode.c (after
+   recurrent_step.c and decode_steps.c). */
+#include "hc_internal.h"
+#include "layer_record.h"
+
+#define HC_RMS_NORM_FIELDS(X, SEP)                                                                                 \
+  X(const float *, x, P) SEP() X(const float *, w, P) SEP() X(float *, y, P) SEP() X(int, rows, I) SEP()           \
+  X(int, D, I) SEP() X(float, eps, F)
+#define HC_SHORT_CONV_FIELDS(X, SEP)                                                                               \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, D, I) SEP() X(int, K, I) SEP() X(const void *, w_in, P)   \
+  SEP() X(int, in_type, I) SEP() X(const float *, in_scale, P) SEP() X(const float *, in_bias, P) SEP()            \
+  X(const float *, conv_w, P) SEP() X(const float *, conv_b, P) SEP() X(const float *, state, P) SEP()             \
+  X(float *, state_out, P) SEP() X(const void *, w_out, P) SEP() X(int, out_type, I) SEP()                         \
+  X(const float *, out_scale, P) SEP() X(const float *, out_bias, P) SEP() X(float *, scratch, P) SEP()            \
+  X(float *, y, P)
+#define HC_MAMBA2_FIELDS(X, SEP)                                                                                   \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(int, H, I) SEP() X(int, P, I) SEP()        \
+  X(int, G, I) SEP() X(int, N, I) SEP() X(int, K, I) SEP() X(const void *, w_in, P) SEP() X(int, in_type, I) SEP() \
+  X(const float *, in_scale, P) SEP() X(const float *, in_bias, P) SEP() X(const float *, conv_w, P) SEP()         \
+  X(const float *, conv_b, P) SEP() X(const float *, conv_state, P) SEP() X(float *, conv_out, P) SEP()            \
+  X(const float *, dt_bias, P) SEP() X(const float *, A_log, P) SEP() X(const float *, Dskip, P) SEP()             \
+  X(float, dt_lo, F) SEP() X(float, dt_hi, F) SEP() X(const float *, ssm_state, P) SEP() X(float *, ssm_out, P)    \
+  SEP() X(int, norm, I) SEP() X(const float *, norm_w, P) SEP() X(float, norm_eps, F) SEP()                        \
+  X(const void *, w_out, P) SEP() X(int, out_type, I) SEP() X(const float *, out_scale, P) SEP()                   \
+  X(const float *, out_bias, P) SEP() X(float *, scratch, P) SEP() X(float *, y, P)
+#define HC_MAMBA_FIELDS(X, SEP)                                                                                    \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(int, Di, I) SEP() X(int, N, I) SEP()       \
+  X(int, K, I) SEP() X(int, R, I) SEP() X(const void *, w_in, P) SEP() X(int, in_type, I) SEP()                    \
+  X(const float *, in_scale, P) SEP() X(const float *, in_bias, P) SEP() X(const float *, conv_w, P) SEP()         \
+  X(const float *, conv_b, P) SEP() X(const float *, conv_state, P) SEP() X(float *, conv_out, P) SEP()            \
+  X(const void *, w_x, P) SEP() X(int, x_type, I) SEP() X(const float *, x_scale, P) SEP()                         \
+  X(const float *, dt_norm, P) SEP() X(float, dt_eps, F) SEP() X(const float *, b_norm, P) SEP()                   \
+  X(float, b_eps, F) SEP() X(const float *, c_norm, P) SEP() X(float, c_eps, F) SEP() X(const void *, w_dt, P)     \
+  SEP() X(int, dt_type, I) SEP() X(const float *, dt_scale, P) SEP() X(const float *, dt_bias, P) SEP()            \
+  X(const float *, A_log, P) SEP() X(const float *, Dskip, P) SEP() X(const float *, ssm_state, P) SEP()           \
+  X(float *, ssm_out, P) SEP() X(const void *, w_out, P) SEP() X(int, out_type, I) SEP()                           \
+  X(const float *, out_scale, P) SEP() X(const float *, out_bias, P) SEP() X(float *, scratch, P) SEP()            \
+  X(float *, y, P)
+#define HC_GATED_DELTA_FIELDS(X, SEP)                                                                              \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(int, Hk, I) SEP() X(int, Hv, I) SEP()      \
+  X(int, Dk, I) SEP() X(int, Dv, I) SEP() X(int, K, I) SEP() X(const void *, w_qkvz, P) SEP()                      \
+  X(int, qkvz_type, I) SEP() X(const float *, qkvz_scale, P) SEP() X(const void *, w_ba, P) SEP()                  \
+  X(int, ba_type, I) SEP() X(const float *, ba_scale, P) SEP() X(const float *, conv_w, P) SEP()                   \
+  X(const float *, conv_state, P) SEP() X(float *, conv_out, P) SEP() X(const float *, dt_bias, P) SEP()           \
+  X(const float *, A_log, P) SEP() X(float, beta_scale, F) SEP() X(const float *, rec_state, P) SEP()              \
+  X(float *, rec_out, P) SEP() X(const float *, norm_w, P) SEP() X(float, norm_eps, F) SEP()                       \
+  X(const void *, w_out, P) SEP() X(int, out_type, I) SEP() X(const float *, out_scale, P) SEP()                   \
+  X(float *, scratch, P) SEP() X(float *, y, P)
+#define HC_PRE_NORM_TAIL_FIELDS(X, SEP)                                                                            \
+  X(const float *, h, P) SEP() X(const float *, y, P) SEP() X(int, M, I) SEP() X(int, D, I) SEP()                  \
+  X(const float *, pre_mlp, P) SEP() X(float, pre_mlp_eps, F) SEP() X(int, I, I) SEP() X(const void *, w_gu, P)    \
+  SEP() X(int, gu_type, I) SEP() X(const float *, gu_scale, P) SEP() X(const float *, gu_bias, P) SEP()            \
+  X(const void *, w_dn, P) SEP() X(int, dn_type, I) SEP() X(const float *, dn_scale, P) SEP()                      \
+  X(const float *, dn_bias, P) SEP() X(int, act, I) SEP() X(float *, scratch, P) SEP() X(float *, out, P)
+
+/* A pre-norm layer after its mixer, M rows of D: out = h + y without an MLP (w_gu NULL); else h1 = h + y,
+   x = rms_norm(h1) * pre_mlp (NULL: x = h1), out = h1 + the gated MLP of x (hc_gated_mlp). The same kernels in the
+   same order as residual_norm, GatedMLP and the final add. scratch: [M, 3 D + 3 I] floats (none without an MLP). */
+void hc_pre_norm_tail(HC_PRE_NORM_TAIL_FIELDS(HC_REC_FIELD, HC_REC_COMMA)) {
+  if (!w_gu) {
+    hc_residual_norm(h, y, NULL, 0.0f, NULL, 0.0f, out, NULL, M, D);
+    return;
+  }
+  size_t md = (size_t)M * D;
+  float *h1 = scratch, *x = h1 + md, *m = x + md, *mlp = m + md;
+  hc_residual_norm(h, y, NULL, 0.0f, pre_mlp, pre_mlp_eps, h1, x, M, D);
+  hc_gated_mlp(pre_mlp ? x : h1, M, D, I, w_gu, gu_type, gu_scale, gu_bias, w_dn, dn_type, dn_scale, dn_bias, act,
+               mlp, m);
+  hc_residual_norm(h1, m, NULL, 0.0f, NULL, 0.0f, out, NULL, M, D);
+}
+
+typedef struct { HC_RMS_NORM_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_rms_norm_record;
+typedef struct { HC_SHORT_CONV_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_short_conv_record;
+typedef struct { HC_MAMBA2_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_mamba2_record;
+typedef struct { HC_MAMBA_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_mamba_record;
+typedef struct { HC_GATED_DELTA_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_gated_delta_record;
+typedef struct { HC_PRE_NORM_TAIL_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_pre_norm_tail_record;
+
+/* The op codes of hc_layer_program (accel/native/layer_program.py OPS lists them in this order). */
+enum { OP_DECODER_LAYER, OP_RMS_NORM, OP_SHORT_CONV, OP_MAMBA2, OP_MAMBA, OP_GATED_DELTA, OP_PRE_NORM_TAIL, OP_COUNT };
+
+#define HC_OP_LAYOUTS(Y)                                                                                           \
+  Y(OP_DECODER_LAYER, hc_layer_record, HC_LAYER_RECORD) Y(OP_RMS_NORM, hc_rms_norm_record, HC_RMS_NORM_FIELDS)     \
+  Y(OP_SHORT_CONV, hc_short_conv_record, HC_SHORT_CONV_FIELDS) Y(OP_MAMBA2, hc_mamba2_record, HC_MAMBA2_FIELDS)    \
+  Y(OP_MAMBA, hc_mamba_record, HC_MAMBA_FIELDS) Y(OP_GATED_DELTA, hc_gated_delta_record, HC_GATED_DELTA_FIELDS)    \
+  Y(OP_PRE_NORM_TAIL, hc_pre_norm_tail_record, HC_PRE_NORM_TAIL_FIELDS)
+#define HC_OP_CODES(OP, T, F) case OP: return F(HC_REC_CODE, HC_REC_NONE);
+#define HC_OP_NAMES(OP, T, F) case OP: return F(HC_REC_NAME_STR, HC_REC_NAME_SEP);
+#define HC_OP_SIZE(OP, T, F) case OP: return (int)sizeof(T);
+
+/* Each op's record layout: its fields' ctypes codes, names (comma-separated) and size; "" / 0 for an unknown op. */
+const char *hc_op_record_codes(int op) {
+  switch (op) { HC_OP_LAYOUTS(HC_OP_CODES) }
+  return "";
+}
+const char *hc_op_record_names(int op) {
+  switch (op) { HC_OP_LAYOUTS(HC_OP_NAMES) }
+  return "";
+}
+int hc_op_record_size(int op) {
+  switch (op) { HC_OP_LAYOUTS(HC_OP_SIZE) }
+  return 0;
+}
+int hc_op_count(void) { return OP_COUNT; }
+
+/* Run the n records in order: records[i] is a record of op ops[i] (the caller checked every field as the op's
+   own wrapper does, and pointed each layer's input at the previous layer's output). Returns 0, or the first failing
+   record's code (-4: an unknown op, nothing of it run; else hc_decoder_layer's) with its index in *failed (the
+   records before it ran). */
+int hc_layer_program(const int *ops, const void *const *records, int n, int *failed) {
+  for (int i = 0; i < n; i++) {
+    int err = 0;
+    switch (ops[i]) {
+    case OP_DECODER_LAYER: {
+      const hc_layer_record *r = (const hc_layer_record *)records[i];
+      err = hc_decoder_layer(HC_LAYER_RECORD(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_RMS_NORM: {
+      const hc_rms_norm_record *r = (const hc_rms_norm_record *)records[i];
+      hc_rms_norm(HC_RMS_NORM_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_SHORT_CONV: {
+      const hc_short_conv_record *r = (const hc_short_conv_record *)records[i];
+      hc_short_conv_step(HC_SHORT_CONV_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_MAMBA2: {
+      const hc_mamba2_record *r = (const hc_mamba2_record *)records[i];
+      hc_mamba2_step(HC_MAMBA2_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_MAMBA: {
+      const hc_mamba_record *r = (const hc_mamba_record *)records[i];
+      hc_mamba_step(HC_MAMBA_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_GATED_DELTA: {
+      const hc_gated_delta_record *r = (const hc_gated_delta_record *)records[i];
+      hc_gated_delta_step(HC_GATED_DELTA_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_PRE_NORM_TAIL: {
+      const hc_pre_norm_tail_record *r = (const hc_pre_norm_tail_record *)records[i];
+      hc_pre_norm_tail(HC_PRE_NORM_TAIL_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    default:
+      err = -4;
+    }
+    if (err) {
+      *failed = i;
+      return err;
+    }
+  }
+  return 0;
+}
