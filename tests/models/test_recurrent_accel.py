@@ -12,6 +12,7 @@ import hybridcache as hc
 from hybridcache import accel
 from hybridcache.accel import kernel_status
 from hybridcache.accel.delta_mixers import DeltaAccel
+from hybridcache.accel.pre_norm_layer import _Kept
 from hybridcache.accel.recurrent_mixers import (
     GatedDeltaAccel,
     Mamba2Accel,
@@ -49,18 +50,27 @@ NEW = 12
 
 
 def _count_taken(monkeypatch) -> dict:
-    """Counts of the mixers' one-call steps taken and declined (`prepare`: what a mixer's own call and a many-layer
-    step's record (accel/pre_norm_layer.py) both ask)."""
+    """Counts of the mixers' one-call steps taken and declined (`prepare` where a mixer has it: what its own call and
+    a many-layer step's record (accel/pre_norm_layer.py) both ask; else its call)."""
     taken = {"taken": 0, "declined": 0}
     for cls in FAST:
-        real = cls.prepare
+        name = "prepare" if hasattr(cls, "prepare") else "__call__"
+        real = getattr(cls, name)
 
         def counted(self, *a, _real=real):
             out = _real(self, *a)
             taken["taken" if out is not None else "declined"] += 1
             return out
 
-        monkeypatch.setattr(cls, "prepare", counted)
+        monkeypatch.setattr(cls, name, counted)
+    real_kept = _Kept.step
+
+    def kept(self, *a):  # a kept record's later steps (steady decoding) skip `prepare`: their one-call steps
+        out = real_kept(self, *a)
+        taken["taken"] += out is not None
+        return out
+
+    monkeypatch.setattr(_Kept, "step", kept)
     return taken
 
 
