@@ -24,12 +24,13 @@ def _experts(e=6, d=24, i=20, seed=0) -> GptOssExperts:
     return experts
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_oss_experts_step_matches_the_reference_experts(k):
-    experts = _experts(seed=k)
+@pytest.mark.parametrize("k,sizes", [(1, (6, 24, 20)), (2, (6, 24, 20)), (4, (6, 24, 20)), (3, (5, 72, 100))])
+def test_oss_experts_step_matches_the_reference_experts(k, sizes):
+    e, d, _ = sizes  # (the last: column blocks of 64 with a partial one, 200 and 72 wide)
+    experts = _experts(*sizes, seed=k)
     g = torch.Generator().manual_seed(k)
-    x = torch.randn(1, 24, generator=g) * 2
-    index = torch.randperm(6, generator=g)[:k][None]  # [1, k]
+    x = torch.randn(1, d, generator=g) * 2
+    index = torch.randperm(e, generator=g)[:k][None]  # [1, k]
     weights = torch.softmax(torch.randn(1, k, generator=g), dim=-1)
     with torch.no_grad():
         y = oss_experts_step(

@@ -5,17 +5,23 @@
 
 #include "hc_internal.h"
 
-/* y [N] += x [K] @ W [K, N] (a weight stored input-major, as HF's fused experts hold it): W's rows streamed once. */
+/* y [N] += x [K] @ W [K, N] (a weight stored input-major, as HF's fused experts hold it): W's rows streamed once,
+   the columns in blocks of 64 over the threads where W is large (each y[j] sums over d in order: the same bits on
+   any number of threads). */
 static void add_xw(const float *x, const float *W, float *y, int K, int N) {
-  for (int d = 0; d < K; d++) {
-    const float *w = W + (size_t)d * N;
-    float xd = x[d];
-    int j = 0;
+  int blocks = (N + 63) / 64, wide = (size_t)K * N * sizeof(float) >= PARALLEL_BYTES;
+  _Pragma("omp parallel for schedule(static) if(wide)") for (int jb = 0; jb < blocks; jb++) {
+    int j0 = jb * 64, j1 = j0 + 64 < N ? j0 + 64 : N;
+    for (int d = 0; d < K; d++) {
+      const float *w = W + (size_t)d * N;
+      float xd = x[d];
+      int j = j0;
 #if VW > 1
-    vf xv = vset1(xd);
-    for (; j + VW <= N; j += VW) vstore(y + j, vfma(xv, vload_f32(w + j), vload_f32(y + j)));
+      vf xv = vset1(xd);
+      for (; j + VW <= j1; j += VW) vstore(y + j, vfma(xv, vload_f32(w + j), vload_f32(y + j)));
 #endif
-    for (; j < N; j++) y[j] += xd * w[j];
+      for (; j < j1; j++) y[j] += xd * w[j];
+    }
   }
 }
 
