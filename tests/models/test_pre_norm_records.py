@@ -209,3 +209,36 @@ def test_a_module_call_between_programs_is_the_per_layer_one(checkpoints, monkey
     assert none == [] and len(calls) == 2 * (new - 1)  # the layers before the attention layer, then those after it
     assert torch.equal(got.sequences, want.sequences) and torch.equal(got.logits, want.logits)
     _same_cache(_cache_state(got.cache), _cache_state(want.cache))
+
+
+def test_the_program_wrappers_refuse_what_they_do_not_take():
+    """Nothing reaches hc_layer_program unchecked: arguments the kernels do not take are None (the module runs), a
+    record of another op's layout or an unknown op is a named error before any C call."""
+    x, out = torch.randn(1, 1, 8), torch.full((1, 1, 8), 7.0)
+    scale = torch.ones(8)
+    assert layer_program.rms_norm_args(x, scale, 1e-5, out) is not None
+    assert layer_program.rms_norm_args(x, torch.ones(7), 1e-5, out) is None  # a scale of another width
+    assert layer_program.rms_norm_args(x.double(), scale, 1e-5, out) is None  # float64
+    assert layer_program.rms_norm_args(x, scale, "eps", out) is None
+    assert layer_program.rms_norm_args(torch.randn(1, 2, 8), scale, 1e-5, torch.empty(1, 2, 8)) is None  # 2 tokens
+    w_gu, w_dn = torch.randn(6, 8), torch.randn(8, 3)
+    bound = layer_program.bind_tail(8, (scale, 1e-5), (w_gu, None, None), (w_dn, None, None), "silu")
+    assert bound is not None
+    assert (
+        layer_program.bind_tail(8, (scale, 1e-5), (torch.randn(5, 8), None, None), (w_dn, None, None), "silu") is None
+    )
+    assert layer_program.bind_tail(8, (scale, 1e-5), (w_gu, None, None), (w_dn, None, None), "relu2") is None
+    assert layer_program.bind_tail(8, (torch.ones(7), 1e-5), (w_gu, None, None), (w_dn, None, None), "silu") is None
+    assert layer_program.pre_norm_tail_args(x, torch.randn(1, 1, 7), out, bound) is None
+    assert layer_program.pre_norm_tail_args(x, x, out, bound) is not None
+    norm = layer_program.rms_norm_args(x, scale, 1e-5, out)
+    other = layer_program.record_types()[layer_program.CODES["pre_norm_tail"]]
+    with pytest.raises(layer_program.ProgramError, match="another op"):
+        layer_program.run_program([(layer_program.CODES["rms_norm"], other())])
+    with pytest.raises(layer_program.ProgramError, match="op code"):
+        layer_program.run_program([(99, norm)])
+    with pytest.raises(layer_program.ProgramError):  # a bad record anywhere: nothing of the program runs
+        layer_program.run_program([(layer_program.CODES["rms_norm"], norm), (99, norm)])
+    assert torch.equal(out, torch.full((1, 1, 8), 7.0))
+    layer_program.run_program([(layer_program.CODES["rms_norm"], norm)])  # (and the good record alone runs)
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), rtol=1e-6, atol=1e-6)

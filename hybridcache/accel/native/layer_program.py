@@ -74,6 +74,8 @@ def run_program(program: list[tuple[int, tuple | ctypes.Structure]]) -> None:
     types = record_types()
     if types is None:
         raise ProgramError("hc_layer_program: the library's record layouts are not the declared ones")
+    if not all(type(op) is int and op in types for op, _ in program):
+        raise ProgramError(f"hc_layer_program: an op code outside {sorted(types)}")
     records = [types[op](*args) if type(args) is tuple else args for op, args in program]
     if not all(type(r) is types[op] for (op, _), r in zip(program, records, strict=True)):
         raise ProgramError("hc_layer_program: a record of another op's or library's layout")
