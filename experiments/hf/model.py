@@ -1,7 +1,7 @@
 """An HF transformers model behind the small interface the study's evaluation uses of our models (engine=hf):
 `make_cache(batch, config)` returns our `Cache` (the one behind a `hybridcache.hf.cache_for` bridge, so its bytes,
 snapshot / restore and plan are ours), `model(ids, cache=cache)` feeds one block through HF's own modeling code and
-returns logits [B, T, V], `run_block(ids, cache, last_only=True)`, `hf_generate` (greedy, what `hc.generate` does
+returns logits [B, T, V], `feed_block(ids, cache, last_only=True)`, `hf_generate` (greedy, what `hc.generate` does
 for ours), `native_layers()`, `vocab_size`, `device`."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class HFModel:
         mask = torch.ones(ids.shape[0], bridge.columns + ids.shape[1], dtype=torch.long, device=ids.device)
         return self.hf(input_ids=ids, attention_mask=mask, past_key_values=bridge, use_cache=True).logits
 
-    def run_block(self, ids: torch.Tensor, cache, last_only: bool = False, **_: Any) -> torch.Tensor:
+    def feed_block(self, ids: torch.Tensor, cache, last_only: bool = False, **_: Any) -> torch.Tensor:
         logits = self(ids, cache=cache)
         return logits[:, -1:] if last_only else logits
 

@@ -45,13 +45,13 @@ def main(checkpoint: str, cache_config: str, tokens: int, decode: int, chunk: in
     start = time.perf_counter()
     with torch.no_grad():
         for i in range(0, tokens, chunk):  # the head for the last position only (as generate's prefill)
-            logits = model.run_block(ids[:, i : i + chunk], cache, last_only=True)
+            logits = model.feed_block(ids[:, i : i + chunk], cache, last_only=True)
     prefill = time.perf_counter() - start
     token = greedy_next(logits[:, -1])[:, None]  # [B, 1]
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(decode):
-            token = greedy_next(model.run_block(token, cache)[:, -1])[:, None]  # one decode step, no input checks
+            token = greedy_next(model.feed_block(token, cache)[:, -1])[:, None]  # one decode step, no input checks
     per_token = (time.perf_counter() - start) / decode
     rss = peak_rss_kib()
     return {

@@ -158,7 +158,7 @@ def continuation(
         native_logp = None
         for s in strategies:
             cache = model.make_cache(1, s.config)
-            last = model.run_block(ids[:, :L], cache, last_only=True)[0, -1].float()  # [V]; compressed after
+            last = model.feed_block(ids[:, :L], cache, last_only=True)[0, -1].float()  # [V]; compressed after
             s.nbytes_after_prompt[L] = cache.nbytes()
             s.nbytes_after_prompt_split[L] = held_by_part(cache)
             if s.name in greedy_for and greedy_tokens > 0:
@@ -225,7 +225,7 @@ def mqar_trial(
     ids = torch.tensor([prompt.ids], device=model.device)
     cache = model.make_cache(1, config)
     if one_block_prompt:
-        model.run_block(ids[:, : prompt.context], cache, last_only=True)
+        model.feed_block(ids[:, : prompt.context], cache, last_only=True)
         edges = [prompt.context, len(prompt.ids)]
     else:
         edges = block_edges(len(prompt.ids), block, [])

@@ -26,7 +26,7 @@ from torch import nn
 
 from hybridcache.accel.layer_records import _binding, _hooked, layer_accel, steady_bindings
 from hybridcache.accel.native.checks import INT_MAX, _ptr, _real, _vec
-from hybridcache.accel.native.decoder_stack import record_table, record_type, run_table
+from hybridcache.accel.native.decoder_stack import call_table, record_table, record_type
 from hybridcache.accel.native.fused import _matrix
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
@@ -167,7 +167,7 @@ class DecodeRun:
         table[0].x = h.data_ptr()
         self.table_step = j  # the step the records' moving fields are set for
         self.step_alive = (h, self.q_pos, self.tables)  # what the records point into, until the next step
-        run_table(table)
+        call_table(table)
         self.ids[:, j] = ids[:, 0]
         self.steps = j + 1
         return self.out

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from hybridcache.accel.native.decoder_stack import record_type, run_records
+from hybridcache.accel.native.decoder_stack import call_records, record_type
 from hybridcache.accel.native.kernel_calls import takes
-from hybridcache.accel.native.layer_program import CODES, run_program
+from hybridcache.accel.native.layer_program import CODES, call_program
 from hybridcache.accel.pre_norm_layer import PreNormAccel
 from hybridcache.accel.sandwich_layer import SandwichAccel
 
@@ -138,9 +138,9 @@ def _flush(pending: list[tuple]) -> None:
     if pending:
         program = [op for ops, _alive, _after in pending for op in ops]
         if all(code == _LAYER for code, _ in program):
-            run_records([args for _, args in program])  # (`pending` keeps the `_alive` tensors until it returns)
+            call_records([args for _, args in program])  # (`pending` keeps the `_alive` tensors until it returns)
         else:
-            run_program(program)
+            call_program(program)
         for _ops, _alive, after in pending:
             if after is not None:
                 layer, states = after

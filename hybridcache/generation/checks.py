@@ -57,7 +57,7 @@ def check_speculative(model: HybridLM, draft: Any, cfg: GenerationConfig, cache,
     from hybridcache.generation.sources.drafts import PromptLookupDraft  # the drafters' module imports this one
 
     lookup = isinstance(draft, PromptLookupDraft)
-    if not lookup and not all(hasattr(draft, a) for a in ("run_block", "make_cache", "vocab_size", "device")):
+    if not lookup and not all(hasattr(draft, a) for a in ("feed_block", "make_cache", "vocab_size", "device")):
         raise GenerationError(
             "draft_model must be a hybridcache model (hc.from_pretrained, EarlyExitDraft) or a PromptLookupDraft, "
             f"got {type(draft).__name__}"

@@ -131,7 +131,7 @@ def generate(
                 source.greedy = (eos.tolist(), cfg.output_logits)
         try:
             with steady_unless_hooked(ours, model, draft_model if isinstance(draft_model, torch.nn.Module) else None):
-                logits = run_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
+                logits = token_loop(source, chooser, stop, streamer, state, pad_id, cfg.output_logits)
         except BaseException:
             getattr(source, "abandon", lambda: None)()
             raise
@@ -142,7 +142,7 @@ def generate(
         return out
 
 
-def run_loop(source, chooser: TokenChooser, stop: StoppingCriteriaList, streamer, state, pad_id, keep_logits: bool):
+def token_loop(source, chooser: TokenChooser, stop: StoppingCriteriaList, streamer, state, pad_id, keep_logits: bool):
     """The generation loop (generate's and beam search's): the source steps, the loop pads finished rows, records,
     streams and stops. Returns the kept logits [B, T_new, V]."""
     kept = []

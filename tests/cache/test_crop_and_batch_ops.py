@@ -10,7 +10,7 @@ from tests.cache.oracle import masked_attention, naive_attention, row_positions
 from tests.cache.test_attention_exact import make_layer
 
 
-def run_blocks(layer, q, k, v, valid, bounds):
+def feed_blocks(layer, q, k, v, valid, bounds):
     """Feed columns bounds[0]..bounds[-1]; return attention outputs per column range."""
     outs = []
     for c0, c1 in zip(bounds[:-1], bounds[1:]):
@@ -43,7 +43,7 @@ def test_crop_is_exact_or_refused_without_change(pattern, param, n, data, static
     valid = torch.tensor(row_positions(pads, total)) >= 0
     layer = make_layer(pattern, param, 1, 2, 2, max_length=total if static else None)
     split = data.draw(st.integers(1, n))
-    run_blocks(layer, q, k, v, valid, [0, split, *range(split + 1, n + 1)] if split < n else [0, n])
+    feed_blocks(layer, q, k, v, valid, [0, split, *range(split + 1, n + 1)] if split < n else [0, n])
     before = layer.snapshot()
     try:
         layer.crop(m)
@@ -59,7 +59,7 @@ def test_crop_is_exact_or_refused_without_change(pattern, param, n, data, static
     valid2 = torch.tensor(row_positions(pads, m + extra)) >= 0
     pads2 = [min(p, m + extra) for p in pads]
     expected, _ = naive_attention(qq, kk, vv, pads2, pattern, param)
-    got = run_blocks(layer, qq, kk, vv, valid2, [m, *range(m + 1, m + extra + 1)])
+    got = feed_blocks(layer, qq, kk, vv, valid2, [m, *range(m + 1, m + extra + 1)])
     assert_close_on_real(got, expected[:, :, m:], valid2[:, m:])
 
 
@@ -101,7 +101,7 @@ def test_batch_ops_then_continue_match_naive(pattern, param, op, static, data):
     q, k, v = (torch.randn(batch, 2, n, 2, generator=g) for _ in range(3))
     valid = torch.tensor(row_positions(pads, n)) >= 0
     layer = make_layer(pattern, param, 2, 2, batch, max_length=n if static else None)
-    run_blocks(layer, q, k, v, valid, [0, cut])
+    feed_blocks(layer, q, k, v, valid, [0, cut])
     if op == "reorder":
         index = data.draw(st.permutations(range(batch)))
         layer.reorder(torch.tensor(index))
@@ -114,5 +114,5 @@ def test_batch_ops_then_continue_match_naive(pattern, param, op, static, data):
         layer.repeat(reps)
     q, k, v, valid = q[index], k[index], v[index], valid[index]
     expected, _ = naive_attention(q, k, v, [pads[i] for i in index], pattern, param)
-    got = run_blocks(layer, q, k, v, valid, list(range(cut, n + 1)))
+    got = feed_blocks(layer, q, k, v, valid, list(range(cut, n + 1)))
     assert_close_on_real(got, expected[:, :, cut:], valid[:, cut:])

@@ -40,12 +40,12 @@ def test_crop_within_spare_equals_a_cache_that_never_saw_the_tokens(model, patte
         for back in range(1, r + 1):
             cache = model.make_cache(2, config)
             for i in range(0, n, split):  # fed in blocks of `split`, then rolled back
-                model.run_block(ids[:, i : min(n, i + split)], cache, None)
+                model.feed_block(ids[:, i : min(n, i + split)], cache, None)
             cache.crop(n - back)
-            got = model.run_block(ids[:, n - back : n - back + 2], cache, None)
+            got = model.feed_block(ids[:, n - back : n - back + 2], cache, None)
             fresh = model.make_cache(2, CONFIGS[pattern])
-            model.run_block(ids[:, : n - back], fresh, None)
-            want = model.run_block(ids[:, n - back : n - back + 2], fresh, None)
+            model.feed_block(ids[:, : n - back], fresh, None)
+            want = model.feed_block(ids[:, n - back : n - back + 2], fresh, None)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -54,7 +54,7 @@ def test_without_spare_the_same_crop_is_refused(model, pattern):
     ids = torch.randint(3, 300, (1, 14), generator=torch.Generator().manual_seed(1))
     cache = model.make_cache(1, CONFIGS[pattern])
     for i in range(14):
-        model.run_block(ids[:, i : i + 1], cache, None)
+        model.feed_block(ids[:, i : i + 1], cache, None)
     with pytest.raises(CacheError, match="cannot crop"):
         cache.crop(11)
 

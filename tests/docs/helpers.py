@@ -44,7 +44,7 @@ def blocks(paths: list[Path] | None = None) -> list[Block]:
     return out
 
 
-def run_block(code: str, home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_code(code: str, home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """The block in a fresh interpreter at the repository root, tiny checkpoints built under `home` (once)."""
     env = {**os.environ, "HYBRIDCACHE_HOME": str(home), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

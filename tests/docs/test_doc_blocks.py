@@ -3,7 +3,7 @@ on the line before it, why it cannot run on its own."""
 
 import pytest
 
-from tests.docs.helpers import Block, blocks, run_block
+from tests.docs.helpers import Block, blocks, run_code
 
 BLOCKS = blocks()
 #: Each distinct runnable block once, at its first page (the README repeats a page's example word for word).
@@ -12,7 +12,7 @@ UNIQUE = [b for i, b in enumerate(BLOCKS) if b.skip is None and b.code not in {c
 
 @pytest.mark.parametrize("block", UNIQUE, ids=str)
 def test_python_block_runs(block: Block, docs_home):
-    result = run_block(block.code, docs_home)
+    result = run_code(block.code, docs_home)
     assert result.returncode == 0, f"{block} failed:\n{result.stderr[-3000:]}"
 
 
@@ -27,7 +27,7 @@ def test_a_block_that_fails_is_reported(tmp_path, docs_home):
     page = tmp_path / "page.md"
     page.write_text("text\n\n```python\nraise SystemExit('boom')\n```\n")
     (block,) = blocks([page])
-    result = run_block(block.code, docs_home)
+    result = run_code(block.code, docs_home)
     assert result.returncode != 0 and "boom" in result.stderr
 
 

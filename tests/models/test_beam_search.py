@@ -59,7 +59,7 @@ def test_eos_finishes_hypotheses_like_recompute(models):
         hc.beam_search(model, ids, num_beams=0)
 
 
-# Beam search is a token source of generate's loop (generation.run_loop): the loop's stopping criteria and the
+# Beam search is a token source of generate's loop (generation.token_loop): the loop's stopping criteria and the
 # chooser's logits processors reach it. Oracles: beam search with a smaller max_new_tokens, and HF's beam search
 # with the same processor.
 

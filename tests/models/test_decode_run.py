@@ -62,7 +62,7 @@ def _same_state(got, want) -> None:
 def _generate(model, ids, monkeypatch, runs: bool, **kw):
     with monkeypatch.context() as m:
         started = _starts(m)
-        out = hc.generate(model, ids, decode_runs=runs, **kw)  # (False: every step through model.run_block)
+        out = hc.generate(model, ids, decode_runs=runs, **kw)  # (False: every step through model.feed_block)
     return out, started
 
 
@@ -127,7 +127,7 @@ def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch, 
     began = copy.deepcopy(out.cache)
     if sampled:  # its run begins after the continuation's first block (the uncached token); greedy's feeds it
         hc.generate(model, out.sequences, max_new_tokens=1, cache=began, **kw)
-    calls, real = [], decode_run.run_table
+    calls, real = [], decode_run.call_table
 
     def failing(table):
         calls.append(1)
@@ -136,7 +136,7 @@ def test_a_failed_run_leaves_the_cache_as_it_began_and_free(gemma, monkeypatch, 
         real(table)
 
     with monkeypatch.context() as m:
-        m.setattr(decode_run, "run_table", failing)
+        m.setattr(decode_run, "call_table", failing)
         lib = _FailingLibrary(decode_run._library())
         m.setattr(decode_run, "_library", lambda: lib)
         with pytest.raises(MemoryError, match="test" if sampled else "no memory"):

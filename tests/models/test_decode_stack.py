@@ -22,13 +22,13 @@ pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), rea
 
 def _calls(monkeypatch) -> list[int]:
     """How many layers each many-layer call ran."""
-    sizes, real = [], cpu_decoder_stack.run_records
+    sizes, real = [], cpu_decoder_stack.call_records
 
     def counted(records):
         sizes.append(len(records))
         return real(records)
 
-    monkeypatch.setattr(layer_records, "run_records", counted)
+    monkeypatch.setattr(layer_records, "call_records", counted)
     return sizes
 
 
@@ -105,7 +105,7 @@ def test_a_failed_call_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
     """The C call ran some layers (their slots written), then failed: the block is aborted, the cache holds what
     it held, and the next steps equal a fresh run."""
     model = hc.from_pretrained(checkpoints("gemma3"))
-    real = cpu_decoder_stack.run_records
+    real = cpu_decoder_stack.call_records
 
     def fails(records):
         real(records[:3])  # the first layers ran and wrote their reserved slots
@@ -114,7 +114,7 @@ def test_a_failed_call_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
     @contextmanager
     def failing():
         with monkeypatch.context() as m, pytest.raises(MemoryError, match="layer 3"):
-            m.setattr(layer_records, "run_records", fails)
+            m.setattr(layer_records, "call_records", fails)
             yield
 
     failed_step_changes_nothing(model, prompts(1, 5, seed=2), failing)

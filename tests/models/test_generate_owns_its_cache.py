@@ -123,7 +123,7 @@ def test_a_prefix_store_shared_by_threads_serves_one_request_at_a_time(models, m
     a, b = prompts(1, 13, seed=3), prompts(1, 13, seed=4)
     serial = [hc.generate(model, p, max_new_tokens=3).sequences for p in (a, b)]
     inside, release, entered = threading.Event(), threading.Event(), []
-    real = type(model).run_block
+    real = type(model).feed_block
 
     def paused(self, input_ids, cache, *args, **kwargs):
         entered.append(threading.current_thread().name)
@@ -132,7 +132,7 @@ def test_a_prefix_store_shared_by_threads_serves_one_request_at_a_time(models, m
             release.wait(timeout=60)
         return real(self, input_ids, cache, *args, **kwargs)
 
-    monkeypatch.setattr(type(model), "run_block", paused)
+    monkeypatch.setattr(type(model), "feed_block", paused)
     outs = {}
     ta = threading.Thread(
         name="A", target=lambda: outs.update(A=hc.generate(model, a, max_new_tokens=3, prefix_cache=store))

@@ -25,7 +25,7 @@ RECURRENT = {layer_program.CODES[k] for k in ("short_conv", "mamba2", "mamba", "
 
 def _programs(monkeypatch) -> list[list[int]]:
     """The op codes of each many-layer call (hc_layer_program's, or hc_decoder_stack's: whole attention layers)."""
-    calls, real, real_records = [], layer_program.run_program, layer_records.run_records
+    calls, real, real_records = [], layer_program.call_program, layer_records.call_records
 
     def counted(program):
         calls.append([op for op, _ in program])
@@ -35,8 +35,8 @@ def _programs(monkeypatch) -> list[list[int]]:
         calls.append([layer_program.CODES["decoder_layer"]] * len(records))
         return real_records(records)
 
-    monkeypatch.setattr(layer_records, "run_program", counted)
-    monkeypatch.setattr(layer_records, "run_records", counted_records)
+    monkeypatch.setattr(layer_records, "call_program", counted)
+    monkeypatch.setattr(layer_records, "call_records", counted_records)
     return calls
 
 
@@ -151,14 +151,14 @@ def test_a_failed_call_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
     ids = prompts(1, 5, seed=2)
     out = hc.generate(model, ids, max_new_tokens=2)
     before = _cache_state(out.cache)
-    real = layer_program.run_program
+    real = layer_program.call_program
 
     def fails(program):
         real(program[:4])  # the first layer ran (its new states written into fresh tensors)
         raise MemoryError("hc_layer_program: record 4 failed")
 
     with monkeypatch.context() as m, pytest.raises(MemoryError, match="record 4"):
-        m.setattr(layer_records, "run_program", fails)
+        m.setattr(layer_records, "call_program", fails)
         hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
     _same_cache(_cache_state(out.cache), before)
     again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits
@@ -234,11 +234,11 @@ def test_the_program_wrappers_refuse_what_they_do_not_take():
     norm = layer_program.rms_norm_args(x, scale, 1e-5, out)
     other = layer_program.record_types()[layer_program.CODES["pre_norm_tail"]]
     with pytest.raises(layer_program.ProgramError, match="another op"):
-        layer_program.run_program([(layer_program.CODES["rms_norm"], other())])
+        layer_program.call_program([(layer_program.CODES["rms_norm"], other())])
     with pytest.raises(layer_program.ProgramError, match="op code"):
-        layer_program.run_program([(99, norm)])
+        layer_program.call_program([(99, norm)])
     with pytest.raises(layer_program.ProgramError):  # a bad record anywhere: nothing of the program runs
-        layer_program.run_program([(layer_program.CODES["rms_norm"], norm), (99, norm)])
+        layer_program.call_program([(layer_program.CODES["rms_norm"], norm), (99, norm)])
     assert torch.equal(out, torch.full((1, 1, 8), 7.0))
-    layer_program.run_program([(layer_program.CODES["rms_norm"], norm)])  # (and the good record alone runs)
+    layer_program.call_program([(layer_program.CODES["rms_norm"], norm)])  # (and the good record alone runs)
     torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), rtol=1e-6, atol=1e-6)

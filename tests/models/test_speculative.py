@@ -39,8 +39,8 @@ class SometimesWrong(torch.nn.Module):
     def make_cache(self, *args, **kwargs):
         return self.target.make_cache(*args, **kwargs)
 
-    def run_block(self, ids, cache, valid=None, step=None, check=True, last_only=False):
-        logits = self.target.run_block(ids, cache, valid, last_only=last_only).clone()
+    def feed_block(self, ids, cache, valid=None, step=None, check=True, last_only=False):
+        logits = self.target.feed_block(ids, cache, valid, last_only=last_only).clone()
         t = logits.shape[1]  # the block's last t positions
         pos = cache.seen[:, None] - t + torch.arange(t)  # [B, T] positions of the block's tokens
         wrong = (pos % self.every == self.every - 1)[..., None]

@@ -145,7 +145,7 @@ def test_speculative_sampling_with_a_draft_model_matches_the_targets_distributio
     for (x1, _), pr in exact.items():
         first[x1] = first.get(x1, 0.0) + pr
     with torch.no_grad():
-        vals, idx = draft.run_block(prompt, draft.make_cache(1), None)[0, -1].topk(4)
+        vals, idx = draft.feed_block(prompt, draft.make_cache(1), None)[0, -1].topk(4)
     assert tv_dict(first, dict(zip(idx.tolist(), torch.softmax(vals.double(), -1).tolist(), strict=True))) > 0.1
 
 

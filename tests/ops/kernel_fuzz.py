@@ -514,7 +514,7 @@ def _stacked(x, step_args: tuple, tail_args: tuple, per_call: tuple):
     recorded = run.record(x, y, *per_call)
     if recorded is None:
         return None
-    cpu_decoder_stack.run_records([recorded[0]])
+    cpu_decoder_stack.call_records([recorded[0]])
     return y
 
 

@@ -4,7 +4,7 @@
         [--precisions f32 bf16 q8_0] [--systems ours hf llamacpp] [--out FILE.json]
 
 Every (system, precision, length) runs in a fresh process, so its peak RSS (VmHWM, weights included) is its own:
-ours prefills in `chunk`-token blocks through `run_block` (the head for the last position only), HF through its
+ours prefills in `chunk`-token blocks through `feed_block` (the head for the last position only), HF through its
 DynamicCache in the same blocks (`logits_to_keep=1`), llama.cpp evaluates the prompt with `n_batch=chunk` (its
 worker, reference/llamacpp_worker.py, in $HYBRIDCACHE_LLAMACPP_PYTHON's environment). Each reports wall and process
 CPU seconds and its first greedy token (the three agree where their weights do: f32 and bf16 come from the same
@@ -62,7 +62,7 @@ def run_ours(job: dict) -> dict:
     wall, busy = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for i in range(0, ids.shape[1], job["chunk"]):
-            logits = model.run_block(ids[:, i : i + job["chunk"]], cache, last_only=True)
+            logits = model.feed_block(ids[:, i : i + job["chunk"]], cache, last_only=True)
     first = int(logits[0, -1].argmax())
     wall, busy = time.perf_counter() - wall, time.process_time() - busy
     return {"prefill_s": wall, "cpu_s": busy, "first_token": first, "loaded_rss_mib": loaded}

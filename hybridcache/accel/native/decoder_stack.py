@@ -40,11 +40,11 @@ def record_type() -> type[ctypes.Structure] | None:
     return _state["record"]
 
 
-def run_records(records: list[tuple]) -> None:
+def call_records(records: list[tuple]) -> None:
     """Run hc_decoder_layer on each argument tuple (cpu_decoder_layer.py `run.record`, whose checks they passed), in
     order, by one call. Raises MemoryError naming the layer whose attention found no memory for its scratch (the
     layers before it ran)."""
-    run_table(record_table(records))
+    call_table(record_table(records))
 
 
 def record_table(records: list[tuple]) -> ctypes.Array:
@@ -56,7 +56,7 @@ def record_table(records: list[tuple]) -> ctypes.Array:
     return (record * len(records))(*(record(*r) for r in records))
 
 
-def run_table(table: ctypes.Array) -> None:
+def call_table(table: ctypes.Array) -> None:
     """hc_decoder_stack over a `record_table`."""
     failed = ctypes.c_int(-1)
     if _library().hc_decoder_stack(ctypes.addressof(table), len(table), ctypes.addressof(failed)):

@@ -67,7 +67,7 @@ def record_types() -> dict[int, type[ctypes.Structure]] | None:
     return _state["types"]
 
 
-def run_program(program: list[tuple[int, tuple | ctypes.Structure]]) -> None:
+def call_program(program: list[tuple[int, tuple | ctypes.Structure]]) -> None:
     """Run each (op code, that op's checked C arguments, or its record built from them) in order by one call.
     Raises MemoryError naming the record whose attention found no memory for its scratch (the records before it
     ran)."""

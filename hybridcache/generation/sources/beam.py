@@ -1,6 +1,6 @@
 """Beam search for every family: `hc.beam_search(model, input_ids, num_beams=4, ...)`.
 
-A token source of generate's loop (generation/loop.py `run_loop`), as HF's beam scorer is a strategy over one decoding
+A token source of generate's loop (generation/loop.py `token_loop`), as HF's beam scorer is a strategy over one decoding
 loop: `BeamSource` owns the beams. The prompt is prefilled once per row, the cache is repeated to B * num_beams rows,
 and every step the source scores the candidates, moves each surviving beam's tokens so far and its cache history
 (`cache.reorder(index)`: attention KV and recurrent states alike) to its row, and hands the loop the new tokens; the
@@ -27,7 +27,7 @@ from hybridcache.accel import steady_unless_hooked
 from hybridcache.cache import Cache
 from hybridcache.generation.config import GenerationConfig
 from hybridcache.generation.hooks import StoppingCriteriaList
-from hybridcache.generation.loop import run_loop
+from hybridcache.generation.loop import token_loop
 from hybridcache.generation.request import Request
 from hybridcache.generation.sampling import BoundChooser, TokenChooser
 from hybridcache.generation.sources.cached import DecodeSource, GenerationState, Step
@@ -86,7 +86,7 @@ def beam_search(
     )
     # no code but ours between the steps (as generate): each kernel binding is made once (accel/layer_records.py)
     with steady_unless_hooked(not chooser.processors and not stop, model):
-        run_loop(source, chooser, stop, None, beams, pad_id, False)
+        token_loop(source, chooser, stop, None, beams, pad_id, False)
     return source.result(beams, pad_id)
 
 

@@ -161,7 +161,7 @@ class DecodeSource:
         for i in range(0, tokens.shape[1], chunk):
             piece = tokens[:, i : i + chunk]
             valid = state.mask[:, start + i : start + i + piece.shape[1]]
-            logits = model.run_block(piece, cache, None if bool(valid.all()) else valid, last_only=True)
+            logits = model.feed_block(piece, cache, None if bool(valid.all()) else valid, last_only=True)
         return logits[:, -1]
 
     def next_logits(self, state: GenerationState) -> torch.Tensor:
@@ -174,7 +174,7 @@ class DecodeSource:
         logits = self._run_step(ids, state) if self.runs else None
         if logits is not None:
             return logits
-        return model.run_block(ids, self.cache, None, step=self.decode, check=False)[:, -1]
+        return model.feed_block(ids, self.cache, None, step=self.decode, check=False)[:, -1]
 
     def _one_uncached(self, state: GenerationState) -> torch.Tensor | None:
         """The one token [1, 1] a continuation has not fed yet (None: a prompt, more tokens or rows, or a cache

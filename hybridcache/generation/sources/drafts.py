@@ -18,7 +18,7 @@ def prefill(model, cache: Cache, ids: torch.Tensor, mask: torch.Tensor, chunk: i
     """Feed a prompt [B, T] (mask [B, T]) in chunks; the last column's logits [B, V]."""
     for i in range(0, ids.shape[1], chunk):
         valid = mask[:, i : i + chunk]
-        logits = model.run_block(ids[:, i : i + chunk], cache, None if bool(valid.all()) else valid, last_only=True)
+        logits = model.feed_block(ids[:, i : i + chunk], cache, None if bool(valid.all()) else valid, last_only=True)
     return logits[:, -1]
 
 
@@ -100,7 +100,7 @@ class ModelDrafter:
         self.roll.mark()
         tokens, qs, token = [], [], last
         for _ in range(r):
-            logits = self.model.run_block(token[:, None].to(self.model.device), self.cache, None)[:, -1]
+            logits = self.model.feed_block(token[:, None].to(self.model.device), self.cache, None)[:, -1]
             self.calls += 1
             if probs is None:
                 token = greedy_next(logits).to(last.device)
@@ -118,7 +118,7 @@ class ModelDrafter:
         if a + 1 <= r:
             self.roll.keep(fed, a + 1)
         else:  # everything accepted: the draft has not seen the last accepted token yet
-            self.model.run_block(block[:, r:].to(self.model.device), self.cache, None, last_only=True)
+            self.model.feed_block(block[:, r:].to(self.model.device), self.cache, None, last_only=True)
             self.calls += 1
 
 

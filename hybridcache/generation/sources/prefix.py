@@ -117,7 +117,7 @@ class PrefixStore:
             admit = [shared[-1]] if shared and shared[-1] > hit else []
         for b in admit:
             if keys[b - 1] not in self.entries:
-                model.run_block(input_ids[:, cache.columns : b], cache, None, last_only=True)
+                model.feed_block(input_ids[:, cache.columns : b], cache, None, last_only=True)
                 self._admit(keys[b - 1], b, cache, model)
         for b in boundaries:
             self.paths[keys[b - 1]] = None

@@ -109,7 +109,7 @@ class _Rollback:
         self.snap = self.cache.snapshot() if self.mode == "recompute" else None
 
     def feed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.run_block(ids, self.cache, None)
+        return self.model.feed_block(ids, self.cache, None)
 
     def keep(self, fed: torch.Tensor, keep: int) -> None:
         """The cache was fed `fed` [B, F] since `mark`; keep its first `keep` columns (feeding more if keep > F)."""
@@ -283,7 +283,7 @@ class EarlyExitDraft(torch.nn.Module):
     def make_cache(self, batch_size: int = 1, cache_config=None, max_length=None) -> Cache:
         return Cache.build(self.native_layers(), batch_size, cache_config, max_length, device=self.target.device)
 
-    def run_block(self, input_ids, cache, valid=None, step=None, check=True, last_only=False):
+    def feed_block(self, input_ids, cache, valid=None, step=None, check=True, last_only=False):
         cache.begin_block(valid, input_ids.shape[1], check=check, ids=input_ids)
         try:
             block = cache.current_block

@@ -238,9 +238,9 @@ class HybridLM(nn.Module):
                     "for it, so its logits would be meaningless (pass allow_padding_rows=True when prefilling a "
                     "left-padded prompt in pieces)"
                 )
-        return self.run_block(input_ids.to(self.device), cache, valid)
+        return self.feed_block(input_ids.to(self.device), cache, valid)
 
-    def run_block(
+    def feed_block(
         self,
         input_ids: torch.Tensor,
         cache: Cache,
