@@ -58,7 +58,7 @@ class RecurrentEntry:
     rounding: str | None = None  # nearest (default) | stochastic (docs/state_drift.md)
     rounding_seed: int | None = None  # seed of stochastic rounding (default 0)
     error_feedback: bool | None = None  # hold the quantization residual and add it back before the next encode
-    residual_codec: str | None = None  # how that residual is held (default: dense)
+    error_codec: str | None = None  # how that residual is held (default: dense)
 
 
 @dataclass
@@ -307,7 +307,7 @@ class DriftSchema:
     windows: list[list[int]] = field(default_factory=lambda: [[0, 500], [500, 1000], [1000, 2000]])
     smooth: int = 64
     seed: int = 0
-    variants: list[str] = field(default_factory=list)  # codec[+sr][+ef[:residual_codec]]
+    variants: list[str] = field(default_factory=list)  # codec[+sr][+ef[:error_codec]]
     controls: list[str] = field(default_factory=list)  # ablate_ssm | ablate_state
 
 

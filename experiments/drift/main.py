@@ -2,7 +2,7 @@
 
 The reference (the app's cache; native unless `cache=` says otherwise) greedy-decodes `decode_tokens` tokens from
 `rows` prompts of `prompt_tokens` tokens (`feed: text`: is fed the text that follows each prompt instead, for models
-whose greedy text falls into a loop); every variant (`codec[+sr][+ef[:residual_codec]]`) and control is fed the
+whose greedy text falls into a loop); every variant (`codec[+sr][+ef[:error_codec]]`) and control is fed the
 same tokens one per block, so its states are re-encoded after every token (experiments/drift/measure.py). Reports,
 per variant, the mean KL(reference || variant) and top-1 agreement in each of `windows` (decoded positions), the
 recurrent-state bytes per row, and the seconds its cache took; writes drift.json and drift.png (curves per codec:

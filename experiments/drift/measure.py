@@ -8,7 +8,7 @@ distribution of token p after the prompt) we record, per row,
     top1  whether the variant's most likely token is the reference's (its greedy choice).
 Lockstep keeps one step of logits per cache in memory whatever the vocabulary and length.
 
-A variant is written `codec[+sr][+ef[:residual_codec]]` (int8, int8+sr, int4+ef, int8+sr+ef:int4, ...): sr is
+A variant is written `codec[+sr][+ef[:error_codec]]` (int8, int8+sr, int4+ef, int8+sr+ef:int4, ...): sr is
 `rounding: stochastic`, ef `error_feedback: true` (docs/state_drift.md); the controls drop the states after every
 block: ablate_ssm (`state_codec: zero`: SSM / LRU / delta-rule states) and ablate_state (conv states too).
 """
@@ -40,7 +40,7 @@ class Variant:
 
 
 def parse_variant(text: Any, seed: int) -> Variant:
-    """`codec[+sr][+ef[:residual_codec]]` -> its recurrent cache entry (VariantError for anything else)."""
+    """`codec[+sr][+ef[:error_codec]]` -> its recurrent cache entry (VariantError for anything else)."""
     from hybridcache.cache.recurrent.codecs import available_state_codecs, get_state_codec
 
     if not isinstance(text, str) or not text:
@@ -65,10 +65,10 @@ def parse_variant(text: Any, seed: int) -> Variant:
         else:
             entry["error_feedback"] = True
             if residual:
-                entry["residual_codec"] = residual  # checked by the cache config (a named CacheConfigError)
+                entry["error_codec"] = residual  # checked by the cache config (a named CacheConfigError)
     remedy = "+".join(p for p in ("sr", "ef") if p in seen) or "none"
-    if "residual_codec" in entry:
-        remedy += f":{entry['residual_codec']}"
+    if "error_codec" in entry:
+        remedy += f":{entry['error_codec']}"
     return Variant(text, entry, codec, remedy)
 
 

@@ -31,7 +31,7 @@ def recurrent_parts(spec: Any, batch: int) -> dict[str, int]:
     out = {CONV: 0, SSM: 0}
     for name, (shape, dtype) in layout.shapes.items():
         row = layout.codecs[name].row_nbytes(shape, dtype)
-        residual = getattr(layout, "residual_codecs", {}).get(name)
+        residual = getattr(layout, "error_codecs", {}).get(name)
         if residual is not None:
             row += residual.row_nbytes(shape, dtype)
         out[CONV if name == "conv" else SSM] += copies * row

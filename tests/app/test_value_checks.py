@@ -48,6 +48,10 @@ from tests.app.test_cli_usage import CONFIGS, assert_usage_error
             ["experiment=press_check", "experiment.decoding=[{method: tova, mode: decoding, budget: 8}]"],
             "experiment.decoding[0]: 'mode' was renamed to 'schedule'",
         ),
+        (
+            ["cache.recurrent.residual_codec=int4"],
+            "cache.recurrent.residual_codec was renamed to cache.recurrent.error_codec",
+        ),
         # the study's strategy compared with was `experiment.reference` until 2026-11-29
         (["experiment=study", "experiment.reference=int8"], "experiment.reference was renamed to experiment.baseline"),
         (["experiment=long_context", "experiment.reference=int8"], "experiment.reference was renamed to"),

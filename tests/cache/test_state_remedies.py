@@ -1,4 +1,4 @@
-"""Remedies for the drift of re-encoded recurrent states: `rounding: stochastic`, `error_feedback` (+ `residual_codec`).
+"""Remedies for the drift of re-encoded recurrent states: `rounding: stochastic`, `error_feedback` (+ `error_codec`).
 
 Oracles written here: the grid step of each format from its definition (math.frexp, the format's mantissa bits),
 Hoeffding's bound for the mean of stochastic roundings, a naive error-feedback loop over the codec's encode/decode,
@@ -137,13 +137,13 @@ def test_stochastic_rounding_is_seeded_per_cache_and_column():
     assert not torch.equal(u3, a[0].layout.noise("ssm", 3, 1, torch.device("cpu")))  # each layer its own
 
 
-@pytest.mark.parametrize("residual_codec", [None, "bfloat16", "int4"])
+@pytest.mark.parametrize("error_codec", [None, "bfloat16", "int4"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_error_feedback_equals_a_naive_loop(residual_codec, rounding):
-    """r = 0; each step: q = decode(encode(x + r)); r = x + r - q (held in residual_codec: its round trip)."""
+def test_error_feedback_equals_a_naive_loop(error_codec, rounding):
+    """r = 0; each step: q = decode(encode(x + r)); r = x + r - q (held in error_codec: its round trip)."""
     params = {"state_codec": "int8", "error_feedback": True, "rounding": rounding, "quantize_conv": True}
-    cache = cache_of({**params, **({"residual_codec": residual_codec} if residual_codec else {})}, batch=2)
-    codec, res = get_state_codec("int8"), get_state_codec(residual_codec or "dense")
+    cache = cache_of({**params, **({"error_codec": error_codec} if error_codec else {})}, batch=2)
+    codec, res = get_state_codec("int8"), get_state_codec(error_codec or "dense")
     shapes = cache[0].spec.state_shapes()
     r = {n: torch.zeros(2, *s) for n, (s, _) in shapes.items()}
     for step in range(6):
@@ -184,9 +184,7 @@ def test_residual_bytes_are_counted():
     codes = h * p * n * 1 + h * p * 4  # int8 + a float32 scale per (head, head_dim)
     residual = {None: h * p * n * 4, "bfloat16": h * p * n * 2, "int4": (h * p * n + 1) // 2 + h * p * 4}
     for rc, extra in residual.items():
-        cache = cache_of(
-            {"state_codec": "int8", "error_feedback": True, **({"residual_codec": rc} if rc else {})}, 3, 2
-        )
+        cache = cache_of({"state_codec": "int8", "error_feedback": True, **({"error_codec": rc} if rc else {})}, 3, 2)
         want = 3 * 3 * (codes + extra + conv * 4)
         assert cache[0].nbytes() == cache[0].spec.min_nbytes(3, 1) == cache.plan.held_nbytes(3, 1) == want
         assert "ssm_residual" in "".join(cache[0].layout.attrs) and "conv_residual" not in "".join(
@@ -194,7 +192,7 @@ def test_residual_bytes_are_counted():
         )
 
 
-@pytest.mark.parametrize("params", [REMEDIES, {**REMEDIES, "residual_codec": "int4", "state_codec": "int4"}])
+@pytest.mark.parametrize("params", [REMEDIES, {**REMEDIES, "error_codec": "int4", "state_codec": "int4"}])
 def test_crop_to_a_checkpoint_equals_the_split_feed(params):
     """A 4-token block with checkpoints, cropped to column 2, then continued, equals a 2-token block then the same
     continuation: the trail's states were encoded as a block ending there would have been (same residual fed back,
@@ -214,7 +212,7 @@ def test_crop_to_a_checkpoint_equals_the_split_feed(params):
 
 
 def test_snapshot_restore_reset_and_batch_operations_carry_the_residual():
-    params = {"state_codec": "int8", **REMEDIES, "residual_codec": "bfloat16"}
+    params = {"state_codec": "int8", **REMEDIES, "error_codec": "bfloat16"}
     cache = cache_of(params, batch=3, checkpoints=2)
     for step in range(3):
         feed(cache, random_states(cache, step))
@@ -268,7 +266,7 @@ def test_offloaded_remedies_equal_the_resident_ones():
 
 def test_a_saved_cache_with_remedies_continues_as_the_original(tmp_path):
     model = hc.from_pretrained(tiny_checkpoint("mamba2"))
-    config = {"recurrent": {"state_codec": "int4", **REMEDIES, "residual_codec": "bfloat16", "checkpoints": 2}}
+    config = {"recurrent": {"state_codec": "int4", **REMEDIES, "error_codec": "bfloat16", "checkpoints": 2}}
     ids = torch.randint(0, model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     cache = model.make_cache(2, config)
     model(ids[:, :6], cache)
@@ -291,9 +289,9 @@ def test_a_saved_cache_with_remedies_continues_as_the_original(tmp_path):
         ({"state_codec": "int8", "rounding_seed": "3"}, "rounding_seed must be an integer"),
         ({"state_codec": "int8", "rounding_seed": 2**63}, "rounding_seed must be an integer"),
         ({"state_codec": "int8", "error_feedback": "yes"}, "error_feedback must be true or false"),
-        ({"state_codec": "int8", "error_feedback": True, "residual_codec": "int3"}, "unknown state_codec 'int3'"),
-        ({"state_codec": "int8", "error_feedback": True, "residual_codec": "zero"}, "residual_codec zero drops"),
-        ({"state_codec": "int8", "residual_codec": "bfloat16"}, "residual_codec only applies with error_feedback"),
+        ({"state_codec": "int8", "error_feedback": True, "error_codec": "int3"}, "unknown state_codec 'int3'"),
+        ({"state_codec": "int8", "error_feedback": True, "error_codec": "zero"}, "error_codec zero drops"),
+        ({"state_codec": "int8", "error_codec": "bfloat16"}, "error_codec only applies with error_feedback"),
         ({"rounding": "stochastic"}, "rounding: stochastic needs a state_codec that rounds"),
         ({"state_codec": "zero", "error_feedback": True}, "error_feedback needs a lossy state_codec"),
         ({"state_codec": "dense", "error_feedback": True}, "error_feedback needs a lossy state_codec"),
@@ -302,3 +300,9 @@ def test_a_saved_cache_with_remedies_continues_as_the_original(tmp_path):
 def test_bad_remedy_values_fail_clearly_before_anything_is_built(params, message):
     with pytest.raises(CacheConfigError, match=message):
         hc.cache.resolve_plan([NativeLayer("mamba2", MAMBA2)], {"recurrent": params})
+
+
+def test_the_old_name_residual_codec_is_refused_naming_error_codec():
+    """`residual_codec` was renamed to `error_codec` (2026-11-29): a config still giving it is told the new name."""
+    with pytest.raises(CacheConfigError, match=r"recurrent\.residual_codec was renamed to 'error_codec'"):
+        cache_of({"state_codec": "int8", "error_feedback": True, "residual_codec": "int4"})

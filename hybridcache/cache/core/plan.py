@@ -188,9 +188,10 @@ def _per_layer_entries(native: Sequence[Native], config: Mapping[str, Any]) -> d
     return out
 
 
-#: Parameters renamed (old -> new), each refused by its old name with the new one. A press's eviction schedule was
-#: `mode` until 2026-11-29 ("mode" is only the logger's now).
-RENAMED_PARAMETERS = {"mode": "schedule"}
+#: Parameters renamed (old -> new) on 2026-11-29, each refused by its old name with the new one: a press's eviction
+#: schedule was `mode` ("mode" is only the logger's), a state codec's error-feedback codec `residual_codec` ("residual"
+#: is the residual window and the residual stream).
+RENAMED_PARAMETERS = {"mode": "schedule", "residual_codec": "error_codec"}
 
 
 def _refuse_renamed(where: str, key: str, accepted: set[str]) -> None:

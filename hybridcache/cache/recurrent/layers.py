@@ -23,7 +23,7 @@ device between blocks. Checkpoint trails, snapshots and saved files hold the enc
 
 Remedies for the drift of re-encoded states (state_layout.py, docs/state_drift.md): `rounding: stochastic`
 (unbiased rounding, uniforms seeded by `rounding_seed` and keyed by column) and `error_feedback: true` (the
-quantization residual is held as one more part, in `residual_codec`, and added back before the next encode).
+quantization residual is held as one more part, in `error_codec`, and added back before the next encode).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class RecurrentSpec(LayerSpec):
     rounding: str = tunable("nearest")  # "nearest" or "stochastic" (unbiased; state_codecs.py)
     rounding_seed: int = tunable(0)  # seed of stochastic rounding's uniforms (state_layout.py)
     error_feedback: bool = tunable(False)  # hold the quantization residual and add it back before the next encode
-    residual_codec: str | None = tunable(None)  # how that residual is held (None: dense, the state's dtype)
+    error_codec: str | None = tunable(None)  # how that residual is held (None: dense, the state's dtype)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,7 +75,7 @@ class RecurrentSpec(LayerSpec):
         self._check_remedies(owner, codec)
 
     def _check_remedies(self, owner: str, codec: Any) -> None:
-        """rounding / rounding_seed / error_feedback / residual_codec: valid values, and only with a codec they
+        """rounding / rounding_seed / error_feedback / error_codec: valid values, and only with a codec they
         change (a remedy that cannot do anything is a mistake in the config, not a silent no-op)."""
         if self.rounding not in ROUNDINGS:
             raise CacheError(f"{owner}: rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
@@ -87,12 +87,12 @@ class RecurrentSpec(LayerSpec):
                 f"{owner}: rounding: stochastic needs a state_codec that rounds (bfloat16, float16, float8_*, int8, "
                 f"int4); state_codec {self.state_codec} does not"
             )
-        if self.residual_codec is not None:
+        if self.error_codec is not None:
             if not self.error_feedback:
-                raise CacheError(f"{owner}: residual_codec only applies with error_feedback: true")
-            get_state_codec(self.residual_codec, self.state_group)  # unknown names fail with the known ones
-            if self.residual_codec == "zero":
-                raise CacheError(f"{owner}: residual_codec zero drops the residual (that is error_feedback: false)")
+                raise CacheError(f"{owner}: error_codec only applies with error_feedback: true")
+            get_state_codec(self.error_codec, self.state_group)  # unknown names fail with the known ones
+            if self.error_codec == "zero":
+                raise CacheError(f"{owner}: error_codec zero drops the residual (that is error_feedback: false)")
         if self.error_feedback and not codec.rounds:
             raise CacheError(
                 f"{owner}: error_feedback needs a lossy state_codec (bfloat16, float16, float8_*, int8, int4); "

@@ -12,9 +12,9 @@ The two remedies for drift under re-encoding (docs/state_drift.md):
   streams of the serving kernels). So a cache rewound by crop, restored from a snapshot or loaded from a file draws
   exactly the uniforms the original would have, and batch operations commute with decoding.
 - `error_feedback: true`: each lossy state keeps its quantization residual r as one more held part (`<name>_residual`,
-  or `<name>_residual_q` / `_scale` for a scaled `residual_codec`), trailed, snapshotted, saved and moved with the
+  or `<name>_residual_q` / `_scale` for a scaled `error_codec`), trailed, snapshotted, saved and moved with the
   rows like every part. An encode holds encode(x + r) and keeps r' = x + r - decode(encode(x + r)) (held in
-  `residual_codec`: `dense`, the state's dtype, by default); the mixer still reads decode(encode(x + r)).
+  `error_codec`: `dense`, the state's dtype, by default); the mixer still reads decode(encode(x + r)).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ class StateLayout:
         self.seed = int(getattr(spec, "rounding_seed", 0))
         residual = None
         if getattr(spec, "error_feedback", False):
-            residual = get_state_codec(getattr(spec, "residual_codec", None) or "dense", spec.state_group)
+            residual = get_state_codec(getattr(spec, "error_codec", None) or "dense", spec.state_group)
         # error feedback only where the codec loses something: an exactly held state has no residual to keep
-        self.residual_codecs: dict[str, StateCodec] = {
+        self.error_codecs: dict[str, StateCodec] = {
             name: residual
             for name, (_, dtype) in self.shapes.items()
             if residual is not None and not self.codecs[name].exact_for(dtype)
@@ -61,8 +61,8 @@ class StateLayout:
         self.residual_parts: dict[str, Parts] = {}  # state -> its residual's parts (error feedback)
         for name, (shape, dtype) in self.shapes.items():
             self.parts[name] = self._parts(self.codecs[name], name, shape, dtype)
-            if name in self.residual_codecs:
-                self.residual_parts[name] = self._parts(self.residual_codecs[name], f"{name}_residual", shape, dtype)
+            if name in self.error_codecs:
+                self.residual_parts[name] = self._parts(self.error_codecs[name], f"{name}_residual", shape, dtype)
 
     @staticmethod
     def _parts(codec: StateCodec, prefix: str, shape: Shape, dtype: torch.dtype) -> Parts:
@@ -87,15 +87,15 @@ class StateLayout:
     @property
     def feedback(self) -> bool:
         """Whether some state keeps a residual (encode then needs the held parts)."""
-        return bool(self.residual_codecs)
+        return bool(self.error_codecs)
 
     def row_nbytes(self) -> int:
         """Bytes held per row for one copy of every state (codes + scales + error-feedback residuals)."""
         total = 0
         for name, (shape, dtype) in self.shapes.items():
             total += self.codecs[name].row_nbytes(shape, dtype)
-            if name in self.residual_codecs:
-                total += self.residual_codecs[name].row_nbytes(shape, dtype)
+            if name in self.error_codecs:
+                total += self.error_codecs[name].row_nbytes(shape, dtype)
         return total
 
     def allocate(self, batch: int, lead: Shape, device: torch.device) -> dict[str, torch.Tensor]:
@@ -128,7 +128,7 @@ class StateLayout:
             shape, codec = self.shapes[name][0], self.codecs[name]
             draw = self.stochastic and codec.rounds and columns is not None
             noise = self.noise(name, columns, stream, x.device) if draw else None
-            if name not in self.residual_codecs:
+            if name not in self.error_codecs:
                 self._put(out, self.parts[name], codec.encode(x, shape, noise))
                 continue
             r = self.decode_residual(held, name) if held is not None else x.new_zeros((x.shape[0], *shape))
@@ -137,7 +137,7 @@ class StateLayout:
             encoded = codec.encode(target, shape, noise)
             self._put(out, self.parts[name], encoded)
             left = target - codec.decode(encoded, shape, x.dtype)
-            self._put(out, self.residual_parts[name], self.residual_codecs[name].encode(left, shape))
+            self._put(out, self.residual_parts[name], self.error_codecs[name].encode(left, shape))
         return out
 
     @staticmethod
@@ -154,7 +154,7 @@ class StateLayout:
         """The error-feedback residual of state `name` [B, *lead, *shape] in the state's dtype."""
         shape, dtype = self.shapes[name]
         parts = {part: held[attr] for part, (attr, _, _) in self.residual_parts[name].items()}
-        return self.residual_codecs[name].decode(parts, shape, dtype)
+        return self.error_codecs[name].decode(parts, shape, dtype)
 
     def round_trip(self, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """decode(encode(x)) to nearest with a zero residual: what a layer without the remedies gives back after
