@@ -1,6 +1,6 @@
 """Measure per-layer sensitivities, plan caches for a sweep of byte budgets (hybridcache/tools/planner.py), and check
 the
-plans by running them, next to every uniform configuration.
+allocations by running them, next to every uniform configuration.
 
 Feeding as experiments/study/state_sensitivity.py does (the prompt as one block, then one token per block, teacher
 forced), so presses with schedule prefill compress the prompt and recurrent codecs re-encode after every token, as in a
@@ -136,7 +136,7 @@ def evaluate(
     budgets: Sequence[int],
     console: Console | None = None,
 ) -> list[dict]:
-    """Each budget's plan and every uniform plan, run with all layers changed at once: predicted vs measured cost."""
+    """Each budget's allocation and every uniform one, run with all layers changed at once: predicted vs measured."""
     front = pareto_front(tables)
     cases: dict[str, tuple[str, int | None, Choice]] = {}
     for b in budgets:
@@ -176,7 +176,7 @@ def evaluate(
 
 
 def choice_by_part(choice: Choice) -> dict[str, int]:
-    """A plan's bytes as keys/values and recurrent states ({"kv", "state"}), by its layers' kinds."""
+    """An allocation's bytes as keys/values and recurrent states ({"kv", "state"}), by its layers' kinds."""
     return kind_bytes(zip(choice.tables, choice.options), lambda pair: pair[1].nbytes, kind=lambda pair: pair[0].kind)
 
 
@@ -254,7 +254,7 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
 
 
 def budget_sweep(tables: Sequence[LayerTable], n: int) -> list[int]:
-    """n budgets spread evenly from the smallest plan's bytes to the native plan's."""
+    """n budgets spread evenly from the smallest allocation's bytes to native's."""
     lo = pareto_front(tables).min_nbytes
     hi = native_nbytes(tables)
     return sorted({lo + (hi - lo) * i // max(1, n - 1) for i in range(n)})

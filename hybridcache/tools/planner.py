@@ -8,11 +8,11 @@ taken as additive over layers (a first-order model: cross-layer interactions are
 multiple-choice knapsack: minimize sum cost[l, o_l] subject to sum bytes[l, o_l] <= budget.
 
 It is solved exactly by a sparse DP over reachable byte sums: after each layer only the Pareto-optimal (bytes, cost)
-partial plans are kept. Not a DP over discretized bytes: layer bytes are large integers, and rounding them either
+partial allocations are kept. Not a DP over discretized bytes: layer bytes are large integers, and rounding them either
 breaks the budget (down) or loses the optimum (up), while the non-dominated sums stay few. Not a Lagrangian: it only
-reaches plans on the convex hull of the front and can miss the best plan under a given budget. One solve gives the
+reaches allocations on the convex hull of the front and can miss the best one under a given budget. One solve gives the
 whole front, so a sweep of budgets costs one DP. `max_front` bounds the work: a larger front is thinned by byte
-buckets (bytes stay exact, so plans stay within budget, but `Front.exact` turns False: no longer proven optimal).
+buckets (bytes stay exact, so allocations stay within budget, but `Front.exact` turns False: no longer proven optimal).
 
     tables = build_tables(model.native_layers(), {"attention": {...}, "recurrent": {...}}, Scenario(1, 32, 48))
     tables = [t.with_costs({name: cost, ...}) for t in tables]
@@ -161,7 +161,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class Front:
-    """Non-dominated plans, by increasing bytes and strictly decreasing cost."""
+    """Non-dominated allocations, by increasing bytes and strictly decreasing cost."""
 
     points: tuple[Choice, ...]
     exact: bool
@@ -171,7 +171,7 @@ class Front:
         return self.points[0].nbytes
 
     def best_within(self, budget: int) -> Choice:
-        """The cheapest plan holding at most `budget` bytes (BudgetTooSmall below the smallest one)."""
+        """The cheapest allocation holding at most `budget` bytes (BudgetTooSmall below the smallest one)."""
         if budget < self.min_nbytes:
             raise BudgetTooSmall(budget, self.min_nbytes)
         lo, hi = 0, len(self.points)  # the last point with nbytes <= budget: the front's cost falls with bytes
@@ -182,7 +182,7 @@ class Front:
 
 
 def pareto_front(tables: Sequence[LayerTable], max_front: int = 100_000) -> Front:
-    """The exact (bytes, cost) Pareto front of one-option-per-layer plans (sparse DP; see the module docstring)."""
+    """The exact (bytes, cost) Pareto front of one-option-per-layer allocations (sparse DP; the module docstring)."""
     if not tables:
         raise PlannerError("nothing to plan: no cache layers")
     for t in tables:
@@ -216,12 +216,12 @@ def _thin(front: list, size: int) -> list:
 
 
 def plan_budget(tables: Sequence[LayerTable], budget: int, max_front: int = 100_000) -> Choice:
-    """The plan of least summed cost whose bytes fit `budget` (BudgetTooSmall, naming the minimum, if none does)."""
+    """The allocation of least summed cost whose bytes fit `budget` (BudgetTooSmall, naming the minimum, if none)."""
     return pareto_front(tables, max_front).best_within(budget)
 
 
 def uniform_choices(tables: Sequence[LayerTable]) -> dict[str, Choice]:
-    """Every 'same option on every layer of a kind' plan, named "attention option + recurrent option", for the
+    """Every 'same option on every layer of a kind' allocation, named "attention option + recurrent option", for the
     combinations that every layer of each kind accepts."""
     kinds = sorted({t.kind for t in tables})
     names = {k: [o.name for o in next(t for t in tables if t.kind == k).options] for k in kinds}
