@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridcache.accel.native.recurrent_step import DeltaStep, bind_delta_step
+from hybridcache.accel.kernel_memo import KernelMemo
+from hybridcache.accel.native.recurrent_step import bind_delta_step
 from hybridcache.accel.recurrent_mixers import _decode_step, _layout, _projection
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
@@ -72,8 +73,7 @@ class DeltaAccel:
 
     def __init__(self, mixer: GatedDeltaNetMixer, form: DeltaForm | Callable[[nn.Module], DeltaForm]) -> None:
         self.mixer, self.form = mixer, form
-        self._key: tuple | None = None
-        self._bound: DeltaStep | None = None
+        self._memo = KernelMemo()  # the bound step (a copied or pickled model binds its own weights)
 
     def _projections(self, form: DeltaForm) -> tuple[list, tuple[int, int, int]] | None:
         """delta_step's projs (weight, bias, scale, src) and fields (z, b, a); None: a module it does not take."""
@@ -117,12 +117,11 @@ class DeltaAccel:
         tensors += [m.dt_bias, m.A_log, norm.weight, out[0], out[1], out[2]]
         key = (form, gate, fields, norm.eps, m.beta_scale, getattr(m, "lower_bound", None), m.hk, m.hv, m.dk, m.dv)
         key += tuple(_layout(t) for t in tensors)
-        if key != self._key:
-            self._bound, self._key = self._bind(form, projs, fields, convs, gate, norm, out), key
-        if self._bound is None:
+        bound = self._memo.get(key, lambda: self._bind(form, projs, fields, convs, gate, norm, out))
+        if bound is None:
             return None
         states = layer.states
-        got = self._bound.run(h, states["conv"], states["recurrent"])
+        got = bound.run(h, states["conv"], states["recurrent"])
         if got is None:
             return None
         y, conv, rec = got
@@ -136,4 +135,12 @@ def delta_accel(cls: type[nn.Module], form: DeltaForm | Callable[[nn.Module], De
 
 
 kda_accel = delta_accel(KimiDeltaAttention, KDA)
-bailing_accel = delta_accel(BailingDeltaAttention, lambda m: BAILING_BOUNDED if m.safe_gate else BAILING)
+
+
+def bailing_form(mixer: nn.Module) -> DeltaForm:
+    """Bailing's decay: bounded where the mixer has a safe gate. (A named function: a DeltaAccel holds it, and a
+    model holding its accels pickles.)"""
+    return BAILING_BOUNDED if mixer.safe_gate else BAILING
+
+
+bailing_accel = delta_accel(BailingDeltaAttention, bailing_form)

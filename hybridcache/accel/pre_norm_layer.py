@@ -106,8 +106,9 @@ class PreNormAccel:
         program = [(CODES["rms_norm"], norm), (CODES[kind], c_args), (CODES["pre_norm_tail"], tail_args[0])]
         news = dict(zip(names, states, strict=True))
         kept.keep(program, kind, x, news, (xn, alive, y_mix, tail_args[1]))
-        # (x and y too: the caller may drop its reference to x, a module call's output, before the program runs)
-        return program, (x, y, xn, alive, y_mix, tail_args[1]), (cache_layer, news)
+        # (x and y too: the caller may drop its reference to x, a module call's output, before the program runs; and
+        # the step's arguments, whose states a state codec decodes into tensors only these hold)
+        return program, (x, y, xn, alive, y_mix, tail_args[1], args), (cache_layer, news)
 
     def separate(self, h: torch.Tensor, cache_layer, step: StepInput, reserved) -> torch.Tensor:
         """The attention layer by separate calls, its attention writing the slot `record` reserved."""

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridcache.accel.kernel_memo import KernelMemo
 from hybridcache.accel.native.recurrent_step import (
-    Mamba2Step,
     bind_mamba2_step,
     gated_delta_args,
     gated_delta_step,
@@ -123,8 +123,7 @@ class Mamba2Accel(RecurrentAccel):
 
     def __init__(self, mixer: Mamba2Mixer) -> None:
         self.mixer = mixer
-        self._key: tuple | None = None
-        self._bound: Mamba2Step | None = None
+        self._memo = KernelMemo()  # the bound step (a copied or pickled model binds its own weights)
 
     def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.mixer
@@ -145,16 +144,17 @@ class Mamba2Accel(RecurrentAccel):
         tensors = (*in_proj, *out_proj, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D)
         key = (h.shape[-1], sizes, gate, tuple(limit), norm_args and (_layout(norm.weight), norm.eps))
         key += tuple(_layout(t) for t in tensors)
-        if key != self._key:
-            self._bound = bind_mamba2_step(
+        bound = self._memo.get(
+            key,
+            lambda: bind_mamba2_step(
                 h.shape[-1], sizes, in_proj, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, m.A_log, m.D,
                 limit, gate, norm_args, out_proj,
-            )  # fmt: skip
-            self._key = key
-        if self._bound is None:
+            ),
+        )  # fmt: skip
+        if bound is None:
             return None
         states = layer.states
-        return "mamba2", (self._bound, h, states["conv"], states["ssm"]), ("conv", "ssm")
+        return "mamba2", (bound, h, states["conv"], states["ssm"]), ("conv", "ssm")
 
 
 class MambaAccel(RecurrentAccel):

@@ -125,6 +125,36 @@ def test_checkpoint_trails_and_crop_are_the_per_layer_ones(checkpoints, monkeypa
         _same_cache(x, y)
 
 
+@pytest.mark.parametrize("family", ["bamba", "lfm2"])
+@pytest.mark.parametrize(
+    "recurrent",
+    [
+        {"state_codec": "int8"},
+        {"state_codec": "zero"},
+        {"state_codec": "int4", "error_feedback": True, "error_codec": "bfloat16"},
+    ],
+)
+def test_state_codecs_are_the_per_layer_ones(checkpoints, monkeypatch, family, recurrent):
+    """A state codec hands the step states it decodes into fresh tensors (held by nothing but the step's arguments
+    until the program runs) and re-encodes the new ones: the program must read and hand over exactly what the
+    per-layer step does (a use-after-free here once gave garbage logits, KL ~2 nats, with int8 states)."""
+    model = hc.from_pretrained(checkpoints(family))
+    ids, mask = left_padded(2, 7, seed=11)
+    config = {"recurrent": recurrent}
+    outs = []
+    for per_layer in (False, True):
+        with monkeypatch.context() as m:
+            if per_layer:
+                _per_layer(m)
+            calls = _programs(m)
+            out = hc.generate(model, ids, attention_mask=mask, max_new_tokens=8, cache_config=config)
+            outs.append((out.sequences, out.logits, _cache_state(out.cache), len(calls)))
+    (sa, la, ca, na), (sb, lb, cb, nb) = outs
+    assert na > 0 and nb == 0  # the programs ran, then the per-layer path
+    assert torch.equal(sa, sb) and torch.equal(la, lb)
+    _same_cache(ca, cb)
+
+
 def test_a_hooked_layer_splits_the_program_and_its_hook_runs(checkpoints, monkeypatch):
     model = hc.from_pretrained(checkpoints("lfm2"))
     seen = []

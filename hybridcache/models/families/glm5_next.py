@@ -38,8 +38,13 @@ class Glm5DeltaAttention(KimiDeltaAttention):
         self.safe_gate, self.lower_bound = bound is not None, bound
 
 
-# its decode step in one C call (accel/delta_mixers.py): Kimi's projections, the bounded decay where it has a bound
-register_accel(Glm5DeltaAttention, delta_accel(Glm5DeltaAttention, lambda m: KDA_BOUNDED if m.safe_gate else KDA))
+def _delta_form(mixer: Glm5DeltaAttention):
+    """Kimi's projections, the bounded decay where it has a bound (a named function: the accel holds it)."""
+    return KDA_BOUNDED if mixer.safe_gate else KDA
+
+
+# its decode step in one C call (accel/delta_mixers.py)
+register_accel(Glm5DeltaAttention, delta_accel(Glm5DeltaAttention, _delta_form))
 
 
 class Glm5NextDecoderLayer(nn.Module):

@@ -12,13 +12,24 @@ from hybridcache.nn.core.linear import DecodeLinear
 from hybridcache.nn.core.linear_group import LinearGroup
 from hybridcache.ops import kernels
 
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU (Nemotron-H)."""
+    return F.relu(x).square()
+
+
+# named functions, not lambdas: a module holding one pickles (torch.save(model), multiprocessing)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
     "relu": F.relu,
-    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Nemotron-H)
+    "relu2": relu2,
 }
 
 
