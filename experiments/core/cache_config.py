@@ -16,8 +16,10 @@ def _accepted(key: str, entry: dict) -> set[str]:
 
     if "type" in entry:
         return get_layer_class(entry["type"]).spec_cls.tunable_names()
-    if key in ("attention", "recurrent"):
-        return set.intersection(*(get_layer_class(t).spec_cls.tunable_names() for t in available_layers(key)))
+    if key in ("attention", "recurrent"):  # what every type of the kind takes (a type taking none, such as
+        # compressed_kv, a compressor's buffer, cannot be configured and vetoes nothing)
+        names = [get_layer_class(t).spec_cls.tunable_names() for t in available_layers(key)]
+        return set.intersection(*[n for n in names if n]) if any(names) else set()
     return get_layer_class(key).spec_cls.tunable_names() if key in available_layers() else set()
 
 

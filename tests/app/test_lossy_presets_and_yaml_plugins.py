@@ -67,3 +67,19 @@ def test_a_yaml_preset_with_plugins_adds_a_cache_type_end_to_end(app, tmp_path, 
     types = [r["type"] for r in results["plan"]]
     assert types == ["mamba", "mamba", "yaml_plugin_window", "mamba"], types  # tiny jamba: layer 2 is attention
     assert results["summary"]["oracle_pass"]
+
+
+def test_kind_wide_fields_reach_every_configurable_type_of_the_kind():
+    """`cache.recurrent.<field>` with no type is kept when every recurrent type that takes parameters takes it (a
+    type that takes none, such as compressed_kv, a compressor's buffer, vetoes nothing: once it emptied the set and
+    every kind-wide recurrent field was dropped as 'no effect'); a field some type lacks is dropped with a note."""
+    from experiments.core.cache_config import cache_config_with_notes
+    from hybridcache.cache import available_layers, get_layer_class
+
+    names = [get_layer_class(t).spec_cls.tunable_names() for t in available_layers("recurrent")]
+    assert any(not n for n in names)  # the case this guards: a registered recurrent type with no parameters
+    fields = {"state_codec": "int8", "state_dtype": "float64", "checkpoints": 2, "error_feedback": True}
+    config, _, notes = cache_config_with_notes({"recurrent": fields})
+    assert set(config["recurrent"]) == set(fields) and not notes
+    config, _, notes = cache_config_with_notes({"attention": {"window": 8}})  # full attention takes no window
+    assert "attention" not in config and notes and "cache.attention.type is not set" in notes[0]
