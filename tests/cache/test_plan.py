@@ -65,7 +65,7 @@ def test_recurrent_state_dtype_override():
 ERRORS = [
     (
         {"attention": {"type": "slidng"}},
-        r"unknown cache type 'slidng'; known types: (\w+, )*chunked, conv, (\w+, )*full, (\w+, )*sliding",
+        r"unknown cache type 'slidng'; known types: (\w+, )*chunked, (\w+, )*conv, (\w+, )*full, (\w+, )*sliding",
     ),
     ({"layers": {0: {"type": "full"}}}, "layer 0 is a recurrent layer .* cannot use the attention cache type 'full'"),
     ({"attention": {"type": "mamba"}}, "layer 1 is a attention layer .* cannot use the recurrent cache type 'mamba'"),
