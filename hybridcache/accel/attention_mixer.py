@@ -1,7 +1,7 @@
 """The fast path of one AttentionMixer (`mixer.accel`, installed by accel.install): its calls bound to the mixer's
 weights and norms.
 
-- A decode step (one token per row) by one kernel call (attention_step.py): input norm, q / k / v, q / k norms,
+- A decode step (one token per row) by one kernel call (native/steps/attention.py): input norm, q / k / v, q / k norms,
   rotary, the token's keys and values written straight into the slot the cache layer reserves
   (`AttentionSlots.decode_slot`), attention. With a decoder layer's bound tail (decoder_tail.py) the whole layer
   (decoder_layer.py), or the same as a record for a C call over many layers (layer_records.py).
@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
-from hybridcache.accel.native.attention_step import bind_attention_step
 from hybridcache.accel.native.checks import MAX_ROWS
 from hybridcache.accel.native.decoder_layer import bind_decoder_layer
 from hybridcache.accel.native.fused import bind_qkv_norm_rope
 from hybridcache.accel.native.kernel_calls import call, takes
+from hybridcache.accel.native.steps.attention import bind_attention_step
 from hybridcache.accel.slots import AttentionSlots, SlotView
 from hybridcache.cache import AttentionCacheLayer
 from hybridcache.nn.attention.mixer import AttentionMixer
@@ -186,7 +186,7 @@ class AttentionAccel:
 
     # -- a decode step by one kernel call -----------------------------------------------------------------------
     def one_call_step(self, h: torch.Tensor, layer, step: StepInput, norm: nn.Module | None, tail=None):
-        """A decode step's attention by one kernel call (attention_step.py): the output before o_proj
+        """A decode step's attention by one kernel call (native/steps/attention.py): the output before o_proj
         [B, 1, Hq * D], the token's keys and values written straight into the slot `layer` reserved. With `tail`
         (the layer's bound decoder tail, decoder_tail.py bound_tail, whose residual is h) the whole layer in that
         call instead (decoder_layer.py): the layer's output [B, 1, D]. Returns (output, None), or (None, reserved)

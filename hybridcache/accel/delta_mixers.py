@@ -1,6 +1,6 @@
 """The fast path of the delta-rule mixers whose projections are separate matrices (Qwen3.5's and OLMo-Hybrid's Gated
 DeltaNet, Kimi's and Bailing's KDA): an eager float32 decode step in one C call, projections, convs, gates, the
-delta rule, the gated head norm and the output projection included (native/recurrent_step.py `delta_step`).
+delta rule, the gated head norm and the output projection included (native/steps/recurrent.py `delta_step`).
 
 A mixer class describes its step as a `DeltaForm` (which of its modules feed the conv, the output gate, beta and
 the decay, and the decay's kind) and is registered with `delta_accel(cls, form)`; the model files of Qwen3.5,
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel.kernel_memo import KernelMemo
-from hybridcache.accel.native.recurrent_step import bind_delta_step
+from hybridcache.accel.native.steps.recurrent import bind_delta_step
 from hybridcache.accel.recurrent_mixers import _decode_step, _layout, _projection
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
@@ -68,7 +68,7 @@ def _hooked(module: nn.Module) -> bool:
 
 class DeltaAccel:
     """`mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs). The kernel's weight
-    arguments are checked once (native/recurrent_step.py `bind_delta_step`) and again whenever a weight tensor's
+    arguments are checked once (native/steps/recurrent.py `bind_delta_step`) and again whenever a weight tensor's
     memory, dtype, shape or strides change (a module replaced, a quantization)."""
 
     def __init__(self, mixer: GatedDeltaNetMixer, form: DeltaForm | Callable[[nn.Module], DeltaForm]) -> None:

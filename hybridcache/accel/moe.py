@@ -14,7 +14,7 @@ the experts its tokens were routed to, with none of the reference's per-expert s
   the reference's index_add_ of each routed expert into zeros, experts ascending, is the same additions as
   out = out + expert(x) * weight in that order: the same bits.
 - One eager float32 token of GPT-OSS's MoE (registered by its model file): the router in torch, the top-k fused
-  experts in one C call (native/moe_step.py): float32 noise, not the same bits (the reference gathers the k experts'
+  experts in one C call (native/steps/moe.py): float32 noise, not the same bits (the reference gathers the k experts'
   weights and runs an einsum).
 A prefill, torch.compile (static shapes) and everything else run the reference.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.native.moe_step import oss_experts_step
+from hybridcache.accel.native.steps.moe import oss_experts_step
 from hybridcache.nn.moe.gemma4 import Gemma4Experts
 from hybridcache.nn.moe.llama4 import Llama4MoE
 from hybridcache.nn.moe.topk import SparseMoE
@@ -146,7 +146,7 @@ class Gemma4ExpertsAccel:
 
 class OssExpertsAccel:
     """GPT-OSS's MoE (`router`, `top_k`, fused `experts`; registered by its model file): one eager float32 token, the
-    router in torch, its top-k experts in one C call (native/moe_step.py; float32 noise from the reference's
+    router in torch, its top-k experts in one C call (native/steps/moe.py; float32 noise from the reference's
     einsum over the gathered weights, the same tokens) -> [B, T, D]."""
 
     def __init__(self, moe: nn.Module) -> None:

@@ -4,7 +4,7 @@
 An attention layer with a gated MLP is a sandwich-norm layer without post-norms: its record is the same
 hc_decoder_layer call (AttentionAccel.record with the tail bound to no post-norms). A recurrent layer is three
 records of csrc/layer_program.c: the input RMSNorm, the mixer's one-call step (recurrent_mixers.py `prepare`, the
-arguments built by recurrent_step.py's checked `*_args`) and the tail (h + y, then the MLP's norm, the gated MLP
+arguments built by native/steps/recurrent.py's checked `*_args`) and the tail (h + y, then the MLP's norm, the gated MLP
 and its add; or h + y alone). The same kernels in the same order as the per-layer module calls, so the same bits.
 
 The cache sees a recurrent layer exactly as the per-layer step: the kernel writes the new states into fresh tensors
@@ -24,7 +24,7 @@ from hybridcache.accel.decoder_tail import bound_tail
 from hybridcache.accel.kernel_memo import KernelMemo
 from hybridcache.accel.native.layer_program import CODES, bind_tail, pre_norm_tail_args, record_types, rms_norm_args
 from hybridcache.accel.native.op_specs import ACT_MUL
-from hybridcache.accel.native.recurrent_step import _state
+from hybridcache.accel.native.steps.recurrent import _state
 from hybridcache.accel.recurrent_mixers import STEPS, RecurrentAccel, _decode_step
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.linear import DecodeLinear

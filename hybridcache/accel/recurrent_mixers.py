@@ -2,7 +2,7 @@
 LFM2's short convolution (nn/recurrent/short_conv.py), a Mamba2 mixer (nn/recurrent/mamba2.py), a
 Mamba1 mixer (nn/recurrent/mamba.py; Zamba's over channel groups too), Qwen3-Next's Gated DeltaNet
 (nn/recurrent/gated_deltanet.py; the variants with separate projections: delta_mixers.py) or RecurrentGemma's
-recurrent block (nn/recurrent/rglru.py) in one C call, projections included (native/recurrent_step.py).
+recurrent block (nn/recurrent/rglru.py) in one C call, projections included (native/steps/recurrent.py).
 
 The cache is seen through slots.py's `StateSlots`: the layer's current `states` are read, the kernel writes the new
 ones into fresh tensors, and `update` hands them to the cache, which commits them with its block (trails, codecs and
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel.kernel_memo import KernelMemo
-from hybridcache.accel.native.recurrent_step import (
+from hybridcache.accel.native.steps.recurrent import (
     bind_mamba2_step,
     gated_delta_args,
     gated_delta_step,
@@ -63,7 +63,7 @@ def _decode_step(h: torch.Tensor, layer, step: StepInput) -> bool:
     )
 
 
-# a mixer's step kind -> (its one-call step, its checked C arguments' builder: recurrent_step.py)
+# a mixer's step kind -> (its one-call step, its checked C arguments' builder: native/steps/recurrent.py)
 STEPS = {
     "short_conv": (short_conv_step, short_conv_args),
     "mamba2": (lambda bound, *a: bound.run(*a), lambda bound, *a: bound.args(*a)),  # (a Mamba2Step, x, states)

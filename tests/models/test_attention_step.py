@@ -1,4 +1,4 @@
-"""A decode step's attention in one kernel call (accel/native/attention_step.py through accel/attention_mixer.py's
+"""A decode step's attention in one kernel call (accel/native/steps/attention.py through accel/attention_mixer.py's
 AttentionAccel.one_call_step): the token's keys and values written by the kernel straight into the slot the cache
 layer reserved (AttentionCacheLayer.decode_slot). It runs the same kernels in the same order as the separate calls
 (q/k/v kernel, the cache's append, the attention kernel), so logits, tokens and the cache itself must be

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 import hybridcache.accel.native.kernels as ck
-from hybridcache.accel.native import attention_step as cpu_attention_step
 from hybridcache.accel.native import decoder_layer as cpu_decoder_layer
 from hybridcache.accel.native import decoder_stack as cpu_decoder_stack
 from hybridcache.accel.native import fused as cpu_fused
+from hybridcache.accel.native.steps import attention as cpu_attention_step
 from hybridcache.ops.attention import masked_attention
 from hybridcache.ops.selective_scan import _selective_scan_torch
 

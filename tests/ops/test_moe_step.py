@@ -1,4 +1,4 @@
-"""GPT-OSS's routed experts of one token in one C call (accel/native/moe_step.py, csrc/moe_step.c) against the
+"""GPT-OSS's routed experts of one token in one C call (accel/native/steps/moe.py, csrc/moe_step.c) against the
 reference module's own `GptOssExperts.expert` (HF's fused layout, the clamped swiglu) on random weights: the slots'
 weighted sum, float32 noise (the kernel streams the input-major weights row by row; torch runs a matmul). Hostile
 sizes and expert indices out of range are refused by name before any C call; float64 is left to the reference."""
@@ -8,7 +8,7 @@ import torch
 
 from hybridcache.accel import kernel_status
 from hybridcache.accel.native.checks import KernelArgumentError
-from hybridcache.accel.native.moe_step import oss_experts_step
+from hybridcache.accel.native.steps.moe import oss_experts_step
 from hybridcache.models.families.gpt_oss import GptOssConfig, GptOssExperts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

@@ -1,4 +1,4 @@
-"""The recurrent mixers' one-call decode steps (accel/native/recurrent_step.py, csrc/recurrent_step.c) against the
+"""The recurrent mixers' one-call decode steps (accel/native/steps/recurrent.py, csrc/recurrent_step.c) against the
 pure-torch ops the reference modules run (causal_conv1d_step, ssd_step, the gated RMSNorm, F.linear) or, for Mamba1,
 the selective step written out in torch, on random weights and states: LFM2's short conv, the Mamba2 mixer (groups,
 each gate, biases, dt limits, int8 / bfloat16 / q8_0 weights), the Mamba1 mixer (with and without Jamba's inner norms),
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from hybridcache.accel import kernel_status
 from hybridcache.accel.native.checks import KernelArgumentError
-from hybridcache.accel.native.recurrent_step import gated_delta_step, mamba2_step, mamba_step, short_conv_step
+from hybridcache.accel.native.steps.recurrent import gated_delta_step, mamba2_step, mamba_step, short_conv_step
 from hybridcache.ops import causal_conv1d_step, q8_0, ssd_step
 from hybridcache.ops import gated_delta_step as delta_rule_step
 

@@ -1,5 +1,5 @@
 """The one-call decode steps of the recurrent mixer variants (accel/delta_mixers.py, accel/recurrent_mixers.py:
-native/recurrent_step.py `delta_step`, `rglru_step`, `mamba_groups_step`) against the reference modules' own
+native/steps/recurrent.py `delta_step`, `rglru_step`, `mamba_groups_step`) against the reference modules' own
 `forward` on random weights and states: Qwen3.5's and OLMo-Hybrid's Gated DeltaNet, Kimi's KDA, Bailing's and
 GLM-5-Next's KDA (bounded and softplus decay), RecurrentGemma's recurrent block (a row restarting at position 0 beside
 one that does not) and Zamba's grouped Mamba1. The cache layer is a stand-in that records what the mixer hands it.
@@ -16,7 +16,7 @@ from hybridcache.accel import kernel_status
 from hybridcache.accel.delta_mixers import DeltaAccel, bailing_accel, kda_accel
 from hybridcache.accel.install import accel_for
 from hybridcache.accel.native.checks import KernelArgumentError
-from hybridcache.accel.native.recurrent_step import delta_step, mamba_groups_step, rglru_step
+from hybridcache.accel.native.steps.recurrent import delta_step, mamba_groups_step, rglru_step
 from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaGroupsAccel, RGLRUAccel, rglru_accel
 from hybridcache.models.families.glm5_next import Glm5DeltaAttention
 from hybridcache.models.families.olmo_hybrid import OlmoHybridConfig, OlmoHybridGatedDeltaNet

@@ -1,5 +1,5 @@
 """A decode step's whole decoder layer as one kernel call on CPU (kernels/cpu_decode.c, hc_decoder_layer): the
-one-call attention (cpu_attention_step.py: input norm, q / k / v, q / k norms, rotary, the token's keys and values
+one-call attention (native/steps/attention.py: input norm, q / k / v, q / k norms, rotary, the token's keys and values
 into the cache's reserved slot, attention) followed by the decoder tail (cpu_fused.py: o_proj, the residual add
 between its norms, the gated MLP, its residual add). The same kernels in the same order as those two calls, so the
 same numbers, with one call less of interpreter between them per layer.
@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from hybridcache.accel.native.attention_step import bind_attention_step
 from hybridcache.accel.native.checks import INT_MAX
 from hybridcache.accel.native.fused import bind_decoder_tail
 from hybridcache.accel.native.library import _library
+from hybridcache.accel.native.steps.attention import bind_attention_step
 
 _F32 = torch.float32
 

@@ -3,8 +3,8 @@ one kernel call's arguments (a whole attention layer's hc_decoder_layer, or a re
 mixer step and tail), run in order with no interpreter between them.
 
 Every record is built from arguments the call's own checked wrapper built (decoder_layer.py `run.record`,
-recurrent_step.py `*_args`, `pre_norm_tail_args` here): nothing reaches C unchecked. The records' layouts are the
-library's (`hc_op_record_codes / _names / _size` per op): each must be its function's declared signature
+native/steps/recurrent.py `*_args`, `pre_norm_tail_args` here): nothing reaches C unchecked. The records' layouts
+are the library's (`hc_op_record_codes / _names / _size` per op): each must be its function's declared signature
 (op_specs.SIGNATURES) and ctypes' size of it, or nothing here runs.
 """
 

@@ -16,13 +16,13 @@ import inspect
 import torch
 
 from hybridcache.accel.native import attention as cpu_attention
-from hybridcache.accel.native import attention_step as cpu_attention_step
 from hybridcache.accel.native import decoder_layer as cpu_decoder_layer
 from hybridcache.accel.native import fused as cpu_fused
 from hybridcache.accel.native import op_reference as reference
 from hybridcache.accel.native import rows as cpu_rows
 from hybridcache.accel.native.checks import INT_MAX, KernelArgumentError
 from hybridcache.accel.native.op_specs import SPECS, OpSpec, parse_rule
+from hybridcache.accel.native.steps import attention as cpu_attention_step
 
 
 def _kernel_calls() -> dict:

@@ -388,7 +388,7 @@ SPECS: tuple[OpSpec, ...] = (
 
 
 # A recurrent mixer's one-token step in one call (csrc/recurrent_step.c; accel/recurrent_mixers.py): eager only,
-# called through native/recurrent_step.py's checked wrappers (no torch op: under torch.compile the reference runs).
+# called through native/steps/recurrent.py's checked wrappers (no torch op: under torch.compile the reference runs).
 RECURRENT_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_short_conv_step": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 7 + [_I] + [_P] * 4),
     "hc_mamba2_step": (

@@ -1,0 +1,1 @@
+"""hybridcache/accel/native/steps."""
