@@ -163,6 +163,31 @@ void hc_mamba_step(const float *x, int B, int Dm, int Di, int N, int K, int R, c
      S = decay S (rec_state [B, Hv, Dk, Dv]); S += k (beta (v - S^T k))^T; o = S^T q;
      o = norm_w * rms_norm(o) (per head, eps) * silu(z); y [B, Dm] = out_proj(o [Hv Dv]).
    The projections have no bias. scratch: [B, (2 Hk Dk + 2 Hv Dv) + 2 Hv + 2 Cc + 2 Hv Dv] floats. */
+/* One head's delta rule for a token: So = S decayed (by `decay`, or per key channel by fk[d] when fk is given),
+   dh = beta (v - So^T k~), So += k~ dh^T, oh = So^T q~ scale, with k~ = k rk and q~ = q rq (the L2-normalized key and
+   query). dh [Dv] is scratch; the same operations in the same order for every delta mixer, so the same bits. */
+static void delta_rule_head(const float *S, float *So, const float *q, const float *k, const float *v,
+                            const float *fk, float decay, int Dk, int Dv, float rq, float rk, float scale, float beta,
+                            float *dh, float *oh) {
+  for (int e = 0; e < Dv; e++) dh[e] = 0.0f;
+  for (int d = 0; d < Dk; d++) {
+    float kd = k[d] * rk, f = fk ? fk[d] : decay;
+    for (int e = 0; e < Dv; e++) {
+      So[(size_t)d * Dv + e] = S[(size_t)d * Dv + e] * f;
+      dh[e] += So[(size_t)d * Dv + e] * kd;
+    }
+  }
+  for (int e = 0; e < Dv; e++) dh[e] = beta * (v[e] - dh[e]), oh[e] = 0.0f;
+  for (int d = 0; d < Dk; d++) {
+    float kd = k[d] * rk, qd = q[d] * rq * scale;
+    for (int e = 0; e < Dv; e++) {
+      float s = So[(size_t)d * Dv + e] + kd * dh[e];
+      So[(size_t)d * Dv + e] = s;
+      oh[e] += s * qd;
+    }
+  }
+}
+
 void hc_gated_delta_step(const float *x, int B, int Dm, int Hk, int Hv, int Dk, int Dv, int K, const void *w_qkvz,
                          int qkvz_type, const float *qkvz_scale, const void *w_ba, int ba_type, const float *ba_scale,
                          const float *conv_w, const float *conv_state, float *conv_out, const float *dt_bias,
@@ -197,23 +222,7 @@ void hc_gated_delta_step(const float *x, int B, int Dm, int Hk, int Hv, int Dk, 
     float decay = expf(-expf(A_log[h]) * softplus_f(bav[r + i] + dt_bias[h]));
     const float *S = rec_state + (size_t)bh * Dk * Dv;
     float *So = rec_out + (size_t)bh * Dk * Dv, *oh = o + (size_t)bh * Dv, *dh = dl + (size_t)bh * Dv;
-    for (int e = 0; e < Dv; e++) dh[e] = 0.0f;
-    for (int d = 0; d < Dk; d++) {
-      float kd = k[d] * rk;
-      for (int e = 0; e < Dv; e++) {
-        So[(size_t)d * Dv + e] = S[(size_t)d * Dv + e] * decay;
-        dh[e] += So[(size_t)d * Dv + e] * kd;
-      }
-    }
-    for (int e = 0; e < Dv; e++) dh[e] = beta * (v[e] - dh[e]), oh[e] = 0.0f;
-    for (int d = 0; d < Dk; d++) {
-      float kd = k[d] * rk, qd = q[d] * rq * scale;
-      for (int e = 0; e < Dv; e++) {
-        float s = So[(size_t)d * Dv + e] + kd * dh[e];
-        So[(size_t)d * Dv + e] = s;
-        oh[e] += s * qd;
-      }
-    }
+    delta_rule_head(S, So, q, k, v, NULL, decay, Dk, Dv, rq, rk, scale, beta, dh, oh);
     const float *z = qkvz + (size_t)b * E1 + (size_t)g * G + 2 * Dk + (size_t)r * Dv + (size_t)i * Dv;
     float ss = 0.0f;
     for (int e = 0; e < Dv; e++) ss += oh[e] * oh[e];
@@ -284,23 +293,7 @@ void hc_delta_step(const float *x, int B, int Dm, int Hk, int Hv, int Dk, int Dv
       }
     const float *S = rec_state + (size_t)bh * Dk * Dv;
     float *So = rec_out + (size_t)bh * Dk * Dv, *oh = o + (size_t)bh * Dv, *dh = dl + (size_t)bh * Dv;
-    for (int e = 0; e < Dv; e++) dh[e] = 0.0f;
-    for (int d = 0; d < Dk; d++) {
-      float kd = k[d] * rk, f = fk[d];
-      for (int e = 0; e < Dv; e++) {
-        So[(size_t)d * Dv + e] = S[(size_t)d * Dv + e] * f;
-        dh[e] += So[(size_t)d * Dv + e] * kd;
-      }
-    }
-    for (int e = 0; e < Dv; e++) dh[e] = beta * (v[e] - dh[e]), oh[e] = 0.0f;
-    for (int d = 0; d < Dk; d++) {
-      float kd = k[d] * rk, qd = q[d] * rq * scale;
-      for (int e = 0; e < Dv; e++) {
-        float s = So[(size_t)d * Dv + e] + kd * dh[e];
-        So[(size_t)d * Dv + e] = s;
-        oh[e] += s * qd;
-      }
-    }
+    delta_rule_head(S, So, q, k, v, fk, 0.0f, Dk, Dv, rq, rk, scale, beta, dh, oh);
     const float *z = outs[iz] + (size_t)b * VD + (size_t)h * Dv;
     float ss = 0.0f;
     for (int e = 0; e < Dv; e++) ss += oh[e] * oh[e];
