@@ -7,7 +7,10 @@ cache/core/decode_feed.py implement them today); the cache may change anything e
   block's commit (`Cache.end_block`) keeps it, its abort drops it;
 - many steps (decode_run.py): `Cache.reserve_decode(n)` holds the cache with room for n tokens after each layer's
   held slots (one `Reserved` per attention layer), the kernels write them in turn, `Cache.feed_reserved(ids)`
-  feeds the n tokens as one block (None: nothing) and lets go.
+  feeds the n tokens as one block (None: nothing) and lets go;
+- a recurrent layer in such a run (`RunStates`, cache/recurrent/run_states.py): a ring of state buffers apart from
+  what the layer holds; step j reads `read(j)` and writes `write(j)`, and the feed commits the last step's states
+  (and a checkpoint trail) as n one-token blocks would. A layer that cannot (a lossy codec, offload) declines.
 `AttentionCacheLayer` and `Cache` satisfy these protocols (tests/ops/test_accel_seams.py checks it).
 """
 
@@ -39,6 +42,18 @@ class ReservedSlots(Protocol):
     end: int
 
 
+class RunStates(Protocol):
+    """reserve_decode's per recurrent layer: the rings [r, B, ...] of its states by name (float32, contiguous; r >= 2)
+    for up to `tokens` steps; step j reads `read(j)` and writes `write(j)` ([B, ...] each, views of the rings)."""
+
+    rings: dict[str, torch.Tensor]
+    tokens: int
+
+    def read(self, step: int) -> dict[str, torch.Tensor]: ...
+
+    def write(self, step: int) -> dict[str, torch.Tensor]: ...
+
+
 @runtime_checkable
 class AttentionSlots(Protocol):
     """An attention cache layer as the one-step kernels see it (and its spec's `kernel_pattern()`, `dtype`)."""
@@ -59,7 +74,7 @@ class ReservingCache(Protocol):
     entries: list[Any]
     layers: list[Any]
 
-    def reserve_decode(self, tokens: int) -> list[ReservedSlots] | None: ...
+    def reserve_decode(self, tokens: int) -> list[ReservedSlots | RunStates] | None: ...
 
     def feed_reserved(self, ids: torch.Tensor | None) -> None: ...
 

@@ -36,9 +36,10 @@ import torch
 from hybridcache.cache.core.base import CacheLayer, LayerSpec, check_float_dtype, check_positive_int, tunable
 from hybridcache.cache.core.errors import CacheCropError, CacheError
 from hybridcache.cache.core.registry import register_cache_layer
-from hybridcache.cache.recurrent.codecs import ROUNDINGS, get_state_codec
+from hybridcache.cache.recurrent.codecs import ROUNDINGS, DenseStateCodec, get_state_codec
 from hybridcache.cache.recurrent.layout import StateLayout
 from hybridcache.cache.recurrent.offload import state_tier
+from hybridcache.cache.recurrent.run_states import ReservedStates
 
 
 @dataclass
@@ -260,6 +261,57 @@ class RecurrentCacheLayer(CacheLayer):
         """How many interior states of a block of `tokens` a mixer hands over: the states after each of its last
         m = min(checkpoints, tokens - 1) tokens before the final one (0 when checkpoints are off)."""
         return min(self.spec.checkpoints, tokens - 1)
+
+    # -- decode runs (accel/decode_run.py): many one-token steps committed as one block -------------------------
+    # The run's kernels read and write the states in buffers of their own (run_states.py), never in what the layer
+    # holds; `decode_block` then stages the run's last states (and, with checkpoints, the trail of the steps before)
+    # as one block of n tokens, which commits exactly as n one-token blocks would: the held states are the states
+    # themselves (a dense codec, float32, on the device: no encode that a split into blocks could change) and the
+    # trail keeps the same columns. Anything else declines (step by step).
+    def reserve_slots(self, tokens: int) -> ReservedStates | None:
+        """Buffers for a decode run of up to `tokens` one-token steps (run_states.py), the held states copied into
+        the ring's last buffer; None (nothing changed) where n one-token blocks could differ from one block of n
+        (a codec other than dense, a state that is not float32, offload), a block is open or tokens < 1."""
+        layout = self.layout
+        if (
+            self.seq.block is not None
+            or self._staged is not None
+            or isinstance(tokens, bool)
+            or not isinstance(tokens, int)
+            or tokens < 1
+            or self._tier is not None
+            or layout.feedback
+            or any(type(c) is not DenseStateCodec for c in layout.codecs.values())
+            or any(dtype != torch.float32 for _, dtype in layout.shapes.values())
+        ):
+            return None
+        size = max(2, self.spec.checkpoints + 1)  # a trail of m <= k steps and the last: k + 1 buffers
+        held = self._held()
+        rings = {}
+        for name in layout.shapes:
+            t = held[name]  # [B, ...] (dense: the state itself)
+            ring = rings[name] = torch.empty((size, *t.shape), dtype=t.dtype, device=t.device)
+            ring[size - 1].copy_(t)
+        self._run_states = ReservedStates(rings, tokens)
+        return self._run_states
+
+    def decode_block(self) -> StateWrite | None:
+        """Stage the open block of n tokens as the run that `reserve_slots` reserved wrote it: the states after its
+        n-th step, and the trail of the m = trail_length(n) steps before. None, changing nothing, where there is no
+        such run (or it reserved fewer steps)."""
+        block, run = self.seq.block, self.__dict__.get("_run_states")
+        if block is None or run is None or self._staged is not None or not 0 < block.tokens <= run.tokens:
+            return None
+        n, m = block.tokens, self.trail_length(block.tokens)
+        if next(iter(run.rings.values())).shape[1] != self.batch_size:
+            return None
+        self._run_states = None
+        trail = None
+        if m > 0:  # the states after steps n - m - 1 .. n - 2, [B, m, ...] each
+            steps = [run.write(j) for j in range(n - m - 1, n - 1)]
+            trail = {name: torch.stack([s[name] for s in steps], dim=1) for name in run.rings}
+        self._staged = StateWrite(run.write(n - 1), trail)
+        return self._staged
 
     def _check_states(self, new_states: dict[str, Any], extra: int | None = None) -> None:
         expected = self.spec.state_shapes()
