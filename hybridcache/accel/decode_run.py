@@ -31,6 +31,8 @@ from hybridcache.accel.native.fused import _matrix
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.native.op_specs import WEIGHT_TYPES
+from hybridcache.accel.pre_norm_layer import PreNormAccel
+from hybridcache.accel.program_run import ProgramRun
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.cache.core.group import CacheGroup
 from hybridcache.nn.core.linear import DecodeLinear, PackedEmbedding
@@ -52,7 +54,10 @@ class DecodeRun:
     @classmethod
     def start(cls, model, cache: ReservingCache, capacity: int, ids: torch.Tensor, h: torch.Tensor) -> DecodeRun | None:
         """A run of up to `capacity` steps from the cache's state, its first step's tokens `ids` [B, 1] embedded as
-        h [B, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step."""
+        h [B, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step.
+        A pre-norm model's layers run as a program of records (program_run.py)."""
+        if any(isinstance(b.__dict__.get("accel"), PreNormAccel) for b in model.decoder_layers):
+            return ProgramRun.start(model, cache, capacity, ids, h)
         kept = steady_bindings()
         blocks, entries = list(model.decoder_layers), list(cache.entries)
         accels = [layer_accel(b) for b in blocks]

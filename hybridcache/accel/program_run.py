@@ -1,0 +1,243 @@
+"""Decode runs of pre-norm models (LFM2, Bamba, Jamba, Mamba, Mamba2: nn/core/pre_norm.py): what decode_run.py does for
+Gemma 3, over a program of records (csrc/layer_program.c) where attention and recurrent layers mix.
+
+The cache is reserved once per run of up to `capacity` steps (Cache.reserve_decode): an attention layer's reserved
+slots after the ones it holds, a recurrent layer's ring of state buffers apart from the states it holds
+(cache/recurrent/run_states.py). The first step builds every layer's records by the checked calls
+(pre_norm_layer.py: an attention layer's hc_decoder_layer record, a recurrent layer's norm, mixer step and tail);
+each later step moves only what moves with the step: an attention record's slot, slot count, query position and
+rotary tables, a mixer record's state pointers (step j reads ring buffer j - 1 and writes buffer j). When the run
+ends its tokens are fed as one block (Cache.feed_reserved), which commits every layer as that many one-token blocks
+would. The same kernels on the same inputs as the step-by-step decode, so the same logits bit for bit and the same
+cache after (tests/models/test_program_run.py). Only inside `layer_records.steady()`, one row, every layer recording.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hybridcache.accel.layer_records import _binding, _hooked, record_accel, steady_bindings
+from hybridcache.accel.native.checks import INT_MAX, _ptr
+from hybridcache.accel.native.kernel_calls import takes
+from hybridcache.accel.native.layer_program import CODES, OPS, record_types
+from hybridcache.accel.native.library import _library
+from hybridcache.accel.pre_norm_layer import _STATE_FIELDS, PreNormAccel
+from hybridcache.accel.slots import ReservingCache
+from hybridcache.cache.core.group import CacheGroup
+
+_F32 = torch.float32
+_NAMES = list(OPS)  # op code -> its name (the mixer kinds of pre_norm_layer._STATE_FIELDS among them)
+
+
+class _Step:
+    """The step a run's first records are built for: one real token per row (what the mixers' `prepare` asks)."""
+
+    all_real = True
+
+
+class _RunLayer:
+    """A recurrent cache layer as the first step's checked record sees it (slots.StateSlots): the states the run's
+    first step reads (its ring's last buffer), never the layer's held ones; `update` is never called."""
+
+    def __init__(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = states
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        return self._states
+
+    def update(self, valid=None, trail=None, **new_states) -> None:
+        raise RuntimeError("a decode run's layer takes no update: its states are fed when the run ends")
+
+    def trail_length(self, tokens: int) -> int:
+        return 0
+
+
+class ProgramRun:
+    """Up to `capacity` decode steps of a pre-norm model on one held cache (`start`), fed to the cache by `finish`
+    (the interface of decode_run.DecodeRun: step, full, steps, greedy, finish, abandon)."""
+
+    def __init__(self, cache: ReservingCache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
+        self.cache, self.capacity, self.pos0, self.ids = cache, capacity, pos0, ids  # pos0 [B]; ids [B, capacity]
+        self.steps = 0
+        self.closed = False
+
+    @classmethod
+    def start(cls, model, cache: ReservingCache, capacity: int, ids: torch.Tensor, h: torch.Tensor):
+        """A run of up to `capacity` steps from the cache's state, its first step's tokens `ids` [1, 1] embedded as
+        h [1, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step."""
+        kept = steady_bindings()
+        blocks, entries = list(model.decoder_layers), list(cache.entries)
+        accels = [record_accel(b) for b in blocks]
+        if (
+            kept is None
+            or capacity < 1
+            or h.dim() != 3
+            or h.shape[:2] != (1, 1)
+            or ids.shape != (1, 1)
+            or not takes(h)
+            or not h.is_contiguous()
+            or torch.compiler.is_compiling()
+            or record_types() is None
+            or len(blocks) != len(entries)
+            or cache.seq.block is not None
+            or any(isinstance(e, CacheGroup) for e in entries)
+            or not all(isinstance(a, PreNormAccel) for a in accels)
+            or any(_hooked(b) for b in blocks)
+        ):
+            return None
+        bindings = [_binding(a, e, h, kept) for a, e in zip(accels, entries, strict=True)]
+        if any(b is None for b in bindings):
+            return None
+        pos0 = cache.seq.seen.clone()  # [B]: each row's next position (every step is all real tokens)
+        reserved = cache.reserve_decode(capacity)
+        if reserved is None:
+            return None
+        by_layer = dict(zip(map(id, cache.layers), reserved, strict=True))
+        run = cls(cache, capacity, pos0, ids.new_zeros(ids.shape[0], capacity))
+        try:
+            if not run._build(h, entries, accels, bindings, [by_layer[id(e)] for e in entries]):
+                run.abandon()
+                return None
+        except BaseException:
+            run.abandon()
+            raise
+        return run
+
+    def _build(self, h, entries, accels, bindings, reserved) -> bool:
+        """The first step's program (False: some layer's records do not take it; nothing written)."""
+        types = record_types()
+        b = h.shape[0]
+        self.inp = torch.empty_like(h)  # each step's input is copied here: the records read it in place
+        self.bufs = (torch.empty_like(h), torch.empty_like(h))  # the layers' outputs, in turn
+        self.tables: dict[int, tuple] = {}  # id(rotary) -> this step's (cos, sin)
+        self.q_pos = self.pos0.view(b, 1)
+        program, alive = [], []
+        self.attention, self.mixers = [], []  # (record, rotary, held slots); (record, ptr fields, ring pointers)
+        x = self.inp
+        for i, (entry, fast, bound, r) in enumerate(zip(entries, accels, bindings, reserved, strict=True)):
+            y = self.bufs[i % 2]
+            if bound[0] == "attention":
+                got = self._attention(x, y, entry, fast, bound[1], r)
+                if got is None:
+                    return False
+                rec, keep, rotary = got
+                program.append((CODES["decoder_layer"], rec))
+                self.attention.append((rec, rotary, r.end - r.start))
+                alive.append(keep)
+            else:
+                if not hasattr(r, "rings"):
+                    return False
+                got = fast.record(x, y, _RunLayer(r.read(0)), _Step(), bound)
+                if got is None or got[0] == "reserved" or len(got[0]) != 3:
+                    return False
+                ops, keep, _after = got
+                recs = [types[op].from_buffer_copy(a) if type(a) is not tuple else types[op](*a) for op, a in ops]
+                kind = _NAMES[ops[1][0]]
+                fields = _STATE_FIELDS.get(kind)
+                if fields is None or set(fields) != set(r.rings) or not self._rings_fit(r):
+                    return False
+                pointers = {name: [ring[k].data_ptr() for k in range(ring.shape[0])] for name, ring in r.rings.items()}
+                self.mixers.append((recs[1], [(fields[n], pointers[n]) for n in r.rings]))
+                program += [(op, rec) for (op, _), rec in zip(ops, recs, strict=True)]
+                alive.append(keep)
+            x = y
+        self.out, self.alive, self.bindings = x, alive, bindings  # (the bindings hold the scratch the records use)
+        self.program = program  # (op code, its record: the C structs the call reads)
+        self.ops = (ctypes.c_int * len(program))(*(op for op, _ in program))
+        self.pointers = (ctypes.c_void_p * len(program))(*(ctypes.addressof(rec) for _, rec in program))
+        return True
+
+    def _attention(self, x, y, entry, fast, run, r):
+        """An attention layer's hc_decoder_layer record for the first step (its slot after the held ones); None where
+        the kernel does not take it."""
+        form, rotary = entry.spec.kernel_pattern(), fast.rotary()
+        if not hasattr(r, "keys") or form is None:
+            return None
+        cos, sin = self._rope(rotary, self.q_pos)
+        if rotary is not None and not rotary.kernel_tables(x, cos):
+            return None
+        held = r.end - r.start
+        r.key_pos.narrow(1, r.end, self.capacity).copy_(self.pos0[:, None] + torch.arange(self.capacity))
+        keys, values = r.keys.narrow(2, r.start, held + 1), r.values.narrow(2, r.start, held + 1)
+        k_pos = r.key_pos.narrow(1, r.start, held + 1)
+        if r.keys.numel() > INT_MAX or r.values.numel() > INT_MAX:
+            return None
+        got = run.record(x, y, cos, sin, keys, values, held, self.q_pos, k_pos, *form)
+        if got is None:
+            return None
+        rec = record_types()[CODES["decoder_layer"]](*got[0])
+        # the fields later steps move, checked once: the record points into these very tensors
+        want = (self.q_pos.data_ptr(), held, held + 1, _ptr(cos), _ptr(sin), x.data_ptr(), keys.data_ptr())
+        if (rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t, rec.x, rec.keys) != want:
+            return None
+        return rec, got[1], rotary
+
+    @staticmethod
+    def _rings_fit(r) -> bool:
+        """Whether every ring buffer is a state the checked record took: contiguous float32 of its shape."""
+        states = r.read(0)
+        return all(
+            ring.dtype is _F32 and ring.is_contiguous() and ring.shape[1:] == states[name].shape
+            for name, ring in r.rings.items()
+        )
+
+    def _rope(self, rotary, positions: torch.Tensor):
+        """cos, sin [B, 1, 1, R] for positions [B, 1], once per rotary and step ((None, None): no rotary)."""
+        if rotary is None:
+            return None, None
+        got = self.tables.get(id(rotary))
+        if got is None:
+            got = self.tables[id(rotary)] = rotary.tables(positions, _F32)
+        return got
+
+    @property
+    def full(self) -> bool:
+        return self.steps >= self.capacity
+
+    def step(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One decode step: tokens `ids` [B, 1] embedded as h [B, 1, D] through every layer. Returns the last
+        layer's output [B, 1, D] (a buffer the next step overwrites: read it first)."""
+        j = self.steps
+        if self.closed or j >= self.capacity:
+            raise RuntimeError("ProgramRun.step: the run is over (finished, abandoned or full)")
+        if ids.shape != (self.ids.shape[0], 1) or h.shape != self.inp.shape or not takes(h):
+            raise ValueError(f"ProgramRun.step: ids [B, 1] and h {tuple(self.inp.shape)} float32, got {tuple(h.shape)}")
+        self.inp.copy_(h)
+        if j:
+            self.q_pos = (self.pos0 + j).view(-1, 1)
+            self.tables = {}
+            q = self.q_pos.data_ptr()
+            for rec, rotary, held in self.attention:
+                cos, sin = self._rope(rotary, self.q_pos)
+                rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t = q, held + j, held + j + 1, _ptr(cos), _ptr(sin)
+        for rec, states in self.mixers:
+            for (read, write), ptrs in states:
+                setattr(rec, read, ptrs[(j - 1) % len(ptrs)])
+                setattr(rec, write, ptrs[j % len(ptrs)])
+        self.step_alive = (self.q_pos, self.tables)  # what the records point into, until the next step
+        failed = ctypes.c_int(-1)
+        err = _library().hc_layer_program(self.ops, self.pointers, len(self.program), ctypes.addressof(failed))
+        if err:
+            raise MemoryError(f"hc_layer_program: record {failed.value} failed ({err}): no memory for its scratch")
+        self.ids[:, j] = ids[:, 0]
+        self.steps = j + 1
+        return self.out
+
+    def greedy(self, model, first: int, k: int, eos: list[int], keep: bool):
+        """Not computed for these models yet: NotImplementedError, nothing run (the caller steps the run)."""
+        raise NotImplementedError("ProgramRun.greedy: no greedy C loop over layer programs")
+
+    def finish(self) -> None:
+        """Feed the run's tokens to the cache as one block (nothing when it ran no step) and let go of it."""
+        if not self.closed:
+            self.closed = True
+            self.cache.feed_reserved(self.ids[:, : self.steps] if self.steps else None)
+
+    def abandon(self) -> None:
+        """Let go of the cache without feeding anything (what it held is unchanged)."""
+        if not self.closed:
+            self.closed = True
+            self.cache.feed_reserved(None)
