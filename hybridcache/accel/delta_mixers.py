@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridcache.accel.kernel_memo import KernelMemo
 from hybridcache.accel.native.steps.recurrent import bind_delta_step
-from hybridcache.accel.recurrent_mixers import _decode_step, _layout, _projection
+from hybridcache.accel.recurrent_mixers import RecurrentAccel, _decode_step, _layout, _projection
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
 from hybridcache.nn.recurrent.kda import BailingDeltaAttention, KimiDeltaAttention, SigmoidGatedHeadNorm
@@ -66,7 +66,7 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-class DeltaAccel:
+class DeltaAccel(RecurrentAccel):
     """`mixer.accel`: accel(h, layer, step) -> y [B, 1, D], or None (the reference runs). The kernel's weight
     arguments are checked once (native/steps/recurrent.py `bind_delta_step`) and again whenever a weight tensor's
     memory, dtype, shape or strides change (a module replaced, a quantization)."""
@@ -99,7 +99,7 @@ class DeltaAccel:
             (gate, norm.weight, norm.eps), out,
         )  # fmt: skip
 
-    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.mixer
         if not _decode_step(h, layer, step):
             return None
@@ -121,12 +121,7 @@ class DeltaAccel:
         if bound is None:
             return None
         states = layer.states
-        got = bound.run(h, states["conv"], states["recurrent"])
-        if got is None:
-            return None
-        y, conv, rec = got
-        layer.update(conv=conv, recurrent=rec)
-        return y
+        return "delta", (bound, h, states["conv"], states["recurrent"]), ("conv", "recurrent")
 
 
 def delta_accel(cls: type[nn.Module], form: DeltaForm | Callable[[nn.Module], DeltaForm]):

@@ -130,7 +130,9 @@ _STATE_FIELDS = {
     "mamba2": {"conv": ("conv_state", "conv_out"), "ssm": ("ssm_state", "ssm_out")},
     "mamba": {"conv": ("conv_state", "conv_out"), "ssm": ("ssm_state", "ssm_out")},
     "gated_delta": {"conv": ("conv_state", "conv_out"), "recurrent": ("rec_state", "rec_out")},
-}
+    "delta": {"conv": ("conv_state", "conv_out"), "recurrent": ("rec_state", "rec_out")},
+    "mamba_groups": {"conv": ("conv_state", "conv_out"), "ssm": ("ssm_state", "ssm_out")},
+}  # (RG-LRU's record also reads the step's positions: it is built anew each step)
 
 
 class _Kept:
@@ -179,7 +181,13 @@ def _bind_mlp(d: int, p: PreNormParts):
     if p.mlp is None:
         return bind_tail(d, None, None, None, "")
     mlp = p.mlp
-    if type(mlp) is not GatedMLP or mlp.act_name not in ACT_MUL or not kernel_plain(p.mlp_norm) or p.mlp_norm is None:
+    if (
+        not isinstance(mlp, GatedMLP)
+        or type(mlp).forward is not GatedMLP.forward
+        or mlp.act_name not in ACT_MUL
+        or not kernel_plain(p.mlp_norm)
+        or p.mlp_norm is None
+    ):
         return None
     down = mlp._modules["down_proj"]
     parts = mlp.gate_up.parts() if type(down) is DecodeLinear else None

@@ -2,7 +2,8 @@
 LFM2's short convolution (nn/recurrent/short_conv.py), a Mamba2 mixer (nn/recurrent/mamba2.py), a
 Mamba1 mixer (nn/recurrent/mamba.py; Zamba's over channel groups too), Qwen3-Next's Gated DeltaNet
 (nn/recurrent/gated_deltanet.py; the variants with separate projections: delta_mixers.py) or RecurrentGemma's
-recurrent block (nn/recurrent/rglru.py) in one C call, projections included (native/steps/recurrent.py).
+recurrent block (nn/recurrent/rglru.py) in one C call, projections included (native/steps/recurrent.py). Each
+describes its call (`prepare`: a kind in STEPS and its arguments), which a many-layer step runs as a record.
 
 The cache is seen through slots.py's `StateSlots`: the layer's current `states` are read, the kernel writes the new
 ones into fresh tensors, and `update` hands them to the cache, which commits them with its block (trails, codecs and
@@ -21,8 +22,10 @@ from hybridcache.accel.native.steps.recurrent import (
     gated_delta_args,
     gated_delta_step,
     mamba_args,
+    mamba_groups_args,
     mamba_groups_step,
     mamba_step,
+    rglru_args,
     rglru_step,
     short_conv_args,
     short_conv_step,
@@ -69,6 +72,9 @@ STEPS = {
     "mamba2": (lambda bound, *a: bound.run(*a), lambda bound, *a: bound.args(*a)),  # (a Mamba2Step, x, states)
     "mamba": (mamba_step, mamba_args),
     "gated_delta": (gated_delta_step, gated_delta_args),
+    "delta": (lambda bound, *a: bound.run(*a), lambda bound, *a: bound.args(*a)),  # (a DeltaStep, x, states)
+    "rglru": (rglru_step, rglru_args),
+    "mamba_groups": (mamba_groups_step, mamba_groups_args),
 }
 
 
@@ -231,13 +237,13 @@ def _hooked(*modules: nn.Module) -> bool:
 _GELU_TANH = (ACTIVATIONS["gelu_pytorch_tanh"], ACTIVATIONS["gelu_new"])  # the branch activation the kernel computes
 
 
-class RGLRUAccel:
+class RGLRUAccel(RecurrentAccel):
     """`RecurrentBlock.accel` (RecurrentGemma): accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
 
     def __init__(self, block: RecurrentBlock) -> None:
         self.block = block
 
-    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.block
         if not _decode_step(h, layer, step) or m.act not in _GELU_TANH or _hooked(m.conv_1d, m.rg_lru):
             return None
@@ -246,18 +252,14 @@ class RGLRUAccel:
             return None
         lru, states = m.rg_lru, layer.states
         gates = (lru.input_gate_weight, lru.input_gate_bias, lru.recurrent_gate_weight, lru.recurrent_gate_bias)
-        got = rglru_step(
+        args = (
             h, lru.num_heads, projs[0], projs[1], m.conv_1d.weight[:, 0], m.conv_1d.bias, states["conv"], gates,
             lru.recurrent_param, step.positions, states["lru"], projs[2],
         )  # fmt: skip
-        if got is None:
-            return None
-        y, conv, state = got
-        layer.update(conv=conv, lru=state)
-        return y
+        return "rglru", args, ("conv", "lru")
 
 
-class MambaGroupsAccel:
+class MambaGroupsAccel(RecurrentAccel):
     """The accel of a Mamba1 mixer over channel groups (Zamba's: per-group x_proj_weight [G, R + 2N, Di/G],
     dt_proj_weight [G, Di/G, R], dt_proj_bias, in_proj's u and gate interleaved; registered by its model file):
     accel(h, layer, step) -> y [B, 1, D], or None (the reference runs)."""
@@ -265,7 +267,7 @@ class MambaGroupsAccel:
     def __init__(self, mixer: MambaMixer) -> None:
         self.mixer = mixer
 
-    def __call__(self, h: torch.Tensor, layer, step: StepInput) -> torch.Tensor | None:
+    def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.mixer
         if not _decode_step(h, layer, step) or m.inner_norms or _hooked(m.conv1d):
             return None
@@ -273,16 +275,12 @@ class MambaGroupsAccel:
         if in_proj is None or out_proj is None:
             return None
         states = layer.states
-        got = mamba_groups_step(
+        args = (
             h, in_proj, m.conv1d.weight[:, 0], m.conv1d.bias, states["conv"], m.x_proj_weight, m.dt_proj_weight,
             m.dt_proj_bias.reshape(-1), m.A_log.reshape(m.intermediate, m.state_size), m.D.reshape(-1),
             states["ssm"], out_proj,
         )  # fmt: skip
-        if got is None:
-            return None
-        y, conv, ssm = got
-        layer.update(conv=conv, ssm=ssm)
-        return y
+        return "mamba_groups", args, ("conv", "ssm")
 
 
 def rglru_accel(block: RecurrentBlock) -> RGLRUAccel | None:

@@ -28,6 +28,9 @@ OPS = {
     "mamba": "hc_mamba_step",
     "gated_delta": "hc_gated_delta_step",
     "pre_norm_tail": "hc_pre_norm_tail",
+    "delta": "hc_delta_step",
+    "rglru": "hc_rglru_step",
+    "mamba_groups": "hc_mamba_groups_step",
 }
 CODES = {name: i for i, name in enumerate(OPS)}
 _LETTERS = {_P: "P", _I: "I", _L: "L", _F: "F"}

@@ -20,6 +20,7 @@ from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.nn import GatedMLP, RMSNorm, StepInput, residual_norm
 from hybridcache.nn.attention.mla import MLAMixer
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.moe.deepseek import DeepseekMoE
 from hybridcache.nn.recurrent.kda import KimiDeltaAttention
 
@@ -88,7 +89,7 @@ class KimiLinearConfig(AttentionFields, MoEFields):
 MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-class KimiLinearDecoderLayer(nn.Module):
+class KimiLinearDecoderLayer(PreNormLayer):
     def __init__(self, cfg: KimiLinearConfig, kind: str, sparse: bool) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -106,6 +107,9 @@ class KimiLinearDecoderLayer(nn.Module):
             self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
+
+    def pre_norm_parts(self) -> PreNormParts:
+        return PreNormParts(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         x = self.self_attn(self.input_layernorm(h), layer, step)

@@ -19,6 +19,7 @@ from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.models.families.qwen3_next import LAYER_KINDS, delta_native_layers
 from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer
 
 
@@ -101,7 +102,7 @@ class OlmoHybridAttention(AttentionMixer):
         return q, k, v, None, q_pre
 
 
-class OlmoHybridDecoderLayer(nn.Module):
+class OlmoHybridDecoderLayer(PreNormLayer):
     """linear_attention: h + mixer(input_layernorm(h)), h + mlp(post_attention_layernorm(h)) (pre-norms);
     full_attention: h + post_attention_layernorm(attn(h)), h + post_feedforward_layernorm(mlp(h)) (post-norms)."""
 
@@ -120,6 +121,11 @@ class OlmoHybridDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm(d)
         self.post_attention_layernorm = norm(d)
         self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
+
+    def pre_norm_parts(self) -> PreNormParts | None:  # (the attention layers' post-norms are another shape)
+        if self.kind != "linear_attention":
+            return None
+        return PreNormParts(self.input_layernorm, self.linear_attn, self.post_attention_layernorm, self.mlp)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         if self.kind == "linear_attention":

@@ -16,7 +16,6 @@ from itertools import cycle, islice
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
@@ -25,6 +24,7 @@ from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
 from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput
 from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.recurrent.rglru import RecurrentBlock
 
 
@@ -82,7 +82,7 @@ class RecurrentGemmaMLP(GatedMLP):
         super().__init__(cfg.hidden_size, cfg.intermediate_size // 2, cfg.hidden_activation, bias=True)
 
 
-class RecurrentGemmaDecoderLayer(nn.Module):
+class RecurrentGemmaDecoderLayer(PreNormLayer):
     def __init__(self, cfg: RecurrentGemmaConfig, kind: str, rope: RotaryEmbedding) -> None:
         super().__init__()
         d, eps, heads = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_attention_heads
@@ -104,6 +104,9 @@ class RecurrentGemmaDecoderLayer(nn.Module):
             self.temporal_block = RecurrentBlock(d, cfg.lru_width, heads, cfg.conv1d_width, cfg.hidden_activation)
         self.channel_pre_norm = RMSNorm(d, eps, unit_offset=True)
         self.mlp_block = RecurrentGemmaMLP(cfg)
+
+    def pre_norm_parts(self) -> PreNormParts:
+        return PreNormParts(self.temporal_pre_norm, self.temporal_block, self.channel_pre_norm, self.mlp_block)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         h = h + self.temporal_block(self.temporal_pre_norm(h), layer, step)

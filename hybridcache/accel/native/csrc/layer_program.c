@@ -1,7 +1,8 @@
 /* A decode step's pre-norm layers in one call (hc_layer_program): a program of records, each one kernel call's
    arguments (X-macro field lists below, in the order of the function's parameters), run in order. A recurrent
    pre-norm layer  out = h + mixer(norm(h)) [+ mlp(mlp_norm(h + ...))]  is three records: hc_rms_norm, the mixer's
-   one-call step (recurrent_step.c: short conv, Mamba2, Mamba1, gated delta) and hc_pre_norm_tail; an attention layer
+   one-call step (recurrent_step.c: short conv, Mamba2, Mamba1, gated delta, the delta variants, RG-LRU, grouped
+   Mamba1) and hc_pre_norm_tail; an attention layer
    is one hc_decoder_layer record (layer_record.h). The same kernels in the same order as the per-layer calls, so the
    same bits, with no interpreter between layers. Each record type states its layout (hc_op_record_codes / _names /
    _size) for the loader to check against the function's declared signature. Part of cpu_decode.c (after
@@ -52,6 +53,38 @@
   X(float *, rec_out, P) SEP() X(const float *, norm_w, P) SEP() X(float, norm_eps, F) SEP()                       \
   X(const void *, w_out, P) SEP() X(int, out_type, I) SEP() X(const float *, out_scale, P) SEP()                   \
   X(float *, scratch, P) SEP() X(float *, y, P)
+#define HC_DELTA_FIELDS(X, SEP)                                                                                    \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(int, Hk, I) SEP() X(int, Hv, I) SEP()      \
+  X(int, Dk, I) SEP() X(int, Dv, I) SEP() X(int, K, I) SEP() X(int, P, I) SEP() X(const void *const *, w, P) SEP() \
+  X(const int *, types, P) SEP() X(const void *const *, scales, P) SEP() X(const int *, rows, P) SEP()             \
+  X(const int *, src, P) SEP() X(int, n_qkv, I) SEP() X(const void *const *, conv_w, P) SEP()                      \
+  X(const float *, conv_state, P) SEP() X(float *, conv_out, P) SEP() X(int, iz, I) SEP() X(int, ib, I) SEP()      \
+  X(int, ia, I) SEP() X(int, decay, I) SEP() X(float, lower_bound, F) SEP() X(const float *, dt_bias, P) SEP()     \
+  X(const float *, A_log, P) SEP() X(float, beta_scale, F) SEP() X(const float *, rec_state, P) SEP()              \
+  X(float *, rec_out, P) SEP() X(int, gate, I) SEP() X(const float *, norm_w, P) SEP() X(float, norm_eps, F) SEP() \
+  X(const void *, w_out, P) SEP() X(int, out_type, I) SEP() X(const float *, out_scale, P) SEP()                   \
+  X(float *, scratch, P) SEP() X(float *, y, P)
+#define HC_RGLRU_FIELDS(X, SEP)                                                                                    \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(int, W, I) SEP() X(int, H, I) SEP()        \
+  X(int, K, I) SEP() X(const void *, w_y, P) SEP() X(int, y_type, I) SEP() X(const float *, y_scale, P) SEP()      \
+  X(const float *, y_bias, P) SEP() X(const void *, w_x, P) SEP() X(int, x_type, I) SEP()                          \
+  X(const float *, x_scale, P) SEP() X(const float *, x_bias, P) SEP() X(const float *, conv_w, P) SEP()           \
+  X(const float *, conv_b, P) SEP() X(const float *, conv_state, P) SEP() X(float *, conv_out, P) SEP()            \
+  X(const float *, ig_w, P) SEP() X(const float *, ig_b, P) SEP() X(const float *, rg_w, P) SEP()                  \
+  X(const float *, rg_b, P) SEP() X(const float *, rec_param, P) SEP() X(const int64_t *, pos, P) SEP()            \
+  X(const float *, lru_state, P) SEP() X(float *, lru_out, P) SEP() X(const void *, w_out, P) SEP()                \
+  X(int, out_type, I) SEP() X(const float *, out_scale, P) SEP() X(const float *, out_bias, P) SEP()               \
+  X(float *, scratch, P) SEP() X(float *, y, P)
+#define HC_MAMBA_GROUPS_FIELDS(X, SEP)                                                                             \
+  X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(int, Di, I) SEP() X(int, N, I) SEP()       \
+  X(int, K, I) SEP() X(int, R, I) SEP() X(int, G, I) SEP() X(const void *, w_in, P) SEP() X(int, in_type, I) SEP() \
+  X(const float *, in_scale, P) SEP() X(const float *, in_bias, P) SEP() X(const float *, conv_w, P) SEP()         \
+  X(const float *, conv_b, P) SEP() X(const float *, conv_state, P) SEP() X(float *, conv_out, P) SEP()            \
+  X(const float *, x_w, P) SEP() X(const float *, dt_w, P) SEP() X(const float *, dt_bias, P) SEP()                \
+  X(const float *, A_log, P) SEP() X(const float *, Dskip, P) SEP() X(const float *, ssm_state, P) SEP()           \
+  X(float *, ssm_out, P) SEP() X(const void *, w_out, P) SEP() X(int, out_type, I) SEP()                           \
+  X(const float *, out_scale, P) SEP() X(const float *, out_bias, P) SEP() X(float *, scratch, P) SEP()            \
+  X(float *, y, P)
 #define HC_PRE_NORM_TAIL_FIELDS(X, SEP)                                                                            \
   X(const float *, h, P) SEP() X(const float *, y, P) SEP() X(int, M, I) SEP() X(int, D, I) SEP()                  \
   X(const float *, pre_mlp, P) SEP() X(float, pre_mlp_eps, F) SEP() X(int, I, I) SEP() X(const void *, w_gu, P)    \
@@ -81,15 +114,32 @@ typedef struct { HC_MAMBA2_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_mamba2_record
 typedef struct { HC_MAMBA_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_mamba_record;
 typedef struct { HC_GATED_DELTA_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_gated_delta_record;
 typedef struct { HC_PRE_NORM_TAIL_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_pre_norm_tail_record;
+typedef struct { HC_DELTA_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_delta_record;
+typedef struct { HC_RGLRU_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_rglru_record;
+typedef struct { HC_MAMBA_GROUPS_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_mamba_groups_record;
 
-/* The op codes of hc_layer_program (accel/native/layer_program.py OPS lists them in this order). */
-enum { OP_DECODER_LAYER, OP_RMS_NORM, OP_SHORT_CONV, OP_MAMBA2, OP_MAMBA, OP_GATED_DELTA, OP_PRE_NORM_TAIL, OP_COUNT };
+/* The op codes of hc_layer_program (accel/native/layer_program.py OPS lists them in this order; a new op goes at
+   the end: a code keeps its meaning). */
+enum {
+  OP_DECODER_LAYER,
+  OP_RMS_NORM,
+  OP_SHORT_CONV,
+  OP_MAMBA2,
+  OP_MAMBA,
+  OP_GATED_DELTA,
+  OP_PRE_NORM_TAIL,
+  OP_DELTA,
+  OP_RGLRU,
+  OP_MAMBA_GROUPS,
+  OP_COUNT
+};
 
 #define HC_OP_LAYOUTS(Y)                                                                                           \
   Y(OP_DECODER_LAYER, hc_layer_record, HC_LAYER_RECORD) Y(OP_RMS_NORM, hc_rms_norm_record, HC_RMS_NORM_FIELDS)     \
   Y(OP_SHORT_CONV, hc_short_conv_record, HC_SHORT_CONV_FIELDS) Y(OP_MAMBA2, hc_mamba2_record, HC_MAMBA2_FIELDS)    \
   Y(OP_MAMBA, hc_mamba_record, HC_MAMBA_FIELDS) Y(OP_GATED_DELTA, hc_gated_delta_record, HC_GATED_DELTA_FIELDS)    \
-  Y(OP_PRE_NORM_TAIL, hc_pre_norm_tail_record, HC_PRE_NORM_TAIL_FIELDS)
+  Y(OP_PRE_NORM_TAIL, hc_pre_norm_tail_record, HC_PRE_NORM_TAIL_FIELDS) Y(OP_DELTA, hc_delta_record, HC_DELTA_FIELDS) \
+  Y(OP_RGLRU, hc_rglru_record, HC_RGLRU_FIELDS) Y(OP_MAMBA_GROUPS, hc_mamba_groups_record, HC_MAMBA_GROUPS_FIELDS)
 #define HC_OP_CODES(OP, T, F) case OP: return F(HC_REC_CODE, HC_REC_NONE);
 #define HC_OP_NAMES(OP, T, F) case OP: return F(HC_REC_NAME_STR, HC_REC_NAME_SEP);
 #define HC_OP_SIZE(OP, T, F) case OP: return (int)sizeof(T);
@@ -150,6 +200,21 @@ int hc_layer_program(const int *ops, const void *const *records, int n, int *fai
     case OP_PRE_NORM_TAIL: {
       const hc_pre_norm_tail_record *r = (const hc_pre_norm_tail_record *)records[i];
       hc_pre_norm_tail(HC_PRE_NORM_TAIL_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_DELTA: {
+      const hc_delta_record *r = (const hc_delta_record *)records[i];
+      hc_delta_step(HC_DELTA_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_RGLRU: {
+      const hc_rglru_record *r = (const hc_rglru_record *)records[i];
+      hc_rglru_step(HC_RGLRU_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_MAMBA_GROUPS: {
+      const hc_mamba_groups_record *r = (const hc_mamba_groups_record *)records[i];
+      hc_mamba_groups_step(HC_MAMBA_GROUPS_FIELDS(HC_REC_ARG, HC_REC_COMMA));
       break;
     }
     default:

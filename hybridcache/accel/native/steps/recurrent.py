@@ -358,13 +358,12 @@ class DeltaStep:
     those and calls the kernel. Holds the weight tensors it points at (they stay alive while it does)."""
 
     def __init__(self, lib, sizes: tuple, args: tuple, keep: tuple, scratch_cols: int) -> None:
-        self.lib, self.sizes, self.args, self.keep, self.scratch_cols = lib, sizes, args, keep, scratch_cols
+        self.lib, self.sizes, self.args_bound, self.keep, self.scratch_cols = lib, sizes, args, keep, scratch_cols
 
-    def run(
-        self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """x [B, 1, Dm], conv_state [B, 2 Hk Dk + Hv Dv, K-1], rec_state [B, Hv, Dk, Dv] -> (y [B, 1, Dm], the new
-        conv state, the new recurrent state); None where the kernel does not take them."""
+    def args(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor) -> tuple | None:
+        """x [B, 1, Dm], conv_state [B, 2 Hk Dk + Hv Dv, K-1], rec_state [B, Hv, Dk, Dv] -> (hc_delta_step's
+        arguments, its outputs (y [B, 1, Dm], the new conv state, the new recurrent state), the tensors they point
+        into); None where the kernel does not take them."""
         dm, hk, hv, dk, dv, k, cc = self.sizes
         b = _rows(x, dm) if isinstance(x, torch.Tensor) else None
         if b is None:
@@ -377,12 +376,22 @@ class DeltaStep:
         x = x.contiguous()
         new_conv, new_rec = torch.empty(conv_state.shape, dtype=_F32), torch.empty(rec_state.shape, dtype=_F32)
         y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * self.scratch_cols, dtype=_F32)
-        head, tail = self.args
-        self.lib.hc_delta_step(
+        head, tail = self.args_bound
+        args = (
             x.data_ptr(), b, dm, hk, hv, dk, dv, k, *head, conv_state.data_ptr(), new_conv.data_ptr(), *tail[:8],
             rec_state.data_ptr(), new_rec.data_ptr(), *tail[8:], scratch.data_ptr(), y.data_ptr(),
         )  # fmt: skip
-        return y, new_conv, new_rec
+        return args, (y, new_conv, new_rec), (x, scratch, self)  # (self: the weight arrays it points at)
+
+    def run(
+        self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`args`' call run: (y [B, 1, Dm], the new conv state, the new recurrent state), or None (not taken)."""
+        got = self.args(x, conv_state, rec_state)
+        if got is None:
+            return None
+        self.lib.hc_delta_step(*got[0])
+        return got[1]
 
 
 def bind_delta_step(
@@ -454,11 +463,11 @@ def bind_delta_step(
         (ctypes.c_int * n)(*(-1 if p[3] is None else p[3] for p in projs)),
     )
     convs = (ctypes.c_void_p * n_qkv)(*(w.data_ptr() for w in conv_ws))
-    head = (n, *arrays, n_qkv, convs)
+    head = (n, *(ctypes.addressof(a) for a in arrays), n_qkv, ctypes.addressof(convs))  # (addresses: a record's fields)
     tail = (*fields, DECAYS[kind], float(lower), dt_bias.data_ptr(), a_log.data_ptr(), float(beta_scale))
     tail += (OUTPUT_GATES[norm[0]], norm[1].data_ptr(), float(norm[2]), out_proj[0].data_ptr(), out_code)
     tail += (_ptr(out_proj[2]),)
-    keep = (projs, conv_ws, dt_bias, a_log, norm, out_proj)
+    keep = (projs, conv_ws, dt_bias, a_log, norm, out_proj, arrays, convs)
     return DeltaStep(lib, (dm, hk, hv, dk, dv, k, cc), (head, tail), keep, scratch_cols)
 
 
@@ -490,7 +499,7 @@ def delta_step(
     return None if bound is None else bound.run(x, conv_state, rec_state)
 
 
-def rglru_step(
+def rglru_args(
     x: torch.Tensor,
     heads: int,
     y_proj: tuple,
@@ -503,7 +512,7 @@ def rglru_step(
     positions: torch.Tensor,
     lru_state: torch.Tensor,
     out_proj: tuple,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[tuple, tuple, tuple] | None:
     """RecurrentGemma's recurrent block on one token (gelu-tanh branch): x [B, 1, Dm], H heads, linear_y / linear_x
     (weight [W, Dm], bias, scale), the conv weight [W, K] and bias, conv_state [B, W, K-1], the gates (input weight
     [H, W/H, W/H], its bias [H, W/H], recurrence weight, its bias), recurrent_param [W], positions [B, 1] (int64: 0
@@ -542,16 +551,16 @@ def rglru_step(
     new_conv, new_lru = torch.empty(conv_state.shape, dtype=_F32), torch.empty(lru_state.shape, dtype=_F32)
     y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * 4 * w + w, dtype=_F32)
     (w_y, b_y, s_y), (w_x, b_x, s_x), (w_o, b_o, s_o) = y_proj, x_proj, out_proj
-    lib.hc_rglru_step(
+    args = (
         x.data_ptr(), b, dm, w, heads, k, w_y.data_ptr(), codes[0], _ptr(s_y), _ptr(b_y), w_x.data_ptr(), codes[1],
         _ptr(s_x), _ptr(b_x), conv_w.data_ptr(), _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(),
         *(g.data_ptr() for g in gates), recurrent_param.data_ptr(), positions.data_ptr(), lru_state.data_ptr(),
         new_lru.data_ptr(), w_o.data_ptr(), codes[2], _ptr(s_o), _ptr(b_o), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
-    return y, new_conv, new_lru
+    return args, (y, new_conv, new_lru), (x, scratch, positions)
 
 
-def mamba_groups_step(
+def mamba_groups_args(
     x: torch.Tensor,
     in_proj: tuple,
     conv_w: torch.Tensor,
@@ -564,7 +573,7 @@ def mamba_groups_step(
     d_skip: torch.Tensor | None,
     ssm_state: torch.Tensor,
     out_proj: tuple,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[tuple, tuple, tuple] | None:
     """Zamba's Mamba1 mixer on one token: x [B, 1, Dm], in_proj (weight [2 Di, Dm]: u and the gate interleaved per
     channel, bias, scale), the conv weight [Di, K] and bias, conv_state [B, Di, K-1], the per-group x_proj [G, R + 2N,
     Di/G] and dt_proj [G, Di/G, R] (float32), dt_bias [Di] (inside the softplus), A_log [Di, N], D [Di], ssm_state
@@ -602,13 +611,13 @@ def mamba_groups_step(
     new_conv, new_ssm = torch.empty(conv_state.shape, dtype=_F32), torch.empty(ssm_state.shape, dtype=_F32)
     y, scratch = torch.empty(x.shape, dtype=_F32), torch.empty(b * (6 * di + g * (r + 2 * n)), dtype=_F32)
     (w_in, b_in, s_in), (w_out, b_out, s_out) = in_proj, out_proj
-    lib.hc_mamba_groups_step(
+    args = (
         x.data_ptr(), b, dm, di, n, k, r, g, w_in.data_ptr(), codes[0], _ptr(s_in), _ptr(b_in), conv_w.data_ptr(),
         _ptr(conv_b), conv_state.data_ptr(), new_conv.data_ptr(), x_w.data_ptr(), dt_w.data_ptr(),
         dt_bias.data_ptr(), a_log.data_ptr(), _ptr(d_skip), ssm_state.data_ptr(), new_ssm.data_ptr(),
         w_out.data_ptr(), codes[1], _ptr(s_out), _ptr(b_out), scratch.data_ptr(), y.data_ptr(),
     )  # fmt: skip
-    return y, new_conv, new_ssm
+    return args, (y, new_conv, new_ssm), (x, scratch)
 
 
 def _call(fn: str, prepared: tuple | None) -> tuple | None:
@@ -633,3 +642,13 @@ def mamba_step(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def gated_delta_step(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """gated_delta_args' arguments -> (y [B, 1, Dm], the new conv state, the new recurrent state), or None."""
     return _call("hc_gated_delta_step", gated_delta_args(*args, **kwargs))
+
+
+def rglru_step(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """rglru_args' arguments -> (y [B, 1, Dm], the new conv state, the new LRU state), or None (not taken)."""
+    return _call("hc_rglru_step", rglru_args(*args, **kwargs))
+
+
+def mamba_groups_step(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """mamba_groups_args' arguments -> (y [B, 1, Dm], the new conv state, the new ssm state), or None."""
+    return _call("hc_mamba_groups_step", mamba_groups_args(*args, **kwargs))
