@@ -1,6 +1,8 @@
 """A decode step's layers in one C call for the families whose recurrent mixers joined the layer program later: the
 delta variants (Qwen3.5, OLMo-Hybrid's Gated DeltaNet, Kimi's and Bailing's KDA: hc_delta_step records) and
-RecurrentGemma's RG-LRU block (hc_rglru_step records), each layer as its input norm, one-call mixer step and tail.
+RecurrentGemma's RG-LRU block (hc_rglru_step records), each layer as its input norm, one-call mixer step and tail;
+and Nemotron-H's Mamba2 blocks (a pre-norm layer with no MLP branch; the model offers the fast path its blocks, each
+with its run's cache entry).
 The oracle is the per-layer path (`record_step` off: every layer its own module call, the mixers' one-call steps
 still run): logits, tokens and every cache state must be bit-identical, and the tokens equal to HF transformers'.
 Whatever the program does not take (MLA attention, a MoE MLP, OLMo's post-norm attention layers) runs as its module
@@ -25,13 +27,14 @@ FAMILIES = {
     "kimi_linear": "delta",
     "bailing_hybrid": "delta",
     "recurrentgemma": "rglru",
+    "nemotron_h": "mamba2",  # (its Mamba2 blocks: pre-norm layers with no MLP branch, each with its run's entry)
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_program_is_the_per_layer_calls(checkpoints, monkeypatch, family):
     model = hc.from_pretrained(checkpoints(family))
-    assert any(isinstance(b.__dict__.get("accel"), PreNormAccel) for b in model.decoder_layers)
+    assert any(isinstance(b.__dict__.get("accel"), PreNormAccel) for b in model.modules())
     ids, mask = left_padded(2, 7, seed=5)
     new = 10
     outs = []
@@ -50,7 +53,7 @@ def test_the_program_is_the_per_layer_calls(checkpoints, monkeypatch, family):
     _same_cache(_cache_state(got.cache), _cache_state(want.cache))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "recurrentgemma"])
+@pytest.mark.parametrize("family", ["qwen3_5", "recurrentgemma", "nemotron_h"])
 def test_the_program_gives_hf_tokens(checkpoints, family):
     import transformers
 

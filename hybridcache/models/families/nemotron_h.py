@@ -28,6 +28,7 @@ from hybridcache.models.core.family_config import FamilyConfig, param
 from hybridcache.models.core.registry import register_family
 from hybridcache.nn import AttentionMixer, RMSNorm, StepInput
 from hybridcache.nn.core.mlp import activation
+from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 from hybridcache.nn.recurrent.mamba2 import Mamba2Mixer
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -231,7 +232,7 @@ class NemotronHMoE(nn.Module):
 register_accel(NemotronHMoE, latent_experts_accel(NemotronHMoE))  # a decode token's routed experts, the same bits
 
 
-class NemotronHBlock(nn.Module):
+class NemotronHBlock(PreNormLayer):
     """h + mixer(norm(h)) (HF names norm / mixer); the norm scales in float32 before casting back."""
 
     def __init__(self, cfg: NemotronHConfig, kind: str) -> None:
@@ -262,6 +263,9 @@ class NemotronHBlock(nn.Module):
             self.mixer = ReluSquaredMLP(d, cfg.intermediate_size, cfg.mlp_hidden_act, cfg.mlp_bias)
         else:
             self.mixer = NemotronHMoE(cfg)
+
+    def pre_norm_parts(self) -> PreNormParts | None:  # a Mamba2 block: a pre-norm layer with no MLP branch
+        return PreNormParts(self.norm, self.mixer, None, None) if self.kind == "linear_attention" else None
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         x = self.norm(h.to(self.norm.weight.dtype))
@@ -358,6 +362,19 @@ class NemotronHLM(HybridLM):
     @property
     def decoder_layers(self) -> list[LayerRun]:  # type: ignore[override]
         return self._layer_runs
+
+    def layers_forward(self, h: torch.Tensor, entries, step, blocks=None) -> torch.Tensor:
+        """HybridLM's, with the fast path offered the blocks themselves, each with its run's cache entry."""
+        runs = self.decoder_layers if blocks is None else blocks
+        fast = self.fast_path
+        if fast is not None:
+            flat = [(block, entry) for run, entry in zip(runs, entries, strict=True) for block in run.blocks]
+            out = fast.layers([b for b, _ in flat], [e for _, e in flat], h, step)
+            if out is not None:
+                return out
+        for run, entry in zip(runs, entries, strict=True):
+            h = run(h, entry, step)
+        return h
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(input_ids)  # [B, T, D]
