@@ -245,7 +245,10 @@ class RGLRUAccel(RecurrentAccel):
 
     def prepare(self, h: torch.Tensor, layer, step: StepInput) -> tuple[str, tuple, tuple[str, ...]] | None:
         m = self.block
-        if not _decode_step(h, layer, step) or m.act not in _GELU_TANH or _hooked(m.conv_1d, m.rg_lru):
+        positions = getattr(step, "positions", None)  # (where the LRU restarts; a decode run's step has none)
+        if positions is None or not _decode_step(h, layer, step) or m.act not in _GELU_TANH:
+            return None
+        if _hooked(m.conv_1d, m.rg_lru):
             return None
         projs = [_projection(p) for p in (m.linear_y, m.linear_x, m.linear_out)]
         if None in projs:
@@ -254,7 +257,7 @@ class RGLRUAccel(RecurrentAccel):
         gates = (lru.input_gate_weight, lru.input_gate_bias, lru.recurrent_gate_weight, lru.recurrent_gate_bias)
         args = (
             h, lru.num_heads, projs[0], projs[1], m.conv_1d.weight[:, 0], m.conv_1d.bias, states["conv"], gates,
-            lru.recurrent_param, step.positions, states["lru"], projs[2],
+            lru.recurrent_param, positions, states["lru"], projs[2],
         )  # fmt: skip
         return "rglru", args, ("conv", "lru")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status, layer_records
+from hybridcache.accel import kernel_status
 from hybridcache.accel.native import layer_program
 from hybridcache.accel.pre_norm_layer import PreNormAccel
 from tests.models.conftest import hf_generate, left_padded, prompts
