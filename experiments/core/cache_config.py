@@ -39,7 +39,7 @@ SIZE_FIELDS = {
     "budget": 1,
     "q_group_size": 1,
     "residual": 0,
-    "checkpoints": 0,
+    "rollback": 0,
     "max_length": 1,
 }  # field -> smallest valid value
 

@@ -50,7 +50,7 @@ class RecurrentEntry:
 
     type: str | None = None
     state_dtype: str | None = None  # float32 unless set (conv: the model dtype)
-    checkpoints: int | None = None  # keep the states after each of the last k columns (crop(n) rewinds k)
+    rollback: int | None = None  # keep the states after each of the last k columns (crop(n) rewinds k)
     state_codec: str | None = None  # dense | float32 | bfloat16 | float16 | float8_* | int8 | int4
     state_group: str | None = None  # scaled codecs: channel (default) | head
     quantize_conv: bool | None = None  # the codec also holds the conv state (default false)

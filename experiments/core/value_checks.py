@@ -74,8 +74,8 @@ HF_ENGINE = ("correctness", "benchmark", "study")
 STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 PRESS_SCHEDULES = ("prefill", "continuous")
 #: Cache parameters renamed (old -> new; hybridcache.cache.core.plan has the same, a test keeps them equal): a press's
-#: eviction schedule was `mode`, error feedback's codec `residual_codec` until 2026-11-29.
-RENAMED_PARAMETERS = {"mode": "schedule", "residual_codec": "error_codec"}
+#: eviction schedule was `mode`, error feedback's codec `residual_codec`, `rollback` was `checkpoints` (to 2026-11-29).
+RENAMED_PARAMETERS = {"mode": "schedule", "residual_codec": "error_codec", "checkpoints": "rollback"}
 #: Settings renamed (old dotted key -> new), told by their new name: the strategy the study compares every other with
 #: was `experiment.reference` until 2026-11-29 ("reference" is only an independent implementation now).
 RENAMED_SETTINGS = {"experiment.reference": "experiment.baseline"}

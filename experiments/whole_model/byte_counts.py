@@ -27,7 +27,7 @@ class AccountingError(AssertionError):
 def recurrent_parts(spec: Any, batch: int) -> dict[str, int]:
     """A recurrent layer's bytes held between blocks: {state_conv, state_ssm} (every non-conv state is the SSM's)."""
     layout = spec.layout()
-    copies = batch * (1 + int(getattr(spec, "checkpoints", 0)))  # the kept checkpoints hold whole copies
+    copies = batch * (1 + int(getattr(spec, "rollback", 0)))  # the kept checkpoints hold whole copies
     out = {CONV: 0, SSM: 0}
     for name, (shape, dtype) in layout.shapes.items():
         row = layout.codecs[name].row_nbytes(shape, dtype)

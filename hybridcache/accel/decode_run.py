@@ -30,7 +30,7 @@ from hybridcache.accel.native.decoder_stack import call_table, record_table, rec
 from hybridcache.accel.native.fused import _matrix
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.native.op_specs import WEIGHT_TYPES
+from hybridcache.accel.native.op_declarations import WEIGHT_TYPES
 from hybridcache.accel.pre_norm_layer import PreNormAccel
 from hybridcache.accel.program_run import ProgramRun
 from hybridcache.accel.slots import ReservingCache

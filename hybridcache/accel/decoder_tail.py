@@ -11,7 +11,7 @@ from torch import nn
 from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
 from hybridcache.accel.native.fused import bind_decoder_tail
 from hybridcache.accel.native.kernel_calls import call, takes
-from hybridcache.accel.native.op_specs import ACT_MUL
+from hybridcache.accel.native.op_declarations import ACT_MUL
 from hybridcache.nn.core.linear import DecodeLinear
 from hybridcache.nn.core.linear_group import _param
 from hybridcache.nn.core.mlp import GatedMLP

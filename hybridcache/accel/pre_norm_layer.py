@@ -9,7 +9,7 @@ and its add; or h + y alone). The same kernels in the same order as the per-laye
 
 The cache sees a recurrent layer exactly as the per-layer step: the kernel writes the new states into fresh tensors
 and, once the C call has run, `layer.update(**states)` hands them to the cache, which commits them with its block
-(trails, checkpoints and state codecs stay the cache's; a failure before that leaves them unseen and the block is
+(trails, rollback and state codecs stay the cache's; a failure before that leaves them unseen and the block is
 aborted). What the record does not take (a prefill, padding, another dtype, hooks inside the layer, a MoE or
 another MLP, a norm of another kind) declines: the layer runs as its module call.
 """
@@ -23,7 +23,7 @@ from hybridcache.accel.attention_mixer import AttentionAccel
 from hybridcache.accel.decoder_tail import bound_tail
 from hybridcache.accel.kernel_memo import KernelMemo
 from hybridcache.accel.native.layer_program import CODES, bind_tail, pre_norm_tail_args, record_types, rms_norm_args
-from hybridcache.accel.native.op_specs import ACT_MUL
+from hybridcache.accel.native.op_declarations import ACT_MUL
 from hybridcache.accel.native.steps.recurrent import _state
 from hybridcache.accel.recurrent_mixers import STEPS, RecurrentAccel, _decode_step
 from hybridcache.nn.core.common import StepInput

@@ -8,7 +8,7 @@ A forward of the model is one block of our cache: the bridge's forward hooks (in
 runs (the block's real-token mask is the last T columns of HF's 2-D attention mask; positions exclude left padding
 as HF's generate computes them) and commit it after (every layer fed, or nothing changes: a forward that raises
 leaves the cache as it was). HF's whole-cache operations map onto ours: `crop(-n)` drops the last n columns
-(recurrent layers through their checkpoints), `reorder_cache` is `reorder` (beam search), `batch_repeat_interleave`
+(recurrent layers through their trails), `reorder_cache` is `reorder` (beam search), `batch_repeat_interleave`
 is `repeat`, `batch_select_indices` is `select`, `reset` is `reset`; each is one transaction over every layer.
 """
 
@@ -362,7 +362,7 @@ class BridgeCache(HFCache):
     def activate_past_recording(self) -> None:
         raise BridgeError(
             "HF's past recording (assisted decoding) is not supported by the bridge; roll back with cache.crop and "
-            "our recurrent checkpoints ({'recurrent': {'checkpoints': k}})"
+            "our recurrent rollback ({'recurrent': {'rollback': k}})"
         )
 
     def model_is(self, model: Any) -> bool:

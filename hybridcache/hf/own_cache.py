@@ -5,7 +5,7 @@ prefill; a state: its per-token recurrence S <- exp(-slope) * S + k^T v, in the 
 
 The bridge probes it with that cache (layout.py: `own_cache`, `linear_state`) and hands it a `BridgeMiniMaxCache`,
 a BridgeCache that is also a MiniMaxCache; each lightning layer's state is our `linear_attention` type
-(cache/recurrent/linear_attention.py) behind `BridgeLinearStateLayer`, so checkpoints (crop), state codecs and
+(cache/recurrent/linear_attention.py) behind `BridgeLinearStateLayer`, so rollback (crop), state codecs and
 offload apply as on every recurrent type.
 """
 
@@ -107,7 +107,7 @@ def _minimax_class(base: type) -> type:
         """A BridgeCache that MiniMax's model accepts (it checks isinstance(cache, MiniMaxCache)); its lightning
         layers read and write their states through our layers. Every whole-cache operation is BridgeCache's."""
 
-        is_croppable = HFCache.is_croppable  # MiniMaxCache says False; ours can with checkpoints
+        is_croppable = HFCache.is_croppable  # MiniMaxCache says False; ours can with rollback
 
         def __len__(self) -> int:
             return len(self.layers)

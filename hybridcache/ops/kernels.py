@@ -2,7 +2,8 @@
 
 hybridcache.accel plugs its implementations in when it is imported (`import hybridcache` does), so a block asks
 this module, never the accelerator: `takes(x)` says whether the kernels serve x (float32 on CPU, no autograd, the
-kernels built); `call(name, *args)` runs op `name` on its flat arguments (accel/native/op_specs.py), eagerly or as the
+kernels built); `call(name, *args)` runs op `name` on its flat arguments (accel/native/op_declarations.py), eagerly or
+as the
 registered torch op under torch.compile, and returns None where the kernel does not take them (the caller's torch
 path then runs). Before accel plugs in, nothing is taken.
 """

@@ -20,7 +20,7 @@ Checks (each on dynamic and preallocated storage, on left-padded batches, with s
 - memory accounting: `Cache.nbytes()` agrees with the plan's `held_nbytes` for preallocated storage.
 Recurrent types get the checks that apply to states (shapes and dtypes from the spec, staging, batch operations,
 snapshot, crop refusal or exactness, atomic failures, accounting); a lossy `state_codec` must give back exactly its
-own round trip of what it was handed (`layer.round_trip`), checkpoints and batch operations included. Compressed
+own round trip of what it was handed (`layer.round_trip`), rollback and batch operations included. Compressed
 types (`compressed_kv`) get compressed_kit.py's checks.
 """
 

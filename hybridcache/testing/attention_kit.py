@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from hybridcache.accel.native.op_declarations import PATTERNS
 from hybridcache.accel.native.op_reference import visible as kernel_visible
-from hybridcache.accel.native.op_specs import PATTERNS
 from hybridcache.cache import Cache, CacheCropError, CacheError
 from hybridcache.cache.methods.scored_eviction import QueryInputs
 from hybridcache.testing.kit import ATTENTION_SHAPES, EXACT_TOL, _fail, _Kit, _snapshot_equal  # noqa: F401

@@ -102,10 +102,10 @@ class _RecurrentKit(_Kit):
         return self.counts
 
     def check_checkpoints(self, where: str, batch: int) -> None:
-        """With `checkpoints: k`, crop(n) for any of the last k columns gives back exactly the states the layer
+        """With `rollback: k`, crop(n) for any of the last k columns gives back exactly the states the layer
         had after column n (handed over as a block's trail or as its final state); an older column is refused."""
         k = self.randint(1, 3)
-        config = {"recurrent": {"type": self.name, **self.params, "checkpoints": k}}
+        config = {"recurrent": {"type": self.name, **self.params, "rollback": k}}
         cache = Cache.build([NativeLayer(self.name, {**self.native, "dtype": torch.float64})], batch, config)
         layer = cache[0]
         after = {0: {n: t.clone() for n, t in layer.states.items()}}  # column -> the states after it
@@ -131,8 +131,7 @@ class _RecurrentKit(_Kit):
             cache.crop(n)
             if cache.columns != n or any(not torch.equal(layer.states[s], after[n][s]) for s in after[n]):
                 _fail(
-                    where,
-                    f"crop({n}) with checkpoints={k} after {end} columns does not give the states after column {n}",
+                    where, f"crop({n}) with rollback={k} after {end} columns does not give the states after column {n}"
                 )
             self.count("crop to a checkpoint (exact)")
         cache.restore(snap)

@@ -78,7 +78,7 @@ def test_kind_wide_fields_reach_every_configurable_type_of_the_kind():
 
     names = [get_layer_class(t).spec_cls.tunable_names() for t in available_layers("recurrent")]
     assert any(not n for n in names)  # the case this guards: a registered recurrent type with no parameters
-    fields = {"state_codec": "int8", "state_dtype": "float64", "checkpoints": 2, "error_feedback": True}
+    fields = {"state_codec": "int8", "state_dtype": "float64", "rollback": 2, "error_feedback": True}
     config, _, notes = cache_config_with_notes({"recurrent": fields})
     assert set(config["recurrent"]) == set(fields) and not notes
     config, _, notes = cache_config_with_notes({"attention": {"window": 8}})  # full attention takes no window

@@ -52,6 +52,7 @@ from tests.app.test_cli_usage import CONFIGS, assert_usage_error
             ["cache.recurrent.residual_codec=int4"],
             "cache.recurrent.residual_codec was renamed to cache.recurrent.error_codec",
         ),
+        (["cache.recurrent.checkpoints=2"], "cache.recurrent.checkpoints was renamed to cache.recurrent.rollback"),
         # the study's strategy compared with was `experiment.reference` until 2026-11-29
         (["experiment=study", "experiment.reference=int8"], "experiment.reference was renamed to experiment.baseline"),
         (["experiment=long_context", "experiment.reference=int8"], "experiment.reference was renamed to"),

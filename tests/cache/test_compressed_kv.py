@@ -176,9 +176,9 @@ def test_bad_feeds_are_named_errors_that_change_nothing():
 def test_spec_values_and_configs_are_checked():
     with pytest.raises(CacheConfigError, match="compress_rate"):
         _cache(rate=0)
-    with pytest.raises(CacheConfigError, match="no recurrent layer of this model takes 'checkpoints'"):
+    with pytest.raises(CacheConfigError, match="no recurrent layer of this model takes 'rollback'"):
         Cache.build(
-            [NativeLayer("compressed_kv", dict(compress_rate=2, entry_dim=2))], 1, {"recurrent": {"checkpoints": 2}}
+            [NativeLayer("compressed_kv", dict(compress_rate=2, entry_dim=2))], 1, {"recurrent": {"rollback": 2}}
         )
 
 

@@ -3,7 +3,7 @@
 Every recurrent state after column c is filled with c (states written by hand, as a mixer would hand them over), so
 the oracle is exact: `crop(n)` either gives back the state after column n (and the sequence state of the first n
 columns) or raises `CacheCropError` leaving every layer unchanged, and it must succeed for every n within the last
-`checkpoints` columns that no earlier crop discarded.
+`rollback` columns that no earlier crop discarded.
 """
 
 import pytest
@@ -65,9 +65,9 @@ def feed(cache, tokens, valid, g):
     batch=st.integers(1, 3),
     data=st.data(),
 )
-def test_crop_is_exact_within_the_checkpoints_or_refused_without_change(types, with_attention, k, batch, data):
+def test_crop_is_exact_within_the_rollback_or_refused_without_change(types, with_attention, k, batch, data):
     natives = [native(t) for t in types] + ([NATIVE["full"]] if with_attention else [])
-    cache = Cache.build(natives, batch, {"recurrent": {"checkpoints": k}})
+    cache = Cache.build(natives, batch, {"recurrent": {"rollback": k}})
     g = torch.Generator().manual_seed(k * 31 + batch)
     first = data.draw(st.integers(1, 6))
     pads = [data.draw(st.integers(0, first - 1)) for _ in range(batch)]
@@ -76,7 +76,7 @@ def test_crop_is_exact_within_the_checkpoints_or_refused_without_change(types, w
         mask[row, :pad] = 0
     feed(cache, first, mask, g)
     real = mask.bool()  # [B, columns]: which columns of each row are real tokens
-    floor = 0  # below this column, an earlier crop may have discarded the checkpoints
+    floor = 0  # below this column, an earlier crop may have discarded the trail
     for _ in range(data.draw(st.integers(1, 8))):
         if data.draw(st.booleans()):
             tokens = data.draw(st.integers(1, 5))
@@ -102,7 +102,7 @@ def test_crop_is_exact_within_the_checkpoints_or_refused_without_change(types, w
 
 
 def test_the_property_above_sees_every_recurrent_type():
-    cache = Cache.build([native(t) for t in RECURRENT], 1, {"recurrent": {"checkpoints": 2}})
+    cache = Cache.build([native(t) for t in RECURRENT], 1, {"recurrent": {"rollback": 2}})
     assert [layer.type_name for layer in cache.layers] == RECURRENT
     feed(cache, 4, None, torch.Generator().manual_seed(0))
     cache.crop(2)

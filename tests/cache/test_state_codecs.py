@@ -1,7 +1,7 @@
 """Recurrent state codecs (`state_codec`), offload of recurrent states, and the per-layer sensitivity helper.
 
 Error bounds are checked against an independent float64 computation of each format written here; the contract
-checks (staging, batch operations, checkpoints, snapshot, accounting) are the conformance kit's
+checks (staging, batch operations, rollback, snapshot, accounting) are the conformance kit's
 (tests/cache/test_conformance.py runs it over every codec)."""
 
 import math
@@ -92,15 +92,15 @@ def test_float_codecs_are_casts(codec, dtype):
     assert c.exact_for(dtype) and c.exact_for(torch.float32) == (codec == "float32")
 
 
-def layer(params, batch=2, checkpoints=0, dtype=torch.float32):
-    config = {"recurrent": {"type": "mamba2", **params, **({"checkpoints": checkpoints} if checkpoints else {})}}
+def layer(params, batch=2, rollback=0, dtype=torch.float32):
+    config = {"recurrent": {"type": "mamba2", **params, **({"rollback": rollback} if rollback else {})}}
     return Cache.build([NativeLayer("mamba2", {**MAMBA2, "dtype": dtype})], batch, config)
 
 
 @pytest.mark.parametrize("codec", ["dense", "float32", "bfloat16", *FP8, "int8", "int4"])
 @pytest.mark.parametrize("quantize_conv", [False, True])
 def test_bytes_held_are_codes_plus_scales(codec, quantize_conv):
-    cache = layer({"state_codec": codec, "quantize_conv": quantize_conv}, batch=3, checkpoints=2)
+    cache = layer({"state_codec": codec, "quantize_conv": quantize_conv}, batch=3, rollback=2)
     h, p, n, conv = 4, 3, 8, (4 * 3 + 2 * 8) * 3  # ssm [H, P, N], conv [H*P + 2*G*N, K-1]
     code = {"dense": 4, "float32": 4, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
     scales = {"channel": h * p * 4}
@@ -111,7 +111,7 @@ def test_bytes_held_are_codes_plus_scales(codec, quantize_conv):
         scaled = codec in ("int8", *FP8)
         ssm = h * p * n * code[codec] + (scales["channel"] if scaled else 0)
         conv_b = (conv * code[codec] + ((4 * 3 + 2 * 8) * 4 if scaled else 0)) if quantize_conv else conv * 4
-    want = 3 * 3 * (ssm + conv_b)  # batch 3, the state + 2 checkpoints
+    want = 3 * 3 * (ssm + conv_b)  # batch 3, the state + a trail of 2
     assert cache[0].nbytes() == cache[0].spec.min_nbytes(3, 5) == cache.plan.held_nbytes(3, 5) == want
     records = cache.plan.to_records(batch=3)
     assert records[0]["bytes"] == want and records[0]["exact"] == (codec in ("dense", "float32"))
@@ -147,8 +147,8 @@ def feed(cache, seed):
 def test_offloaded_states_equal_the_resident_ones(codec):
     """On the CPU, offload parks the held parts in memory-mapped files: the states stay bit-exact."""
     resident, parked = (
-        layer({"state_codec": codec}, checkpoints=2),
-        layer({"state_codec": codec, "offload": True}, checkpoints=2),
+        layer({"state_codec": codec}, rollback=2),
+        layer({"state_codec": codec, "offload": True}, rollback=2),
     )
     assert parked[0]._tier is not None and resident[0]._tier is None
     for step in range(4):
@@ -166,7 +166,7 @@ def test_offloaded_states_equal_the_resident_ones(codec):
 
 def test_int8_states_save_and_load_as_they_are(tmp_path):
     model = hc.from_pretrained(tiny_checkpoint("mamba2"))
-    config = {"recurrent": {"state_codec": "int8", "checkpoints": 2}}
+    config = {"recurrent": {"state_codec": "int8", "rollback": 2}}
     ids = torch.randint(0, model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     cache = model.make_cache(2, config)
     model(ids[:, :6], cache)

@@ -26,8 +26,8 @@ LOSSY = ["int8", "int4", *FP8, "bfloat16", "float16"]
 REMEDIES = {"rounding": "stochastic", "error_feedback": True}
 
 
-def cache_of(params, batch=2, checkpoints=0, dtype=torch.float32):
-    config = {"recurrent": {"type": "mamba2", **params, **({"checkpoints": checkpoints} if checkpoints else {})}}
+def cache_of(params, batch=2, rollback=0, dtype=torch.float32):
+    config = {"recurrent": {"type": "mamba2", **params, **({"rollback": rollback} if rollback else {})}}
     return Cache.build([NativeLayer("mamba2", {**MAMBA2, "dtype": dtype})], batch, config)
 
 
@@ -179,7 +179,7 @@ def test_error_feedback_keeps_a_slow_recurrence_on_track(codec):
 
 
 def test_residual_bytes_are_counted():
-    """codes + scales, plus the residual in its codec; conv (held dense) keeps none. Batch 3, state + 2 checkpoints."""
+    """codes + scales, plus the residual in its codec; conv (held dense) keeps none. Batch 3, state + a trail of 2."""
     h, p, n, conv = 2, 3, 8, (2 * 3 + 2 * 8) * 3
     codes = h * p * n * 1 + h * p * 4  # int8 + a float32 scale per (head, head_dim)
     residual = {None: h * p * n * 4, "bfloat16": h * p * n * 2, "int4": (h * p * n + 1) // 2 + h * p * 4}
@@ -194,11 +194,11 @@ def test_residual_bytes_are_counted():
 
 @pytest.mark.parametrize("params", [REMEDIES, {**REMEDIES, "error_codec": "int4", "state_codec": "int4"}])
 def test_crop_to_a_checkpoint_equals_the_split_feed(params):
-    """A 4-token block with checkpoints, cropped to column 2, then continued, equals a 2-token block then the same
+    """A 4-token block with rollback, cropped to column 2, then continued, equals a 2-token block then the same
     continuation: the trail's states were encoded as a block ending there would have been (same residual fed back,
     the uniforms of that column)."""
     params = {"state_codec": "int8", **params}
-    whole, split = cache_of(params, checkpoints=3), cache_of(params, checkpoints=3)
+    whole, split = cache_of(params, rollback=3), cache_of(params, rollback=3)
     feed(whole, random_states(whole, 0)), feed(split, random_states(split, 0))  # a residual to feed back
     steps = random_states(whole, 1, lead=(4,))  # the states after columns 2..5
     feed(whole, {n: t[:, 3] for n, t in steps.items()}, 4, trail={n: t[:, :3] for n, t in steps.items()})
@@ -208,12 +208,12 @@ def test_crop_to_a_checkpoint_equals_the_split_feed(params):
     for step in range(2, 5):
         s = random_states(whole, step)
         feed(whole, s), feed(split, s)
-        assert_same(current(held(whole)), current(held(split)))  # (their older checkpoints differ: not compared)
+        assert_same(current(held(whole)), current(held(split)))  # (their older trail entries differ: not compared)
 
 
 def test_snapshot_restore_reset_and_batch_operations_carry_the_residual():
     params = {"state_codec": "int8", **REMEDIES, "error_codec": "bfloat16"}
-    cache = cache_of(params, batch=3, checkpoints=2)
+    cache = cache_of(params, batch=3, rollback=2)
     for step in range(3):
         feed(cache, random_states(cache, step))
     snap = cache.snapshot()
@@ -228,7 +228,7 @@ def test_snapshot_restore_reset_and_batch_operations_carry_the_residual():
     # reorder: moving rows first and feeding moved states equals feeding then moving (the uniforms are per element,
     # shared by the rows; residuals move with their rows)
     perm = torch.tensor([2, 0, 1])
-    moved = cache_of(params, batch=3, checkpoints=2)
+    moved = cache_of(params, batch=3, rollback=2)
     moved.restore(snap)
     moved.reorder(perm)
     cache.restore(snap)
@@ -247,7 +247,7 @@ def test_snapshot_restore_reset_and_batch_operations_carry_the_residual():
     )  # moved row 2 = row 1
     # reset: residuals back to zero, so it continues as a fresh cache
     cache.reset()
-    fresh = cache_of(params, batch=2, checkpoints=2)
+    fresh = cache_of(params, batch=2, rollback=2)
     assert_same(held(cache), held(fresh))
     feed(cache, {n: t[:2] for n, t in s.items()}), feed(fresh, {n: t[:2] for n, t in s.items()})
     assert_same(held(cache), held(fresh))
@@ -255,7 +255,7 @@ def test_snapshot_restore_reset_and_batch_operations_carry_the_residual():
 
 def test_offloaded_remedies_equal_the_resident_ones():
     params = {"state_codec": "int8", **REMEDIES}
-    resident, parked = cache_of(params, checkpoints=2), cache_of({**params, "offload": True}, checkpoints=2)
+    resident, parked = cache_of(params, rollback=2), cache_of({**params, "offload": True}, rollback=2)
     for step in range(4):
         feed(resident, random_states(resident, step)), feed(parked, random_states(parked, step))
     parked[0]._fetch()
@@ -266,7 +266,7 @@ def test_offloaded_remedies_equal_the_resident_ones():
 
 def test_a_saved_cache_with_remedies_continues_as_the_original(tmp_path):
     model = hc.from_pretrained(tiny_checkpoint("mamba2"))
-    config = {"recurrent": {"state_codec": "int4", **REMEDIES, "error_codec": "bfloat16", "checkpoints": 2}}
+    config = {"recurrent": {"state_codec": "int4", **REMEDIES, "error_codec": "bfloat16", "rollback": 2}}
     ids = torch.randint(0, model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     cache = model.make_cache(2, config)
     model(ids[:, :6], cache)

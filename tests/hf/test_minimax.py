@@ -28,7 +28,7 @@ def test_the_cache_is_a_minimax_cache_with_linear_attention_layers(models):
     assert [p.type for p in cache.plan.layers] == [
         "full" if t == "full_attention" else "linear_attention" for t in hf_types
     ]
-    assert not cache.is_croppable and cache_for(models["default"], {"recurrent": {"checkpoints": 2}}).is_croppable
+    assert not cache.is_croppable and cache_for(models["default"], {"recurrent": {"rollback": 2}}).is_croppable
     # with a sliding window HF masks its DynamicLayers to the window: our attention layers keep only that window
     sliding = [p for p in cache_for(models["sliding"]).plan.layers if p.kind == "attention"]
     assert {(p.type, p.spec.window) for p in sliding} == {("sliding", 5)}
@@ -89,13 +89,13 @@ def _decode(model, cache, mask, tokens):
 
 
 def test_crop_rewinds_lightning_states_by_checkpoints(models):
-    """HF's MiniMaxCache refuses crop; ours rewinds by checkpoints, as if the cropped tokens were never fed."""
+    """HF's MiniMaxCache refuses crop; ours rewinds from its trail, as if the cropped tokens were never fed."""
     model = models["blocks"]
     ids, mask = prompts(2, 9, seed=13, pad=2)
     wrong = torch.randint(3, 300, (2, 3), generator=torch.Generator().manual_seed(2))
     right = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(3))
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    cache = cache_for(model, {"recurrent": {"checkpoints": 4}})
+    cache = cache_for(model, {"recurrent": {"rollback": 4}})
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache)
     _decode(model, cache, mask, wrong)
@@ -111,13 +111,13 @@ def test_crop_rewinds_lightning_states_by_checkpoints(models):
         ref.crop(-1)  # HF's own cannot
 
 
-def test_crop_without_checkpoints_is_refused_by_name(models):
+def test_crop_without_rollback_is_refused_by_name(models):
     model = models["default"]
     ids, mask = prompts(1, 5, seed=1)
     cache = cache_for(model)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, cache=cache)
-    with pytest.raises(Exception, match="checkpoints"):
+    with pytest.raises(Exception, match="rollback"):
         cache.crop(-1)
     assert cache.get_seq_length() == 5
 

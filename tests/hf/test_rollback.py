@@ -1,7 +1,7 @@
-"""(d) Recurrent rollback through our checkpoints, where HF has none: with `checkpoints: k` on recurrent layers,
+"""(d) Recurrent rollback through our `rollback: k`, where HF has none: with `rollback: k` on recurrent layers,
 HF's `cache.crop(-n)` rewinds every layer (states from the checkpoint trail, attention exactly) and decoding goes on
 as if the cropped tokens had never been fed. HF's own cache cannot (its linear-attention layers refuse to crop once
-they hold a recurrent state), and without checkpoints the bridge refuses by name."""
+they hold a recurrent state), and without rollback the bridge refuses by name."""
 
 import pytest
 import torch
@@ -44,7 +44,7 @@ def _check_crop(hf):
     ids, mask = prompts(2, 6, seed=13, pad=2)
     wrong = torch.randint(3, 300, (2, 3), generator=torch.Generator().manual_seed(2))
     right = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(3))
-    cache = cache_for(hf, {"recurrent": {"checkpoints": 4}})
+    cache = cache_for(hf, {"recurrent": {"rollback": 4}})
     assert cache.is_croppable
     with torch.no_grad():
         hf(input_ids=ids, attention_mask=mask, cache=cache)
@@ -61,14 +61,14 @@ def _check_crop(hf):
     assert max_diff(wrong_way[:, 3:], expected) > 1e-2  # the cropped tokens did change the states
 
 
-def test_without_checkpoints_crop_is_refused_by_name(pair):
+def test_without_rollback_crop_is_refused_by_name(pair):
     hf, _ = pair("jamba")
     ids, mask = prompts(1, 6, seed=14)
     cache = cache_for(hf)
     with torch.no_grad():
         hf(input_ids=ids, attention_mask=mask, cache=cache)
     assert not cache.is_croppable
-    with pytest.raises(CacheCropError, match="checkpoints"):
+    with pytest.raises(CacheCropError, match="rollback"):
         cache.crop(-2)
     assert cache.get_seq_length() == 6  # unchanged
     with pytest.raises(BridgeError, match="negative"):

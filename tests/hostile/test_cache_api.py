@@ -3,7 +3,7 @@ building): each a named CacheError with the cache bit-identical to its snapshot 
 
 The caches: tests/cache/helpers.hybrid_cache (all seven native layer types, left-padded rows), preallocated or
 dynamic, an attention-only one (where crop is possible), one with int8 keys/values and int8 recurrent states, and
-one with an attention-sink layer and recurrent checkpoints."""
+one with an attention-sink layer and recurrent rollback."""
 
 from dataclasses import replace
 
@@ -29,11 +29,9 @@ CACHES = {
     "int8": lambda: _fed(
         Cache.build(list(NATIVE.values()), 2, {"attention": {"storage": "int8"}, "recurrent": {"state_codec": "int8"}})
     ),
-    "sink+checkpoints": lambda: _fed(
+    "sink+rollback": lambda: _fed(
         Cache.build(
-            list(NATIVE.values()),
-            2,
-            {"full": {"type": "sink", "window": 4, "sinks": 1}, "recurrent": {"checkpoints": 2}},
+            list(NATIVE.values()), 2, {"full": {"type": "sink", "window": 4, "sinks": 1}, "recurrent": {"rollback": 2}}
         )
     ),
 }
@@ -421,7 +419,7 @@ def bad_cache_config(r):
         body = {"type": r.choice(["nope", "ful", "slidng", wrong_kind, 5, ""])}
     elif kind == 1:
         body = {
-            r.choice(["window", "chunk_size", "max_length", "sinks", "checkpoints"]): r.choice(
+            r.choice(["window", "chunk_size", "max_length", "sinks", "rollback"]): r.choice(
                 [0, -1, 1.5, "8", True, NAN, [4], 10**30]
             )
         }

@@ -11,7 +11,7 @@ import torch
 import hybridcache as hc
 from hybridcache.cache import Cache, CacheConfigError, CacheError
 from hybridcache.cache.io.persistence import CacheFileError
-from hybridcache.generation.sources.speculative import with_checkpoints
+from hybridcache.generation.sources.speculative import with_recurrent_rollback
 from hybridcache.models import CheckpointError, ConfigError
 from hybridcache.models.core.base import GenerationError, GenerationTypeError
 from tests.cache.helpers import feed, hybrid_cache, state_equal
@@ -98,10 +98,10 @@ def test_model_call_errors_are_generation_errors(model):
     assert state_equal(out.cache.snapshot(), before)
 
 
-@pytest.mark.parametrize("config", [5, "int8", {"recurrent": "x"}, {"recurrent": {"checkpoints": "2"}}])
+@pytest.mark.parametrize("config", [5, "int8", {"recurrent": "x"}, {"recurrent": {"rollback": "2"}}])
 def test_a_draft_cache_config_that_is_no_config(model, config):
     with pytest.raises(CacheConfigError):  # was TypeError: 'int' object is not iterable (and ValueError from int())
-        with_checkpoints(config, 4)
+        with_recurrent_rollback(config, 4)
     with pytest.raises(CacheError):
         hc.generate(model, prompts(1, 4, seed=0), max_new_tokens=2, draft_model=model, draft_cache_config=config)
 

@@ -287,7 +287,7 @@ def test_restore_checks_preallocated_slots_and_recurrent_checkpoint_columns(mode
         prompts(1, 9, seed=8),
         max_new_tokens=3,
         compile=False,
-        cache=model.make_cache(1, {"recurrent": {"checkpoints": 3}}, max_length=16),
+        cache=model.make_cache(1, {"recurrent": {"rollback": 3}}, max_length=16),
     )
     snap = out.cache.snapshot()
     with pytest.raises(CacheError, match="slot"):  # two positions in each other's slots

@@ -125,9 +125,9 @@ def test_a_loaded_cache_can_be_cropped_and_continued(models, tmp_path):
     """The token fingerprint's per-column history is saved: crop after load still knows the kept tokens."""
     model = models("jamba")[0]
     ids = prompts(1, 9, seed=21)
-    out = hc.generate(model, ids, max_new_tokens=4, cache_config={"recurrent": {"checkpoints": 3}})
+    out = hc.generate(model, ids, max_new_tokens=4, cache_config={"recurrent": {"rollback": 3}})
     out.cache.save(tmp_path / "c.safetensors")
-    loaded = Cache.load(tmp_path / "c.safetensors", model=model, cache_config={"recurrent": {"checkpoints": 3}})
+    loaded = Cache.load(tmp_path / "c.safetensors", model=model, cache_config={"recurrent": {"rollback": 3}})
     keep = loaded.columns - 2
     loaded.crop(keep)
     prefix = out.sequences[:, : keep + 1]  # the kept columns and one token to feed

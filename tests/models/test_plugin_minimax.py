@@ -80,9 +80,9 @@ oracle = hc.generate(exact, ids2, use_cache=False, **kw)
 out["oracle_tokens_equal"] = bool(torch.equal(one64.sequences, oracle.sequences))
 out["oracle_f64"] = diff(one64.logits, oracle.logits)
 
-# rollback: with checkpoints: 5, crop(n) for the last 5 columns equals a fresh cache fed n columns
+# rollback: with rollback: 5, crop(n) for the last 5 columns equals a fresh cache fed n columns
 K = 5
-config = {"recurrent": {"checkpoints": K, "state_dtype": torch.float64}}
+config = {"recurrent": {"rollback": K, "state_dtype": torch.float64}}
 ids3 = prompts(2, 20, 11)
 mask3 = torch.ones(2, 20, dtype=torch.long)
 mask3[1, :4] = 0

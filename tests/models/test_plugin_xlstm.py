@@ -22,7 +22,7 @@ from hybridcache.cache import Cache
 from hybridcache.testing import check_cache_type
 
 path, tmp = sys.argv[1], sys.argv[2]
-out = {"kit": check_cache_type("mlstm"), "kit_checkpoints": check_cache_type("mlstm", params={"checkpoints": 3})}
+out = {"kit": check_cache_type("mlstm"), "kit_rollback": check_cache_type("mlstm", params={"rollback": 3})}
 ours = hc.from_pretrained(path)
 ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 g = torch.Generator().manual_seed(2)
@@ -35,7 +35,7 @@ with torch.no_grad():
     out["left_padding"] = max((got[:1] - ref(a).logits).abs().max().item(),
                               (got[1:, 6:] - ref(b).logits).abs().max().item())
     model = ours.to(torch.float64)
-    config = {"recurrent": {"checkpoints": 5, "state_dtype": torch.float64}}
+    config = {"recurrent": {"rollback": 5, "state_dtype": torch.float64}}
     ids = torch.randint(3, 384, (2, 20), generator=g)
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[1, :4] = 0
@@ -163,7 +163,7 @@ def test_installed_plugin_family_matches_hf(installed, tmp_path):
 
 def test_mlstm_state_kit_padding_rollback_and_save_load(installed, tmp_path):
     out = run_fresh(installed, EXTRA, str(tiny_xlstm(tmp_path / "xlstm")), str(tmp_path))
-    assert out["kit"] and out["kit_checkpoints"]
+    assert out["kit"] and out["kit_rollback"]
     assert out["left_padding"] <= 1e-4
     assert out["rollback"] <= 1e-9
     assert out["saved_equal"] and out["recompute_tokens_equal"]

@@ -102,10 +102,10 @@ def test_the_program_gives_hf_tokens(checkpoints, family):
 
 
 def test_checkpoint_trails_and_crop_are_the_per_layer_ones(checkpoints, monkeypatch):
-    """With recurrent checkpoints the cache keeps each step's states in its trail: the program hands the new states
+    """With recurrent rollback the cache keeps each step's states in its trail: the program hands the new states
     to the cache as the per-layer step does, so trails, a crop back into them and the steps after it are equal."""
     model = hc.from_pretrained(checkpoints("bamba"))
-    ids, config = prompts(1, 6, seed=7), {"recurrent": {"checkpoints": 3}}
+    ids, config = prompts(1, 6, seed=7), {"recurrent": {"rollback": 3}}
     outs = []
     for per_layer in (False, True):
         with monkeypatch.context() as m:

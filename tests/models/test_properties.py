@@ -79,11 +79,11 @@ def rollbacks(draw):
 
 @settings(max_examples=max(10, settings.default.max_examples // 20))
 @given(rollbacks())
-def test_crop_within_the_checkpoints_then_continue_equals_the_recompute(models, s):
+def test_crop_within_the_rollback_then_continue_equals_the_recompute(models, s):
     """Feed a left-padded prompt and more tokens (one block or decode steps), crop back up to k columns with
-    `checkpoints: k`, continue with generate (which checks the cropped cache's tokens): equal to the recompute."""
+    `rollback: k`, continue with generate (which checks the cropped cache's tokens): equal to the recompute."""
     model, _ = models(s["family"], torch.float64)
-    config = {"recurrent": {"checkpoints": s["k"], "state_dtype": torch.float64}}
+    config = {"recurrent": {"rollback": s["k"], "state_dtype": torch.float64}}
     if any(layer.kind == "attention" and layer.type_name != "full" for layer in model.make_cache(1).layers):
         config["attention"] = {"type": "full"}  # sliding / chunked layers evict what a crop would need back
     g = torch.Generator().manual_seed(s["seed"])

@@ -85,7 +85,7 @@ def test_rollback_modes_and_continuation(models):
     out = hc.generate(
         jamba, prompts(1, 6, seed=22), max_new_tokens=8, draft_model=perturbed(jamba, 1.5), num_draft_tokens=3
     )
-    assert out.stats["rollback"]["target"] == "crop"  # full attention + mamba with checkpoints
+    assert out.stats["rollback"]["target"] == "crop"  # full attention + mamba with rollback
     more = torch.cat([out.sequences, prompts(1, 2, seed=23)], 1)
     cont = hc.generate(jamba, more, cache=out.cache, max_new_tokens=4)  # the returned cache continues
     ref = hc.generate(jamba, more, max_new_tokens=4, use_cache=False)
@@ -97,7 +97,7 @@ def test_rollback_modes_and_continuation(models):
         gemma, prompts(1, 6, seed=22), max_new_tokens=8, draft_model=gemma, num_draft_tokens=3, cache_config=static
     )
     assert g.stats["rollback"]["target"] == "recompute"
-    assert rollback_mode(jamba.make_cache(1), 1) == "recompute"  # no checkpoints: no crop
+    assert rollback_mode(jamba.make_cache(1), 1) == "recompute"  # no rollback: no crop
 
 
 def test_eos_and_bad_requests(models):

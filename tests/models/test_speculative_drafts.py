@@ -150,7 +150,7 @@ def test_speculative_sampling_with_a_draft_model_matches_the_targets_distributio
 
 
 def test_speculative_sampling_with_prompt_lookup_matches_the_targets_distribution(models):
-    """mamba2 (recurrent: the target's rollback recomputes or crops through checkpoints), prompt lookup. The prompt
+    """mamba2 (recurrent: the target's rollback recomputes or crops through its trail), prompt lookup. The prompt
     is grown until it holds every first token top-4 sampling can draw, so every row's lookup proposes (deterministic
     proposals, a one-hot q)."""
     model, ref = models("mamba2")

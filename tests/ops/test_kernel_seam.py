@@ -7,7 +7,7 @@ import torch
 
 import hybridcache.accel as accel
 from hybridcache.accel.install import AccelError, register_accel
-from hybridcache.accel.native import op_specs
+from hybridcache.accel.native import op_declarations
 from hybridcache.accel.native.kernel_calls import call, takes
 from hybridcache.accel.slots import AttentionSlots, ReservingCache
 from hybridcache.cache import Cache, NativeLayer
@@ -15,8 +15,8 @@ from hybridcache.ops import kernels
 
 
 def test_the_seam_declares_what_the_kernels_compute():
-    assert kernels.WEIGHT_DTYPES == set(op_specs.WEIGHT_KERNELS) == set(op_specs.WEIGHT_TYPES)
-    assert kernels.ACTIVATIONS == set(op_specs.ACT_MUL)
+    assert kernels.WEIGHT_DTYPES == set(op_declarations.WEIGHT_KERNELS) == set(op_declarations.WEIGHT_TYPES)
+    assert kernels.ACTIVATIONS == set(op_declarations.ACT_MUL)
 
 
 def test_importing_accel_plugs_the_seam():

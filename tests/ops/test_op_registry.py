@@ -1,4 +1,5 @@
-"""The registered ops (hybridcache/accel/native/op_registry.py, declared in op_specs.py): for every op, on randomized
+"""The registered ops (hybridcache/accel/native/op_registry.py, declared in op_declarations.py): for every op, on
+randomized
 shapes,
 the eager op == the torch.compile'd op (fullgraph, no graph breaks) == the pure-torch reference (op_reference.py,
 up to float32 rounding order), the fake implementation's outputs have the real outputs' shapes, dtypes and
@@ -15,11 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hybridcache.accel as accel
 import hybridcache.accel.native.library as cpu_library
+from hybridcache.accel.native.op_declarations import DECLARATIONS
 from hybridcache.accel.native.op_registry import KERNELS, REFERENCES, op
-from hybridcache.accel.native.op_specs import SPECS
 from hybridcache.ops import q8_0
 
-NAMES = [spec.name for spec in SPECS]
+NAMES = [decl.name for decl in DECLARATIONS]
 W_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 
 

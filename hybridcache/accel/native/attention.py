@@ -1,5 +1,5 @@
 """The C kernels of a decode step's attention and scans (kernels/cpu_decode.c): one-query grouped attention that
-evaluates its pattern (full / sliding / chunked, a table in op_specs.PATTERNS) from positions, rotary, q / k norm
+evaluates its pattern (full / sliding / chunked, a table in op_declarations.PATTERNS) from positions, rotary, q / k norm
 + rotary, the Mamba1 selective scan. Each returns None (the caller's torch path) for anything its kernel does not
 take; KernelArgumentError for what no implementation takes. See kernels.py.
 """
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from hybridcache.accel.native.checks import INT_MAX, KernelArgumentError, _cpu, _dense_last, _eager, _real, _vec
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.native.op_specs import PATTERNS
+from hybridcache.accel.native.op_declarations import PATTERNS
 
 _MAX_PARAM = 1 << 62  # a window / chunk beyond this cannot differ from full attention on int64 positions
 

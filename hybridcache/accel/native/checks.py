@@ -1,7 +1,7 @@
 """What every C kernel wrapper checks before a call: limits, and the cheap predicates on tensors and numbers.
 
 The wrappers (cpu_rows.py, cpu_attention.py, cpu_fused.py) order these cheapest first, since they run once per
-projection / norm / layer of every decode step; the declared rules of each op (op_specs.py) are checked by
+projection / norm / layer of every decode step; the declared rules of each op (op_declarations.py) are checked by
 registry.py with the same predicates.
 """
 

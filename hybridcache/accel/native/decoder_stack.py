@@ -6,7 +6,7 @@ interpreter between layers, which ran with the caches cold after each layer's we
 270M with int8 weights, the layers' Python went from 4.4 to 1.9 ms a step and the step from 16.8 to ~13.7 ms.
 
 The record's layout is the library's: it states its fields' names (`hc_layer_record_names`: the ctypes fields'), types
-(`hc_layer_record_codes`) and size, and the types must be op_specs.LAYER_RECORD (hc_decoder_layer's declared
+(`hc_layer_record_codes`) and size, and the types must be op_declarations.LAYER_RECORD (hc_decoder_layer's declared
 signature) and the size ctypes' layout of it, or nothing here runs.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.native.op_specs import _F, _I, _L, _P, LAYER_RECORD
+from hybridcache.accel.native.op_declarations import _F, _I, _L, _P, LAYER_RECORD
 
 _CODES = {_P: "P", _I: "I", _L: "L", _F: "F"}
 _state: dict = {}  # lib -> the record type checked against it (None: it does not match)

@@ -16,7 +16,7 @@ from hybridcache.accel.native.attention import _rotary_ok
 from hybridcache.accel.native.checks import INT_MAX, MAX_ROWS, _eager, _ptr, _q8_scale, _real
 from hybridcache.accel.native.checks import _vec as _vector
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.native.op_specs import ACT_MUL, Q8_0_TYPE, WEIGHT_TYPES
+from hybridcache.accel.native.op_declarations import ACT_MUL, Q8_0_TYPE, WEIGHT_TYPES
 
 _F32 = torch.float32
 

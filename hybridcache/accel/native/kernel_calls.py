@@ -2,7 +2,8 @@
 
 A block asks `takes(x)` (float32 on CPU, no autograd, kernels built, plus its own conditions: plain norm / rotary
 kinds, shapes the op's declared rules accept) and then `call(name, *args)` with the op's flat arguments
-(op_specs.SPECS). Eagerly `call` runs the C kernel's wrapper, which returns None for anything it does not take (the
+(op_declarations.DECLARATIONS). Eagerly `call` runs the C kernel's wrapper, which returns None for anything it does not
+take (the
 block then runs its torch path); under torch.compile it puts the registered op `hybridcache::<name>` in the graph,
 one opaque call that at run time runs the same wrapper (its declared rules checked first; the pure-torch reference
 where the wrapper declines), so compiled decode runs the kernels eager decode runs, with the same rounding.

@@ -32,7 +32,7 @@ Every wrapper checks what reaches C first: devices, dtypes, layouts (strided), s
 int, every tensor below 2**31 elements); anything its kernel does not take returns None (the torch path), arguments
 no implementation takes raise KernelArgumentError (a ValueError).
 
-Layout, by responsibility: op_specs.py declares every op (schema, dtype / shape rules, C signatures, variant
+Layout, by responsibility: op_declarations.py declares every op (schema, dtype / shape rules, C signatures, variant
 tables); cpu_library.py loads the library; _checks.py holds the predicates; cpu_rows.py, cpu_attention.py and
 cpu_fused.py the eager wrappers; registry.py the `hybridcache::<op>` torch ops that torch.compile traces as opaque
 calls of the same kernels; op_reference.py the pure-torch references. This module is the stable import path.
@@ -63,5 +63,5 @@ from hybridcache.accel.native.checks import (  # noqa: F401 (re-exported)
     _vec,
 )
 from hybridcache.accel.native.library import SOURCE, _library, _reset, kernel_available, kernel_status  # noqa: F401
-from hybridcache.accel.native.op_specs import ACT_MUL, PATTERNS, SIGNATURES, WEIGHT_KERNELS  # noqa: F401 (re-exported)
+from hybridcache.accel.native.op_declarations import ACT_MUL, PATTERNS, SIGNATURES, WEIGHT_KERNELS  # noqa: F401 (re-exported)
 from hybridcache.accel.native.rows import act_mul, argmax_rows, decode_linear, residual_norm, rms_norm, supports  # noqa: F401

@@ -5,7 +5,7 @@ mixer step and tail), run in order with no interpreter between them.
 Every record is built from arguments the call's own checked wrapper built (decoder_layer.py `run.record`,
 native/steps/recurrent.py `*_args`, `pre_norm_tail_args` here): nothing reaches C unchecked. The records' layouts
 are the library's (`hc_op_record_codes / _names / _size` per op): each must be its function's declared signature
-(op_specs.SIGNATURES) and ctypes' size of it, or nothing here runs.
+(op_declarations.SIGNATURES) and ctypes' size of it, or nothing here runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from hybridcache.accel.native.checks import INT_MAX, MAX_ROWS, _ptr, _real, _vec
 from hybridcache.accel.native.fused import _matrix, _mlp_args
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.native.op_specs import _F, _I, _L, _P, ACT_MUL, SIGNATURES
+from hybridcache.accel.native.op_declarations import _F, _I, _L, _P, ACT_MUL, SIGNATURES
 
 # hc_layer_program's op codes, in csrc/layer_program.c's order -> the C function each record calls
 OPS = {

@@ -1,5 +1,6 @@
 """Loading the C decode kernels (csrc/cpu_decode.c and the op-family files it includes): build or find the verified
-library once per process, set every function's ctypes signature from the one declaration (op_specs.SIGNATURES), and
+library once per process, set every function's ctypes signature from the one declaration (op_declarations.SIGNATURES),
+and
 say which path runs.
 
 See kernels.py for what the kernels do and when they run; build.py for how a library is built and verified.
@@ -12,7 +13,7 @@ import threading
 
 from hybridcache.accel.native.build import SOURCE_DIR as _SOURCE_DIR
 from hybridcache.accel.native.build import load_library
-from hybridcache.accel.native.op_specs import SIGNATURES
+from hybridcache.accel.native.op_declarations import SIGNATURES
 from hybridcache.ops._dispatch import kernels_disabled
 
 SOURCE = _SOURCE_DIR / "cpu_decode.c"  # compiled; every .c / .h beside it is part of the build

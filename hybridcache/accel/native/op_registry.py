@@ -1,4 +1,5 @@
-"""Every op of op_specs.SPECS as a `hybridcache::<name>` torch op: a CPU kernel (the declared rules checked first,
+"""Every op of op_declarations.DECLARATIONS as a `hybridcache::<name>` torch op: a CPU kernel (the declared rules
+checked first,
 KernelArgumentError naming the rule; then the C kernel through its eager wrapper, or the pure-torch reference where
 the kernel does not take the arguments or is not built) and a fake implementation (the reference run on fake
 tensors), so torch.compile traces each as one opaque call without graph breaks, and the compiled graph runs the
@@ -21,7 +22,7 @@ from hybridcache.accel.native import fused as cpu_fused
 from hybridcache.accel.native import op_reference as reference
 from hybridcache.accel.native import rows as cpu_rows
 from hybridcache.accel.native.checks import INT_MAX, KernelArgumentError
-from hybridcache.accel.native.op_specs import SPECS, OpSpec, parse_rule
+from hybridcache.accel.native.op_declarations import DECLARATIONS, OpDeclaration, parse_rule
 from hybridcache.accel.native.steps import attention as cpu_attention_step
 
 
@@ -92,15 +93,15 @@ def _kernel_calls() -> dict:
 
 
 KERNELS = _kernel_calls()
-REFERENCES = {spec.name: getattr(reference, spec.name) for spec in SPECS}
+REFERENCES = {decl.name: getattr(reference, decl.name) for decl in DECLARATIONS}
 
 
-def make_checker(spec: OpSpec):
-    """The declared rules of `spec` as a function of the op's arguments that raises KernelArgumentError (run on
+def make_checker(decl: OpDeclaration):
+    """The declared rules of `decl` as a function of the op's arguments that raises KernelArgumentError (run on
     every call of the op: kept to a few dict / tuple operations per tensor)."""
-    params = list(inspect.signature(REFERENCES[spec.name]).parameters)
+    params = list(inspect.signature(REFERENCES[decl.name]).parameters)
     rules = []
-    for name, rule in spec.rules.items():
+    for name, rule in decl.rules.items():
         dtypes, optional, dims = parse_rule(rule)
         lead = dims[:1] == ("...",)
         tail = tuple(int(d) if d.isdigit() else d for d in dims[lead:])
@@ -111,7 +112,7 @@ def make_checker(spec: OpSpec):
         rules.append((params.index(name), name, dtypes, optional, lead, tail, short, " ".join(dims)))
 
     def fail(message: str):
-        raise KernelArgumentError(f"{spec.qualname}: {message}")
+        raise KernelArgumentError(f"{decl.qualname}: {message}")
 
     def check(*args) -> None:
         env = dict(zip(params, args))
@@ -140,22 +141,22 @@ def make_checker(spec: OpSpec):
                     fail(f"{name} [{dims}] has {sym} = {size}, elsewhere {want}")
             if t.numel() > INT_MAX:
                 fail(f"{name} has {t.numel()} elements (at most 2**31 - 1)")
-        problem = spec.where(env)
+        problem = decl.where(env)
         if problem:
             fail(problem)
 
     return check
 
 
-CHECKS = {spec.name: make_checker(spec) for spec in SPECS}
+CHECKS = {decl.name: make_checker(decl) for decl in DECLARATIONS}
 
 
 def _contiguous(out):
     return out.contiguous() if isinstance(out, torch.Tensor) else tuple(t.contiguous() for t in out)
 
 
-def _cpu_impl(spec: OpSpec):
-    check, kernel, ref = CHECKS[spec.name], KERNELS[spec.name], REFERENCES[spec.name]
+def _cpu_impl(decl: OpDeclaration):
+    check, kernel, ref = CHECKS[decl.name], KERNELS[decl.name], REFERENCES[decl.name]
 
     def impl(*args):
         check(*args)  # before any C call: the declared dtypes / shapes, then the wrapper's layout / size checks
@@ -169,16 +170,16 @@ def _cpu_impl(spec: OpSpec):
     return impl
 
 
-def _fake_impl(spec: OpSpec):
-    ref = REFERENCES[spec.name]
+def _fake_impl(decl: OpDeclaration):
+    ref = REFERENCES[decl.name]
     return lambda *args: _contiguous(ref(*args))
 
 
 _LIBRARY = torch.library.Library("hybridcache", "FRAGMENT")  # nn/core/linear.py holds the namespace's DEF
-for _spec in SPECS:
-    _LIBRARY.define(_spec.name + _spec.schema)
-    _LIBRARY.impl(_spec.name, _cpu_impl(_spec), "CPU")
-    torch.library.register_fake(_spec.qualname, _fake_impl(_spec), lib=_LIBRARY)
+for _decl in DECLARATIONS:
+    _LIBRARY.define(_decl.name + _decl.schema)
+    _LIBRARY.impl(_decl.name, _cpu_impl(_decl), "CPU")
+    torch.library.register_fake(_decl.qualname, _fake_impl(_decl), lib=_LIBRARY)
 
 
 def op(name: str):

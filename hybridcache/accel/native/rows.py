@@ -21,7 +21,7 @@ from hybridcache.accel.native.checks import (
     _vec,
 )
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.native.op_specs import ACT_MUL, GEMM_KERNELS, WEIGHT_KERNELS
+from hybridcache.accel.native.op_declarations import ACT_MUL, GEMM_KERNELS, WEIGHT_KERNELS
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

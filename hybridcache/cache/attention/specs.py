@@ -139,7 +139,8 @@ class AttentionSpec(LayerSpec):
 
     def kernel_pattern(self) -> tuple[str, int] | None:
         """The form of `visible` that the decode kernels evaluate from positions themselves: ("full", 0),
-        ("sliding", window) or ("chunked", chunk size) (ops/op_specs.PATTERNS), or None (they read a mask: slower,
+        ("sliding", window) or ("chunked", chunk size) (accel/native/op_declarations.PATTERNS), or None (they read a
+        mask: slower,
         the same numbers). A pattern of one of those forms says so here and gets the fast paths (the attention
         kernel by positions, the one-call attention that writes the cache's slot); what it declares must equal its
         `visible` (tests/models/test_kernel_pattern.py checks the built-in and a plugin one). The built-in specs

@@ -190,8 +190,8 @@ def _per_layer_entries(native: Sequence[Native], config: Mapping[str, Any]) -> d
 
 #: Parameters renamed (old -> new) on 2026-11-29, each refused by its old name with the new one: a press's eviction
 #: schedule was `mode` ("mode" is only the logger's), a state codec's error-feedback codec `residual_codec` ("residual"
-#: is the residual window and the residual stream).
-RENAMED_PARAMETERS = {"mode": "schedule", "residual_codec": "error_codec"}
+#: is the residual window and the residual stream), a recurrent layer's `checkpoints` ("checkpoint" is a model's).
+RENAMED_PARAMETERS = {"mode": "schedule", "residual_codec": "error_codec", "checkpoints": "rollback"}
 
 
 def _refuse_renamed(where: str, key: str, accepted: set[str]) -> None:

@@ -3,7 +3,7 @@
 Written as a plugin would be: one spec and one registered class. The layer keeps the short causal convolution's
 last K-1 inputs over the concatenated q, k, v channels, conv [2 * Hk * Dk + Hv * Dv, K-1], and the delta-rule
 state, recurrent [Hv, Dk, Dv] (float32 unless `state_dtype` says otherwise). Its size does not grow with the
-sequence. It takes every recurrent storage option (recurrent.py): `checkpoints`, a `state_codec` (`state_group:
+sequence. It takes every recurrent storage option (recurrent.py): `rollback`, a `state_codec` (`state_group:
 head` gives one scale per value head, `channel` one per (head, key dim) row of Dv values) and `offload`.
 """
 

@@ -6,8 +6,8 @@ convolution state keeps the last K-1 inputs of a width-K causal conv (the minimu
 unless the config sets `state_dtype`.
 
 Rollback: by default a layer keeps only its latest state, so `crop` cannot rewind it (roll back with
-`Cache.snapshot()` / `Cache.restore()`). With `checkpoints: k` (a tunable of every recurrent type,
-`{"recurrent": {"checkpoints": 4}}`) it also keeps the states after each of the last k columns (`<name>_trail`
+`Cache.snapshot()` / `Cache.restore()`). With `rollback: k` (a tunable of every recurrent type,
+`{"recurrent": {"rollback": 4}}`) it also keeps the states after each of the last k columns (`<name>_trail`
 [B, k, ...], `trail_columns` [k]): the state before a block is kept by the layer itself, and a mixer hands over the
 states after the block's interior tokens (`update(..., trail={name: [B, m, ...]})`, m = `trail_length(T)`), so
 `crop(n)` is exact for any n within the last k columns, across blocks and decode steps (speculative decoding).
@@ -44,7 +44,7 @@ from hybridcache.cache.recurrent.run_states import ReservedStates
 
 @dataclass
 class StateWrite:
-    """What `update` stages for the open block: the states after it, and (checkpoints on) the trail before them."""
+    """What `update` stages for the open block: the states after it, and (rollback on) the trail before them."""
 
     states: dict[str, torch.Tensor]  # name -> [B, ...]
     trail: dict[str, torch.Tensor] | None  # name -> [B, m, ...] the states after each of the block's last m tokens
@@ -54,7 +54,7 @@ class StateWrite:
 class RecurrentSpec(LayerSpec):
     """Base of recurrent specs: `state_shapes()` names every state tensor (shape without batch, dtype)."""
 
-    checkpoints: int = tunable(0)  # keep the states after each of the last k columns, so crop(n) can rewind k
+    rollback: int = tunable(0)  # keep the states after each of the last k columns, so crop(n) can rewind k
     state_codec: str = tunable("dense")  # how states are held between blocks (state_codecs.py)
     state_group: str = tunable("channel")  # scale axis of scaled codecs: "channel" (last axis) or "head" (first)
     quantize_conv: bool = tunable(False)  # the codec also holds the conv state (else: dense)
@@ -66,9 +66,9 @@ class RecurrentSpec(LayerSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        owner, k = type(self).__name__, self.checkpoints
+        owner, k = type(self).__name__, self.rollback
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise CacheError(f"{owner}: checkpoints must be an integer >= 0, got {k!r}")
+            raise CacheError(f"{owner}: rollback must be an integer >= 0, got {k!r}")
         codec = get_state_codec(self.state_codec, self.state_group)  # unknown names fail here, with the known ones
         for name in ("quantize_conv", "offload", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
@@ -120,8 +120,8 @@ class RecurrentSpec(LayerSpec):
 
     def min_nbytes(self, batch: int, tokens: int) -> int:
         """Bytes held: every state's stored parts (codes + scales + error-feedback residuals), plus the kept
-        checkpoints."""
-        return batch * self.layout().row_nbytes() * (1 + self.checkpoints)
+        trail (`rollback: k`: k more copies)."""
+        return batch * self.layout().row_nbytes() * (1 + self.rollback)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,10 +222,10 @@ class RecurrentCacheLayer(CacheLayer):
 
     @property
     def _other_tensors(self) -> tuple[str, ...]:  # type: ignore[override]
-        return ("trail_columns",) if self.spec.checkpoints else ()
+        return ("trail_columns",) if self.spec.rollback else ()
 
     def _allocate(self, batch_size: int) -> None:
-        k, self.layout = self.spec.checkpoints, self.spec.layout()
+        k, self.layout = self.spec.rollback, self.spec.layout()
         held = self.layout.allocate(batch_size, (), self.device)
         if k:
             held.update({f"{a}_trail": t for a, t in self.layout.allocate(batch_size, (k,), self.device).items()})
@@ -260,7 +260,7 @@ class RecurrentCacheLayer(CacheLayer):
     def trail_length(self, tokens: int) -> int:
         """How many interior states of a block of `tokens` a mixer hands over: the states after each of its last
         m = min(checkpoints, tokens - 1) tokens before the final one (0 when checkpoints are off)."""
-        return min(self.spec.checkpoints, tokens - 1)
+        return min(self.spec.rollback, tokens - 1)
 
     # -- decode runs (accel/decode_run.py): many one-token steps committed as one block -------------------------
     # The run's kernels read and write the states in buffers of their own (run_states.py), never in what the layer
@@ -338,7 +338,7 @@ class RecurrentCacheLayer(CacheLayer):
         **new_states: torch.Tensor,
     ) -> None:
         """Replace every state after a block. Inside a Cache the block was opened by the Cache; a standalone layer
-        takes the block's real-token mask [B, T] or its length T as `valid`. With checkpoints on, `trail` holds the
+        takes the block's real-token mask [B, T] or its length T as `valid`. With rollback on, `trail` holds the
         states after each of the block's last `trail_length(T)` tokens before the final one ([B, m, ...] each);
         without it those columns are simply not available to `crop`."""
         self._check_states(new_states)
@@ -359,14 +359,14 @@ class RecurrentCacheLayer(CacheLayer):
 
     def _commit_staged(self, staged: StateWrite) -> None:
         new_states, trail = staged.states, staged.trail
-        k, layout = self.spec.checkpoints, self.layout
+        k, layout = self.spec.rollback, self.layout
         old, end = self.seq.columns, self.seq.columns + self.seq.block.tokens
         if k or layout.feedback:
             self._fetch()
         held = self._held() if layout.feedback else None  # the residuals to feed back
         stream = getattr(self, "cache_index", 0)  # keys stochastic rounding's uniforms per layer (Cache sets it)
         new = layout.encode(new_states, held, end if layout.stochastic else None, stream)
-        if k:  # keep the states after the last k columns: older checkpoints, the state before the block, the trail
+        if k:  # keep the states after the last k columns: older trail entries, the state before the block, the trail
             m = 0 if trail is None else next(iter(trail.values())).shape[1]
             # [B, m, ...] each, encoded as a block ending there would have been (the same residual fed back, the
             # uniforms of its column), so crop(c) then continuing equals feeding the block split at c
@@ -391,18 +391,18 @@ class RecurrentCacheLayer(CacheLayer):
     def _prepare_crop(self, n: int, seen: torch.Tensor) -> int | None:
         if n == self.columns:
             return None
-        k = self.spec.checkpoints
+        k = self.spec.rollback
         held = self.trail_columns.tolist() if k else []
         if n in held:
             return held.index(n)
         hint = (
-            f"it keeps checkpoints for columns {sorted(c for c in held if c >= 0)} only (checkpoints={k})"
+            f"it keeps states for columns {sorted(c for c in held if c >= 0)} only (rollback={k})"
             if k
             else "it keeps only its latest state"
         )
         raise CacheCropError(
-            f"{self.name}: {hint}, so crop({n}) cannot rewind it from {self.columns} tokens. Set `checkpoints: k` "
-            "on recurrent layers (cache config {'recurrent': {'checkpoints': k}}) to crop back up to k tokens, or "
+            f"{self.name}: {hint}, so crop({n}) cannot rewind it from {self.columns} tokens. Set `rollback: k` "
+            "on recurrent layers (cache config {'recurrent': {'rollback': k}}) to crop back up to k tokens, or "
             "take snap = cache.snapshot() at the point you may return to and cache.restore(snap)."
         )
 
@@ -413,7 +413,7 @@ class RecurrentCacheLayer(CacheLayer):
         self._fetch()
         for attr, held in self._held().items():  # the encoded checkpoint, bit for bit
             held.copy_(getattr(self, f"{attr}_trail")[:, plan])
-        self.trail_columns.masked_fill_(self.trail_columns >= n, -1)  # checkpoints past the new end are gone
+        self.trail_columns.masked_fill_(self.trail_columns >= n, -1)  # trail entries past the new end are gone
         self._park()
 
     def _commit_index(self, index: torch.Tensor) -> None:

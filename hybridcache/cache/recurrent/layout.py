@@ -2,7 +2,7 @@
 
 A state `ssm` held by a one-part codec (dense, float casts) is the attribute `ssm`, as before codecs existed (so
 saved caches and code reading `layer.ssm` keep working); a multi-part codec gives `ssm_q` and `ssm_scale`. With
-`checkpoints: k` each part has its trail `<attr>_trail` [B, k, ...]. The conv state (the last K-1 conv inputs) is
+`rollback: k` each part has its trail `<attr>_trail` [B, k, ...]. The conv state (the last K-1 conv inputs) is
 held dense unless the spec sets `quantize_conv` (see recurrent.py for why).
 
 The two remedies for drift under re-encoding (docs/state_drift.md):

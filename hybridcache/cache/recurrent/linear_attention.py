@@ -4,7 +4,7 @@ lightning attention: S <- exp(-slope) * S + k^T v per token, output q S).
 Written as a plugin would be: one spec and one registered class. The layer keeps one state, recurrent [H, Dk, Dv]
 (the running sum of k^T v outer products per head), in `state_dtype` (float32 unless set; HF's MiniMax keeps it in
 the model's dtype, and the bridge asks for that). It has no conv state, so `quantize_conv` changes nothing here. Its
-size does not grow with the sequence. It takes every recurrent storage option (layers.py): `checkpoints`, a
+size does not grow with the sequence. It takes every recurrent storage option (layers.py): `rollback`, a
 `state_codec` (`state_group: head` gives one scale per head, `channel` one per (head, key dim) row of Dv values) and
 `offload`.
 """

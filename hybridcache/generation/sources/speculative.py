@@ -5,7 +5,7 @@ target verifies [last, d1..dr] in one block, and the longest prefix the target a
 the target's own: greedy, where the draft agrees with the target's argmax; sampled, by speculative sampling's
 accept / resample rule (sampled_round). Both caches then roll back to the accepted prefix:
 - "crop": when every layer can rewind r tokens exactly (full attention; sliding / chunked / sink attention with
-  `spare >= r`; recurrent layers with `checkpoints >= r`: the caches are built so, with_rollback), `cache.crop(n)`;
+  `spare >= r`; recurrent layers with `rollback >= r`: the caches are built so by with_rollback), `cache.crop(n)`;
 - "recompute": otherwise (presses and other evicting attention keep too little to rewind), a snapshot taken
   before the round is restored and the accepted tokens are fed again.
 Greedy output is the target's plain greedy decoding (the same tokens); sampled output is an exact sample of the
@@ -30,29 +30,30 @@ from hybridcache.generation.sources.drafts import DraftProbs, LookupDrafter, Mod
 from hybridcache.models.core.base import GenerationError
 
 
-def with_checkpoints(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
-    """`cache_config` with recurrent layers keeping at least k checkpoints (so they can rewind a rejected draft)."""
+def with_recurrent_rollback(cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
+    """`cache_config` with recurrent layers keeping k states back at least (`rollback: k`: they can rewind a draft)."""
     if cache_config is not None and not isinstance(cache_config, Mapping):
         raise CacheConfigError(f"a cache config must be a mapping (or None), got {type(cache_config).__name__}")
     config = dict(cache_config or {})
     recurrent = config.get("recurrent") or {}
-    have = recurrent.get("checkpoints", 0) if isinstance(recurrent, Mapping) else "?"
+    have = recurrent.get("rollback", 0) if isinstance(recurrent, Mapping) else "?"
     if isinstance(have, bool) or not isinstance(have, (int, type(None))):
         raise CacheConfigError(
-            f"cache config: recurrent must be a mapping with an integer 'checkpoints', got {recurrent!r}"
+            f"cache config: recurrent must be a mapping with an integer 'rollback', got {recurrent!r}"
         )
     recurrent = dict(recurrent)
-    recurrent["checkpoints"] = max(have or 0, k)
+    recurrent["rollback"] = max(have or 0, k)
     config["recurrent"] = recurrent
     return config
 
 
 def with_rollback(model, cache_config: Mapping[str, Any] | None, k: int) -> dict[str, Any]:
-    """`with_checkpoints`, and every attention layer whose type keeps `spare` tokens (sliding, chunked, sink) keeping
+    """`with_recurrent_rollback`, and every attention layer whose type keeps `spare` tokens (sliding, chunked, sink)
+    keeping
     at least k of them, so both kinds can rewind a rejected draft by a crop. Set per layer (`layers: {i: ...}`), so
     a type that takes no `spare` (full, the presses) is left as configured. A draft that declares no native layers
-    gets the checkpoints only."""
-    config = with_checkpoints(cache_config, k)
+    gets the rollback only."""
+    config = with_recurrent_rollback(cache_config, k)
     if not callable(getattr(model, "native_layers", None)):
         return config
     plan = resolve_plan(model.native_layers(), config)
@@ -89,7 +90,7 @@ def _add_spare(entries: dict, p, k: int) -> None:
 def rollback_mode(cache: Cache, r: int) -> str:
     """ "crop" when every layer can rewind the last r columns exactly, else "recompute"."""
     for layer in cache.layers:
-        if layer.kind == "recurrent" and layer.spec.checkpoints < r:
+        if layer.kind == "recurrent" and layer.spec.rollback < r:
             return "recompute"
         if layer.kind == "attention" and getattr(layer, "evicts", True) and layer.spec.rollback < r:
             return "recompute"

@@ -143,7 +143,7 @@ class BridgeMultiStateLayer(LinearAttentionCacheLayerMixin, BridgeAttentionLayer
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
-        return all(getattr(self.bridge.plan_spec(self.index, p.spec.member), "checkpoints", 0) for p in self._parts())
+        return all(getattr(self.bridge.plan_spec(self.index, p.spec.member), "rollback", 0) for p in self._parts())
 
     # -- HF's state updates -------------------------------------------------------------------------------------
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
@@ -166,4 +166,7 @@ class BridgeMultiStateLayer(LinearAttentionCacheLayerMixin, BridgeAttentionLayer
         BridgeAttentionLayer.end_block(self)
 
     def activate_past_recording(self) -> None:
-        raise BridgeError("HF's past recording (assisted decoding) is not used by the bridge: use our checkpoints")
+        raise BridgeError(
+            "HF's past recording (assisted decoding) is not used by the bridge: roll recurrent states back with our "
+            "`rollback: k` instead (cache config {'recurrent': {'rollback': k}}, then cache.crop)"
+        )

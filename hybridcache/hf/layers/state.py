@@ -120,8 +120,8 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
-        """Whether crop can rewind this layer: with `checkpoints` (our recurrent layers' own rollback)."""
-        return bool(getattr(self.bridge.plan_spec(self.index, self.state_member), "checkpoints", 0))
+        """Whether crop can rewind this layer: with `rollback` (our recurrent layers' own rollback)."""
+        return bool(getattr(self.bridge.plan_spec(self.index, self.state_member), "rollback", 0))
 
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
@@ -191,5 +191,5 @@ class BridgeStateLayer(LinearAttentionCacheLayerMixin):
     def activate_past_recording(self) -> None:
         raise BridgeError(
             "HF's past recording (assisted decoding) is not used by the bridge: roll recurrent states back with our "
-            "checkpoints instead (cache config {'recurrent': {'checkpoints': k}}, then cache.crop)"
+            "trails instead (cache config {'recurrent': {'rollback': k}}, then cache.crop)"
         )

@@ -127,7 +127,7 @@ class GatedDeltaNetMixer(nn.Module):
         g = step.mask_padding(g)  # log-decay 0 at padding: no forgetting
         state = states["recurrent"]
         m = layer.trail_length(tokens)
-        if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
+        if m > 0:  # rollback on: the last m tokens go through the step path, keeping their states
             from hybridcache.nn.recurrent.trail import conv_trail, stack_trail
 
             head, outs, trail = tokens - m, [], []

@@ -105,7 +105,7 @@ class MambaMixer(nn.Module):
         delta, b, c = self._ssm_inputs(u)  # [B, T, Di], [B, T, N], [B, T, N]
         a = -torch.exp(self.A_log.float())  # [Di, N]
         m = layer.trail_length(tokens)
-        if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
+        if m > 0:  # rollback on: the last m tokens go through the step path, keeping their states
             return self._forward_with_trail(h, layer, states, x, u, delta, a, b, c, z, conv, m)
         if tokens == 1 and not (u.dtype == torch.float32 and u.is_cpu):  # (float32 CPU: the scan kernel / its op)
             y, ssm = self._step(states["ssm"], u[:, 0], delta[:, 0], a, b[:, 0], c[:, 0], z[:, 0])
@@ -116,7 +116,7 @@ class MambaMixer(nn.Module):
         return self.out_proj(y.to(h.dtype))
 
     def _forward_with_trail(self, h, layer, states, x, u, delta, a, b, c, z, conv, m: int) -> torch.Tensor:
-        """The scan over the first T - m tokens, then m steps whose incoming states are the layer's checkpoints."""
+        """The scan over the first T - m tokens, then m steps whose incoming states are the layer's trail."""
         from hybridcache.nn.recurrent.trail import conv_trail, stack_trail
 
         head = u.shape[1] - m

@@ -174,7 +174,7 @@ class Mamba2Mixer(nn.Module):
         dt = step.mask_padding(dt)
         A, D = -torch.exp(self.A_log.to(acc)), self.D.to(acc)  # [H]
         m = layer.trail_length(tokens)
-        if m > 0:  # checkpoints on: the last m tokens go through the step path, keeping their states
+        if m > 0:  # rollback on: the last m tokens go through the step path, keeping their states
             y, ssm_state, trail = self._scan_with_trail(x, dt, A, b, c, D, states["ssm"], m)
             trail = {
                 "conv": conv_trail(states["conv"], xbc_in.transpose(1, 2), m).to(states["conv"].dtype),
@@ -213,7 +213,7 @@ class Mamba2Mixer(nn.Module):
 
     def _scan_with_trail(self, x, dt, A, b, c, D, state, m: int):
         """SSD over the first T - m tokens, then m steps; returns y [B, T, H, P], the final state and the m states
-        entering those steps (the layer's checkpoints)."""
+        entering those steps (the layer's trail)."""
         g, head = self.n_groups, x.shape[1] - m
         xh = rearrange(x, "b t (h p) -> b t h p", p=self.head_dim)
         bg, cg = (rearrange(v, "b t (g n) -> b t g n", g=g) for v in (b, c))

@@ -99,7 +99,7 @@ class RecurrentBlock(nn.Module):
             xc, conv_state = causal_conv1d(x.transpose(1, 2), weight, bias, states["conv"])  # [B, W, T]
             xc = xc.transpose(1, 2)
         spec, m = layer.spec, layer.trail_length(x.shape[1])
-        if m > 0:  # checkpoints on: the states after the block's last m tokens before the final one
+        if m > 0:  # rollback on: the states after the block's last m tokens before the final one
             from hybridcache.nn.recurrent.trail import conv_trail
 
             out, lru_state, lru_trail = self.rg_lru(xc, states["lru"], step, trail=m)

@@ -40,7 +40,7 @@ class ShortConv(nn.Module):
         else:
             y, new_state = causal_conv1d(bx.transpose(1, 2), weight, self.conv.bias, state)  # [B, D, T]
             y = y.transpose(1, 2)
-        m = layer.trail_length(h.shape[1])  # checkpoints on: hand over the conv states inside the block too
+        m = layer.trail_length(h.shape[1])  # rollback on: hand over the conv states inside the block too
         trail = {"trail": {"conv": conv_trail(state, bx.transpose(1, 2), m).to(state.dtype)}} if m > 0 else {}
         layer.update(conv=new_state.to(state.dtype), **trail)
         return self.out_proj(c * y)  # [B, T, D]

@@ -1,9 +1,9 @@
-"""Checkpoint trails for recurrent cache layers with `checkpoints: k` (see hybridcache/cache/recurrent/layers.py).
+"""Checkpoint trails for recurrent cache layers with `rollback: k` (see hybridcache/cache/recurrent/layers.py).
 
 A mixer whose layer asks for m = `layer.trail_length(T)` > 0 interior states hands over the states after each of
 the block's last m tokens before the final one. Conv states come straight from the inputs; scan states come from
 running the block's last m tokens through the step path (the first T - m through the scan), or for the RG-LRU from
-the per-token states the scan computes anyway. With checkpoints off (the default) none of this runs.
+the per-token states the scan computes anyway. With rollback off (the default) none of this runs.
 """
 
 from __future__ import annotations

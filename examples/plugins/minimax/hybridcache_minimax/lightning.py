@@ -2,7 +2,7 @@
 
 Lightning attention is linear attention with a fixed per-head decay: S_t = exp(-s_h) S_{t-1} + k_t^T v_t and
 o_t = q_t S_t (`lightning_scan`), so a layer's history is one decayed key-value state, kv [H, D, D] (key dim x
-value dim; float32 unless `state_dtype` says otherwise) whatever the length. Staging, rollback checkpoints, state
+value dim; float32 unless `state_dtype` says otherwise) whatever the length. Staging, rollback trails, state
 codecs, offload, snapshots and saving come from the in-tree RecurrentCacheLayer.
 """
 

@@ -81,7 +81,7 @@ class LightningAttention(nn.Module):
         q, k, v = (y.transpose(1, 2).to(acc) for y in qkv.split(self.head_dim, dim=-1))  # [B, H, T, D] each
         g = step.mask_padding((-self.slope_rate.view(1, 1, -1).to(acc)).expand(b, t, -1)).transpose(1, 2)
         part = lambda a, b: [y[:, :, a:b] for y in (q, k, v, g)]  # noqa: E731  (tokens a .. b-1)
-        m = layer.trail_length(t)  # checkpoints on: the states after each of the last m tokens before the final
+        m = layer.trail_length(t)  # rollback on: the states after each of the last m tokens before the final
         o, kv = lightning_scan(*part(0, t - m), kv.to(acc), self.chunk)
         outs, trail = [o], []
         for i in range(t - m, t):  # those m tokens one by one, keeping the state before each

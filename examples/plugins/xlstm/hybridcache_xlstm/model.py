@@ -83,7 +83,7 @@ class MLSTMLayer(nn.Module):
         if not step.all_real:  # [B, T, H]: padding writes nothing and forgets nothing
             i, f = i.masked_fill(~step.valid[..., None], -math.inf), f.masked_fill(~step.valid[..., None], math.inf)
         state, outs, trail = (s["C"], s["n"], s["m"]), [], []
-        keep = layer.trail_length(t)  # checkpoints on: the states after the block's last `keep` interior tokens
+        keep = layer.trail_length(t)  # rollback on: the states after the block's last `keep` interior tokens
         for j in range(t):
             o, state = mlstm_step(*state, q[:, j], k[:, j], v[:, j], i[:, j], f[:, j], self.cfg.eps)
             outs.append(o)

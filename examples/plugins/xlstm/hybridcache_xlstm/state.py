@@ -3,7 +3,7 @@
 Per head a matrix memory C [Dqk, Dv], a normalizer n [Dqk] and a max-stabilizer m (a log-scale, 0 at the start as
 in HF) that also floors the output's denominator, so it is part of the state, not just a numerical device. All three
 are float32 unless `state_dtype` says otherwise; `mlstm_step` is their per-token update. Staging, rollback
-checkpoints, codecs, offload, snapshots and saving come from the in-tree RecurrentCacheLayer.
+rollback, codecs, offload, snapshots and saving come from the in-tree RecurrentCacheLayer.
 """
 
 from __future__ import annotations

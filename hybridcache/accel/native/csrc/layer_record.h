@@ -9,7 +9,7 @@
    record, one per layer, and runs the records in order: no interpreter between layers, whose Python ran with the
    caches cold after each layer's weights (measured on a 2-core Xeon, Gemma 3 270M with int8 weights: the layers'
    Python 4.4 -> 1.9 ms a step, the step 16.8 -> ~13.7 ms). The record's type codes let the loader check it against
-   the op's declared signature (op_specs.py) before any call. */
+   the op's declared signature (op_declarations.py) before any call. */
 #define HC_STEP_FIELDS(X, SEP)                                                                                     \
   X(const float *, x, P) SEP() X(int, B, I) SEP() X(int, Dm, I) SEP() X(const void *, w, P) SEP()                 \
   X(int, wtype, I) SEP() X(const float *, wscale, P) SEP() X(const float *, bias, P) SEP() X(int, Hq, I) SEP()     \

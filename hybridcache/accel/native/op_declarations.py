@@ -1,6 +1,6 @@
 """The one declaration of every native op: its torch.library schema, the dtype / shape rules of its arguments, the
 C functions it calls with their ctypes signatures, and which kernel variant serves which dtype or pattern (tables,
-not if-chains). registry.py turns each into a `hybridcache::<name>` op (a CPU kernel, a fake implementation from
+not if-chains). op_registry.py turns each into a `hybridcache::<name>` op (a CPU kernel, a fake implementation from
 op_reference.py, the rules checked before any C call); kernels.py takes the ctypes signatures from here.
 
 A rule is "dtypes[dims]": dtypes one or more of f32 / bf16 / i8 / i64 / bool joined by "|", a trailing "?" for an
@@ -47,7 +47,7 @@ DTYPES = {
 
 
 @dataclass(frozen=True)
-class OpSpec:
+class OpDeclaration:
     name: str
     schema: str  # torch.library schema without the name: "(Tensor x, ...) -> Tensor"
     rules: dict[str, str]  # tensor argument -> "dtypes[dims]" (see the module docstring)
@@ -229,14 +229,14 @@ def _layer_where(env: dict) -> str | None:
     return _step_where(env) or _tail_where(env)
 
 
-SPECS: tuple[OpSpec, ...] = (
-    OpSpec(
+DECLARATIONS: tuple[OpDeclaration, ...] = (
+    OpDeclaration(
         "decode_linear",
         "(Tensor x, Tensor weight, Tensor? bias, Tensor? scale) -> Tensor",
         {"x": "f32[... K]", "weight": f"{_W}[N K]", "bias": "f32?[N]", "scale": "f32?[N]"},
         _linear_c(),
     ),
-    OpSpec(
+    OpDeclaration(
         "decode_linear_q8_0",
         "(Tensor x, Tensor weight, Tensor? bias, Tensor scale) -> Tensor",
         {"x": "f32[... K]", "weight": "i8[N K]", "bias": "f32?[N]", "scale": "f16[N G]"},
@@ -247,34 +247,34 @@ SPECS: tuple[OpSpec, ...] = (
             else f"q8_0 needs K = {Q8_0_BLOCK} x the scale's G blocks, got K = {env['K']}, G = {env['G']}"
         ),
     ),
-    OpSpec(
+    OpDeclaration(
         "rms_norm",
         "(Tensor x, Tensor scale, float eps) -> Tensor",
         {"x": "f32[... D]", "scale": "f32[D]"},
         {"hc_rms_norm": (None, [_P] * 3 + [_I] * 2 + [_F])},
     ),
-    OpSpec(
+    OpDeclaration(
         "residual_norm",
         "(Tensor h, Tensor x, Tensor? post_scale, float post_eps, Tensor? next_scale, float next_eps) "
         "-> (Tensor, Tensor)",
         {"h": "f32[... D]", "x": "f32[... D]", "post_scale": "f32?[D]", "next_scale": "f32?[D]"},
         {"hc_residual_norm": (None, [_P] * 3 + [_F, _P, _F] + [_P] * 2 + [_I] * 2)},
     ),
-    OpSpec(
+    OpDeclaration(
         "act_mul",
         "(Tensor gate_up, str act) -> Tensor",
         {"gate_up": "f32[... G]"},
         {"hc_act_mul": (None, [_P] * 2 + [_I] * 3)},
         lambda env: _choice(env["act"], ACT_MUL, "activation") or (env["G"] % 2 and f"odd width {env['G']}" or None),
     ),
-    OpSpec(
+    OpDeclaration(
         "argmax_rows",
         "(Tensor x) -> Tensor",
         {"x": "f32[B V]"},
         {"hc_argmax_rows": (None, [_P] * 2 + [_I, _L])},
         lambda env: None if env["V"] > 0 else "argmax of an empty row",
     ),
-    OpSpec(
+    OpDeclaration(
         "decode_attention",
         "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? q_pos, Tensor? k_pos, str pattern, int param, "
         "float scale, float? softcap, Tensor? sinks=None) -> Tensor",
@@ -290,21 +290,21 @@ SPECS: tuple[OpSpec, ...] = (
         {"hc_decode_attention": (_I, [_P] * 6 + [_I, _L, _P] + [_I] * 5 + [_L] * 6 + [_F] * 2 + [_P])},
         _attention_where,
     ),
-    OpSpec(
+    OpDeclaration(
         "rope",
         "(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
         {"x": "f32[B H T D]", "cos": "f32[B 1 T R]", "sin": "f32[B 1 T R]"},
         {"hc_rope": (None, [_P] + [_L] * 3 + [_P] * 3 + [_I] * 6)},
         _rotary_where,
     ),
-    OpSpec(
+    OpDeclaration(
         "norm_rope",
         "(Tensor x, Tensor? scale, float eps, Tensor? cos, Tensor? sin, bool interleaved) -> Tensor",
         {"x": "f32[B H T D]", "scale": "f32?[D]", "cos": "f32?[B 1 T R]", "sin": "f32?[B 1 T R]"},
         {"hc_norm_rope": (None, [_P] + [_L] * 3 + [_P, _F] + [_P] * 3 + [_I] * 6)},
         _rotary_where,
     ),
-    OpSpec(
+    OpDeclaration(
         "selective_scan",
         "(Tensor u, Tensor delta, Tensor? z, Tensor b, Tensor c, Tensor a, Tensor? d, Tensor? bias, bool softplus, "
         "Tensor? state) -> (Tensor, Tensor)",
@@ -321,7 +321,7 @@ SPECS: tuple[OpSpec, ...] = (
         },
         {"hc_selective_scan": (None, [_P, _L, _L] * 5 + [_P] * 3 + [_I] + [_P] * 3 + [_I] * 4)},
     ),
-    OpSpec(
+    OpDeclaration(
         "gated_mlp",
         "(Tensor x, Tensor w_gu, Tensor? b_gu, Tensor? s_gu, Tensor w_dn, Tensor? b_dn, Tensor? s_dn, str act) "
         "-> Tensor",
@@ -329,7 +329,7 @@ SPECS: tuple[OpSpec, ...] = (
         {"hc_gated_mlp": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2)},
         _mlp_where,
     ),
-    OpSpec(
+    OpDeclaration(
         "qkv_norm_rope",
         "(Tensor x, Tensor w, Tensor? bias, Tensor? wscale, int heads, int kv_heads, int head_dim, Tensor? q_scale, "
         "float q_eps, Tensor? k_scale, float k_eps, Tensor? cos, Tensor? sin, bool interleaved, "
@@ -363,21 +363,21 @@ SPECS: tuple[OpSpec, ...] = (
         },
         _qkv_where,
     ),
-    OpSpec(
+    OpDeclaration(
         "decoder_tail",
         f"(Tensor h, Tensor a, {_TAIL_SCHEMA}) -> Tensor",
         {"h": "f32[... Dm]", "a": "f32[... A]", **_TAIL_RULES},
         {"hc_decoder_tail": (None, [_P, _P, _I, _I, _I] + _TAIL_C)},
         _tail_where,
     ),
-    OpSpec(
+    OpDeclaration(
         "attention_step",
         f"({_STEP_SCHEMA}=None) -> Tensor",
         _STEP_RULES,
         {"hc_attention_step": (_I, _STEP_C)},
         _step_where,
     ),
-    OpSpec(
+    OpDeclaration(
         "decoder_layer",
         f"({_STEP_SCHEMA}, {_TAIL_SCHEMA}) -> Tensor",
         {**_STEP_RULES, **_TAIL_RULES},
@@ -431,8 +431,8 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     **RECURRENT_SIGNATURES,
     **PROGRAM_SIGNATURES,
 }
-for _spec in SPECS:
-    SIGNATURES.update(_spec.c)
+for _decl in DECLARATIONS:
+    SIGNATURES.update(_decl.c)
 
 
 def parse_rule(rule: str) -> tuple[tuple[torch.dtype, ...], bool, tuple[str, ...]]:
