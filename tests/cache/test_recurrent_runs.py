@@ -44,10 +44,10 @@ def _ids(batch, n, seed):
     return torch.randint(0, 50, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("checkpoints", [0, 1, 3])
+@pytest.mark.parametrize("rollback", [0, 1, 3])
 @pytest.mark.parametrize("steps", [[1], [5], [2, 4, 1]])
-def test_a_run_is_n_one_token_blocks(checkpoints, steps):
-    config = {"recurrent": {"checkpoints": checkpoints}} if checkpoints else None
+def test_a_run_is_n_one_token_blocks(rollback, steps):
+    config = {"recurrent": {"rollback": rollback}} if rollback else None
     run, want = _cache(config), _cache(config)
     prompt = _ids(2, 3, 0)
     for c in (run, want):
@@ -61,14 +61,14 @@ def test_a_run_is_n_one_token_blocks(checkpoints, steps):
         assert state_equal(run.snapshot(), want.snapshot())
         assert torch.equal(run.seq.fingerprint, want.seq.fingerprint)
         assert torch.equal(run.seq.history(), want.seq.history())
-    if checkpoints:  # the trail rewinds as far as the step-by-step one
-        run.crop(start - checkpoints)
-        want.crop(start - checkpoints)
+    if rollback:  # the trail rewinds as far as the step-by-step one
+        run.crop(start - rollback)
+        want.crop(start - rollback)
         assert state_equal(run.snapshot(), want.snapshot())
 
 
 def test_an_abandoned_run_leaves_the_cache_as_it_was():
-    cache = _cache({"recurrent": {"checkpoints": 2}})
+    cache = _cache({"recurrent": {"rollback": 2}})
     _stepwise(cache, _ids(2, 4, 0), 0)
     before = cache.snapshot()
     reserved = cache.reserve_decode(3)

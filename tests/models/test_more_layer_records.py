@@ -69,10 +69,10 @@ def test_the_program_gives_hf_tokens(checkpoints, family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "recurrentgemma"])
 def test_checkpoint_trails_and_crop_are_the_per_layer_ones(checkpoints, monkeypatch, family):
-    """With recurrent checkpoints the program hands each step's new states to the cache as the per-layer step does:
+    """With recurrent rollback the program hands each step's new states to the cache as the per-layer step does:
     trails, a crop back into them and the steps after it are equal."""
     model = hc.from_pretrained(checkpoints(family))
-    ids, config = prompts(1, 6, seed=7), {"recurrent": {"checkpoints": 3}, "attention": {"type": "full"}}
+    ids, config = prompts(1, 6, seed=7), {"recurrent": {"rollback": 3}, "attention": {"type": "full"}}
     # (full attention: RecurrentGemma's sliding window is shorter than the crop)
     outs = []
     for per_layer in (False, True):

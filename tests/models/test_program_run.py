@@ -4,7 +4,7 @@ per run of steps.
 The oracle is the step-by-step decode (the same model with runs turned off): the same sequences and logits bit for
 bit, and the same cache after (every layer's held tensors: keys, values, key positions, states, checkpoint trails;
 the counts, the token fingerprint and its history), over several runs and in a continuation. A lossy state codec
-or offloaded states decline (step by step, still exact); checkpoints run and keep the same trail. A failure
+or offloaded states decline (step by step, still exact); rollback runs and keeps the same trail. A failure
 mid-run leaves the cache as it was when the run began, and free."""
 
 import copy
@@ -81,8 +81,8 @@ def test_a_run_is_the_step_by_step_decode(family, monkeypatch, name, run_tokens,
 @pytest.mark.parametrize(
     "config, runs",
     [
-        ({"recurrent": {"checkpoints": 3}}, True),  # the trail kept as one-token blocks keep it
-        ({"recurrent": {"checkpoints": 1}}, True),
+        ({"recurrent": {"rollback": 3}}, True),  # the trail kept as one-token blocks keep it
+        ({"recurrent": {"rollback": 1}}, True),
         ({"recurrent": {"state_codec": "int8", "quantize_conv": True}}, False),  # re-encoded per block: declined
         ({"recurrent": {"state_codec": "bfloat16", "quantize_conv": True}}, False),
         ({"recurrent": {"offload": True}}, False),
@@ -94,8 +94,8 @@ def test_recurrent_storage_runs_or_declines_exactly(family, monkeypatch, name, c
     want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=9, cache_config=config)
     assert started == ([8] if runs else [])
     _same(got, want)
-    if config["recurrent"].get("checkpoints"):  # and rewinds as far
-        k = config["recurrent"]["checkpoints"]
+    if config["recurrent"].get("rollback"):  # and rewinds as far
+        k = config["recurrent"]["rollback"]
         got.cache.crop(got.cache.columns - k)
         want.cache.crop(want.cache.columns - k)
         _same_cache(got.cache, want.cache)

@@ -264,7 +264,7 @@ class RecurrentCacheLayer(CacheLayer):
 
     # -- decode runs (accel/decode_run.py): many one-token steps committed as one block -------------------------
     # The run's kernels read and write the states in buffers of their own (run_states.py), never in what the layer
-    # holds; `decode_block` then stages the run's last states (and, with checkpoints, the trail of the steps before)
+    # holds; `decode_block` then stages the run's last states (and, with rollback, the trail of the steps before)
     # as one block of n tokens, which commits exactly as n one-token blocks would: the held states are the states
     # themselves (a dense codec, float32, on the device: no encode that a split into blocks could change) and the
     # trail keeps the same columns. Anything else declines (step by step).
@@ -285,7 +285,7 @@ class RecurrentCacheLayer(CacheLayer):
             or any(dtype != torch.float32 for _, dtype in layout.shapes.values())
         ):
             return None
-        size = max(2, self.spec.checkpoints + 1)  # a trail of m <= k steps and the last: k + 1 buffers
+        size = max(2, self.spec.rollback + 1)  # a trail of m <= k steps and the last: k + 1 buffers
         held = self._held()
         rings = {}
         for name in layout.shapes:
