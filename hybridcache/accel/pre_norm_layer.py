@@ -183,7 +183,7 @@ def _bind_mlp(d: int, p: PreNormParts):
     mlp = p.mlp
     if (
         not isinstance(mlp, GatedMLP)
-        or type(mlp).forward is not GatedMLP.forward
+        or not mlp.computes_gated_mlp
         or mlp.act_name not in ACT_MUL
         or not kernel_plain(p.mlp_norm)
         or p.mlp_norm is None

@@ -272,3 +272,32 @@ def test_the_program_wrappers_refuse_what_they_do_not_take():
     assert torch.equal(out, torch.full((1, 1, 8), 7.0))
     layer_program.call_program([(layer_program.CODES["rms_norm"], norm)])  # (and the good record alone runs)
     torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), rtol=1e-6, atol=1e-6)
+
+
+def test_an_mlp_whose_forward_is_its_own_runs_as_its_module(checkpoints, monkeypatch):
+    """A GatedMLP subclass that defines its own forward computes something else than the fused kernel: the program
+    must not take it (GatedMLP.computes_gated_mlp, set at class creation), so the model decodes as the per-layer
+    module calls, which run that forward, and not as the plain MLP would."""
+    from hybridcache.nn.core.mlp import GatedMLP
+
+    class Shifted(GatedMLP):
+        def forward(self, x):
+            return super().forward(x) + 0.25
+
+    class Inherits(Shifted):  # no forward of its own, but its parent's is not GatedMLP's
+        pass
+
+    assert GatedMLP.computes_gated_mlp and not Shifted.computes_gated_mlp and not Inherits.computes_gated_mlp
+    model = hc.from_pretrained(checkpoints("lfm2"))
+    ids = prompts(1, 6, seed=2)
+    plain = hc.generate(model, ids, max_new_tokens=6)
+    mlps = [m for m in model.modules() if type(m) is GatedMLP]
+    assert mlps
+    for m in mlps:
+        m.__class__ = Inherits
+    got = hc.generate(model, ids, max_new_tokens=6)
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        want = hc.generate(model, ids, max_new_tokens=6)
+    assert torch.equal(got.logits, want.logits)
+    assert not torch.equal(got.logits, plain.logits)  # the override changes the numbers

@@ -41,6 +41,14 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
+    #: Whether `forward` is this class's (down(act(gate(x)) * up(x))), so a fused kernel may compute it instead: a
+    #: subclass that defines its own forward says False for itself and its subclasses (set at class creation).
+    computes_gated_mlp = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.computes_gated_mlp = cls.computes_gated_mlp and "forward" not in vars(cls)
+
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
