@@ -1,8 +1,8 @@
 """A decode step's layers in one C call for the families whose recurrent mixers joined the layer program later: the
 delta variants (Qwen3.5, OLMo-Hybrid's Gated DeltaNet, Kimi's and Bailing's KDA: hc_delta_step records) and
 RecurrentGemma's RG-LRU block (hc_rglru_step records), each layer as its input norm, one-call mixer step and tail;
-and Nemotron-H's Mamba2 blocks (a pre-norm layer with no MLP branch; the model offers the fast path its blocks, each
-with its run's cache entry).
+and Nemotron-H's blocks (the model offers the fast path its blocks, each with its run's cache entry): a Mamba2 block
+is a pre-norm layer with no MLP branch, an MLP block one hc_pre_norm_mlp record (norm, up, squared ReLU, down, add).
 The oracle is the per-layer path (`record_step` off: every layer its own module call, the mixers' one-call steps
 still run): logits, tokens and every cache state must be bit-identical, and the tokens equal to HF transformers'.
 Whatever the program does not take (MLA attention, a MoE MLP, OLMo's post-norm attention layers) runs as its module
@@ -20,14 +20,14 @@ from tests.models.test_pre_norm_records import _cache_state, _per_layer, _progra
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
-# family -> the record its recurrent layers run as
+# family -> the records its layers run as (besides norms and tails)
 FAMILIES = {
-    "qwen3_5": "delta",
-    "olmo_hybrid": "delta",
-    "kimi_linear": "delta",
-    "bailing_hybrid": "delta",
-    "recurrentgemma": "rglru",
-    "nemotron_h": "mamba2",  # (its Mamba2 blocks: pre-norm layers with no MLP branch, each with its run's entry)
+    "qwen3_5": ("delta",),
+    "olmo_hybrid": ("delta",),
+    "kimi_linear": ("delta",),
+    "bailing_hybrid": ("delta",),
+    "recurrentgemma": ("rglru",),
+    "nemotron_h": ("mamba2", "pre_norm_mlp"),  # (Mamba2 blocks: pre-norm layers with no MLP; MLP blocks: no mixer)
 }
 
 
@@ -47,7 +47,8 @@ def test_the_program_is_the_per_layer_calls(checkpoints, monkeypatch, family):
             outs.append((out, calls))
     (got, calls), (want, none) = outs
     assert none == []
-    assert sum(ops.count(layer_program.CODES[FAMILIES[family]]) for ops in calls) > 0  # mixers ran as records
+    for kind in FAMILIES[family]:  # (the mixers and MLP layers ran as records)
+        assert sum(ops.count(layer_program.CODES[kind]) for ops in calls) > 0
     assert torch.equal(got.sequences, want.sequences)
     assert torch.equal(got.logits, want.logits)
     _same_cache(_cache_state(got.cache), _cache_state(want.cache))
@@ -130,3 +131,31 @@ def test_a_steady_generation_moves_the_kept_delta_records(checkpoints, monkeypat
     (a1, a2, ca), (b1, b2, cb) = outs
     assert torch.equal(a1, b1) and torch.equal(a2, b2)
     _same_cache(ca, cb)
+
+
+def test_the_mlp_layer_record_refuses_what_it_does_not_take_and_computes_the_block():
+    """hc_pre_norm_mlp's wrappers: what the kernel does not take is None (the module runs); the record computes
+    h + down(relu(up(rms_norm(h) * scale))^2), checked against a float64 recompute."""
+    g = torch.Generator().manual_seed(0)
+    h, out = torch.randn(2, 1, 8, generator=g), torch.full((2, 1, 8), 7.0)
+    scale, w_up, w_dn = torch.rand(8, generator=g) + 0.5, torch.randn(6, 8, generator=g), torch.randn(8, 6, generator=g)
+    bias = torch.randn(6, generator=g)
+    up, down = (w_up, bias, None), (w_dn, None, None)
+    bound = layer_program.bind_mlp_layer(8, (scale, 1e-5), up, down, "relu2")
+    assert bound is not None
+    assert layer_program.bind_mlp_layer(8, (scale, 1e-5), up, down, "silu") is None  # not an activation it computes
+    assert layer_program.bind_mlp_layer(8, (torch.ones(7), 1e-5), up, down, "relu2") is None  # a norm of another width
+    assert layer_program.bind_mlp_layer(8, (scale, "eps"), up, down, "relu2") is None
+    assert layer_program.bind_mlp_layer(8, (scale, 1e-5), (w_up.double(), None, None), down, "relu2") is None
+    assert layer_program.bind_mlp_layer(8, (scale, 1e-5), up, (torch.randn(8, 5), None, None), "relu2") is None
+    assert layer_program.bind_mlp_layer(8, (scale, 1e-5), (w_up, torch.ones(5), None), down, "relu2") is None
+    assert layer_program.pre_norm_mlp_args(torch.randn(2, 1, 7), torch.empty(2, 1, 7), bound) is None  # another width
+    assert layer_program.pre_norm_mlp_args(torch.randn(1, 2, 8), torch.empty(1, 2, 8), bound) is None  # 2 tokens
+    assert layer_program.pre_norm_mlp_args(h.double(), out.double(), bound) is None
+    args, scratch = layer_program.pre_norm_mlp_args(h, out, bound)
+    assert torch.equal(out, torch.full((2, 1, 8), 7.0))  # (nothing run yet)
+    layer_program.call_program([(layer_program.CODES["pre_norm_mlp"], args)])
+    x = h.double()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * scale.double()
+    want = h.double() + torch.relu(x @ w_up.double().T + bias.double()).square() @ w_dn.double().T
+    torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-5)

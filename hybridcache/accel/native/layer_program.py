@@ -31,7 +31,9 @@ OPS = {
     "delta": "hc_delta_step",
     "rglru": "hc_rglru_step",
     "mamba_groups": "hc_mamba_groups_step",
+    "pre_norm_mlp": "hc_pre_norm_mlp",
 }
+MLP_ACTS = {"relu2": 0}  # the ungated MLP activations hc_pre_norm_mlp computes -> its code
 CODES = {name: i for i, name in enumerate(OPS)}
 _LETTERS = {_P: "P", _I: "I", _L: "L", _F: "F"}
 _F32 = torch.float32
@@ -147,3 +149,40 @@ def pre_norm_tail_args(h: torch.Tensor, y: torch.Tensor, out: torch.Tensor, boun
     b, d = h.shape[0], h.shape[2]
     scratch = torch.empty(max(b * per_row, 1), dtype=_F32)
     return (h.data_ptr(), y.data_ptr(), b, d, *static, scratch.data_ptr(), out.data_ptr()), scratch
+
+
+def bind_mlp_layer(d: int, norm: tuple[torch.Tensor, float], up: tuple, down: tuple, act: str):
+    """The static part of hc_pre_norm_mlp's arguments for a residual of width d: the norm's (scale [d], eps), the up
+    (weight [I, d], bias, scale) and down (weight [d, I], bias, scale) projections and the activation (MLP_ACTS).
+    Returns (d, static arguments, scratch floats per row) or None where the kernels do not take them."""
+    code = MLP_ACTS.get(act) if isinstance(act, str) else None
+    w_up, w_dn = up[0], down[0]
+    if code is None or not isinstance(w_up, torch.Tensor) or w_up.dim() != 2 or type(d) is not int:
+        return None
+    i = w_up.shape[0]
+    t_up, t_dn = _matrix(w_up, i, d, up[2]), _matrix(w_dn, d, i, down[2])
+    scale, eps = norm
+    if (
+        t_up is None
+        or t_dn is None
+        or not _vec(up[1], i)
+        or not _vec(down[1], d)
+        or scale is None
+        or not _vec(scale, d)
+        or not _real(eps)
+        or not 0 < (2 * d + 2 * i) * MAX_ROWS <= INT_MAX
+    ):
+        return None
+    static = (scale.data_ptr(), float(eps), i, w_up.data_ptr(), t_up, _ptr(up[2]), _ptr(up[1]))
+    return d, static + (w_dn.data_ptr(), t_dn, _ptr(down[2]), _ptr(down[1]), code), 2 * d + 2 * i
+
+
+def pre_norm_mlp_args(h: torch.Tensor, out: torch.Tensor, bound: tuple) -> tuple | None:
+    """hc_pre_norm_mlp's arguments: h, out [B, 1, D] (contiguous float32) and `bind_mlp_layer`'s binding; returns
+    (arguments, the scratch they point into) or None."""
+    d, static, per_row = bound
+    if not (_rows_ok(h) and _rows_ok(out) and h.shape == out.shape and h.shape[2] == d):
+        return None
+    b = h.shape[0]
+    scratch = torch.empty(b * per_row, dtype=_F32)
+    return (h.data_ptr(), b, d, *static, scratch.data_ptr(), out.data_ptr()), scratch

@@ -422,6 +422,7 @@ PROGRAM_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_op_count": (_I, []),
     "hc_layer_program": (_I, [_P, _P, _I, _P]),
     "hc_pre_norm_tail": (None, PRE_NORM_TAIL),
+    "hc_pre_norm_mlp": (None, [_P, _I, _I, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P]),
 }
 
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).

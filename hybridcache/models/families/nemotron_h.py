@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.accel import register_accel
+from hybridcache.accel.mlp_layer import MLPLayerAccel
 from hybridcache.accel.moe import latent_experts_accel
+from hybridcache.accel.pre_norm_layer import PreNormAccel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig, param
@@ -128,7 +130,7 @@ class ReluSquaredMLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
@@ -267,9 +269,23 @@ class NemotronHBlock(PreNormLayer):
     def pre_norm_parts(self) -> PreNormParts | None:  # a Mamba2 block: a pre-norm layer with no MLP branch
         return PreNormParts(self.norm, self.mixer, None, None) if self.kind == "linear_attention" else None
 
+    def mlp_layer_parts(self) -> tuple | None:  # an MLP block: (norm, the MLP, up, down, activation name)
+        if self.kind != "mlp" or type(self.mixer) is not ReluSquaredMLP:
+            return None
+        m = self.mixer
+        return self.norm, m, m.up_proj, m.down_proj, m.act_name
+
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         x = self.norm(h.to(self.norm.weight.dtype))
         return h + (self.mixer(x, layer, step) if self.kind in STATEFUL else self.mixer(x))
+
+
+def block_accel(block: NemotronHBlock) -> PreNormAccel:
+    """An MLP block's record is hc_pre_norm_mlp's (accel/mlp_layer.py); a Mamba2 block's the pre-norm layer's."""
+    return MLPLayerAccel(block) if block.kind == "mlp" else PreNormAccel(block)
+
+
+register_accel(NemotronHBlock, block_accel)
 
 
 class LayerRun:

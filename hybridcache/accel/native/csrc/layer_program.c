@@ -92,6 +92,31 @@
   X(const void *, w_dn, P) SEP() X(int, dn_type, I) SEP() X(const float *, dn_scale, P) SEP()                      \
   X(const float *, dn_bias, P) SEP() X(int, act, I) SEP() X(float *, scratch, P) SEP() X(float *, out, P)
 
+#define HC_PRE_NORM_MLP_FIELDS(X, SEP)                                                                             \
+  X(const float *, h, P) SEP() X(int, M, I) SEP() X(int, D, I) SEP() X(const float *, norm, P) SEP()               \
+  X(float, eps, F) SEP() X(int, I, I) SEP() X(const void *, w_up, P) SEP() X(int, up_type, I) SEP()                \
+  X(const float *, up_scale, P) SEP() X(const float *, up_bias, P) SEP() X(const void *, w_dn, P) SEP()            \
+  X(int, dn_type, I) SEP() X(const float *, dn_scale, P) SEP() X(const float *, dn_bias, P) SEP() X(int, act, I)   \
+  SEP() X(float *, scratch, P) SEP() X(float *, out, P)
+
+/* A pre-norm layer whose only branch is an ungated MLP (Nemotron-H's MLP blocks), M rows of D:
+   out = h + down(act(up(rms_norm(h) * norm))); act 0: squared ReLU as torch's relu then square (a NaN stays NaN).
+   The same kernels in the same order as the norm's, the projections' and the add of the module calls.
+   scratch: [M, 2 D + 2 I] floats. */
+void hc_pre_norm_mlp(HC_PRE_NORM_MLP_FIELDS(HC_REC_FIELD, HC_REC_COMMA)) {
+  size_t md = (size_t)M * D, mi = (size_t)M * I;
+  float *x = scratch, *u = x + md, *m = u + 2 * mi;
+  hc_rms_norm(h, norm, x, M, D, eps);
+  linear_any(up_type, x, w_up, u, up_scale, up_bias, M, I, D);
+  if (act == 0)
+    for (size_t i = 0; i < mi; i++) {
+      float r = u[i] < 0.0f ? 0.0f : u[i];
+      u[i] = r * r;
+    }
+  linear_any(dn_type, u, w_dn, m, dn_scale, dn_bias, M, D, I);
+  hc_residual_norm(h, m, NULL, 0.0f, NULL, 0.0f, out, NULL, M, D);
+}
+
 /* A pre-norm layer after its mixer, M rows of D: out = h + y without an MLP (w_gu NULL); else h1 = h + y,
    x = rms_norm(h1) * pre_mlp (NULL: x = h1), out = h1 + the gated MLP of x (hc_gated_mlp). The same kernels in the
    same order as residual_norm, GatedMLP and the final add. scratch: [M, 3 D + 3 I] floats (none without an MLP). */
@@ -117,6 +142,7 @@ typedef struct { HC_PRE_NORM_TAIL_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_pre_no
 typedef struct { HC_DELTA_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_delta_record;
 typedef struct { HC_RGLRU_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_rglru_record;
 typedef struct { HC_MAMBA_GROUPS_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_mamba_groups_record;
+typedef struct { HC_PRE_NORM_MLP_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_pre_norm_mlp_record;
 
 /* The op codes of hc_layer_program (accel/native/layer_program.py OPS lists them in this order; a new op goes at
    the end: a code keeps its meaning). */
@@ -131,6 +157,7 @@ enum {
   OP_DELTA,
   OP_RGLRU,
   OP_MAMBA_GROUPS,
+  OP_PRE_NORM_MLP,
   OP_COUNT
 };
 
@@ -139,7 +166,8 @@ enum {
   Y(OP_SHORT_CONV, hc_short_conv_record, HC_SHORT_CONV_FIELDS) Y(OP_MAMBA2, hc_mamba2_record, HC_MAMBA2_FIELDS)    \
   Y(OP_MAMBA, hc_mamba_record, HC_MAMBA_FIELDS) Y(OP_GATED_DELTA, hc_gated_delta_record, HC_GATED_DELTA_FIELDS)    \
   Y(OP_PRE_NORM_TAIL, hc_pre_norm_tail_record, HC_PRE_NORM_TAIL_FIELDS) Y(OP_DELTA, hc_delta_record, HC_DELTA_FIELDS) \
-  Y(OP_RGLRU, hc_rglru_record, HC_RGLRU_FIELDS) Y(OP_MAMBA_GROUPS, hc_mamba_groups_record, HC_MAMBA_GROUPS_FIELDS)
+  Y(OP_RGLRU, hc_rglru_record, HC_RGLRU_FIELDS) Y(OP_MAMBA_GROUPS, hc_mamba_groups_record, HC_MAMBA_GROUPS_FIELDS) \
+  Y(OP_PRE_NORM_MLP, hc_pre_norm_mlp_record, HC_PRE_NORM_MLP_FIELDS)
 #define HC_OP_CODES(OP, T, F) case OP: return F(HC_REC_CODE, HC_REC_NONE);
 #define HC_OP_NAMES(OP, T, F) case OP: return F(HC_REC_NAME_STR, HC_REC_NAME_SEP);
 #define HC_OP_SIZE(OP, T, F) case OP: return (int)sizeof(T);
@@ -215,6 +243,11 @@ int hc_layer_program(const int *ops, const void *const *records, int n, int *fai
     case OP_MAMBA_GROUPS: {
       const hc_mamba_groups_record *r = (const hc_mamba_groups_record *)records[i];
       hc_mamba_groups_step(HC_MAMBA_GROUPS_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_PRE_NORM_MLP: {
+      const hc_pre_norm_mlp_record *r = (const hc_pre_norm_mlp_record *)records[i];
+      hc_pre_norm_mlp(HC_PRE_NORM_MLP_FIELDS(HC_REC_ARG, HC_REC_COMMA));
       break;
     }
     default:
