@@ -112,11 +112,11 @@ def test_checkpoint_trails_and_crop_are_the_per_layer_ones(checkpoints, monkeypa
             if per_layer:
                 _per_layer(m)
             calls = _programs(m)
-            out = hc.generate(model, ids, max_new_tokens=6, cache_config=config)
+            out = hc.generate(model, ids, max_new_tokens=6, cache_config=config, decode_runs=False)  # (per step)
             state = _cache_state(out.cache)
             out.cache.crop(out.cache.seq.seen.max().item() - 2)
             cropped = _cache_state(out.cache)
-            more = hc.generate(model, out.sequences[:, :-2], max_new_tokens=4, cache=out.cache)
+            more = hc.generate(model, out.sequences[:, :-2], max_new_tokens=4, cache=out.cache, decode_runs=False)
             outs.append((out.logits, state, cropped, more.logits, _cache_state(more.cache), len(calls)))
     (a, sa, ca, ma, ea, na), (b, sb, cb, mb, eb, nb) = outs
     assert na > 0 and nb == 0
@@ -189,7 +189,7 @@ def test_a_failed_call_leaves_the_cache_as_it_was(checkpoints, monkeypatch):
 
     with monkeypatch.context() as m, pytest.raises(MemoryError, match="record 4"):
         m.setattr(layer_records, "call_program", fails)
-        hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache)
+        hc.generate(model, out.sequences, max_new_tokens=1, cache=out.cache, decode_runs=False)  # (not a run's)
     _same_cache(_cache_state(out.cache), before)
     again = hc.generate(model, out.sequences, max_new_tokens=3, cache=out.cache).logits
     fresh = hc.generate(model, ids, max_new_tokens=5).logits

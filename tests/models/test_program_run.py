@@ -62,19 +62,61 @@ def _same(got, want) -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("run_tokens, runs", [(128, [19]), (5, [5, 5, 5, 4])])
-def test_a_run_is_the_step_by_step_decode(family, monkeypatch, name, run_tokens, runs):
+def test_a_run_is_the_step_by_step_decode(family, monkeypatch, name, sampled, run_tokens, runs):
+    """Greedy: many steps per C call (hc_program_steps); sampled: one C call per step (ProgramRun.step)."""
     model, ids = family(name), prompts(1, 7, seed=5)
+    draw = {"do_sample": True, "seed": 3} if sampled else {}
     monkeypatch.setattr(FastPath, "run_tokens", run_tokens)
-    got, started = _generate(model, ids, monkeypatch, True, max_new_tokens=20)
-    want, none = _generate(model, ids, monkeypatch, False, max_new_tokens=20)
+    got, started = _generate(model, ids, monkeypatch, True, max_new_tokens=20, **draw)
+    want, none = _generate(model, ids, monkeypatch, False, max_new_tokens=20, **draw)
     assert started == runs and none == []  # 19 tokens fed after the prompt
     _same(got, want)
     # a continuation of each cache, by a run and step by step: the same again
-    more, started = _generate(model, got.sequences, monkeypatch, True, max_new_tokens=6, cache=got.cache)
-    again, _ = _generate(model, want.sequences, monkeypatch, False, max_new_tokens=6, cache=want.cache)
-    assert started == [5]  # the continuation's first block step by step, then a run of 5 steps
+    more, started = _generate(model, got.sequences, monkeypatch, True, max_new_tokens=6, cache=got.cache, **draw)
+    again, _ = _generate(model, want.sequences, monkeypatch, False, max_new_tokens=6, cache=want.cache, **draw)
+    # greedy: the uncached token and 5 more, in runs of 5 at most; sampled: the uncached token's block, then 5
+    assert started == ([5] if sampled else [6] if run_tokens > 6 else [5, 1])
     _same(more, again)
+
+
+@pytest.mark.parametrize("name", ["bamba", "mamba"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_stopped_by_eos(family, monkeypatch, name, sampled):
+    model, ids = family(name), prompts(1, 6, seed=7)
+    draw = {"do_sample": True, "seed": 3} if sampled else {}
+    want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=12, **draw)
+    eos = int(want.sequences[0, 6 + 5])  # the 6th token: the generation stops there
+    first = int((want.sequences[0, 6:] == eos).nonzero()[0])
+    kw = {"max_new_tokens": 12, "eos_token_id": [eos, 1], **draw}
+    got, started = _generate(model, ids, monkeypatch, True, **kw)
+    stopped, _ = _generate(model, ids, monkeypatch, False, **kw)
+    assert started == [11] and first <= 5
+    _same(got, stopped)
+    assert got.logits.shape[1] == first + 1
+
+
+def test_one_run_stepped_then_greedy(family, monkeypatch):
+    """A run's steps by `step` (one C call each) then by `greedy` (many per call) continue one another."""
+    model, ids = family("bamba"), prompts(1, 6, seed=13)
+    want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=12)
+    out = hc.generate(model, ids, max_new_tokens=1)
+    cache, tokens, logits = out.cache, [int(out.sequences[0, -1])], [out.logits[:, 0]]
+    with torch.no_grad(), layer_records.steady():
+        first = torch.tensor([[tokens[0]]])
+        run = decode_run.DecodeRun.start(model, cache, 11, first, model.embed(first))
+        assert isinstance(run, program_run.ProgramRun)
+        for _ in range(3):
+            t = torch.tensor([[tokens[-1]]])
+            logits.append(model.head(run.step(t, model.embed(t)))[:, -1])
+            tokens.append(int(logits[-1].argmax()))
+        more, rows = run.greedy(model, tokens[-1], 8, [], True)
+        run.finish()
+    assert run.steps == 11 and more.shape == (8,)
+    assert torch.equal(torch.tensor(tokens[1:] + more.tolist()), want.sequences[0, 7:])
+    assert torch.equal(torch.cat([*logits, rows]), want.logits[0])
+    _same_cache(cache, want.cache)
 
 
 @pytest.mark.parametrize("name", ["bamba", "lfm2"])
@@ -110,7 +152,7 @@ def test_moe_layers_decline(family, monkeypatch):
 
 
 class _FailingLibrary:
-    """The library, with hc_layer_program failing at its third call."""
+    """The library, with hc_layer_program failing at its third call, hc_program_steps after 2 steps."""
 
     def __init__(self, lib):
         self.lib, self.calls = lib, 0
@@ -122,25 +164,38 @@ class _FailingLibrary:
         self.calls += 1
         return -1 if self.calls == 3 else self.lib.hc_layer_program(*args)
 
+    def hc_program_steps(self, *args):
+        args = list(args)
+        args[18] = min(2, args[18])  # steps
+        self.calls += 1
+        self.lib.hc_program_steps(*args)
+        return -1
+
 
 @pytest.mark.parametrize("name", ["bamba", "mamba2"])
-def test_a_failed_run_leaves_the_cache_as_it_began_and_free(family, monkeypatch, name):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_failed_run_leaves_the_cache_as_it_began_and_free(family, monkeypatch, name, sampled):
+    """Greedy: the C loop fails after 2 steps; sampled: the third step's program call fails."""
     model, ids = family(name), prompts(1, 6, seed=9)
-    out = hc.generate(model, ids, max_new_tokens=3)
+    kw = {"do_sample": True, "seed": 1} if sampled else {}
+    out = hc.generate(model, ids, max_new_tokens=3, **kw)
     began = copy.deepcopy(out.cache)
-    hc.generate(model, out.sequences, max_new_tokens=1, cache=began)  # the continuation's first block, step by step
+    if sampled:  # its run begins after the continuation's first block (the uncached token); greedy's feeds it
+        hc.generate(model, out.sequences, max_new_tokens=1, cache=began, **kw)
     with monkeypatch.context() as m:
         lib = _FailingLibrary(program_run._library())
         m.setattr(program_run, "_library", lambda: lib)
-        with pytest.raises(MemoryError, match="hc_layer_program"):
-            hc.generate(model, out.sequences, max_new_tokens=8, cache=out.cache)
-    assert lib.calls == 3
+        with pytest.raises(MemoryError, match="hc_layer_program" if sampled else "hc_program_steps"):
+            hc.generate(model, out.sequences, max_new_tokens=8, cache=out.cache, **kw)
+    assert lib.calls == (3 if sampled else 1)
     _same_cache(out.cache, began)  # the steps that ran were never fed
-    fresh = hc.generate(model, ids, max_new_tokens=7)
+    fresh = hc.generate(model, ids, max_new_tokens=7, **kw)
     held = out.cache.columns
     more = fresh.sequences[:, : held + 1]  # one token it has not seen
-    again, started = _generate(model, more, monkeypatch, True, max_new_tokens=3, cache=out.cache)
-    assert started == [2] and torch.equal(again.sequences, fresh.sequences[:, : held + 4])
+    again, started = _generate(model, more, monkeypatch, True, max_new_tokens=3, cache=out.cache, **kw)
+    assert started == [2 if sampled else 3] and torch.equal(again.sequences[:, : held + 1], more)
+    if not sampled:  # (sampling draws from the seed anew: the same tokens only from the same start)
+        assert torch.equal(again.sequences, fresh.sequences[:, : held + 4])
 
 
 def test_a_run_refuses_what_does_not_fit(family):
@@ -156,6 +211,9 @@ def test_a_run_refuses_what_does_not_fit(family):
             run = decode_run.DecodeRun.start(model, cache, 4, first, model.embed(first))
             assert isinstance(run, program_run.ProgramRun)
             h = model.embed(first)
+            for bad in ((-1, 2, []), (model.vocab_size, 2, []), (5, 0, []), (5, 5, []), (5, 2, [-1]), (5, 2.0, [])):
+                with pytest.raises(ValueError, match="do not fit"):
+                    run.greedy(model, *bad, False)
             for bad_ids, bad_h in ((torch.tensor([[5, 6]]), h), (first, h[..., :-1]), (first, h.double())):
                 with pytest.raises(ValueError, match="ProgramRun.step"):
                     run.step(bad_ids, bad_h)
@@ -163,5 +221,7 @@ def test_a_run_refuses_what_does_not_fit(family):
             run.abandon()
             with pytest.raises(RuntimeError, match="over"):
                 run.step(first, h)
+            with pytest.raises(RuntimeError, match="over"):
+                run.greedy(model, 5, 1, [], False)
     assert state_equal(cache.snapshot(), before)
     cache.restore(before)  # free

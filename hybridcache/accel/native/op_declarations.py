@@ -421,6 +421,12 @@ PROGRAM_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_op_record_size": (_I, [_I]),
     "hc_op_count": (_I, []),
     "hc_layer_program": (_I, [_P, _P, _I, _P]),
+    # accel/program_run.py: greedy decode steps of one row over a layer program, its embedding and head
+    "hc_program_steps": (
+        _I,
+        [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I, _P, _L, _F, _P, _F, _P]
+        + [_I, _P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _L, _P, _P],
+    ),
     "hc_pre_norm_tail": (None, PRE_NORM_TAIL),
     "hc_pre_norm_mlp": (None, [_P, _I, _I, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P]),
 }

@@ -70,3 +70,11 @@ class SSMLM(HybridLM):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.backbone.norm_f(h).to(self.dtype))  # [B, T, V]
+
+    def embed_head_parts(self) -> tuple | None:
+        """(the embedding module, its multiplier 1.0, the final norm, lm_head) for a greedy C loop
+        (accel/embed_head.py; float32: the head's cast is then none), or None where they are computed otherwise."""
+        cls = type(self)
+        if cls.embed is not SSMLM.embed or cls.head is not SSMLM.head or self.dtype != torch.float32:
+            return None
+        return self.backbone.embeddings, 1.0, self.backbone.norm_f, self.lm_head

@@ -93,3 +93,11 @@ class StackLM(HybridLM):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(getattr(self.model, self.final_norm_name)(h))  # [B, T, V]
+
+    def embed_head_parts(self) -> tuple | None:
+        """(the embedding module, its multiplier 1.0, the final norm, lm_head) for a greedy C loop
+        (accel/embed_head.py), or None where a family computes its embedding or head its own way."""
+        cls = type(self)
+        if cls.embed is not HybridLM.embed or cls.head is not StackLM.head:
+            return None
+        return self.model.embed_tokens, 1.0, getattr(self.model, self.final_norm_name), self.lm_head

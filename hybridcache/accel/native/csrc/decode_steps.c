@@ -100,6 +100,48 @@ int hc_decoder_stack(const hc_layer_record *layers, int n, int *failed) {
   return 0;
 }
 
+/* x [Dm] = row `tok` of the embedding `embed` [vocab, Dm] of embed_type (3: q8_0, 2: int8, 1: bfloat16, 0: float32),
+   widened, times its row scale embed_rs when given, times embed_scale: as the model's embedding (the caller checked
+   tok). Shared by the greedy loops (hc_decode_steps, hc_program_steps). */
+static void embed_row(float *x, const void *embed, int embed_type, const float *embed_rs, int64_t tok, int Dm,
+                      float embed_scale) {
+  size_t at = (size_t)tok * Dm;
+  if (embed_type == 3) { /* q8_0 rows: each block of 32 times its float16 scale, then the multiplier (as torch) */
+    const int8_t *row = (const int8_t *)embed + at;
+    const uint16_t *bs = (const uint16_t *)embed_rs + (size_t)tok * (Dm / Q8_BLOCK);
+    for (int d = 0; d < Dm; d++) x[d] = ((float)row[d] * half_to_float(bs[d / Q8_BLOCK])) * embed_scale;
+  } else if (embed_type == 2) { /* int8 rows widened, times their scale, then the multiplier (two roundings, as torch) */
+    const int8_t *row = (const int8_t *)embed + at;
+    float rs = embed_rs ? embed_rs[tok] : 1.0f;
+    for (int d = 0; d < Dm; d++) x[d] = embed_rs ? ((float)row[d] * rs) * embed_scale : (float)row[d] * embed_scale;
+  } else if (embed_type == 1) { /* bfloat16 rows widened (exact) */
+    const uint16_t *row = (const uint16_t *)embed + at;
+    for (int d = 0; d < Dm; d++) {
+      union { uint32_t u; float f; } w = {(uint32_t)row[d] << 16};
+      x[d] = w.f * embed_scale;
+    }
+  } else {
+    const float *row = (const float *)embed + at;
+    for (int d = 0; d < Dm; d++) x[d] = row[d] * embed_scale;
+  }
+}
+
+/* The head of a greedy step: the final RMSNorm of last [Dm] (norm_w NULL: none) into normed, the head (w_head [V, Dm]
+   of head_type) into out [V], its first largest value's index into *tok (hc_argmax_rows, as greedy decoding). 0, or
+   -3 where the chosen logit is not finite (a NaN, +inf, or -inf everywhere: no next token). */
+static int head_choose(const float *last, const float *norm_w, float norm_eps, float *normed, const void *w_head,
+                       int head_type, const float *head_scale, const float *head_bias, int V, int Dm, float *out,
+                       int64_t *tok) {
+  const float *h = last;
+  if (norm_w) {
+    hc_rms_norm(last, norm_w, normed, 1, Dm, norm_eps);
+    h = normed;
+  }
+  linear_any(head_type, h, w_head, out, head_scale, head_bias, 1, V, Dm);
+  hc_argmax_rows(out, tok, 1, V);
+  return isfinite(out[*tok]) ? 0 : -3;
+}
+
 /* Greedy decode steps of one row in one call (accel/decode_run.py): no interpreter between steps. From token
    `first`, step j embeds its token (row of `embed` [vocab, Dm] of embed_type, widened, times its row scale
    embed_rs [vocab] when given, times embed_scale: as the model's embedding) into x [Dm], runs the n layer records (hc_decoder_stack's, as built for the run's first step: step j moves each one's
@@ -125,25 +167,7 @@ int hc_decode_steps(const hc_layer_record *layers, int n, int from, const int *r
   int64_t tok = first;
   for (int j = 0; j < steps; j++) {
     if (tok < 0 || tok >= vocab) return -2;
-    size_t at = (size_t)tok * Dm;
-    if (embed_type == 3) { /* q8_0 rows: each block of 32 times its float16 scale, then the multiplier (as torch) */
-      const int8_t *row = (const int8_t *)embed + at;
-      const uint16_t *bs = (const uint16_t *)embed_rs + (size_t)tok * (Dm / Q8_BLOCK);
-      for (int d = 0; d < Dm; d++) x[d] = ((float)row[d] * half_to_float(bs[d / Q8_BLOCK])) * embed_scale;
-    } else if (embed_type == 2) { /* int8 rows widened, times their scale, then the multiplier (two roundings, as torch) */
-      const int8_t *row = (const int8_t *)embed + at;
-      float rs = embed_rs ? embed_rs[tok] : 1.0f;
-      for (int d = 0; d < Dm; d++) x[d] = embed_rs ? ((float)row[d] * rs) * embed_scale : (float)row[d] * embed_scale;
-    } else if (embed_type == 1) { /* bfloat16 rows widened (exact) */
-      const uint16_t *row = (const uint16_t *)embed + at;
-      for (int d = 0; d < Dm; d++) {
-        union { uint32_t u; float f; } w = {(uint32_t)row[d] << 16};
-        x[d] = w.f * embed_scale;
-      }
-    } else {
-      const float *row = (const float *)embed + at;
-      for (int d = 0; d < Dm; d++) x[d] = row[d] * embed_scale;
-    }
+    embed_row(x, embed, embed_type, embed_rs, tok, Dm, embed_scale);
     for (int i = 0; i < n; i++) {
       hc_layer_record rec = layers[i], *r = &rec;
       if (i == 0) rec.x = x;
@@ -155,14 +179,7 @@ int hc_decode_steps(const hc_layer_record *layers, int n, int from, const int *r
       if (hc_decoder_layer(HC_LAYER_RECORD(HC_REC_ARG, HC_REC_COMMA))) return -1;
     }
     float *out = logits + (keep ? (size_t)j * V : 0);
-    const float *h = last;
-    if (norm_w) {
-      hc_rms_norm(last, norm_w, normed, 1, Dm, norm_eps);
-      h = normed;
-    }
-    linear_any(head_type, h, w_head, out, head_scale, head_bias, 1, V, Dm);
-    hc_argmax_rows(out, &tok, 1, V);
-    if (!isfinite(out[tok])) return -3; /* a NaN (argmax takes the first), +inf, or -inf everywhere: no next token */
+    if (head_choose(last, norm_w, norm_eps, normed, w_head, head_type, head_scale, head_bias, V, Dm, out, &tok)) return -3;
     tokens[j] = tok;
     *done = j + 1;
     for (int e = 0; e < n_eos; e++)

@@ -260,3 +260,52 @@ int hc_layer_program(const int *ops, const void *const *records, int n, int *fai
   }
   return 0;
 }
+
+/* Greedy decode steps of one row over a layer program (accel/program_run.py): hc_decode_steps's loop, the layers
+   being hc_layer_program's records. Step jj (the run's step s = from + jj) embeds its token into x [Dm] (the input
+   the program's first records read; embed_row), moves the records in place: each attention record records[att[a]]
+   to slot held[a] + s of S = held[a] + s + 1, query position qpos + jj and row jj of the [steps, rot] rotary tables
+   cos_tabs / sin_tabs[rope[a]] (rope[a] < 0: none); each state pointer (the pointer field at byte offset mv_off[m] of
+   records[mv_rec[m]]) to buffer (s - 1) mod mv_size[m] (mv_write[m] 0: the state the step reads) or s mod
+   mv_size[m] (1: the one it writes) of the ring at mv_base[m], buffers mv_stride[m] bytes apart. Then it runs the
+   program, and the final norm, head and argmax read its output `last` [Dm] (head_choose). Returns as
+   hc_decode_steps (-1: a record failed). The caller checked every record, offset, ring, table and buffer. */
+int hc_program_steps(const int *ops, void *const *records, int n, int from, const int *att, const long *held,
+                     const int *rope, int n_att, const float *const *cos_tabs, const float *const *sin_tabs,
+                     const int64_t *qpos, const int *mv_rec, const long *mv_off, char *const *mv_base,
+                     const long *mv_stride, const int *mv_size, const int *mv_write, int n_mv, int steps,
+                     const void *embed, int embed_type, const float *embed_rs, long vocab, float embed_scale,
+                     const float *norm_w, float norm_eps, const void *w_head, int head_type, const float *head_scale,
+                     const float *head_bias, int V, float *x, const float *last, int Dm, float *normed, float *logits,
+                     int keep, const int64_t *eos, int n_eos, int64_t first, int64_t *tokens, int *done) {
+  *done = 0;
+  if (n < 1 || steps < 1) return 0;
+  int64_t tok = first;
+  for (int jj = 0; jj < steps; jj++) {
+    long s = (long)from + jj;
+    if (tok < 0 || tok >= vocab) return -2;
+    embed_row(x, embed, embed_type, embed_rs, tok, Dm, embed_scale);
+    for (int a = 0; a < n_att; a++) {
+      hc_layer_record *r = (hc_layer_record *)records[att[a]];
+      r->slot = held[a] + s, r->S = (int)(held[a] + s + 1), r->qpos = qpos + jj;
+      if (rope[a] >= 0) {
+        r->cos_t = cos_tabs[rope[a]] + (size_t)jj * r->rot;
+        r->sin_t = sin_tabs[rope[a]] + (size_t)jj * r->rot;
+      }
+    }
+    for (int m = 0; m < n_mv; m++) {
+      long size = mv_size[m], at = mv_write[m] ? s % size : (s - 1 + size) % size;
+      char *p = mv_base[m] + at * mv_stride[m];
+      memcpy((char *)records[mv_rec[m]] + mv_off[m], &p, sizeof p);
+    }
+    int failed = -1;
+    if (hc_layer_program(ops, (const void *const *)records, n, &failed)) return -1;
+    float *out = logits + (keep ? (size_t)jj * V : 0);
+    if (head_choose(last, norm_w, norm_eps, normed, w_head, head_type, head_scale, head_bias, V, Dm, out, &tok)) return -3;
+    tokens[jj] = tok;
+    *done = jj + 1;
+    for (int e = 0; e < n_eos; e++)
+      if (eos[e] == tok) return jj + 1;
+  }
+  return steps;
+}
