@@ -2,7 +2,8 @@
 delta variants (Qwen3.5, OLMo-Hybrid's Gated DeltaNet, Kimi's and Bailing's KDA: hc_delta_step records) and
 RecurrentGemma's RG-LRU block (hc_rglru_step records), each layer as its input norm, one-call mixer step and tail;
 and Nemotron-H's blocks (the model offers the fast path its blocks, each with its run's cache entry): a Mamba2 block
-is a pre-norm layer with no MLP branch, an MLP block one hc_pre_norm_mlp record (norm, up, squared ReLU, down, add).
+is a pre-norm layer with no MLP branch, an MLP block one hc_pre_norm_mlp record (norm, up, squared ReLU, down, add);
+LFM3's conv layers with sandwich norms (input norm, short conv step, hc_sandwich_tail).
 The oracle is the per-layer path (`record_step` off: every layer its own module call, the mixers' one-call steps
 still run): logits, tokens and every cache state must be bit-identical, and the tokens equal to HF transformers'.
 Whatever the program does not take (MLA attention, a MoE MLP, OLMo's post-norm attention layers) runs as its module
@@ -27,14 +28,18 @@ FAMILIES = {
     "kimi_linear": ("delta",),
     "bailing_hybrid": ("delta",),
     "recurrentgemma": ("rglru",),
-    "nemotron_h": ("mamba2", "pre_norm_mlp"),  # (Mamba2 blocks: pre-norm layers with no MLP; MLP blocks: no mixer)
+    "nemotron_h": ("mamba2", "pre_norm_mlp"),
+    "lfm3": (
+        "short_conv",
+        "sandwich_tail",
+    ),  # (its conv layers with sandwich norms)  # (Mamba2 blocks: pre-norm layers with no MLP; MLP blocks: no mixer)
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_program_is_the_per_layer_calls(checkpoints, monkeypatch, family):
     model = hc.from_pretrained(checkpoints(family))
-    assert any(isinstance(b.__dict__.get("accel"), PreNormAccel) for b in model.modules())
+    assert any(isinstance(b.__dict__.get("accel"), PreNormAccel) for b in model.modules())  # (or a subclass)
     ids, mask = left_padded(2, 7, seed=5)
     new = 10
     outs = []
@@ -54,7 +59,7 @@ def test_the_program_is_the_per_layer_calls(checkpoints, monkeypatch, family):
     _same_cache(_cache_state(got.cache), _cache_state(want.cache))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "recurrentgemma", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5", "recurrentgemma", "nemotron_h", "lfm3"])
 def test_the_program_gives_hf_tokens(checkpoints, family):
     import transformers
 

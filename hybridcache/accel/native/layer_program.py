@@ -32,6 +32,7 @@ OPS = {
     "rglru": "hc_rglru_step",
     "mamba_groups": "hc_mamba_groups_step",
     "pre_norm_mlp": "hc_pre_norm_mlp",
+    "sandwich_tail": "hc_sandwich_tail",
 }
 MLP_ACTS = {"relu2": 0}  # the ungated MLP activations hc_pre_norm_mlp computes -> its code
 CODES = {name: i for i, name in enumerate(OPS)}
@@ -186,3 +187,26 @@ def pre_norm_mlp_args(h: torch.Tensor, out: torch.Tensor, bound: tuple) -> tuple
     b = h.shape[0]
     scratch = torch.empty(b * per_row, dtype=_F32)
     return (h.data_ptr(), b, d, *static, scratch.data_ptr(), out.data_ptr()), scratch
+
+
+def bind_sandwich_tail(d: int, post: tuple | None, mid: tuple, post_mlp: tuple | None):
+    """hc_sandwich_tail's static arguments: a post norm's (scale [d], eps) after the mixer and after the MLP (None:
+    none) around `bind_tail`'s binding of the MLP branch (with its norm); None where the kernels do not take them."""
+    static, per_row = mid
+    if static[3] is None or any(
+        n is not None and not (_vec(n[0], d) and n[0] is not None and _real(n[1])) for n in (post, post_mlp)
+    ):
+        return None
+    (p, p_eps), (q, q_eps) = post or (None, 0.0), post_mlp or (None, 0.0)
+    return (_ptr(p), float(p_eps), *static, _ptr(q), float(q_eps)), per_row
+
+
+def sandwich_tail_args(h: torch.Tensor, y: torch.Tensor, out: torch.Tensor, bound: tuple) -> tuple | None:
+    """hc_sandwich_tail's arguments: h, y, out [B, 1, D] (contiguous float32) and `bind_sandwich_tail`'s binding;
+    returns (arguments, the scratch they point into) or None."""
+    static, per_row = bound
+    if not (_rows_ok(h) and _rows_ok(y) and _rows_ok(out) and h.shape == y.shape == out.shape):
+        return None
+    b, d = h.shape[0], h.shape[2]
+    scratch = torch.empty(b * per_row, dtype=_F32)
+    return (h.data_ptr(), y.data_ptr(), b, d, *static, scratch.data_ptr(), out.data_ptr()), scratch

@@ -15,6 +15,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hybridcache.accel import register_accel
+from hybridcache.accel.sandwich_program import SandwichProgramAccel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
@@ -23,6 +25,7 @@ from hybridcache.models.core.stack import StackLM
 from hybridcache.models.families.lfm2 import ShortConv
 from hybridcache.nn import AttentionMixer, GatedMLP, RMSNorm, RotaryEmbedding, StepInput, residual_norm
 from hybridcache.nn.attention.rotary import rope_frequencies
+from hybridcache.nn.core.sandwich import SandwichParts
 
 NATIVE_TYPE = {"conv": "conv", "full_attention": "full", "sliding_attention": "sliding"}
 DEFAULT_ROPE = {
@@ -112,11 +115,20 @@ class Lfm3DecoderLayer(nn.Module):
         self.post_operator_norm = RMSNorm(d, eps) if sandwich else None
         self.post_ffn_norm = RMSNorm(d, eps) if sandwich else None
 
+    def sandwich_parts(self) -> SandwichParts | None:  # a conv layer's modules by role (the conv as the mixer)
+        if self.kind != "conv":
+            return None
+        ops, ffn = (self.operator_norm, self.conv, self.post_operator_norm), (self.ffn_norm, self.feed_forward)
+        return SandwichParts(*ops, *ffn, self.post_ffn_norm)
+
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
         operator = self.conv if self.kind == "conv" else self.self_attn
         h, x = residual_norm(h, operator(self.operator_norm(h), layer, step), self.post_operator_norm, self.ffn_norm)
         h, _ = residual_norm(h, self.feed_forward(x), self.post_ffn_norm, None)
         return h
+
+
+register_accel(Lfm3DecoderLayer, SandwichProgramAccel)  # (its conv layers as records of a many-layer step)
 
 
 @register_family("lfm3")

@@ -117,6 +117,26 @@ void hc_pre_norm_mlp(HC_PRE_NORM_MLP_FIELDS(HC_REC_FIELD, HC_REC_COMMA)) {
   hc_residual_norm(h, m, NULL, 0.0f, NULL, 0.0f, out, NULL, M, D);
 }
 
+#define HC_SANDWICH_TAIL_FIELDS(X, SEP)                                                                            \
+  X(const float *, h, P) SEP() X(const float *, y, P) SEP() X(int, M, I) SEP() X(int, D, I) SEP()                  \
+  X(const float *, post, P) SEP() X(float, post_eps, F) SEP() X(const float *, pre_mlp, P) SEP()                   \
+  X(float, pre_mlp_eps, F) SEP() X(int, I, I) SEP() X(const void *, w_gu, P) SEP() X(int, gu_type, I) SEP()        \
+  X(const float *, gu_scale, P) SEP() X(const float *, gu_bias, P) SEP() X(const void *, w_dn, P) SEP()            \
+  X(int, dn_type, I) SEP() X(const float *, dn_scale, P) SEP() X(const float *, dn_bias, P) SEP() X(int, act, I)   \
+  SEP() X(const float *, post_mlp, P) SEP() X(float, post_mlp_eps, F) SEP() X(float *, scratch, P) SEP()           \
+  X(float *, out, P)
+
+/* A sandwich-norm layer after its (recurrent) mixer, M rows of D (LFM3's conv layers): h1 = h + post(y), x =
+   rms_norm(h1) * pre_mlp, out = h1 + post_mlp(the gated MLP of x); a post norm NULL: none. hc_decoder_tail without
+   its o_proj: the same kernels in the same order as the module calls. scratch: [M, 3 D + 3 I] floats. */
+void hc_sandwich_tail(HC_SANDWICH_TAIL_FIELDS(HC_REC_FIELD, HC_REC_COMMA)) {
+  size_t md = (size_t)M * D;
+  float *h1 = scratch, *x = h1 + md, *m = x + md, *mlp = m + md;
+  hc_residual_norm(h, y, post, post_eps, pre_mlp, pre_mlp_eps, h1, x, M, D);
+  hc_gated_mlp(x, M, D, I, w_gu, gu_type, gu_scale, gu_bias, w_dn, dn_type, dn_scale, dn_bias, act, mlp, m);
+  hc_residual_norm(h1, m, post_mlp, post_mlp_eps, NULL, 0.0f, out, NULL, M, D);
+}
+
 /* A pre-norm layer after its mixer, M rows of D: out = h + y without an MLP (w_gu NULL); else h1 = h + y,
    x = rms_norm(h1) * pre_mlp (NULL: x = h1), out = h1 + the gated MLP of x (hc_gated_mlp). The same kernels in the
    same order as residual_norm, GatedMLP and the final add. scratch: [M, 3 D + 3 I] floats (none without an MLP). */
@@ -143,6 +163,7 @@ typedef struct { HC_DELTA_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_delta_record;
 typedef struct { HC_RGLRU_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_rglru_record;
 typedef struct { HC_MAMBA_GROUPS_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_mamba_groups_record;
 typedef struct { HC_PRE_NORM_MLP_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_pre_norm_mlp_record;
+typedef struct { HC_SANDWICH_TAIL_FIELDS(HC_REC_FIELD, HC_REC_SEMI); } hc_sandwich_tail_record;
 
 /* The op codes of hc_layer_program (accel/native/layer_program.py OPS lists them in this order; a new op goes at
    the end: a code keeps its meaning). */
@@ -158,6 +179,7 @@ enum {
   OP_RGLRU,
   OP_MAMBA_GROUPS,
   OP_PRE_NORM_MLP,
+  OP_SANDWICH_TAIL,
   OP_COUNT
 };
 
@@ -167,7 +189,8 @@ enum {
   Y(OP_MAMBA, hc_mamba_record, HC_MAMBA_FIELDS) Y(OP_GATED_DELTA, hc_gated_delta_record, HC_GATED_DELTA_FIELDS)    \
   Y(OP_PRE_NORM_TAIL, hc_pre_norm_tail_record, HC_PRE_NORM_TAIL_FIELDS) Y(OP_DELTA, hc_delta_record, HC_DELTA_FIELDS) \
   Y(OP_RGLRU, hc_rglru_record, HC_RGLRU_FIELDS) Y(OP_MAMBA_GROUPS, hc_mamba_groups_record, HC_MAMBA_GROUPS_FIELDS) \
-  Y(OP_PRE_NORM_MLP, hc_pre_norm_mlp_record, HC_PRE_NORM_MLP_FIELDS)
+  Y(OP_PRE_NORM_MLP, hc_pre_norm_mlp_record, HC_PRE_NORM_MLP_FIELDS)                                                \
+  Y(OP_SANDWICH_TAIL, hc_sandwich_tail_record, HC_SANDWICH_TAIL_FIELDS)
 #define HC_OP_CODES(OP, T, F) case OP: return F(HC_REC_CODE, HC_REC_NONE);
 #define HC_OP_NAMES(OP, T, F) case OP: return F(HC_REC_NAME_STR, HC_REC_NAME_SEP);
 #define HC_OP_SIZE(OP, T, F) case OP: return (int)sizeof(T);
@@ -248,6 +271,11 @@ int hc_layer_program(const int *ops, const void *const *records, int n, int *fai
     case OP_PRE_NORM_MLP: {
       const hc_pre_norm_mlp_record *r = (const hc_pre_norm_mlp_record *)records[i];
       hc_pre_norm_mlp(HC_PRE_NORM_MLP_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_SANDWICH_TAIL: {
+      const hc_sandwich_tail_record *r = (const hc_sandwich_tail_record *)records[i];
+      hc_sandwich_tail(HC_SANDWICH_TAIL_FIELDS(HC_REC_ARG, HC_REC_COMMA));
       break;
     }
     default:

@@ -1,0 +1,82 @@
+"""The fast path of a sandwich-norm decoder layer whose mixer is recurrent (LFM3's conv layers), as records of a decode
+step's one C call over many layers (layer_records.py):
+
+    h1 = h + post_mixer(mixer(input_norm(h)))        out = h1 + post_mlp(mlp(pre_mlp(h1)))
+
+three records of csrc/layer_program.c: the input RMSNorm, the mixer's one-call step (recurrent_mixers.py `prepare`)
+and hc_sandwich_tail (hc_decoder_tail without its o_proj). The same kernels in the same order as the module calls,
+so the same bits; the new states go to the cache by `update` after the call, as pre_norm_layer.py's. The layer names
+its parts as a SandwichParts (`layer.sandwich_parts()`, the mixer in the attention's role). An attention mixer, a
+MoE or another MLP, a norm of another kind, hooks inside the layer or a prefill decline: the module call runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridcache.accel.native.layer_program import (
+    CODES,
+    bind_sandwich_tail,
+    record_types,
+    rms_norm_args,
+    sandwich_tail_args,
+)
+from hybridcache.accel.pre_norm_layer import PreNormAccel, _bind_mlp, _hooked
+from hybridcache.accel.recurrent_mixers import STEPS, RecurrentAccel
+from hybridcache.nn.core.common import StepInput
+from hybridcache.nn.core.norms import kernel_args, kernel_plain
+from hybridcache.nn.core.pre_norm import PreNormParts
+
+_F32 = torch.float32
+
+
+class SandwichProgramAccel(PreNormAccel):
+    """`layer.accel`: `binding` and `record` as layer_records.py asks (registered by the family's model file)."""
+
+    def binding(self, x: torch.Tensor, cache_layer):
+        """("recurrent", the mixer's accel, the input norm's (scale, eps), the bound sandwich tail) for inputs like
+        x [B, 1, D]; None where the kernels do not take them."""
+        p = self.layer.sandwich_parts()
+        if p is None or x.dtype is not _F32 or x.dim() != 3 or record_types() is None:
+            return None
+        if _hooked(p.input_norm, p.attn, p.post_attn, p.pre_mlp, p.mlp, p.post_mlp):
+            return None
+        fast = p.attn.__dict__.get("accel")
+        norms = (p.input_norm, p.post_attn, p.pre_mlp, p.post_mlp)
+        if not isinstance(fast, RecurrentAccel) or p.input_norm is None or not all(map(kernel_plain, norms)):
+            return None
+        mid = _bind_mlp(x.shape[2], PreNormParts(p.input_norm, p.attn, p.pre_mlp, p.mlp))
+        post, post_mlp = (None if n is None else kernel_args(n) for n in (p.post_attn, p.post_mlp))
+        tail = None if mid is None or p.mlp is None else bind_sandwich_tail(x.shape[2], post, mid, post_mlp)
+        return None if tail is None else ("recurrent", fast, kernel_args(p.input_norm), tail)
+
+    def record(self, x: torch.Tensor, y: torch.Tensor, cache_layer, step: StepInput, binding=None):
+        """This layer's eager decode step as records: (program, the tensors it points into, (cache layer, the new
+        states to hand it after the call)), or None (nothing done: run the module)."""
+        bound = self.binding(x, cache_layer) if binding is None else binding
+        if bound is None:
+            return None
+        _, fast, (scale, eps), tail = bound
+        xn = torch.empty(x.shape, dtype=_F32)  # the input norm's output, the mixer's input
+        got = fast.prepare(xn, cache_layer, step)
+        if got is None:
+            return None
+        kind, args, names = got
+        prepared = STEPS[kind][1](*args)
+        if prepared is None:
+            return None
+        c_args, (y_mix, *states), alive = prepared
+        norm = rms_norm_args(x, scale, eps, xn)
+        tail_args = sandwich_tail_args(x, y_mix, y, tail)
+        if norm is None or tail_args is None:
+            return None
+        program = [(CODES["rms_norm"], norm), (CODES[kind], c_args), (CODES["sandwich_tail"], tail_args[0])]
+        news = dict(zip(names, states, strict=True))
+        # (the step's arguments too: a state codec decodes the states into tensors only they hold)
+        return program, (x, y, xn, alive, y_mix, tail_args[1], args), (cache_layer, news)
+
+    def separate(self, h: torch.Tensor, cache_layer, step: StepInput, reserved):
+        raise RuntimeError("a recurrent sandwich layer reserves no slot: its record never asks for the separate path")
+
+    def rotary(self):
+        return None
