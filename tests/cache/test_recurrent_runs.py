@@ -78,6 +78,7 @@ def test_an_abandoned_run_leaves_the_cache_as_it_was():
                 r.write(j)[name].copy_(t)
     cache.feed_reserved(None)
     assert state_equal(cache.snapshot(), before)
+    assert all(layer.__dict__.get("_run_states") is None for layer in cache.layers)  # its buffers let go
     _stepwise(cache, _ids(2, 1, 1), 4)  # free, and feeds as before
 
 

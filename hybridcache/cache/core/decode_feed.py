@@ -60,7 +60,13 @@ def feed_reserved(cache: Any, ids: torch.Tensor | None) -> None:
         if ids is not None:
             _feed(cache, ids)
     finally:
+        for layer in cache.layers:  # (a recurrent layer lets go of its run's state buffers)
+            getattr(layer, "end_reservation", _nothing)()
         cache._release()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _feed(cache: Any, ids: torch.Tensor) -> None:

@@ -313,6 +313,10 @@ class RecurrentCacheLayer(CacheLayer):
         self._staged = StateWrite(run.write(n - 1), trail)
         return self._staged
 
+    def end_reservation(self) -> None:
+        """Let go of the state buffers `reserve_slots` gave a run (Cache.feed_reserved calls it, fed or not)."""
+        self._run_states = None
+
     def _check_states(self, new_states: dict[str, Any], extra: int | None = None) -> None:
         expected = self.spec.state_shapes()
         what = "state" if extra is None else "trail state"
