@@ -16,6 +16,7 @@ import hybridcache as hc
 from hybridcache.accel import kernel_status
 from hybridcache.accel.native import layer_program
 from hybridcache.accel.pre_norm_layer import PreNormAccel
+from hybridcache.accel.recurrent_mixers import STEPS
 from tests.models.conftest import hf_generate, left_padded, prompts
 from tests.models.test_pre_norm_records import _cache_state, _per_layer, _programs, _same_cache
 
@@ -164,3 +165,51 @@ def test_the_mlp_layer_record_refuses_what_it_does_not_take_and_computes_the_blo
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * scale.double()
     want = h.double() + torch.relu(x @ w_up.double().T + bias.double()).square() @ w_dn.double().T
     torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-5)
+
+
+class _States:
+    """A recurrent cache layer as the one-call steps see it (accel/slots.py StateSlots), holding given states."""
+
+    def __init__(self, states: dict) -> None:
+        self._states = states
+
+    @property
+    def states(self) -> dict:
+        return self._states
+
+    def update(self, valid=None, trail=None, **new_states) -> None:
+        self._states = new_states
+
+    def trail_length(self, tokens: int) -> int:
+        return 0
+
+
+class _Step:
+    all_real = True
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+
+
+@pytest.mark.parametrize(
+    ("family", "kind"), [("zamba", "mamba_groups"), ("recurrentgemma", "rglru"), ("qwen3_5", "delta")]
+)
+def test_a_mixer_record_is_its_one_call_step(checkpoints, family, kind):
+    """Each mixer's record run by hc_layer_program gives its one-call step's bits (output and new states), from
+    random states and input (Zamba's grouped Mamba1 has no layer shape that records yet: this is its record's test)."""
+    model = hc.from_pretrained(checkpoints(family))
+    fast = next(m.accel for m in model.modules() if "accel" in m.__dict__ and getattr(m.accel, "prepare", None))
+    g = torch.Generator().manual_seed(1)
+    cache = model.make_cache(2)
+    layer = next(c for c in cache.layers if c.kind == "recurrent")
+    states = {name: torch.randn(t.shape, generator=g) for name, t in layer.states.items()}  # [2, ...] each
+    h, step = torch.randn(2, 1, model.cfg.hidden_size, generator=g), _Step(torch.tensor([[4], [0]]))
+    with torch.no_grad():  # (an inference step: the one-call steps decline under autograd)
+        got = fast.prepare(h, _States(states), step)
+        assert got is not None and got[0] == kind
+        _, args, names = got
+        want = STEPS[kind][0](*args)  # the one-call step
+        c_args, outs, _alive = STEPS[kind][1](*args)
+        layer_program.call_program([(layer_program.CODES[kind], c_args)])
+    assert len(outs) == len(want) == len(names) + 1
+    assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
