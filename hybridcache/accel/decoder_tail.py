@@ -56,7 +56,7 @@ def bound_tail(
     """decoder_tail's call bound to these modules (fused.py bind_decoder_tail) for a residual of width d
     and an attention output of `width`, kept in `memo`; None: the kernel does not take them. A decoder layer that
     runs its whole decode step in one call (decoder_layer.py) ends with it."""
-    down = mlp._modules.get("down_proj") if type(mlp) is GatedMLP else None
+    down = mlp._modules.get("down_proj") if _gated(mlp) else None
     f = mlp.gate_up._fused if down is not None else None
     key = (
         d,
@@ -77,6 +77,11 @@ def bound_tail(
     return memo.get(key, lambda: _bind(d, width, o_proj, post_attn, pre_mlp, mlp, post_mlp))
 
 
+def _gated(mlp: nn.Module) -> bool:
+    """Whether `mlp` computes GatedMLP's forward (a subclass with its own forward says not: computes_gated_mlp)."""
+    return isinstance(mlp, GatedMLP) and mlp.computes_gated_mlp
+
+
 def _linear(lin: nn.Module | None) -> tuple[torch.Tensor | None, ...]:
     """A projection's weight, bias and per-row scale (int8), as the kernels take them."""
     if lin is None:
@@ -87,7 +92,7 @@ def _linear(lin: nn.Module | None) -> tuple[torch.Tensor | None, ...]:
 def _takes(o_proj, post_attn, pre_mlp, mlp, post_mlp) -> tuple | None:
     """(gate / up parts, down projection) when the kernel computes these modules, else None."""
     if not (
-        type(mlp) is GatedMLP
+        _gated(mlp)
         and type(o_proj) is DecodeLinear
         and mlp.act_name in ACT_MUL
         and kernel_plain(post_attn)

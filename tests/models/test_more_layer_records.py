@@ -1,6 +1,7 @@
 """A decode step's layers in one C call for the families whose recurrent mixers joined the layer program later: the
 delta variants (Qwen3.5, OLMo-Hybrid's Gated DeltaNet, Kimi's and Bailing's KDA: hc_delta_step records) and
-RecurrentGemma's RG-LRU block (hc_rglru_step records), each layer as its input norm, one-call mixer step and tail;
+RecurrentGemma's RG-LRU block (hc_rglru_step records; its attention layers, whose gated MLP is a GatedMLP subclass,
+as hc_decoder_layer records), each layer as its input norm, one-call mixer step and tail;
 and Nemotron-H's blocks (the model offers the fast path its blocks, each with its run's cache entry): a Mamba2 block
 is a pre-norm layer with no MLP branch, an MLP block one hc_pre_norm_mlp record (norm, up, squared ReLU, down, add);
 LFM3's conv layers with sandwich norms (input norm, short conv step, hc_sandwich_tail).
@@ -28,7 +29,7 @@ FAMILIES = {
     "olmo_hybrid": ("delta",),
     "kimi_linear": ("delta",),
     "bailing_hybrid": ("delta",),
-    "recurrentgemma": ("rglru",),
+    "recurrentgemma": ("rglru", "decoder_layer"),
     "nemotron_h": ("mamba2", "pre_norm_mlp"),
     "lfm3": (
         "short_conv",
