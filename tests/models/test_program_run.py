@@ -225,3 +225,30 @@ def test_a_run_refuses_what_does_not_fit(family):
                 run.greedy(model, 5, 1, [], False)
     assert state_equal(cache.snapshot(), before)
     cache.restore(before)  # free
+
+
+def test_runs_only_where_nothing_else_runs_between_steps(family, monkeypatch):
+    """Two rows, a streamer, a logits processor, a hook, beam search: step by step (the same tokens as with runs
+    turned off)."""
+    model = family("bamba")
+    one, two = prompts(1, 6, seed=2), prompts(2, 6, seed=2)
+    cases = [
+        (two, {}),
+        (one, {"streamer": lambda tokens: None}),
+        (one, {"logits_processor": [lambda ids, scores: scores]}),
+    ]
+    for ids, kw in cases:
+        got, started = _generate(model, ids, monkeypatch, True, max_new_tokens=5, **kw)
+        want, _ = _generate(model, ids, monkeypatch, False, max_new_tokens=5, **kw)
+        assert started == [] and torch.equal(got.sequences, want.sequences), kw
+    handle = model.decoder_layers[1].register_forward_pre_hook(lambda mod, args: None)
+    try:
+        _, started = _generate(model, one, monkeypatch, True, max_new_tokens=5)
+    finally:
+        handle.remove()
+    assert started == []
+    started, real = [], decode_run.DecodeRun.start.__func__
+    with monkeypatch.context() as m:
+        m.setattr(decode_run.DecodeRun, "start", classmethod(lambda cls, *a: started.append(1) or real(cls, *a)))
+        hc.beam_search(model, one, num_beams=2, max_new_tokens=4)
+    assert started == []
