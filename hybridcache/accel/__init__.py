@@ -24,7 +24,7 @@ from hybridcache.ops import kernels as _seam
 
 _seam.plug(_kernel_calls.takes, _kernel_calls.call)
 
-from hybridcache.accel.decode_run import NonFiniteLogits  # noqa: E402
+from hybridcache.accel.embed_head import NonFiniteLogits  # noqa: E402
 from hybridcache.accel.install import AccelError, FastPath, install, register_accel, uninstall  # noqa: E402
 from hybridcache.accel.layer_records import steady, steady_unless_hooked  # noqa: E402
 

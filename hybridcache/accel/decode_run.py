@@ -23,11 +23,10 @@ import ctypes
 
 import torch
 
-from hybridcache.accel.embed_head import NonFiniteLogits, greedy_forms
+from hybridcache.accel.embed_head import loop_arguments, loop_result, rope_rows
 from hybridcache.accel.layer_records import _binding, _hooked, layer_accel, steady_bindings
-from hybridcache.accel.native.checks import INT_MAX, _ptr, _vec
+from hybridcache.accel.native.checks import INT_MAX, _ptr
 from hybridcache.accel.native.decoder_stack import call_table, record_table, record_type
-from hybridcache.accel.native.fused import _matrix
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.pre_norm_layer import PreNormAccel
@@ -183,72 +182,19 @@ class DecodeRun:
         (nothing run) where the model's embedding or head is not a form the loop computes."""
         if self.closed:
             raise RuntimeError("DecodeRun.greedy: the run is over (finished or abandoned)")
-        forms = greedy_forms(model)
         j, d = self.steps, self.out.shape[-1]
-        if forms is None:
-            raise NotImplementedError("DecodeRun.greedy: the model's embedding or head is not one the loop computes")
-        embedding, head = forms
-        table_w, table_rs, multiplier = embedding
-        norm, eps, w_head, head_rs, head_bias = head
-        vocab, v = table_w.shape[0], w_head.shape[0]
-        if (
-            type(k) is not int
-            or type(first) is not int
-            or not 0 < k <= self.capacity - j
-            or not all(type(e) is int and 0 <= e < 2**63 for e in eos)
-            or table_w.shape[1] != d
-            or w_head.shape[1] != d
-            or not 0 <= first < vocab
-            or v > INT_MAX
-            or vocab > 2**62
-            or (norm is not None and not _vec(norm, d))
-            or not _vec(head_bias, v)
-            or _matrix(table_w, vocab, d, table_rs) is None
-            or _matrix(w_head, v, d, head_rs) is None
-        ):
-            raise ValueError(
-                f"DecodeRun.greedy: {k!r} steps from token {first!r} (eos {eos!r}) do not fit this run ({j} of "
-                f"{self.capacity} steps run) or model (vocabulary {vocab})"
-            )
+        head, v = loop_arguments("DecodeRun.greedy", model, first, k, eos, self.capacity - j, d, self.ids.shape[0])
         positions = self.pos0[0] + j + torch.arange(k)  # [k] (one row)
-        ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        index = []
-        for rec, rotary in zip(self.table, self.rotaries, strict=True):
-            if rotary is None:
-                index.append(-1)
-                continue
-            if id(rotary) not in ropes:  # each position's tables as a step computes them, row by row
-                rows = [rotary.tables(p.view(1, 1), _F32) for p in positions]  # [1, 1, 1, R] each
-                ropes[id(rotary)] = tuple(torch.cat([t[i].reshape(1, -1) for t in rows]) for i in (0, 1))
-            if ropes[id(rotary)][0].shape[1] != rec.rot:
-                raise ValueError("DecodeRun.greedy: a layer's rotary tables changed width")
-            index.append(list(ropes).index(id(rotary)))
-        cos = (ctypes.c_void_p * max(len(ropes), 1))(*(c.data_ptr() for c, _ in ropes.values()))
-        sin = (ctypes.c_void_p * max(len(ropes), 1))(*(s.data_ptr() for _, s in ropes.values()))
-        rope = (ctypes.c_int * len(index))(*index)
+        rope, cos, sin, _tables = rope_rows("DecodeRun.greedy", zip(self.table, self.rotaries, strict=True), positions)
         stops = torch.tensor(sorted(set(eos)) or [-1], dtype=torch.int64)
         x, normed = torch.empty(d), torch.empty(d)
         logits, tokens, done = torch.empty(k if keep else 1, v), torch.empty(k, dtype=torch.int64), ctypes.c_int(0)
         n = _library().hc_decode_steps(
             ctypes.addressof(self.table), len(self.table), j - self.table_step, rope, cos, sin, positions.data_ptr(), k,
-            table_w.data_ptr(), _matrix(table_w, vocab, d, table_rs), _ptr(table_rs), vocab, multiplier,
-            _ptr(norm), eps, w_head.data_ptr(), _matrix(w_head, v, d, head_rs), _ptr(head_rs), _ptr(head_bias), v,
-            x.data_ptr(), normed.data_ptr(), logits.data_ptr(), int(keep), stops.data_ptr(), len(set(eos)), first,
-            tokens.data_ptr(), ctypes.addressof(done),
+            *head, x.data_ptr(), normed.data_ptr(), logits.data_ptr(), int(keep), stops.data_ptr(), len(set(eos)),
+            first, tokens.data_ptr(), ctypes.addressof(done),
         )  # fmt: skip
-        ran = done.value
-        self.ids[0, j] = first
-        self.ids[0, j + 1 : j + ran] = tokens[: max(ran - 1, 0)]  # (none when the first step failed)
-        self.steps = j + ran
-        if n == -3:
-            raise NonFiniteLogits(tokens[:ran], logits[:ran] if keep else logits, logits[ran] if keep else logits[0])
-        if n < 0:
-            raise (
-                MemoryError("hc_decode_steps: a layer found no memory for its attention's scratch")
-                if n == -1
-                else (ValueError("hc_decode_steps: a token outside the embedding"))
-            )
-        return tokens[:n], logits[:n] if keep else logits
+        return loop_result(self, "hc_decode_steps", n, done.value, first, tokens, logits, keep)
 
     def finish(self) -> None:
         """Feed the run's tokens to the cache as one block (nothing when it ran no step) and let go of it."""

@@ -4,10 +4,12 @@ logit is not finite."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
-from hybridcache.accel.native.checks import _real, _vec
+from hybridcache.accel.native.checks import INT_MAX, _ptr, _real, _vec
 from hybridcache.accel.native.fused import _matrix
 from hybridcache.accel.native.op_declarations import WEIGHT_TYPES
 from hybridcache.nn.core.linear import DecodeLinear, PackedEmbedding
@@ -67,3 +69,80 @@ def head_form(norm: nn.Module, linear: nn.Module):
     if not (_vec(scale_n, w.shape[1]) and _vec(bias, w.shape[0])) or _matrix(w, *w.shape, scale) is None:
         return None
     return scale_n, float(norm.eps), w, scale, bias
+
+
+def loop_arguments(who: str, model: nn.Module, first, k, eos, room: int, d: int, rows: int) -> tuple[tuple, int]:
+    """The greedy loops' embedding and head arguments, in the C order (table, its type, its scale, vocabulary,
+    multiplier, norm scale, eps, head weight, its type, its scale, its bias, V), and V, for k steps of a run with
+    `room` steps left, width d and `rows` rows, from token `first`, stopping at `eos`. NotImplementedError where the
+    model's embedding or head is not a form the loop computes; ValueError (named by `who`) for arguments that do
+    not fit."""
+    forms = greedy_forms(model)
+    if forms is None:
+        raise NotImplementedError(f"{who}: the model's embedding or head is not one the loop computes")
+    (table_w, table_rs, multiplier), (norm, eps, w_head, head_rs, head_bias) = forms
+    vocab, v = table_w.shape[0], w_head.shape[0]
+    if (
+        type(k) is not int
+        or type(first) is not int
+        or not 0 < k <= room
+        or not all(type(e) is int and 0 <= e < 2**63 for e in eos)
+        or rows != 1
+        or table_w.shape[1] != d
+        or w_head.shape[1] != d
+        or not 0 <= first < vocab
+        or v > INT_MAX
+        or k * v > 2**62
+        or vocab > 2**62
+        or (norm is not None and not _vec(norm, d))
+        or not _vec(head_bias, v)
+        or _matrix(table_w, vocab, d, table_rs) is None
+        or _matrix(w_head, v, d, head_rs) is None
+    ):
+        raise ValueError(
+            f"{who}: {k!r} steps from token {first!r} (eos {eos!r}) do not fit this run ({room} steps left) or model "
+            f"(vocabulary {vocab})"
+        )
+    table_t, head_t = _matrix(table_w, vocab, d, table_rs), _matrix(w_head, v, d, head_rs)
+    head = (_ptr(norm), eps, w_head.data_ptr(), head_t, _ptr(head_rs), _ptr(head_bias), v)
+    return (table_w.data_ptr(), table_t, _ptr(table_rs), vocab, multiplier, *head), v
+
+
+def rope_rows(who: str, layers, positions: torch.Tensor) -> tuple:
+    """The rotary tables of k steps for the greedy loops: `layers` (record, its rotary or None) in the loop's order,
+    positions [k]. Returns (rope index per layer (-1: none) as a C int array, cos and sin table pointers as C
+    arrays, the tables [k, R] they point into: keep them alive), each position's tables as a step computes them."""
+    ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    index = []
+    for rec, rotary in layers:
+        if rotary is None:
+            index.append(-1)
+            continue
+        if id(rotary) not in ropes:  # row by row, as a step computes them
+            rows = [rotary.tables(p.view(1, 1), _F32) for p in positions]  # [1, 1, 1, R] each
+            ropes[id(rotary)] = tuple(torch.cat([t[i].reshape(1, -1) for t in rows]) for i in (0, 1))
+        if ropes[id(rotary)][0].shape[1] != rec.rot:
+            raise ValueError(f"{who}: a layer's rotary tables changed width")
+        index.append(list(ropes).index(id(rotary)))
+    cos = (ctypes.c_void_p * max(len(ropes), 1))(*(c.data_ptr() for c, _ in ropes.values()))
+    sin = (ctypes.c_void_p * max(len(ropes), 1))(*(s.data_ptr() for _, s in ropes.values()))
+    return (ctypes.c_int * max(len(index), 1))(*index), cos, sin, list(ropes.values())
+
+
+def loop_result(run, fn: str, n: int, ran: int, first: int, tokens: torch.Tensor, logits: torch.Tensor, keep: bool):
+    """After a greedy loop's call `fn` that returned n and ran `ran` steps from the run's step run.steps: the run's
+    fed tokens and step count moved on, then (tokens [n], logits) or the loop's failure raised (NonFiniteLogits,
+    MemoryError, ValueError)."""
+    j = run.steps
+    run.ids[0, j] = first
+    run.ids[0, j + 1 : j + ran] = tokens[: max(ran - 1, 0)]  # (none when the first step failed)
+    run.steps = j + ran
+    if n == -3:
+        raise NonFiniteLogits(tokens[:ran], logits[:ran] if keep else logits, logits[ran] if keep else logits[0])
+    if n < 0:
+        raise (
+            MemoryError(f"{fn}: a layer found no memory for its scratch")
+            if n == -1
+            else ValueError(f"{fn}: a token outside the embedding")
+        )
+    return tokens[:n], logits[:n] if keep else logits

@@ -14,8 +14,9 @@ from torch import nn
 
 from hybridcache.accel import layer_records
 from hybridcache.accel.attention_mixer import AttentionAccel
-from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun, greedy_forms
+from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun
 from hybridcache.accel.delta_mixers import bailing_accel, kda_accel
+from hybridcache.accel.embed_head import greedy_forms
 from hybridcache.accel.moe import SparseMoEAccel, gemma4_experts_accel, llama4_moe_accel
 from hybridcache.accel.pre_norm_layer import PreNormAccel
 from hybridcache.accel.recurrent_mixers import (

@@ -252,3 +252,25 @@ def test_runs_only_where_nothing_else_runs_between_steps(family, monkeypatch):
         m.setattr(decode_run.DecodeRun, "start", classmethod(lambda cls, *a: started.append(1) or real(cls, *a)))
         hc.beam_search(model, one, num_beams=2, max_new_tokens=4)
     assert started == []
+
+
+def test_a_non_finite_step_is_reported_as_step_by_step(checkpoints, monkeypatch):
+    """A NaN embedding row of the first generated token: the greedy C loop reports the step after it as the
+    step-by-step decode does, and the run's cache is let go unchanged."""
+    model, prompt = hc.from_pretrained(checkpoints("bamba")), prompts(1, 5, seed=6)
+    first = int(hc.generate(model, prompt, max_new_tokens=1).sequences[0, -1])
+    with torch.no_grad():
+        model.model.embed_tokens.weight[first] = float("nan")
+    errors, calls, real = [], [], program_run.ProgramRun.greedy
+    monkeypatch.setattr(program_run.ProgramRun, "greedy", lambda *a: calls.append(1) or real(*a))
+    for runs in (True, False):
+        cache = model.make_cache(1)
+        model(prompt, cache)  # (the prompt fed: the continuation's first step is the run's)
+        before = cache.snapshot()
+        with pytest.raises(hc.models.core.base.GenerationError, match="not finite") as err:
+            _generate(
+                model, torch.cat([prompt, torch.tensor([[first]])], 1), monkeypatch, runs, max_new_tokens=4, cache=cache
+            )
+        errors.append(str(err.value))
+        assert state_equal(cache.snapshot(), before) if runs else True
+    assert errors[0] == errors[1] and calls == [1]  # (the C loop found it)
