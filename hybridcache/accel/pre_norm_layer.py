@@ -132,7 +132,8 @@ _STATE_FIELDS = {
     "gated_delta": {"conv": ("conv_state", "conv_out"), "recurrent": ("rec_state", "rec_out")},
     "delta": {"conv": ("conv_state", "conv_out"), "recurrent": ("rec_state", "rec_out")},
     "mamba_groups": {"conv": ("conv_state", "conv_out"), "ssm": ("ssm_state", "ssm_out")},
-}  # (RG-LRU's record also reads the step's positions: it is built anew each step)
+    "rglru": {"conv": ("conv_state", "conv_out"), "lru": ("lru_state", "lru_out")},  # (and the step's positions)
+}
 
 
 class _Kept:
@@ -149,7 +150,7 @@ class _Kept:
             return
         self.records = [(op, types[op](*args)) for op, args in program]
         self.alive = alive  # (the buffers the records point into: the norm's output, the mixer's scratch and y)
-        self.shape, self.fields = x.shape, _STATE_FIELDS[kind]
+        self.shape, self.fields, self.kind = x.shape, _STATE_FIELDS[kind], kind
         self.states = {name: t.shape for name, t in news.items()}
 
     def step(self, x: torch.Tensor, y: torch.Tensor, layer, step: StepInput):
@@ -171,9 +172,16 @@ class _Kept:
             read, write = self.fields[name]
             setattr(mix, read, t.data_ptr())
             setattr(mix, write, new.data_ptr())
+        pos = getattr(step, "positions", None) if self.kind == "rglru" else None  # (where a row's LRU restarts)
+        if self.kind == "rglru":
+            if not (isinstance(pos, torch.Tensor) and pos.shape == (x.shape[0], 1) and pos.dtype == torch.int64):
+                return None
+            if not (pos.is_cpu and pos.is_contiguous()):
+                return None
+            mix.pos = pos.data_ptr()
         norm.x = tail.h = x.data_ptr()
         tail.out = y.data_ptr()
-        return self.records, (x, y, states, news), (layer, news)
+        return self.records, (x, y, states, news, pos), (layer, news)
 
 
 def _bind_mlp(d: int, p: PreNormParts):

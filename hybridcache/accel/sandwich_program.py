@@ -21,7 +21,7 @@ from hybridcache.accel.native.layer_program import (
     rms_norm_args,
     sandwich_tail_args,
 )
-from hybridcache.accel.pre_norm_layer import PreNormAccel, _bind_mlp, _hooked
+from hybridcache.accel.pre_norm_layer import PreNormAccel, _bind_mlp, _hooked, _Kept
 from hybridcache.accel.recurrent_mixers import STEPS, RecurrentAccel
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.norms import kernel_args, kernel_plain
@@ -34,8 +34,8 @@ class SandwichProgramAccel(PreNormAccel):
     """`layer.accel`: `binding` and `record` as layer_records.py asks (registered by the family's model file)."""
 
     def binding(self, x: torch.Tensor, cache_layer):
-        """("recurrent", the mixer's accel, the input norm's (scale, eps), the bound sandwich tail) for inputs like
-        x [B, 1, D]; None where the kernels do not take them."""
+        """("recurrent", the mixer's accel, the input norm's (scale, eps), the bound sandwich tail, the records kept
+        across steady steps) for inputs like x [B, 1, D]; None where the kernels do not take them."""
         p = self.layer.sandwich_parts()
         if p is None or x.dtype is not _F32 or x.dim() != 3 or record_types() is None:
             return None
@@ -48,7 +48,7 @@ class SandwichProgramAccel(PreNormAccel):
         mid = _bind_mlp(x.shape[2], PreNormParts(p.input_norm, p.attn, p.pre_mlp, p.mlp))
         post, post_mlp = (None if n is None else kernel_args(n) for n in (p.post_attn, p.post_mlp))
         tail = None if mid is None or p.mlp is None else bind_sandwich_tail(x.shape[2], post, mid, post_mlp)
-        return None if tail is None else ("recurrent", fast, kernel_args(p.input_norm), tail)
+        return None if tail is None else ("recurrent", fast, kernel_args(p.input_norm), tail, _Kept())
 
     def record(self, x: torch.Tensor, y: torch.Tensor, cache_layer, step: StepInput, binding=None):
         """This layer's eager decode step as records: (program, the tensors it points into, (cache layer, the new
@@ -56,7 +56,11 @@ class SandwichProgramAccel(PreNormAccel):
         bound = self.binding(x, cache_layer) if binding is None else binding
         if bound is None:
             return None
-        _, fast, (scale, eps), tail = bound
+        _, fast, (scale, eps), tail, kept = bound
+        if kept.records is not None:  # a binding kept across steps: only the states and the buffers move
+            got = kept.step(x, y, cache_layer, step)
+            if got is not None:
+                return got
         xn = torch.empty(x.shape, dtype=_F32)  # the input norm's output, the mixer's input
         got = fast.prepare(xn, cache_layer, step)
         if got is None:
@@ -72,6 +76,7 @@ class SandwichProgramAccel(PreNormAccel):
             return None
         program = [(CODES["rms_norm"], norm), (CODES[kind], c_args), (CODES["sandwich_tail"], tail_args[0])]
         news = dict(zip(names, states, strict=True))
+        kept.keep(program, kind, x, news, (xn, alive, y_mix, tail_args[1]))  # (pre_norm_layer.py's: the same fields)
         # (the step's arguments too: a state codec decodes the states into tensors only they hold)
         return program, (x, y, xn, alive, y_mix, tail_args[1], args), (cache_layer, news)
 

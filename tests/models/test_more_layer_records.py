@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status
+from hybridcache.accel import kernel_status, pre_norm_layer
 from hybridcache.accel.native import layer_program
 from hybridcache.accel.pre_norm_layer import PreNormAccel
 from hybridcache.accel.recurrent_mixers import STEPS
@@ -121,20 +121,30 @@ def test_int8_states_are_the_per_layer_ones(checkpoints, monkeypatch, family):
     _same_cache(ca, cb)
 
 
-def test_a_steady_generation_moves_the_kept_delta_records(checkpoints, monkeypatch):
-    """Inside one generate call the delta layers' records are kept and only their states and buffers move (RG-LRU's
-    are built anew: they read the step's positions); a second generation on the same cache, where the states
-    moved on, equals the per-layer path too."""
-    model = hc.from_pretrained(checkpoints("qwen3_5"))
+@pytest.mark.parametrize("family", ["qwen3_5", "recurrentgemma", "lfm3"])
+def test_a_steady_generation_moves_the_kept_records(checkpoints, monkeypatch, family):
+    """Inside one generate call a recurrent layer's records are kept and only its input, output and states move
+    (RG-LRU's the step's positions too); a second generation on the same cache, where the states moved on, equals
+    the per-layer path too."""
+    model = hc.from_pretrained(checkpoints(family))
     ids = prompts(1, 5, seed=9)
-    outs = []
+    outs, moved = [], []
+    real = pre_norm_layer._Kept.step
+
+    def counted(self, *args):
+        got = real(self, *args)
+        moved.append(got is not None)
+        return got
+
     for per_layer in (False, True):
         with monkeypatch.context() as m:
+            m.setattr(pre_norm_layer._Kept, "step", counted)
             if per_layer:
                 _per_layer(m)
             first = hc.generate(model, ids, max_new_tokens=5)
             second = hc.generate(model, first.sequences, max_new_tokens=5, cache=first.cache)
             outs.append((first.logits, second.logits, _cache_state(second.cache)))
+    assert any(moved)  # (the kept records ran)
     (a1, a2, ca), (b1, b2, cb) = outs
     assert torch.equal(a1, b1) and torch.equal(a2, b2)
     _same_cache(ca, cb)
