@@ -113,7 +113,7 @@
     }                                                                                                               \
   }
 
-/* float32 at batch 1 on avx2: one row at a time, four sums over k (k = 0, 8, 16, 24 mod 32 on avx2, added as (s0 + s1) +
+/* float32 at batch 1 on avx2: one row at a time, four sums over k (k = 0, 8, 16, 24 mod 32, added as (s0 + s1) +
    (s2 + s3)), no software prefetch: a thread's rows are one contiguous stretch of w, read in order as one stream, which
    the hardware prefetcher follows at the read's full rate, where the 4-row tile reads 4 streams 1 row apart and needs
    a prefetch per load (measured on the 2-core AMD EPYC, avx2, one thread, Gemma 3 270M's decode matrices in order, ABBA

@@ -175,6 +175,14 @@ static void q8_linear_unbuffered(const float *x, const int8_t *w, float *y, cons
     }
 }
 
+#if VW == 8
+#ifndef Q8_GEMM_MIN_ROWS
+#define Q8_GEMM_MIN_ROWS 17 /* a decode step's 1-16 rows keep the integer kernel; a prefill runs q8_gemm */
+#endif
+static int q8_gemm(const int8_t *xq, const float *xd, const int8_t *w, const uint16_t *scale, const float *bias,
+                   float *y, int M, int N, int K); /* gemm.c */
+#endif
+
 /* y [M, N] = x [M, K] @ (w [N, K] int8 x scale [N, K / 32] float16 per block)^T (+ bias [N]); K a multiple of 32
    (the wrappers check). */
 void hc_linear_q8_0(const float *x, const int8_t *w, float *y, const uint16_t *scale, const float *bias, int M, int N,
@@ -189,6 +197,9 @@ void hc_linear_q8_0(const float *x, const int8_t *w, float *y, const uint16_t *s
   int8_t *xq = (int8_t *)buf;
   float *xd = buf + qfloats;
   for (int m = 0; m < M; m++) q8_quantize_row(x + (size_t)m * K, xq + (size_t)m * K, xd + (size_t)m * G, K);
+#if VW == 8
+  if (M >= Q8_GEMM_MIN_ROWS && q8_gemm(xq, xd, w, scale, bias, y, M, N, K) == 0) return;
+#endif
   int blocks = (N + 3) / 4;
   int wide = (size_t)N * K >= PARALLEL_BYTES;
   /* each tile's 4 weight rows are read from memory once, for the first row of x; the other rows of x find them in
