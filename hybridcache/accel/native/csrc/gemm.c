@@ -93,14 +93,14 @@ GEMM(hc_gemm_i8, int8_t, sload_i8)
    So the prefill runs as the float GEMM above (panels of 16 weight rows widened to float once per call with two
    8 x 8 transposes, 6 x 16 block sums in registers: 12 independent multiply-add chains, one x broadcast per pair)
    with one more step per block of 32: the block's exact sums times (d_x * d_w) added to running totals kept in
-   memory (a multiply and a multiply-add per vector, 1/32 of the work). The integer kernel spends ~7 vector
+   memory (a multiply and a multiply-add per vector and block: 1/16 of the FMAs). The integer kernel spends ~7 vector
    operations per block and (weight row, x row) pair (sign, two multiply-adds, its share of the horizontal adds, the
    conversion and scaling), a third of them horizontal adds; here 2 FMAs per 16 products. Measured on the 2-core AMD
    EPYC (avx2), one thread, Gemma 3 270M's four layer matrices at 128 rows, ABBA in one process
-   (experiments/benchmark/standalone/kernel_ab.py): 25.7 -> 31.1 G multiply-adds/s, 1.26x (the tile alone, without
-   widening: 1.23x with 3 x 16 totals in registers, 6 chains only: 1.04x; a 4 x 2 integer tile sharing the scales:
-   1.00x). The blocks' sums are the same integers; the float32 totals add the blocks one by one (the integer kernel:
-   4 blocks per lane, then the lanes), so results match it to rounding, not bit for bit. */
+   (experiments/benchmark/standalone/kernel_ab.py): 25.7 -> 31.1 G multiply-adds/s, 1.18-1.26x (with scalar
+   widening: 1.04x; a 3 x 16 tile with its totals in registers, 6 chains: 0.90x; a 4 x 2 integer tile sharing the
+   scales: 1.00x). The blocks' sums are the same integers; the float32 totals add the blocks one by one (the
+   integer kernel: 4 blocks per lane, then the lanes), so results match it to rounding, not bit for bit. */
 #if VW == 8
 #define Q8G_MR 6 /* 6 x 2 block sums (12 independent multiply-add chains), 2 weight vectors and x in registers */
 static __thread float *q8g_x = NULL, *q8g_p = NULL; /* x as floats; a panel with its scales */
