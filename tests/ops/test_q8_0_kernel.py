@@ -45,10 +45,20 @@ def naive(x, q, scale, bias=None):
     return y, (size.double() * both.abs()).sum(-1) + (0 if bias is None else bias.double().abs())
 
 
-# from 17 rows the prefill GEMM runs (gemm.c q8_gemm): row tiles of 6 and panels of 16 weight rows, with remainders
+# from 17 rows the prefill GEMM runs (gemm.c q8_gemm): row tiles of 6, panels of 16 weight rows, chunks of 512 rows
 @pytest.mark.parametrize(
     "m,n,k",
-    [(1, 1, 32), (1, 7, 640), (1, 1030, 2048), (3, 5, 96), (16, 33, 256), (17, 16, 32), (40, 9, 64), (131, 70, 640)],
+    [
+        (1, 1, 32),
+        (1, 7, 640),
+        (1, 1030, 2048),
+        (3, 5, 96),
+        (16, 33, 256),
+        (17, 16, 32),
+        (40, 9, 64),
+        (131, 70, 640),
+        (600, 20, 64),
+    ],
 )
 def test_kernel_is_the_quantized_arithmetic(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)

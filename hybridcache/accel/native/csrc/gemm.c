@@ -163,10 +163,10 @@ static inline __attribute__((always_inline)) void transpose8(__m256 *r) {
   }
 }
 
-/* y [M, N] from the quantized rows xq [M, K] / scales xd [M, G]; 0, or -1 (nothing usable written) without scratch
-   memory. */
-static int q8_gemm(const int8_t *xq, const float *xd, const int8_t *w, const uint16_t *scale, const float *bias,
-                   float *y, int M, int N, int K) {
+/* y [M, N] from the quantized rows xq [M, K] / scales xd [M, G] (M <= Q8G_CHUNK); 0, or -1 (nothing usable
+   written) without scratch memory. */
+static int q8_gemm_rows(const int8_t *xq, const float *xd, const int8_t *w, const uint16_t *scale, const float *bias,
+                        float *y, int M, int N, int K) {
   int G = K / Q8_BLOCK;
   float *xf = grow(&q8g_x, &q8g_xn, (size_t)M * K);
   if (!xf) return -1;
@@ -204,5 +204,18 @@ static int q8_gemm(const int8_t *xq, const float *xd, const int8_t *w, const uin
     }
   }
   return failed ? -1 : 0;
+}
+
+/* Q8G_CHUNK rows of x at a time, so x's float copy stays <= Q8G_CHUNK x K floats however long the prompt; each chunk
+   widens the panels again (once per 512 rows). */
+#define Q8G_CHUNK 512
+static int q8_gemm(const int8_t *xq, const float *xd, const int8_t *w, const uint16_t *scale, const float *bias,
+                   float *y, int M, int N, int K) {
+  size_t G = (size_t)K / Q8_BLOCK;
+  for (int c0 = 0; c0 < M; c0 += Q8G_CHUNK) {
+    int mc = M - c0 < Q8G_CHUNK ? M - c0 : Q8G_CHUNK;
+    if (q8_gemm_rows(xq + (size_t)c0 * K, xd + (size_t)c0 * G, w, scale, bias, y + (size_t)c0 * N, mc, N, K)) return -1;
+  }
+  return 0;
 }
 #endif
