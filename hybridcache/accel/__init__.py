@@ -9,10 +9,10 @@
   each call first. The cache is seen only through slots.py's protocols (reserve a slot, write it, commit).
 
 The routes of one eager decode token, fastest first, each falling back to the next where it does not apply:
-1. greedy loop (decode_run.py `DecodeRun.greedy`): many greedy steps in one C call (embed, layers, head, argmax);
+1. greedy loop (runs/decode_run.py `DecodeRun.greedy`, runs/program_run.py): many greedy steps in one C call;
 2. decode run (`DecodeRun.step`): the layers' records reused across steps, the cache fed once per run;
-3. layer records (layer_records.py): one step's recording layers in one C call;
-4. per module (`accel`): a layer (sandwich_layer.py) or an attention (attention_mixer.py) in one kernel call;
+3. layer records (runs/layer_records.py, layers/): one step's recording layers in one C call;
+4. per module (`accel`): a layer (layers/sandwich.py) or a mixer (mixers/) in one kernel call;
 5. the reference modules, whose ops still reach per-op kernels through the seam.
 `kernel_status()` says whether the kernels are built here.
 """
@@ -24,9 +24,9 @@ from hybridcache.ops import kernels as _seam
 
 _seam.plug(_kernel_calls.takes, _kernel_calls.call)
 
-from hybridcache.accel.embed_head import NonFiniteLogits  # noqa: E402
 from hybridcache.accel.install import AccelError, FastPath, install, register_accel, uninstall  # noqa: E402
-from hybridcache.accel.layer_records import steady, steady_unless_hooked  # noqa: E402
+from hybridcache.accel.runs.embed_head import NonFiniteLogits  # noqa: E402
+from hybridcache.accel.runs.layer_records import steady, steady_unless_hooked  # noqa: E402
 
 __all__ = [
     "AccelError",

@@ -12,21 +12,21 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridcache.accel import layer_records
-from hybridcache.accel.attention_mixer import AttentionAccel
-from hybridcache.accel.decode_run import RUN_TOKENS, DecodeRun
-from hybridcache.accel.delta_mixers import bailing_accel, kda_accel
-from hybridcache.accel.embed_head import greedy_forms
-from hybridcache.accel.moe import SparseMoEAccel, gemma4_experts_accel, llama4_moe_accel
-from hybridcache.accel.pre_norm_layer import PreNormAccel
-from hybridcache.accel.recurrent_mixers import (
+from hybridcache.accel.layers.pre_norm import PreNormAccel
+from hybridcache.accel.layers.sandwich import SandwichAccel
+from hybridcache.accel.mixers.attention import AttentionAccel
+from hybridcache.accel.mixers.delta import bailing_accel, kda_accel
+from hybridcache.accel.mixers.moe import SparseMoEAccel, gemma4_experts_accel, llama4_moe_accel
+from hybridcache.accel.mixers.recurrent import (
     gated_delta_accel,
     mamba2_accel,
     mamba_accel,
     rglru_accel,
     short_conv_accel,
 )
-from hybridcache.accel.sandwich_layer import SandwichAccel
+from hybridcache.accel.runs import layer_records
+from hybridcache.accel.runs.decode_run import RUN_TOKENS, DecodeRun
+from hybridcache.accel.runs.embed_head import greedy_forms
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.nn.attention.mixer import AttentionMixer
 from hybridcache.nn.core.pre_norm import PreNormLayer

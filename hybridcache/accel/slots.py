@@ -81,7 +81,7 @@ class ReservingCache(Protocol):
 
 @runtime_checkable
 class StateSlots(Protocol):
-    """A recurrent cache layer as the recurrent mixers' one-call steps see it (accel/recurrent_mixers.py):
+    """A recurrent cache layer as the recurrent mixers' one-call steps see it (accel/mixers/recurrent.py):
     `states` (name -> the current state, e.g. "conv" [B, C, K-1], "ssm" [B, H, P, N], in the spec's dtypes) and
     `update(**states)`, which takes the new states of the open block and commits them with it (a failed block drops
     them); `trail_length(tokens)`: how many interior states a block hands over (0 for one token)."""

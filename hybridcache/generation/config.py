@@ -46,7 +46,7 @@ class GenerationConfig:
     compile: bool = False  # torch.compile the decode step over a preallocated cache
     num_draft_tokens: int = 4  # speculative decoding: tokens the draft proposes per round
     output_logits: bool = True  # False: keep only the tokens (logits are B x V floats per new token)
-    decode_runs: bool = True  # False: every decode step feeds the cache itself (no decode runs: accel/decode_run.py)
+    decode_runs: bool = True  # False: each decode step feeds the cache itself (no decode runs: accel/runs/)
 
     def update(self, **kwargs: Any) -> GenerationConfig:
         """A copy with `kwargs` replacing fields; an unknown name is a GenerationConfigError naming it."""

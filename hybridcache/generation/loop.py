@@ -90,7 +90,7 @@ def generate(
     generation/sources/speculative.py): the tokens
     are those of plain greedy decoding, `out.stats` has the acceptance rate. `prefix_cache=` (a `PrefixStore`)
     starts from the longest stored prefix of the prompt. `output_logits=False` keeps only the tokens.
-    `decode_runs=False` feeds the cache at every decode step (accel/decode_run.py: the same tokens and logits).
+    `decode_runs=False` feeds the cache at every decode step (accel/runs/decode_run.py: the same tokens and logits).
     `logits_processor`: callables (input_ids [B, T], scores [B, V]) -> scores, before the sampler;
     `stopping_criteria`: callables (input_ids, scores) -> BoolTensor [B] (rows to finish); `streamer`: an object
     with put(tokens [B]) and end(), or a callable fn(tokens [B]).
@@ -126,7 +126,7 @@ def generate(
         # no code but ours between the steps (no processors, criteria, streamer or hooks): the modules stay as they are
         ours = not chooser.processors and streamer is None and len(stop.criteria) == bool(eos.numel())
         if isinstance(source, DecodeSource) and ours and cfg.decode_runs:
-            source.runs = True  # decode runs (accel/decode_run.py) where the steps are steady
+            source.runs = True  # decode runs (accel/runs/decode_run.py) where the steps are steady
             if not cfg.do_sample:  # plain greedy choices, stopped by eos only: many steps per C call
                 source.greedy = (eos.tolist(), cfg.output_logits)
         try:

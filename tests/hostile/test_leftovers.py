@@ -22,8 +22,8 @@ import torch
 import hybridcache as hc
 import hybridcache.accel.native.kernels as ck
 import hybridcache.accel.native.library as cpu_library
-from hybridcache.accel.decode_run import DecodeRun
 from hybridcache.accel.native import build as _native
+from hybridcache.accel.runs.decode_run import DecodeRun
 from hybridcache.cache import Cache, CacheError, NativeLayer
 from hybridcache.cache.storage import offload as offload_storage
 from tests.cache.helpers import state_equal

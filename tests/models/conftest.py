@@ -16,11 +16,11 @@ def prompts(batch: int, length: int, seed: int) -> torch.Tensor:
 
 
 def without_recurrent_steps(model, monkeypatch=None) -> None:
-    """Drop the recurrent mixers' one-call decode steps (accel/recurrent_mixers.py) from `model`: they sum in another
+    """Drop the recurrent mixers' one-call decode steps (accel/mixers/recurrent.py) from `model`: they sum in another
     order than the reference modules and the compiled graph (float32 noise: tests/models/test_recurrent_accel.py),
     where a test checks a route for the same bits as another. With `monkeypatch`, undone after the test (a shared
     model)."""
-    from hybridcache.accel.recurrent_mixers import GatedDeltaAccel, Mamba2Accel, MambaAccel, ShortConvAccel
+    from hybridcache.accel.mixers.recurrent import GatedDeltaAccel, Mamba2Accel, MambaAccel, ShortConvAccel
 
     for m in model.modules():
         if isinstance(m.__dict__.get("accel"), (MambaAccel, Mamba2Accel, ShortConvAccel, GatedDeltaAccel)):

@@ -7,9 +7,11 @@ import torch
 
 import hybridcache as hc
 from hybridcache import accel
-from hybridcache.accel import attention_mixer, decode_run, kernel_status
-from hybridcache.accel.attention_mixer import AttentionAccel
-from hybridcache.accel.sandwich_layer import SandwichAccel
+from hybridcache.accel import kernel_status
+from hybridcache.accel.layers.sandwich import SandwichAccel
+from hybridcache.accel.mixers import attention as attention_mixer
+from hybridcache.accel.mixers.attention import AttentionAccel
+from hybridcache.accel.runs import decode_run
 from hybridcache.nn.attention.mixer import AttentionMixer
 from tests.models.conftest import prompts, without_recurrent_steps
 

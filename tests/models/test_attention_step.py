@@ -1,4 +1,4 @@
-"""A decode step's attention in one kernel call (accel/native/steps/attention.py through accel/attention_mixer.py's
+"""A decode step's attention in one kernel call (accel/native/steps/attention.py through accel/mixers/attention.py's
 AttentionAccel.one_call_step): the token's keys and values written by the kernel straight into the slot the cache
 layer reserved (AttentionCacheLayer.decode_slot). It runs the same kernels in the same order as the separate calls
 (q/k/v kernel, the cache's append, the attention kernel), so logits, tokens and the cache itself must be
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status, layer_records, sandwich_layer
-from hybridcache.accel.attention_mixer import AttentionAccel
+from hybridcache.accel import kernel_status
+from hybridcache.accel.layers import sandwich as sandwich_layer
+from hybridcache.accel.mixers.attention import AttentionAccel
+from hybridcache.accel.runs import layer_records
 from hybridcache.nn.attention.mixer import AttentionMixer
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
@@ -25,7 +27,7 @@ def _separate(monkeypatch):
 
 
 def _per_layer(monkeypatch):
-    """Every decode step layer by layer (not the many-layer call of accel/layer_records.py, tested apart)."""
+    """Every decode step layer by layer (not the many-layer call of accel/runs/layer_records.py, tested apart)."""
     monkeypatch.setattr(layer_records, "record_step", lambda *a: None)
 
 

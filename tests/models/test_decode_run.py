@@ -1,4 +1,4 @@
-"""Decode runs (accel/decode_run.py): generate's steady decoding of one row feeds the cache once per run of steps.
+"""Decode runs (accel/runs/decode_run.py): generate's steady decoding of one row feeds the cache once per run of steps.
 
 The oracle is the step-by-step decode (the same model with runs turned off): the same sequences and logits bit for
 bit, and the same cache after (keys, values, key positions, counts, the token fingerprint and its history), past
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import FastPath, decode_run, kernel_status, layer_records
+from hybridcache.accel import FastPath, kernel_status
+from hybridcache.accel.runs import decode_run, layer_records
 from hybridcache.cache.core.errors import CacheError, CacheThreadError
 from tests.models.conftest import prompts
 

@@ -1,4 +1,4 @@
-"""An eager decode step's decoder layers in one C call (accel/layer_records.py, accel/native/decoder_stack.py,
+"""An eager decode step's decoder layers in one C call (accel/runs/layer_records.py, accel/native/decoder_stack.py,
 kernels/cpu_decode.c hc_decoder_stack). The call runs each layer's hc_decoder_layer with the arguments the per-layer
 call would pass, in the same order, so logits, tokens and the cache must be bit-identical to the per-layer calls
 and to the separate ones; hooks, declining kernels and failures split or abort the run without changing that."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status, layer_records
-from hybridcache.accel.attention_mixer import AttentionAccel
+from hybridcache.accel import kernel_status
+from hybridcache.accel.layers.sandwich import SandwichAccel
+from hybridcache.accel.mixers.attention import AttentionAccel
 from hybridcache.accel.native import decoder_stack as cpu_decoder_stack
-from hybridcache.accel.sandwich_layer import SandwichAccel
+from hybridcache.accel.runs import layer_records
 from tests.models.conftest import failed_step_changes_nothing, generate_with_cache, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

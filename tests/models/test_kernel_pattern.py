@@ -11,7 +11,7 @@ import torch
 
 import hybridcache as hc
 from hybridcache.accel import kernel_status
-from hybridcache.accel.attention_mixer import AttentionAccel
+from hybridcache.accel.mixers.attention import AttentionAccel
 from hybridcache.accel.native.op_reference import visible
 from hybridcache.cache import AttentionCacheLayer, AttentionSpec, register_cache_layer, tunable
 from hybridcache.cache.attention.specs import ChunkedSpec, FullSpec, SlidingSpec

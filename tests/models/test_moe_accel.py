@@ -1,4 +1,5 @@
-"""The sparse MoE block's fast path (accel/moe.py): a decode step runs only the routed experts, with the same bits as
+"""The sparse MoE block's fast path (accel/mixers/moe.py): a decode step runs only the routed experts, with the same
+bits as
 the reference block (which runs every expert in its dense form) at batch 1 (the routed form) and batch 2 (the dense
 form), on every family whose MoE routes through SparseMoE.forward; a prefill of more than 16 tokens keeps the
 reference."""
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel.moe import SparseMoEAccel
+from hybridcache.accel.mixers.moe import SparseMoEAccel
 from hybridcache.nn.core.mlp import GatedMLP
 from tests.models.conftest import prompts
 

@@ -1,4 +1,5 @@
-"""The one-token fast path of the MoE blocks outside SparseMoE (accel/moe.py): Granite's stacked experts, Nemotron-H's
+"""The one-token fast path of the MoE blocks outside SparseMoE (accel/mixers/moe.py): Granite's stacked experts,
+Nemotron-H's
 latent MoE, Llama4's MoE and Gemma 4's experts run a decode token's routed experts without the reference's
 per-expert search, with the same bits as the reference blocks (the same tokens and bit-identical logits); batch 2 and
 the prefill keep the reference. GPT-OSS's experts run in one C call: float32 noise, the same tokens."""
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel.moe import (
+from hybridcache.accel.mixers.moe import (
     Gemma4ExpertsAccel,
     LatentExpertsAccel,
     Llama4MoEAccel,

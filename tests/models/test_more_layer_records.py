@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status, pre_norm_layer
+from hybridcache.accel import kernel_status
+from hybridcache.accel.layers import pre_norm as pre_norm_layer
+from hybridcache.accel.layers.pre_norm import PreNormAccel
+from hybridcache.accel.mixers.recurrent import STEPS
 from hybridcache.accel.native import layer_program
-from hybridcache.accel.pre_norm_layer import PreNormAccel
-from hybridcache.accel.recurrent_mixers import STEPS
 from tests.models.conftest import hf_generate, left_padded, prompts
 from tests.models.test_pre_norm_records import _cache_state, _per_layer, _programs, _same_cache
 

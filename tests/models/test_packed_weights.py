@@ -144,11 +144,12 @@ def test_bad_weight_formats_are_refused(checkpoints):
 
 @pytest.mark.parametrize("weights", [None, "bfloat16", "int8"])
 def test_gemma3_decode_with_the_fused_layer_tail_is_the_separate_calls(checkpoints, monkeypatch, weights):
-    """Gemma 3 runs everything after attention in one kernel call (accel/decoder_tail.py; a decode step runs it
+    """Gemma 3 runs everything after attention in one kernel call (accel/layers/decoder_tail.py; a decode step runs it
     inside its whole-layer call, tests/models/test_attention_step.py): the same tokens and bit-identical logits as
     the separate calls, at every weight format, with left padding."""
-    from hybridcache.accel import kernel_status, sandwich_layer
-    from hybridcache.accel.attention_mixer import AttentionAccel
+    from hybridcache.accel import kernel_status
+    from hybridcache.accel.layers import sandwich as sandwich_layer
+    from hybridcache.accel.mixers.attention import AttentionAccel
 
     if not kernel_status().startswith("C kernels"):
         pytest.skip("the C kernels are not built")

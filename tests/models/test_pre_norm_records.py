@@ -1,4 +1,4 @@
-"""A decode step's pre-norm layers in one C call (accel/pre_norm_layer.py, accel/native/layer_program.py,
+"""A decode step's pre-norm layers in one C call (accel/layers/pre_norm.py, accel/native/layer_program.py,
 csrc/layer_program.c hc_layer_program): each recurrent layer's input norm, one-call mixer step and tail, and each
 attention layer's hc_decoder_layer, run as records with the arguments the per-layer calls pass, in the same order.
 So logits, tokens and every cache state (attention keys / values / positions, recurrent states and their
@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import kernel_status, layer_records
+from hybridcache.accel import kernel_status
+from hybridcache.accel.layers.pre_norm import PreNormAccel
 from hybridcache.accel.native import layer_program
-from hybridcache.accel.pre_norm_layer import PreNormAccel
+from hybridcache.accel.runs import layer_records
 from tests.models.conftest import hf_generate, left_padded, prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")

@@ -1,4 +1,4 @@
-"""Decode runs of pre-norm models (accel/program_run.py): attention and recurrent layers mixed, the cache fed once
+"""Decode runs of pre-norm models (accel/runs/program_run.py): attention and recurrent layers mixed, the cache fed once
 per run of steps.
 
 The oracle is the step-by-step decode (the same model with runs turned off): the same sequences and logits bit for
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import hybridcache as hc
-from hybridcache.accel import FastPath, decode_run, kernel_status, layer_records, program_run
+from hybridcache.accel import FastPath, kernel_status
+from hybridcache.accel.runs import decode_run, layer_records, program_run
 from tests.cache.helpers import state_equal
 from tests.models.conftest import prompts
 

@@ -10,7 +10,7 @@ from torch import nn
 import hybridcache as hc
 import hybridcache.accel.native.library as cpu_library
 from hybridcache.accel import kernel_status
-from hybridcache.accel.embed_head import greedy_forms
+from hybridcache.accel.runs.embed_head import greedy_forms
 from hybridcache.nn.core.linear import pack_matrix, pack_weights
 from hybridcache.ops import q8_0
 from tests.models.conftest import prompts

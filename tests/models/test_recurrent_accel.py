@@ -1,4 +1,4 @@
-"""The recurrent mixers' one-call decode steps in whole models (accel/recurrent_mixers.py, delta_mixers.py): every
+"""The recurrent mixers' one-call decode steps in whole models (accel/mixers/recurrent.py, delta_mixers.py): every
 Mamba1 (Zamba's grouped one too), Mamba2, short conv, Gated DeltaNet (Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's), KDA
 (Kimi's, Bailing's, GLM-5-Next's) and RG-LRU mixer of the tiny checkpoints takes its decode steps in one C call,
 the greedy tokens equal those of the reference modules (`accel.uninstall`) and of HF transformers, and the logits
@@ -11,9 +11,9 @@ import torch
 import hybridcache as hc
 from hybridcache import accel
 from hybridcache.accel import kernel_status
-from hybridcache.accel.delta_mixers import DeltaAccel
-from hybridcache.accel.pre_norm_layer import _Kept
-from hybridcache.accel.recurrent_mixers import (
+from hybridcache.accel.layers.pre_norm import _Kept
+from hybridcache.accel.mixers.delta import DeltaAccel
+from hybridcache.accel.mixers.recurrent import (
     GatedDeltaAccel,
     Mamba2Accel,
     MambaAccel,
@@ -51,7 +51,7 @@ NEW = 12
 
 def _count_taken(monkeypatch) -> dict:
     """Counts of the mixers' one-call steps taken and declined (`prepare` where a mixer has it: what its own call and
-    a many-layer step's record (accel/pre_norm_layer.py) both ask; else its call)."""
+    a many-layer step's record (accel/layers/pre_norm.py) both ask; else its call)."""
     taken = {"taken": 0, "declined": 0}
     for cls in FAST:
         name = "prepare" if hasattr(cls, "prepare") else "__call__"

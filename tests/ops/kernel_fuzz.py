@@ -542,7 +542,7 @@ def case_decode_steps(f: Fuzz):
     import copy
 
     import hybridcache as hc
-    from hybridcache.accel import decode_run, layer_records
+    from hybridcache.accel.runs import decode_run, layer_records
 
     weights = f.pick(None, "bfloat16", "int8")
     model = _gemma(weights)

@@ -1,4 +1,4 @@
-"""The one-call decode steps of the recurrent mixer variants (accel/delta_mixers.py, accel/recurrent_mixers.py:
+"""The one-call decode steps of the recurrent mixer variants (accel/mixers/delta.py, accel/mixers/recurrent.py:
 native/steps/recurrent.py `delta_step`, `rglru_step`, `mamba_groups_step`) against the reference modules' own
 `forward` on random weights and states: Qwen3.5's and OLMo-Hybrid's Gated DeltaNet, Kimi's KDA, Bailing's and
 GLM-5-Next's KDA (bounded and softplus decay), RecurrentGemma's recurrent block (a row restarting at position 0 beside
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from hybridcache.accel import kernel_status
-from hybridcache.accel.delta_mixers import DeltaAccel, bailing_accel, kda_accel
 from hybridcache.accel.install import accel_for
+from hybridcache.accel.mixers.delta import DeltaAccel, bailing_accel, kda_accel
+from hybridcache.accel.mixers.recurrent import Mamba2Accel, MambaGroupsAccel, RGLRUAccel, rglru_accel
 from hybridcache.accel.native.checks import KernelArgumentError
 from hybridcache.accel.native.steps.recurrent import delta_step, mamba_groups_step, rglru_step
-from hybridcache.accel.recurrent_mixers import Mamba2Accel, MambaGroupsAccel, RGLRUAccel, rglru_accel
 from hybridcache.models.families.glm5_next import Glm5DeltaAttention
 from hybridcache.models.families.olmo_hybrid import OlmoHybridConfig, OlmoHybridGatedDeltaNet
 from hybridcache.models.families.qwen3_5 import Qwen35GatedDeltaNet

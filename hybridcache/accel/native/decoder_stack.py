@@ -49,7 +49,7 @@ def call_records(records: list[tuple]) -> None:
 
 def record_table(records: list[tuple]) -> ctypes.Array:
     """The records as the C array hc_decoder_stack reads (fields by name: a caller may change some between calls,
-    as accel/decode_run.py does, pointing only into tensors it keeps alive and checked as `run.record` checks)."""
+    as accel/runs/decode_run.py does, pointing only into tensors it keeps alive and checked as `run.record` checks)."""
     record = record_type()
     if record is None:
         raise RuntimeError("hc_decoder_stack: the library's layer record is not the declared one")

@@ -202,7 +202,7 @@ STACK_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_layer_record_names": (ctypes.c_char_p, []),
     "hc_layer_record_size": (_I, []),
     "hc_decoder_stack": (_I, [_P, _I, _P]),
-    # accel/decode_run.py: greedy decode steps of one row over a stack's records, its embedding and head
+    # accel/runs/decode_run.py: greedy decode steps of one row over a stack's records, its embedding and head
     "hc_decode_steps": (
         _I,
         [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _L, _F, _P, _F, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _L]
@@ -387,7 +387,7 @@ DECLARATIONS: tuple[OpDeclaration, ...] = (
 )
 
 
-# A recurrent mixer's one-token step in one call (csrc/recurrent_step.c; accel/recurrent_mixers.py): eager only,
+# A recurrent mixer's one-token step in one call (csrc/recurrent_step.c; accel/mixers/recurrent.py): eager only,
 # called through native/steps/recurrent.py's checked wrappers (no torch op: under torch.compile the reference runs).
 RECURRENT_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_short_conv_step": (None, [_P] + [_I] * 3 + [_P, _I] + [_P] * 7 + [_I] + [_P] * 4),
@@ -421,7 +421,7 @@ PROGRAM_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_op_record_size": (_I, [_I]),
     "hc_op_count": (_I, []),
     "hc_layer_program": (_I, [_P, _P, _I, _P]),
-    # accel/program_run.py: greedy decode steps of one row over a layer program, its embedding and head
+    # accel/runs/program_run.py: greedy decode steps of one row over a layer program, its embedding and head
     "hc_program_steps": (
         _I,
         [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I, _P, _L, _F, _P, _F, _P]

@@ -144,9 +144,9 @@ class AttentionCacheLayer(CacheLayer):
         return view
 
     # -- slots a kernel writes itself ---------------------------------------------------------------------------
-    # A decode kernel (accel/attention_mixer.py's one-call attention, the many-layer call) writes a token's keys and
+    # A decode kernel (accel/mixers/attention.py's one-call attention, the many-layer call) writes a token's keys and
     # values straight into the slot the layer reserves, instead of handing them to `update`: `decode_slot` reserves
-    # the open one-token block's slot. A decode run (accel/decode_run.py) reserves room for many tokens before any
+    # the open one-token block's slot. A decode run (accel/runs/decode_run.py) reserves room for many tokens before any
     # block is open (`reserve_slots`), writes them step by step, and then feeds them as one block whose slots are
     # taken as written (`decode_block`). Only a storage with `kernel_slots` (dense float32 appended in place,
     # storage/append.py), under a pattern the kernel evaluates itself, qualifies (`writes_slots`); anything else is
@@ -168,7 +168,7 @@ class AttentionCacheLayer(CacheLayer):
         )
 
     def decode_slot(self) -> tuple[AttentionView, int] | None:
-        """For a kernel that writes a decode token's keys and values itself (accel/attention_mixer.py): the view the
+        """For a kernel that writes a decode token's keys and values itself (accel/mixers/attention.py): the view the
         Cache's open block attends to and the slot (along dim 2 of its keys / values) left for the caller to write,
         the token's position already in the view's key positions. The caller must write that slot of every row
         before the view is read (or the block is aborted: the slot is never part of what the layer holds until the
@@ -181,7 +181,8 @@ class AttentionCacheLayer(CacheLayer):
         return view, view.keys.shape[2] - 1
 
     def reserve_slots(self, tokens: int) -> Reserved | None:
-        """For a decode that runs up to `tokens` steps before it feeds them as one block (accel/decode_run.py): room
+        """For a decode that runs up to `tokens` steps before it feeds them as one block (accel/runs/decode_run.py):
+        room
         for them right after the held slots. None (nothing changed) where the layer needs `update` or a block is
         open. What the layer holds does not change (its tensors may become views of new buffers with the same
         values). The caller writes slots [end, end + n) of every row and then feeds a block of those n tokens,

@@ -1,4 +1,4 @@
-"""What `AttentionCacheLayer.reserve_slots` hands a decode run (accel/decode_run.py): the buffers a kernel writes
+"""What `AttentionCacheLayer.reserve_slots` hands a decode run (accel/runs/decode_run.py): the buffers a kernel writes
 decode tokens' keys and values into itself (layer.py's "slots a kernel writes itself" has the protocol)."""
 
 from __future__ import annotations

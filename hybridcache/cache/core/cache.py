@@ -272,7 +272,7 @@ class Cache:
         self.seq.block = None
         self._release()
 
-    # -- a decode that feeds its tokens after running them (decode_feed.py, accel/decode_run.py) ---------------
+    # -- a decode that feeds its tokens after running them (decode_feed.py, accel/runs/decode_run.py) ---------------
     def reserve_decode(self, tokens: int) -> list[Any] | None:
         """Hold this cache, with room for `tokens` decode tokens the caller writes itself and then feeds by
         `feed_reserved` (None: not held, a layer cannot); decode_feed.reserve_decode."""

@@ -1,6 +1,6 @@
 """Feeding a Cache after the fact: a decode run's tokens (cache.py's reserve_decode / feed_reserved).
 
-A decode run (accel/decode_run.py) writes each step's keys and values into slots the layers reserved beyond what
+A decode run (accel/runs/decode_run.py) writes each step's keys and values into slots the layers reserved beyond what
 they hold, and feeds the run's tokens to the cache only when it ends, as one block: the cache's bookkeeping once
 per run instead of once per layer and step. Meanwhile the cache is held as an open block holds it (its lock: no
 other feed or operation, from any thread), so nothing can move the reserved slots; the written slots stay invisible

@@ -262,7 +262,7 @@ class RecurrentCacheLayer(CacheLayer):
         m = min(checkpoints, tokens - 1) tokens before the final one (0 when checkpoints are off)."""
         return min(self.spec.rollback, tokens - 1)
 
-    # -- decode runs (accel/decode_run.py): many one-token steps committed as one block -------------------------
+    # -- decode runs (accel/runs/decode_run.py): many one-token steps committed as one block -------------------------
     # The run's kernels read and write the states in buffers of their own (run_states.py), never in what the layer
     # holds; `decode_block` then stages the run's last states (and, with rollback, the trail of the steps before)
     # as one block of n tokens, which commits exactly as n one-token blocks would: the held states are the states

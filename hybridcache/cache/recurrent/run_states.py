@@ -1,4 +1,5 @@
-"""What `RecurrentCacheLayer.reserve_slots` hands a decode run (accel/decode_run.py): buffers a kernel reads and writes
+"""What `RecurrentCacheLayer.reserve_slots` hands a decode run (accel/runs/decode_run.py): buffers a kernel reads and
+writes
 a run's states in, apart from what the layer holds, so the layer can later commit the run as one block.
 
 A ring of r state buffers per state name: before the run, the layer copies its held states into the last one; step j

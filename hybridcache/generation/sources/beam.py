@@ -84,7 +84,7 @@ def beam_search(
         mask.repeat_interleave(nb, 0),
         input_ids.new_full((batch * nb, max_new_tokens), pad_id),
     )
-    # no code but ours between the steps (as generate): each kernel binding is made once (accel/layer_records.py)
+    # no code but ours between the steps (as generate): each kernel binding is made once (accel/runs/layer_records.py)
     with steady_unless_hooked(not chooser.processors and not stop, model):
         token_loop(source, chooser, stop, None, beams, pad_id, False)
     return source.result(beams, pad_id)

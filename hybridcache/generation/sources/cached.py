@@ -120,11 +120,11 @@ class DecodeSource:
         self.model, self.cache, self.cache_config, self.chunk_size = model, cache, cache_config, prefill_chunk_size
         self.continues = continues  # the cache was handed in: input_ids must start with what it saw
         self.decode = compiled_decode_step(model) if compile else model.forward_block
-        # decode runs (accel/decode_run.py): only for a caller that changes nothing between steps but through
+        # decode runs (accel/runs/decode_run.py): only for a caller that changes nothing between steps but through
         # this source (generate's plain decoding: not beam search, which reorders the cache) and says so by
         # `runs = True`; False once one did not apply in this generation
         self.runs = False
-        self._run = None  # the open decode run (accel/decode_run.py DecodeRun)
+        self._run = None  # the open decode run (accel/runs/decode_run.py DecodeRun)
         # greedy runs (DecodeRun.greedy: many steps in one C call): (eos ids, keep logits) from a caller whose
         # tokens are plain greedy choices stopped by eos only, with runs on; None: off
         self.greedy: tuple[list[int], bool] | None = None
@@ -238,7 +238,7 @@ class DecodeSource:
         return run
 
     def _run_step(self, ids: torch.Tensor, state: GenerationState) -> torch.Tensor | None:
-        """Logits [B, V] of a decode run's step (accel/decode_run.py: the cache's bookkeeping once per run), or
+        """Logits [B, V] of a decode run's step (accel/runs/decode_run.py: the cache's bookkeeping once per run), or
         None where runs do not apply (then every later step goes step by step too)."""
         model, run = self.model, self._run
         if run is not None and run.full:

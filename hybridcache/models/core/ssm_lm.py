@@ -73,7 +73,7 @@ class SSMLM(HybridLM):
 
     def embed_head_parts(self) -> tuple | None:
         """(the embedding module, its multiplier 1.0, the final norm, lm_head) for a greedy C loop
-        (accel/embed_head.py; float32: the head's cast is then none), or None where they are computed otherwise."""
+        (accel/runs/embed_head.py; float32: the head's cast is then none), or None where they are computed otherwise."""
         cls = type(self)
         if cls.embed is not SSMLM.embed or cls.head is not SSMLM.head or self.dtype != torch.float32:
             return None

@@ -96,7 +96,7 @@ class StackLM(HybridLM):
 
     def embed_head_parts(self) -> tuple | None:
         """(the embedding module, its multiplier 1.0, the final norm, lm_head) for a greedy C loop
-        (accel/embed_head.py), or None where a family computes its embedding or head its own way."""
+        (accel/runs/embed_head.py), or None where a family computes its embedding or head its own way."""
         cls = type(self)
         if cls.embed is not HybridLM.embed or cls.head is not StackLM.head:
             return None

@@ -140,7 +140,7 @@ class Gemma3LM(StackLM):
         return cap * torch.tanh(logits / cap) if cap else logits
 
     # `embed` is the embedding table times sqrt(hidden) and `head` the final norm then lm_head (unless softcapped):
-    # a fast path may compute them itself from `embed_head_parts` (accel/decode_run.py's greedy loop). A subclass
+    # a fast path may compute them itself from `embed_head_parts` (accel/runs/decode_run.py's greedy loop). A subclass
     # that changes `embed` or `head` sets this False.
     plain_embed_head: ClassVar[bool] = True
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.delta_mixers import KDA, KDA_BOUNDED, delta_accel
+from hybridcache.accel.mixers.delta import KDA, KDA_BOUNDED, delta_accel
 from hybridcache.cache import NativeGroup, NativeLayer
 from hybridcache.models.core.registry import register_family
 from hybridcache.models.core.stack import StackLM
@@ -43,7 +43,7 @@ def _delta_form(mixer: Glm5DeltaAttention):
     return KDA_BOUNDED if mixer.safe_gate else KDA
 
 
-# its decode step in one C call (accel/delta_mixers.py)
+# its decode step in one C call (accel/mixers/delta.py)
 register_accel(Glm5DeltaAttention, delta_accel(Glm5DeltaAttention, _delta_form))
 
 

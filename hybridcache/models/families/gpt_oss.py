@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.moe import oss_experts_accel
+from hybridcache.accel.mixers.moe import oss_experts_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import MoEFields
 from hybridcache.models.core.family_config import param

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.moe import routed_experts_accel
+from hybridcache.accel.mixers.moe import routed_experts_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields, Mamba2Fields, MoEFields
 from hybridcache.models.core.family_config import length_problem, param

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.sandwich_program import SandwichProgramAccel
+from hybridcache.accel.layers.sandwich_program import SandwichProgramAccel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param

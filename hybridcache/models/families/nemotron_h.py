@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.mlp_layer import MLPLayerAccel
-from hybridcache.accel.moe import latent_experts_accel
-from hybridcache.accel.pre_norm_layer import PreNormAccel
+from hybridcache.accel.layers.mlp import MLPLayerAccel
+from hybridcache.accel.layers.pre_norm import PreNormAccel
+from hybridcache.accel.mixers.moe import latent_experts_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.base import HybridLM
 from hybridcache.models.core.family_config import FamilyConfig, param
@@ -281,7 +281,7 @@ class NemotronHBlock(PreNormLayer):
 
 
 def block_accel(block: NemotronHBlock) -> PreNormAccel:
-    """An MLP block's record is hc_pre_norm_mlp's (accel/mlp_layer.py); a Mamba2 block's the pre-norm layer's."""
+    """An MLP block's record is hc_pre_norm_mlp's (accel/layers/mlp.py); a Mamba2 block's the pre-norm layer's."""
     return MLPLayerAccel(block) if block.kind == "mlp" else PreNormAccel(block)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.delta_mixers import DeltaForm, delta_accel
+from hybridcache.accel.mixers.delta import DeltaForm, delta_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import AttentionFields
 from hybridcache.models.core.family_config import length_problem, param
@@ -82,7 +82,7 @@ class OlmoHybridGatedDeltaNet(GatedDeltaNetMixer):
         return q, k, v, z, self.b_proj(h), self.a_proj(h)
 
 
-# its decode step in one C call (accel/delta_mixers.py): q, k, v from three projections into one conv
+# its decode step in one C call (accel/mixers/delta.py): q, k, v from three projections into one conv
 OLMO_DELTA = DeltaForm(qkv=("q_proj", "k_proj", "v_proj"), convs=("conv1d",), z=("g_proj",), b="b_proj", a=("a_proj",))
 register_accel(OlmoHybridGatedDeltaNet, delta_accel(OlmoHybridGatedDeltaNet, OLMO_DELTA))
 

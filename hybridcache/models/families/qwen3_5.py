@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.delta_mixers import DeltaForm, delta_accel
+from hybridcache.accel.mixers.delta import DeltaForm, delta_accel
 from hybridcache.cache import NativeLayer
 from hybridcache.models.core.family_config import param
 from hybridcache.models.core.registry import register_family
@@ -62,7 +62,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNetMixer):
         return q, k, v, z, self.in_proj_b(h), self.in_proj_a(h)
 
 
-# its decode step in one C call (accel/delta_mixers.py): [q | k | v] from one projection, one conv
+# its decode step in one C call (accel/mixers/delta.py): [q | k | v] from one projection, one conv
 QWEN35_DELTA = DeltaForm(qkv=("in_proj_qkv",), convs=("conv1d",), z=("in_proj_z",), b="in_proj_b", a=("in_proj_a",))
 register_accel(Qwen35GatedDeltaNet, delta_accel(Qwen35GatedDeltaNet, QWEN35_DELTA))
 

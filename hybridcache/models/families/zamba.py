@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel import register_accel
-from hybridcache.accel.recurrent_mixers import mamba_groups_accel
+from hybridcache.accel.mixers.recurrent import mamba_groups_accel
 from hybridcache.cache import CacheLayer, NativeLayer
 from hybridcache.models.core.config_pieces import MambaFields
 from hybridcache.models.core.family_config import attention_problems, param

@@ -142,7 +142,7 @@ static int head_choose(const float *last, const float *norm_w, float norm_eps, f
   return isfinite(out[*tok]) ? 0 : -3;
 }
 
-/* Greedy decode steps of one row in one call (accel/decode_run.py): no interpreter between steps. From token
+/* Greedy decode steps of one row in one call (accel/runs/decode_run.py): no interpreter between steps. From token
    `first`, step j embeds its token (row of `embed` [vocab, Dm] of embed_type, widened, times its row scale
    embed_rs [vocab] when given, times embed_scale: as the model's embedding) into x [Dm], runs the n layer records (hc_decoder_stack's, as built for the run's first step: step j moves each one's
    slot and slot count on by j, its query position to qpos[j] and its rotary tables to row j of [steps, rot]

@@ -289,7 +289,7 @@ int hc_layer_program(const int *ops, const void *const *records, int n, int *fai
   return 0;
 }
 
-/* Greedy decode steps of one row over a layer program (accel/program_run.py): hc_decode_steps's loop, the layers
+/* Greedy decode steps of one row over a layer program (accel/runs/program_run.py): hc_decode_steps's loop, the layers
    being hc_layer_program's records. Step jj (the run's step s = from + jj) embeds its token into x [Dm] (the input
    the program's first records read; embed_row), moves the records in place: each attention record records[att[a]]
    to slot held[a] + s of S = held[a] + s + 1, query position qpos + jj and row jj of the [steps, rot] rotary tables

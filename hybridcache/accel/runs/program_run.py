@@ -18,13 +18,13 @@ import ctypes
 
 import torch
 
-from hybridcache.accel.embed_head import loop_arguments, loop_result, rope_rows
-from hybridcache.accel.layer_records import _binding, _hooked, record_accel, steady_bindings
+from hybridcache.accel.layers.pre_norm import _STATE_FIELDS, PreNormAccel
 from hybridcache.accel.native.checks import INT_MAX, _ptr
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.layer_program import CODES, OPS, record_types
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.pre_norm_layer import _STATE_FIELDS, PreNormAccel
+from hybridcache.accel.runs.embed_head import loop_arguments, loop_result, rope_rows
+from hybridcache.accel.runs.layer_records import _binding, _hooked, record_accel, steady_bindings
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.cache.core.group import CacheGroup
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridcache.accel.layers.pre_norm import PreNormAccel, _hooked
+from hybridcache.accel.mixers.recurrent import _projection
 from hybridcache.accel.native.layer_program import CODES, bind_mlp_layer, pre_norm_mlp_args, record_types
-from hybridcache.accel.pre_norm_layer import PreNormAccel, _hooked
-from hybridcache.accel.recurrent_mixers import _projection
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.norms import kernel_args, kernel_plain
 

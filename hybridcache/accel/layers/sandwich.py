@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.accel.attention_mixer import AttentionAccel
-from hybridcache.accel.decoder_tail import bound_tail, decoder_tail
 from hybridcache.accel.kernel_memo import KernelMemo
+from hybridcache.accel.layers.decoder_tail import bound_tail, decoder_tail
+from hybridcache.accel.mixers.attention import AttentionAccel
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.norms import residual_norm

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridcache.accel.layers.pre_norm import PreNormAccel, _bind_mlp, _hooked, _Kept
+from hybridcache.accel.mixers.recurrent import STEPS, RecurrentAccel
 from hybridcache.accel.native.layer_program import (
     CODES,
     bind_sandwich_tail,
@@ -21,8 +23,6 @@ from hybridcache.accel.native.layer_program import (
     rms_norm_args,
     sandwich_tail_args,
 )
-from hybridcache.accel.pre_norm_layer import PreNormAccel, _bind_mlp, _hooked, _Kept
-from hybridcache.accel.recurrent_mixers import STEPS, RecurrentAccel
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.norms import kernel_args, kernel_plain
 from hybridcache.nn.core.pre_norm import PreNormParts

@@ -23,14 +23,14 @@ import ctypes
 
 import torch
 
-from hybridcache.accel.embed_head import loop_arguments, loop_result, rope_rows
-from hybridcache.accel.layer_records import _binding, _hooked, layer_accel, steady_bindings
+from hybridcache.accel.layers.pre_norm import PreNormAccel
 from hybridcache.accel.native.checks import INT_MAX, _ptr
 from hybridcache.accel.native.decoder_stack import call_table, record_table, record_type
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
-from hybridcache.accel.pre_norm_layer import PreNormAccel
-from hybridcache.accel.program_run import ProgramRun
+from hybridcache.accel.runs.embed_head import loop_arguments, loop_result, rope_rows
+from hybridcache.accel.runs.layer_records import _binding, _hooked, layer_accel, steady_bindings
+from hybridcache.accel.runs.program_run import ProgramRun
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.cache.core.group import CacheGroup
 

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from hybridcache.accel.layers.pre_norm import PreNormAccel
+from hybridcache.accel.layers.sandwich import SandwichAccel
 from hybridcache.accel.native.decoder_stack import call_records, record_type
 from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.layer_program import CODES, call_program
-from hybridcache.accel.pre_norm_layer import PreNormAccel
-from hybridcache.accel.sandwich_layer import SandwichAccel
 
 _STEADY: ContextVar[dict | None] = ContextVar("hybridcache_steady_decode", default=None)
 _UNSET = object()

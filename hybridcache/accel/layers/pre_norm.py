@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.accel.attention_mixer import AttentionAccel
-from hybridcache.accel.decoder_tail import bound_tail
 from hybridcache.accel.kernel_memo import KernelMemo
+from hybridcache.accel.layers.decoder_tail import bound_tail
+from hybridcache.accel.mixers.attention import AttentionAccel
+from hybridcache.accel.mixers.recurrent import STEPS, RecurrentAccel, _decode_step
 from hybridcache.accel.native.layer_program import CODES, bind_tail, pre_norm_tail_args, record_types, rms_norm_args
 from hybridcache.accel.native.op_declarations import ACT_MUL
 from hybridcache.accel.native.steps.recurrent import _state
-from hybridcache.accel.recurrent_mixers import STEPS, RecurrentAccel, _decode_step
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.linear import DecodeLinear
 from hybridcache.nn.core.mlp import GatedMLP

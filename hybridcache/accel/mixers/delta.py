@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from hybridcache.accel.kernel_memo import KernelMemo
+from hybridcache.accel.mixers.recurrent import RecurrentAccel, _decode_step, _layout, _projection
 from hybridcache.accel.native.steps.recurrent import bind_delta_step
-from hybridcache.accel.recurrent_mixers import RecurrentAccel, _decode_step, _layout, _projection
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.recurrent.gated_deltanet import GatedDeltaNetMixer, GatedHeadNorm
 from hybridcache.nn.recurrent.kda import BailingDeltaAttention, KimiDeltaAttention, SigmoidGatedHeadNorm
