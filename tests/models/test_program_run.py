@@ -20,7 +20,8 @@ from tests.models.conftest import prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
-FAMILIES = ["mamba2", "lfm2", "bamba", "mamba"]  # (jamba: its MoE layers do not record; declined below)
+FAMILIES = ["mamba2", "lfm2", "bamba", "mamba", "recurrentgemma"]  # (jamba: MoE layers do not record; declined below)
+NO_C_LOOP = {"recurrentgemma"}  # (its scaled embedding and soft-capped head: greedy runs step by step, ProgramRun.step)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def test_a_run_is_the_step_by_step_decode(family, monkeypatch, name, sampled, ru
     more, started = _generate(model, got.sequences, monkeypatch, True, max_new_tokens=6, cache=got.cache, **draw)
     again, _ = _generate(model, want.sequences, monkeypatch, False, max_new_tokens=6, cache=want.cache, **draw)
     # greedy: the uncached token and 5 more, in runs of 5 at most; sampled: the uncached token's block, then 5
-    assert started == ([5] if sampled else [6] if run_tokens > 6 else [5, 1])
+    stepped = sampled or name in NO_C_LOOP  # (the C loop takes the uncached token; a step by step run does not)
+    assert started == ([5] if stepped else [6] if run_tokens > 6 else [5, 1])
     _same(more, again)
 
 
@@ -173,8 +175,10 @@ class _FailingLibrary:
         return -1
 
 
-@pytest.mark.parametrize("name", ["bamba", "mamba2"])
-@pytest.mark.parametrize("sampled", [False, True])
+# (recurrentgemma: no C loop, so its run's steps are ProgramRun.step's, the sampled case)
+@pytest.mark.parametrize(
+    "name, sampled", [("bamba", False), ("bamba", True), ("mamba2", False), ("mamba2", True), ("recurrentgemma", True)]
+)
 def test_a_failed_run_leaves_the_cache_as_it_began_and_free(family, monkeypatch, name, sampled):
     """Greedy: the C loop fails after 2 steps; sampled: the third step's program call fails."""
     model, ids = family(name), prompts(1, 6, seed=9)
@@ -275,3 +279,55 @@ def test_a_non_finite_step_is_reported_as_step_by_step(checkpoints, monkeypatch)
         errors.append(str(err.value))
         assert state_equal(cache.snapshot(), before) if runs else True
     assert errors[0] == errors[1] and calls == [1]  # (the C loop found it)
+
+
+def _uncapped_recurrentgemma(checkpoints):
+    """RecurrentGemma with its head's soft cap off and its embedding's multiplier said (what the greedy C loop
+    computes): its RG-LRU records through hc_program_steps. The multiplier is the one its `embed` rounds to bf16."""
+    model = hc.from_pretrained(checkpoints("recurrentgemma"))
+    model.cfg.logits_soft_cap = 0.0
+    scale = float(torch.tensor(model.cfg.hidden_size**0.5, dtype=torch.bfloat16))
+    model.embed_head_parts = lambda: (model.model.embed_tokens, scale, model.model.final_norm, model.lm_head)
+    return model
+
+
+@pytest.mark.parametrize("prompt", [0, 6])
+def test_rglru_positions_move_in_the_c_loop(checkpoints, monkeypatch, prompt):
+    """The greedy C loop moves each RG-LRU record's positions pointer with the step: from an empty cache the run's
+    first step is position 0 (where the recurrence restarts) and the later ones are not (the same as step by step;
+    fails with the positions left at the first step's)."""
+    model = _uncapped_recurrentgemma(checkpoints)
+    assert model.fast_path.greedy_loop(model)
+    calls, real = [], program_run.ProgramRun.greedy
+    monkeypatch.setattr(program_run.ProgramRun, "greedy", lambda *a: calls.append(1) or real(*a))
+    ids = prompts(1, prompt + 1, seed=11)
+    out = {}
+    for runs in (True, False):
+        cache = model.make_cache(1)
+        if prompt:
+            model(ids[:, :prompt], cache)  # (the prompt fed: the continuation's one new token starts the run)
+        out[runs], started = _generate(model, ids, monkeypatch, runs, max_new_tokens=9, cache=cache)
+        assert started == ([9] if runs else [])
+    assert calls == [1]
+    _same(out[True], out[False])
+
+
+def test_rglru_positions_move_by_step_then_greedy(checkpoints, monkeypatch):
+    """From an empty cache, a run's steps by `step` (the first at position 0) then by `greedy`: each moves the RG-LRU
+    records' positions (fails with `step` leaving them at the first step's)."""
+    model, first = _uncapped_recurrentgemma(checkpoints), torch.tensor([[5]])
+    want, _ = _generate(model, first, monkeypatch, False, max_new_tokens=8)
+    cache, tokens, logits = model.make_cache(1), [5], []
+    with torch.no_grad(), layer_records.steady():
+        run = decode_run.DecodeRun.start(model, cache, 8, first, model.embed(first))
+        assert isinstance(run, program_run.ProgramRun)
+        for _ in range(4):
+            t = torch.tensor([[tokens[-1]]])
+            logits.append(model.head(run.step(t, model.embed(t)))[:, -1])
+            tokens.append(int(logits[-1].argmax()))
+        more, rows = run.greedy(model, tokens[-1], 4, [], True)
+        run.finish()
+    assert run.steps == 8
+    assert torch.equal(torch.tensor(tokens[1:] + more.tolist()), want.sequences[0, 1:])
+    assert torch.equal(torch.cat([*logits, rows]), want.logits[0])
+    _same_cache(cache, want.cache)  # (both fed `first` and the first 7 tokens)

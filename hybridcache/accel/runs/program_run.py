@@ -1,15 +1,17 @@
-"""Decode runs of pre-norm models (LFM2, Bamba, Jamba, Mamba, Mamba2: nn/core/pre_norm.py): what decode_run.py does for
-Gemma 3, over a program of records (csrc/layer_program.c) where attention and recurrent layers mix.
+"""Decode runs of pre-norm models (LFM2, Bamba, Mamba, Mamba2, RecurrentGemma: nn/core/pre_norm.py): what
+decode_run.py does for Gemma 3, over a program of records (csrc/layer_program.c) where attention and recurrent layers
+mix.
 
 The cache is reserved once per run of up to `capacity` steps (Cache.reserve_decode): an attention layer's reserved
 slots after the ones it holds, a recurrent layer's ring of state buffers apart from the states it holds
 (cache/recurrent/run_states.py). The first step builds every layer's records by the checked calls
 (pre_norm_layer.py: an attention layer's hc_decoder_layer record, a recurrent layer's norm, mixer step and tail);
 each later step moves only what moves with the step: an attention record's slot, slot count, query position and
-rotary tables, a mixer record's state pointers (step j reads ring buffer j - 1 and writes buffer j). When the run
-ends its tokens are fed as one block (Cache.feed_reserved), which commits every layer as that many one-token blocks
-would. The same kernels on the same inputs as the step-by-step decode, so the same logits bit for bit and the same
-cache after (tests/models/test_program_run.py). Only inside `layer_records.steady()`, one row, every layer recording.
+rotary tables, a mixer record's state pointers (step j reads ring buffer j - 1 and writes buffer j) and RG-LRU's
+positions (where its recurrence restarts). When the run ends its tokens are fed as one block (Cache.feed_reserved),
+which commits every layer as that many one-token blocks would. The same kernels on the same inputs as the
+step-by-step decode, so the same logits bit for bit and the same cache after (tests/models/test_program_run.py).
+Only inside `layer_records.steady()`, one row, every layer recording.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ from hybridcache.cache.core.group import CacheGroup
 
 _F32 = torch.float32
 _NAMES = list(OPS)  # op code -> its name (the mixer kinds of pre_norm_layer._STATE_FIELDS among them)
+_POSITIONED = {"rglru"}  # mixer records whose `pos` field points at the step's positions [B, 1]
 
 
 class _Step:
-    """The step a run's first records are built for: one real token per row (what the mixers' `prepare` asks)."""
+    """The step a run's first records are built for: one real token per row and its positions [B, 1] (what the
+    mixers' `prepare` asks: RG-LRU reads where a row's recurrence restarts)."""
 
     all_real = True
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
 
 
 class _RunLayer:
@@ -117,6 +124,8 @@ class ProgramRun:
         self.q_pos = self.pos0.view(b, 1)
         program, alive = [], []
         self.attention, self.mixers = [], []  # (record, rotary, held slots); (record, ptr fields, ring pointers)
+        self.positioned = []  # the mixer records that read the step's positions (RG-LRU's `pos`)
+        self.run_pos = self.pos0[0] + torch.arange(self.capacity)  # [capacity] int64: step j's position (one row)
         x = self.inp
         for i, (entry, fast, bound, r) in enumerate(zip(entries, accels, bindings, reserved, strict=True)):
             y = self.bufs[i % 2]
@@ -131,7 +140,7 @@ class ProgramRun:
             else:
                 if not hasattr(r, "rings"):
                     return False
-                got = fast.record(x, y, _RunLayer(r.read(0)), _Step(), bound)
+                got = fast.record(x, y, _RunLayer(r.read(0)), _Step(self.q_pos), bound)
                 if got is None or got[0] == "reserved" or len(got[0]) != 3:
                     return False
                 ops, keep, _after = got
@@ -142,6 +151,10 @@ class ProgramRun:
                     return False
                 pointers = {name: [ring[k].data_ptr() for k in range(ring.shape[0])] for name, ring in r.rings.items()}
                 self.mixers.append((recs[1], [(fields[n], pointers[n]) for n in r.rings]))
+                if kind in _POSITIONED:
+                    if recs[1].pos != self.q_pos.data_ptr():  # (the record points into this very tensor)
+                        return False
+                    self.positioned.append(recs[1])
                 program += [(op, rec) for (op, _), rec in zip(ops, recs, strict=True)]
                 alive.append(keep)
             x = y
@@ -214,6 +227,8 @@ class ProgramRun:
             for rec, rotary, held in self.attention:
                 cos, sin = self._rope(rotary, self.q_pos)
                 rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t = q, held + j, held + j + 1, _ptr(cos), _ptr(sin)
+            for rec in self.positioned:
+                rec.pos = q
         for rec, states in self.mixers:
             for (read, write), ptrs in states:
                 setattr(rec, read, ptrs[(j - 1) % len(ptrs)])
@@ -268,6 +283,11 @@ class ProgramRun:
                         if desc.size != ctypes.sizeof(ctypes.c_void_p):
                             raise RuntimeError(f"ProgramRun: record field {field} is not a pointer")
                         rows.append((at[id(rec)], desc.offset, ptrs[0], stride, len(ptrs), write))
+            for rec in self.positioned:  # step s reads run_pos[s]: a "ring" of `capacity` positions, written at s
+                desc, pos = type(rec).pos, self.run_pos
+                if desc.size != ctypes.sizeof(ctypes.c_void_p) or pos.dtype != torch.int64 or not pos.is_contiguous():
+                    raise RuntimeError("ProgramRun: a positions field is not a pointer to int64 rows")
+                rows.append((at[id(rec)], desc.offset, pos.data_ptr(), pos.element_size(), self.capacity, 1))
             n = len(rows)
             cols = list(zip(*rows, strict=True)) if rows else [()] * 6
             types = (ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int)
