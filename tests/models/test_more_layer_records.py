@@ -31,7 +31,7 @@ FAMILIES = {
     "kimi_linear": ("delta",),
     "bailing_hybrid": ("delta",),
     "recurrentgemma": ("rglru", "decoder_layer"),
-    "nemotron_h": ("mamba2", "pre_norm_mlp"),
+    "nemotron_h": ("mamba2", "pre_norm_mlp", "attention_layer"),  # (attention blocks: no MLP)
     "lfm3": (
         "short_conv",
         "sandwich_tail",
@@ -225,3 +225,19 @@ def test_a_mixer_record_is_its_one_call_step(checkpoints, family, kind):
         layer_program.call_program([(layer_program.CODES[kind], c_args)])
     assert len(outs) == len(want) == len(names) + 1
     assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
+
+
+def test_the_attention_record_without_an_mlp_declines_what_it_does_not_take(checkpoints):
+    """Nemotron-H's attention blocks bind hc_attention_layer's tail; another width or a projection the kernel does
+    not compute binds nothing (the block then runs as its module call)."""
+    from hybridcache.accel.kernel_memo import KernelMemo
+    from hybridcache.accel.layers.decoder_tail import bound_attention_tail
+
+    model = hc.from_pretrained(checkpoints("nemotron_h"))
+    attn = next(b for b in model.backbone.layers if b.kind == "full_attention").mixer
+    d, width = model.cfg.hidden_size, attn.num_heads * attn.head_dim
+    tail = bound_attention_tail(d, width, attn.o_proj, None, KernelMemo())
+    assert tail is not None and tail.layer_fn == "hc_attention_layer" and tail.dims == (d, width, d)
+    assert bound_attention_tail(d, width + 1, attn.o_proj, None, KernelMemo()) is None  # not o_proj's width
+    assert bound_attention_tail(d, width, torch.nn.Linear(width, d), None, KernelMemo()) is None  # not a DecodeLinear
+    assert bound_attention_tail(d, width, attn.o_proj, torch.nn.LayerNorm(d), KernelMemo()) is None  # not an RMSNorm

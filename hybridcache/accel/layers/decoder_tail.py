@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from hybridcache.accel.kernel_memo import KernelMemo, norm_key, tensor_key
-from hybridcache.accel.native.fused import bind_decoder_tail
+from hybridcache.accel.native.checks import _ptr
+from hybridcache.accel.native.fused import _matrix, _norm_args, _norm_ok, _vector, bind_decoder_tail
 from hybridcache.accel.native.kernel_calls import call, takes
 from hybridcache.accel.native.op_declarations import ACT_MUL
 from hybridcache.nn.core.linear import DecodeLinear
@@ -140,3 +141,31 @@ def _call(h, a, o_proj, post_attn, pre_mlp, mlp, post_mlp) -> torch.Tensor | Non
         mlp.act_name,
         *kernel_args(post_mlp),
     )
+
+
+def bound_attention_tail(d: int, width: int, o_proj: nn.Module, post_attn: nn.Module | None, memo: KernelMemo):
+    """The tail of an attention layer with no MLP (Nemotron-H's attention blocks: h + o_proj(a), post_attn: h +
+    post_attn(o_proj(a))) as hc_attention_layer's part of the layer record (csrc/fused_layer.c: hc_decoder_layer's
+    layout, the MLP fields NULL / 0), kept in `memo`; None: the kernel does not take them. Only a record's (no
+    direct call): `static`, `dims` and `layer_fn` as decoder_layer.bind_decoder_layer reads a bound tail's."""
+    key = ("attention_tail", d, width, id(o_proj), type(o_proj), *(tensor_key(t) for t in _linear(o_proj)))
+    return memo.get((*key, norm_key(post_attn)), lambda: _bind_attention_tail(d, width, o_proj, post_attn))
+
+
+class _AttentionTail:
+    layer_fn = "hc_attention_layer"
+
+    def __init__(self, o: tuple, post_attn, static: tuple, dims: tuple) -> None:
+        self.holds, self.static, self.dims = (o, post_attn), static, dims  # (holds: C reads these tensors)
+
+
+def _bind_attention_tail(d, width, o_proj, post_attn):
+    if type(o_proj) is not DecodeLinear or not kernel_plain(post_attn) or not all(type(v) is int for v in (d, width)):
+        return None
+    o, post = _linear(o_proj), None if post_attn is None else kernel_args(post_attn)
+    (w_o, b_o, s_o), t_o = o, _matrix(o[0], d, width, o[2]) if d >= 1 and width >= 1 else None
+    if t_o is None or not _vector(b_o, d) or not _norm_ok(post, d):
+        return None
+    none_mlp = (None, 0.0, 0, None, 0, None, None, None, 0, None, None, 0, None, 0.0)  # pre_mlp .. post_mlp_eps
+    static = (w_o.data_ptr(), t_o, _ptr(s_o), _ptr(b_o), *_norm_args(post), *none_mlp)
+    return _AttentionTail(o, post, static, (d, width, d))  # (per row: o [Dm] in the tail scratch)

@@ -2,7 +2,8 @@
 `accel`, installed by accel.install) as a record of a decode step's one C call over many layers (layer_records.py).
 
 An attention layer with a gated MLP is a sandwich-norm layer without post-norms: its record is the same
-hc_decoder_layer call (AttentionAccel.record with the tail bound to no post-norms). A recurrent layer is three
+hc_decoder_layer call (AttentionAccel.record with the tail bound to no post-norms); one with no MLP (Nemotron-H's
+attention blocks) hc_attention_layer's, of the same record layout. A recurrent layer is three
 records of csrc/layer_program.c: the input RMSNorm, the mixer's one-call step (recurrent_mixers.py `prepare`, the
 arguments built by native/steps/recurrent.py's checked `*_args`) and the tail (h + y, then the MLP's norm, the gated MLP
 and its add; or h + y alone). The same kernels in the same order as the per-layer module calls, so the same bits.
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from hybridcache.accel.kernel_memo import KernelMemo
-from hybridcache.accel.layers.decoder_tail import bound_tail
+from hybridcache.accel.layers.decoder_tail import bound_attention_tail, bound_tail
 from hybridcache.accel.mixers.attention import AttentionAccel
 from hybridcache.accel.mixers.recurrent import STEPS, RecurrentAccel, _decode_step
 from hybridcache.accel.native.layer_program import CODES, bind_tail, pre_norm_tail_args, record_types, rms_norm_args
@@ -33,6 +34,7 @@ from hybridcache.nn.core.norms import kernel_args, kernel_plain, residual_norm
 from hybridcache.nn.core.pre_norm import PreNormLayer, PreNormParts
 
 _F32 = torch.float32
+_NO_MLP = CODES["attention_layer"]  # an attention layer's record with no MLP (hc_decoder_layer's layout)
 
 
 def _hooked(*modules: nn.Module | None) -> bool:
@@ -58,14 +60,14 @@ class PreNormAccel:
         if not isinstance(fast, AttentionAccel) and record_types() is None:  # (no program: the module runs)
             return None
         if isinstance(fast, AttentionAccel):
-            attn = p.mixer
-            if p.mlp is None:
-                return None
-            tail = bound_tail(
-                x.shape[2], attn.num_heads * attn.head_dim, attn.o_proj, None, p.mlp_norm, p.mlp, None, self.tail_memo
-            )
+            attn, width = p.mixer, p.mixer.num_heads * p.mixer.head_dim
+            if p.mlp is None:  # (Nemotron-H's attention blocks: hc_attention_layer, the record without an MLP)
+                tail, code = bound_attention_tail(x.shape[2], width, attn.o_proj, None, self.tail_memo), _NO_MLP
+            else:
+                tail = bound_tail(x.shape[2], width, attn.o_proj, None, p.mlp_norm, p.mlp, None, self.tail_memo)
+                code = CODES["decoder_layer"]
             run = None if tail is None else fast.binding(x, cache_layer, p.input_norm, tail)
-            return None if run is None else ("attention", run)
+            return None if run is None else ("attention", run, code)
         if not isinstance(fast, RecurrentAccel) or p.input_norm is None or not kernel_plain(p.input_norm):
             return None
         tail = _bind_mlp(x.shape[2], p)
@@ -84,7 +86,7 @@ class PreNormAccel:
             if got is None or got[0] == "reserved":
                 return got
             args, alive = got
-            return [(CODES["decoder_layer"], args)], alive, None
+            return [(bound[2], args)], alive, None
         _, fast, (scale, eps), tail, kept = bound
         if kept.records is not None:  # a binding kept across steps: only the states and the buffers move
             got = kept.step(x, y, cache_layer, step)
@@ -115,6 +117,8 @@ class PreNormAccel:
         p = self.layer.pre_norm_parts()
         attn = p.mixer
         a = attn.accel.separate(h, cache_layer, step, p.input_norm, False, reserved)
+        if p.mlp is None:
+            return h + attn.o_proj(a)
         h1, x = residual_norm(h, attn.o_proj(a), None, p.mlp_norm)
         return h1 + p.mlp(x)
 

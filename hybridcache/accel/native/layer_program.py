@@ -33,6 +33,7 @@ OPS = {
     "mamba_groups": "hc_mamba_groups_step",
     "pre_norm_mlp": "hc_pre_norm_mlp",
     "sandwich_tail": "hc_sandwich_tail",
+    "attention_layer": "hc_attention_layer",
 }
 MLP_ACTS = {"relu2": 0}  # the ungated MLP activations hc_pre_norm_mlp computes -> its code
 CODES = {name: i for i, name in enumerate(OPS)}

@@ -430,6 +430,7 @@ PROGRAM_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_pre_norm_tail": (None, PRE_NORM_TAIL),
     "hc_pre_norm_mlp": (None, [_P, _I, _I, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P]),
     "hc_sandwich_tail": (None, [_P, _P, _I, _I, _P, _F, *PRE_NORM_TAIL[4:16], _P, _F, _P, _P]),
+    "hc_attention_layer": (_I, LAYER_RECORD),  # hc_decoder_layer's record, no MLP (its MLP fields unread)
 }
 
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).

@@ -134,7 +134,7 @@ class ProgramRun:
                 if got is None:
                     return False
                 rec, keep, rotary = got
-                program.append((CODES["decoder_layer"], rec))
+                program.append((bound[2], rec))  # (hc_decoder_layer, or hc_attention_layer: the same layout)
                 self.attention.append((rec, rotary, r.end - r.start))
                 alive.append(keep)
             else:

@@ -266,8 +266,8 @@ class NemotronHBlock(PreNormLayer):
         else:
             self.mixer = NemotronHMoE(cfg)
 
-    def pre_norm_parts(self) -> PreNormParts | None:  # a Mamba2 block: a pre-norm layer with no MLP branch
-        return PreNormParts(self.norm, self.mixer, None, None) if self.kind == "linear_attention" else None
+    def pre_norm_parts(self) -> PreNormParts | None:  # a Mamba2 or attention block: a pre-norm layer with no MLP
+        return PreNormParts(self.norm, self.mixer, None, None) if self.kind in STATEFUL else None
 
     def mlp_layer_parts(self) -> tuple | None:  # an MLP block: (norm, the MLP, up, down, activation name)
         if self.kind != "mlp" or type(self.mixer) is not ReluSquaredMLP:

@@ -119,3 +119,17 @@ int hc_decoder_layer(HC_LAYER_RECORD(HC_REC_FIELD, HC_REC_COMMA)) {
   hc_decoder_tail(x, a, B, Dm, Hq * D, HC_TAIL_FIELDS(HC_REC_NAME, HC_REC_COMMA));
   return 0;
 }
+
+/* A decode step's attention layer with no MLP in one call (Nemotron-H's attention blocks: y = x + o_proj(attention(
+   norm(x)))): hc_attention_step (its output into `a` [B, Hq * D]), o = a @ w_o^T into tail_scratch [B, Dm], then
+   y = x + o (post_attn: x + rms_norm(o) * post_attn; hc_residual_norm). hc_decoder_layer's record, its MLP fields
+   unread. The same kernels in the same order as the separate calls. Returns hc_attention_step's code. */
+int hc_attention_layer(HC_LAYER_RECORD(HC_REC_FIELD, HC_REC_COMMA)) {
+  (void)pre_mlp, (void)pre_mlp_eps, (void)I, (void)w_gu, (void)gu_type, (void)gu_scale, (void)gu_bias, (void)w_dn;
+  (void)dn_type, (void)dn_scale, (void)dn_bias, (void)act, (void)post_mlp, (void)post_mlp_eps;
+  int err = hc_attention_step(HC_STEP_FIELDS(HC_REC_NAME, HC_REC_COMMA));
+  if (err) return err;
+  linear_any(o_type, a, w_o, tail_scratch, o_scale, o_bias, B, Dm, Hq * D);
+  hc_residual_norm(x, tail_scratch, post_attn, post_attn_eps, NULL, 0.0f, y, NULL, B, Dm);
+  return 0;
+}

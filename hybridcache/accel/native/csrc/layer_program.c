@@ -3,7 +3,7 @@
    pre-norm layer  out = h + mixer(norm(h)) [+ mlp(mlp_norm(h + ...))]  is three records: hc_rms_norm, the mixer's
    one-call step (recurrent_step.c: short conv, Mamba2, Mamba1, gated delta, the delta variants, RG-LRU, grouped
    Mamba1) and hc_pre_norm_tail; an attention layer
-   is one hc_decoder_layer record (layer_record.h). The same kernels in the same order as the per-layer calls, so the
+   is one hc_decoder_layer record (layer_record.h; hc_attention_layer's, of the same layout, where it has no MLP). The same kernels in the same order as the per-layer calls, so the
    same bits, with no interpreter between layers. Each record type states its layout (hc_op_record_codes / _names /
    _size) for the loader to check against the function's declared signature. Part of cpu_decode.c (after
    recurrent_step.c and decode_steps.c). */
@@ -180,6 +180,7 @@ enum {
   OP_MAMBA_GROUPS,
   OP_PRE_NORM_MLP,
   OP_SANDWICH_TAIL,
+  OP_ATTENTION_LAYER,
   OP_COUNT
 };
 
@@ -190,7 +191,8 @@ enum {
   Y(OP_PRE_NORM_TAIL, hc_pre_norm_tail_record, HC_PRE_NORM_TAIL_FIELDS) Y(OP_DELTA, hc_delta_record, HC_DELTA_FIELDS) \
   Y(OP_RGLRU, hc_rglru_record, HC_RGLRU_FIELDS) Y(OP_MAMBA_GROUPS, hc_mamba_groups_record, HC_MAMBA_GROUPS_FIELDS) \
   Y(OP_PRE_NORM_MLP, hc_pre_norm_mlp_record, HC_PRE_NORM_MLP_FIELDS)                                                \
-  Y(OP_SANDWICH_TAIL, hc_sandwich_tail_record, HC_SANDWICH_TAIL_FIELDS)
+  Y(OP_SANDWICH_TAIL, hc_sandwich_tail_record, HC_SANDWICH_TAIL_FIELDS)                                            \
+  Y(OP_ATTENTION_LAYER, hc_layer_record, HC_LAYER_RECORD)
 #define HC_OP_CODES(OP, T, F) case OP: return F(HC_REC_CODE, HC_REC_NONE);
 #define HC_OP_NAMES(OP, T, F) case OP: return F(HC_REC_NAME_STR, HC_REC_NAME_SEP);
 #define HC_OP_SIZE(OP, T, F) case OP: return (int)sizeof(T);
@@ -276,6 +278,11 @@ int hc_layer_program(const int *ops, const void *const *records, int n, int *fai
     case OP_SANDWICH_TAIL: {
       const hc_sandwich_tail_record *r = (const hc_sandwich_tail_record *)records[i];
       hc_sandwich_tail(HC_SANDWICH_TAIL_FIELDS(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_ATTENTION_LAYER: {
+      const hc_layer_record *r = (const hc_layer_record *)records[i];
+      err = hc_attention_layer(HC_LAYER_RECORD(HC_REC_ARG, HC_REC_COMMA));
       break;
     }
     default:
