@@ -20,8 +20,10 @@ from tests.models.conftest import prompts
 
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
-FAMILIES = ["mamba2", "lfm2", "bamba", "mamba", "recurrentgemma"]  # (jamba: MoE layers do not record; declined below)
-NO_C_LOOP = {"recurrentgemma"}  # (its scaled embedding and soft-capped head: greedy runs step by step, ProgramRun.step)
+FAMILIES = ["mamba2", "lfm2", "bamba", "mamba", "recurrentgemma", "nemotron_h"]  # (jamba: MoE layers do not record)
+# greedy runs step by step (ProgramRun.step): RecurrentGemma's scaled embedding and soft-capped head, Nemotron-H's
+# head (its model names no embedding / head parts for the C loop)
+NO_C_LOOP = {"recurrentgemma", "nemotron_h"}
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +177,17 @@ class _FailingLibrary:
         return -1
 
 
-# (recurrentgemma: no C loop, so its run's steps are ProgramRun.step's, the sampled case)
+# (recurrentgemma, nemotron_h: no C loop, so their runs' steps are ProgramRun.step's, the sampled case)
 @pytest.mark.parametrize(
-    "name, sampled", [("bamba", False), ("bamba", True), ("mamba2", False), ("mamba2", True), ("recurrentgemma", True)]
+    "name, sampled",
+    [
+        ("bamba", False),
+        ("bamba", True),
+        ("mamba2", False),
+        ("mamba2", True),
+        ("recurrentgemma", True),
+        ("nemotron_h", True),
+    ],
 )
 def test_a_failed_run_leaves_the_cache_as_it_began_and_free(family, monkeypatch, name, sampled):
     """Greedy: the C loop fails after 2 steps; sampled: the third step's program call fails."""
@@ -331,3 +341,19 @@ def test_rglru_positions_move_by_step_then_greedy(checkpoints, monkeypatch):
     assert torch.equal(torch.tensor(tokens[1:] + more.tolist()), want.sequences[0, 1:])
     assert torch.equal(torch.cat([*logits, rows]), want.logits[0])
     _same_cache(cache, want.cache)  # (both fed `first` and the first 7 tokens)
+
+
+def test_an_entry_shared_by_two_stateful_layers_declines():
+    """A run reserves each cache entry for one attention or recurrent layer (Nemotron-H's MLP blocks beside it touch
+    no cache): two such layers on one entry, or an entry no layer reads, decline before anything is reserved."""
+    e, f = object(), object()
+    assert program_run._one_stateful_per_entry([("attention",), ("mlp",), ("recurrent",)], [e, e, f])
+    assert not program_run._one_stateful_per_entry([("attention",), ("recurrent",)], [e, e])
+    assert not program_run._one_stateful_per_entry([("mlp",), ("recurrent",)], [e, f])
+
+    class Run:
+        def __init__(self, blocks):
+            self.blocks = blocks
+
+    assert program_run._blocks([Run(["a", "b"]), "c"], [e, f]) == (["a", "b", "c"], [e, e, f])
+    assert program_run._blocks([Run(["a"])], [e, f]) == (None, [])

@@ -30,7 +30,7 @@ from hybridcache.accel.native.kernel_calls import takes
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.runs.embed_head import loop_arguments, loop_result, rope_rows
 from hybridcache.accel.runs.layer_records import _binding, _hooked, layer_accel, steady_bindings
-from hybridcache.accel.runs.program_run import ProgramRun
+from hybridcache.accel.runs.program_run import ProgramRun, _blocks
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.cache.core.group import CacheGroup
 
@@ -52,7 +52,8 @@ class DecodeRun:
         """A run of up to `capacity` steps from the cache's state, its first step's tokens `ids` [B, 1] embedded as
         h [B, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step.
         A pre-norm model's layers run as a program of records (program_run.py)."""
-        if any(isinstance(b.__dict__.get("accel"), PreNormAccel) for b in model.decoder_layers):
+        blocks = _blocks(model.decoder_layers, cache.entries)[0] or []  # (Nemotron-H: its LayerRuns' blocks)
+        if any(isinstance(b.__dict__.get("accel"), PreNormAccel) for b in blocks):
             return ProgramRun.start(model, cache, capacity, ids, h)
         kept = steady_bindings()
         blocks, entries = list(model.decoder_layers), list(cache.entries)

@@ -1,6 +1,6 @@
-"""Decode runs of pre-norm models (LFM2, Bamba, Mamba, Mamba2, RecurrentGemma: nn/core/pre_norm.py): what
-decode_run.py does for Gemma 3, over a program of records (csrc/layer_program.c) where attention and recurrent layers
-mix.
+"""Decode runs of pre-norm models (LFM2, Bamba, Mamba, Mamba2, RecurrentGemma, Nemotron-H: nn/core/pre_norm.py):
+what decode_run.py does for Gemma 3, over a program of records (csrc/layer_program.c) where attention, recurrent and
+MLP-only layers mix (Nemotron-H's MLP blocks share their run's cache entry and touch no cache).
 
 The cache is reserved once per run of up to `capacity` steps (Cache.reserve_decode): an attention layer's reserved
 slots after the ones it holds, a recurrent layer's ring of state buffers apart from the states it holds
@@ -63,6 +63,31 @@ class _RunLayer:
         return 0
 
 
+def _blocks(layers, entries) -> tuple[list | None, list]:
+    """The decoder layers one by one, each with its cache entry: a family whose decoder layer is a run of layers
+    sharing one entry (Nemotron-H's LayerRun: `blocks`) gives each of its blocks that entry. (None, []) where the
+    layers and entries do not pair up."""
+    layers, entries = list(layers), list(entries)
+    if len(layers) != len(entries):
+        return None, []
+    blocks, paired = [], []
+    for layer, entry in zip(layers, entries, strict=True):
+        inner = getattr(layer, "blocks", None)
+        for block in inner if isinstance(inner, list) else [layer]:
+            blocks.append(block)
+            paired.append(entry)
+    return blocks, paired
+
+
+def _one_stateful_per_entry(bindings: list, entries: list) -> bool:
+    """Whether every cache entry is read and written by exactly one layer (an attention or recurrent layer; the MLP
+    layers beside it touch no cache): a run reserves each entry's slots or state ring for one layer."""
+    counts: dict[int, int] = {}
+    for bound, entry in zip(bindings, entries, strict=True):
+        counts[id(entry)] = counts.get(id(entry), 0) + (bound[0] != "mlp")
+    return all(n == 1 for n in counts.values())
+
+
 class ProgramRun:
     """Up to `capacity` decode steps of a pre-norm model on one held cache (`start`), fed to the cache by `finish`
     (the interface of decode_run.DecodeRun: step, full, steps, greedy, finish, abandon)."""
@@ -77,10 +102,11 @@ class ProgramRun:
         """A run of up to `capacity` steps from the cache's state, its first step's tokens `ids` [1, 1] embedded as
         h [1, 1, D]; None (nothing reserved, nothing changed) where it does not apply: then decode step by step."""
         kept = steady_bindings()
-        blocks, entries = list(model.decoder_layers), list(cache.entries)
+        blocks, entries = _blocks(model.decoder_layers, cache.entries)
         accels = [record_accel(b) for b in blocks]
         if (
             kept is None
+            or blocks is None
             or capacity < 1
             or h.dim() != 3
             or h.shape[:2] != (1, 1)
@@ -89,7 +115,6 @@ class ProgramRun:
             or not h.is_contiguous()
             or torch.compiler.is_compiling()
             or record_types() is None
-            or len(blocks) != len(entries)
             or cache.seq.block is not None
             or any(isinstance(e, CacheGroup) for e in entries)
             or not all(isinstance(a, PreNormAccel) for a in accels)
@@ -97,7 +122,7 @@ class ProgramRun:
         ):
             return None
         bindings = [_binding(a, e, h, kept) for a, e in zip(accels, entries, strict=True)]
-        if any(b is None for b in bindings):
+        if any(b is None for b in bindings) or not _one_stateful_per_entry(bindings, entries):
             return None
         pos0 = cache.seq.seen.clone()  # [B]: each row's next position (every step is all real tokens)
         reserved = cache.reserve_decode(capacity)
@@ -129,7 +154,14 @@ class ProgramRun:
         x = self.inp
         for i, (entry, fast, bound, r) in enumerate(zip(entries, accels, bindings, reserved, strict=True)):
             y = self.bufs[i % 2]
-            if bound[0] == "attention":
+            if bound[0] == "mlp":  # (a layer with no cache state: Nemotron-H's MLP blocks, one hc_pre_norm_mlp record)
+                got = fast.record(x, y, None, _Step(self.q_pos), bound)
+                if got is None or len(got[0]) != 1:
+                    return False
+                (op, args), keep = got[0][0], got[1]
+                program.append((op, record_types()[op](*args)))
+                alive.append(keep)
+            elif bound[0] == "attention":
                 got = self._attention(x, y, entry, fast, bound[1], r)
                 if got is None:
                     return False
