@@ -397,3 +397,11 @@ class NemotronHLM(HybridLM):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.backbone.norm_f(h))  # [B, T, V]
+
+    def embed_head_parts(self) -> tuple | None:
+        """(the embedding, its multiplier 1.0, the final norm, lm_head) for a greedy C loop (accel/runs/embed_head.py),
+        or None where a subclass computes them otherwise or the model is not float32."""
+        cls = type(self)
+        if cls.embed is not NemotronHLM.embed or cls.head is not NemotronHLM.head or self.dtype != torch.float32:
+            return None
+        return self.backbone.embeddings, 1.0, self.backbone.norm_f, self.lm_head
