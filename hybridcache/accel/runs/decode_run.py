@@ -31,21 +31,17 @@ from hybridcache.accel.native.library import _library
 from hybridcache.accel.runs.embed_head import loop_arguments, loop_result, rope_rows
 from hybridcache.accel.runs.layer_records import _binding, _hooked, layer_accel, steady_bindings
 from hybridcache.accel.runs.program_run import ProgramRun, _blocks
+from hybridcache.accel.runs.run_base import RunBase, first_step_fits
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.cache.core.group import CacheGroup
 
 RUN_TOKENS = 128  # steps per run at most: the spare slots it reserves in every layer
-_F32 = torch.float32
 
 
-class DecodeRun:
+class DecodeRun(RunBase):
     """Up to `capacity` decode steps of one model on one held cache (`start`), fed to the cache by `finish`."""
 
-    def __init__(self, cache: ReservingCache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
-        self.cache, self.capacity, self.pos0 = cache, capacity, pos0  # pos0 [B]: the first step's positions
-        self.ids = ids  # [B, capacity]: the tokens fed, in order
-        self.steps = self.table_step = 0  # steps run; the step the records' moving fields are set for
-        self.closed = False
+    table_step = 0  # the step the records' moving fields are set for
 
     @classmethod
     def start(cls, model, cache: ReservingCache, capacity: int, ids: torch.Tensor, h: torch.Tensor) -> DecodeRun | None:
@@ -60,16 +56,9 @@ class DecodeRun:
         accels = [layer_accel(b) for b in blocks]
         if (
             kept is None
-            or capacity < 1
-            or h.dim() != 3
-            or h.shape[:2] != (1, 1)
-            or ids.shape != (1, 1)
-            or not takes(h)
-            or not h.is_contiguous()
-            or torch.compiler.is_compiling()
+            or not first_step_fits(cache, capacity, ids, h)
             or record_type() is None
             or len(blocks) != len(entries)
-            or cache.seq.block is not None
             or any(isinstance(e, CacheGroup) for e in entries)
             or any(a is None for a in accels)
             or any(_hooked(b) for b in blocks)
@@ -79,20 +68,12 @@ class DecodeRun:
         if any(b is None for b in bindings):
             return None
         rotaries = [a.rotary() for a in accels]
-        pos0 = cache.seq.seen.clone()  # [B]: each row's next position (every step is all real tokens)
-        reserved = cache.reserve_decode(capacity)
-        if reserved is None:
-            return None
-        by_layer = dict(zip(map(id, cache.layers), reserved, strict=True))
-        run = cls(cache, capacity, pos0, ids.new_zeros(ids.shape[0], capacity))
-        try:
-            if not run._build(h, entries, bindings, rotaries, [by_layer[id(e)] for e in entries]):
-                run.abandon()
-                return None
-        except BaseException:
-            run.abandon()
-            raise
-        return run
+        return cls._reserve_and_build(
+            cache,
+            capacity,
+            ids,
+            lambda run, by_layer: run._build(h, entries, bindings, rotaries, [by_layer[id(e)] for e in entries]),
+        )
 
     def _build(self, h, entries, bindings, rotaries, reserved) -> bool:
         """The first step's records (False: some layer's call does not take them; nothing written)."""
@@ -134,20 +115,6 @@ class DecodeRun:
             if got != want:
                 return False
         return True
-
-    def _rope(self, rotary, positions: torch.Tensor):
-        """cos, sin [B, 1, 1, R] for positions [B, 1], once per rotary and step ((None, None): no rotary), by the
-        rotary's own tables (the step-by-step decode computes them so, for its block's positions)."""
-        if rotary is None:
-            return None, None
-        got = self.tables.get(id(rotary))  # (the rotaries are held by self.rotaries: no id is reused meanwhile)
-        if got is None:
-            got = self.tables[id(rotary)] = rotary.tables(positions, _F32)
-        return got
-
-    @property
-    def full(self) -> bool:
-        return self.steps >= self.capacity
 
     def step(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One decode step: tokens `ids` [B, 1] embedded as h [B, 1, D] through every layer, their keys and values
@@ -196,15 +163,3 @@ class DecodeRun:
             first, tokens.data_ptr(), ctypes.addressof(done),
         )  # fmt: skip
         return loop_result(self, "hc_decode_steps", n, done.value, first, tokens, logits, keep)
-
-    def finish(self) -> None:
-        """Feed the run's tokens to the cache as one block (nothing when it ran no step) and let go of it."""
-        if not self.closed:
-            self.closed = True
-            self.cache.feed_reserved(self.ids[:, : self.steps] if self.steps else None)
-
-    def abandon(self) -> None:
-        """Let go of the cache without feeding anything (what it held is unchanged)."""
-        if not self.closed:
-            self.closed = True
-            self.cache.feed_reserved(None)

@@ -27,6 +27,7 @@ from hybridcache.accel.native.layer_program import CODES, OPS, record_types
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.runs.embed_head import loop_arguments, loop_result, rope_rows
 from hybridcache.accel.runs.layer_records import _binding, _hooked, record_accel, steady_bindings
+from hybridcache.accel.runs.run_base import RunBase, first_step_fits
 from hybridcache.accel.slots import ReservingCache
 from hybridcache.cache.core.group import CacheGroup
 
@@ -88,14 +89,9 @@ def _one_stateful_per_entry(bindings: list, entries: list) -> bool:
     return all(n == 1 for n in counts.values())
 
 
-class ProgramRun:
+class ProgramRun(RunBase):
     """Up to `capacity` decode steps of a pre-norm model on one held cache (`start`), fed to the cache by `finish`
     (the interface of decode_run.DecodeRun: step, full, steps, greedy, finish, abandon)."""
-
-    def __init__(self, cache: ReservingCache, capacity: int, pos0: torch.Tensor, ids: torch.Tensor) -> None:
-        self.cache, self.capacity, self.pos0, self.ids = cache, capacity, pos0, ids  # pos0 [B]; ids [B, capacity]
-        self.steps = 0
-        self.closed = False
 
     @classmethod
     def start(cls, model, cache: ReservingCache, capacity: int, ids: torch.Tensor, h: torch.Tensor):
@@ -107,15 +103,8 @@ class ProgramRun:
         if (
             kept is None
             or blocks is None
-            or capacity < 1
-            or h.dim() != 3
-            or h.shape[:2] != (1, 1)
-            or ids.shape != (1, 1)
-            or not takes(h)
-            or not h.is_contiguous()
-            or torch.compiler.is_compiling()
+            or not first_step_fits(cache, capacity, ids, h)
             or record_types() is None
-            or cache.seq.block is not None
             or any(isinstance(e, CacheGroup) for e in entries)
             or not all(isinstance(a, PreNormAccel) for a in accels)
             or any(_hooked(b) for b in blocks)
@@ -124,20 +113,12 @@ class ProgramRun:
         bindings = [_binding(a, e, h, kept) for a, e in zip(accels, entries, strict=True)]
         if any(b is None for b in bindings) or not _one_stateful_per_entry(bindings, entries):
             return None
-        pos0 = cache.seq.seen.clone()  # [B]: each row's next position (every step is all real tokens)
-        reserved = cache.reserve_decode(capacity)
-        if reserved is None:
-            return None
-        by_layer = dict(zip(map(id, cache.layers), reserved, strict=True))
-        run = cls(cache, capacity, pos0, ids.new_zeros(ids.shape[0], capacity))
-        try:
-            if not run._build(h, entries, accels, bindings, [by_layer[id(e)] for e in entries]):
-                run.abandon()
-                return None
-        except BaseException:
-            run.abandon()
-            raise
-        return run
+        return cls._reserve_and_build(
+            cache,
+            capacity,
+            ids,
+            lambda run, by_layer: run._build(h, entries, accels, bindings, [by_layer[id(e)] for e in entries]),
+        )
 
     def _build(self, h, entries, accels, bindings, reserved) -> bool:
         """The first step's program (False: some layer's records do not take it; nothing written)."""
@@ -230,19 +211,6 @@ class ProgramRun:
             for name, ring in r.rings.items()
         )
 
-    def _rope(self, rotary, positions: torch.Tensor):
-        """cos, sin [B, 1, 1, R] for positions [B, 1], once per rotary and step ((None, None): no rotary)."""
-        if rotary is None:
-            return None, None
-        got = self.tables.get(id(rotary))
-        if got is None:
-            got = self.tables[id(rotary)] = rotary.tables(positions, _F32)
-        return got
-
-    @property
-    def full(self) -> bool:
-        return self.steps >= self.capacity
-
     def step(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One decode step: tokens `ids` [B, 1] embedded as h [B, 1, D] through every layer. Returns the last
         layer's output [B, 1, D] (a buffer the next step overwrites: read it first)."""
@@ -328,15 +296,3 @@ class ProgramRun:
             att, held = [at[id(rec)] for rec, _, _ in self.attention], [h for _, _, h in self.attention]
             self._att = ((ctypes.c_int * max(len(att), 1))(*att), (ctypes.c_long * max(len(att), 1))(*held))
         return self._moves_args
-
-    def finish(self) -> None:
-        """Feed the run's tokens to the cache as one block (nothing when it ran no step) and let go of it."""
-        if not self.closed:
-            self.closed = True
-            self.cache.feed_reserved(self.ids[:, : self.steps] if self.steps else None)
-
-    def abandon(self) -> None:
-        """Let go of the cache without feeding anything (what it held is unchanged)."""
-        if not self.closed:
-            self.closed = True
-            self.cache.feed_reserved(None)
