@@ -87,30 +87,7 @@ class PreNormAccel:
                 return got
             args, alive = got
             return [(bound[2], args)], alive, None
-        _, fast, (scale, eps), tail, kept = bound
-        if kept.records is not None:  # a binding kept across steps: only the states and the buffers move
-            got = kept.step(x, y, cache_layer, step)
-            if got is not None:
-                return got
-        xn = torch.empty(x.shape, dtype=_F32)  # the input norm's output, the mixer's input
-        got = fast.prepare(xn, cache_layer, step)
-        if got is None:
-            return None
-        kind, args, names = got
-        prepared = STEPS[kind][1](*args)
-        if prepared is None:
-            return None
-        c_args, (y_mix, *states), alive = prepared
-        norm = rms_norm_args(x, scale, eps, xn)
-        tail_args = pre_norm_tail_args(x, y_mix, y, tail)
-        if norm is None or tail_args is None:
-            return None
-        program = [(CODES["rms_norm"], norm), (CODES[kind], c_args), (CODES["pre_norm_tail"], tail_args[0])]
-        news = dict(zip(names, states, strict=True))
-        kept.keep(program, kind, x, news, (xn, alive, y_mix, tail_args[1]))
-        # (x and y too: the caller may drop its reference to x, a module call's output, before the program runs; and
-        # the step's arguments, whose states a state codec decodes into tensors only these hold)
-        return program, (x, y, xn, alive, y_mix, tail_args[1], args), (cache_layer, news)
+        return recurrent_records(x, y, cache_layer, step, bound, pre_norm_tail_args, "pre_norm_tail")
 
     def separate(self, h: torch.Tensor, cache_layer, step: StepInput, reserved) -> torch.Tensor:
         """The attention layer by separate calls, its attention writing the slot `record` reserved."""
@@ -186,6 +163,36 @@ class _Kept:
         norm.x = tail.h = x.data_ptr()
         tail.out = y.data_ptr()
         return self.records, (x, y, states, news, pos), (layer, news)
+
+
+def recurrent_records(x, y, cache_layer, step: StepInput, bound, tail_args_of, tail_op: str):
+    """A recurrent layer's decode step as three records: its input RMSNorm, the mixer's one-call step, and the tail
+    (`tail_args_of(x, y_mix, y, tail)` -> (args, what they point into), run as op `tail_op`): (program, the tensors
+    it points into, (cache layer, the new states to hand it after the call)), or None (nothing done)."""
+    _, fast, (scale, eps), tail, kept = bound
+    if kept.records is not None:  # a binding kept across steps: only the states and the buffers move
+        got = kept.step(x, y, cache_layer, step)
+        if got is not None:
+            return got
+    xn = torch.empty(x.shape, dtype=_F32)  # the input norm's output, the mixer's input
+    got = fast.prepare(xn, cache_layer, step)
+    if got is None:
+        return None
+    kind, args, names = got
+    prepared = STEPS[kind][1](*args)
+    if prepared is None:
+        return None
+    c_args, (y_mix, *states), alive = prepared
+    norm = rms_norm_args(x, scale, eps, xn)
+    tail_args = tail_args_of(x, y_mix, y, tail)
+    if norm is None or tail_args is None:
+        return None
+    program = [(CODES["rms_norm"], norm), (CODES[kind], c_args), (CODES[tail_op], tail_args[0])]
+    news = dict(zip(names, states, strict=True))
+    kept.keep(program, kind, x, news, (xn, alive, y_mix, tail_args[1]))
+    # (x and y too: the caller may drop its reference to x, a module call's output, before the program runs; and
+    # the step's arguments, whose states a state codec decodes into tensors only these hold)
+    return program, (x, y, xn, alive, y_mix, tail_args[1], args), (cache_layer, news)
 
 
 def _bind_mlp(d: int, p: PreNormParts):

@@ -14,15 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.accel.layers.pre_norm import PreNormAccel, _bind_mlp, _hooked, _Kept
-from hybridcache.accel.mixers.recurrent import STEPS, RecurrentAccel
-from hybridcache.accel.native.layer_program import (
-    CODES,
-    bind_sandwich_tail,
-    record_types,
-    rms_norm_args,
-    sandwich_tail_args,
-)
+from hybridcache.accel.layers.pre_norm import PreNormAccel, _bind_mlp, _hooked, _Kept, recurrent_records
+from hybridcache.accel.mixers.recurrent import RecurrentAccel
+from hybridcache.accel.native.layer_program import bind_sandwich_tail, record_types, sandwich_tail_args
 from hybridcache.nn.core.common import StepInput
 from hybridcache.nn.core.norms import kernel_args, kernel_plain
 from hybridcache.nn.core.pre_norm import PreNormParts
@@ -56,29 +50,7 @@ class SandwichProgramAccel(PreNormAccel):
         bound = self.binding(x, cache_layer) if binding is None else binding
         if bound is None:
             return None
-        _, fast, (scale, eps), tail, kept = bound
-        if kept.records is not None:  # a binding kept across steps: only the states and the buffers move
-            got = kept.step(x, y, cache_layer, step)
-            if got is not None:
-                return got
-        xn = torch.empty(x.shape, dtype=_F32)  # the input norm's output, the mixer's input
-        got = fast.prepare(xn, cache_layer, step)
-        if got is None:
-            return None
-        kind, args, names = got
-        prepared = STEPS[kind][1](*args)
-        if prepared is None:
-            return None
-        c_args, (y_mix, *states), alive = prepared
-        norm = rms_norm_args(x, scale, eps, xn)
-        tail_args = sandwich_tail_args(x, y_mix, y, tail)
-        if norm is None or tail_args is None:
-            return None
-        program = [(CODES["rms_norm"], norm), (CODES[kind], c_args), (CODES["sandwich_tail"], tail_args[0])]
-        news = dict(zip(names, states, strict=True))
-        kept.keep(program, kind, x, news, (xn, alive, y_mix, tail_args[1]))  # (pre_norm_layer.py's: the same fields)
-        # (the step's arguments too: a state codec decodes the states into tensors only they hold)
-        return program, (x, y, xn, alive, y_mix, tail_args[1], args), (cache_layer, news)
+        return recurrent_records(x, y, cache_layer, step, bound, sandwich_tail_args, "sandwich_tail")
 
     def separate(self, h: torch.Tensor, cache_layer, step: StepInput, reserved):
         raise RuntimeError("a recurrent sandwich layer reserves no slot: its record never asks for the separate path")
