@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), rea
 
 # family -> the records its layers run as (besides norms and tails)
 FAMILIES = {
-    "qwen3_5": ("delta",),
+    "qwen3_5": ("delta", "gated_decoder_layer"),  # (its attention layers gated: hc_gated_decoder_layer)
     "olmo_hybrid": ("delta",),
     "kimi_linear": ("delta",),
     "bailing_hybrid": ("delta",),
@@ -89,11 +89,12 @@ def test_checkpoint_trails_and_crop_are_the_per_layer_ones(checkpoints, monkeypa
             if per_layer:
                 _per_layer(m)
             calls = _programs(m)
-            out = hc.generate(model, ids, max_new_tokens=6, cache_config=config)
+            # (one row: decode_runs=False keeps the steps on the records; the runs are test_program_run.py's)
+            out = hc.generate(model, ids, max_new_tokens=6, cache_config=config, decode_runs=False)
             state = _cache_state(out.cache)
             out.cache.crop(out.cache.seq.seen.max().item() - 2)
             cropped = _cache_state(out.cache)
-            more = hc.generate(model, out.sequences[:, :-2], max_new_tokens=4, cache=out.cache)
+            more = hc.generate(model, out.sequences[:, :-2], max_new_tokens=4, cache=out.cache, decode_runs=False)
             outs.append((out.logits, state, cropped, more.logits, _cache_state(more.cache), len(calls)))
     (a, sa, ca, ma, ea, na), (b, sb, cb, mb, eb, nb) = outs
     assert na > 0 and nb == 0
@@ -142,8 +143,9 @@ def test_a_steady_generation_moves_the_kept_records(checkpoints, monkeypatch, fa
             m.setattr(pre_norm_layer._Kept, "step", counted)
             if per_layer:
                 _per_layer(m)
-            first = hc.generate(model, ids, max_new_tokens=5)
-            second = hc.generate(model, first.sequences, max_new_tokens=5, cache=first.cache)
+            # (one row: decode_runs=False keeps the steps on the records; the runs are test_program_run.py's)
+            first = hc.generate(model, ids, max_new_tokens=5, decode_runs=False)
+            second = hc.generate(model, first.sequences, max_new_tokens=5, cache=first.cache, decode_runs=False)
             outs.append((first.logits, second.logits, _cache_state(second.cache)))
     assert any(moved)  # (the kept records ran)
     (a1, a2, ca), (b1, b2, cb) = outs

@@ -62,10 +62,12 @@ class PreNormAccel:
         if isinstance(fast, AttentionAccel):
             attn, width = p.mixer, p.mixer.num_heads * p.mixer.head_dim
             if p.mlp is None:  # (Nemotron-H's attention blocks: hc_attention_layer, the record without an MLP)
+                if attn.output_gate:  # (no record computes a gated attention without an MLP)
+                    return None
                 tail, code = bound_attention_tail(x.shape[2], width, attn.o_proj, None, self.tail_memo), _NO_MLP
             else:
                 tail = bound_tail(x.shape[2], width, attn.o_proj, None, p.mlp_norm, p.mlp, None, self.tail_memo)
-                code = CODES["decoder_layer"]
+                code = CODES["gated_decoder_layer" if attn.output_gate else "decoder_layer"]
             run = None if tail is None else fast.binding(x, cache_layer, p.input_norm, tail)
             return None if run is None else ("attention", run, code)
         if not isinstance(fast, RecurrentAccel) or p.input_norm is None or not kernel_plain(p.input_norm):

@@ -221,7 +221,6 @@ class AttentionAccel:
         mixer = self.mixer
         if (
             not mixer.plain_projection
-            or mixer.output_gate
             or mixer.query_hook is not None
             or not takes(h)
             or h.dim() != 3
@@ -253,8 +252,11 @@ class AttentionAccel:
         return run, (cos, sin, view.keys, view.values, slot, qpos, kpos, kind, param), reserved
 
     def _bind_step(self, dm: int, norm: nn.Module | None):
-        """The one-call attention bound to this mixer's projection, norms, scale, softcap and sinks (None: the
-        kernel does not take them)."""
+        """The one-call attention bound to this mixer's projection, norms, scale, softcap, sinks and output gate
+        (hc_gated_attention_step: the gate's sigmoid in C, float32 noise from the reference's; None: the kernel does
+        not take them)."""
         mixer = self.mixer
         args = self._kernel_args(dm, norm)
-        return None if args is None else bind_attention_step(*args, mixer.scale, mixer.softcap, mixer.sinks)
+        if args is None:
+            return None
+        return bind_attention_step(*args, mixer.scale, mixer.softcap, mixer.sinks, mixer.output_gate)

@@ -36,7 +36,12 @@ def bind_decoder_layer(step: Callable | None, tail: Callable | None) -> Callable
     (dm, attn_width), (d, width, per_row) = step.dims, tail.dims
     if d != dm or width != attn_width:
         return None
-    fn, prepare, static = getattr(lib, getattr(tail, "layer_fn", "hc_decoder_layer")), step.prepare, tail.static
+    layer_fn = getattr(tail, "layer_fn", "hc_decoder_layer")
+    if getattr(step, "gated", False):  # (a gated attention: only its whole layer with a gated MLP has a record)
+        if layer_fn != "hc_decoder_layer":
+            return None
+        layer_fn = "hc_gated_decoder_layer"
+    fn, prepare, static = getattr(lib, layer_fn), step.prepare, tail.static
 
     def record(x, y, cos, sin, keys, values, slot, q_pos, k_pos, pattern, param):
         """(hc_decoder_layer's arguments writing the layer's output into y [B, 1, Dm], the tensors they point

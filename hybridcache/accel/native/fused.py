@@ -105,15 +105,15 @@ def qkv_norm_rope(
 
 
 def qkv_static(
-    qkv: tuple, heads: int, kv_heads: int, head_dim: int, dm: int, q_norm, k_norm, in_norm
+    qkv: tuple, heads: int, kv_heads: int, head_dim: int, dm: int, q_norm, k_norm, in_norm, gated: bool = False
 ) -> tuple[tuple, tuple, tuple] | None:
     """The q / k / v kernels' checked static C arguments (hc_qkv_norm_rope's, and hc_attention_step's which start
     the same way): (the projection's from dm on, the q / k norms', the input norm's), or None for weights, norms or
-    sizes they do not take."""
+    sizes they do not take. `gated`: the projection yields per q head [query | gate] (hc_gated_attention_step)."""
     w, bias, wscale = qkv
     if not all(type(v) is int and v >= 1 for v in (heads, kv_heads, head_dim, dm)):
         return None
-    width = (heads + 2 * kv_heads) * head_dim
+    width = ((2 if gated else 1) * heads + 2 * kv_heads) * head_dim
     code = _matrix(w, width, dm, wscale)
     if (
         code is None

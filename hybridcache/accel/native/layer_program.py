@@ -34,6 +34,7 @@ OPS = {
     "pre_norm_mlp": "hc_pre_norm_mlp",
     "sandwich_tail": "hc_sandwich_tail",
     "attention_layer": "hc_attention_layer",
+    "gated_decoder_layer": "hc_gated_decoder_layer",
 }
 MLP_ACTS = {"relu2": 0}  # the ungated MLP activations hc_pre_norm_mlp computes -> its code
 CODES = {name: i for i, name in enumerate(OPS)}

@@ -431,6 +431,10 @@ PROGRAM_SIGNATURES: dict[str, tuple[object, list]] = {
     "hc_pre_norm_mlp": (None, [_P, _I, _I, _P, _F, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P]),
     "hc_sandwich_tail": (None, [_P, _P, _I, _I, _P, _F, *PRE_NORM_TAIL[4:16], _P, _F, _P, _P]),
     "hc_attention_layer": (_I, LAYER_RECORD),  # hc_decoder_layer's record, no MLP (its MLP fields unread)
+    # a gated attention (q_proj's per-head [query | gate]; sigmoid(gate) times the attention output): the step's and
+    # the whole layer's records of the same layouts
+    "hc_gated_attention_step": (_I, _STEP_C),
+    "hc_gated_decoder_layer": (_I, LAYER_RECORD),
 }
 
 # The library's whole interface: the loader refuses a library that lacks any of these names (torch path).

@@ -23,7 +23,7 @@ import torch
 from hybridcache.accel.layers.pre_norm import _STATE_FIELDS, PreNormAccel
 from hybridcache.accel.native.checks import INT_MAX, _ptr
 from hybridcache.accel.native.kernel_calls import takes
-from hybridcache.accel.native.layer_program import CODES, OPS, record_types
+from hybridcache.accel.native.layer_program import OPS, record_types
 from hybridcache.accel.native.library import _library
 from hybridcache.accel.runs.embed_head import loop_arguments, loop_result, rope_rows
 from hybridcache.accel.runs.layer_records import _binding, _hooked, record_accel, steady_bindings
@@ -143,7 +143,7 @@ class ProgramRun(RunBase):
                 program.append((op, record_types()[op](*args)))
                 alive.append(keep)
             elif bound[0] == "attention":
-                got = self._attention(x, y, entry, fast, bound[1], r)
+                got = self._attention(x, y, entry, fast, bound[1], r, bound[2])
                 if got is None:
                     return False
                 rec, keep, rotary = got
@@ -177,7 +177,7 @@ class ProgramRun(RunBase):
         self.pointers = (ctypes.c_void_p * len(program))(*(ctypes.addressof(rec) for _, rec in program))
         return True
 
-    def _attention(self, x, y, entry, fast, run, r):
+    def _attention(self, x, y, entry, fast, run, r, op: int):
         """An attention layer's hc_decoder_layer record for the first step (its slot after the held ones); None where
         the kernel does not take it."""
         form, rotary = entry.spec.kernel_pattern(), fast.rotary()
@@ -195,7 +195,7 @@ class ProgramRun(RunBase):
         got = run.record(x, y, cos, sin, keys, values, held, self.q_pos, k_pos, *form)
         if got is None:
             return None
-        rec = record_types()[CODES["decoder_layer"]](*got[0])
+        rec = record_types()[op](*got[0])  # (every attention op's record is hc_decoder_layer's layout)
         # the fields later steps move, checked once: the record points into these very tensors
         want = (self.q_pos.data_ptr(), held, held + 1, _ptr(cos), _ptr(sin), x.data_ptr(), keys.data_ptr())
         if (rec.qpos, rec.slot, rec.S, rec.cos_t, rec.sin_t, rec.x, rec.keys) != want:

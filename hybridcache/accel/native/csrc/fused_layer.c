@@ -133,3 +133,45 @@ int hc_attention_layer(HC_LAYER_RECORD(HC_REC_FIELD, HC_REC_COMMA)) {
   hc_residual_norm(x, tail_scratch, post_attn, post_attn_eps, NULL, 0.0f, y, NULL, B, Dm);
   return 0;
 }
+
+/* A decode step's GATED attention in one call (Qwen3.5's, Qwen3-Next's: q_proj yields per head [query (D) | gate
+   (D)], and the attention output is multiplied by sigmoid(gate) before o_proj). hc_attention_step's record, the
+   fused projection [B, (2 Hq + 2 Hkv) D] per row: the q heads with their gates (head stride 2D), k heads, v heads.
+   The input norm, the projection, q / k norms and rotary (hc_norm_rope over the q heads at stride 2D), the token's
+   keys and values into slot `slot`, hc_decode_attention, then a [b, h D + d] *= 1 / (1 + exp(-gate)) (float32 noise
+   from torch's sigmoid; the per-layer call and the records run this same code). Returns as hc_attention_step. */
+int hc_gated_attention_step(HC_STEP_FIELDS(HC_REC_FIELD, HC_REC_COMMA)) {
+  if (slot < 0 || slot >= S || Hkv < 1 || Hq < 1 || Hq % Hkv || B < 1 || D < 1) return -3;
+  long W = (long)(2 * Hq + 2 * Hkv) * D;
+  if (in_scale) {
+    hc_rms_norm(x, in_scale, xn, B, Dm, in_eps);
+    x = xn;
+  }
+  linear_any(wtype, x, w, qkv, wscale, bias, B, (int)W, Dm);
+  hc_norm_rope(qkv, W, 2 * D, W, q_scale, q_eps, cos_t, sin_t, q_out, B, Hq, 1, D, rot, interleaved);
+  hc_norm_rope(qkv + (size_t)2 * Hq * D, W, D, W, k_scale, k_eps, cos_t, sin_t, k_new, B, Hkv, 1, D, rot, interleaved);
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < Hkv; h++) {
+      float *kd = keys + b * ksb + h * ksh + slot * kss, *vd = values + b * vsb + h * vsh + slot * vss;
+      const float *ks = k_new + ((size_t)b * Hkv + h) * D, *vs = qkv + b * W + (size_t)(2 * Hq + Hkv + h) * D;
+      for (int d = 0; d < D; d++) kd[d] = ks[d], vd[d] = vs[d];
+    }
+  int err = hc_decode_attention(q_out, keys, values, NULL, qpos, kpos, pattern, param, a, B, Hq, Hkv, S, D, ksb, ksh,
+                                kss, vsb, vsh, vss, scale, softcap, sinks);
+  if (err) return err;
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < Hq; h++) {
+      float *o = a + ((size_t)b * Hq + h) * D;
+      const float *g = qkv + b * W + (size_t)h * 2 * D + D;
+      for (int d = 0; d < D; d++) o[d] = o[d] * (1.0f / (1.0f + expf(-g[d])));
+    }
+  return 0;
+}
+
+/* hc_decoder_layer with the gated attention step (hc_gated_attention_step, then hc_decoder_tail): its record. */
+int hc_gated_decoder_layer(HC_LAYER_RECORD(HC_REC_FIELD, HC_REC_COMMA)) {
+  int err = hc_gated_attention_step(HC_STEP_FIELDS(HC_REC_NAME, HC_REC_COMMA));
+  if (err) return err;
+  hc_decoder_tail(x, a, B, Dm, Hq * D, HC_TAIL_FIELDS(HC_REC_NAME, HC_REC_COMMA));
+  return 0;
+}

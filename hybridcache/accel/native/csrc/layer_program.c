@@ -181,6 +181,7 @@ enum {
   OP_PRE_NORM_MLP,
   OP_SANDWICH_TAIL,
   OP_ATTENTION_LAYER,
+  OP_GATED_DECODER_LAYER,
   OP_COUNT
 };
 
@@ -192,7 +193,8 @@ enum {
   Y(OP_RGLRU, hc_rglru_record, HC_RGLRU_FIELDS) Y(OP_MAMBA_GROUPS, hc_mamba_groups_record, HC_MAMBA_GROUPS_FIELDS) \
   Y(OP_PRE_NORM_MLP, hc_pre_norm_mlp_record, HC_PRE_NORM_MLP_FIELDS)                                                \
   Y(OP_SANDWICH_TAIL, hc_sandwich_tail_record, HC_SANDWICH_TAIL_FIELDS)                                            \
-  Y(OP_ATTENTION_LAYER, hc_layer_record, HC_LAYER_RECORD)
+  Y(OP_ATTENTION_LAYER, hc_layer_record, HC_LAYER_RECORD)                                                         \
+  Y(OP_GATED_DECODER_LAYER, hc_layer_record, HC_LAYER_RECORD)
 #define HC_OP_CODES(OP, T, F) case OP: return F(HC_REC_CODE, HC_REC_NONE);
 #define HC_OP_NAMES(OP, T, F) case OP: return F(HC_REC_NAME_STR, HC_REC_NAME_SEP);
 #define HC_OP_SIZE(OP, T, F) case OP: return (int)sizeof(T);
@@ -283,6 +285,11 @@ int hc_layer_program(const int *ops, const void *const *records, int n, int *fai
     case OP_ATTENTION_LAYER: {
       const hc_layer_record *r = (const hc_layer_record *)records[i];
       err = hc_attention_layer(HC_LAYER_RECORD(HC_REC_ARG, HC_REC_COMMA));
+      break;
+    }
+    case OP_GATED_DECODER_LAYER: {
+      const hc_layer_record *r = (const hc_layer_record *)records[i];
+      err = hc_gated_decoder_layer(HC_LAYER_RECORD(HC_REC_ARG, HC_REC_COMMA));
       break;
     }
     default:

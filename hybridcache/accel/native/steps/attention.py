@@ -37,13 +37,15 @@ def bind_attention_step(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    gated: bool = False,
 ) -> Callable | None:
     """attention_step with everything but the step's tensors checked once: a function of (x [B, 1, dm], cos, sin,
     keys, values [B, kv_heads, S, head_dim], slot, q_pos [B, 1], k_pos [B, S], pattern, param) -> the attention's
     output [B, 1, heads * head_dim] before the output projection, having written the token's keys and values into
     `slot`; or None (nothing written) for a call its kernel does not take. None here: these weights / norms never
-    are (as bind_qkv_norm_rope)."""
-    lib, static = _library(), qkv_static(qkv, heads, kv_heads, head_dim, dm, q_norm, k_norm, in_norm)
+    are (as bind_qkv_norm_rope). `gated`: q_proj yields per head [query | gate], the output times sigmoid(gate)
+    (hc_gated_attention_step)."""
+    lib, static = _library(), qkv_static(qkv, heads, kv_heads, head_dim, dm, q_norm, k_norm, in_norm, gated)
     if (
         lib is None
         or static is None
@@ -53,7 +55,8 @@ def bind_attention_step(
         or not _vector(sinks, heads)
     ):
         return None
-    fn, d, kv, width = lib.hc_attention_step, head_dim, kv_heads, (heads + 2 * kv_heads) * head_dim
+    fn = lib.hc_gated_attention_step if gated else lib.hc_attention_step
+    d, kv, width = head_dim, kv_heads, ((2 if gated else 1) * heads + 2 * kv_heads) * head_dim
     weights, norms, last = static
     tail = (scale, softcap or 0.0, _ptr(sinks))
     per_row = dm + width + (heads + kv_heads) * d  # scratch floats: normed x, q / k / v, rotated q, rotated k
@@ -80,7 +83,7 @@ def bind_attention_step(
         x, q_pos, k_pos = x.contiguous(), q_pos.reshape(b).contiguous(), k_pos.contiguous()
         scratch = torch.empty(b * per_row, dtype=_F32)
         xn, qkv_out = scratch.data_ptr(), scratch.data_ptr() + 4 * b * dm
-        q_out, k_new = qkv_out + 4 * b * width, qkv_out + 4 * b * (width + heads * d)
+        q_out, k_new = qkv_out + 4 * b * width, qkv_out + 4 * b * (width + heads * d)  # (q: ungated, contiguous)
         r = 0 if cos is None else cos.shape[-1]
         args = (
             *(x.data_ptr(), b, *weights, qkv_out, *norms, _ptr(cos), _ptr(sin), r, int(interleaved), q_out, k_new),
@@ -99,7 +102,8 @@ def bind_attention_step(
         return out
 
     run.holds = (qkv, q_norm, k_norm, in_norm, sinks)  # alive while `run` is: C reads them through raw pointers
-    run.prepare, run.dims = prepare, (dm, heads * head_dim)  # for a call that goes on (cpu_decoder_layer.py)
+    # for a call that goes on (decoder_layer.py: the gated step's whole layer is hc_gated_decoder_layer)
+    run.prepare, run.dims, run.gated = prepare, (dm, heads * head_dim), gated
     return run
 
 
