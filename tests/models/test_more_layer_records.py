@@ -35,6 +35,7 @@ FAMILIES = {
     "lfm3": (
         "short_conv",
         "sandwich_tail",
+        "gated_decoder_layer",  # (its gated attention layers with sandwich norms)
     ),  # (its conv layers with sandwich norms)  # (Mamba2 blocks: pre-norm layers with no MLP; MLP blocks: no mixer)
 }
 

@@ -21,7 +21,7 @@ from tests.models.conftest import prompts
 pytestmark = pytest.mark.skipif(not kernel_status().startswith("C kernels"), reason="the C kernels are not built")
 
 # (jamba: MoE layers do not record; qwen3_5: gated attention, hc_gated_decoder_layer records)
-FAMILIES = ["mamba2", "lfm2", "bamba", "mamba", "recurrentgemma", "nemotron_h", "qwen3_5"]
+FAMILIES = ["mamba2", "lfm2", "bamba", "mamba", "recurrentgemma", "nemotron_h", "qwen3_5", "lfm3"]
 NO_C_LOOP = {"recurrentgemma"}  # (its soft-capped head: greedy runs step by step, ProgramRun.step)
 
 

@@ -115,10 +115,9 @@ class Lfm3DecoderLayer(nn.Module):
         self.post_operator_norm = RMSNorm(d, eps) if sandwich else None
         self.post_ffn_norm = RMSNorm(d, eps) if sandwich else None
 
-    def sandwich_parts(self) -> SandwichParts | None:  # a conv layer's modules by role (the conv as the mixer)
-        if self.kind != "conv":
-            return None
-        ops, ffn = (self.operator_norm, self.conv, self.post_operator_norm), (self.ffn_norm, self.feed_forward)
+    def sandwich_parts(self) -> SandwichParts:  # the layer's modules by role (a conv layer: the conv as the mixer)
+        operator = self.conv if self.kind == "conv" else self.self_attn
+        ops, ffn = (self.operator_norm, operator, self.post_operator_norm), (self.ffn_norm, self.feed_forward)
         return SandwichParts(*ops, *ffn, self.post_ffn_norm)
 
     def forward(self, h: torch.Tensor, layer: CacheLayer, step: StepInput) -> torch.Tensor:  # [B, T, D]
