@@ -3,7 +3,8 @@
    pre-norm layer  out = h + mixer(norm(h)) [+ mlp(mlp_norm(h + ...))]  is three records: hc_rms_norm, the mixer's
    one-call step (recurrent_step.c: short conv, Mamba2, Mamba1, gated delta, the delta variants, RG-LRU, grouped
    Mamba1) and hc_pre_norm_tail; an attention layer
-   is one hc_decoder_layer record (layer_record.h; hc_attention_layer's, of the same layout, where it has no MLP). The same kernels in the same order as the per-layer calls, so the
+   is one hc_decoder_layer record (layer_record.h; hc_attention_layer's, of the same layout, where it has no MLP;
+   hc_gated_decoder_layer's, the same layout, where its attention is gated). The same kernels in the same order as the per-layer calls, so the
    same bits, with no interpreter between layers. Each record type states its layout (hc_op_record_codes / _names /
    _size) for the loader to check against the function's declared signature. Part of cpu_decode.c (after
    recurrent_step.c and decode_steps.c). */
