@@ -44,7 +44,7 @@ def _bar_order(rows: list[dict]) -> tuple[list[str], dict[str, dict]]:
         at = systems.index(partner) + 1 if partner in systems else len(systems)
         systems.insert(at, name)
         color = strategy_color(partner) if partner else strategy_color(name)
-        styles[name] = {"color": "white", "edgecolor": color, "hatch": "////", "linewidth": 1.0}
+        styles[name] = {"facecolor": "white", "edgecolor": color, "hatch": "////", "linewidth": 1.0}
     return systems, styles
 
 
@@ -74,7 +74,7 @@ def throughput_bars(rows: list[dict], path: Path, context: str = "") -> Path:
                         ha="center",
                         va="bottom",
                         fontsize=6,
-                        color=styles[system].get("edgecolor", styles[system]["color"]),
+                        color=styles[system].get("edgecolor") or styles[system]["color"],
                         bbox={"boxstyle": "square,pad=0.2", "fill": False, "linestyle": "--", "linewidth": 0.6},
                         clip_on=True,
                     )

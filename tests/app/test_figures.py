@@ -253,6 +253,12 @@ def test_each_llamacpp_bar_stands_beside_ours_at_its_precision(tmp_path, saved):
     assert to_hex(bars[3].get_edgecolor()) == to_hex(bars[2].get_facecolor()) != to_hex(bars[0].get_facecolor())
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels == ["ours (eager)", "llama.cpp (f32)", "ours (eager, int8 weights)", "llama.cpp (q8_0)", "hf"]
+    # each llama.cpp legend entry is drawn as its bars are: white, hatched, edged in its partner's colour (a style
+    # given as `color` made the legend's patch white on white: an entry with nothing drawn)
+    handles = fig.legends[0].legend_handles
+    for i in (1, 3):
+        assert to_hex(handles[i].get_edgecolor()) == to_hex(bars[i].get_edgecolor()) != "#ffffff"
+        assert to_hex(handles[i].get_facecolor()) == "#ffffff" and handles[i].get_hatch()
 
 
 def test_one_strategy_keeps_its_colour_across_figures(tmp_path, saved):
