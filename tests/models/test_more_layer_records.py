@@ -244,3 +244,46 @@ def test_the_attention_record_without_an_mlp_declines_what_it_does_not_take(chec
     assert bound_attention_tail(d, width + 1, attn.o_proj, None, KernelMemo()) is None  # not o_proj's width
     assert bound_attention_tail(d, width, torch.nn.Linear(width, d), None, KernelMemo()) is None  # not a DecodeLinear
     assert bound_attention_tail(d, width, attn.o_proj, torch.nn.LayerNorm(d), KernelMemo()) is None  # not an RMSNorm
+
+
+def test_a_sandwich_attention_whose_record_declines_after_reserving_runs_apart(checkpoints, monkeypatch):
+    """LFM3's attention layers record as sandwich programs: when one layer's slot is reserved and then its record
+    declines, that layer runs by its separate calls (SandwichProgramAccel.separate, writing the reserved slot)
+    between programs. The same logits and cache as the per-layer calls."""
+    from hybridcache.accel.layers.sandwich_program import SandwichProgramAccel
+    from hybridcache.accel.mixers.attention import AttentionAccel
+
+    model = hc.from_pretrained(checkpoints("lfm3"))
+    attention = [b for b in model.decoder_layers if isinstance(b.__dict__.get("accel"), SandwichProgramAccel)]
+    attention = [b for b in attention if isinstance(b.sandwich_parts().attn.__dict__.get("accel"), AttentionAccel)]
+    assert attention, "LFM3's tiny checkpoint has no recording attention layer"
+    declining = attention[0].sandwich_parts().attn
+    ids, mask = left_padded(2, 7, seed=8)
+    real, separated = AttentionAccel._reserve_with, []
+    real_separate = SandwichProgramAccel.separate
+
+    def reserve(self, *a):
+        got = real(self, *a)
+        if got is None or self.mixer is not declining:
+            return got
+
+        class Declines:  # the bound call, whose record declines (its own call is never reached here)
+            record = staticmethod(lambda *a: None)
+
+        return Declines, got[1], got[2]
+
+    def separate(self, *a):
+        separated.append(self)
+        return real_separate(self, *a)
+
+    with monkeypatch.context() as m:
+        m.setattr(AttentionAccel, "_reserve_with", reserve)
+        m.setattr(SandwichProgramAccel, "separate", separate)
+        got = hc.generate(model, ids, attention_mask=mask, max_new_tokens=6, decode_runs=False)
+    assert separated  # the declining layer ran by its separate calls
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        want = hc.generate(model, ids, attention_mask=mask, max_new_tokens=6, decode_runs=False)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(got.logits, want.logits)
+    _same_cache(_cache_state(got.cache), _cache_state(want.cache))
